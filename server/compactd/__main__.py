@@ -1,0 +1,7 @@
+"""``python -m compactd``."""
+
+import sys
+
+from compactd.cli import main
+
+sys.exit(main())

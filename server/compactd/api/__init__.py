@@ -1,0 +1,1 @@
+"""The gRPC shell: servicers, error mapping and the server factory."""

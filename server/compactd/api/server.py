@@ -1,0 +1,112 @@
+"""The server factory: composes store, services and servicers into a ``grpc.aio`` server.
+
+``create_server(config)`` binds (port 0 picks a free one) and returns the running parts, so tests
+talk to a real in-process server; ``serve`` adds signal handling and graceful shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from compactd.api.compaction_service import CompactionServicer
+from compactd.api.session_service import SessionServicer
+from compactd.config import ServerConfig
+from compactd.service.sessions import SessionManager
+from compactd.store.base import EventStore
+from compactd.store.factory import open_store
+from compactd.v1 import (
+    compaction_service_pb2,
+    compaction_service_pb2_grpc,
+    session_service_pb2,
+    session_service_pb2_grpc,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAMES = (
+    session_service_pb2.DESCRIPTOR.services_by_name["SessionService"].full_name,
+    compaction_service_pb2.DESCRIPTOR.services_by_name["CompactionService"].full_name,
+)
+
+
+@dataclass
+class RunningServer:
+    """A started server and the parts a caller may need to inspect or stop."""
+
+    server: grpc.aio.Server
+    port: int
+    store: EventStore
+    manager: SessionManager
+    health: health.HealthServicer
+    config: ServerConfig
+
+    @property
+    def address(self) -> str:
+        """``host:port`` to dial."""
+        host, _ = self.config.host_port
+        return f"{host}:{self.port}"
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Graceful stop: NOT_SERVING, refuse new calls, finish in-flight ones, close the store."""
+        self.health.enter_graceful_shutdown()
+        await self.server.stop(self.config.shutdown_grace_s if grace is None else grace)
+        await self.manager.close()
+        await self.store.close()
+
+
+async def create_server(config: ServerConfig) -> RunningServer:
+    """Open the store, build the services and start serving on ``config.listen``."""
+    store = open_store(config.store, synchronous=config.sqlite_synchronous)
+    await store.open()
+    manager = SessionManager(store)
+    server = grpc.aio.server(options=_channel_options(config))
+    session_service_pb2_grpc.add_SessionServiceServicer_to_server(
+        SessionServicer(manager, max_batch_events=config.max_batch_events), server
+    )
+    compaction_service_pb2_grpc.add_CompactionServiceServicer_to_server(
+        CompactionServicer(), server
+    )
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    host, port = config.host_port
+    bound = server.add_insecure_port(f"{host}:{port}" if ":" not in host else f"[{host}]:{port}")
+    await server.start()
+    for name in ("", *SERVICE_NAMES):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("compactd serving", extra={"listen": f"{host}:{bound}", "store": config.store})
+    return RunningServer(server, bound, store, manager, health_servicer, config)
+
+
+def _channel_options(config: ServerConfig) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.keepalive_time_ms", int(config.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_s * 1000)),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+async def serve(config: ServerConfig) -> None:
+    """Run until SIGTERM or SIGINT, then shut down gracefully."""
+    running = await create_server(config)
+    print(f"compactd listening on {running.address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down", extra={"grace_s": config.shutdown_grace_s})
+    await running.stop()
+    log.info("stopped")

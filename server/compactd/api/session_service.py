@@ -1,0 +1,147 @@
+"""``compactd.v1.SessionService``: the log, the surface and request reconstruction."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from google.protobuf import json_format, struct_pb2
+
+from compactd.api.status import handle_errors
+from compactd.core import events as ev
+from compactd.core.projection import project
+from compactd.errors import FieldViolation, InvalidArgument
+from compactd.service.sessions import SessionHandle, SessionManager
+from compactd.store.base import SessionRecord
+from compactd.v1 import session_service_pb2 as pb
+from compactd.v1 import session_service_pb2_grpc
+
+Context = grpc.aio.ServicerContext[Any, Any]
+_SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
+    """Thin adapter from the wire to ``SessionManager``."""
+
+    def __init__(self, manager: SessionManager, *, max_batch_events: int) -> None:
+        self._manager = manager
+        self._max_batch_events = max_batch_events
+
+    @handle_errors
+    async def CreateSession(
+        self, request: pb.CreateSessionRequest, context: Context
+    ) -> pb.CreateSessionResponse:
+        session_id = request.session_id or uuid.uuid4().hex
+        if not _SESSION_ID.match(session_id):
+            raise InvalidArgument(
+                "session_id must be 1-128 characters of [A-Za-z0-9._:-]",
+                violations=[FieldViolation("session_id", "1-128 of [A-Za-z0-9._:-]")],
+            )
+        policy = None
+        if request.HasField("compaction_policy"):
+            policy = json_format.MessageToDict(request.compaction_policy)
+            self._manager.validate_policy(policy)
+        record = await self._manager.create(session_id, policy)
+        return pb.CreateSessionResponse(session=_session(record, record.revision))
+
+    @handle_errors
+    async def AppendEvents(
+        self, request: pb.AppendEventsRequest, context: Context
+    ) -> pb.AppendEventsResponse:
+        handle = await self._handle(request.session_id)
+        expected = request.expected_last_seq if request.HasField("expected_last_seq") else None
+        result = await handle.append(
+            request.events, expected_last_seq=expected, max_events=self._max_batch_events
+        )
+        return pb.AppendEventsResponse(seqs=result.seqs, revision=result.revision)
+
+    @handle_errors
+    async def ListEvents(
+        self, request: pb.ListEventsRequest, context: Context
+    ) -> AsyncIterator[pb.ListEventsResponse]:
+        if request.from_seq < 0:
+            raise InvalidArgument(
+                "from_seq must be >= 0", violations=[FieldViolation("from_seq", "must be >= 0")]
+            )
+        handle = await self._handle(request.session_id)
+        next_seq = request.from_seq
+        end = handle.fold.revision
+        async for event in self._manager.store.read(handle.session_id, next_seq, end):
+            yield pb.ListEventsResponse(event=event)
+            next_seq = event.seq + 1
+        if not request.follow:
+            return
+        async for revision in handle.revisions():
+            if revision <= next_seq:
+                continue
+            async for event in self._manager.store.read(handle.session_id, next_seq, revision):
+                yield pb.ListEventsResponse(event=event)
+                next_seq = event.seq + 1
+
+    @handle_errors
+    async def GetSurface(
+        self, request: pb.GetSurfaceRequest, context: Context
+    ) -> pb.GetSurfaceResponse:
+        handle = await self._handle(request.session_id)
+        return surface_response(handle)
+
+    @handle_errors
+    async def BuildRequest(
+        self, request: pb.BuildRequestRequest, context: Context
+    ) -> pb.BuildRequestResponse:
+        handle = await self._handle(request.session_id)
+        return build_request(handle)
+
+    async def _handle(self, session_id: str) -> SessionHandle:
+        if not session_id:
+            raise InvalidArgument(
+                "session_id is required", violations=[FieldViolation("session_id", "required")]
+            )
+        return await self._manager.get(session_id)
+
+
+def surface_response(handle: SessionHandle) -> pb.GetSurfaceResponse:
+    """The current surface of a session, as the wire shows it."""
+    fold = handle.fold
+    nodes = []
+    for position, node in enumerate(fold.surface):
+        message = project(node.event, fold.offloads.get(node.seq, frozenset()))
+        nodes.append(
+            pb.SurfaceNode(
+                position=position,
+                seq=node.seq,
+                type=node.type,
+                message=message,
+                source_event_seqs=node.event.source_event_seqs,
+                compaction_id=ev.checkpoint_compaction_id(node.event),
+            )
+        )
+    return pb.GetSurfaceResponse(revision=fold.revision, nodes=nodes)
+
+
+def build_request(handle: SessionHandle) -> pb.BuildRequestResponse:
+    """The reconstructed model request: derived messages plus the folded header."""
+    fold = handle.fold
+    response = pb.BuildRequestResponse(
+        revision=fold.revision, messages=fold.messages(), header_seq=fold.header_seq
+    )
+    if fold.header is not None:
+        if fold.header.HasField("config"):
+            response.config.CopyFrom(fold.header.config)
+        if fold.header.HasField("adapter_defaults"):
+            response.adapter_defaults.CopyFrom(fold.header.adapter_defaults)
+        response.tools.extend(fold.header.tools)
+    return response
+
+
+def _session(record: SessionRecord, revision: int) -> pb.Session:
+    session = pb.Session(session_id=record.session_id, revision=revision)
+    session.create_time.FromDatetime(record.create_time)
+    if record.policy_json:
+        policy = struct_pb2.Struct()
+        json_format.Parse(record.policy_json, policy)
+        session.compaction_policy.CopyFrom(policy)
+    return session

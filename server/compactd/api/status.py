@@ -1,0 +1,144 @@
+"""The one place where domain errors become gRPC statuses (and back, for clients in Python).
+
+Each failure carries a ``google.rpc.Status`` with exactly one ``ErrorInfo`` (its ``reason`` is the
+error's AIP-193 reason, its metadata the error's) plus ``BadRequest`` field violations for
+invalid arguments. Handlers are wrapped by ``handle_errors``: a domain error aborts with its
+status; anything else is logged with its traceback and answers INTERNAL without one.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar, cast
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from compactd import errors
+
+log = logging.getLogger(__name__)
+
+DOMAIN = "compactd.v1"
+
+# Most specific first: the first isinstance match wins.
+_CODES: list[tuple[type[errors.CompactdError], grpc.StatusCode]] = [
+    (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.NotFound, grpc.StatusCode.NOT_FOUND),
+    (errors.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
+    (errors.SeqConflict, grpc.StatusCode.ABORTED),
+    (errors.Busy, grpc.StatusCode.ABORTED),
+    (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.Internal, grpc.StatusCode.INTERNAL),
+]
+
+
+def code_for(error: errors.CompactdError) -> grpc.StatusCode:
+    """The gRPC code for a domain error (a domain error may override it with ``grpc_code``)."""
+    override = getattr(error, "grpc_code", None)
+    if isinstance(override, grpc.StatusCode):
+        return override
+    for kind, code in _CODES:
+        if isinstance(error, kind):
+            return code
+    return grpc.StatusCode.FAILED_PRECONDITION
+
+
+def to_status(error: errors.CompactdError) -> grpc.Status:
+    """The gRPC status (with ``google.rpc`` details in trailing metadata) for a domain error."""
+    code = code_for(error)
+    details = [
+        error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN, metadata=error.metadata)
+    ]
+    violations = getattr(error, "violations", ())
+    packed: list[Any] = list(details)
+    if violations:
+        packed.append(
+            error_details_pb2.BadRequest(
+                field_violations=[
+                    error_details_pb2.BadRequest.FieldViolation(
+                        field=v.field, description=v.description
+                    )
+                    for v in violations
+                ]
+            )
+        )
+    status = status_pb2.Status(code=_rpc_code(code), message=error.message)
+    for detail in packed:
+        holder = any_pb2.Any()
+        holder.Pack(detail)
+        status.details.append(holder)
+    result: grpc.Status = rpc_status.to_status(status)
+    return result
+
+
+def _rpc_code(code: grpc.StatusCode) -> int:
+    value = code.value[0]
+    assert isinstance(value, int)
+    return value if value in code_pb2.Code.values() else code_pb2.UNKNOWN
+
+
+async def abort(context: grpc.aio.ServicerContext[Any, Any], error: errors.CompactdError) -> None:
+    """Abort the call with the error's status (never returns)."""
+    status = to_status(error)
+    await context.abort(status.code, status.details, trailing_metadata=status.trailing_metadata)
+
+
+Handler = TypeVar("Handler", bound=Callable[..., Any])
+
+
+def handle_errors(handler: Handler) -> Handler:
+    """Wrap a unary or server-streaming servicer method so errors map to statuses."""
+    if _is_async_gen(handler):
+
+        @functools.wraps(handler)
+        async def stream(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
+            try:
+                async for item in handler(self, request, context):
+                    yield item
+            except grpc.aio.AbortError:
+                raise
+            except errors.CompactdError as error:
+                await abort(context, error)
+            except Exception:
+                await _internal(context, handler.__name__)
+
+        return cast(Handler, stream)
+
+    @functools.wraps(handler)
+    async def unary(self: Any, request: Any, context: Any) -> Any:
+        try:
+            return await handler(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except errors.CompactdError as error:
+            await abort(context, error)
+        except Exception:
+            await _internal(context, handler.__name__)
+
+    return cast(Handler, unary)
+
+
+async def _internal(context: grpc.aio.ServicerContext[Any, Any], name: str) -> None:
+    log.exception("unexpected error in %s", name)
+    await abort(context, errors.Internal(f"internal error in {name}; see the server log"))
+
+
+def _is_async_gen(fn: Callable[..., Any]) -> bool:
+    return inspect.isasyncgenfunction(fn)
+
+
+def unimplemented(name: str) -> Any:
+    """A handler body for an RPC a later release implements."""
+
+    async def handler(self: Any, request: Any, context: Any) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{name} is not implemented yet")
+
+    return handler

@@ -1,0 +1,80 @@
+"""The ``compactd`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Sequence
+
+from compactd import __version__, config, logs
+from compactd.errors import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (every command and option documented in ``--help``)."""
+    parser = argparse.ArgumentParser(
+        prog="compactd",
+        description="compactd keeps long-running LLM agent conversations working near the "
+        "context limit: an append-only session log, the model-visible surface, token pressure "
+        "and auditable compaction, over gRPC.",
+    )
+    parser.add_argument("--version", action="version", version=f"compactd {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="run the gRPC service",
+        description="Run the gRPC service until SIGTERM/SIGINT, then shut down gracefully. "
+        "Every option can also come from the environment (COMPACTD_LISTEN, COMPACTD_STORE, "
+        "COMPACTD_MAX_MESSAGE_BYTES, ...) or the TOML file; flags win over the environment, "
+        "which wins over the file.",
+    )
+    _config_option(serve)
+    serve.add_argument("--listen", help="HOST:PORT to bind (default 127.0.0.1:50051)")
+    serve.add_argument(
+        "--store", help="event store URL: sqlite:///PATH (default sqlite:///./compactd.db)"
+    )
+    serve.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    serve.add_argument("--log-format", choices=("json", "text"), help="log format (default json)")
+    check = commands.add_parser(
+        "check-config",
+        help="validate the configuration and print it",
+        description="Load and validate the configuration exactly as `serve` would; print it "
+        "and exit 0, or print the error naming the bad key and exit 2.",
+    )
+    _config_option(check)
+    return parser
+
+
+def _config_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        default=os.environ.get("COMPACTD_CONFIG"),
+        help="TOML configuration file (also COMPACTD_CONFIG)",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    overrides = {
+        key: getattr(args, key, None) for key in ("listen", "store", "log_level", "log_format")
+    }
+    try:
+        settings = config.load(args.config, overrides=overrides)
+        if args.command == "check-config":
+            print(settings)
+            return 0
+        from compactd.api.server import serve
+
+        logs.configure(settings.log_level, settings.log_format)
+        asyncio.run(serve(settings))
+    except ConfigError as err:
+        print(f"compactd: configuration error: {err.message}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""The session fold: everything compactd derives from one session's log, kept incrementally.
+
+``SessionFold.admit`` checks a batch against the current state, assigns seqs and folds it in one
+step; ``rollback`` reverts an admitted batch (for a store commit that failed). Restoring a session
+is ``admit`` over its stored events with checks off: the log was valid when it was written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import NoReturn
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from compactd.core import events as ev
+from compactd.core import header as hdr
+from compactd.core.events import SessionEvent
+from compactd.core.lock import LockState, live_bracket
+from compactd.core.projection import Message, derive_messages
+from compactd.core.surface import Surface, SurfaceChange
+from compactd.errors import Busy, FieldViolation, InvalidArgument
+from compactd.v1 import events_pb2
+
+
+@dataclass(slots=True)
+class AdmittedBatch:
+    """What one admitted batch did, for the store, the meter and ``rollback``."""
+
+    first_seq: int
+    events: list[SessionEvent]
+    surface_changes: list[SurfaceChange] = field(default_factory=list)
+    reprojected: set[int] = field(default_factory=set)  # node seqs whose projection changed
+    header_changed: bool = False
+    _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+
+class SessionFold:
+    """Folded state of one session's log."""
+
+    def __init__(self) -> None:
+        self.revision = 0
+        self.surface = Surface()
+        self.lock = LockState()
+        self.header: events_pb2.RequestHeader | None = None
+        self.header_seq = -1
+        self.replacements_at_header = 0
+        self.open_turns: set[int] = set()
+        self.offloads: dict[int, frozenset[int]] = {}  # node seq -> offloaded image indexes
+        self.event_ids: dict[str, int] = {}
+        self.restored_at = -1  # seq of the session/end-seed this process appended, if any
+
+    def admit(
+        self, events: Sequence[SessionEvent], *, now: Timestamp | None = None, check: bool = True
+    ) -> AdmittedBatch:
+        """Assign seqs to copies of ``events``, check them against the state, and fold them.
+
+        Raises ``InvalidArgument`` (or a subclass) or ``Busy`` and leaves the state unchanged
+        when any event may not fold. Events already stored keep their seq when ``check`` is off.
+        """
+        batch = AdmittedBatch(self.revision, [])
+        try:
+            for event in events:
+                self._admit_one(event, batch, now, check)
+        except BaseException:
+            self.rollback(batch)
+            raise
+        return batch
+
+    def rollback(self, batch: AdmittedBatch) -> None:
+        """Revert an admitted batch (the most recent one)."""
+        for undo in reversed(batch._undo):
+            undo()
+        batch._undo.clear()
+
+    def messages(self) -> list[Message]:
+        """The derived model messages, with projections applied."""
+        return derive_messages(((n.seq, n.event) for n in self.surface), self.offloads)
+
+    def _admit_one(
+        self, source: SessionEvent, batch: AdmittedBatch, now: Timestamp | None, check: bool
+    ) -> None:
+        seq = self.revision
+        event = SessionEvent()
+        event.CopyFrom(source)
+        if check:
+            event.seq = seq
+            if now is not None and not event.HasField("time"):
+                event.time.CopyFrom(now)
+            if ev.is_surface(event):
+                self.surface.check(event, seq)
+            self._check_log_rules(event, seq)
+        elif event.seq != seq:
+            raise InvalidArgument(
+                f"stored log is not contiguous: expected seq {seq}, got {event.seq}"
+            )
+        self._fold(event, seq, batch)
+        batch.events.append(event)
+
+    def _fold(self, event: SessionEvent, seq: int, batch: AdmittedBatch) -> None:
+        self.revision += 1
+        batch._undo.append(self._undo_revision)
+        if event.event_id:
+            self.event_ids[event.event_id] = seq
+            batch._undo.append(lambda: self._forget_event_id(event.event_id))
+        if ev.is_surface(event):
+            change = self.surface.apply(event, seq)
+            batch.surface_changes.append(change)
+            batch._undo.append(lambda: self.surface.undo(change))
+        kind = ev.body_name(event)
+        if kind == "request_header":
+            self._fold_header(event, seq, batch)
+        elif kind in ("turn_start", "turn_end"):
+            self._fold_turn(event, kind, batch)
+        elif kind == "image_offload":
+            self._fold_offload(event, batch)
+        elif kind in ("compaction_start", "compaction_end", "session_end_seed"):
+            before = self.lock.copy()
+            self.lock.apply(event, seq)
+            batch._undo.append(lambda: setattr(self, "lock", before))
+
+    def _undo_revision(self) -> None:
+        self.revision -= 1
+
+    def _forget_event_id(self, event_id: str) -> None:
+        self.event_ids.pop(event_id, None)
+
+    def _fold_header(self, event: SessionEvent, seq: int, batch: AdmittedBatch) -> None:
+        previous = (self.header, self.header_seq, self.replacements_at_header)
+        proposed = event.request_header
+        if proposed.reason == events_pb2.HEADER_REASON_UNSPECIFIED:
+            # The server records why the header was logged when the runtime did not say.
+            verdict = hdr.classify(
+                self.header,
+                proposed,
+                series_boundary=self.surface.replacements != self.replacements_at_header,
+                resuming=self.restored_at >= 0 and self.header_seq < self.restored_at,
+            ) or hdr.HeaderReason(events_pb2.HEADER_REASON_CHANGE)
+            proposed.reason = verdict.reason
+            proposed.starts_series = verdict.starts_series
+        self.header = hdr.canonical(proposed)
+        self.header_seq = seq
+        self.replacements_at_header = self.surface.replacements
+        batch.header_changed = True
+
+        def undo() -> None:
+            self.header, self.header_seq, self.replacements_at_header = previous
+
+        batch._undo.append(undo)
+
+    def _fold_turn(self, event: SessionEvent, kind: str, batch: AdmittedBatch) -> None:
+        before = set(self.open_turns)
+        if kind == "turn_start":
+            self.open_turns.add(event.turn_start.turn)
+        else:
+            self.open_turns.discard(event.turn_end.turn)
+        batch._undo.append(lambda: setattr(self, "open_turns", before))
+
+    def _fold_offload(self, event: SessionEvent, batch: AdmittedBatch) -> None:
+        for target in event.image_offload.targets:
+            previous = self.offloads.get(target.seq)
+            self.offloads[target.seq] = (previous or frozenset()) | frozenset(target.image_indexes)
+            batch.reprojected.add(target.seq)
+            batch._undo.append(partial(self._restore_offload, target.seq, previous))
+
+    def _restore_offload(self, seq: int, previous: frozenset[int] | None) -> None:
+        if previous is None:
+            self.offloads.pop(seq, None)
+        else:
+            self.offloads[seq] = previous
+
+    def _check_log_rules(self, event: SessionEvent, seq: int) -> None:
+        kind = ev.body_name(event)
+        if kind == "compaction_start":
+            live = live_bracket(self.lock)
+            if live is not None:
+                raise Busy(
+                    f"compaction {live.compaction_id} (seq {live.start_seq}) is still open",
+                    metadata={
+                        "compaction_id": live.compaction_id,
+                        "start_seq": str(live.start_seq),
+                    },
+                )
+            if event.compaction_start.compaction_id in self.lock.open_starts:
+                _invalid("compaction_start.compaction_id", "a compaction id is used once")
+        elif kind == "compaction_end":
+            if event.compaction_end.compaction_id not in self.lock.open_starts:
+                _invalid("compaction_end.compaction_id", "names no open compaction/start")
+        elif kind == "turn_start" and event.turn_start.turn in self.open_turns:
+            _invalid("turn_start.turn", f"turn {event.turn_start.turn} is already open")
+        elif kind == "image_offload":
+            self._check_offload(event)
+
+    def _check_offload(self, event: SessionEvent) -> None:
+        for i, target in enumerate(event.image_offload.targets):
+            field_name = f"image_offload.targets[{i}]"
+            position = self.surface.position_of(target.seq)
+            if position is None:
+                _invalid(f"{field_name}.seq", f"{target.seq} is not a current surface node")
+            node_event = self.surface[position].event
+            kind = ev.body_name(node_event)
+            if kind not in ("user_message", "tool_result"):
+                _invalid(f"{field_name}.seq", "only user and tool input images can be offloaded")
+            images = sum(1 for b in getattr(node_event, kind).content if b.HasField("image"))
+            if max(target.image_indexes) >= images:
+                _invalid(f"{field_name}.image_indexes", f"the node has {images} image(s)")
+
+
+def _invalid(field_name: str, description: str) -> NoReturn:
+    raise InvalidArgument(
+        f"{field_name}: {description}", violations=[FieldViolation(field_name, description)]
+    )

@@ -1,0 +1,95 @@
+"""Message projection: the model-visible message of one surface node.
+
+``derive_messages`` turns the surface into system, developer, user, assistant and tool messages
+in surface order. Registered projections apply here: an ``image/offload`` mark turns the selected
+input images of a node into attachment text while the node and its event stay unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Set
+
+from compactd.core import events as ev
+from compactd.core.events import SessionEvent
+from compactd.v1 import events_pb2, session_service_pb2
+
+Message = session_service_pb2.Message
+ContentBlock = events_pb2.ContentBlock
+
+_ROLES = {
+    "system_message": session_service_pb2.MESSAGE_ROLE_SYSTEM,
+    "developer_message": session_service_pb2.MESSAGE_ROLE_DEVELOPER,
+    "user_message": session_service_pb2.MESSAGE_ROLE_USER,
+    "assistant_message": session_service_pb2.MESSAGE_ROLE_ASSISTANT,
+    "tool_result": session_service_pb2.MESSAGE_ROLE_TOOL,
+}
+
+
+def offload_placeholder(image: events_pb2.ImageBlock) -> str:
+    """The text that stands in for an offloaded image: its name and where to read it again."""
+    name = image.name or image.attachment_id or "image"
+    parts = [f"[image offloaded: {name}"]
+    if image.attachment_id:
+        parts.append(f"attachment {image.attachment_id}")
+    if image.path:
+        parts.append(f"read-only path {image.path}")
+    return "; ".join(parts) + "]"
+
+
+def project_content(
+    blocks: Iterable[ContentBlock], offloaded: Set[int] = frozenset()
+) -> list[ContentBlock]:
+    """Copy ``blocks``, replacing the images whose depth-first image index is in ``offloaded``."""
+    projected: list[ContentBlock] = []
+    image_index = 0
+    for block in blocks:
+        if block.HasField("image"):
+            if image_index in offloaded:
+                text = offload_placeholder(block.image)
+                block = ContentBlock(text=events_pb2.TextBlock(text=text))
+            image_index += 1
+        projected.append(block)
+    return projected
+
+
+def project(event: SessionEvent, offloaded: Set[int] = frozenset()) -> Message | None:
+    """The message a surface event projects to; None for an empty system or assistant message."""
+    kind = ev.body_name(event)
+    role = _ROLES.get(kind)
+    if role is None:
+        return None
+    if kind in ("system_message", "developer_message"):
+        text = getattr(event, kind).text
+        if not text and kind == "system_message":
+            return None
+        return Message(role=role, content=[ContentBlock(text=events_pb2.TextBlock(text=text))])
+    if kind == "user_message":
+        return Message(role=role, content=project_content(event.user_message.content, offloaded))
+    if kind == "assistant_message":
+        if all(_is_empty_text(b) for b in event.assistant_message.content):
+            return None
+        return Message(role=role, content=list(event.assistant_message.content))
+    result = event.tool_result
+    return Message(
+        role=role,
+        content=project_content(result.content, offloaded),
+        tool_call_id=result.tool_call_id,
+        is_error=result.is_error,
+        name=result.tool_name,
+    )
+
+
+def derive_messages(
+    events: Iterable[tuple[int, SessionEvent]], offloads: Mapping[int, Set[int]]
+) -> list[Message]:
+    """Messages for ``(seq, event)`` surface nodes in order, with image offloads applied."""
+    messages = []
+    for seq, event in events:
+        message = project(event, offloads.get(seq, frozenset()))
+        if message is not None:
+            messages.append(message)
+    return messages
+
+
+def _is_empty_text(block: ContentBlock) -> bool:
+    return block.HasField("text") and not block.text.text

@@ -1,0 +1,209 @@
+"""The surface: the model-visible node sequence folded from the append-only log.
+
+An APPEND surface event adds a node at the end. A REPLACE locates ``start_seq`` and ``end_seq``
+by their *current surface positions* (never ``start <= seq <= end``), shadows that contiguous
+span and puts the new node at the span's position. The fold is incremental: ``apply`` costs what
+the change touches, and ``undo`` reverts a change so a batch can be applied atomically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+from compactd.core import events as ev
+from compactd.core.events import SessionEvent
+from compactd.core.pairing import CorruptPairing, open_calls_after
+from compactd.errors import FieldViolation, ReplacementRejected
+
+
+@dataclass(frozen=True, slots=True)
+class SurfaceNode:
+    """One surface node: the event that created it (its ``seq`` is the node's identity)."""
+
+    seq: int
+    event: SessionEvent
+
+    @property
+    def type(self) -> str:
+        """The spec's type string of the node's event."""
+        return ev.event_type(self.event)
+
+
+@dataclass(frozen=True, slots=True)
+class SurfaceChange:
+    """What one surface event did: the node at ``position`` replaced ``shadowed`` (none: APPEND)."""
+
+    position: int
+    node: SurfaceNode
+    shadowed: tuple[SurfaceNode, ...]
+
+
+class Surface:
+    """The current surface of one session."""
+
+    def __init__(self) -> None:
+        self._nodes: list[SurfaceNode] = []
+        self._position: dict[int, int] = {}  # seq -> position, for current nodes
+        self._calls: dict[str, int] = {}  # tool call id -> count of current nodes making it
+        self.replacements = 0  # replacement generation: REPLACE events folded so far
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __iter__(self) -> Iterator[SurfaceNode]:
+        return iter(self._nodes)
+
+    def __getitem__(self, position: int) -> SurfaceNode:
+        return self._nodes[position]
+
+    @property
+    def nodes(self) -> Sequence[SurfaceNode]:
+        """Nodes in position order (read-only view)."""
+        return self._nodes
+
+    def position_of(self, seq: int) -> int | None:
+        """The current position of the node created by ``seq``, or None if it is not a node."""
+        return self._position.get(seq)
+
+    def check(self, event: SessionEvent, seq: int) -> None:
+        """Raise ``ReplacementRejected`` or ``CorruptPairing`` if ``event`` may not fold."""
+        _check_sources(event, seq)
+        if ev.is_replace(event):
+            self._check_replace(event, seq)
+        if ev.body_name(event) == "tool_result":
+            self._check_result_has_call(event)
+
+    def apply(self, event: SessionEvent, seq: int) -> SurfaceChange:
+        """Fold one surface event (call ``check`` first). Returns the change, for ``undo``."""
+        node = SurfaceNode(seq, event)
+        if not ev.is_replace(event):
+            position = len(self._nodes)
+            self._nodes.append(node)
+            self._position[seq] = position
+            self._track_calls(node, +1)
+            return SurfaceChange(position, node, ())
+        start = self._position[event.surface_op.start_seq]
+        end = self._position[event.surface_op.end_seq]
+        shadowed = tuple(self._nodes[start : end + 1])
+        self._splice(start, shadowed, (node,))
+        self.replacements += 1
+        return SurfaceChange(start, node, shadowed)
+
+    def undo(self, change: SurfaceChange) -> None:
+        """Revert ``change``, which must be the most recent change not yet undone."""
+        self._splice(change.position, (change.node,), change.shadowed)
+        if change.shadowed:
+            self.replacements -= 1
+
+    def _splice(self, start: int, old: Sequence[SurfaceNode], new: Sequence[SurfaceNode]) -> None:
+        self._nodes[start : start + len(old)] = new
+        for node in old:
+            del self._position[node.seq]
+            self._track_calls(node, -1)
+        for offset, node in enumerate(new):
+            self._position[node.seq] = start + offset
+            self._track_calls(node, +1)
+        if len(old) != len(new):  # positions after the span moved
+            for position in range(start + len(new), len(self._nodes)):
+                self._position[self._nodes[position].seq] = position
+
+    def _track_calls(self, node: SurfaceNode, delta: int) -> None:
+        for call_id in ev.tool_call_ids(node.event):
+            count = self._calls.get(call_id, 0) + delta
+            if count:
+                self._calls[call_id] = count
+            else:
+                self._calls.pop(call_id, None)
+
+    def _check_result_has_call(self, event: SessionEvent) -> None:
+        call_id = event.tool_result.tool_call_id
+        if call_id not in self._calls:
+            raise CorruptPairing(
+                f"tool/result answers call id {call_id!r} that no earlier surface node made",
+                violations=[FieldViolation("tool_result.tool_call_id", "no earlier call")],
+            )
+
+    def _check_replace(self, event: SessionEvent, seq: int) -> None:
+        op = event.surface_op
+        start = self._endpoint(op.start_seq, seq, "start_seq")
+        end = self._endpoint(op.end_seq, seq, "end_seq")
+        if start > end:
+            _reject(
+                "surface_op",
+                f"start_seq {op.start_seq} is at position {start}, after end_seq {op.end_seq} "
+                f"at position {end}",
+            )
+        shadowed = self._nodes[start : end + 1]
+        _check_cites_shadowed(event, shadowed)
+        if ev.body_name(event) == "tool_result":
+            self._check_tool_result_rewrite(event, shadowed)
+            return
+        self._check_system_head(event, start, end)
+        self._check_balanced_span(start, end)
+
+    def _endpoint(self, target: int, seq: int, name: str) -> int:
+        if target >= seq:
+            _reject(f"surface_op.{name}", f"{name} {target} is not an earlier event")
+        position = self._position.get(target)
+        if position is None:
+            _reject(f"surface_op.{name}", f"{name} {target} is not a current surface node")
+        return position
+
+    def _check_tool_result_rewrite(
+        self, event: SessionEvent, shadowed: Sequence[SurfaceNode]
+    ) -> None:
+        rule = "a tool/result replacement rewrites exactly one current tool/result"
+        if len(shadowed) != 1 or shadowed[0].type != ev.TOOL_RESULT:
+            _reject("surface_op", rule)
+        old, new = shadowed[0].event.tool_result, event.tool_result
+        if (old.tool_call_id, old.tool_name, old.is_error) != (
+            new.tool_call_id,
+            new.tool_name,
+            new.is_error,
+        ):
+            _reject("tool_result", f"{rule} and may change only its content")
+
+    def _check_system_head(self, event: SessionEvent, start: int, end: int) -> None:
+        if start != 0 or self._nodes[0].type != ev.SYSTEM_MESSAGE:
+            return
+        rule = "a span including the system/message at position 0 must be exactly that node"
+        if end != 0:
+            _reject("surface_op", rule)
+        if ev.body_name(event) != "system_message":
+            _reject("body", f"{rule}, replaced by a system/message")
+
+    def _check_balanced_span(self, start: int, end: int) -> None:
+        before = [n.event for n in self._nodes[:start]]
+        through = [*before, *(n.event for n in self._nodes[start : end + 1])]
+        try:
+            balanced = not open_calls_after(before) and not open_calls_after(through)
+        except CorruptPairing:  # pragma: no cover - the fold never admits an orphan result
+            balanced = False
+        if not balanced:
+            _reject("surface_op", "a replaced span must begin and end at balanced tool-call cuts")
+
+
+def _check_sources(event: SessionEvent, seq: int) -> None:
+    sources = list(event.source_event_seqs)
+    if ev.is_replace(event) and not sources:
+        _reject("source_event_seqs", "a replacement must cite its source_event_seqs")
+    if len(set(sources)) != len(sources):
+        _reject("source_event_seqs", "source_event_seqs must not repeat a seq")
+    if any(s < 0 or s >= seq for s in sources):
+        _reject("source_event_seqs", f"source_event_seqs must all be earlier than seq {seq}")
+
+
+def _check_cites_shadowed(event: SessionEvent, shadowed: Sequence[SurfaceNode]) -> None:
+    missing = sorted({n.seq for n in shadowed} - set(event.source_event_seqs))
+    if missing:
+        _reject(
+            "source_event_seqs", f"a replacement must cite every shadowed node; missing {missing}"
+        )
+
+
+def _reject(field: str, description: str) -> NoReturn:
+    raise ReplacementRejected(
+        f"replacement rejected: {description}", violations=[FieldViolation(field, description)]
+    )

@@ -1,0 +1,132 @@
+"""Shape rules for one event, checked before any state is consulted.
+
+Each violation names the field (``events[3].surface_op``) so the API can return a
+``google.rpc.BadRequest`` that points at it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Protocol
+
+from compactd.core import events as ev
+from compactd.core.events import SessionEvent
+from compactd.errors import FieldViolation, InvalidArgument
+from compactd.v1 import events_pb2
+
+MAX_EVENT_ID_LENGTH = 128
+
+
+class _Bad(Protocol):
+    """Records one violation (the local ``bad`` callback's shape)."""
+
+    def __call__(self, field: str, description: str, /) -> None: ...
+
+
+def check_batch(events: Sequence[SessionEvent], *, max_events: int) -> None:
+    """Raise ``InvalidArgument`` listing every shape violation in the batch."""
+    violations: list[FieldViolation] = []
+    if not events:
+        violations.append(FieldViolation("events", "a batch must hold at least one event"))
+    if len(events) > max_events:
+        violations.append(
+            FieldViolation(
+                "events", f"a batch holds at most {max_events} events, got {len(events)}"
+            )
+        )
+    ids: dict[str, int] = {}
+    for index, event in enumerate(events):
+        prefix = f"events[{index}]"
+        violations.extend(_event_violations(event, prefix))
+        if event.event_id:
+            if event.event_id in ids:
+                violations.append(
+                    FieldViolation(f"{prefix}.event_id", f"repeats events[{ids[event.event_id]}]")
+                )
+            ids[event.event_id] = index
+    if violations:
+        summary = "; ".join(f"{v.field}: {v.description}" for v in violations[:5])
+        raise InvalidArgument(f"malformed events: {summary}", violations=violations)
+
+
+def _event_violations(event: SessionEvent, prefix: str) -> list[FieldViolation]:
+    out: list[FieldViolation] = []
+
+    def bad(field: str, description: str) -> None:
+        out.append(FieldViolation(f"{prefix}.{field}" if field else prefix, description))
+
+    if event.seq:
+        bad("seq", "seq is assigned by the server and must be unset")
+    if len(event.event_id) > MAX_EVENT_ID_LENGTH:
+        bad("event_id", f"at most {MAX_EVENT_ID_LENGTH} characters")
+    kind = ev.body_name(event)
+    if not kind:
+        bad("body", "exactly one event body must be set")
+        return out
+    if ev.is_surface(event):
+        _surface_op_violations(event, bad)
+    else:
+        if event.HasField("surface_op"):
+            bad("surface_op", f"{ev.event_type(event)} is log-only and cannot carry surface_op")
+        if event.source_event_seqs:
+            bad(
+                "source_event_seqs",
+                f"{ev.event_type(event)} is log-only and cannot carry source_event_seqs",
+            )
+    _body_violations(event, kind, bad)
+    return out
+
+
+def _surface_op_violations(event: SessionEvent, bad: _Bad) -> None:
+    if not event.HasField("surface_op"):
+        return
+    op = event.surface_op
+    if op.kind != events_pb2.SURFACE_OP_KIND_REPLACE and (op.start_seq or op.end_seq):
+        bad("surface_op", "start_seq and end_seq belong to REPLACE only")
+    if op.kind == events_pb2.SURFACE_OP_KIND_REPLACE and (op.start_seq < 0 or op.end_seq < 0):
+        bad("surface_op", "start_seq and end_seq must be non-negative")
+
+
+def _body_violations(event: SessionEvent, kind: str, bad: _Bad) -> None:
+    if kind in ("user_message", "assistant_message", "tool_result"):
+        for i, block in enumerate(getattr(event, kind).content):
+            _block_violations(block, f"{kind}.content[{i}]", bad)
+    if kind == "tool_result" and not event.tool_result.tool_call_id:
+        bad("tool_result.tool_call_id", "a tool/result must name the call it answers")
+    elif kind == "request_header":
+        _header_violations(event.request_header, bad)
+    elif kind in ("compaction_start", "compaction_end", "compaction_summary"):
+        if not getattr(event, kind).compaction_id:
+            bad(f"{kind}.compaction_id", "required")
+    elif kind == "image_offload":
+        for i, target in enumerate(event.image_offload.targets):
+            if not target.image_indexes or min(target.image_indexes) < 0:
+                bad(f"image_offload.targets[{i}].image_indexes", "non-empty, non-negative")
+
+
+def _block_violations(block: events_pb2.ContentBlock, field: str, bad: _Bad) -> None:
+    which = block.WhichOneof("block")
+    if which is None:
+        bad(field, "a content block must set exactly one kind")
+    elif which == "tool_call":
+        if not block.tool_call.id:
+            bad(f"{field}.tool_call.id", "required")
+        if not block.tool_call.name:
+            bad(f"{field}.tool_call.name", "required")
+
+
+def _header_violations(header: events_pb2.RequestHeader, bad: _Bad) -> None:
+    names: set[str] = set()
+    for i, tool in enumerate(header.tools):
+        field = f"request_header.tools[{i}]"
+        if not tool.name:
+            bad(f"{field}.name", "required")
+        elif tool.name in names:
+            bad(f"{field}.name", f"duplicate tool name {tool.name!r}")
+        names.add(tool.name)
+        if tool.input_schema_json:
+            try:
+                json.loads(tool.input_schema_json)
+            except ValueError as err:
+                bad(f"{field}.input_schema_json", f"not valid JSON: {err}")

@@ -1,0 +1,121 @@
+"""The domain error tree.
+
+Every failure the service reports is one of these. Each carries an AIP-193 ``reason`` (a stable
+UPPER_SNAKE identifier clients can switch on) and string metadata; ``compactd.api.status`` is the
+one place that maps them to gRPC status codes and ``google.rpc`` details.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FieldViolation:
+    """One bad field of a request (``google.rpc.BadRequest.FieldViolation``)."""
+
+    field: str
+    description: str
+
+
+class CompactdError(Exception):
+    """Root of every error compactd reports."""
+
+    reason: str = "INTERNAL"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        if reason is not None:
+            self.reason = reason
+        self.metadata: dict[str, str] = dict(metadata or {})
+
+
+class InvalidArgument(CompactdError):
+    """Malformed input; ``violations`` name the fields."""
+
+    reason = "INVALID_ARGUMENT"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        violations: Sequence[FieldViolation] = (),
+        reason: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message, reason=reason, metadata=metadata)
+        self.violations = tuple(violations)
+
+
+class ReplacementRejected(InvalidArgument):
+    """A surface REPLACE broke one of the replacement rules (the message names the rule)."""
+
+    reason = "REPLACEMENT_REJECTED"
+
+
+class NotFound(CompactdError):
+    """A named resource does not exist."""
+
+    reason = "NOT_FOUND"
+
+
+class AlreadyExists(CompactdError):
+    """A resource with that name already exists."""
+
+    reason = "ALREADY_EXISTS"
+
+
+class SeqConflict(CompactdError):
+    """``expected_last_seq`` did not match the log."""
+
+    reason = "SEQ_CONFLICT"
+
+
+class Busy(CompactdError):
+    """Another operation holds the session (a live compaction bracket or an open turn)."""
+
+    reason = "COMPACTION_BUSY"
+
+
+class FailedPrecondition(CompactdError):
+    """The session or configuration is not in a state that allows the operation."""
+
+    reason = "FAILED_PRECONDITION"
+
+
+class CapacityUnknown(FailedPrecondition):
+    """A route has no declared context window."""
+
+    reason = "CAPACITY_UNKNOWN"
+
+
+class ConfigError(CompactdError):
+    """Invalid configuration; the message names the bad key."""
+
+    reason = "CONFIG_INVALID"
+
+
+class Unavailable(CompactdError):
+    """A dependency (store, provider) is temporarily unreachable."""
+
+    reason = "UNAVAILABLE"
+
+
+class ResourceExhausted(CompactdError):
+    """A limit was exceeded (batch size, message size, rate)."""
+
+    reason = "RESOURCE_EXHAUSTED"
+
+
+class Internal(CompactdError):
+    """A bug or broken invariant: the details are logged, the caller gets the reason."""
+
+    reason = "INTERNAL"

@@ -1,0 +1,238 @@
+"""Sessions in memory: each session's fold, kept in step with its durable log.
+
+A ``SessionManager`` restores a session from the store on first use (appending
+``session/end-seed``: a new lifecycle begins, so brackets left open by a dead process become
+stale evidence), then keeps its ``SessionFold`` current as batches commit. Appends to one session
+are serialized by its lock; the store shares commits across sessions (group commit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from compactd.core.fold import AdmittedBatch, SessionFold
+from compactd.core.validation import check_batch
+from compactd.errors import FieldViolation, InvalidArgument, NotFound, SeqConflict
+from compactd.store.base import EventStore, SessionRecord
+from compactd.v1 import events_pb2
+
+log = logging.getLogger(__name__)
+
+Observer = Callable[[SessionFold, AdmittedBatch], None]
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    """Seqs assigned to a batch (in request order) and the revision after it."""
+
+    seqs: list[int]
+    revision: int
+    replayed: bool = False  # every event was already in the log (an idempotent retry)
+
+
+class SessionHandle:
+    """One restored session: its fold, its lock, its observers and revision subscribers."""
+
+    def __init__(self, record: SessionRecord, store: EventStore, fold: SessionFold) -> None:
+        self.session_id = record.session_id
+        self.record = record
+        self.fold = fold
+        self.policy_overrides: dict[str, object] | None = (
+            json.loads(record.policy_json) if record.policy_json else None
+        )
+        self.extensions: dict[str, object] = {}
+        self.lock = asyncio.Lock()
+        self._store = store
+        self._observers: list[Observer] = []
+        self._changed = asyncio.Condition()
+
+    def add_observer(self, observer: Observer) -> None:
+        """Call ``observer(fold, batch)`` after every batch commits (while the lock is held)."""
+        self._observers.append(observer)
+
+    async def append(
+        self,
+        events: Sequence[events_pb2.SessionEvent],
+        *,
+        expected_last_seq: int | None = None,
+        max_events: int = 1000,
+    ) -> AppendResult:
+        """Check, commit (durably) and fold a batch; see ``AppendEventsRequest`` for the rules."""
+        check_batch(events, max_events=max_events)
+        async with self.lock:
+            return await self.append_locked(events, expected_last_seq=expected_last_seq)
+
+    async def append_locked(
+        self,
+        events: Sequence[events_pb2.SessionEvent],
+        *,
+        expected_last_seq: int | None = None,
+    ) -> AppendResult:
+        """``append`` for a caller that already holds ``self.lock`` (the compaction engine)."""
+        replay = await self._replayed(events)
+        if replay is not None:
+            return replay
+        if expected_last_seq is not None and expected_last_seq != self.fold.revision - 1:
+            raise SeqConflict(
+                f"expected last seq {expected_last_seq}, but the log ends at "
+                f"{self.fold.revision - 1}",
+                metadata={
+                    "expected_last_seq": str(expected_last_seq),
+                    "last_seq": str(self.fold.revision - 1),
+                },
+            )
+        now = Timestamp()
+        now.GetCurrentTime()
+        batch = self.fold.admit(events, now=now)
+        try:
+            await self._store.append(self.session_id, batch.events)
+        except BaseException:
+            self.fold.rollback(batch)
+            raise
+        for observer in self._observers:
+            observer(self.fold, batch)
+        await self._notify()
+        seqs = [e.seq for e in batch.events]
+        return AppendResult(seqs, self.fold.revision)
+
+    async def revisions(self) -> AsyncIterator[int]:
+        """Yield the current revision now, then the latest one after each change (coalesced)."""
+        seen = -1
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(partial(self._moved_past, seen))
+                seen = self.fold.revision
+            yield seen
+
+    def _moved_past(self, seen: int) -> bool:
+        return self.fold.revision != seen
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _replayed(self, events: Sequence[events_pb2.SessionEvent]) -> AppendResult | None:
+        """The original result when this batch was already committed (a retried batch)."""
+        ids = [e.event_id for e in events]
+        known = [i for i in ids if i in self.fold.event_ids]
+        if not known:
+            return None
+        if len(known) != len(ids):
+            raise InvalidArgument(
+                "a batch mixes events already in the log with new ones",
+                violations=[FieldViolation("events", "retry the original batch unchanged")],
+                reason="IDEMPOTENCY_MISMATCH",
+            )
+        seqs = [self.fold.event_ids[i] for i in ids]
+        stored = await self._store.read_seqs(self.session_id, seqs)
+        for index, (sent, kept) in enumerate(zip(events, stored, strict=True)):
+            if not _same_content(sent, kept):
+                raise InvalidArgument(
+                    f"event_id {sent.event_id!r} is already in the log with different content",
+                    violations=[FieldViolation(f"events[{index}].event_id", "reused id")],
+                    reason="IDEMPOTENCY_MISMATCH",
+                )
+        return AppendResult(seqs, self.fold.revision, replayed=True)
+
+
+def _same_content(sent: events_pb2.SessionEvent, kept: events_pb2.SessionEvent) -> bool:
+    a, b = events_pb2.SessionEvent(), events_pb2.SessionEvent()
+    a.CopyFrom(sent)
+    b.CopyFrom(kept)
+    for event in (a, b):
+        event.ClearField("seq")
+        event.ClearField("time")
+        # The server fills a header's reason when the runtime leaves it unset.
+        if event.HasField("request_header") and not sent.request_header.reason:
+            event.request_header.ClearField("reason")
+            event.request_header.ClearField("starts_series")
+    return a.SerializeToString(deterministic=True) == b.SerializeToString(deterministic=True)
+
+
+class SessionManager:
+    """Creates sessions and restores them from the store, once per process."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        *,
+        instance_id: str | None = None,
+        policy_validator: Callable[[dict[str, object]], None] | None = None,
+    ) -> None:
+        self.store = store
+        self._policy_validator = policy_validator
+        self.instance_id = instance_id or uuid.uuid4().hex[:12]
+        self._handles: dict[str, SessionHandle] = {}
+        self._loading: dict[str, asyncio.Lock] = {}
+        self._on_restore: list[Callable[[SessionHandle], None]] = []
+
+    def on_restore(self, callback: Callable[[SessionHandle], None]) -> None:
+        """Call ``callback(handle)`` for every session restored from now on."""
+        self._on_restore.append(callback)
+
+    def validate_policy(self, policy: dict[str, object]) -> None:
+        """Reject per-session policy overrides the service-wide validator rejects."""
+        if self._policy_validator is not None:
+            self._policy_validator(policy)
+
+    async def create(self, session_id: str, policy: dict[str, object] | None) -> SessionRecord:
+        """Create an empty session (``AlreadyExists`` if taken)."""
+        policy_json = json.dumps(policy, sort_keys=True) if policy else None
+        return await self.store.create_session(session_id, policy_json)
+
+    async def get(self, session_id: str) -> SessionHandle:
+        """The session's handle, restoring it from the log on first use (``NotFound``)."""
+        handle = self._handles.get(session_id)
+        if handle is not None:
+            return handle
+        lock = self._loading.setdefault(session_id, asyncio.Lock())
+        async with lock:
+            handle = self._handles.get(session_id)
+            if handle is None:
+                handle = await self._restore(session_id)
+                self._handles[session_id] = handle
+        return handle
+
+    async def _restore(self, session_id: str) -> SessionHandle:
+        record = await self.store.get_session(session_id)
+        if record is None:
+            raise NotFound(
+                f"session {session_id!r} does not exist", metadata={"session_id": session_id}
+            )
+        fold = SessionFold()
+        chunk: list[events_pb2.SessionEvent] = []
+        async for event in self.store.read(session_id):
+            chunk.append(event)
+            if len(chunk) >= 512:
+                fold.admit(chunk, check=False)
+                chunk = []
+        if chunk:
+            fold.admit(chunk, check=False)
+        handle = SessionHandle(record, self.store, fold)
+        if fold.revision:
+            # A new lifecycle: brackets opened by an earlier process become stale evidence.
+            seed = events_pb2.SessionEvent(
+                session_end_seed=events_pb2.SessionEndSeed(
+                    reason="restore", instance_id=self.instance_id
+                )
+            )
+            result = await handle.append([seed])
+            fold.restored_at = result.seqs[0]
+            log.info(
+                "session restored", extra={"session_id": session_id, "revision": fold.revision}
+            )
+        for callback in self._on_restore:
+            callback(handle)
+        return handle
+
+    async def close(self) -> None:
+        """Forget every handle (the store is closed by its owner)."""
+        self._handles.clear()
