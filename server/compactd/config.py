@@ -81,7 +81,8 @@ def _from_file(path: Path) -> dict[str, Any]:
             if not isinstance(value, dict):
                 raise ConfigError("server: must be a table")
             for sub, sub_value in value.items():
-                values[_scalar_key(sub, f"server.{sub}")] = _coerce(sub, sub_value, f"server.{sub}")
+                key_name = _scalar_key(sub, f"server.{sub}")
+                values[key_name] = _coerce(key_name, sub_value, f"server.{sub}")
         elif key == "routes":
             if not isinstance(value, list) or not all(isinstance(r, dict) for r in value):
                 raise ConfigError("routes: must be an array of tables ([[routes]])")

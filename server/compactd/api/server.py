@@ -12,9 +12,13 @@ import signal
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import trace
+from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
+from compactd import telemetry
 from compactd.api.compaction_service import CompactionServicer
 from compactd.api.session_service import SessionServicer
 from compactd.config import ServerConfig
@@ -44,8 +48,10 @@ class RunningServer:
     port: int
     store: EventStore
     manager: SessionManager
-    health: health.HealthServicer
+    health: health_aio.HealthServicer
     config: ServerConfig
+    tracer_provider: trace.TracerProvider
+    owns_tracer_provider: bool = False
 
     @property
     def address(self) -> str:
@@ -55,25 +61,36 @@ class RunningServer:
 
     async def stop(self, grace: float | None = None) -> None:
         """Graceful stop: NOT_SERVING, refuse new calls, finish in-flight ones, close the store."""
-        self.health.enter_graceful_shutdown()
+        await self.health.enter_graceful_shutdown()
         await self.server.stop(self.config.shutdown_grace_s if grace is None else grace)
         await self.manager.close()
         await self.store.close()
+        if self.owns_tracer_provider:
+            telemetry.shutdown(self.tracer_provider)
 
 
-async def create_server(config: ServerConfig) -> RunningServer:
-    """Open the store, build the services and start serving on ``config.listen``."""
+async def create_server(
+    config: ServerConfig, *, tracer_provider: trace.TracerProvider | None = None
+) -> RunningServer:
+    """Open the store, build the services and start serving on ``config.listen``.
+
+    ``tracer_provider`` defaults to one built from the OTEL_* environment (owned and shut down by
+    the returned server); gRPC server spans join the caller's W3C trace context.
+    """
+    owns_provider = tracer_provider is None
+    provider = tracer_provider or telemetry.tracer_provider_from_env()
     store = open_store(config.store, synchronous=config.sqlite_synchronous)
     await store.open()
     manager = SessionManager(store)
-    server = grpc.aio.server(options=_channel_options(config))
+    tracing = aio_server_interceptor(tracer_provider=provider)  # type: ignore[no-untyped-call]
+    server = grpc.aio.server(options=_channel_options(config), interceptors=[tracing])
     session_service_pb2_grpc.add_SessionServiceServicer_to_server(
         SessionServicer(manager, max_batch_events=config.max_batch_events), server
     )
     compaction_service_pb2_grpc.add_CompactionServiceServicer_to_server(
         CompactionServicer(), server
     )
-    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -82,9 +99,11 @@ async def create_server(config: ServerConfig) -> RunningServer:
     bound = server.add_insecure_port(f"{host}:{port}" if ":" not in host else f"[{host}]:{port}")
     await server.start()
     for name in ("", *SERVICE_NAMES):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("compactd serving", extra={"listen": f"{host}:{bound}", "store": config.store})
-    return RunningServer(server, bound, store, manager, health_servicer, config)
+    return RunningServer(
+        server, bound, store, manager, health_servicer, config, provider, owns_provider
+    )
 
 
 def _channel_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -100,12 +119,12 @@ def _channel_options(config: ServerConfig) -> list[tuple[str, int]]:
 
 async def serve(config: ServerConfig) -> None:
     """Run until SIGTERM or SIGINT, then shut down gracefully."""
-    running = await create_server(config)
-    print(f"compactd listening on {running.address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    running = await create_server(config)
+    print(f"compactd listening on {running.address}", flush=True)
     await stop.wait()
     log.info("shutting down", extra={"grace_s": config.shutdown_grace_s})
     await running.stop()

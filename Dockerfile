@@ -1,0 +1,29 @@
+# syntax=docker/dockerfile:1
+# Build stage: install compactd and its dependencies into a virtual environment.
+FROM python:3.11-slim AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY server ./server
+RUN python -m venv /opt/compactd \
+ && /opt/compactd/bin/pip install . \
+ && /opt/compactd/bin/pip install grpcio-health-checking
+
+# Runtime stage: the venv only, a non-root user, the log on a volume.
+FROM python:3.11-slim
+RUN groupadd --system compactd && useradd --system --gid compactd --home /data compactd \
+ && mkdir -p /data && chown compactd:compactd /data
+COPY --from=build /opt/compactd /opt/compactd
+ENV PATH=/opt/compactd/bin:$PATH \
+    COMPACTD_LISTEN=0.0.0.0:50051 \
+    COMPACTD_STORE=sqlite:////data/compactd.db \
+    PYTHONUNBUFFERED=1
+USER compactd
+WORKDIR /data
+VOLUME ["/data"]
+EXPOSE 50051
+HEALTHCHECK --interval=15s --timeout=5s --start-period=10s --retries=3 \
+  CMD ["python", "-c", "import grpc,sys; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; c=grpc.insecure_channel('127.0.0.1:50051'); r=g.HealthStub(c).Check(h.HealthCheckRequest(), timeout=4); sys.exit(0 if r.status==h.HealthCheckResponse.SERVING else 1)"]
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["compactd"]
+CMD ["serve"]

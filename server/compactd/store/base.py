@@ -1,0 +1,328 @@
+"""The event store seam: one durable, append-only log of ``SessionEvent``s per session.
+
+Every storage backend (SQLite, PostgreSQL, the in-memory fake) implements :class:`EventStore` with
+identical semantics; ``tests/store`` runs one conformance suite against all of them. The helpers
+here (batch encoding, the shared error constructors) keep the backends' answers word for word
+alike.
+
+Events are stored as their deterministic protobuf serialization, so a read returns the exact
+bytes that were appended. The store assigns nothing: the caller (the session service) stamps each
+event's ``seq`` and ``time`` before :meth:`EventStore.append`; the store only checks that the
+batch continues the log and keeps it, all or nothing.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import Self
+
+from compactd import errors
+from compactd.v1 import events_pb2
+
+Clock = Callable[[], datetime]
+"""Returns the current time as an aware UTC ``datetime``; injected so tests can pin it."""
+
+
+def utc_now() -> datetime:
+    """The default :data:`Clock`: the system clock, in UTC."""
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    """A session as the store keeps it.
+
+    Attributes:
+        session_id: The session's id.
+        create_time: When the session was created (aware, UTC, microsecond precision).
+        policy_json: Per-session compaction policy overrides as JSON text, opaque to the store.
+        revision: Number of events in the log, which is also the next event's seq.
+    """
+
+    session_id: str
+    create_time: datetime
+    policy_json: str | None
+    revision: int
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Counters a store keeps about its writes, to make group commit observable.
+
+    Attributes:
+        commits: Write transactions committed (one per ``create_session`` or append in the
+            in-memory store; one per group of queued writes in SQLite).
+        batches: Append batches processed, landed or failed.
+        failed_batches: Append batches refused by their own checks (seq conflict, unknown
+            session, duplicate event id).
+        events: Events that landed.
+    """
+
+    commits: int = 0
+    batches: int = 0
+    failed_batches: int = 0
+    events: int = 0
+
+    def plus(
+        self, *, commits: int = 0, batches: int = 0, failed_batches: int = 0, events: int = 0
+    ) -> StoreStats:
+        """These counters with the given increments added."""
+        return StoreStats(
+            commits=self.commits + commits,
+            batches=self.batches + batches,
+            failed_batches=self.failed_batches + failed_batches,
+            events=self.events + events,
+        )
+
+
+@dataclass(frozen=True)
+class EventRow:
+    """One event ready to store: its indexed columns and its serialized bytes."""
+
+    seq: int
+    event_id: str | None
+    type: str
+    data: bytes
+
+
+def event_type(event: events_pb2.SessionEvent) -> str:
+    """The spec's type string of an event, derived from its ``body`` field.
+
+    ``user_message`` -> ``user/message``, ``compaction_summary_error`` ->
+    ``compaction/summary-error``: the first word is the family, the rest joins with hyphens.
+
+    Raises:
+        InvalidArgument: if no body is set.
+    """
+    field = event.WhichOneof("body")
+    if field is None:
+        raise errors.InvalidArgument("event has no body")
+    family, _, rest = field.partition("_")
+    return f"{family}/{rest.replace('_', '-')}"
+
+
+def encode_batch(events: Sequence[events_pb2.SessionEvent]) -> list[EventRow]:
+    """Checks a batch's internal shape and serializes it.
+
+    The batch must have contiguous seqs (``events[i].seq == events[0].seq + i``), a body on every
+    event, and no event id repeated within itself. Whether it continues the log is the backend's
+    check, made inside its transaction.
+
+    Raises:
+        InvalidArgument: naming the offending ``events[i]`` field.
+    """
+    rows: list[EventRow] = []
+    seen: set[str] = set()
+    for i, event in enumerate(events):
+        if event.seq != events[0].seq + i:
+            raise _bad_field(f"events[{i}].seq", f"expected {events[0].seq + i}, got {event.seq}")
+        if event.event_id in seen:
+            raise _bad_field(f"events[{i}].event_id", f"{event.event_id!r} repeats in the batch")
+        if event.event_id:
+            seen.add(event.event_id)
+        if event.WhichOneof("body") is None:
+            raise _bad_field(f"events[{i}].body", "exactly one body must be set")
+        rows.append(
+            EventRow(
+                seq=event.seq,
+                event_id=event.event_id or None,
+                type=event_type(event),
+                data=event.SerializeToString(deterministic=True),
+            )
+        )
+    return rows
+
+
+def decode_event(data: bytes) -> events_pb2.SessionEvent:
+    """Parses stored bytes back into a fresh event."""
+    event = events_pb2.SessionEvent()
+    event.ParseFromString(data)
+    return event
+
+
+def check_read_range(from_seq: int, to_seq: int | None) -> None:
+    """Rejects a negative ``from_seq`` or ``to_seq``.
+
+    Raises:
+        InvalidArgument: naming the field.
+    """
+    if from_seq < 0:
+        raise _bad_field("from_seq", "must be >= 0")
+    if to_seq is not None and to_seq < 0:
+        raise _bad_field("to_seq", "must be >= 0")
+
+
+def check_limit(limit: int) -> None:
+    """Rejects a page size below one.
+
+    Raises:
+        InvalidArgument: naming ``limit``.
+    """
+    if limit < 1:
+        raise _bad_field("limit", "must be >= 1")
+
+
+def session_not_found(session_id: str) -> errors.NotFound:
+    """The error every backend raises for an unknown session."""
+    return errors.NotFound(
+        f"session {session_id!r} does not exist", metadata={"session_id": session_id}
+    )
+
+
+def session_exists(session_id: str) -> errors.AlreadyExists:
+    """The error every backend raises when a session id is taken."""
+    return errors.AlreadyExists(
+        f"session {session_id!r} already exists", metadata={"session_id": session_id}
+    )
+
+
+def seq_conflict(session_id: str, first_seq: int, revision: int) -> errors.SeqConflict:
+    """The error every backend raises when a batch does not continue the log."""
+    return errors.SeqConflict(
+        f"batch starts at seq {first_seq} but session {session_id!r} is at revision {revision}",
+        metadata={
+            "session_id": session_id,
+            "first_seq": str(first_seq),
+            "revision": str(revision),
+        },
+    )
+
+
+def duplicate_event_ids(session_id: str, event_ids: Sequence[str]) -> errors.InvalidArgument:
+    """The error every backend raises when a batch reuses event ids already in the log."""
+    listed = ", ".join(repr(i) for i in sorted(event_ids))
+    return errors.InvalidArgument(
+        f"event ids already in session {session_id!r}: {listed}",
+        violations=[
+            errors.FieldViolation("event_id", f"{i!r} already exists") for i in sorted(event_ids)
+        ],
+        reason="DUPLICATE_EVENT_ID",
+        metadata={"session_id": session_id},
+    )
+
+
+def store_closed() -> errors.Unavailable:
+    """The error raised by a store used before ``open()`` or after ``close()``."""
+    return errors.Unavailable("event store is not open")
+
+
+def _bad_field(field: str, description: str) -> errors.InvalidArgument:
+    return errors.InvalidArgument(
+        f"{field}: {description}", violations=[errors.FieldViolation(field, description)]
+    )
+
+
+class EventStore(abc.ABC):
+    """The durable home of session logs.
+
+    Lifecycle: ``await open()`` before use, ``await close()`` when done (or ``async with``).
+    Operations on a store that is not open raise ``errors.Unavailable``. Every method is safe to
+    call from many tasks of one event loop at once.
+    """
+
+    @abc.abstractmethod
+    async def open(self) -> None:
+        """Prepares the store for use, creating its schema if missing. Idempotent."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Finishes queued writes, then releases every resource. Idempotent."""
+
+    @abc.abstractmethod
+    async def create_session(self, session_id: str, policy_json: str | None) -> SessionRecord:
+        """Creates an empty session (revision 0), durably.
+
+        Raises:
+            AlreadyExists: if the id is taken.
+        """
+
+    @abc.abstractmethod
+    async def get_session(self, session_id: str) -> SessionRecord | None:
+        """The session, or None if it does not exist."""
+
+    @abc.abstractmethod
+    async def list_sessions(self, *, after: str = "", limit: int = 100) -> list[SessionRecord]:
+        """Up to ``limit`` sessions whose ids sort after ``after``, in id order.
+
+        Pass the last id of one page as ``after`` to get the next.
+
+        Raises:
+            InvalidArgument: if ``limit`` < 1.
+        """
+
+    @abc.abstractmethod
+    async def append(self, session_id: str, events: Sequence[events_pb2.SessionEvent]) -> int:
+        """Appends a batch atomically and durably; returns the new revision.
+
+        The events already carry their seqs, contiguous from the session's revision, and their
+        times. When this returns, every event is synced to stable storage; when it raises,
+        none of them is in the log. An empty batch appends nothing and returns the revision.
+        A cancelled caller does not retract a batch already handed to the store: use event ids
+        to make retries safe.
+
+        Raises:
+            NotFound: if the session does not exist.
+            SeqConflict: if ``events[0].seq`` is not the session's revision (another writer
+                appended first).
+            InvalidArgument: if the batch is malformed (see :func:`encode_batch`) or a
+                non-empty event id already exists in the session (reason
+                ``DUPLICATE_EVENT_ID``).
+            Unavailable: if the store is closed or the database failed; nothing was appended.
+        """
+
+    @abc.abstractmethod
+    def read(
+        self, session_id: str, from_seq: int = 0, to_seq: int | None = None
+    ) -> AsyncIterator[events_pb2.SessionEvent]:
+        """Streams events with ``from_seq <= seq < to_seq`` in seq order, in chunks.
+
+        ``to_seq`` None means the session's revision when the iteration starts: events appended
+        during the iteration are not included, so one read is one consistent prefix.
+
+        Raises (on first iteration):
+            NotFound: if the session does not exist.
+            InvalidArgument: for a negative ``from_seq`` or ``to_seq``.
+        """
+
+    @abc.abstractmethod
+    async def read_seqs(
+        self, session_id: str, seqs: Sequence[int]
+    ) -> list[events_pb2.SessionEvent]:
+        """The events at the given seqs, in ascending seq order, each once.
+
+        Seqs outside the log are skipped; the caller compares against what it asked for.
+
+        Raises:
+            NotFound: if the session does not exist.
+        """
+
+    @abc.abstractmethod
+    async def find_event_ids(self, session_id: str, event_ids: Sequence[str]) -> dict[str, int]:
+        """Maps each given event id that exists in the session to its seq.
+
+        Ids not in the log (and empty ids) are absent from the result.
+
+        Raises:
+            NotFound: if the session does not exist.
+        """
+
+    @property
+    @abc.abstractmethod
+    def stats(self) -> StoreStats:
+        """A snapshot of the write counters."""
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()

@@ -1,0 +1,143 @@
+"""An in-memory :class:`EventStore` with the same semantics as the durable ones.
+
+A first-class fake for fast tests and for running the service without a disk. It keeps the
+serialized bytes (so callers that mutate their messages later cannot change the log) and applies
+each batch under one lock, all checks first, so a failing batch leaves nothing. "Durable" here
+means "visible to every later call on this instance".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from compactd.store import base
+from compactd.v1 import events_pb2
+
+
+@dataclass
+class _Session:
+    record: base.SessionRecord
+    rows: list[base.EventRow] = field(default_factory=list)
+    ids: dict[str, int] = field(default_factory=dict)
+
+
+class MemoryEventStore(base.EventStore):
+    """Keeps every session log in process memory.
+
+    Args:
+        clock: Source of session creation times.
+        read_chunk: Events a read yields between giving the event loop a turn.
+    """
+
+    def __init__(self, *, clock: base.Clock = base.utc_now, read_chunk: int = 256) -> None:
+        self._clock = clock
+        self._read_chunk = read_chunk
+        self._sessions: dict[str, _Session] = {}
+        self._lock = threading.Lock()
+        self._open = False
+        self._stats = base.StoreStats()
+
+    async def open(self) -> None:
+        self._open = True
+
+    async def close(self) -> None:
+        self._open = False
+
+    @property
+    def stats(self) -> base.StoreStats:
+        return self._stats
+
+    async def create_session(self, session_id: str, policy_json: str | None) -> base.SessionRecord:
+        self._check_open()
+        with self._lock:
+            if session_id in self._sessions:
+                raise base.session_exists(session_id)
+            record = base.SessionRecord(session_id, self._clock(), policy_json, 0)
+            self._sessions[session_id] = _Session(record)
+            self._count(commits=1)
+        return record
+
+    async def get_session(self, session_id: str) -> base.SessionRecord | None:
+        self._check_open()
+        with self._lock:
+            session = self._sessions.get(session_id)
+            return None if session is None else session.record
+
+    async def list_sessions(self, *, after: str = "", limit: int = 100) -> list[base.SessionRecord]:
+        self._check_open()
+        base.check_limit(limit)
+        with self._lock:
+            ids = sorted(i for i in self._sessions if i > after)[:limit]
+            return [self._sessions[i].record for i in ids]
+
+    async def append(self, session_id: str, events: Sequence[events_pb2.SessionEvent]) -> int:
+        self._check_open()
+        rows = base.encode_batch(events)
+        with self._lock:
+            try:
+                session = self._session(session_id)
+                self._check_continues(session, rows)
+            except Exception:
+                self._count(batches=1, failed_batches=1)
+                raise
+            for row in rows:
+                session.rows.append(row)
+                if row.event_id is not None:
+                    session.ids[row.event_id] = row.seq
+            session.record = dataclasses.replace(session.record, revision=len(session.rows))
+            self._count(commits=1, batches=1, events=len(rows))
+            return len(session.rows)
+
+    async def read(
+        self, session_id: str, from_seq: int = 0, to_seq: int | None = None
+    ) -> AsyncIterator[events_pb2.SessionEvent]:
+        self._check_open()
+        base.check_read_range(from_seq, to_seq)
+        with self._lock:
+            rows = self._session(session_id).rows
+            end = len(rows) if to_seq is None else min(to_seq, len(rows))
+        for start in range(from_seq, end, self._read_chunk):
+            # Rows are only ever appended, so indexes below `end` are stable without the lock.
+            for row in rows[start : min(start + self._read_chunk, end)]:
+                yield base.decode_event(row.data)
+            await asyncio.sleep(0)
+
+    async def read_seqs(
+        self, session_id: str, seqs: Sequence[int]
+    ) -> list[events_pb2.SessionEvent]:
+        self._check_open()
+        with self._lock:
+            rows = self._session(session_id).rows
+            wanted = sorted({s for s in seqs if 0 <= s < len(rows)})
+            return [base.decode_event(rows[s].data) for s in wanted]
+
+    async def find_event_ids(self, session_id: str, event_ids: Sequence[str]) -> dict[str, int]:
+        self._check_open()
+        with self._lock:
+            ids = self._session(session_id).ids
+            return {i: ids[i] for i in event_ids if i in ids}
+
+    def _session(self, session_id: str) -> _Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise base.session_not_found(session_id)
+        return session
+
+    def _check_continues(self, session: _Session, rows: Sequence[base.EventRow]) -> None:
+        session_id = session.record.session_id
+        if rows and rows[0].seq != len(session.rows):
+            raise base.seq_conflict(session_id, rows[0].seq, len(session.rows))
+        taken = [r.event_id for r in rows if r.event_id is not None and r.event_id in session.ids]
+        if taken:
+            raise base.duplicate_event_ids(session_id, taken)
+
+    def _check_open(self) -> None:
+        if not self._open:
+            raise base.store_closed()
+
+    def _count(self, **increments: int) -> None:
+        self._stats = self._stats.plus(**increments)

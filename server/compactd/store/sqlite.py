@@ -1,0 +1,581 @@
+"""The SQLite :class:`EventStore`: one file, WAL, one writer thread with group commit.
+
+Writes: a single thread owns the only write connection. ``create_session`` and ``append`` hand
+it a job and await a future. The thread takes everything queued, runs it in ONE transaction
+(each job inside its own SAVEPOINT, so a job that fails its own checks is undone alone) and
+commits once, so concurrent appends share one fsync. Futures resolve only after COMMIT returns:
+nothing is acknowledged that is not on disk. A database failure fails the whole group, and the
+rollback leaves none of it.
+
+Reads: a small pool of read-only connections used through ``asyncio.to_thread``; WAL lets them
+run beside the writer and each sees only committed transactions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import sqlite3
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, Generic, TypeVar
+
+from compactd import errors
+from compactd.store import base
+from compactd.v1 import events_pb2
+
+T = TypeVar("T")
+
+SCHEMA_VERSION = 1
+SYNCHRONOUS_LEVELS = ("NORMAL", "FULL", "EXTRA")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id     TEXT PRIMARY KEY,
+    create_time_us INTEGER NOT NULL,
+    policy_json    TEXT,
+    revision       INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS events (
+    session_id TEXT NOT NULL REFERENCES sessions (session_id),
+    seq        INTEGER NOT NULL,
+    event_id   TEXT,
+    type       TEXT NOT NULL,
+    data       BLOB NOT NULL,
+    PRIMARY KEY (session_id, seq)
+);
+CREATE UNIQUE INDEX IF NOT EXISTS events_event_id
+    ON events (session_id, event_id) WHERE event_id IS NOT NULL;
+"""
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_SAVEPOINT = "job"
+# Jobs committed together at most; bounds one transaction's size under a flood of appends.
+_MAX_GROUP = 512
+# Bound parameters per IN (...) query, well under SQLite's variable limit.
+_IN_CHUNK = 500
+_SESSION_COLUMNS = "session_id, create_time_us, policy_json, revision"
+
+
+class SqliteEventStore(base.EventStore):
+    """Keeps session logs in one SQLite database file.
+
+    Args:
+        path: The database file (created if missing). Must be a real file: the writer and the
+            readers use separate connections.
+        synchronous: ``PRAGMA synchronous`` for the writer: ``FULL`` (default) syncs the WAL on
+            every commit; ``NORMAL`` may lose the last commits on power loss (never on a process
+            crash); ``EXTRA`` adds directory syncs that matter only outside WAL mode.
+        busy_timeout_ms: How long a connection waits for another process's lock.
+        read_chunk: Events fetched per round trip while streaming a read.
+        clock: Source of session creation times.
+
+    Raises:
+        ConfigError: for an unknown ``synchronous`` level.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        synchronous: str = "FULL",
+        busy_timeout_ms: int = 5000,
+        read_chunk: int = 256,
+        clock: base.Clock = base.utc_now,
+    ) -> None:
+        if synchronous.upper() not in SYNCHRONOUS_LEVELS:
+            raise errors.ConfigError(
+                f"synchronous must be one of {', '.join(SYNCHRONOUS_LEVELS)}, got {synchronous!r}"
+            )
+        self._path = path
+        self._synchronous = synchronous.upper()
+        self._busy_timeout_ms = busy_timeout_ms
+        self._read_chunk = read_chunk
+        self._clock = clock
+        self._writer: _Writer | None = None
+        self._readers = _ReadPool(path, busy_timeout_ms)
+        self._writer_pragmas: dict[str, str | int] = {}
+        self._lifecycle = asyncio.Lock()  # serializes open() and close()
+        self._last_stats = base.StoreStats()  # what a closed store still reports
+
+    @property
+    def path(self) -> str:
+        """The database file."""
+        return self._path
+
+    @property
+    def stats(self) -> base.StoreStats:
+        writer = self._writer
+        return self._last_stats if writer is None else writer.stats
+
+    @property
+    def writer_pragmas(self) -> dict[str, str | int]:
+        """The write connection's settings as SQLite reports them after ``open()``.
+
+        Keys: ``journal_mode``, ``synchronous`` (a name), ``foreign_keys``, ``busy_timeout``.
+        """
+        return dict(self._writer_pragmas)
+
+    async def open(self) -> None:
+        async with self._lifecycle:
+            if self._writer is not None:
+                return
+            conn, self._writer_pragmas = await asyncio.to_thread(self._connect_writer)
+            self._readers.reopen()
+            self._writer = _Writer(conn, self._last_stats)
+
+    async def close(self) -> None:
+        async with self._lifecycle:
+            # Unset first: calls arriving from now on fail fast instead of queueing.
+            writer, self._writer = self._writer, None
+            if writer is None:
+                return
+            await asyncio.to_thread(writer.stop)
+            self._last_stats = writer.stats
+            self._readers.close()
+
+    async def create_session(self, session_id: str, policy_json: str | None) -> base.SessionRecord:
+        record = base.SessionRecord(session_id, self._clock(), policy_json, 0)
+        await self._write(functools.partial(_insert_session, record), events=None)
+        return record
+
+    async def get_session(self, session_id: str) -> base.SessionRecord | None:
+        return await self._read(functools.partial(_select_session, session_id))
+
+    async def list_sessions(self, *, after: str = "", limit: int = 100) -> list[base.SessionRecord]:
+        base.check_limit(limit)
+        return await self._read(functools.partial(_select_sessions, after, limit))
+
+    async def append(self, session_id: str, events: Sequence[events_pb2.SessionEvent]) -> int:
+        rows = base.encode_batch(events)
+        op = functools.partial(_insert_events, session_id, rows)
+        return await self._write(op, events=len(rows))
+
+    async def read(
+        self, session_id: str, from_seq: int = 0, to_seq: int | None = None
+    ) -> AsyncIterator[events_pb2.SessionEvent]:
+        base.check_read_range(from_seq, to_seq)
+        revision = await self._read(functools.partial(_require_revision, session_id))
+        end = revision if to_seq is None else min(to_seq, revision)
+        for start in range(from_seq, end, self._read_chunk):
+            stop = min(start + self._read_chunk, end)
+            chunk = await self._read(functools.partial(_select_range, session_id, start, stop))
+            for event in chunk:
+                yield event
+
+    async def read_seqs(
+        self, session_id: str, seqs: Sequence[int]
+    ) -> list[events_pb2.SessionEvent]:
+        wanted = sorted({s for s in seqs if s >= 0})
+        return await self._read(functools.partial(_select_seqs, session_id, wanted))
+
+    async def find_event_ids(self, session_id: str, event_ids: Sequence[str]) -> dict[str, int]:
+        wanted = sorted({i for i in event_ids if i})
+        return await self._read(functools.partial(_select_event_ids, session_id, wanted))
+
+    def _connect_writer(self) -> tuple[sqlite3.Connection, dict[str, str | int]]:
+        """Opens the write connection, sets its pragmas and schema; returns it and the pragmas
+        as SQLite reports them."""
+        conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
+        try:
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise errors.Unavailable(f"{self._path}: cannot use WAL (journal_mode={mode})")
+            conn.execute(f"PRAGMA synchronous = {self._synchronous}")
+            conn.execute("PRAGMA foreign_keys = ON")
+            conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
+            _migrate(conn, self._path)
+            return conn, _read_pragmas(conn)
+        except BaseException:
+            conn.close()
+            raise
+
+    async def _write(self, op: Callable[[sqlite3.Connection], T], *, events: int | None) -> T:
+        writer = self._writer
+        if writer is None:
+            raise base.store_closed()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        writer.submit(_Job(op, loop, future, events))
+        return await future
+
+    async def _read(self, query: Callable[[sqlite3.Connection], T]) -> T:
+        if self._writer is None:
+            raise base.store_closed()
+        return await asyncio.to_thread(self._readers.run, query)
+
+
+# --- the writer ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Job(Generic[T]):
+    """One write: ``op`` runs on the writer connection inside the group's transaction."""
+
+    op: Callable[[sqlite3.Connection], T]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[T]
+    events: int | None  # None: not an append batch
+
+    def settle(self, value: Any = None, error: BaseException | None = None) -> None:
+        """Resolves the caller's future from the writer thread."""
+        with contextlib.suppress(RuntimeError):  # the caller's loop is gone: nobody to tell
+            self.loop.call_soon_threadsafe(_resolve, self.future, value, error)
+
+
+def _resolve(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    value: Any = None
+    error: BaseException | None = None
+
+
+class _Writer:
+    """The thread that owns the write connection and commits queued jobs in groups."""
+
+    def __init__(self, conn: sqlite3.Connection, stats: base.StoreStats) -> None:
+        self._conn = conn
+        self._queue: deque[_Job[Any]] = deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._stats_lock = threading.Lock()
+        self._stats = stats
+        self._thread = threading.Thread(target=self._run, name="compactd-sqlite-writer")
+        self._thread.daemon = True  # a process that never closes the store still exits
+        self._thread.start()
+
+    @property
+    def stats(self) -> base.StoreStats:
+        with self._stats_lock:
+            return self._stats
+
+    def submit(self, job: _Job[Any]) -> None:
+        """Queues a job. Raises ``Unavailable`` once ``stop`` has begun."""
+        with self._cond:
+            if self._closing:
+                raise base.store_closed()
+            self._queue.append(job)
+            self._cond.notify()
+
+    def stop(self) -> None:
+        """Commits every queued job, then ends the thread and closes the connection."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            while group := self._next_group():
+                try:
+                    self._commit(group)
+                except Exception as exc:  # a bug; callers must not wait forever
+                    for job in group:
+                        job.settle(error=errors.Internal(f"event store writer failed: {exc!r}"))
+        finally:
+            self._conn.close()
+
+    def _next_group(self) -> list[_Job[Any]]:
+        """Waits for work; returns up to ``_MAX_GROUP`` queued jobs, or [] once drained and
+        closing."""
+        with self._cond:
+            while not self._queue and not self._closing:
+                self._cond.wait()
+            count = min(len(self._queue), _MAX_GROUP)
+            return [self._queue.popleft() for _ in range(count)]
+
+    def _commit(self, group: list[_Job[Any]]) -> None:
+        try:
+            self._conn.execute("BEGIN IMMEDIATE")
+            outcomes = [self._apply(job) for job in group]
+            self._conn.execute("COMMIT")
+        except Exception as exc:
+            self._abandon(group, exc)
+            return
+        self._count(group, outcomes)
+        for job, outcome in zip(group, outcomes, strict=True):
+            job.settle(outcome.value, outcome.error)
+
+    def _apply(self, job: _Job[Any]) -> _Outcome:
+        """Runs one job in its own savepoint; its own refusal undoes it alone.
+
+        A ``sqlite3.Error`` propagates: the database itself failed, so the group fails.
+        """
+        self._conn.execute(f"SAVEPOINT {_SAVEPOINT}")
+        try:
+            value = job.op(self._conn)
+        except sqlite3.Error:
+            raise
+        except Exception as exc:  # a domain refusal (or a bug): this job alone fails
+            self._conn.execute(f"ROLLBACK TO {_SAVEPOINT}")
+            self._conn.execute(f"RELEASE {_SAVEPOINT}")
+            return _Outcome(error=exc)
+        self._conn.execute(f"RELEASE {_SAVEPOINT}")
+        return _Outcome(value=value)
+
+    def _abandon(self, group: list[_Job[Any]], exc: Exception) -> None:
+        """Rolls the group back and fails every job in it: none was acknowledged."""
+        if self._conn.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.execute("ROLLBACK")
+        batches = sum(job.events is not None for job in group)
+        with self._stats_lock:
+            self._stats = self._stats.plus(batches=batches, failed_batches=batches)
+        for job in group:  # a fresh error each: one raised in many tasks would tangle tracebacks
+            job.settle(error=_write_failed(exc))
+
+    def _count(self, group: list[_Job[Any]], outcomes: list[_Outcome]) -> None:
+        batches = [(j, o) for j, o in zip(group, outcomes, strict=True) if j.events is not None]
+        with self._stats_lock:
+            self._stats = self._stats.plus(
+                commits=1,
+                batches=len(batches),
+                failed_batches=sum(o.error is not None for _, o in batches),
+                events=sum(j.events or 0 for j, o in batches if o.error is None),
+            )
+
+
+def _write_failed(exc: Exception) -> errors.CompactdError:
+    if isinstance(exc, sqlite3.Error):
+        return errors.Unavailable(f"event store write failed: {exc}")
+    return errors.Internal(f"event store write failed: {exc!r}")
+
+
+# --- write operations (run on the writer thread, inside a savepoint) ----------------------------
+
+
+def _insert_session(record: base.SessionRecord, conn: sqlite3.Connection) -> None:
+    try:
+        conn.execute(
+            "INSERT INTO sessions (session_id, create_time_us, policy_json, revision)"
+            " VALUES (?, ?, ?, 0)",
+            (record.session_id, _to_us(record.create_time), record.policy_json),
+        )
+    except sqlite3.IntegrityError:
+        raise base.session_exists(record.session_id) from None
+
+
+def _insert_events(session_id: str, rows: list[base.EventRow], conn: sqlite3.Connection) -> int:
+    revision = _require_revision(session_id, conn)
+    if not rows:
+        return revision
+    if rows[0].seq != revision:
+        raise base.seq_conflict(session_id, rows[0].seq, revision)
+    try:
+        conn.executemany(
+            "INSERT INTO events (session_id, seq, event_id, type, data) VALUES (?, ?, ?, ?, ?)",
+            [(session_id, r.seq, r.event_id, r.type, r.data) for r in rows],
+        )
+    except sqlite3.IntegrityError as exc:
+        # The unique index refused an id. Undo this batch's own rows before asking which ids
+        # were taken, so they are not mistaken for earlier ones.
+        conn.execute(f"ROLLBACK TO {_SAVEPOINT}")
+        ids = [r.event_id for r in rows if r.event_id is not None]
+        taken = _select_event_ids(session_id, ids, conn)
+        if not taken:  # the primary key refused a seq: the revision column lies
+            raise errors.Internal(
+                f"session {session_id!r}: seqs from {revision} already exist"
+            ) from exc
+        raise base.duplicate_event_ids(session_id, list(taken)) from None
+    new_revision = revision + len(rows)
+    conn.execute(
+        "UPDATE sessions SET revision = ? WHERE session_id = ?", (new_revision, session_id)
+    )
+    return new_revision
+
+
+# --- read queries (run on a pooled read connection, inside one read transaction) ----------------
+
+
+def _require_revision(session_id: str, conn: sqlite3.Connection) -> int:
+    row = conn.execute(
+        "SELECT revision FROM sessions WHERE session_id = ?", (session_id,)
+    ).fetchone()
+    if row is None:
+        raise base.session_not_found(session_id)
+    return int(row[0])
+
+
+def _select_session(session_id: str, conn: sqlite3.Connection) -> base.SessionRecord | None:
+    row = conn.execute(
+        f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE session_id = ?", (session_id,)
+    ).fetchone()
+    return None if row is None else _session_record(row)
+
+
+def _select_sessions(after: str, limit: int, conn: sqlite3.Connection) -> list[base.SessionRecord]:
+    rows = conn.execute(
+        f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE session_id > ? ORDER BY session_id LIMIT ?",
+        (after, limit),
+    ).fetchall()
+    return [_session_record(row) for row in rows]
+
+
+def _select_range(
+    session_id: str, start: int, stop: int, conn: sqlite3.Connection
+) -> list[events_pb2.SessionEvent]:
+    rows = conn.execute(
+        "SELECT data FROM events WHERE session_id = ? AND seq >= ? AND seq < ? ORDER BY seq",
+        (session_id, start, stop),
+    ).fetchall()
+    return [base.decode_event(row[0]) for row in rows]
+
+
+def _select_seqs(
+    session_id: str, seqs: list[int], conn: sqlite3.Connection
+) -> list[events_pb2.SessionEvent]:
+    _require_revision(session_id, conn)
+    found: list[events_pb2.SessionEvent] = []
+    for chunk in _chunks(seqs):
+        rows = conn.execute(
+            f"SELECT data FROM events WHERE session_id = ? AND seq IN ({_marks(chunk)})"
+            " ORDER BY seq",
+            (session_id, *chunk),
+        ).fetchall()
+        found.extend(base.decode_event(row[0]) for row in rows)
+    return found
+
+
+def _select_event_ids(
+    session_id: str, event_ids: list[str], conn: sqlite3.Connection
+) -> dict[str, int]:
+    _require_revision(session_id, conn)
+    found: dict[str, int] = {}
+    for chunk in _chunks(event_ids):
+        rows = conn.execute(
+            "SELECT event_id, seq FROM events"
+            f" WHERE session_id = ? AND event_id IN ({_marks(chunk)})",
+            (session_id, *chunk),
+        ).fetchall()
+        found.update((str(row[0]), int(row[1])) for row in rows)
+    return found
+
+
+class _ReadPool:
+    """A few reusable read-only connections; each serves one thread at a time."""
+
+    _MAX_IDLE = 4
+
+    def __init__(self, path: str, busy_timeout_ms: int) -> None:
+        self._path = path
+        self._busy_timeout_ms = busy_timeout_ms
+        self._idle: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def run(self, query: Callable[[sqlite3.Connection], T]) -> T:
+        """Runs ``query`` in one read transaction, so all its statements see one snapshot."""
+        with self._connection() as conn:
+            conn.execute("BEGIN")
+            try:
+                return query(conn)
+            finally:
+                conn.execute("COMMIT")
+
+    def reopen(self) -> None:
+        with self._lock:
+            self._closed = False
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            conn = self._connect()
+        try:
+            yield conn
+        finally:
+            with self._lock:
+                keep = not self._closed and len(self._idle) < self._MAX_IDLE
+                if keep:
+                    self._idle.append(conn)
+            if not keep:
+                conn.close()
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
+        conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
+        conn.execute("PRAGMA query_only = ON")
+        return conn
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def _migrate(conn: sqlite3.Connection, path: str) -> None:
+    """Creates the schema in a fresh file; refuses a file written by a newer version."""
+    version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+    if version > SCHEMA_VERSION:
+        raise errors.Unavailable(
+            f"{path}: schema version {version} is newer than this server's ({SCHEMA_VERSION})"
+        )
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        _run_script(conn, _SCHEMA)
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+def _run_script(conn: sqlite3.Connection, script: str) -> None:
+    # executescript() would COMMIT first; run statement by statement inside our transaction.
+    for statement in script.split(";"):
+        if statement.strip():
+            conn.execute(statement)
+
+
+def _read_pragmas(conn: sqlite3.Connection) -> dict[str, str | int]:
+    sync_names = {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}
+
+    def value(name: str) -> Any:
+        return conn.execute(f"PRAGMA {name}").fetchone()[0]
+
+    return {
+        "journal_mode": str(value("journal_mode")).lower(),
+        "synchronous": sync_names.get(int(value("synchronous")), "?"),
+        "foreign_keys": int(value("foreign_keys")),
+        "busy_timeout": int(value("busy_timeout")),
+    }
+
+
+def _session_record(row: tuple[Any, ...]) -> base.SessionRecord:
+    session_id, create_time_us, policy_json, revision = row
+    return base.SessionRecord(str(session_id), _from_us(create_time_us), policy_json, int(revision))
+
+
+def _to_us(moment: datetime) -> int:
+    return (moment - _EPOCH) // timedelta(microseconds=1)
+
+
+def _from_us(micros: int) -> datetime:
+    return _EPOCH + timedelta(microseconds=micros)
+
+
+def _chunks(items: Sequence[T]) -> Iterator[Sequence[T]]:
+    for start in range(0, len(items), _IN_CHUNK):
+        yield items[start : start + _IN_CHUNK]
+
+
+def _marks(items: Sequence[object]) -> str:
+    return ", ".join("?" * len(items))

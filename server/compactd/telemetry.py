@@ -1,0 +1,42 @@
+"""Tracing setup, done once at the composition root.
+
+Business code depends on ``opentelemetry-api`` only and receives a ``TracerProvider``; this module
+builds the SDK provider: OTLP/gRPC export when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or the traces
+variant) is set, nothing exported otherwise. Tests pass their own provider with an in-memory
+exporter.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+from compactd import __version__
+
+INSTRUMENTATION = "compactd"
+
+
+def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> trace.TracerProvider:
+    """An SDK provider exporting over OTLP/gRPC when the standard endpoint variables are set."""
+    env = os.environ if environ is None else environ
+    resource = Resource.create(
+        {"service.name": env.get("OTEL_SERVICE_NAME", "compactd"), "service.version": __version__}
+    )
+    provider = TracerProvider(resource=resource)
+    if env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    return provider
+
+
+def shutdown(provider: trace.TracerProvider) -> None:
+    """Flush and stop exporting (no-op for providers without ``shutdown``)."""
+    stop = getattr(provider, "shutdown", None)
+    if callable(stop):
+        stop()

@@ -1,0 +1,300 @@
+"""SessionService over a real server: the log, the surface, reconstruction and error statuses."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from compactd import config
+from compactd.api.server import create_server
+from compactd.v1 import events_pb2 as ev
+from compactd.v1 import session_service_pb2 as pb
+from compactd.v1.session_service_pb2_grpc import SessionServiceStub
+from tests.api.rpc import details
+from tests.builders import assistant, header, replace, system, tool_result, user
+
+
+async def _create(sessions: SessionServiceStub, session_id: str = "s1") -> str:
+    await sessions.CreateSession(pb.CreateSessionRequest(session_id=session_id))
+    return session_id
+
+
+async def _append(
+    sessions: SessionServiceStub, session_id: str, *events: ev.SessionEvent, **kw: int
+) -> pb.AppendEventsResponse:
+    return await sessions.AppendEvents(
+        pb.AppendEventsRequest(session_id=session_id, events=events, **kw)
+    )
+
+
+async def test_create_session_chooses_an_id_when_none_is_given(
+    sessions: SessionServiceStub,
+) -> None:
+    response = await sessions.CreateSession(pb.CreateSessionRequest())
+    assert len(response.session.session_id) == 32
+    assert response.session.revision == 0
+
+
+async def test_create_session_twice_is_already_exists(sessions: SessionServiceStub) -> None:
+    await _create(sessions)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _create(sessions)
+    assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
+
+
+async def test_malformed_session_id_names_the_field(sessions: SessionServiceStub) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await sessions.CreateSession(pb.CreateSessionRequest(session_id="bad id/"))
+    got = details(caught.value)
+    assert got.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert got.fields == ["session_id"]
+
+
+async def test_append_assigns_contiguous_seqs_and_revision(sessions: SessionServiceStub) -> None:
+    sid = await _create(sessions)
+    first = await _append(sessions, sid, system("be brief"), user("hi"))
+    second = await _append(sessions, sid, assistant(text="hello"))
+    assert list(first.seqs) == [0, 1]
+    assert first.revision == 2
+    assert list(second.seqs) == [2]
+    assert second.revision == 3
+
+
+async def test_unknown_session_is_not_found(sessions: SessionServiceStub) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _append(sessions, "missing", user("hi"))
+    got = details(caught.value)
+    assert got.code == grpc.StatusCode.NOT_FOUND
+    assert got.reason == "NOT_FOUND"
+
+
+async def test_expected_last_seq_mismatch_is_aborted_with_seq_conflict(
+    sessions: SessionServiceStub,
+) -> None:
+    sid = await _create(sessions)
+    await _append(sessions, sid, user("one"), expected_last_seq=-1)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _append(sessions, sid, user("two"), expected_last_seq=5)
+    got = details(caught.value)
+    assert got.code == grpc.StatusCode.ABORTED
+    assert got.reason == "SEQ_CONFLICT"
+    assert got.metadata == {"expected_last_seq": "5", "last_seq": "0"}
+    ok = await _append(sessions, sid, user("two"), expected_last_seq=0)
+    assert list(ok.seqs) == [1]
+
+
+async def test_retried_batch_returns_original_seqs_and_appends_nothing(
+    sessions: SessionServiceStub,
+) -> None:
+    sid = await _create(sessions)
+    batch = [user("a"), user("b")]
+    batch[0].event_id, batch[1].event_id = "e-1", "e-2"
+    first = await _append(sessions, sid, *batch)
+    retry = await _append(sessions, sid, *batch)
+    assert list(retry.seqs) == list(first.seqs) == [0, 1]
+    assert retry.revision == 2
+    events = [r.event async for r in sessions.ListEvents(pb.ListEventsRequest(session_id=sid))]
+    assert len(events) == 2
+
+
+async def test_reused_event_id_with_different_content_is_invalid(
+    sessions: SessionServiceStub,
+) -> None:
+    sid = await _create(sessions)
+    original = user("a")
+    original.event_id = "e-1"
+    await _append(sessions, sid, original)
+    changed = user("b")
+    changed.event_id = "e-1"
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _append(sessions, sid, changed)
+    got = details(caught.value)
+    assert got.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert got.fields == ["events[0].event_id"]
+
+
+async def test_malformed_batch_is_rejected_whole_with_field_paths(
+    sessions: SessionServiceStub,
+) -> None:
+    sid = await _create(sessions)
+    chosen_seq = user("x")
+    chosen_seq.seq = 7
+    log_only_with_op = ev.SessionEvent(
+        turn_start=ev.TurnStart(turn=1), surface_op=ev.SurfaceOp(kind=ev.SURFACE_OP_KIND_APPEND)
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _append(sessions, sid, user("fine"), chosen_seq, log_only_with_op)
+    got = details(caught.value)
+    assert got.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert got.fields == ["events[1].seq", "events[2].surface_op"]
+    surface = await sessions.GetSurface(pb.GetSurfaceRequest(session_id=sid))
+    assert surface.revision == 0
+
+
+async def test_broken_replacement_rule_leaves_nothing_half_written(
+    sessions: SessionServiceStub,
+) -> None:
+    sid = await _create(sessions)
+    await _append(sessions, sid, system("s"), user("a"), user("b"))
+    bad = replace(user("summary"), start=1, end=2, sources=[1])  # does not cite seq 2
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _append(sessions, sid, user("c"), bad)
+    got = details(caught.value)
+    assert got.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cite every shadowed node" in got.message
+    surface = await sessions.GetSurface(pb.GetSurfaceRequest(session_id=sid))
+    assert [n.seq for n in surface.nodes] == [0, 1, 2]
+    assert surface.revision == 3
+
+
+async def test_oversized_batch_is_invalid(server_config: config.ServerConfig) -> None:
+    from dataclasses import replace as with_changes
+
+    running = await create_server(with_changes(server_config, max_batch_events=2))
+    try:
+        async with grpc.aio.insecure_channel(running.address) as chan:
+            stub = SessionServiceStub(chan)
+            sid = await _create(stub)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await _append(stub, sid, user("1"), user("2"), user("3"))
+            assert details(caught.value).fields == ["events"]
+    finally:
+        await running.stop(0)
+
+
+async def test_get_surface_puts_replacement_at_the_span_position(
+    sessions: SessionServiceStub,
+) -> None:
+    sid = await _create(sessions)
+    await _append(sessions, sid, system("s"), user("a"), assistant(text="b"), user("c"))
+    await _append(sessions, sid, replace(user("sum"), start=1, end=2, sources=[1, 2]))
+    surface = await sessions.GetSurface(pb.GetSurfaceRequest(session_id=sid))
+    assert [(n.position, n.seq, n.type) for n in surface.nodes] == [
+        (0, 0, "system/message"),
+        (1, 4, "user/message"),
+        (2, 3, "user/message"),
+    ]
+    assert list(surface.nodes[1].source_event_seqs) == [1, 2]
+
+
+async def test_build_request_derives_messages_and_folds_the_header(
+    sessions: SessionServiceStub,
+) -> None:
+    sid = await _create(sessions)
+    tools = [ev.ToolDeclaration(name="read", description="read a file", input_schema_json="{}")]
+    await _append(
+        sessions,
+        sid,
+        system("be brief"),
+        header("deepseek", "deepseek-chat", tools=tools),
+        user("read x"),
+        assistant(calls=[("c1", "read", '{"path":"x"}')]),
+        tool_result("c1", "contents"),
+        ev.SessionEvent(turn_start=ev.TurnStart(turn=1)),
+    )
+    built = await sessions.BuildRequest(pb.BuildRequestRequest(session_id=sid))
+    assert [m.role for m in built.messages] == [
+        pb.MESSAGE_ROLE_SYSTEM,
+        pb.MESSAGE_ROLE_USER,
+        pb.MESSAGE_ROLE_ASSISTANT,
+        pb.MESSAGE_ROLE_TOOL,
+    ]
+    assert built.messages[3].tool_call_id == "c1"
+    assert built.config.model == "deepseek-chat"
+    assert [t.name for t in built.tools] == ["read"]
+    assert built.header_seq == 1
+    assert built.revision == 6
+
+
+async def test_build_request_applies_image_offload(sessions: SessionServiceStub) -> None:
+    sid = await _create(sessions)
+    image = ev.ContentBlock(
+        image=ev.ImageBlock(media_type="image/png", name="shot.png", path="/att/shot.png")
+    )
+    message = user("look")
+    message.user_message.content.append(image)
+    await _append(sessions, sid, message)
+    offload = ev.SessionEvent(
+        image_offload=ev.ImageOffload(targets=[ev.ImageOffloadTarget(seq=0, image_indexes=[0])])
+    )
+    await _append(sessions, sid, offload)
+    built = await sessions.BuildRequest(pb.BuildRequestRequest(session_id=sid))
+    blocks = built.messages[0].content
+    assert blocks[1].WhichOneof("block") == "text"
+    assert "shot.png" in blocks[1].text.text and "/att/shot.png" in blocks[1].text.text
+    events = [r.event async for r in sessions.ListEvents(pb.ListEventsRequest(session_id=sid))]
+    assert events[0].user_message.content[1].HasField("image")  # the log keeps the original
+
+
+async def test_list_events_from_a_seq_and_follow(sessions: SessionServiceStub) -> None:
+    sid = await _create(sessions)
+    await _append(sessions, sid, user("0"), user("1"), user("2"))
+    tail = [
+        r.event.seq
+        async for r in sessions.ListEvents(pb.ListEventsRequest(session_id=sid, from_seq=1))
+    ]
+    assert tail == [1, 2]
+    stream = sessions.ListEvents(pb.ListEventsRequest(session_id=sid, from_seq=2, follow=True))
+    seen = [(await stream.read()).event.seq]
+    await _append(sessions, sid, user("3"), user("4"))
+    seen += [(await stream.read()).event.seq, (await stream.read()).event.seq]
+    stream.cancel()
+    assert seen == [2, 3, 4]
+
+
+async def test_sessions_are_isolated(sessions: SessionServiceStub) -> None:
+    a, b = await _create(sessions, "a"), await _create(sessions, "b")
+    await _append(sessions, a, user("only in a"))
+    surface = await sessions.GetSurface(pb.GetSurfaceRequest(session_id=b))
+    assert list(surface.nodes) == []
+    assert list((await _append(sessions, b, user("b0"))).seqs) == [0]
+
+
+async def test_restore_appends_end_seed_and_stale_bracket_no_longer_blocks(
+    server_config: config.ServerConfig,
+) -> None:
+    start = ev.SessionEvent(compaction_start=ev.CompactionStart(compaction_id="k1"))
+    running = await create_server(server_config)
+    async with grpc.aio.insecure_channel(running.address) as chan:
+        stub = SessionServiceStub(chan)
+        sid = await _create(stub)
+        await _append(stub, sid, user("a"), start)
+        again = ev.SessionEvent(compaction_start=ev.CompactionStart(compaction_id="k2"))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await _append(stub, sid, again)
+        assert details(caught.value).reason == "COMPACTION_BUSY"
+    await running.stop(0)
+
+    restarted = await create_server(server_config)
+    try:
+        async with grpc.aio.insecure_channel(restarted.address) as chan:
+            stub = SessionServiceStub(chan)
+            result = await _append(stub, sid, again)
+            events = [r.event async for r in stub.ListEvents(pb.ListEventsRequest(session_id=sid))]
+            assert [e.WhichOneof("body") for e in events] == [
+                "user_message",
+                "compaction_start",
+                "session_end_seed",
+                "compaction_start",
+            ]
+            assert list(result.seqs) == [3]
+    finally:
+        await restarted.stop(0)
+
+
+async def test_health_reports_serving_and_reflection_lists_services(
+    channel: grpc.aio.Channel,
+) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "compactd.v1.SessionService", "compactd.v1.CompactionService"):
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+    call = reflect.ServerReflectionInfo()
+    await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+    reply = await call.read()
+    await call.done_writing()
+    names = {s.name for s in reply.list_services_response.service}
+    assert {"compactd.v1.SessionService", "compactd.v1.CompactionService"} <= names

@@ -1,0 +1,52 @@
+"""Shared fixtures: a real in-process server on a free port, over a real SQLite file."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from compactd import config
+from compactd.api.server import RunningServer, create_server
+from compactd.v1 import compaction_service_pb2_grpc, session_service_pb2_grpc
+
+
+@pytest.fixture
+def server_config(tmp_path: Path) -> config.ServerConfig:
+    """A configuration binding port 0 with a fresh SQLite file."""
+    return config.load(
+        None,
+        environ={},
+        overrides={"listen": "127.0.0.1:0", "store": f"sqlite:///{tmp_path / 'compactd.db'}"},
+    )
+
+
+@pytest.fixture
+async def server(server_config: config.ServerConfig) -> AsyncIterator[RunningServer]:
+    """A started server, stopped after the test."""
+    running = await create_server(server_config)
+    try:
+        yield running
+    finally:
+        await running.stop(0)
+
+
+@pytest.fixture
+async def channel(server: RunningServer) -> AsyncIterator[grpc.aio.Channel]:
+    """A channel to the server."""
+    async with grpc.aio.insecure_channel(server.address) as chan:
+        yield chan
+
+
+@pytest.fixture
+def sessions(channel: grpc.aio.Channel) -> session_service_pb2_grpc.SessionServiceStub:
+    """A SessionService stub."""
+    return session_service_pb2_grpc.SessionServiceStub(channel)
+
+
+@pytest.fixture
+def compaction(channel: grpc.aio.Channel) -> compaction_service_pb2_grpc.CompactionServiceStub:
+    """A CompactionService stub."""
+    return compaction_service_pb2_grpc.CompactionServiceStub(channel)

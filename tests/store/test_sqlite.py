@@ -1,0 +1,210 @@
+"""What only the SQLite store promises: its pragmas, group commit, reopening, its schema."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from compactd import errors
+from compactd.store import SessionRecord, SqliteEventStore
+
+from .builders import batch, user_event, wire
+
+
+@contextlib.contextmanager
+def write_lock_held(path: Path) -> Iterator[None]:
+    """Holds the database's write lock from another connection, so the store's writer thread
+    waits in BEGIN and every job submitted meanwhile queues up for the next group."""
+    other = sqlite3.connect(path, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        yield
+        other.execute("ROLLBACK")
+    finally:
+        other.close()
+
+
+async def test_open_sets_wal_full_sync_foreign_keys_and_busy_timeout(tmp_path: Path) -> None:
+    path = tmp_path / "events.db"
+    async with SqliteEventStore(str(path), busy_timeout_ms=1234) as store:
+        pragmas = store.writer_pragmas
+
+    assert pragmas == {
+        "journal_mode": "wal",
+        "synchronous": "FULL",
+        "foreign_keys": 1,
+        "busy_timeout": 1234,
+    }
+    with contextlib.closing(sqlite3.connect(path)) as raw:
+        assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+@pytest.mark.parametrize("level", ["NORMAL", "extra", "Full"])
+async def test_synchronous_level_is_configurable(tmp_path: Path, level: str) -> None:
+    async with SqliteEventStore(str(tmp_path / "e.db"), synchronous=level) as store:
+        assert store.writer_pragmas["synchronous"] == level.upper()
+
+
+@pytest.mark.parametrize("level", ["OFF", "fast", ""])
+def test_unknown_synchronous_level_raises_config_error(tmp_path: Path, level: str) -> None:
+    with pytest.raises(errors.ConfigError):
+        SqliteEventStore(str(tmp_path / "e.db"), synchronous=level)
+
+
+async def test_concurrent_appends_share_commits(tmp_path: Path) -> None:
+    path = tmp_path / "e.db"
+    async with SqliteEventStore(str(path)) as store:
+        for i in range(64):
+            await store.create_session(f"s{i}", None)
+        before = store.stats
+
+        with write_lock_held(path):
+            tasks = [asyncio.create_task(store.append(f"s{i}", batch(0, 2))) for i in range(64)]
+            await asyncio.sleep(0)  # every task runs to its first await: all are queued
+        assert await asyncio.gather(*tasks) == [2] * 64
+
+        commits = store.stats.commits - before.commits
+        batches = store.stats.batches - before.batches
+    assert batches == 64
+    assert commits <= 2  # the writer held at most one job when it blocked; the rest shared one
+
+
+async def test_a_batch_failing_its_checks_fails_alone_in_a_shared_commit(tmp_path: Path) -> None:
+    path = tmp_path / "e.db"
+    async with SqliteEventStore(str(path)) as store:
+        for session_id in ["ok1", "race", "dup", "ok2"]:
+            await store.create_session(session_id, None)
+        await store.append("dup", [user_event(0, "taken")])
+        before = store.stats
+
+        appends = [
+            ("ok1", batch(0, 3, "ok1-")),
+            ("race", batch(0, 2, "first-")),
+            ("race", batch(0, 2, "second-")),  # conflicts with the batch before it
+            ("dup", [user_event(1, "fresh"), user_event(2, "taken")]),
+            ("missing", batch(0, 1)),
+            ("ok2", batch(0, 4, "ok2-")),
+        ]
+        with write_lock_held(path):
+            tasks = [asyncio.create_task(store.append(s, events)) for s, events in appends]
+            await asyncio.sleep(0)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+
+        assert results[0] == 3
+        assert results[1] == 2
+        assert isinstance(results[2], errors.SeqConflict)
+        assert isinstance(results[3], errors.InvalidArgument)
+        assert isinstance(results[4], errors.NotFound)
+        assert results[5] == 4
+        assert store.stats.commits - before.commits <= 2
+        assert store.stats.failed_batches - before.failed_batches == 3
+        assert [e.event_id async for e in store.read("race")] == ["first-0", "first-1"]
+        assert [e.event_id async for e in store.read("dup")] == ["taken"]
+        assert len([e async for e in store.read("ok2")]) == 4
+
+
+async def test_reopening_the_file_reads_everything_back(tmp_path: Path) -> None:
+    path = str(tmp_path / "e.db")
+    async with SqliteEventStore(path) as store:
+        created = await store.create_session("a", '{"retainRatio": 0.3}')
+        await store.create_session("b", None)
+        await store.append("a", batch(0, 40, "a-"))
+        await store.append("a", batch(40, 2, "a-"))
+        await store.append("b", batch(0, 1))
+
+    async with SqliteEventStore(path) as reopened:
+        assert await reopened.get_session("a") == SessionRecord(
+            "a", created.create_time, '{"retainRatio": 0.3}', 42
+        )
+        assert [r.session_id for r in await reopened.list_sessions()] == ["a", "b"]
+        assert wire([e async for e in reopened.read("a")]) == wire(batch(0, 42, "a-"))
+        assert await reopened.find_event_ids("a", ["a-41"]) == {"a-41": 41}
+        assert await reopened.append("a", batch(42, 1)) == 43
+
+
+async def test_close_commits_appends_already_queued(tmp_path: Path) -> None:
+    path = str(tmp_path / "e.db")
+    store = SqliteEventStore(path)
+    await store.open()
+    for i in range(20):
+        await store.create_session(f"s{i}", None)
+
+    tasks = [asyncio.create_task(store.append(f"s{i}", batch(0, 3))) for i in range(20)]
+    await asyncio.sleep(0)  # all queued
+    await store.close()
+
+    assert await asyncio.gather(*tasks) == [3] * 20
+    async with SqliteEventStore(path) as reopened:
+        assert all(r.revision == 3 for r in await reopened.list_sessions())
+
+
+async def test_events_carry_their_spec_type_and_event_id_columns(tmp_path: Path) -> None:
+    path = tmp_path / "e.db"
+    async with SqliteEventStore(str(path)) as store:
+        await store.create_session("s", None)
+        events = [user_event(0, "u"), user_event(1)]
+        events[1].ClearField("user_message")
+        events[1].compaction_summary_error.compaction_id = "k"
+        await store.append("s", events)
+
+    with contextlib.closing(sqlite3.connect(path)) as raw:
+        rows = raw.execute("SELECT seq, event_id, type FROM events ORDER BY seq").fetchall()
+    assert rows == [(0, "u", "user/message"), (1, None, "compaction/summary-error")]
+
+
+async def test_the_unique_index_refuses_a_duplicate_id_written_behind_the_store(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "e.db"
+    async with SqliteEventStore(str(path)) as store:
+        await store.create_session("s", None)
+        await store.append("s", [user_event(0, "x")])
+
+    with contextlib.closing(sqlite3.connect(path)) as raw, pytest.raises(sqlite3.IntegrityError):
+        raw.execute(
+            "INSERT INTO events (session_id, seq, event_id, type, data) VALUES (?, ?, ?, ?, ?)",
+            ("s", 1, "x", "user/message", b""),
+        )
+
+
+async def test_a_file_from_a_newer_schema_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "e.db"
+    with contextlib.closing(sqlite3.connect(path)) as raw:
+        raw.execute("PRAGMA user_version = 99")
+
+    with pytest.raises(errors.Unavailable):
+        await SqliteEventStore(str(path)).open()
+
+
+async def test_stats_survive_close(tmp_path: Path) -> None:
+    store = SqliteEventStore(str(tmp_path / "e.db"))
+    async with store:
+        await store.create_session("s", None)
+        await store.append("s", batch(0, 5))
+
+    assert (store.stats.batches, store.stats.events) == (1, 5)
+
+
+async def test_a_database_failure_fails_the_whole_group_and_the_store_recovers(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "e.db"
+    async with SqliteEventStore(str(path), busy_timeout_ms=20) as store:
+        await store.create_session("s", None)
+
+        with write_lock_held(path):  # held past the busy timeout: the writer's BEGIN fails
+            results = await asyncio.gather(
+                store.append("s", batch(0, 2)),
+                store.append("s", batch(0, 2)),
+                return_exceptions=True,
+            )
+
+        assert all(isinstance(r, errors.Unavailable) for r in results)
+        assert [e async for e in store.read("s")] == []
+        assert await store.append("s", batch(0, 2)) == 2
+        assert store.stats.failed_batches == 2

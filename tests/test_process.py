@@ -1,0 +1,157 @@
+"""The service as a process: `compactd serve`, SIGKILL durability and SIGTERM shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+
+from compactd.v1 import events_pb2 as ev
+from compactd.v1 import session_service_pb2 as pb
+from compactd.v1.session_service_pb2_grpc import SessionServiceStub
+
+_LISTENING = re.compile(r"compactd listening on (\S+)")
+
+
+class Output:
+    """Lines a server process printed, drained by a thread so the pipe never fills."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: list[str] = []
+        self.address = threading.Event()
+        self._thread = threading.Thread(target=self._drain, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _drain(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self.lines.append(line)
+            if _LISTENING.search(line):
+                self.address.set()
+        proc.stdout.close()
+
+    def text(self) -> str:
+        """Everything printed so far (call after the process exited for all of it)."""
+        self._thread.join(timeout=30)
+        return "".join(self.lines)
+
+
+@contextmanager
+def serving(db: Path) -> Iterator[tuple[subprocess.Popen[str], str, Output]]:
+    """Run `compactd serve` on a free port over ``db``; yield the process, address and output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPACTD_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "compactd", "serve", "--listen", "127.0.0.1:0"]
+        + ["--store", f"sqlite:///{db}", "--log-format", "text"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    output = Output(proc)
+    try:
+        assert output.address.wait(timeout=60), "server did not start"
+        match = _LISTENING.search("".join(output.lines))
+        assert match is not None
+        yield proc, match.group(1), output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+        output.text()
+
+
+def _batch(n: int) -> list[ev.SessionEvent]:
+    events = []
+    for i in range(3):
+        event = ev.SessionEvent(
+            user_message=ev.UserMessage(content=[ev.ContentBlock(text=ev.TextBlock(text=f"{n}"))])
+        )
+        event.event_id = f"batch-{n}-{i}"
+        events.append(event)
+    return events
+
+
+async def _append_until_killed(address: str, proc: subprocess.Popen[str]) -> dict[str, int]:
+    acknowledged: dict[str, int] = {}
+    async with grpc.aio.insecure_channel(address) as chan:
+        stub = SessionServiceStub(chan)
+        await stub.CreateSession(pb.CreateSessionRequest(session_id="crash"))
+
+        async def writer(worker: int) -> None:
+            n = 0
+            while True:
+                batch = _batch(worker * 100_000 + n)
+                try:
+                    reply = await stub.AppendEvents(
+                        pb.AppendEventsRequest(session_id="crash", events=batch), timeout=10
+                    )
+                except grpc.aio.AioRpcError:
+                    return
+                acknowledged.update({e.event_id: s for e, s in zip(batch, reply.seqs, strict=True)})
+                n += 1
+
+        async def killer() -> None:
+            while len(acknowledged) < 600:
+                await asyncio.sleep(0.005)
+            proc.send_signal(signal.SIGKILL)
+
+        await asyncio.gather(killer(), *(writer(w) for w in range(4)))
+    return acknowledged
+
+
+async def _read_all(address: str) -> list[ev.SessionEvent]:
+    async with grpc.aio.insecure_channel(address) as chan:
+        stub = SessionServiceStub(chan)
+        request = pb.ListEventsRequest(session_id="crash")
+        return [r.event async for r in stub.ListEvents(request)]
+
+
+async def test_sigkill_during_appends_loses_no_acknowledged_event(tmp_path: Path) -> None:
+    db = tmp_path / "crash.db"
+    with serving(db) as (proc, address, _):
+        acknowledged = await _append_until_killed(address, proc)
+    assert len(acknowledged) >= 600
+    with serving(db) as (_, address, _):
+        events = await _read_all(address)
+    stored = {e.event_id: e.seq for e in events if e.event_id}
+    assert all(stored.get(eid) == seq for eid, seq in acknowledged.items())
+    assert [e.seq for e in events] == list(range(len(events)))
+    batches: dict[str, int] = {}
+    for event_id in stored:
+        key = event_id.rsplit("-", 1)[0]
+        batches[key] = batches.get(key, 0) + 1
+    assert set(batches.values()) == {3}, "a batch was half written"
+    assert events[-1].WhichOneof("body") == "session_end_seed"
+
+
+def test_sigterm_shuts_down_gracefully(tmp_path: Path) -> None:
+    with serving(tmp_path / "term.db") as (proc, _, output):
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    assert "stopped" in output.text()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["serve", "--listen", "nowhere"], "listen: expected HOST:PORT"),
+        (["serve", "--store", "mysql://x"], "store: expected sqlite:///PATH"),
+    ],
+)
+def test_bad_settings_fail_at_start_naming_the_key(args: list[str], message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "compactd", *args], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert message in result.stderr
