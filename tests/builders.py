@@ -94,9 +94,7 @@ def replace(event: SessionEvent, start: int, end: int, sources: Iterable[int]) -
 
 def tool(name: str, schema: str = "{}", description: str = "") -> events_pb2.ToolDeclaration:
     """A tool declaration."""
-    return events_pb2.ToolDeclaration(
-        name=name, description=description, input_schema_json=schema
-    )
+    return events_pb2.ToolDeclaration(name=name, description=description, input_schema_json=schema)
 
 
 def header(

@@ -14,7 +14,8 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    assert "serve" in out and "check-config" in out
+    assert "serve" in out
+    assert "check-config" in out
 
 
 def test_serve_help_documents_its_options(capsys: pytest.CaptureFixture[str]) -> None:

@@ -51,8 +51,10 @@ def serving(db: Path) -> Iterator[tuple[subprocess.Popen[str], str, Output]]:
     """Run `compactd serve` on a free port over ``db``; yield the process, address and output."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPACTD_")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "compactd", "serve", "--listen", "127.0.0.1:0"]
-        + ["--store", f"sqlite:///{db}", "--log-format", "text"],
+        [
+            *(sys.executable, "-m", "compactd", "serve", "--listen", "127.0.0.1:0"),
+            *("--store", f"sqlite:///{db}", "--log-format", "text"),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -87,6 +89,7 @@ async def _append_until_killed(address: str, proc: subprocess.Popen[str]) -> dic
     async with grpc.aio.insecure_channel(address) as chan:
         stub = SessionServiceStub(chan)
         await stub.CreateSession(pb.CreateSessionRequest(session_id="crash"))
+        enough = asyncio.Event()
 
         async def writer(worker: int) -> None:
             n = 0
@@ -99,11 +102,12 @@ async def _append_until_killed(address: str, proc: subprocess.Popen[str]) -> dic
                 except grpc.aio.AioRpcError:
                     return
                 acknowledged.update({e.event_id: s for e, s in zip(batch, reply.seqs, strict=True)})
+                if len(acknowledged) >= 600:
+                    enough.set()
                 n += 1
 
         async def killer() -> None:
-            while len(acknowledged) < 600:
-                await asyncio.sleep(0.005)
+            await enough.wait()
             proc.send_signal(signal.SIGKILL)
 
         await asyncio.gather(killer(), *(writer(w) for w in range(4)))

@@ -223,7 +223,8 @@ async def test_build_request_applies_image_offload(sessions: SessionServiceStub)
     built = await sessions.BuildRequest(pb.BuildRequestRequest(session_id=sid))
     blocks = built.messages[0].content
     assert blocks[1].WhichOneof("block") == "text"
-    assert "shot.png" in blocks[1].text.text and "/att/shot.png" in blocks[1].text.text
+    assert "shot.png" in blocks[1].text.text
+    assert "/att/shot.png" in blocks[1].text.text
     events = [r.event async for r in sessions.ListEvents(pb.ListEventsRequest(session_id=sid))]
     assert events[0].user_message.content[1].HasField("image")  # the log keeps the original
 

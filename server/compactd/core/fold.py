@@ -88,6 +88,9 @@ class SessionFold:
             event.seq = seq
             if now is not None and not event.HasField("time"):
                 event.time.CopyFrom(now)
+            if event.event_id and event.event_id in self.event_ids:
+                # The service answers retries before admitting; a known id here is a reuse.
+                _invalid("event_id", f"{event.event_id!r} is already in the log")
             if ev.is_surface(event):
                 self.surface.check(event, seq)
             self._check_log_rules(event, seq)
@@ -203,8 +206,12 @@ class SessionFold:
             if kind not in ("user_message", "tool_result"):
                 _invalid(f"{field_name}.seq", "only user and tool input images can be offloaded")
             images = sum(1 for b in getattr(node_event, kind).content if b.HasField("image"))
-            if max(target.image_indexes) >= images:
-                _invalid(f"{field_name}.image_indexes", f"the node has {images} image(s)")
+            indexes = target.image_indexes
+            if not indexes or min(indexes) < 0 or max(indexes) >= images:
+                _invalid(
+                    f"{field_name}.image_indexes",
+                    f"non-empty indexes in 0..{images - 1}: the node has {images} image(s)",
+                )
 
 
 def _invalid(field_name: str, description: str) -> NoReturn:

@@ -24,6 +24,8 @@ def canonical(header: RequestHeader) -> RequestHeader:
     copy.starts_series = False
     if not copy.adapter_defaults.fields:
         copy.ClearField("adapter_defaults")
+    if not copy.config.extra.fields:
+        copy.config.ClearField("extra")
     if not copy.config.ListFields():
         copy.ClearField("config")
     return copy

@@ -181,8 +181,24 @@ class Surface:
             balanced = not open_calls_after(before) and not open_calls_after(through)
         except CorruptPairing:  # pragma: no cover - the fold never admits an orphan result
             balanced = False
-        if not balanced:
+        if not balanced or self._orphans_after(start, end):
             _reject("surface_op", "a replaced span must begin and end at balanced tool-call cuts")
+
+    def _orphans_after(self, start: int, end: int) -> bool:
+        """Whether shadowing ``start..end`` leaves a later result whose call only the span made.
+
+        A call may have several results; the end cut closes at the first, so a later one would
+        otherwise survive its call and leave the surface with a result that answers nothing.
+        """
+        in_span: dict[str, int] = {}
+        for node in self._nodes[start : end + 1]:
+            for call_id in ev.tool_call_ids(node.event):
+                in_span[call_id] = in_span.get(call_id, 0) + 1
+        vanishing = {cid for cid, count in in_span.items() if self._calls[cid] == count}
+        return bool(vanishing) and any(
+            ev.body_name(n.event) == "tool_result" and n.event.tool_result.tool_call_id in vanishing
+            for n in self._nodes[end + 1 :]
+        )
 
 
 def _check_sources(event: SessionEvent, seq: int) -> None:
