@@ -1,0 +1,251 @@
+"""The tool-result pruner: model-free, deterministic shrinking of oversized tool output.
+
+A ``tool/result`` whose text blocks hold more than ``max_code_points`` code points in total is
+rewritten on the surface as its first ``head_code_points``, the fixed ``PRUNE_MARKER`` and its
+last ``tail_code_points``, counted across all text blocks. The rewrite is a REPLACE of that one
+node citing ``[originalSeq]``, immediately preceded by a ``compaction/prune`` event carrying the
+shadowed node's heuristic price; the log keeps the original. The pruner only plans events: when
+it runs (never below pressure) is the caller's decision.
+
+Code points are counted as the spec counts them over UTF-16 text: a high surrogate followed by a
+low surrogate is one code point and is never split. Protobuf strings cannot hold surrogates, so
+this only matters for text that has not been through a message yet, but the slicing is exact
+either way; a grapheme cluster may still be split.
+"""
+
+from __future__ import annotations
+
+import re
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from dataclasses import dataclass, fields
+from typing import Any, Final
+
+from compactd.core import events as ev
+from compactd.core.events import SessionEvent
+from compactd.core.fold import SessionFold
+from compactd.core.projection import ContentBlock, project_content
+from compactd.core.surface import SurfaceNode
+from compactd.errors import ConfigError
+from compactd.v1 import events_pb2
+
+#: The omission marker put where the middle of a result was removed. It never changes, so a
+#: pruned result is the same bytes every time and provider prefix caches stay warm.
+PRUNE_MARKER: Final = (
+    "\n\n[... compactd pruned the middle of this tool output to save context; "
+    "the start and the end are kept ...]\n\n"
+)
+
+_SURROGATE_PAIR = re.compile("[\ud800-\udbff][\udc00-\udfff]")
+
+
+@dataclass(frozen=True, slots=True)
+class PrunerConfig:
+    """Pruning thresholds, in code points of a result's text blocks (defaults are the spec's).
+
+    Attributes:
+        max_code_points: A result whose text exceeds this is pruned.
+        head_code_points: Code points kept from the start.
+        tail_code_points: Code points kept from the end.
+
+    Raises:
+        ConfigError: naming the field, when a value is not a non-negative integer, the threshold
+            is not positive, or head + marker + tail does not fit within the threshold (the
+            pruned text must be within the threshold so it is never pruned again).
+    """
+
+    max_code_points: int = 8192
+    head_code_points: int = 4096
+    tail_code_points: int = 1024
+
+    def __post_init__(self) -> None:
+        _check_config({item.name: getattr(self, item.name) for item in fields(self)}, "pruner")
+
+    @classmethod
+    def from_mapping(
+        cls, values: Mapping[str, Any], *, prefix: str = "compaction.pruner"
+    ) -> PrunerConfig:
+        """Build from a config table, naming ``prefix.<key>`` in any ``ConfigError``.
+
+        Missing keys take the defaults; unknown keys are rejected.
+        """
+        defaults = {item.name: item.default for item in fields(cls)}
+        for key in values:
+            if key not in defaults:
+                raise ConfigError(f"{prefix}.{key}: unknown setting")
+        _check_config({**defaults, **values}, prefix)
+        return cls(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class PrunedContent:
+    """A pruned copy of a content list, with the figures ``compaction/prune`` records."""
+
+    content: list[ContentBlock]
+    original_code_points: int
+    retained_code_points: int  # head + tail, without the marker
+
+
+@dataclass(frozen=True, slots=True)
+class PrunePlan:
+    """The two events that prune one result, to append in this order."""
+
+    shadowed_seq: int
+    prune: SessionEvent  # compaction/prune
+    replacement: SessionEvent  # tool/result REPLACE of shadowed_seq
+
+    @property
+    def events(self) -> tuple[SessionEvent, SessionEvent]:
+        """``(prune, replacement)``: the prune event immediately precedes its replacement."""
+        return (self.prune, self.replacement)
+
+
+def code_points(text: str) -> int:
+    """Code points of ``text``, counting a UTF-16 surrogate pair as one."""
+    return _CodePoints(text).length
+
+
+def slice_code_points(text: str, start: int, stop: int) -> str:
+    """``text[start:stop]`` by code point offsets; a surrogate pair is never split."""
+    return _CodePoints(text).slice(start, stop)
+
+
+def prune_content(blocks: Sequence[ContentBlock], config: PrunerConfig) -> PrunedContent | None:
+    """Prune ``blocks`` when their text exceeds ``config.max_code_points``; None when it does not.
+
+    The head and tail are counted across all text blocks in order. The marker goes once into the
+    first text block that meets the removed span, a text block left empty is dropped, and
+    non-text blocks are kept in their relative order.
+    """
+    texts = [_CodePoints(b.text.text) if b.HasField("text") else None for b in blocks]
+    total = sum(t.length for t in texts if t is not None)
+    if total <= config.max_code_points:
+        return None
+    head_end = config.head_code_points
+    tail_start = total - config.tail_code_points
+    content: list[ContentBlock] = []
+    offset, marked = 0, False
+    for block, text in zip(blocks, texts, strict=True):
+        if text is None:
+            content.append(_copy(block))
+            continue
+        start, offset = offset, offset + text.length
+        meets = text.length > 0 and start < tail_start and offset > head_end
+        kept = text.text
+        if meets:
+            marker = "" if marked else PRUNE_MARKER
+            marked = True
+            head = text.slice(0, max(head_end - start, 0))
+            kept = head + marker + text.slice(max(tail_start - start, 0), text.length)
+        if kept:
+            content.append(ContentBlock(text=events_pb2.TextBlock(text=kept)))
+    return PrunedContent(content, total, config.head_code_points + config.tail_code_points)
+
+
+def plan_prune(
+    node: SurfaceNode,
+    offloaded: Set[int],
+    config: PrunerConfig,
+    shadow_price: Callable[[SurfaceNode], int],
+    compaction_id: str = "",
+) -> PrunePlan | None:
+    """The prune of one surface node, or None when it is not an oversized, unpruned result.
+
+    Args:
+        node: A current surface node.
+        offloaded: The node's offloaded image indexes; they become placeholder text in the new
+            content, since the new node (a new seq) carries no offload marks of its own.
+        config: The thresholds.
+        shadow_price: The fixed heuristic price of a node, logged on ``compaction/prune``.
+        compaction_id: The bracket or step the prune belongs to, if any.
+    """
+    if node.type != ev.TOOL_RESULT or ev.is_replace(node.event):
+        return None  # a tool/result REPLACE is a pruned result: never pruned again
+    original = node.event.tool_result
+    pruned = prune_content(project_content(original.content, offloaded), config)
+    if pruned is None:
+        return None
+    replacement = SessionEvent()
+    replacement.tool_result.CopyFrom(original)
+    del replacement.tool_result.content[:]
+    replacement.tool_result.content.extend(pruned.content)
+    replacement.surface_op.kind = events_pb2.SURFACE_OP_KIND_REPLACE
+    replacement.surface_op.start_seq = node.seq
+    replacement.surface_op.end_seq = node.seq
+    replacement.source_event_seqs.append(node.seq)
+    prune = SessionEvent(
+        compaction_prune=events_pb2.CompactionPrune(
+            compaction_id=compaction_id,
+            shadowed_seq=node.seq,
+            shadowed_tokens=shadow_price(node),
+            original_code_points=pruned.original_code_points,
+            retained_code_points=pruned.retained_code_points,
+        )
+    )
+    return PrunePlan(node.seq, prune, replacement)
+
+
+def plan_prunes(
+    fold: SessionFold,
+    config: PrunerConfig,
+    shadow_price: Callable[[SurfaceNode], int],
+    compaction_id: str = "",
+) -> list[PrunePlan]:
+    """Prunes of every oversized, unpruned ``tool/result`` on the surface, in surface order.
+
+    The plans are independent (each rewrites one node in place), so their events can be
+    appended as one batch: see ``prune_events``.
+    """
+    plans = []
+    for node in fold.surface:
+        offloaded = fold.offloads.get(node.seq, frozenset())
+        plan = plan_prune(node, offloaded, config, shadow_price, compaction_id)
+        if plan is not None:
+            plans.append(plan)
+    return plans
+
+
+def prune_events(plans: Iterable[PrunePlan]) -> list[SessionEvent]:
+    """The events of ``plans`` flattened in append order: prune, replacement, prune, ..."""
+    return [event for plan in plans for event in plan.events]
+
+
+class _CodePoints:
+    """A text indexed by code point, where a surrogate pair is one code point."""
+
+    __slots__ = ("_pairs", "length", "text")
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        # Code point offset of each surrogate pair: its str index minus the pairs before it.
+        self._pairs = [m.start() - i for i, m in enumerate(_SURROGATE_PAIR.finditer(text))]
+        self.length = len(text) - len(self._pairs)
+
+    def index(self, offset: int) -> int:
+        """The str index of code point boundary ``offset``."""
+        return offset + bisect_left(self._pairs, offset)
+
+    def slice(self, start: int, stop: int) -> str:
+        start = min(max(start, 0), self.length)
+        stop = min(max(stop, start), self.length)
+        return self.text[self.index(start) : self.index(stop)]
+
+
+def _copy(block: ContentBlock) -> ContentBlock:
+    copy = ContentBlock()
+    copy.CopyFrom(block)
+    return copy
+
+
+def _check_config(values: Mapping[str, Any], prefix: str) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{prefix}.{name}: must be a non-negative integer, got {value!r}")
+    if values["max_code_points"] == 0:
+        raise ConfigError(f"{prefix}.max_code_points: must be positive")
+    needed = values["head_code_points"] + code_points(PRUNE_MARKER) + values["tail_code_points"]
+    if needed > values["max_code_points"]:
+        raise ConfigError(
+            f"{prefix}.max_code_points: head_code_points + marker + tail_code_points "
+            f"({needed}) must fit within max_code_points ({values['max_code_points']})"
+        )

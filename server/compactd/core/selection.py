@@ -1,0 +1,249 @@
+"""Range selection: which contiguous surface span a compaction replaces.
+
+A span starts at the first node that is not the ``system/message`` at position 0 (a later
+``system/message`` is ordinary history) and ends where the recent tail begins. It is cut only at
+unit boundaries: a tool call and *all* of its current results form one indivisible unit, so no
+cut separates them and no unanswered call crosses a cut. This is stricter than
+``pairing.balanced_cuts``, which closes a call at its first result; every boundary here is also a
+balanced cut there. Turn boundaries protect nothing.
+
+Rules this module decides (documented because the spec leaves them open):
+
+- The last unit is never selected, in either mode: the model continues from real history.
+- A span that is only one previous checkpoint is not selected (re-summarizing a lone summary
+  frees nothing); a single ordinary node, or a previous checkpoint together with newer nodes, is.
+- Any unanswered call on the surface (an open indivisible tail) declines the whole selection.
+
+Selection never raises for "nothing to do": it returns ``Declined`` with a code and a reason.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from compactd.core import events as ev
+from compactd.core.fold import SessionFold
+from compactd.core.surface import SurfaceNode
+from compactd.v1 import events_pb2
+
+
+class SelectionMode(enum.Enum):
+    """How far a span may reach."""
+
+    PRESSURE = "pressure"  # keep at least the newest retained-budget tokens verbatim
+    MAXIMAL = "maximal"  # overflow and on-demand: everything selectable but the last unit
+
+
+class Revalidation(enum.Enum):
+    """What must be unchanged when a summary returns, for the span to be committed."""
+
+    WHOLE_SURFACE = "whole_surface"  # automatic brackets: no surface change at all
+    SELECTED_SPAN = "selected_span"  # manual brackets: the span's nodes, in place
+
+
+class DeclineCode(enum.StrEnum):
+    """Why nothing was selected."""
+
+    OPEN_TAIL = "OPEN_TAIL"
+    NOTHING_SELECTABLE = "NOTHING_SELECTABLE"
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """A selected span: surface positions (inclusive), its end seqs, every node's seq, its price."""
+
+    start_position: int
+    end_position: int
+    start_seq: int
+    end_seq: int
+    shadowed_seqs: tuple[int, ...]
+    shadowed_price: int  # route price of the span
+
+    @property
+    def count(self) -> int:
+        """How many surface nodes the span covers."""
+        return len(self.shadowed_seqs)
+
+
+@dataclass(frozen=True, slots=True)
+class Declined:
+    """Nothing was selected: the caller writes nothing to the log and reports ``reason``."""
+
+    code: DeclineCode
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SurfaceSnapshot:
+    """The surface when a bracket started; ``drift`` compares its nodes by identity."""
+
+    nodes: tuple[SurfaceNode, ...]
+
+
+def select_range(
+    fold: SessionFold,
+    price: Callable[[SurfaceNode], int],
+    *,
+    mode: SelectionMode,
+    retained_budget: int = 0,
+) -> Selection | Declined:
+    """Select the oldest replaceable span of ``fold``'s surface.
+
+    Args:
+        fold: The session state; only its surface is read.
+        price: The route price of one node (tokens).
+        mode: PRESSURE keeps the newest ``retained_budget`` tokens; MAXIMAL ignores the budget.
+        retained_budget: Tokens of recent history to keep verbatim (PRESSURE only).
+
+    Returns:
+        The span, or ``Declined`` when there is an open tail or nothing worth selecting.
+    """
+    nodes = fold.surface.nodes
+    bounds = unit_boundaries(nodes)
+    unanswered = open_calls(nodes)
+    if unanswered:
+        return Declined(
+            DeclineCode.OPEN_TAIL,
+            f"tool call(s) {', '.join(sorted(unanswered))} still wait for results",
+        )
+    start = head_length(nodes)
+    limit = _last_unit_start(bounds)
+    if mode is SelectionMode.PRESSURE:
+        limit = min(limit, _retained_tail_start(nodes, price, retained_budget))
+    end = max((cut for cut in range(start, limit + 1) if bounds[cut]), default=start)
+    if end <= start:
+        reason = _nothing_reason(mode, retained_budget, empty=start >= len(nodes))
+        return Declined(DeclineCode.NOTHING_SELECTABLE, reason)
+    if end - start == 1 and ev.checkpoint_compaction_id(nodes[start].event):
+        return Declined(
+            DeclineCode.NOTHING_SELECTABLE, "only the previous checkpoint could be selected"
+        )
+    return _selection(nodes[start:end], start, price)
+
+
+def head_length(nodes: Sequence[SurfaceNode]) -> int:
+    """1 when position 0 is a ``system/message`` (never selected), else 0."""
+    return 1 if nodes and nodes[0].type == ev.SYSTEM_MESSAGE else 0
+
+
+def unit_boundaries(nodes: Sequence[SurfaceNode]) -> list[bool]:
+    """Whether each cut ``i`` in ``0..len(nodes)`` (before ``nodes[i]``) is a unit boundary.
+
+    A call at position ``p`` whose last current result is at ``r`` blocks cuts ``p+1..r``; an
+    unanswered call blocks every cut after it. A result naming no earlier call is its own unit.
+    """
+    depth = [0] * (len(nodes) + 2)  # difference array of calls spanning each cut
+    for first, last in _call_spans(nodes).values():
+        depth[first + 1] += 1
+        depth[(len(nodes) if last is None else last) + 1] -= 1
+    bounds, spanning = [], 0
+    for cut in range(len(nodes) + 1):
+        spanning += depth[cut]
+        bounds.append(spanning == 0)
+    return bounds
+
+
+def open_calls(nodes: Sequence[SurfaceNode]) -> set[str]:
+    """Call ids on the surface that no later result answers yet."""
+    return {call for call, (_, last) in _call_spans(nodes).items() if last is None}
+
+
+def surface_snapshot(fold: SessionFold) -> SurfaceSnapshot:
+    """The current surface, for ``still_valid`` with ``Revalidation.WHOLE_SURFACE``."""
+    return SurfaceSnapshot(tuple(fold.surface.nodes))
+
+
+def revalidation_for(trigger: events_pb2.CompactionTrigger.ValueType) -> Revalidation:
+    """Manual brackets revalidate the selected span; every automatic trigger the whole surface."""
+    if trigger == events_pb2.COMPACTION_TRIGGER_MANUAL:
+        return Revalidation.SELECTED_SPAN
+    return Revalidation.WHOLE_SURFACE
+
+
+def drift(
+    fold: SessionFold, selection: Selection, snapshot: SurfaceSnapshot, scope: Revalidation
+) -> str | None:
+    """Why ``selection`` may no longer be committed, or None when it still may.
+
+    WHOLE_SURFACE: any surface change since ``snapshot`` (append or replace) is drift. Image
+    offloads are projections, not surface changes, so a recovery offload inside the bracket is
+    not drift. SELECTED_SPAN: the span's seqs must still occupy the same contiguous positions,
+    with unit boundaries at both ends; appends after the span are allowed.
+    """
+    nodes = fold.surface.nodes
+    if scope is Revalidation.WHOLE_SURFACE:
+        same = len(nodes) == len(snapshot.nodes) and all(
+            a is b for a, b in zip(nodes, snapshot.nodes, strict=True)
+        )
+        return None if same else "the surface changed while the summary was written"
+    for offset, seq in enumerate(selection.shadowed_seqs):
+        if fold.surface.position_of(seq) != selection.start_position + offset:
+            return f"node {seq} no longer sits at position {selection.start_position + offset}"
+    bounds = unit_boundaries(nodes)
+    if not (bounds[selection.start_position] and bounds[selection.end_position + 1]):
+        return "a tool call and its results now cross the span's edge"
+    return None
+
+
+def still_valid(
+    fold: SessionFold, selection: Selection, snapshot: SurfaceSnapshot, scope: Revalidation
+) -> bool:
+    """Whether ``selection`` may still be committed (see ``drift``)."""
+    return drift(fold, selection, snapshot, scope) is None
+
+
+def _call_spans(nodes: Sequence[SurfaceNode]) -> dict[str, tuple[int, int | None]]:
+    """Each call id -> (position of its call, position of its last result or None)."""
+    spans: dict[str, tuple[int, int | None]] = {}
+    for position, node in enumerate(nodes):
+        for call in ev.tool_call_ids(node.event):
+            spans.setdefault(call, (position, None))
+        if node.type == ev.TOOL_RESULT:
+            call = node.event.tool_result.tool_call_id
+            if call in spans:
+                spans[call] = (spans[call][0], position)
+    return spans
+
+
+def _last_unit_start(bounds: Sequence[bool]) -> int:
+    """The cut before the last unit (0 for an empty surface)."""
+    last = len(bounds) - 1
+    return max((cut for cut in range(last) if bounds[cut]), default=0)
+
+
+def _retained_tail_start(
+    nodes: Sequence[SurfaceNode], price: Callable[[SurfaceNode], int], budget: int
+) -> int:
+    """The position where the newest ``budget`` tokens begin (-1: the surface holds fewer)."""
+    kept = 0
+    for position in range(len(nodes), 0, -1):
+        if kept >= budget:
+            return position
+        kept += price(nodes[position - 1])
+    return 0 if kept >= budget else -1
+
+
+def _selection(
+    span: Sequence[SurfaceNode], start: int, price: Callable[[SurfaceNode], int]
+) -> Selection:
+    return Selection(
+        start_position=start,
+        end_position=start + len(span) - 1,
+        start_seq=span[0].seq,
+        end_seq=span[-1].seq,
+        shadowed_seqs=tuple(n.seq for n in span),
+        shadowed_price=sum(price(n) for n in span),
+    )
+
+
+def _nothing_reason(mode: SelectionMode, budget: int, *, empty: bool) -> str:
+    if empty:
+        return "there is no history after the system head"
+    if mode is SelectionMode.PRESSURE:
+        return (
+            f"nothing older than the retained {budget} tokens can be replaced as a whole unit "
+            "(the system head is never replaced)"
+        )
+    return "the history after the system head is a single indivisible unit"

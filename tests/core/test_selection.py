@@ -1,0 +1,324 @@
+"""Range selection: whole balanced units, the system head kept, a priced recent tail retained."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compactd.core.bracket import checkpoint_event, end_event, start_event, summary_event
+from compactd.core.events import SessionEvent
+from compactd.core.fold import SessionFold
+from compactd.core.pairing import balanced_cuts
+from compactd.core.selection import (
+    DeclineCode,
+    Declined,
+    Revalidation,
+    Selection,
+    SelectionMode,
+    head_length,
+    revalidation_for,
+    select_range,
+    still_valid,
+    surface_snapshot,
+    unit_boundaries,
+)
+from compactd.core.surface import SurfaceNode
+from compactd.v1 import events_pb2
+from tests.builders import (
+    assistant,
+    checkpoint,
+    image_block,
+    offload,
+    replace,
+    system,
+    tool_result,
+    turn_start,
+    user,
+)
+
+PRESSURE = SelectionMode.PRESSURE
+MAXIMAL = SelectionMode.MAXIMAL
+
+
+def ten(node: SurfaceNode) -> int:
+    """Every node costs 10 tokens."""
+    return 10
+
+
+def text_price(node: SurfaceNode) -> int:
+    """A node costs 1 token plus its serialized size: deterministic and content-dependent."""
+    return 1 + node.event.ByteSize() // 8
+
+
+def fold_of(*events: SessionEvent) -> SessionFold:
+    fold = SessionFold()
+    fold.admit(list(events))
+    return fold
+
+
+def select(
+    fold: SessionFold, mode: SelectionMode = MAXIMAL, budget: int = 0
+) -> Selection | Declined:
+    return select_range(fold, ten, mode=mode, retained_budget=budget)
+
+
+def selected(fold: SessionFold, mode: SelectionMode = MAXIMAL, budget: int = 0) -> Selection:
+    result = select(fold, mode, budget)
+    assert isinstance(result, Selection), result
+    return result
+
+
+def commit(fold: SessionFold, selection: Selection, compaction_id: str) -> None:
+    """Run the bracket's log steps for ``selection`` through the fold's own checks."""
+    start_seq = fold.revision
+    fold.admit([start_event(compaction_id, events_pb2.COMPACTION_TRIGGER_PRESSURE, selection, 0)])
+    summary_seq = fold.revision
+    tokens = events_pb2.TokenMeasurement(shadowed_tokens=selection.shadowed_price)
+    fold.admit([summary_event(compaction_id, "summary", selection, tokens)])
+    framed = f"checkpoint {compaction_id}"
+    replacement = checkpoint_event(compaction_id, framed, selection, start_seq, summary_seq)
+    fold.admit([replacement, end_event(compaction_id)])
+
+
+def test_system_head_is_never_selected() -> None:
+    fold = fold_of(system("sys"), user("a"), assistant("b"), user("c"), assistant("d"))
+    selection = selected(fold)
+    assert (selection.start_position, selection.start_seq) == (1, 1)
+
+
+def test_surface_without_a_system_head_is_selected_from_position_zero() -> None:
+    fold = fold_of(user("a"), assistant("b"), user("c"))
+    assert selected(fold).start_position == 0
+
+
+def test_a_later_system_message_is_ordinary_history() -> None:
+    fold = fold_of(system("sys"), user("a"), system("new rules"), assistant("b"), user("c"))
+    assert selected(fold).shadowed_seqs == (1, 2, 3)
+
+
+def test_maximal_selects_everything_but_the_last_unit() -> None:
+    fold = fold_of(
+        system("sys"),
+        user("a"),
+        assistant("b"),
+        assistant("calling", calls=[("c1", "read", "{}"), ("c2", "read", "{}")]),
+        tool_result("c2", "two"),
+        tool_result("c1", "one"),
+    )
+    assert selected(fold).shadowed_seqs == (1, 2)
+
+
+def test_pressure_keeps_at_least_the_retained_budget() -> None:
+    fold = fold_of(system("sys"), *(user(f"m{i}") for i in range(8)))  # nine nodes of 10 tokens
+    selection = selected(fold, PRESSURE, budget=25)  # 25 tokens begin inside the third newest
+    assert selection.shadowed_seqs == (1, 2, 3, 4, 5)
+    assert selection.shadowed_price == 50
+
+
+def test_pressure_moves_the_cut_back_to_the_unit_boundary() -> None:
+    fold = fold_of(
+        system("sys"),
+        user("a"),
+        assistant("go", calls=[("c1", "read", "{}")]),
+        tool_result("c1", "r1"),
+        tool_result("c1", "r1 again"),  # a second result stays in the call's unit
+        user("b"),
+    )
+    # The newest 20 tokens begin at the second result: the whole unit is kept.
+    assert selected(fold, PRESSURE, budget=20).shadowed_seqs == (1,)
+
+
+def test_turn_boundaries_do_not_protect_old_steps() -> None:
+    steps = [assistant(f"s{i}", calls=[(f"c{i}", "run", "{}")]) for i in range(3)]
+    results = [tool_result(f"c{i}", "ok") for i in range(3)]
+    fold = fold_of(
+        system("sys"),
+        turn_start(1),
+        user("go"),
+        *(e for p in zip(steps, results, strict=True) for e in p),
+    )
+    assert selected(fold).shadowed_seqs == (2, 3, 4, 5, 6)
+
+
+def test_open_tail_declines() -> None:
+    fold = fold_of(
+        system("sys"),
+        user("a"),
+        assistant("b"),
+        user("c"),
+        assistant("x", calls=[("c9", "run", "{}")]),
+    )
+    result = select(fold)
+    assert isinstance(result, Declined)
+    assert result.code is DeclineCode.OPEN_TAIL
+    assert "c9" in result.reason
+
+
+def test_a_single_unit_after_the_head_declines() -> None:
+    fold = fold_of(
+        system("sys"),
+        user("only"),
+    )
+    result = select(fold)
+    assert isinstance(result, Declined)
+    assert result.code is DeclineCode.NOTHING_SELECTABLE
+
+
+def test_an_empty_history_declines() -> None:
+    for fold in (fold_of(), fold_of(system("sys"))):
+        result = select(fold)
+        assert isinstance(result, Declined)
+        assert result.code is DeclineCode.NOTHING_SELECTABLE
+
+
+def test_a_budget_covering_all_history_declines() -> None:
+    fold = fold_of(system("sys"), user("a"), assistant("b"), user("c"))
+    result = select(fold, PRESSURE, budget=30)
+    assert isinstance(result, Declined)
+    assert result.code is DeclineCode.NOTHING_SELECTABLE
+
+
+def test_a_lone_previous_checkpoint_is_not_selected_again() -> None:
+    fold = fold_of(system("sys"), checkpoint("k0", "old summary"), user("now"))
+    result = select(fold)
+    assert isinstance(result, Declined)
+    assert "checkpoint" in result.reason
+
+
+def test_a_previous_checkpoint_with_newer_history_is_selected() -> None:
+    fold = fold_of(system("sys"), user("a"), assistant("b"), user("c"), assistant("d"), user("e"))
+    commit(fold, selected(fold), "k1")
+    fold.admit([assistant("f"), user("g")])
+    second = selected(fold)
+    assert second.count == 3  # the checkpoint, "e" and "f"; "g" is the last unit
+    assert fold.surface[second.start_position].event.user_message.source.HasField(
+        "compaction_checkpoint"
+    )
+    commit(fold, second, "k2")
+    assert [n.type for n in fold.surface] == ["system/message", "user/message", "user/message"]
+
+
+def test_shadowed_price_is_the_route_price_of_the_span() -> None:
+    fold = fold_of(system("sys"), user("a" * 80), assistant("b" * 16), user("c"))
+    selection = select_range(fold, text_price, mode=MAXIMAL)
+    assert isinstance(selection, Selection)
+    assert selection.shadowed_price == sum(text_price(fold.surface[p]) for p in (1, 2))
+
+
+def test_automatic_revalidation_rejects_any_surface_change() -> None:
+    fold = fold_of(system("sys"), user("a"), assistant("b"), user("c"))
+    selection, snapshot = selected(fold), surface_snapshot(fold)
+    assert still_valid(fold, selection, snapshot, Revalidation.WHOLE_SURFACE)
+    fold.admit([user("appended meanwhile")])
+    assert not still_valid(fold, selection, snapshot, Revalidation.WHOLE_SURFACE)
+    assert still_valid(fold, selection, snapshot, Revalidation.SELECTED_SPAN)
+
+
+def test_an_image_offload_is_not_surface_drift() -> None:
+    fold = fold_of(
+        system("sys"), user("a", blocks=[image_block("i.png")]), assistant("b"), user("c")
+    )
+    selection, snapshot = selected(fold), surface_snapshot(fold)
+    fold.admit([offload({1: [0]})])
+    assert still_valid(fold, selection, snapshot, Revalidation.WHOLE_SURFACE)
+
+
+def test_manual_revalidation_rejects_a_change_inside_the_span() -> None:
+    fold = fold_of(
+        system("sys"),
+        assistant("go", calls=[("c1", "read", "{}")]),
+        tool_result("c1", "long"),
+        user("c"),
+    )
+    selection, snapshot = selected(fold), surface_snapshot(fold)
+    fold.admit([replace(tool_result("c1", "short"), 2, 2, [2])])
+    assert not still_valid(fold, selection, snapshot, Revalidation.SELECTED_SPAN)
+
+
+def test_manual_revalidation_rejects_a_span_merged_by_another_replacement() -> None:
+    fold = fold_of(system("sys"), user("a"), user("b"), assistant("c"), user("d"))
+    selection = select_range(fold, ten, mode=PRESSURE, retained_budget=10)
+    assert isinstance(selection, Selection)
+    assert selection.shadowed_seqs == (1, 2, 3)
+    snapshot = surface_snapshot(fold)
+    fold.admit([replace(user("merged"), 1, 2, [1, 2])])
+    assert not still_valid(fold, selection, snapshot, Revalidation.SELECTED_SPAN)
+
+
+def test_only_manual_compaction_revalidates_just_its_span() -> None:
+    assert revalidation_for(events_pb2.COMPACTION_TRIGGER_MANUAL) is Revalidation.SELECTED_SPAN
+    for trigger in (
+        events_pb2.COMPACTION_TRIGGER_PRESSURE,
+        events_pb2.COMPACTION_TRIGGER_OVERFLOW,
+        events_pb2.COMPACTION_TRIGGER_MODEL_SWITCH,
+    ):
+        assert revalidation_for(trigger) is Revalidation.WHOLE_SURFACE
+
+
+# --- property: every selection over a random conversation is balanced and commits ------------
+
+WORDS = st.text(alphabet="abcdef ", min_size=1, max_size=30)
+
+
+@st.composite
+def conversations(draw: st.DrawFn) -> list[SessionEvent]:
+    """Users, systems, assistants with 0-3 calls, results in any order (some repeated)."""
+    events: list[SessionEvent] = [system("sys")] if draw(st.booleans()) else []
+    pending: list[str] = []
+    answered: list[str] = []
+    for index in range(draw(st.integers(0, 40))):
+        kind = draw(st.sampled_from(["user", "system", "assistant", "result", "result", "again"]))
+        if kind == "assistant":
+            calls = [(f"c{index}.{k}", "tool", "{}") for k in range(draw(st.integers(0, 3)))]
+            events.append(assistant(draw(WORDS), calls=calls))
+            pending.extend(call for call, _, _ in calls)
+        elif kind == "result" and pending:
+            call = pending.pop(draw(st.integers(0, len(pending) - 1)))
+            events.append(tool_result(call, draw(WORDS)))
+            answered.append(call)
+        elif kind == "again" and answered:
+            events.append(tool_result(draw(st.sampled_from(answered)), draw(WORDS)))
+        elif kind == "system":
+            events.append(system(draw(WORDS)))
+        else:
+            events.append(user(draw(WORDS)))
+    if draw(st.booleans()):  # usually close the tail, in a random order
+        for call in draw(st.permutations(pending)):
+            events.append(tool_result(call, draw(WORDS)))
+    return events
+
+
+def assert_well_cut(nodes: Sequence[SurfaceNode], selection: Selection) -> None:
+    cuts = balanced_cuts([n.event for n in nodes])
+    assert cuts[selection.start_position]
+    assert cuts[selection.end_position + 1]
+    assert selection.start_position == head_length(nodes)
+    assert selection.end_position + 1 < len(nodes)  # the last unit stays
+    assert selection.shadowed_seqs == tuple(
+        n.seq for n in nodes[selection.start_position : selection.end_position + 1]
+    )
+
+
+@settings(deadline=None, max_examples=300)
+@given(conversations(), st.sampled_from(list(SelectionMode)), st.integers(0, 200), st.data())
+def test_every_selection_is_balanced_and_its_checkpoint_folds(
+    events: list[SessionEvent], mode: SelectionMode, budget: int, data: st.DataObject
+) -> None:
+    fold = fold_of(*events)
+    for round_ in range(3):  # later rounds fold the previous checkpoint in
+        nodes = list(fold.surface)
+        result = select_range(fold, text_price, mode=mode, retained_budget=budget)
+        if isinstance(result, Declined):
+            if not unit_boundaries(nodes)[-1]:
+                assert result.code is DeclineCode.OPEN_TAIL
+            return
+        assert_well_cut(nodes, result)
+        if mode is SelectionMode.PRESSURE:
+            tail = nodes[result.end_position + 1 :]
+            assert sum(text_price(n) for n in tail) >= budget
+        commit(fold, result, f"k{round_}")
+        assert fold.surface[result.start_position].seq == fold.revision - 2
+        if data.draw(st.booleans()):
+            fold.admit([user(data.draw(WORDS))])
