@@ -1,0 +1,113 @@
+"""The texts compactd adds to model requests when it compacts a conversation.
+
+Two texts reach a model: the *checkpoint* (the preamble plus the summary framed in
+``<compacted-summary>`` tags) replaces the shadowed span in the conversation, and the *compaction
+instruction* is the final user message of the private summary request. Both are constants (or pure
+functions of their inputs) so the same inputs always produce the same request bytes, which keeps
+provider prefix caches warm.
+
+The instruction asks for eight sections, in order; ``SUMMARY_SECTIONS`` names them so the
+deterministic extractive summarizer writes the same structure a model is asked for.
+"""
+
+from __future__ import annotations
+
+SUMMARY_OPEN_TAG = "<compacted-summary>"
+SUMMARY_CLOSE_TAG = "</compacted-summary>"
+
+#: The eight section titles of a summary, in the order the instruction requires.
+SUMMARY_SECTIONS: tuple[str, ...] = (
+    "Goals and Requests",
+    "Technical Context",
+    "Files Touched",
+    "Errors and Resolutions",
+    "Outstanding Work",
+    "Work in Progress",
+    "Immediate Next Step",
+    "Essential Context",
+)
+
+#: What an empty section holds, so no section is ever dropped.
+EMPTY_SECTION = "(none)"
+
+CHECKPOINT_PREAMBLE = (
+    "The block below was written automatically to stand in for an older part of this "
+    "conversation, which was condensed to make room in the context window. Rely on it as settled "
+    "background rather than repeating it, do not comment on it, and carry on with the task from "
+    "the messages that come after it."
+)
+
+_SECTION_GUIDANCE: tuple[str, ...] = (
+    "what the user asked for, first and as it changed; quote their words when the wording matters",
+    "languages, libraries, tools, patterns and conventions the work relies on",
+    "each exact path with why it matters and what changed, with short snippets when needed",
+    "each error as it appeared, and how it was resolved (or that it is still open), plus any "
+    "related user feedback",
+    "work the user asked for that is not finished yet",
+    "exactly what was being done when this checkpoint was taken",
+    f'the one action that should come next, in line with the latest request, or "{EMPTY_SECTION}"',
+    "decisions and why they were made, constraints, user preferences, open questions and any "
+    "data needed to continue",
+)
+
+_RULES = (
+    "Keep exact file paths, commands, error messages, identifiers, numbers, function signatures "
+    "and code fragments character for character.",
+    "Record the user's feedback and explicit instructions faithfully, corrections above all.",
+    "Write in concise, technical English.",
+    "Do not mention this request, summarizing, or that anything was condensed.",
+    "Reply with the checkpoint text only: call no tools and take no other action.",
+    f"A {SUMMARY_OPEN_TAG} block earlier in the conversation is an older checkpoint. Do not "
+    "copy it as it stands: keep what is still true, drop what is outdated, and merge it with the "
+    "newer messages into one checkpoint with the same sections.",
+)
+
+
+def frame_checkpoint(summary: str) -> str:
+    """The checkpoint text that replaces a shadowed span.
+
+    Args:
+        summary: The raw summary returned by a summarizer (stored as is on
+            ``compaction/summary``).
+
+    Returns:
+        ``CHECKPOINT_PREAMBLE``, a blank line, then ``summary`` inside ``<compacted-summary>``
+        tags, each tag on its own line.
+    """
+    return f"{CHECKPOINT_PREAMBLE}\n\n{SUMMARY_OPEN_TAG}\n{summary}\n{SUMMARY_CLOSE_TAG}"
+
+
+def compaction_instruction(focus: str | None = None) -> str:
+    """The final user message of a summary request.
+
+    Args:
+        focus: Optional text from an on-demand ``/compact`` naming what the summary should
+            emphasise; blank text counts as none.
+
+    Returns:
+        The instruction; with a focus, the focus is appended as a last paragraph.
+    """
+    text = _base_instruction()
+    if focus is not None and focus.strip():
+        text += (
+            "\n\nGive particular attention to the following, as the user asked:\n" + focus.strip()
+        )
+    return text
+
+
+def _base_instruction() -> str:
+    sections = "\n\n".join(
+        f"## {title}\n- [{guidance}]"
+        for title, guidance in zip(SUMMARY_SECTIONS, _SECTION_GUIDANCE, strict=True)
+    )
+    rules = "\n".join(f"- {rule}" for rule in _RULES)
+    return (
+        "Stop working on the task for a moment. Your job now is to write a checkpoint of the "
+        "conversation above, so that another model can pick the work up from it with nothing "
+        "essential missing.\n\n"
+        "Use exactly the Markdown layout below: all eight sections, in this order, each as a "
+        f'list of short bullet points rather than paragraphs. Put "{EMPTY_SECTION}" under a '
+        "section that has nothing to record; never leave a section out.\n\n"
+        f"{sections}\n\n"
+        f"Rules:\n{rules}"
+    )

@@ -1,0 +1,126 @@
+"""The summarizer seam: one request type, one result type, one method.
+
+The compaction bracket builds a ``SummaryRequest`` (the system head and the shadowed span,
+already projected, the latest header's tools, the target route and our instruction) and hands it
+to a ``Summarizer``. Any deployment can plug in its own summarizer by implementing ``summarize``;
+the bracket keeps pricing, selection, validation and the log to itself.
+
+Failures are ``SummaryError``s: a stable ``reason`` (``SUMMARY_FAILED``, ``UNSUPPORTED_CONTENT``,
+``CONTEXT_WINDOW_EXCEEDED``, ``IMAGE_OFFLOAD_REQUIRED``, ``RATE_LIMITED``, ``TIMEOUT`` ...), whether
+trying again may help, and, for image offload, how many input images the provider wants removed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from compactd.errors import CompactdError
+from compactd.v1 import events_pb2, session_service_pb2
+
+# Canonical failure reasons a summarizer reports (AIP-193 style identifiers).
+SUMMARY_FAILED = "SUMMARY_FAILED"
+SUMMARY_TRUNCATED = "SUMMARY_TRUNCATED"
+UNSUPPORTED_CONTENT = "UNSUPPORTED_CONTENT"
+CONTEXT_WINDOW_EXCEEDED = "CONTEXT_WINDOW_EXCEEDED"
+IMAGE_OFFLOAD_REQUIRED = "IMAGE_OFFLOAD_REQUIRED"
+RATE_LIMITED = "RATE_LIMITED"
+PROVIDER_UNAVAILABLE = "PROVIDER_UNAVAILABLE"
+TIMEOUT = "TIMEOUT"
+UNAUTHENTICATED = "UNAUTHENTICATED"
+SUMMARIZER_MISCONFIGURED = "SUMMARIZER_MISCONFIGURED"
+
+
+@dataclass(frozen=True)
+class SummaryRequest:
+    """Everything a summarizer needs for one summary.
+
+    Attributes:
+        messages: The system head (when it projects to a message) followed by the shadowed
+            span, already projected (image offloads applied), in surface order.
+        tools: The latest ``request/header``'s tool declarations, in order.
+        config: The summary target (provider, model) and sampling settings.
+        instruction: The final user message text (``prompts.compaction_instruction(focus)``).
+        max_tokens: Output cap for the summary, including provider-counted reasoning tokens.
+    """
+
+    messages: Sequence[session_service_pb2.Message]
+    tools: Sequence[events_pb2.ToolDeclaration]
+    config: events_pb2.RequestConfig
+    instruction: str
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class SummaryResult:
+    """A summary and its accounting.
+
+    Attributes:
+        text: The summary text only: reasoning and tool calls never enter it.
+        usage: Provider-reported usage summed over every call that produced ``text``; None when
+            the summarizer calls no model or the provider reported none.
+        provider: Provider that wrote the summary.
+        model: Model that wrote the summary (as reported by the provider when it says).
+        finish_reason: The provider's stop reason for the final call, e.g. ``stop``.
+    """
+
+    text: str
+    usage: events_pb2.Usage | None
+    provider: str
+    model: str
+    finish_reason: str
+
+
+@runtime_checkable
+class Summarizer(Protocol):
+    """Writes one summary of a span. The only method a custom summarizer implements."""
+
+    name: str
+
+    async def summarize(self, request: SummaryRequest) -> SummaryResult:
+        """Summarize ``request.messages`` following ``request.instruction``.
+
+        Raises:
+            SummaryError: The summary could not be produced; ``reason`` says why.
+        """
+        ...
+
+
+class SummaryError(CompactdError):
+    """A summary request failed.
+
+    Attributes:
+        reason: Canonical failure reason (module constants above).
+        retryable: Whether sending the same request again may succeed (rate limits, overload,
+            connection loss, timeouts).
+        offload_images: For ``IMAGE_OFFLOAD_REQUIRED``, how many input images the provider needs
+            removed; 0 when the provider did not say.
+        status: The provider's HTTP status, when the failure came from one.
+        retry_after: Seconds the provider asked us to wait, when it said.
+    """
+
+    reason = SUMMARY_FAILED
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str | None = None,
+        retryable: bool = False,
+        offload_images: int = 0,
+        status: int | None = None,
+        retry_after: float | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        details = dict(metadata or {})
+        details["retryable"] = "true" if retryable else "false"
+        if offload_images:
+            details["offload_images"] = str(offload_images)
+        if status is not None:
+            details["http_status"] = str(status)
+        super().__init__(message, reason=reason, metadata=details)
+        self.retryable = retryable
+        self.offload_images = offload_images
+        self.status = status
+        self.retry_after = retry_after

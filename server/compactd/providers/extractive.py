@@ -1,0 +1,458 @@
+"""``ExtractiveSummarizer``: a deterministic summary that needs no model.
+
+For air-gapped deployments and as the test default. It extracts facts instead of writing prose:
+the user's requests (verbatim, clipped), tools and commands used, file paths, error lines, and
+the last state of the work, laid out in the same eight sections the compaction instruction asks a
+model for (``prompts.SUMMARY_SECTIONS``).
+
+A prior checkpoint in the span (a ``<compacted-summary>`` block) is folded forward: its bullets
+are merged section by section with the new facts (the newer state replaces the older "Work in
+Progress" and "Immediate Next Step"), never copied as a nested block.
+
+The output fits ``max_tokens`` under the reference heuristic (4 UTF-16 code units per token):
+when everything does not fit, the most useful facts are kept first (the current state, the first
+and latest requests, then errors, paths, older requests, commands, ...). Same input, same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from compactd.core import prompts
+from compactd.providers import base
+from compactd.providers.base import SummaryError, SummaryRequest, SummaryResult
+from compactd.v1 import session_service_pb2
+
+Message = session_service_pb2.Message
+_ROLE = session_service_pb2
+
+# Section indexes into prompts.SUMMARY_SECTIONS.
+_GOALS, _TECH, _FILES, _ERRORS, _OUTSTANDING, _PROGRESS, _NEXT, _ESSENTIAL = range(8)
+_UNITS_PER_TOKEN = 4
+_ELLIPSIS = "…"
+
+_CHECKPOINT = re.compile(
+    re.escape(prompts.SUMMARY_OPEN_TAG) + r"\n?(.*?)\n?" + re.escape(prompts.SUMMARY_CLOSE_TAG),
+    re.DOTALL,
+)
+_PATH_TOKEN = re.compile(r"(?<![\w:/.~@+-])[\w.~@+-]*(?:/[\w.@+-]+)+/?")
+_KNOWN_EXTENSIONS = (
+    "py|pyi|ts|tsx|js|jsx|mjs|cjs|json|jsonl|toml|yaml|yml|md|rst|txt|go|rs|java|kt|c|h|cc|cpp|"
+    "hpp|cs|rb|php|sh|bash|zsh|sql|proto|html|css|scss|xml|ini|cfg|conf|lock|csv|ipynb|swift|lua|"
+    "env|log|mk|gradle|tf"
+)
+_BARE_FILE = re.compile(rf"(?<![\w/.-])[\w-]+(?:\.[\w-]+)*\.(?:{_KNOWN_EXTENSIONS})\b")
+_EXTENSION = re.compile(r"\.[A-Za-z0-9]{1,10}$")
+_ERROR_LINE = re.compile(
+    r"(?i:\b(?:error|exception|traceback|failed|failure|fatal|panic|denied|not found)\b)"
+    r"|\w(?:Error|Exception|Warning)\b"
+)
+_PATH_KEYS = ("path", "file_path", "filepath", "filename", "file", "paths", "files")
+_COMMAND_KEYS = ("command", "cmd", "script", "shell")
+
+
+@dataclass(frozen=True)
+class _Limits:
+    request_units: int = 800
+    item_units: int = 240
+    max_paths: int = 60
+    max_commands: int = 30
+    max_errors: int = 30
+    errors_per_result: int = 3
+
+
+@dataclass
+class _Facts:
+    """Everything extracted from a span, in first-seen order."""
+
+    prior: dict[int, list[str]] = field(default_factory=dict)
+    requests: list[str] = field(default_factory=list)
+    tools: dict[str, int] = field(default_factory=dict)
+    commands: list[str] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+    result_paths: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    updates: list[str] = field(default_factory=list)
+    progress: list[str] = field(default_factory=list)
+    next_step: str = ""
+    has_new: bool = False
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """One bullet that may enter the summary; lower ``rank`` is kept first."""
+
+    rank: tuple[int, int]
+    section: int
+    order: int
+    text: str
+
+
+class ExtractiveSummarizer:
+    """A ``Summarizer`` that extracts facts deterministically; never calls a model."""
+
+    name = "extractive"
+
+    def __init__(self, *, request_chars: int = 800, item_chars: int = 240) -> None:
+        """Configure clipping.
+
+        Args:
+            request_chars: Longest quoted user request, in UTF-16 code units.
+            item_chars: Longest other bullet (path, command, error line, state), same unit.
+        """
+        self._limits = _Limits(request_units=request_chars, item_units=item_chars)
+
+    async def summarize(self, request: SummaryRequest) -> SummaryResult:
+        """Summarize ``request.messages`` within ``request.max_tokens``.
+
+        Raises:
+            SummaryError: ``max_tokens`` cannot hold even the eight empty sections.
+        """
+        text = self.summary_text(request.messages, request.max_tokens)
+        return SummaryResult(
+            text=text, usage=None, provider="compactd", model=self.name, finish_reason="stop"
+        )
+
+    def summary_text(self, messages: Sequence[Message], max_tokens: int) -> str:
+        """The summary of ``messages`` (a leading system message is the head and is skipped)."""
+        budget = max_tokens * _UNITS_PER_TOKEN
+        skeleton = _render({})
+        if _units(skeleton) > budget:
+            raise SummaryError(
+                f"max_tokens={max_tokens} cannot hold the summary's eight sections (needs at "
+                f"least {-(-_units(skeleton) // _UNITS_PER_TOKEN)})",
+                reason=base.SUMMARIZER_MISCONFIGURED,
+            )
+        facts = _extract(_span(messages), self._limits)
+        return _fit(_candidates(facts, self._limits), budget)
+
+
+# --- extraction ------------------------------------------------------------------------------
+
+
+def _span(messages: Sequence[Message]) -> Sequence[Message]:
+    """The messages to summarize: the system head stays outside every summary."""
+    if messages and messages[0].role == _ROLE.MESSAGE_ROLE_SYSTEM:
+        return messages[1:]
+    return messages
+
+
+def _extract(messages: Sequence[Message], limits: _Limits) -> _Facts:
+    facts = _Facts()
+    for message in messages:
+        if message.role == _ROLE.MESSAGE_ROLE_USER:
+            _add_user(facts, message)
+        elif message.role == _ROLE.MESSAGE_ROLE_ASSISTANT:
+            _add_assistant(facts, message, limits)
+        elif message.role == _ROLE.MESSAGE_ROLE_TOOL:
+            _add_tool_result(facts, message, limits)
+        else:
+            text = _text(message).strip()
+            if text:
+                facts.updates.append(text)
+                facts.has_new = True
+    facts.next_step = _next_step(messages, limits)
+    return facts
+
+
+def _add_user(facts: _Facts, message: Message) -> None:
+    text = _text(message)
+    folded = _CHECKPOINT.findall(text)
+    if folded:
+        for summary in folded:
+            _merge_prior(facts.prior, _parse_sections(summary))
+        return
+    facts.has_new = True
+    if text.strip():
+        # A repeated request is kept once, at its latest position.
+        if text.strip() in facts.requests:
+            facts.requests.remove(text.strip())
+        facts.requests.append(text.strip())
+        _add_paths(facts.paths, text)
+        for line in text.splitlines():
+            if line.startswith("$ "):
+                _add_unique(facts.commands, line[2:].strip())
+    images = sum(1 for block in message.content if block.HasField("image"))
+    if images:
+        facts.requests.append(f"[{images} image(s) attached]")
+
+
+def _add_assistant(facts: _Facts, message: Message, limits: _Limits) -> None:
+    facts.has_new = True
+    text = _text(message).strip()
+    facts.progress = []
+    if text:
+        _add_paths(facts.paths, text)
+        _add_unique(facts.progress, "Last assistant message: " + _clip(text, limits.item_units))
+    for block in message.content:
+        if block.HasField("tool_call"):
+            call = block.tool_call
+            facts.tools[call.name] = facts.tools.get(call.name, 0) + 1
+            _add_call_facts(facts, call.arguments_json)
+            _add_unique(facts.progress, f"Last tool call: {call.name} {call.arguments_json}")
+
+
+def _add_call_facts(facts: _Facts, arguments_json: str) -> None:
+    try:
+        arguments: Any = json.loads(arguments_json) if arguments_json else {}
+    except ValueError:
+        _add_paths(facts.paths, arguments_json)
+        return
+    for key, value in _walk(arguments):
+        strings = [value] if isinstance(value, str) else []
+        if isinstance(value, list) and all(isinstance(item, str) for item in value):
+            strings = value
+        if key in _COMMAND_KEYS and strings:
+            _add_unique(facts.commands, " ".join(strings))
+        elif key in _PATH_KEYS:
+            for item in strings:
+                _add_unique(facts.paths, item)
+        for item in strings:
+            _add_paths(facts.paths, item)
+
+
+def _add_tool_result(facts: _Facts, message: Message, limits: _Limits) -> None:
+    facts.has_new = True
+    text = _text(message)
+    name = message.name or message.tool_call_id or "tool"
+    _add_paths(facts.result_paths, text)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    # The last matching lines carry the cause (a traceback ends with it); a failed tool with
+    # no recognisable line still records its first line.
+    matching = [line for line in lines if _ERROR_LINE.search(line)]
+    if message.is_error and not matching:
+        matching = lines[:1]
+    for line in matching[-limits.errors_per_result :]:
+        _add_unique(facts.errors, f"{name}: {line}")
+    status = "failed" if message.is_error else "returned"
+    first = lines[0] if lines else "(no text)"
+    _add_unique(facts.progress, f"Last tool result: {name} {status}: {first}")
+
+
+def _next_step(messages: Sequence[Message], limits: _Limits) -> str:
+    """What comes next, judged only from how the span ends."""
+    if not messages:
+        return ""
+    last = messages[-1]
+    if last.role == _ROLE.MESSAGE_ROLE_USER and not _CHECKPOINT.search(_text(last)):
+        return "Answer the latest user request: " + _clip(_text(last).strip(), limits.item_units)
+    if last.role == _ROLE.MESSAGE_ROLE_TOOL:
+        return f"Continue from the result of {last.name or 'the last tool call'}"
+    return ""
+
+
+def _text(message: Message) -> str:
+    return "\n\n".join(block.text.text for block in message.content if block.HasField("text"))
+
+
+def _walk(value: Any, key: str = "") -> Iterator[tuple[str, Any]]:
+    """``(key, value)`` pairs of a decoded JSON value, depth first, in document order."""
+    yield key.lower(), value
+    if isinstance(value, dict):
+        for child_key, child in value.items():
+            yield from _walk(child, str(child_key))
+    elif isinstance(value, list):
+        for child in value:
+            if not isinstance(child, str):
+                yield from _walk(child, key)
+
+
+def _add_paths(paths: list[str], text: str) -> None:
+    for match in _PATH_TOKEN.finditer(text):
+        token = match.group(0).rstrip(".,:;")
+        if _looks_like_path(token):
+            _add_unique(paths, token)
+    for match in _BARE_FILE.finditer(text):
+        _add_unique(paths, match.group(0))
+
+
+def _looks_like_path(token: str) -> bool:
+    if token.startswith(("/", "~/", "./", "../")):
+        return len(token) > 1
+    return token.count("/") >= 2 or bool(_EXTENSION.search(token))
+
+
+def _add_unique(items: list[str], item: str) -> None:
+    if item and item not in items:
+        items.append(item)
+
+
+# --- folding a prior checkpoint ------------------------------------------------------------
+
+
+def _parse_sections(summary: str) -> dict[int, list[str]]:
+    """Bullets of a summary by section index; unknown headings go to Essential Context.
+
+    Reads what ``_render`` writes (continuation lines indented by two spaces) and, leniently,
+    model-written summaries (``*`` bullets, plain lines).
+    """
+    sections: dict[int, list[str]] = {}
+    current = _ESSENTIAL
+    for line in summary.splitlines():
+        bullets = sections.setdefault(current, [])
+        if line.startswith("#"):
+            current = _section_index(line.lstrip("#").strip())
+        elif line.startswith(("- ", "* ")):
+            bullets.append(line[2:])
+        elif line.startswith((" ", "\t")) and bullets:
+            bullets[-1] += "\n" + (line[2:] if line.startswith("  ") else line.lstrip())
+        elif line.strip():
+            bullets.append(line.strip())
+    return {
+        index: kept
+        for index, items in sections.items()
+        if (kept := [item for item in items if item.strip() != prompts.EMPTY_SECTION])
+    }
+
+
+def _section_index(title: str) -> int:
+    lowered = title.lower()
+    for index, known in enumerate(prompts.SUMMARY_SECTIONS):
+        if known.lower() == lowered:
+            return index
+    return _ESSENTIAL
+
+
+def _merge_prior(prior: dict[int, list[str]], more: dict[int, list[str]]) -> None:
+    for index, items in more.items():
+        bucket = prior.setdefault(index, [])
+        for item in items:
+            _add_unique(bucket, item)
+
+
+# --- selection within the budget -----------------------------------------------------------
+
+
+class _Ranking:
+    """Collects candidate bullets in first-seen order, each with its rank, once per section."""
+
+    def __init__(self) -> None:
+        self.candidates: list[_Candidate] = []
+        self._seen: set[tuple[int, str]] = set()
+
+    def add(
+        self, tier: int, section: int, items: Sequence[str], cap: int, *, newest_first: bool
+    ) -> None:
+        """Add ``items`` (clipped to ``cap``) at ``tier``; within a tier, older or newer first."""
+        for position, item in enumerate(items):
+            text = _clip(item, cap)
+            if (section, text) in self._seen:
+                continue
+            self._seen.add((section, text))
+            recency = len(items) - position if newest_first else position
+            order = len(self.candidates)
+            self.candidates.append(_Candidate((tier, recency), section, order, text))
+
+
+def _candidates(facts: _Facts, limits: _Limits) -> list[_Candidate]:
+    """Every possible bullet, ranked: tier 0 (state, first and latest request, next step) is kept
+    first, then errors and prior goals, paths and older requests, commands and tools, then paths
+    seen only in tool output."""
+    ranking = _Ranking()
+    item, request = limits.item_units, limits.request_units
+    for section, items in sorted(facts.prior.items()):
+        if section not in (_PROGRESS, _NEXT):
+            tier = 1 if section in (_GOALS, _OUTSTANDING) else 3
+            ranking.add(tier, section, items, request, newest_first=False)
+    progress = facts.progress if facts.has_new else facts.prior.get(_PROGRESS, [])
+    ranking.add(0, _PROGRESS, progress[-3:], item, newest_first=False)
+    next_step = [facts.next_step] if facts.has_new else facts.prior.get(_NEXT, [])
+    ranking.add(0, _NEXT, [step for step in next_step if step][:1], item, newest_first=False)
+    _rank_requests(ranking, facts.requests, request)
+    ranking.add(1, _ERRORS, facts.errors[-limits.max_errors :], item, newest_first=True)
+    ranking.add(2, _FILES, facts.paths[: limits.max_paths], item, newest_first=False)
+    seen_in_output = [path for path in facts.result_paths if path not in facts.paths]
+    spare = max(0, limits.max_paths - len(facts.paths))
+    ranking.add(4, _FILES, seen_in_output[:spare], item, newest_first=False)
+    commands = [f"Ran: {command}" for command in facts.commands[-limits.max_commands :]]
+    ranking.add(3, _TECH, commands, item, newest_first=True)
+    tools = [f"Tool {name} called {count}x" for name, count in facts.tools.items()]
+    ranking.add(3, _TECH, tools, item, newest_first=False)
+    updates = [f"Instruction update: {text}" for text in facts.updates]
+    ranking.add(3, _ESSENTIAL, updates, request, newest_first=True)
+    return ranking.candidates
+
+
+def _rank_requests(ranking: _Ranking, requests: Sequence[str], cap: int) -> None:
+    """The first and latest requests are tier 0; the ones between are tier 2, newest first."""
+    if not requests:
+        return
+    ranking.add(0, _GOALS, requests[:1], cap, newest_first=False)
+    ranking.add(2, _GOALS, requests[1:-1], cap, newest_first=True)
+    if len(requests) > 1:
+        ranking.add(0, _GOALS, requests[-1:], cap, newest_first=False)
+
+
+def _fit(candidates: Sequence[_Candidate], budget: int) -> str:
+    """Render the highest-ranked candidates that fit in ``budget`` code units."""
+    chosen: dict[int, list[_Candidate]] = {}
+    used = _units(_render({}))
+    for candidate in sorted(candidates, key=lambda c: (c.rank, c.order)):
+        # The first bullet of a section replaces its "(none)" line; later ones add a newline.
+        first = candidate.section not in chosen
+        credit = _units(_bullet(prompts.EMPTY_SECTION)) if first else -1
+        room = budget - used + credit
+        fitted = candidate if _units(_bullet(candidate.text)) <= room else _shrunk(candidate, room)
+        if fitted is None:
+            continue
+        chosen.setdefault(fitted.section, []).append(fitted)
+        used += _units(_bullet(fitted.text)) - credit
+    by_section = {
+        index: [c.text for c in sorted(items, key=lambda c: c.order)]
+        for index, items in chosen.items()
+    }
+    return _render(by_section)
+
+
+def _shrunk(candidate: _Candidate, room: int) -> _Candidate | None:
+    """The candidate clipped so its bullet line takes at most ``room`` units; None if too small."""
+    # A bullet line adds "- " and two spaces of indentation per continuation line.
+    room_for_text = room - 2 - 2 * candidate.text.count("\n")
+    if room_for_text < 24:
+        return None
+    text = _clip(candidate.text, room_for_text)
+    return _Candidate(candidate.rank, candidate.section, candidate.order, text)
+
+
+def _render(sections: dict[int, list[str]]) -> str:
+    blocks = []
+    for index, title in enumerate(prompts.SUMMARY_SECTIONS):
+        items = sections.get(index) or [prompts.EMPTY_SECTION]
+        blocks.append(f"## {title}\n" + "\n".join(_bullet(item) for item in items))
+    return "\n\n".join(blocks)
+
+
+def _bullet(text: str) -> str:
+    """A bullet line; continuation lines are indented so the bullet stays one item."""
+    return "- " + "\n  ".join(text.splitlines() or [""])
+
+
+# --- text measurement ----------------------------------------------------------------------
+
+
+def _units(text: str) -> int:
+    """Length in UTF-16 code units (the reference heuristic's character)."""
+    return len(text.encode("utf-16-le")) // 2
+
+
+def _clip(text: str, max_units: int) -> str:
+    """``text`` within ``max_units`` code units, cut at a word boundary with an ellipsis."""
+    if _units(text) <= max_units:
+        return text
+    room = max(0, max_units - len(_ELLIPSIS))
+    cut, used = 0, 0
+    while cut < len(text):
+        size = 2 if ord(text[cut]) > 0xFFFF else 1
+        if used + size > room:
+            break
+        used += size
+        cut += 1
+    head = text[:cut]
+    space = head.rfind(" ")
+    if space >= room * 4 // 5:
+        head = head[:space]
+    return head.rstrip() + _ELLIPSIS

@@ -1,0 +1,195 @@
+"""ExtractiveSummarizer: deterministic facts in eight sections, within max_tokens."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compactd.core import prompts
+from compactd.providers import base
+from compactd.providers.base import SummaryError, SummaryRequest
+from compactd.providers.extractive import ExtractiveSummarizer
+from compactd.testing.messages import assistant, developer, system, tool_result, user
+from compactd.v1 import events_pb2
+from compactd.v1.session_service_pb2 import Message
+
+SPAN = [
+    system("You are a coding agent. SECRET-SYSTEM-HEAD"),
+    user("Please make `compactd serve` read its port from COMPACTD_LISTEN."),
+    assistant(
+        "Reading the config module.",
+        calls=[("c1", "read_file", '{"path": "server/compactd/config.py"}')],
+    ),
+    tool_result("c1", "def load():\n    return Config()", name="read_file"),
+    assistant("Running the tests.", calls=[("c2", "bash", '{"command": "pytest -q tests/"}')]),
+    tool_result(
+        "c2",
+        "tests/test_config.py F\nE   KeyError: 'COMPACTD_LISTEN'\n1 failed in 0.2s",
+        name="bash",
+        is_error=True,
+    ),
+    developer("Never edit generated code under server/compactd/v1/."),
+    user("Also keep the default 127.0.0.1:50051."),
+]
+
+
+def _request(messages: Sequence[Message], max_tokens: int = 2000) -> SummaryRequest:
+    return SummaryRequest(
+        messages=messages,
+        tools=[],
+        config=events_pb2.RequestConfig(),
+        instruction=prompts.compaction_instruction(None),
+        max_tokens=max_tokens,
+    )
+
+
+async def _summary(messages: Sequence[Message], max_tokens: int = 2000) -> str:
+    result = await ExtractiveSummarizer().summarize(_request(messages, max_tokens))
+    return result.text
+
+
+def _sections(text: str) -> dict[str, str]:
+    """Section bodies by title; only unindented ``## `` lines start a section."""
+    sections: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("## "):
+            sections[line[3:]] = []
+        elif sections:
+            sections[list(sections)[-1]].append(line)
+    return {title: "\n".join(lines).strip() for title, lines in sections.items()}
+
+
+def _tokens(text: str) -> int:
+    return math.ceil(len(text.encode("utf-16-le")) / 2 / 4)
+
+
+async def test_the_summary_has_all_eight_sections_in_order() -> None:
+    text = await _summary(SPAN)
+
+    assert list(_sections(text)) == list(prompts.SUMMARY_SECTIONS)
+
+
+async def test_it_keeps_requests_paths_commands_errors_and_the_last_state() -> None:
+    sections = _sections(await _summary(SPAN))
+
+    goals = sections["Goals and Requests"]
+    assert "Please make `compactd serve` read its port from COMPACTD_LISTEN." in goals
+    assert "Also keep the default 127.0.0.1:50051." in goals
+    assert "server/compactd/config.py" in sections["Files Touched"]
+    assert "tests/test_config.py" in sections["Files Touched"]
+    assert "Ran: pytest -q tests/" in sections["Technical Context"]
+    assert "KeyError: 'COMPACTD_LISTEN'" in sections["Errors and Resolutions"]
+    assert "Never edit generated code" in sections["Essential Context"]
+    assert "Answer the latest user request" in sections["Immediate Next Step"]
+    assert "Running the tests." in sections["Work in Progress"]
+
+
+async def test_the_system_head_stays_out_of_the_summary() -> None:
+    assert "SECRET-SYSTEM-HEAD" not in await _summary(SPAN)
+
+
+async def test_empty_sections_say_none() -> None:
+    sections = _sections(await _summary([user("hello")]))
+
+    assert sections["Outstanding Work"] == f"- {prompts.EMPTY_SECTION}"
+    assert sections["Goals and Requests"] == "- hello"
+
+
+async def test_the_same_span_gives_the_same_bytes() -> None:
+    assert await _summary(SPAN) == await _summary(list(SPAN))
+
+
+async def test_a_long_span_fits_max_tokens_and_keeps_first_and_latest_requests() -> None:
+    span = [user(f"request number {n}: " + "detail " * 40) for n in range(200)]
+    span[0] = user("FIRST: build the thing")
+    span[-1] = user("LATEST: ship it")
+
+    text = await _summary(span, max_tokens=300)
+
+    assert _tokens(text) <= 300
+    assert "FIRST: build the thing" in text
+    assert "LATEST: ship it" in text
+    assert list(_sections(text)) == list(prompts.SUMMARY_SECTIONS)
+
+
+async def test_too_small_a_budget_for_the_skeleton_fails_clearly() -> None:
+    with pytest.raises(SummaryError, match="eight sections") as caught:
+        await _summary(SPAN, max_tokens=10)
+
+    assert caught.value.reason == base.SUMMARIZER_MISCONFIGURED
+
+
+async def test_a_prior_checkpoint_is_folded_not_nested() -> None:
+    first = await _summary(SPAN)
+    later = [
+        user(prompts.frame_checkpoint(first)),
+        user("Now document COMPACTD_LISTEN in README.md."),
+        assistant("Editing.", calls=[("c3", "edit", '{"file_path": "README.md"}')]),
+        tool_result("c3", "ok", name="edit"),
+    ]
+
+    text = await _summary(later)
+    sections = _sections(text)
+
+    assert prompts.SUMMARY_OPEN_TAG not in text
+    assert prompts.CHECKPOINT_PREAMBLE not in text
+    assert text.count("## Goals and Requests") == 1
+    goals = sections["Goals and Requests"]
+    assert "read its port from COMPACTD_LISTEN" in goals
+    assert "Now document COMPACTD_LISTEN in README.md." in goals
+    assert "server/compactd/config.py" in sections["Files Touched"]
+    assert "README.md" in sections["Files Touched"]
+    assert "KeyError: 'COMPACTD_LISTEN'" in sections["Errors and Resolutions"]
+    # The newer state replaces the older one.
+    assert "Running the tests." not in sections["Work in Progress"]
+    assert "edit" in sections["Work in Progress"]
+
+
+async def test_folding_a_checkpoint_alone_keeps_its_facts_once() -> None:
+    first = await _summary(SPAN)
+
+    again = await _summary([user(prompts.frame_checkpoint(first))])
+
+    assert again == first
+
+
+_texts = st.text(max_size=300)
+_messages = st.one_of(
+    _texts.map(user),
+    _texts.map(developer),
+    st.builds(
+        lambda text, args: assistant(text, calls=[("c", "bash", args)]),
+        _texts,
+        st.text(max_size=80),
+    ),
+    st.builds(
+        lambda text, error: tool_result("c", text, name="bash", is_error=error),
+        _texts,
+        st.booleans(),
+    ),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_messages, max_size=25), st.integers(min_value=120, max_value=2000))
+async def test_any_span_fits_max_tokens_deterministically(
+    span: list[Message], max_tokens: int
+) -> None:
+    first = await _summary(span, max_tokens)
+    second = await _summary(span, max_tokens)
+
+    assert first == second
+    assert _tokens(first) <= max_tokens
+    assert list(_sections(first)) == list(prompts.SUMMARY_SECTIONS)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_messages, max_size=15))
+async def test_folding_a_lone_checkpoint_reproduces_it(span: list[Message]) -> None:
+    first = await _summary(span, max_tokens=100_000)
+
+    assert await _summary([user(prompts.frame_checkpoint(first))], max_tokens=100_000) == first

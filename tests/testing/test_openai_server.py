@@ -1,0 +1,181 @@
+"""OpenAICompatServer: a real OpenAI-compatible HTTP server on loopback."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from compactd.core import prompts
+from compactd.providers.openai_wire import SSEDecoder
+from compactd.testing import OpenAICompatServer, Reply, ScriptedToolCall
+
+
+@pytest.fixture
+def provider() -> Iterator[OpenAICompatServer]:
+    with OpenAICompatServer() as running:
+        yield running
+
+
+def _body(stream: bool, **extra: object) -> dict[str, object]:
+    return {
+        "model": "loop-1",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        "stream": stream,
+        **extra,
+    }
+
+
+def _events(response: httpx.Response) -> list[dict[str, object]]:
+    decoder = SSEDecoder()
+    payloads = [d for line in response.text.splitlines() if (d := decoder.feed_line(line))]
+    assert payloads[-1] == "[DONE]"
+    return [json.loads(p) for p in payloads[:-1]]
+
+
+def test_it_binds_an_ephemeral_loopback_port(provider: OpenAICompatServer) -> None:
+    assert provider.base_url == f"http://127.0.0.1:{provider.port}/v1"
+    assert provider.port > 0
+
+
+def test_a_streamed_reply_ends_with_a_usage_chunk_and_done(provider: OpenAICompatServer) -> None:
+    provider.enqueue(Reply(text="Hello there", reasoning="hmm", chunk_chars=4))
+    body = _body(True, stream_options={"include_usage": True})
+
+    response = httpx.post(f"{provider.base_url}/chat/completions", json=body)
+
+    assert response.headers["content-type"] == "text/event-stream"
+    events = _events(response)
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]  # type: ignore[index]
+    assert "".join(d.get("content", "") for d in deltas) == "Hello there"
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "hmm"
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"  # type: ignore[index]
+    assert events[-1]["choices"] == []
+    assert events[-1]["usage"]["completion_tokens"] > 0  # type: ignore[index]
+
+
+def test_without_include_usage_no_usage_chunk_is_sent(provider: OpenAICompatServer) -> None:
+    events = _events(httpx.post(f"{provider.base_url}/chat/completions", json=_body(True)))
+
+    assert all("usage" not in event for event in events)
+
+
+def test_a_non_streamed_reply_is_one_completion(provider: OpenAICompatServer) -> None:
+    provider.enqueue(Reply(text="ok", tool_calls=(ScriptedToolCall("bash", '{"a":1}'),)))
+
+    response = httpx.post(f"{provider.base_url}/chat/completions", json=_body(False)).json()
+
+    message = response["choices"][0]["message"]
+    assert message["content"] == "ok"
+    assert message["tool_calls"][0]["function"] == {"name": "bash", "arguments": '{"a":1}'}
+    assert response["choices"][0]["finish_reason"] == "tool_calls"
+    assert response["usage"]["prompt_tokens"] > 0
+
+
+def test_every_request_is_recorded_byte_for_byte(provider: OpenAICompatServer) -> None:
+    raw = b'{"model":"m","messages":[{"role":"user","content":"\xc3\xa9"}],"stream":false}'
+
+    httpx.post(f"{provider.base_url}/chat/completions", content=raw, headers={"X-Custom": "1"})
+
+    [recorded] = provider.requests
+    assert recorded.body == raw
+    assert recorded.json["messages"][0]["content"] == "é"
+    assert recorded.header("x-custom") == "1"
+    assert recorded.path == "/v1/chat/completions"
+
+
+def test_scripted_errors_carry_status_headers_and_a_provider_body(
+    provider: OpenAICompatServer,
+) -> None:
+    provider.enqueue(Reply.rate_limited(retry_after=2), Reply.context_length_exceeded(8192, 9000))
+
+    limited = httpx.post(f"{provider.base_url}/chat/completions", json=_body(True))
+    too_long = httpx.post(f"{provider.base_url}/chat/completions", json=_body(True))
+
+    assert limited.status_code == 429
+    assert limited.headers["retry-after"] == "2"
+    assert limited.json()["error"]["type"] == "rate_limit_error"
+    assert too_long.status_code == 400
+    assert too_long.json()["error"]["code"] == "context_length_exceeded"
+    assert "8192" in too_long.json()["error"]["message"]
+
+
+def test_replies_are_used_in_order_then_the_default(provider: OpenAICompatServer) -> None:
+    provider.enqueue(Reply(text="one"), Reply(text="two"))
+    url = f"{provider.base_url}/chat/completions"
+
+    texts = [
+        httpx.post(url, json=_body(False)).json()["choices"][0]["message"]["content"]
+        for _ in range(3)
+    ]
+
+    assert texts[:2] == ["one", "two"]
+    assert texts[2].startswith("Loopback reply to 2 messages")
+    assert provider.pending == 0
+
+
+def test_the_default_reply_is_deterministic(provider: OpenAICompatServer) -> None:
+    url = f"{provider.base_url}/chat/completions"
+
+    first, second = (httpx.post(url, json=_body(False)).json() for _ in range(2))
+
+    assert first["choices"][0]["message"] == second["choices"][0]["message"]
+
+
+def test_an_unscripted_compaction_request_gets_an_eight_section_summary(
+    provider: OpenAICompatServer,
+) -> None:
+    body = _body(False)
+    body["messages"] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "user", "content": "summarize"},
+    ]
+
+    response = httpx.post(
+        f"{provider.base_url}/chat/completions",
+        json=body,
+        headers={"X-Compactd-Purpose": "compaction"},
+    ).json()
+
+    text = response["choices"][0]["message"]["content"]
+    assert [line[3:] for line in text.splitlines() if line.startswith("## ")] == list(
+        prompts.SUMMARY_SECTIONS
+    )
+    assert "- Hi" in text
+
+
+def test_a_repeated_prefix_is_reported_as_cached(provider: OpenAICompatServer) -> None:
+    url = f"{provider.base_url}/chat/completions"
+
+    cold = httpx.post(url, json=_body(False)).json()["usage"]
+    warm = httpx.post(url, json=_body(False)).json()["usage"]
+
+    assert cold["prompt_tokens_details"]["cached_tokens"] == 0
+    assert warm["prompt_tokens_details"]["cached_tokens"] == warm["prompt_tokens"]
+
+
+def test_an_unknown_path_is_not_found(provider: OpenAICompatServer) -> None:
+    assert httpx.post(f"{provider.base_url}/embeddings", json={}).status_code == 404
+
+
+def test_stop_cuts_a_pending_delayed_reply(provider: OpenAICompatServer) -> None:
+    provider.enqueue(Reply(text="never", delay_before=600))
+    outcome: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            httpx.post(f"{provider.base_url}/chat/completions", json=_body(True), timeout=600)
+        except httpx.HTTPError as exc:
+            outcome.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert provider.wait_for_requests(1)
+    provider.stop()
+    caller.join()
+
+    assert len(outcome) == 1
