@@ -53,7 +53,7 @@ def checkpoint(compaction_id: str, text: str) -> SessionEvent:
 def assistant(
     text: str = "", *, calls: Iterable[tuple[str, str, str]] = (), reasoning: str = ""
 ) -> SessionEvent:
-    """An ``assistant/message``: optional reasoning, optional text, then ``(id, name, args)`` calls."""
+    """An ``assistant/message``: reasoning and text when given, then ``(id, name, args)`` calls."""
     content = []
     if reasoning:
         content.append(ContentBlock(reasoning=events_pb2.ReasoningBlock(text=reasoning)))

@@ -1,9 +1,9 @@
 """Service configuration: defaults, then the TOML file, then the environment, then flags.
 
 One place reads the environment and the file. Values are validated at start; every error names
-the bad key (``server.max_message_bytes``, ``COMPACTD_LISTEN``). Sections owned by other modules
-(``compaction`` — the spec's policy keys, ``routes``, ``summarizer``) are carried as plain data
-and validated by their owners at start.
+the bad key (``server.max_message_bytes``, ``COMPACTD_LISTEN``). Tables owned by other modules
+(``[compaction]`` — the spec's policy keys, ``[[routes]]``, ``[summarizer]``, ``[pruner]``) are
+carried as plain data and validated by their owners at start (``api.server.components``).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class ServerConfig:
     compaction: Mapping[str, Any] = field(default_factory=dict)
     routes: tuple[Mapping[str, Any], ...] = ()
     summarizer: Mapping[str, Any] = field(default_factory=dict)
+    pruner: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -45,10 +46,9 @@ class ServerConfig:
         return host.strip("[]"), int(port)
 
 
-_SCALARS = {
-    f.name: f for f in fields(ServerConfig) if f.name not in ("compaction", "routes", "summarizer")
-}
-_FILE_SECTIONS = {"compaction", "routes", "summarizer", "server"}
+_TABLES = ("compaction", "summarizer", "pruner")
+_SCALARS = {f.name: f for f in fields(ServerConfig) if f.name not in ("routes", *_TABLES)}
+_FILE_SECTIONS = {"routes", "server", *_TABLES}
 
 
 def load(
@@ -87,7 +87,7 @@ def _from_file(path: Path) -> dict[str, Any]:
             if not isinstance(value, list) or not all(isinstance(r, dict) for r in value):
                 raise ConfigError("routes: must be an array of tables ([[routes]])")
             values["routes"] = tuple(value)
-        elif key in ("compaction", "summarizer"):
+        elif key in _TABLES:
             if not isinstance(value, dict):
                 raise ConfigError(f"{key}: must be a table")
             values[key] = value

@@ -1,17 +1,126 @@
-"""``compactd.v1.CompactionService``: pressure reports and compaction."""
+"""``compactd.v1.CompactionService``: pressure reports and compaction, streamed step by step."""
 
 from __future__ import annotations
 
-from compactd.api.status import unimplemented
-from compactd.v1 import compaction_service_pb2_grpc
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from compactd.api.status import handle_errors, unimplemented
+from compactd.errors import FieldViolation, InvalidArgument
+from compactd.routes import Route
+from compactd.service.compaction import CompactionEngine, Progress
+from compactd.service.pressure import PressureService
+from compactd.v1 import compaction_service_pb2 as pb
+from compactd.v1 import compaction_service_pb2_grpc, events_pb2
+
+Context = grpc.aio.ServicerContext[Any, Any]
+Result = TypeVar("Result")
+_DONE = object()
 
 
 class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
-    """Adapter from the wire to the pressure and compaction services."""
+    """Adapter from the wire to ``PressureService`` and ``CompactionEngine``."""
 
-    CheckPressure = unimplemented("CheckPressure")
-    WatchPressure = unimplemented("WatchPressure")
-    PrepareStep = unimplemented("PrepareStep")
-    Compact = unimplemented("Compact")
+    def __init__(self, pressure: PressureService, engine: CompactionEngine) -> None:
+        self._pressure = pressure
+        self._engine = engine
+
+    @handle_errors
+    async def CheckPressure(
+        self, request: pb.CheckPressureRequest, context: Context
+    ) -> pb.CheckPressureResponse:
+        _require_session(request.session_id)
+        destination = self._destination(request.destination, request.HasField("destination"))
+        report = await self._pressure.check(request.session_id, destination)
+        return pb.CheckPressureResponse(report=report)
+
+    @handle_errors
+    async def WatchPressure(
+        self, request: pb.WatchPressureRequest, context: Context
+    ) -> AsyncIterator[pb.WatchPressureResponse]:
+        _require_session(request.session_id)
+        destination = self._destination(request.destination, request.HasField("destination"))
+        async for report in self._pressure.watch(request.session_id, destination):
+            yield pb.WatchPressureResponse(report=report)
+
+    @handle_errors
+    async def PrepareStep(
+        self, request: pb.PrepareStepRequest, context: Context
+    ) -> AsyncIterator[pb.PrepareStepResponse]:
+        _require_session(request.session_id)
+        intended = self._destination(request.intended_route, request.HasField("intended_route"))
+
+        def run(progress: Progress) -> Awaitable[pb.PrepareStepResult]:
+            return self._engine.prepare_step(request.session_id, request.turn, intended, progress)
+
+        async for progress, result in _streamed(run):
+            if result is None:
+                yield pb.PrepareStepResponse(progress=progress)
+            else:
+                yield pb.PrepareStepResponse(result=result)
+
+    @handle_errors
+    async def Compact(
+        self, request: pb.CompactRequest, context: Context
+    ) -> AsyncIterator[pb.CompactResponse]:
+        _require_session(request.session_id)
+
+        def run(progress: Progress) -> Awaitable[pb.CompactResult]:
+            return self._engine.compact(request.session_id, request.focus or None, progress)
+
+        async for progress, result in _streamed(run):
+            if result is None:
+                yield pb.CompactResponse(progress=progress)
+            else:
+                yield pb.CompactResponse(result=result)
+
     RecoverFromError = unimplemented("RecoverFromError")
     SwitchModel = unimplemented("SwitchModel")
+
+    def _destination(self, route: events_pb2.Route, present: bool) -> Route | None:
+        if not present:
+            return None
+        if not (route.provider and route.model):
+            raise InvalidArgument(
+                "a route names both provider and model",
+                violations=[FieldViolation("destination", "provider and model are required")],
+            )
+        return self._pressure.route_for(route.provider, route.model)
+
+
+async def _streamed(
+    run: Callable[[Progress], Awaitable[Result]],
+) -> AsyncIterator[tuple[pb.CompactionProgress | None, Result | None]]:
+    """Run an engine operation, yielding ``(progress, None)`` per step, then ``(None, result)``.
+
+    If the caller goes away, the operation is cancelled and awaited, so a bracket it opened is
+    closed before the handler returns.
+    """
+    queue: asyncio.Queue[object] = asyncio.Queue()
+
+    async def progress(update: pb.CompactionProgress) -> None:
+        queue.put_nowait(update)
+
+    task = asyncio.ensure_future(run(progress))
+    task.add_done_callback(lambda _: queue.put_nowait(_DONE))
+    try:
+        while (item := await queue.get()) is not _DONE:
+            assert isinstance(item, pb.CompactionProgress)
+            yield item, None
+        yield None, task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([task])
+
+
+def _require_session(session_id: str) -> None:
+    if not session_id:
+        raise InvalidArgument(
+            "session_id is required", violations=[FieldViolation("session_id", "required")]
+        )

@@ -22,7 +22,14 @@ from compactd import telemetry
 from compactd.api.compaction_service import CompactionServicer
 from compactd.api.session_service import SessionServicer
 from compactd.config import ServerConfig
+from compactd.core.policy import PressurePolicy
+from compactd.core.pruner import PrunerConfig
+from compactd.providers.base import Summarizer
+from compactd.routes import RouteCatalog
+from compactd.service.compaction import CompactionEngine
+from compactd.service.pressure import PressureService
 from compactd.service.sessions import SessionManager
+from compactd.service.summarizers import SummarizerRegistry, SummarizerSettings
 from compactd.store.base import EventStore
 from compactd.store.factory import open_store
 from compactd.v1 import (
@@ -69,26 +76,59 @@ class RunningServer:
             telemetry.shutdown(self.tracer_provider)
 
 
+@dataclass(frozen=True)
+class Components:
+    """The validated configuration sections every service is built from."""
+
+    routes: RouteCatalog
+    policy: PressurePolicy
+    pruner: PrunerConfig
+    summarizer: SummarizerSettings
+
+
+def components(config: ServerConfig) -> Components:
+    """Validate the owned sections of ``config`` (``ConfigError`` names the bad key)."""
+    return Components(
+        routes=RouteCatalog.from_config(config.routes),
+        policy=PressurePolicy.from_settings(config.compaction),
+        pruner=PrunerConfig.from_mapping(config.pruner, prefix="pruner"),
+        summarizer=SummarizerSettings.from_mapping(config.summarizer),
+    )
+
+
 async def create_server(
-    config: ServerConfig, *, tracer_provider: trace.TracerProvider | None = None
+    config: ServerConfig,
+    *,
+    tracer_provider: trace.TracerProvider | None = None,
+    summarizer: Summarizer | None = None,
 ) -> RunningServer:
-    """Open the store, build the services and start serving on ``config.listen``.
+    """Validate the configuration, open the store, build the services and start serving.
 
     ``tracer_provider`` defaults to one built from the OTEL_* environment (owned and shut down by
-    the returned server); gRPC server spans join the caller's W3C trace context.
+    the returned server); gRPC server spans join the caller's W3C trace context. ``summarizer``
+    replaces every route's summarizer (a deployment's own, or a test's).
     """
+    parts = components(config)
     owns_provider = tracer_provider is None
     provider = tracer_provider or telemetry.tracer_provider_from_env()
     store = open_store(config.store, synchronous=config.sqlite_synchronous)
     await store.open()
-    manager = SessionManager(store)
+    manager = SessionManager(store, policy_validator=parts.policy.with_overrides)
+    pressure = PressureService(manager, parts.routes, parts.policy)
+    engine = CompactionEngine(
+        manager,
+        pressure,
+        SummarizerRegistry(parts.routes, parts.summarizer, override=summarizer),
+        pruner=parts.pruner,
+        tracer_provider=provider,
+    )
     tracing = aio_server_interceptor(tracer_provider=provider)  # type: ignore[no-untyped-call]
     server = grpc.aio.server(options=_channel_options(config), interceptors=[tracing])
     session_service_pb2_grpc.add_SessionServiceServicer_to_server(
         SessionServicer(manager, max_batch_events=config.max_batch_events), server
     )
     compaction_service_pb2_grpc.add_CompactionServiceServicer_to_server(
-        CompactionServicer(), server
+        CompactionServicer(pressure, engine), server
     )
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -12,9 +12,10 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -165,7 +166,7 @@ class SessionManager:
         store: EventStore,
         *,
         instance_id: str | None = None,
-        policy_validator: Callable[[dict[str, object]], None] | None = None,
+        policy_validator: Callable[[Mapping[str, Any]], object] | None = None,
     ) -> None:
         self.store = store
         self._policy_validator = policy_validator

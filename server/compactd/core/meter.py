@@ -1,0 +1,467 @@
+"""The incremental token meter: the price of a session's request envelope at one revision.
+
+A ``SessionMeter`` follows one session's fold. Every committed batch is ``observe``d once: each
+surface node it adds or reprojects is priced when it arrives and kept, so ``measure`` adds cached
+totals instead of repricing the session. Prices depend on the route's ``PricingProfile``
+(tokenizer, framing, image pricing), so the meter keeps one ledger per profile, built on first
+use and then maintained with the others: the cost of a batch is the nodes it touches.
+
+Provider usage anchors a measurement. When an appended ``assistant/message`` carries the usage of
+the request it answered, that usage (input + cache read + cache write + output tokens; reasoning is
+already in output) prices the envelope up to and including that message, and only the surface
+after it is priced by the meter. Only the latest such message counts, and only while
+
+- it is still on the surface, and nothing at or before its position was replaced or reprojected
+  (image offload) since it arrived;
+- the route measured is the latest header's route, and the header in force now is the same
+  request (``core.header.same_request``) as the one in force when the message arrived;
+- the usage is not below the meter's own estimate of the same envelope.
+
+Otherwise the estimate stands. Reports say how the figure was obtained: EXACT (the route's
+tokenizer), HEURISTIC (the reference heuristic), or ANCHORED.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Set
+from dataclasses import dataclass
+from typing import Protocol
+
+from compactd.core import events as ev
+from compactd.core.events import SessionEvent
+from compactd.core.fold import AdmittedBatch, SessionFold
+from compactd.core.header import same_request
+from compactd.core.pricing import (
+    NodeCost,
+    PricingProfile,
+    heuristic_price,
+    price_config,
+    price_message,
+    price_node,
+    price_tools,
+)
+from compactd.core.projection import Message
+from compactd.core.surface import SurfaceChange
+from compactd.v1 import events_pb2
+
+__all__ = [
+    "Measurement",
+    "MeteredRoute",
+    "Method",
+    "SessionMeter",
+    "heuristic_price",
+    "recount",
+    "route_price",
+]
+
+
+class Method(enum.Enum):
+    """How a measurement was obtained."""
+
+    EXACT = "exact"
+    ANCHORED = "anchored"
+    HEURISTIC = "heuristic"
+
+
+class MeteredRoute(Protocol):
+    """What the meter needs of a route: its identity and its pricing profile."""
+
+    @property
+    def provider(self) -> str:
+        """Provider name."""
+        ...
+
+    @property
+    def model(self) -> str:
+        """Model name."""
+        ...
+
+    @property
+    def pricing(self) -> PricingProfile:
+        """How this route prices a node."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """The priced envelope at one revision.
+
+    The parts add up to ``total``. For ANCHORED, the gap between the provider's usage and the
+    meter's estimate of the same envelope is attributed to ``messages``.
+
+    Attributes:
+        revision: The log revision measured (events committed).
+        total: Tokens of the whole envelope.
+        system: The system head (the ``system/message`` at surface position 0).
+        tools: Tool declarations.
+        messages: Every other message, images excluded.
+        images: Images still sent and offload placeholders.
+        config: Request framing of the routed config.
+        method: EXACT, ANCHORED or HEURISTIC.
+        tokenizer: The tokenizer's name.
+        anchor_seq: For ANCHORED, the seq of the anchoring ``assistant/message``.
+    """
+
+    revision: int
+    total: int
+    system: int
+    tools: int
+    messages: int
+    images: int
+    config: int
+    method: Method
+    tokenizer: str
+    anchor_seq: int | None = None
+
+
+def route_price(
+    item: SessionEvent | Message, route: MeteredRoute, offloaded: Set[int] = frozenset()
+) -> int:
+    """The route price of one event (projected with ``offloaded``) or projected message.
+
+    For nodes not (yet) on the surface, e.g. a checkpoint before it is appended.
+    """
+    if isinstance(item, SessionEvent):
+        return price_node(item, route.pricing, offloaded).total
+    return price_message(item, route.pricing).total
+
+
+def recount(fold: SessionFold, route: MeteredRoute) -> Measurement:
+    """A from-scratch price of ``fold``'s envelope, without usage anchoring: the reference the
+    incremental meter must equal. Costs the whole session; for tests and benchmarks."""
+    pricing = route.pricing
+    costs = {
+        n.seq: price_node(n.event, pricing, fold.offloads.get(n.seq, frozenset()))
+        for n in fold.surface
+    }
+    return _assemble(
+        revision=fold.revision,
+        pricing=pricing,
+        costs=costs,
+        head=_head_seq(fold),
+        totals=_sum(costs.values()),
+        tools=price_tools(fold.header.tools, pricing) if fold.header else 0,
+        config=price_config(fold.header, pricing),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Anchor:
+    seq: int
+    usage: int
+    header_seq: int  # the request/header in force when the message arrived (-1: none)
+    header: events_pb2.RequestHeader | None
+
+
+class _Ledger:
+    """Cached node prices of one pricing profile and their running totals."""
+
+    def __init__(self, pricing: PricingProfile) -> None:
+        self.pricing = pricing
+        self.costs: dict[int, NodeCost] = {}
+        self.messages = 0
+        self.images = 0
+        self.delta = 0  # total of the nodes after the anchor
+        self._tools: tuple[int, int] = (-2, 0)  # (header seq, price)
+
+    def put(self, seq: int, cost: NodeCost, in_delta: bool) -> None:
+        self.drop(seq, in_delta)
+        self.costs[seq] = cost
+        self.messages += cost.messages
+        self.images += cost.images
+        if in_delta:
+            self.delta += cost.total
+
+    def drop(self, seq: int, in_delta: bool) -> None:
+        cost = self.costs.pop(seq, None)
+        if cost is None:
+            return
+        self.messages -= cost.messages
+        self.images -= cost.images
+        if in_delta:
+            self.delta -= cost.total
+
+    def tools(self, header_seq: int, header: events_pb2.RequestHeader | None) -> int:
+        if self._tools[0] != header_seq:
+            price = price_tools(header.tools, self.pricing) if header is not None else 0
+            self._tools = (header_seq, price)
+        return self._tools[1]
+
+
+class SessionMeter:
+    """The incremental meter of one session.
+
+    Create it from the session's fold (it takes the committed state as it is), then call
+    ``observe`` after every committed batch, in commit order. It keeps its own view of the
+    committed nodes, so a measurement never sees a batch that is admitted but not yet committed.
+    """
+
+    def __init__(self, fold: SessionFold) -> None:
+        self._fold = fold
+        self.revision = fold.revision
+        self._nodes: dict[int, SessionEvent] = {n.seq: n.event for n in fold.surface}
+        self._offloads: dict[int, frozenset[int]] = dict(fold.offloads)
+        self._head = _head_seq(fold)
+        self._header_seq = fold.header_seq
+        self._header = fold.header
+        self._ledgers: dict[PricingProfile, _Ledger] = {}
+        self._anchor: _Anchor | None = None
+        self._after_anchor: set[int] = set()
+        self._same_header: tuple[int, bool] = (-2, False)
+        self._bootstrap_anchor(fold)
+
+    @property
+    def header(self) -> events_pb2.RequestHeader | None:
+        """The latest committed ``request/header`` (as observed), or None."""
+        return self._header
+
+    # ---- observing ----------------------------------------------------------------------
+
+    def observe(self, fold: SessionFold, batch: AdmittedBatch) -> None:
+        """Fold one committed batch in: price what it added or reprojected, drop what it
+        shadowed. Call with the fold in the state right after the batch."""
+        changes = iter(batch.surface_changes)
+        for event in batch.events:
+            kind = ev.body_name(event)
+            if kind in ev.SURFACE_BODIES:
+                self._apply(fold, next(changes))
+            elif kind == "request_header":
+                self._header_seq, self._header = event.seq, event.request_header
+            elif kind == "image_offload":
+                self._offloaded(fold, event.image_offload)
+        for seq in batch.reprojected:
+            self._reproject(fold, seq)
+        self._head = _head_seq(fold)
+        self.revision = fold.revision
+
+    def _apply(self, fold: SessionFold, change: SurfaceChange) -> None:
+        for old in change.shadowed:
+            self._forget(old.seq)
+        node = change.node
+        in_delta = False
+        if change.shadowed:
+            if self._anchor is not None and self._before_anchor(fold, node.seq):
+                self._drop_anchor()
+            in_delta = self._anchor is not None
+        elif _usage(node.event):
+            self._set_anchor(node.seq, node.event)
+        else:
+            in_delta = self._anchor is not None
+        if fold.surface.position_of(node.seq) is None:
+            return  # shadowed later in this batch
+        self._nodes[node.seq] = node.event
+        if in_delta:
+            self._after_anchor.add(node.seq)
+        for ledger in self._ledgers.values():
+            ledger.put(node.seq, self._price(node.seq, ledger.pricing), in_delta)
+
+    def _forget(self, seq: int) -> None:
+        if self._anchor is not None and self._anchor.seq == seq:
+            self._drop_anchor()
+        in_delta = seq in self._after_anchor
+        self._after_anchor.discard(seq)
+        self._nodes.pop(seq, None)
+        self._offloads.pop(seq, None)
+        for ledger in self._ledgers.values():
+            ledger.drop(seq, in_delta)
+
+    def _offloaded(self, fold: SessionFold, offload: events_pb2.ImageOffload) -> None:
+        for target in offload.targets:
+            if self._anchor is not None and self._before_anchor(fold, target.seq):
+                self._drop_anchor()
+
+    def _reproject(self, fold: SessionFold, seq: int) -> None:
+        if seq not in self._nodes:
+            return
+        self._offloads[seq] = fold.offloads.get(seq, frozenset())
+        in_delta = seq in self._after_anchor
+        for ledger in self._ledgers.values():
+            ledger.put(seq, self._price(seq, ledger.pricing), in_delta)
+
+    def _price(self, seq: int, pricing: PricingProfile) -> NodeCost:
+        return price_node(self._nodes[seq], pricing, self._offloads.get(seq, frozenset()))
+
+    # ---- the anchor ---------------------------------------------------------------------
+
+    def _set_anchor(self, seq: int, event: SessionEvent) -> None:
+        self._anchor = _Anchor(seq, _usage(event), self._header_seq, self._header)
+        self._after_anchor.clear()
+        for ledger in self._ledgers.values():
+            ledger.delta = 0
+
+    def _drop_anchor(self) -> None:
+        self._anchor = None
+        self._after_anchor.clear()
+        for ledger in self._ledgers.values():
+            ledger.delta = 0
+
+    def _before_anchor(self, fold: SessionFold, seq: int) -> bool:
+        """Whether the current node ``seq`` sits at or before the anchor (post-batch positions:
+        replacements keep the relative order of the nodes they do not shadow)."""
+        assert self._anchor is not None
+        anchor_at = fold.surface.position_of(self._anchor.seq)
+        node_at = fold.surface.position_of(seq)
+        if anchor_at is None:
+            return True  # the anchor is shadowed within this batch
+        return node_at is not None and node_at <= anchor_at
+
+    def _bootstrap_anchor(self, fold: SessionFold) -> None:
+        """Find the anchor of a fold restored without this meter watching.
+
+        The latest appended ``assistant/message`` with usage anchors when no later event could
+        have changed what precedes it: no node before it is newer, no image before it is
+        offloaded, and no header was logged after it (conservative: those facts are not kept).
+        """
+        nodes = fold.surface.nodes
+        for position in range(len(nodes) - 1, -1, -1):
+            node = nodes[position]
+            if ev.is_replace(node.event) or not _usage(node.event):
+                continue
+            earlier = nodes[:position]
+            stale = (
+                fold.header_seq > node.seq
+                or any(n.seq > node.seq for n in earlier)
+                or any(n.seq in fold.offloads for n in earlier)
+            )
+            if not stale:
+                self._anchor = _Anchor(node.seq, _usage(node.event), fold.header_seq, fold.header)
+                self._after_anchor = {n.seq for n in nodes[position + 1 :]}
+            return
+
+    def _anchor_applies(self, route: MeteredRoute) -> bool:
+        anchor, header = self._anchor, self._header
+        if anchor is None or header is None:
+            return False
+        if (route.provider, route.model) != (header.config.provider, header.config.model):
+            return False
+        if anchor.header_seq == self._header_seq:
+            return True
+        if self._same_header[0] != self._header_seq:
+            same = anchor.header is not None and same_request(anchor.header, header)
+            self._same_header = (self._header_seq, same)
+        return self._same_header[1]
+
+    # ---- measuring ----------------------------------------------------------------------
+
+    def measure(self, fold: SessionFold, route: MeteredRoute) -> Measurement:
+        """The envelope's price for ``route`` at the last observed revision.
+
+        Costs O(1) once the route's profile has a ledger; the first measurement with a new
+        profile prices every current node once. ``fold`` must be the fold this meter follows.
+        """
+        self._check_fold(fold)
+        ledger = self._ledger(route.pricing)
+        estimate = _assemble(
+            revision=self.revision,
+            pricing=route.pricing,
+            costs=ledger.costs,
+            head=self._head,
+            totals=NodeCost(ledger.messages, ledger.images),
+            tools=ledger.tools(self._header_seq, self._header),
+            config=price_config(self._header, route.pricing),
+        )
+        if not self._anchor_applies(route):
+            return estimate
+        assert self._anchor is not None
+        covered = estimate.total - ledger.delta  # the estimate of the envelope usage priced
+        if self._anchor.usage < covered:
+            return estimate
+        gap = self._anchor.usage - covered
+        return _replace_anchored(estimate, gap, self._anchor.seq)
+
+    def route_price_of_nodes(
+        self, fold: SessionFold, seqs: Iterable[int], route: MeteredRoute
+    ) -> int:
+        """The route price of the current surface nodes ``seqs`` (cached prices).
+
+        Raises:
+            ValueError: A seq is not a current surface node.
+        """
+        self._check_fold(fold)
+        ledger = self._ledger(route.pricing)
+        total = 0
+        for seq in seqs:
+            cost = ledger.costs.get(seq)
+            if cost is None:
+                raise ValueError(f"seq {seq} is not a current surface node")
+            total += cost.total
+        return total
+
+    def _ledger(self, pricing: PricingProfile) -> _Ledger:
+        ledger = self._ledgers.get(pricing)
+        if ledger is None:
+            ledger = _Ledger(pricing)
+            for seq in self._nodes:
+                ledger.put(seq, self._price(seq, pricing), seq in self._after_anchor)
+            self._ledgers[pricing] = ledger
+        return ledger
+
+    def _check_fold(self, fold: SessionFold) -> None:
+        if fold is not self._fold:
+            raise ValueError("this meter follows another session's fold")
+
+
+def _usage(event: SessionEvent) -> int:
+    """The provider usage an ``assistant/message`` carries (0 if none): input + cache read +
+    cache write + output tokens; reasoning is already counted in output."""
+    if ev.body_name(event) != "assistant_message" or not event.assistant_message.HasField("usage"):
+        return 0
+    u = event.assistant_message.usage
+    return u.input_tokens + u.cache_read_tokens + u.cache_write_tokens + u.output_tokens
+
+
+def _head_seq(fold: SessionFold) -> int | None:
+    if len(fold.surface) and fold.surface[0].type == ev.SYSTEM_MESSAGE:
+        return fold.surface[0].seq
+    return None
+
+
+def _sum(costs: Iterable[NodeCost]) -> NodeCost:
+    messages = images = 0
+    for cost in costs:
+        messages += cost.messages
+        images += cost.images
+    return NodeCost(messages, images)
+
+
+def _assemble(
+    *,
+    revision: int,
+    pricing: PricingProfile,
+    costs: dict[int, NodeCost],
+    head: int | None,
+    totals: NodeCost,
+    tools: int,
+    config: int,
+) -> Measurement:
+    head_cost = costs.get(head, NodeCost(0)) if head is not None else NodeCost(0)
+    system = head_cost.total
+    messages = totals.messages - head_cost.messages
+    images = totals.images - head_cost.images
+    return Measurement(
+        revision=revision,
+        total=system + tools + messages + images + config,
+        system=system,
+        tools=tools,
+        messages=messages,
+        images=images,
+        config=config,
+        method=Method.EXACT if pricing.exact else Method.HEURISTIC,
+        tokenizer=pricing.tokenizer.name,
+    )
+
+
+def _replace_anchored(estimate: Measurement, gap: int, anchor_seq: int) -> Measurement:
+    return Measurement(
+        revision=estimate.revision,
+        total=estimate.total + gap,
+        system=estimate.system,
+        tools=estimate.tools,
+        messages=estimate.messages + gap,
+        images=estimate.images,
+        config=estimate.config,
+        method=Method.ANCHORED,
+        tokenizer=estimate.tokenizer,
+        anchor_seq=anchor_seq,
+    )

@@ -1,0 +1,345 @@
+"""Token prices of the pieces of a request envelope: messages, the system head, tools, config.
+
+Two kinds of pricing share one algorithm, parameterized by a ``Tokenizer`` and a ``Framing``:
+
+- The reference heuristic (``HEURISTIC``), exactly as the spec states it: 4 characters per token
+  counted in UTF-16 code units; a text or reasoning block ``ceil(len/4) + 4``; a tool call
+  ``ceil(len(name)/4) + ceil(len(arguments)/4) + 4``; any other block ``4 + ceil(len(its
+  canonical JSON)/4)``; a message is its blocks ``+ 4``; a system message is ``ceil(len/4) + 4``
+  with no per-block overhead and 0 when empty; tools ``ceil(len(JSON of the declarations)/4) +
+  4``, 0 when absent. It is the fallback for routes without a tokenizer and the fixed price of
+  every shadow price the compaction log records.
+- Exact pricing: a real tokenizer counts the text, and the route family's ``Framing`` adds the
+  chat format's per-message, per-tool-call and per-tool tokens.
+
+Images still sent cost the route's ``ImagePricing`` plus their handle text when the route
+declares one, else the structural (heuristic) block price; offloaded images cost their
+placeholder text, which the projection already put in their place.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence, Set
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from google.protobuf import json_format
+
+from compactd.core import events as ev
+from compactd.core.events import SessionEvent
+from compactd.core.projection import Message, project
+from compactd.v1 import events_pb2, session_service_pb2
+
+ContentBlock = events_pb2.ContentBlock
+RequestHeader = events_pb2.RequestHeader
+ToolDeclaration = events_pb2.ToolDeclaration
+
+_SYSTEM = session_service_pb2.MESSAGE_ROLE_SYSTEM
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """The tokenizer seam: counts the tokens of a text.
+
+    ``exact`` is False only for the heuristic; a measurement made with an exact tokenizer is
+    reported as EXACT. Implementations must be deterministic and safe to share between sessions.
+    """
+
+    @property
+    def name(self) -> str:
+        """Stable name reported in breakdowns (``cl100k_base``, ``deepseek-v4``, ``heuristic``)."""
+        ...
+
+    @property
+    def exact(self) -> bool:
+        """Whether counts are the model's own tokenization."""
+        ...
+
+    def count(self, text: str) -> int:
+        """Number of tokens ``text`` encodes to (no special tokens added)."""
+        ...
+
+
+def utf16_length(text: str) -> int:
+    """Length of ``text`` in UTF-16 code units (astral characters count twice)."""
+    if text.isascii():
+        return len(text)
+    return len(text.encode("utf-16-le")) // 2
+
+
+def quarter_tokens(text: str) -> int:
+    """The heuristic's token count of a text: ``ceil(utf16 length / 4)``."""
+    return (utf16_length(text) + 3) // 4
+
+
+class HeuristicTokenizer:
+    """The reference heuristic as a tokenizer: 4 UTF-16 code units per token, rounded up.
+
+    The first-class fake of the ``Tokenizer`` seam: no data files, instant, deterministic.
+    """
+
+    name = "heuristic"
+    exact = False
+
+    def count(self, text: str) -> int:
+        """``ceil(len(text in UTF-16 code units) / 4)``."""
+        return quarter_tokens(text)
+
+
+@dataclass(frozen=True, slots=True)
+class Framing:
+    """Tokens a chat format adds around the content, per structural element.
+
+    Attributes:
+        per_message: Added to every message that is not a system message (role markers).
+        per_system: Added to a non-empty system message.
+        per_block: Added to every text and reasoning block.
+        per_tool_call: Added to every tool call, besides its name and arguments.
+        per_tool: Added to every tool declaration, besides its JSON.
+        per_tools: Added once when the request declares any tool.
+        per_request: Added once per request (begin-of-sequence, reply priming); reported as
+            config tokens.
+    """
+
+    per_message: int = 0
+    per_system: int = 0
+    per_block: int = 0
+    per_tool_call: int = 0
+    per_tool: int = 0
+    per_tools: int = 0
+    per_request: int = 0
+
+
+# The reference heuristic's structure: every overhead is 4 tokens and nothing frames a request.
+HEURISTIC_FRAMING = Framing(per_message=4, per_system=4, per_block=4, per_tool_call=4, per_tools=4)
+
+
+@dataclass(frozen=True, slots=True)
+class ImagePricing:
+    """A route's price for one input image that is still sent.
+
+    ``per_image`` alone is a flat price. With ``per_tile`` the size-based formula applies: the
+    image is scaled to fit ``max_side`` x ``max_side``, then so its short side is at most
+    ``short_side``, and costs ``per_image + per_tile * tiles`` where tiles are
+    ``tile_side``-pixel squares covering it. An image without known dimensions is priced as a
+    ``short_side`` square.
+    """
+
+    per_image: int
+    per_tile: int = 0
+    tile_side: int = 512
+    max_side: int = 2048
+    short_side: int = 768
+
+    def tokens(self, width: int, height: int) -> int:
+        """The tokens of one image of ``width`` x ``height`` pixels (0 or less: unknown)."""
+        if not self.per_tile:
+            return self.per_image
+        if width <= 0 or height <= 0:
+            width = height = self.short_side
+        scale = min(1.0, self.max_side / max(width, height))
+        w, h = width * scale, height * scale
+        scale = min(1.0, self.short_side / min(w, h))
+        w, h = w * scale, h * scale
+        tiles = math.ceil(w / self.tile_side) * math.ceil(h / self.tile_side)
+        return self.per_image + self.per_tile * tiles
+
+
+@dataclass(frozen=True, slots=True)
+class PricingProfile:
+    """Everything a node's price depends on besides the node: one cache key of the meter.
+
+    Attributes:
+        tokenizer: Counts text.
+        framing: The chat format's structural tokens.
+        image_pricing: The route's image price; None prices images structurally.
+        sends_reasoning: Whether the route sends assistant reasoning back (exact pricing only;
+            the heuristic always counts reasoning, as the reference does).
+    """
+
+    tokenizer: Tokenizer = field(compare=False)
+    framing: Framing
+    image_pricing: ImagePricing | None = None
+    sends_reasoning: bool = True
+    tokenizer_name: str = field(init=False, default="")
+
+    def __post_init__(self) -> None:
+        # Profiles compare and hash by the tokenizer's name, so equal routes share one cache.
+        object.__setattr__(self, "tokenizer_name", self.tokenizer.name)
+
+    @property
+    def exact(self) -> bool:
+        """Whether the tokenizer is exact."""
+        return self.tokenizer.exact
+
+
+HEURISTIC = PricingProfile(HeuristicTokenizer(), HEURISTIC_FRAMING)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCost:
+    """The price of one message: its image part (images sent and offload placeholders) and the
+    rest (text, reasoning, tool calls, framing)."""
+
+    messages: int
+    images: int = 0
+
+    @property
+    def total(self) -> int:
+        """Both parts."""
+        return self.messages + self.images
+
+
+ZERO = NodeCost(0, 0)
+
+
+def price_message(
+    message: Message, pricing: PricingProfile, placeholders: Set[int] = frozenset()
+) -> NodeCost:
+    """The price of one projected message.
+
+    Args:
+        message: A message as ``core.projection.project`` returns it.
+        pricing: The profile to price with.
+        placeholders: Indexes of content blocks that are offload placeholders (priced as text,
+            reported as images).
+    """
+    if message.role == _SYSTEM:
+        return NodeCost(_system_tokens(message, pricing))
+    text = pricing.framing.per_message
+    images = 0
+    for index, block in enumerate(message.content):
+        tokens = _block_tokens(block, pricing)
+        if index in placeholders or block.HasField("image"):
+            images += tokens
+        else:
+            text += tokens
+    return NodeCost(text, images)
+
+
+def price_node(
+    event: SessionEvent, pricing: PricingProfile, offloaded: Set[int] = frozenset()
+) -> NodeCost:
+    """The price of the message a surface event projects to (``ZERO`` if it projects to none)."""
+    message = project(event, offloaded)
+    if message is None:
+        return ZERO
+    return price_message(message, pricing, _placeholder_indexes(event, message, offloaded))
+
+
+def price_tools(tools: Sequence[ToolDeclaration], pricing: PricingProfile) -> int:
+    """The price of the tool declarations: their JSON plus framing; 0 when there are none."""
+    if not tools:
+        return 0
+    framing = pricing.framing
+    body = pricing.tokenizer.count(tools_json(tools))
+    return body + framing.per_tools + framing.per_tool * len(tools)
+
+
+def price_config(header: RequestHeader | None, pricing: PricingProfile) -> int:
+    """Tokens the routed request adds besides messages and tools: the format's request framing.
+
+    Sampling settings travel as request parameters, not prompt tokens, so only the framing
+    counts; the heuristic has none.
+    """
+    del header  # the framing is the same for every config of a route family
+    return pricing.framing.per_request
+
+
+def heuristic_price(item: SessionEvent | Message, offloaded: Set[int] = frozenset()) -> int:
+    """The fixed reference-heuristic price of one surface event or projected message.
+
+    This is the shadow price the compaction log records (``compaction/prune.shadowed_tokens``,
+    ``TokenMeasurement.shadowed_tokens`` / ``checkpoint_tokens``): route-independent, so pure
+    projection folds stay consistent. An event is projected first with ``offloaded`` (its
+    offloaded image indexes); an event that projects to no message (an empty system or assistant
+    message, a log-only event) costs 0. ``offloaded`` is ignored for a message.
+    """
+    if isinstance(item, SessionEvent):
+        return price_node(item, HEURISTIC, offloaded).total
+    return price_message(item, HEURISTIC).total
+
+
+def tools_json(tools: Sequence[ToolDeclaration]) -> str:
+    """The declarations as one compact JSON array of ``{name, description, inputSchema}``.
+
+    The schema is spliced in as the runtime wrote it (it is compared byte-for-byte), so the
+    priced text is what an adapter would send.
+    """
+    parts = []
+    for tool in tools:
+        schema = tool.input_schema_json or "{}"
+        head = json.dumps(
+            {"name": tool.name, "description": tool.description},
+            ensure_ascii=False,
+            separators=(",", ":"),
+        )
+        parts.append(f'{head[:-1]},"inputSchema":{schema}}}')
+    return "[" + ",".join(parts) + "]"
+
+
+def canonical_block_json(block: ContentBlock) -> str:
+    """A block's canonical JSON: proto3 JSON names, sorted keys, no spaces, unescaped text."""
+    data = json_format.MessageToDict(block)
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def image_handle(image: events_pb2.ImageBlock) -> str:
+    """The text that identifies a sent image next to its pixels: its name or attachment id."""
+    return image.name or image.attachment_id
+
+
+def _system_tokens(message: Message, pricing: PricingProfile) -> int:
+    text = "".join(b.text.text for b in message.content if b.HasField("text"))
+    if not text:
+        return 0
+    return pricing.tokenizer.count(text) + pricing.framing.per_system
+
+
+def _block_tokens(block: ContentBlock, pricing: PricingProfile) -> int:
+    kind = block.WhichOneof("block")
+    count = pricing.tokenizer.count
+    framing = pricing.framing
+    if kind == "text":
+        return count(block.text.text) + framing.per_block
+    if kind == "reasoning":
+        if pricing.exact and not pricing.sends_reasoning:
+            return 0
+        return count(block.reasoning.text) + framing.per_block
+    if kind == "tool_call":
+        call = block.tool_call
+        return count(call.name) + count(call.arguments_json) + framing.per_tool_call
+    if kind == "image" and pricing.image_pricing is not None:
+        image = block.image
+        handle = image_handle(image)
+        extra = count(handle) if handle else 0
+        return pricing.image_pricing.tokens(image.width, image.height) + extra
+    return structural_tokens(block)
+
+
+def structural_tokens(block: ContentBlock) -> int:
+    """The heuristic price of a block that is not text, reasoning or a tool call."""
+    return 4 + quarter_tokens(canonical_block_json(block))
+
+
+def _placeholder_indexes(
+    event: SessionEvent, message: Message, offloaded: Set[int]
+) -> frozenset[int]:
+    """Indexes of ``message`` blocks that stand in for offloaded images of ``event``.
+
+    ``project`` maps input content one block to one block, so block ``i`` of the message is a
+    placeholder exactly when block ``i`` of the event is an image and the message's is text.
+    """
+    if not offloaded:
+        return frozenset()
+    kind = ev.body_name(event)
+    if kind not in ("user_message", "tool_result"):
+        return frozenset()
+    original = getattr(event, kind).content
+    return frozenset(
+        i
+        for i, (before, after) in enumerate(zip(original, message.content, strict=True))
+        if before.HasField("image") and after.HasField("text")
+    )

@@ -1,0 +1,615 @@
+"""The compaction engine: pressure-qualified pruning and the five-step bracket, run for real.
+
+The pure core decides (``pruner``, ``selection``, ``bracket``); this module appends what it
+decides, in order, through the session's lock, calls the summarizer outside that lock, and traces
+every step. The bracket is one transaction recorded in the log:
+
+1. ``compaction/start`` is appended atomically with the lock check (``SessionFold`` refuses a
+   second live start, so of two concurrent requests exactly one proceeds);
+2. the summary is written, then the span is revalidated (whole surface for automatic brackets,
+   the selected span for manual ones); a summary that is not smaller than its span is rejected;
+3. and 4. ``compaction/summary`` and the checkpoint ``user/message`` REPLACE commit in one batch;
+5. ``compaction/end`` releases the lock, last, in exactly one attempt (a failed close leaves a
+   blocking orphan that only a later ``session/end-seed`` clears).
+
+Cancellation is authoritative: a cancelled call still closes its bracket before it stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as genai
+from opentelemetry.trace import Span, Status, StatusCode
+
+from compactd.core import bracket, prompts
+from compactd.core import events as ev
+from compactd.core.lock import live_bracket
+from compactd.core.meter import route_price
+from compactd.core.policy import TargetPolicy
+from compactd.core.pricing import heuristic_price
+from compactd.core.projection import project
+from compactd.core.pruner import PrunerConfig, plan_prunes
+from compactd.core.selection import (
+    Declined,
+    Selection,
+    SelectionMode,
+    SurfaceSnapshot,
+    drift,
+    revalidation_for,
+    select_range,
+    surface_snapshot,
+)
+from compactd.core.surface import SurfaceNode
+from compactd.errors import Busy, CompactdError, FailedPrecondition
+from compactd.providers.base import SummaryError, SummaryRequest, SummaryResult
+from compactd.routes import Route
+from compactd.service.pressure import PressureService, session_meter
+from compactd.service.requests import build_request
+from compactd.service.sessions import SessionHandle, SessionManager
+from compactd.service.summarizers import SummarizerRegistry
+from compactd.v1 import compaction_service_pb2 as cpb
+from compactd.v1 import events_pb2
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[cpb.CompactionProgress], Awaitable[None]]
+PRESSURE = events_pb2.COMPACTION_TRIGGER_PRESSURE
+MANUAL = events_pb2.COMPACTION_TRIGGER_MANUAL
+_WARNED_KEY = "warned_targets"
+
+
+class BracketFailed(CompactdError):
+    """A bracket closed without committing; ``reason`` says why (the log says the same)."""
+
+    reason = "SUMMARY_FAILED"
+
+
+@dataclass
+class StepOutcome:
+    """What a PrepareStep-like run did."""
+
+    pruned: int = 0
+    compactions: list[cpb.CompactionOutcome] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Bracket:
+    """The inputs of one bracket run."""
+
+    handle: SessionHandle
+    trigger: events_pb2.CompactionTrigger.ValueType
+    mode: SelectionMode
+    route: Route  # selection pricing (the destination)
+    shrink_route: Route  # shrink-check pricing (the last committed route)
+    policy: TargetPolicy
+    retained_budget: int = 0
+    turn: int | None = None
+    focus: str | None = None
+
+
+class CompactionEngine:
+    """Runs pruning and brackets for sessions; one instance per server."""
+
+    def __init__(
+        self,
+        manager: SessionManager,
+        pressure: PressureService,
+        summarizers: SummarizerRegistry,
+        *,
+        pruner: PrunerConfig | None = None,
+        tracer_provider: trace.TracerProvider | None = None,
+    ) -> None:
+        self._manager = manager
+        self._pressure = pressure
+        self._summarizers = summarizers
+        self._pruner = pruner or PrunerConfig()
+        self._tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer("compactd")
+
+    # ---- PrepareStep ---------------------------------------------------------------------
+
+    async def prepare_step(
+        self, session_id: str, turn: int, intended: Route | None, progress: Progress
+    ) -> cpb.PrepareStepResult:
+        """The pre-step check (see ``CompactionService.PrepareStep``)."""
+        handle = await self._manager.get(session_id)
+        session_meter(handle)
+        if turn not in handle.fold.open_turns:
+            raise FailedPrecondition(
+                f"turn {turn} is not open: automatic compaction runs only inside an open turn",
+                reason="NO_OPEN_TURN",
+                metadata={"turn": str(turn)},
+            )
+        _refuse_live_bracket(handle)
+        outcome = StepOutcome()
+        try:
+            route = intended or self._pressure.logged_route(handle)
+            before = self._pressure.report(handle, route)
+        except CompactdError as error:
+            if error.reason not in ("CAPACITY_UNKNOWN", "POLICY_INVALID", "ROUTE_UNKNOWN"):
+                raise
+            self._warn_once(handle, _target_key(intended), error.message, outcome)
+            return self._step_result(handle, None, None, outcome)
+        after = before
+        policy = self._pressure.target_policy(handle, route)
+        if before.state == cpb.PRESSURE_STATE_ABOVE and policy.auto:
+            after = await self._relieve(handle, route, policy, turn, outcome, progress)
+        return self._step_result(handle, before, after, outcome)
+
+    async def _relieve(
+        self,
+        handle: SessionHandle,
+        route: Route,
+        policy: TargetPolicy,
+        turn: int,
+        outcome: StepOutcome,
+        progress: Progress,
+    ) -> cpb.PressureReport:
+        outcome.pruned = await self.prune(handle, progress)
+        report = self._pressure.report(handle, route)
+        if outcome.pruned:
+            await progress(_measured(report, "re-measured after pruning"))
+        attempts = 0
+        while report.state == cpb.PRESSURE_STATE_ABOVE:
+            if attempts > policy.compaction_retries:
+                outcome.warnings.append(
+                    f"pressure stays above the trigger after {attempts} compaction(s): "
+                    f"measured {report.measured_tokens} >= trigger {report.trigger_tokens} "
+                    f"(compactionRetries={policy.compaction_retries}); continuing with this surface"
+                )
+                break
+            spec = self._pressure.spec(handle, route)
+            job = _Bracket(
+                handle, PRESSURE, SelectionMode.PRESSURE, route,
+                self._shrink_route(handle, route), policy, spec.retained_budget, turn,
+            )  # fmt: skip
+            try:
+                committed = await self.run_bracket(job, progress)
+            except CompactdError as error:
+                outcome.warnings.append(f"compaction failed ({error.reason}): {error.message}")
+                break
+            if isinstance(committed, Declined):
+                outcome.warnings.append(f"nothing to compact: {committed.reason}")
+                break
+            outcome.compactions.append(committed)
+            attempts += 1
+            report = self._pressure.report(handle, route)
+            await progress(_measured(report, "re-measured after compaction"))
+        return report
+
+    # ---- Compact ---------------------------------------------------------------------------
+
+    async def compact(
+        self, session_id: str, focus: str | None, progress: Progress
+    ) -> cpb.CompactResult:
+        """On-demand compaction (see ``CompactionService.Compact``)."""
+        handle = await self._manager.get(session_id)
+        session_meter(handle)
+        if handle.fold.open_turns:
+            turns = ", ".join(str(t) for t in sorted(handle.fold.open_turns))
+            raise Busy(
+                f"condensation is unavailable while turn {turns} is open; retry after it ends",
+                metadata={"open_turns": turns},
+            )
+        _refuse_live_bracket(handle)
+        route = self._pressure.logged_route_or_heuristic(handle)
+        policy = self._pressure.target_policy(handle, route)
+        job = _Bracket(handle, MANUAL, SelectionMode.MAXIMAL, route, route, policy, focus=focus)
+        committed = await self.run_bracket(job, progress)
+        result = cpb.CompactResult()
+        if isinstance(committed, Declined):
+            result.declined_reason = committed.reason
+        else:
+            result.outcome.CopyFrom(committed)
+        try:
+            result.after.CopyFrom(self._pressure.report(handle, route))
+        except CompactdError:
+            result.ClearField("after")  # no capacity for this route: no report, not an error
+        return result
+
+    # ---- pruning -----------------------------------------------------------------------------
+
+    async def prune(self, handle: SessionHandle, progress: Progress) -> int:
+        """Prune every oversized ``tool/result`` (callers qualify pressure first)."""
+        with self._tracer.start_as_current_span("compaction.prune") as span:
+            span.set_attribute("compactd.session_id", handle.session_id)
+            async with handle.lock:
+                plans = plan_prunes(handle.fold, self._pruner, _shadow_price_of(handle))
+                if not plans:
+                    span.set_attribute("compactd.pruned_count", 0)
+                    return 0
+                events = [event for plan in plans for event in plan.events]
+                result = await handle.append_locked(events)
+            span.set_attribute("compactd.pruned_count", len(plans))
+            span.set_attribute("compactd.shadowed_seqs", [plan.shadowed_seq for plan in plans])
+        for plan, seq in zip(plans, result.seqs[1::2], strict=True):
+            await progress(
+                cpb.CompactionProgress(
+                    step=cpb.COMPACTION_STEP_PRUNE,
+                    seq=seq,
+                    detail=f"pruned tool/result {plan.shadowed_seq}",
+                )
+            )
+        return len(plans)
+
+    # ---- the bracket ---------------------------------------------------------------------------
+
+    async def run_bracket(
+        self, job: _Bracket, progress: Progress
+    ) -> cpb.CompactionOutcome | Declined:
+        """Run one bracket; Declined when nothing is selectable (nothing is written then).
+
+        Raises:
+            Busy: Another bracket is live.
+            BracketFailed: The bracket closed without committing (summary failed, span drifted,
+                summary not smaller); the log holds its ``compaction/end`` with the error.
+        """
+        handle = job.handle
+        compaction_id = uuid.uuid4().hex
+        with self._tracer.start_as_current_span("compaction.bracket") as span:
+            span.set_attribute("compactd.session_id", handle.session_id)
+            span.set_attribute("compactd.compaction_id", compaction_id)
+            span.set_attribute("compactd.trigger", events_pb2.CompactionTrigger.Name(job.trigger))
+            opened = await self._open(job, compaction_id, span)
+            if isinstance(opened, Declined):
+                span.set_attribute("compactd.declined", opened.reason)
+                return opened
+            selection, start_seq, snapshot, envelope_before = opened
+            await progress(_step(cpb.COMPACTION_STEP_START, compaction_id, start_seq))
+            try:
+                outcome = await self._summarize_and_commit(
+                    job, compaction_id, selection, start_seq, snapshot, envelope_before, progress
+                )
+            except BaseException as error:
+                await asyncio.shield(self._close(handle, compaction_id, error, progress))
+                _record_error(span, error)
+                raise
+            await self._close(handle, compaction_id, None, progress)
+            span.set_attribute("compactd.tokens_freed", outcome.tokens_freed)
+            return outcome
+
+    async def _open(
+        self, job: _Bracket, compaction_id: str, parent: Span
+    ) -> tuple[Selection, int, SurfaceSnapshot, int] | Declined:
+        handle = job.handle
+        with self._tracer.start_as_current_span("compaction.start") as span:
+            span.set_attribute("compactd.compaction_id", compaction_id)
+            async with handle.lock:
+                _refuse_live_bracket(handle)
+                meter = session_meter(handle)
+                price = _node_price(handle, job.route)
+                chosen = select_range(
+                    handle.fold, price, mode=job.mode, retained_budget=job.retained_budget
+                )
+                if isinstance(chosen, Declined):
+                    return chosen
+                snapshot = surface_snapshot(handle.fold)
+                envelope_before = meter.measure(handle.fold, job.route).total
+                start = bracket.start_event(compaction_id, job.trigger, chosen, job.turn)
+                result = await handle.append_locked([start])
+            for target in (span, parent):
+                _range_attributes(target, chosen)
+            span.set_attribute("compactd.seq", result.seqs[0])
+            parent.set_attribute("compactd.tokens_before", envelope_before)
+        return chosen, result.seqs[0], snapshot, envelope_before
+
+    async def _summarize_and_commit(
+        self,
+        job: _Bracket,
+        compaction_id: str,
+        selection: Selection,
+        start_seq: int,
+        snapshot: SurfaceSnapshot,
+        envelope_before: int,
+        progress: Progress,
+    ) -> cpb.CompactionOutcome:
+        handle = job.handle
+        target = self._summarizers.target(job.policy, handle.fold.header)
+        request = _summary_request(handle, selection, target, job.policy, job.focus)
+        summary = await self._summarize(handle, compaction_id, target, request, progress)
+        framed = prompts.frame_checkpoint(summary.text)
+        with self._tracer.start_as_current_span("compaction.summary") as span:
+            span.set_attribute("compactd.compaction_id", compaction_id)
+            async with handle.lock:
+                scope = revalidation_for(job.trigger)
+                stale = drift(handle.fold, selection, snapshot, scope)
+                if stale is not None:
+                    raise BracketFailed(f"stale summary rejected: {stale}", reason="SPAN_DRIFT")
+                checkpoint = bracket.checkpoint_message(compaction_id, framed)
+                checkpoint_route = route_price(checkpoint, job.shrink_route)
+                shadowed_route = session_meter(handle).route_price_of_nodes(
+                    handle.fold, selection.shadowed_seqs, job.shrink_route
+                )
+                if not bracket.shrinks(checkpoint_route, shadowed_route):
+                    raise BracketFailed(
+                        f"the summary ({checkpoint_route} tokens framed) is not smaller than "
+                        f"the span it replaces ({shadowed_route} tokens)",
+                        reason="SUMMARY_NOT_SMALLER",
+                        metadata={
+                            "checkpoint_tokens": str(checkpoint_route),
+                            "shadowed_tokens": str(shadowed_route),
+                        },
+                    )
+                tokens = events_pb2.TokenMeasurement(
+                    envelope_before=envelope_before,
+                    envelope_after=envelope_before
+                    - selection.shadowed_price
+                    + route_price(checkpoint, job.route),
+                    shadowed_tokens=_shadow_price(handle, selection),
+                    checkpoint_tokens=heuristic_price(checkpoint),
+                    shadowed_route_tokens=shadowed_route,
+                    checkpoint_route_tokens=checkpoint_route,
+                )
+                summary_seq = handle.fold.revision
+                events = [
+                    bracket.summary_event(
+                        compaction_id, summary.text, selection, tokens,
+                        target=events_pb2.Route(provider=target.provider, model=target.model),
+                        usage=summary.usage,
+                        summarizer=self._summarizers.for_route(target).name,
+                    ),
+                    bracket.checkpoint_event(
+                        compaction_id, framed, selection, start_seq, summary_seq
+                    ),
+                ]  # fmt: skip
+                result = await handle.append_locked(events)
+            span.set_attribute("compactd.seq", result.seqs[0])
+            span.set_attribute("compactd.tokens_before", tokens.envelope_before)
+            span.set_attribute("compactd.tokens_after", tokens.envelope_after)
+            _range_attributes(span, selection)
+        await progress(_step(cpb.COMPACTION_STEP_SUMMARY, compaction_id, result.seqs[0]))
+        with self._tracer.start_as_current_span("compaction.replace") as span:
+            span.set_attribute("compactd.compaction_id", compaction_id)
+            span.set_attribute("compactd.seq", result.seqs[1])
+            span.set_attribute("compactd.checkpoint_tokens", checkpoint_route)
+            _range_attributes(span, selection)
+        await progress(_step(cpb.COMPACTION_STEP_REPLACE, compaction_id, result.seqs[1]))
+        return cpb.CompactionOutcome(
+            compaction_id=compaction_id,
+            items_condensed=selection.count,
+            tokens_freed=shadowed_route - checkpoint_route,
+            range=bracket.surface_range(selection),
+            checkpoint_seq=result.seqs[1],
+        )
+
+    async def _summarize(
+        self,
+        handle: SessionHandle,
+        compaction_id: str,
+        target: Route,
+        request: SummaryRequest,
+        progress: Progress,
+    ) -> SummaryResult:
+        summarizer = self._summarizers.for_route(target)
+        with self._tracer.start_as_current_span("compaction.summarize") as span:
+            span.set_attribute("compactd.compaction_id", compaction_id)
+            span.set_attribute(genai.GEN_AI_OPERATION_NAME, "chat")
+            span.set_attribute(genai.GEN_AI_PROVIDER_NAME, target.provider)
+            span.set_attribute(genai.GEN_AI_REQUEST_MODEL, target.model)
+            span.set_attribute(genai.GEN_AI_REQUEST_MAX_TOKENS, request.max_tokens)
+            span.set_attribute("compactd.summarizer", summarizer.name)
+            try:
+                summary = await summarizer.summarize(request)
+            except SummaryError as error:
+                _record_error(span, error)
+                async with handle.lock:
+                    await handle.append_locked(
+                        [
+                            bracket.summary_error_event(
+                                compaction_id, error.message, error.reason,
+                                attempt=1, retrying=False,
+                            )
+                        ]
+                    )  # fmt: skip
+                await progress(
+                    _step(cpb.COMPACTION_STEP_SUMMARIZE, compaction_id, -1, f"failed: {error}")
+                )
+                raise BracketFailed(
+                    f"the summary request failed: {error.message}", reason=error.reason
+                ) from error
+            span.set_attribute(genai.GEN_AI_RESPONSE_MODEL, summary.model)
+            span.set_attribute(genai.GEN_AI_RESPONSE_FINISH_REASONS, [summary.finish_reason])
+            if summary.usage is not None:
+                span.set_attribute(genai.GEN_AI_USAGE_INPUT_TOKENS, _input_tokens(summary.usage))
+                span.set_attribute(genai.GEN_AI_USAGE_OUTPUT_TOKENS, summary.usage.output_tokens)
+        await progress(
+            _step(cpb.COMPACTION_STEP_SUMMARIZE, compaction_id, -1, f"{len(summary.text)} chars")
+        )
+        return summary
+
+    async def _close(
+        self,
+        handle: SessionHandle,
+        compaction_id: str,
+        error: BaseException | None,
+        progress: Progress,
+    ) -> None:
+        """Step 5: exactly one closing attempt; a failure leaves the orphan start in place."""
+        message, reason = _close_reason(error)
+        with self._tracer.start_as_current_span("compaction.end") as span:
+            span.set_attribute("compactd.compaction_id", compaction_id)
+            try:
+                async with handle.lock:
+                    result = await handle.append_locked(
+                        [bracket.end_event(compaction_id, message, reason)]
+                    )
+            except Exception as close_error:
+                _record_error(span, close_error)
+                log.error(
+                    "compaction/end could not be appended; the bracket stays open until the "
+                    "next session/end-seed",
+                    extra={"session_id": handle.session_id, "compaction_id": compaction_id},
+                )
+                return
+            span.set_attribute("compactd.seq", result.seqs[0])
+            if message:
+                span.set_attribute("compactd.error", message)
+        if not isinstance(error, asyncio.CancelledError):
+            await progress(_step(cpb.COMPACTION_STEP_END, compaction_id, result.seqs[0], message))
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _shrink_route(self, handle: SessionHandle, destination: Route) -> Route:
+        try:
+            return self._pressure.logged_route(handle)
+        except CompactdError:
+            return destination
+
+    def _warn_once(
+        self, handle: SessionHandle, target: str, message: str, outcome: StepOutcome
+    ) -> None:
+        warned = handle.extensions.setdefault(_WARNED_KEY, set())
+        assert isinstance(warned, set)
+        if target not in warned:
+            warned.add(target)
+            outcome.warnings.append(f"pressure check skipped for {target}: {message}")
+            log.warning(
+                "pressure check skipped", extra={"session_id": handle.session_id, "error": message}
+            )
+
+    def _step_result(
+        self,
+        handle: SessionHandle,
+        before: cpb.PressureReport | None,
+        after: cpb.PressureReport | None,
+        outcome: StepOutcome,
+    ) -> cpb.PrepareStepResult:
+        result = cpb.PrepareStepResult(
+            pruned_count=outcome.pruned,
+            compactions=outcome.compactions,
+            warnings=outcome.warnings,
+            request=build_request(handle),
+        )
+        if before is not None:
+            result.before.CopyFrom(before)
+        if after is not None:
+            result.after.CopyFrom(after)
+        return result
+
+
+def _refuse_live_bracket(handle: SessionHandle) -> None:
+    live = live_bracket(handle.fold.lock)
+    if live is not None:
+        raise Busy(
+            f"compaction {live.compaction_id} (started at seq {live.start_seq}) is still running",
+            metadata={"compaction_id": live.compaction_id, "start_seq": str(live.start_seq)},
+        )
+
+
+def _node_price(handle: SessionHandle, route: Route) -> Callable[[SurfaceNode], int]:
+    meter = session_meter(handle)
+    fold = handle.fold
+
+    def price(node: SurfaceNode) -> int:
+        return meter.route_price_of_nodes(fold, (node.seq,), route)
+
+    return price
+
+
+def _shadow_price_of(handle: SessionHandle) -> Callable[[SurfaceNode], int]:
+    """The fixed heuristic price of a current node, as logged (projection applied)."""
+    offloads = handle.fold.offloads
+
+    def price(node: SurfaceNode) -> int:
+        return heuristic_price(node.event, offloads.get(node.seq, frozenset()))
+
+    return price
+
+
+def _shadow_price(handle: SessionHandle, selection: Selection) -> int:
+    surface, price = handle.fold.surface, _shadow_price_of(handle)
+    total = 0
+    for seq in selection.shadowed_seqs:
+        position = surface.position_of(seq)
+        assert position is not None
+        total += price(surface[position])
+    return total
+
+
+def _summary_request(
+    handle: SessionHandle,
+    selection: Selection,
+    target: Route,
+    policy: TargetPolicy,
+    focus: str | None,
+) -> SummaryRequest:
+    """System head, then the span's messages exactly as the conversation sends them."""
+    fold = handle.fold
+    nodes = fold.surface.nodes
+    span_nodes: list[SurfaceNode] = list(
+        nodes[selection.start_position : selection.end_position + 1]
+    )
+    if nodes and selection.start_position > 0 and nodes[0].type == ev.SYSTEM_MESSAGE:
+        span_nodes.insert(0, nodes[0])
+    messages = [
+        message
+        for node in span_nodes
+        if (message := project(node.event, fold.offloads.get(node.seq, frozenset()))) is not None
+    ]
+    config = events_pb2.RequestConfig(provider=target.provider, model=target.model)
+    header = fold.header
+    if header is not None and (header.config.provider, header.config.model) == (
+        target.provider,
+        target.model,
+    ):
+        config.CopyFrom(header.config)  # same route: same sampling, so the prefix stays warm
+    tools: Sequence[events_pb2.ToolDeclaration] = header.tools if header is not None else ()
+    return SummaryRequest(
+        messages=messages,
+        tools=list(tools),
+        config=config,
+        instruction=prompts.compaction_instruction(focus),
+        max_tokens=policy.max_tokens,
+    )
+
+
+def _input_tokens(usage: events_pb2.Usage) -> int:
+    return usage.input_tokens + usage.cache_read_tokens + usage.cache_write_tokens
+
+
+def _close_reason(error: BaseException | None) -> tuple[str, str]:
+    if error is None:
+        return "", ""
+    if isinstance(error, asyncio.CancelledError):
+        return "cancelled by the caller", "CANCELLED"
+    if isinstance(error, CompactdError):
+        return error.message, error.reason
+    return f"internal error: {type(error).__name__}", "INTERNAL"
+
+
+def _record_error(span: Span, error: BaseException) -> None:
+    span.record_exception(error)
+    span.set_status(Status(StatusCode.ERROR, str(error)))
+
+
+def _range_attributes(span: Span, selection: Selection) -> None:
+    span.set_attribute("compactd.range.start_position", selection.start_position)
+    span.set_attribute("compactd.range.end_position", selection.end_position)
+    span.set_attribute("compactd.range.start_seq", selection.start_seq)
+    span.set_attribute("compactd.range.end_seq", selection.end_seq)
+    span.set_attribute("compactd.shadowed_count", selection.count)
+
+
+def _step(
+    step: cpb.CompactionStep.ValueType, compaction_id: str, seq: int, detail: str = ""
+) -> cpb.CompactionProgress:
+    return cpb.CompactionProgress(step=step, compaction_id=compaction_id, seq=seq, detail=detail)
+
+
+def _measured(report: cpb.PressureReport, detail: str) -> cpb.CompactionProgress:
+    return cpb.CompactionProgress(
+        step=cpb.COMPACTION_STEP_MEASURE,
+        seq=-1,
+        measured_tokens=report.measured_tokens,
+        detail=detail,
+    )
+
+
+def _target_key(route: Route | None) -> str:
+    return route.name if route is not None else "the logged route"

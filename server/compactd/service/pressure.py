@@ -1,0 +1,198 @@
+"""CheckPressure and WatchPressure: a session's envelope measured against a route's policy.
+
+``PressureService`` gives every session one ``SessionMeter`` (in ``handle.extensions["meter"]``,
+fed by the session's commit observer), resolves the route (the destination asked for, else the
+latest logged header's), layers the session's policy over the service's, and turns a measurement
+into a ``PressureReport``. A report is computed synchronously, so it describes one revision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+
+from compactd.core.meter import Measurement, Method, SessionMeter
+from compactd.core.policy import (
+    CompactSpec,
+    PressurePolicy,
+    TargetPolicy,
+    compact_spec,
+    output_reservation,
+)
+from compactd.errors import FailedPrecondition
+from compactd.routes import Route, RouteCatalog
+from compactd.service.sessions import SessionHandle, SessionManager
+from compactd.v1 import compaction_service_pb2, events_pb2
+
+PressureReport = compaction_service_pb2.PressureReport
+
+METER_KEY = "meter"
+_POLICY_KEY = "pressure_policy"
+
+_METHODS = {
+    Method.EXACT: compaction_service_pb2.MEASUREMENT_METHOD_EXACT,
+    Method.ANCHORED: compaction_service_pb2.MEASUREMENT_METHOD_ANCHORED,
+    Method.HEURISTIC: compaction_service_pb2.MEASUREMENT_METHOD_HEURISTIC,
+}
+
+
+def session_meter(handle: SessionHandle) -> SessionMeter:
+    """The session's meter, attached on first use (it prices the existing nodes lazily, per
+    pricing profile, and every later batch as it commits)."""
+    meter = handle.extensions.get(METER_KEY)
+    if isinstance(meter, SessionMeter):
+        return meter
+    meter = SessionMeter(handle.fold)
+    handle.extensions[METER_KEY] = meter
+    handle.add_observer(meter.observe)
+    return meter
+
+
+def _attach_meter(handle: SessionHandle) -> None:
+    session_meter(handle)
+
+
+class PressureService:
+    """Pressure reports for sessions.
+
+    Args:
+        manager: Where sessions live; every session it restores from now on gets a meter.
+        routes: The route catalog (capacity, tokenizer, image pricing per provider/model).
+        service_policy: The service-wide policy; a session's own settings layer over it.
+    """
+
+    def __init__(
+        self, manager: SessionManager, routes: RouteCatalog, service_policy: PressurePolicy
+    ) -> None:
+        self._manager = manager
+        self.routes = routes
+        self.policy = service_policy
+        manager.on_restore(_attach_meter)
+
+    async def check(self, session_id: str, destination: Route | None = None) -> PressureReport:
+        """The session's pressure against ``destination`` (default: the latest logged route).
+
+        Raises:
+            NotFound: The session does not exist.
+            FailedPrecondition: reason ``ROUTE_UNKNOWN`` when no destination is given and no
+                header names a route; ``CAPACITY_UNKNOWN`` (``CapacityUnknown``) when the route
+                declares no window; ``POLICY_INVALID`` when the policy does not fit the window.
+            ConfigError: The session's own policy settings are invalid.
+        """
+        handle = await self._manager.get(session_id)
+        return self.report(handle, destination)
+
+    async def watch(
+        self, session_id: str, destination: Route | None = None
+    ) -> AsyncGenerator[PressureReport, None]:
+        """One report now, then one per new revision, until the caller stops iterating.
+
+        A slow reader gets the latest report; intermediate revisions are coalesced, and appends
+        never wait for readers. Errors: as ``check``, raised from the iteration that meets them.
+        """
+        handle = await self._manager.get(session_id)
+        revisions = handle.revisions()
+        try:
+            async for _revision in revisions:
+                yield self.report(handle, destination)
+        finally:
+            close = getattr(revisions, "aclose", None)  # release the subscription now, not at GC
+            if close is not None:
+                await close()
+
+    def route_for(self, provider: str, model: str) -> Route:
+        """The catalog's route for ``provider``/``model`` (undeclared: no capacity)."""
+        return self.routes.resolve(provider, model)
+
+    def report(self, handle: SessionHandle, destination: Route | None = None) -> PressureReport:
+        """The pressure report of ``handle``'s last committed revision (synchronous)."""
+        meter = session_meter(handle)
+        route = destination or self._logged_route(meter)
+        spec = self.spec(handle, route)
+        measurement = meter.measure(handle.fold, route)
+        return _report(route, spec, measurement)
+
+    def spec(self, handle: SessionHandle, route: Route) -> CompactSpec:
+        """Trigger and retained budget of ``route`` for this session (errors as ``check``)."""
+        meter = session_meter(handle)
+        target = self._session_policy(handle).for_target(route.provider, route.model)
+        reservation = output_reservation(
+            _envelope_max_output(meter.header, route), route.default_output_tokens
+        )
+        return compact_spec(
+            target, route=route.name, window=route.context_window, output_reservation=reservation
+        )
+
+    def logged_route(self, handle: SessionHandle) -> Route:
+        """The route of the latest logged header (``ROUTE_UNKNOWN`` when none names one)."""
+        return self._logged_route(session_meter(handle))
+
+    def logged_route_or_heuristic(self, handle: SessionHandle) -> Route:
+        """The logged route, or an undeclared heuristic route when no header names one."""
+        header = session_meter(handle).header
+        if header is None or not (header.config.provider and header.config.model):
+            return Route("", "")
+        return self.routes.resolve(header.config.provider, header.config.model)
+
+    def target_policy(self, handle: SessionHandle, route: Route) -> TargetPolicy:
+        """The session's resolved policy for ``route`` (service policy + session overrides)."""
+        return self._session_policy(handle).for_target(route.provider, route.model)
+
+    def _logged_route(self, meter: SessionMeter) -> Route:
+        header = meter.header
+        if header is None or not (header.config.provider and header.config.model):
+            raise FailedPrecondition(
+                "no route given and no request/header names one; pass a destination route",
+                reason="ROUTE_UNKNOWN",
+            )
+        return self.routes.resolve(header.config.provider, header.config.model)
+
+    def _session_policy(self, handle: SessionHandle) -> PressurePolicy:
+        overrides = handle.policy_overrides
+        if not overrides:
+            return self.policy
+        cached = handle.extensions.get(_POLICY_KEY)
+        if isinstance(cached, tuple) and cached[0] is overrides and cached[1] is self.policy:
+            policy: PressurePolicy = cached[2]
+            return policy
+        policy = self.policy.with_overrides(overrides)
+        handle.extensions[_POLICY_KEY] = (overrides, self.policy, policy)
+        return policy
+
+
+def _envelope_max_output(header: events_pb2.RequestHeader | None, route: Route) -> int | None:
+    """The header's max output tokens when the header routes to ``route``."""
+    if header is None or not header.config.HasField("max_output_tokens"):
+        return None
+    if (header.config.provider, header.config.model) != (route.provider, route.model):
+        return None
+    return header.config.max_output_tokens
+
+
+def _report(route: Route, spec: CompactSpec, measured: Measurement) -> PressureReport:
+    above = spec.is_above(measured.total)
+    breakdown = compaction_service_pb2.PressureBreakdown(
+        system_tokens=measured.system,
+        tools_tokens=measured.tools,
+        messages_tokens=measured.messages,
+        images_tokens=measured.images,
+        config_tokens=measured.config,
+        method=_METHODS[measured.method],
+        tokenizer=measured.tokenizer,
+        anchor_seq=measured.anchor_seq if measured.anchor_seq is not None else 0,
+    )
+    return PressureReport(
+        revision=measured.revision,
+        route=events_pb2.Route(provider=route.provider, model=route.model),
+        measured_tokens=measured.total,
+        context_window=spec.window,
+        output_reservation=spec.output_reservation,
+        headroom_tokens=spec.headroom,
+        trigger_tokens=spec.trigger,
+        retained_budget=spec.retained_budget,
+        state=(
+            compaction_service_pb2.PRESSURE_STATE_ABOVE
+            if above
+            else compaction_service_pb2.PRESSURE_STATE_BELOW
+        ),
+        breakdown=breakdown,
+    )

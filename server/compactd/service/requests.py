@@ -1,0 +1,42 @@
+"""Read models of a session: its surface and its reconstructed request, as the wire shows them."""
+
+from __future__ import annotations
+
+from compactd.core import events as ev
+from compactd.core.projection import project
+from compactd.service.sessions import SessionHandle
+from compactd.v1 import session_service_pb2 as pb
+
+
+def surface_response(handle: SessionHandle) -> pb.GetSurfaceResponse:
+    """The current surface of a session, as the wire shows it."""
+    fold = handle.fold
+    nodes = []
+    for position, node in enumerate(fold.surface):
+        message = project(node.event, fold.offloads.get(node.seq, frozenset()))
+        nodes.append(
+            pb.SurfaceNode(
+                position=position,
+                seq=node.seq,
+                type=node.type,
+                message=message,
+                source_event_seqs=node.event.source_event_seqs,
+                compaction_id=ev.checkpoint_compaction_id(node.event),
+            )
+        )
+    return pb.GetSurfaceResponse(revision=fold.revision, nodes=nodes)
+
+
+def build_request(handle: SessionHandle) -> pb.BuildRequestResponse:
+    """The reconstructed model request: derived messages plus the folded header."""
+    fold = handle.fold
+    response = pb.BuildRequestResponse(
+        revision=fold.revision, messages=fold.messages(), header_seq=fold.header_seq
+    )
+    if fold.header is not None:
+        if fold.header.HasField("config"):
+            response.config.CopyFrom(fold.header.config)
+        if fold.header.HasField("adapter_defaults"):
+            response.adapter_defaults.CopyFrom(fold.header.adapter_defaults)
+        response.tools.extend(fold.header.tools)
+    return response
