@@ -67,7 +67,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
             )
         handle = await self._handle(request.session_id)
         next_seq = request.from_seq
-        end = handle.fold.revision
+        end = handle.revision
         async for event in self._manager.store.read(handle.session_id, next_seq, end):
             yield pb.ListEventsResponse(event=event)
             next_seq = event.seq + 1
@@ -85,14 +85,16 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         self, request: pb.GetSurfaceRequest, context: Context
     ) -> pb.GetSurfaceResponse:
         handle = await self._handle(request.session_id)
-        return surface_response(handle)
+        async with handle.lock:  # never show a batch that is admitted but not yet durable
+            return surface_response(handle)
 
     @handle_errors
     async def BuildRequest(
         self, request: pb.BuildRequestRequest, context: Context
     ) -> pb.BuildRequestResponse:
         handle = await self._handle(request.session_id)
-        return build_request(handle)
+        async with handle.lock:
+            return build_request(handle)
 
     async def _handle(self, session_id: str) -> SessionHandle:
         if not session_id:

@@ -21,7 +21,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from compactd.core.fold import AdmittedBatch, SessionFold
 from compactd.core.validation import check_batch
-from compactd.errors import FieldViolation, InvalidArgument, NotFound, SeqConflict
+from compactd.errors import ConfigError, FieldViolation, InvalidArgument, NotFound, SeqConflict
 from compactd.store.base import EventStore, SessionRecord
 from compactd.v1 import events_pb2
 
@@ -51,6 +51,9 @@ class SessionHandle:
         )
         self.extensions: dict[str, object] = {}
         self.lock = asyncio.Lock()
+        # The committed revision: ``fold.revision`` also counts a batch admitted but not yet
+        # durable, which readers that do not hold the lock must never see.
+        self.revision = fold.revision
         self._store = store
         self._observers: list[Observer] = []
         self._changed = asyncio.Condition()
@@ -98,6 +101,7 @@ class SessionHandle:
         except BaseException:
             self.fold.rollback(batch)
             raise
+        self.revision = self.fold.revision
         for observer in self._observers:
             observer(self.fold, batch)
         await self._notify()
@@ -105,16 +109,16 @@ class SessionHandle:
         return AppendResult(seqs, self.fold.revision)
 
     async def revisions(self) -> AsyncIterator[int]:
-        """Yield the current revision now, then the latest one after each change (coalesced)."""
+        """Yield the committed revision now, then the latest one after each commit (coalesced)."""
         seen = -1
         while True:
             async with self._changed:
                 await self._changed.wait_for(partial(self._moved_past, seen))
-                seen = self.fold.revision
+                seen = self.revision
             yield seen
 
     def _moved_past(self, seen: int) -> bool:
-        return self.fold.revision != seen
+        return self.revision != seen
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -181,8 +185,19 @@ class SessionManager:
 
     def validate_policy(self, policy: dict[str, object]) -> None:
         """Reject per-session policy overrides the service-wide validator rejects."""
-        if self._policy_validator is not None:
+        if self._policy_validator is None:
+            return
+        try:
             self._policy_validator(policy)
+        except ConfigError as error:
+            field = error.metadata.get("field", "")
+            raise InvalidArgument(
+                f"compaction_policy: {error.message}",
+                violations=[
+                    FieldViolation(f"compaction_policy.{field}".rstrip("."), error.message)
+                ],
+                reason="POLICY_INVALID",
+            ) from error
 
     async def create(self, session_id: str, policy: dict[str, object] | None) -> SessionRecord:
         """Create an empty session (``AlreadyExists`` if taken)."""
