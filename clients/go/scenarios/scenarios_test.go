@@ -1,0 +1,296 @@
+// Package scenarios runs the cross-language scenario list with the Go client against a running
+// compactd (COMPACTD_ADDRESS; the routed model from COMPACTD_PROVIDER / COMPACTD_MODEL). Same
+// list as the Python and TypeScript suites: create, append, rebuild request, pressure check, a
+// watch receiving updates, a compaction with its streamed steps, a busy error with its reason,
+// a SEQ_CONFLICT.
+package scenarios
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"compactd.dev/client/compactd"
+	v1 "compactd.dev/client/compactdv1"
+	"google.golang.org/grpc/codes"
+)
+
+var bracket = []v1.CompactionStep{
+	v1.CompactionStep_COMPACTION_STEP_START,
+	v1.CompactionStep_COMPACTION_STEP_SUMMARIZE,
+	v1.CompactionStep_COMPACTION_STEP_SUMMARY,
+	v1.CompactionStep_COMPACTION_STEP_REPLACE,
+	v1.CompactionStep_COMPACTION_STEP_END,
+}
+
+func env(name, fallback string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return fallback
+}
+
+var (
+	provider = env("COMPACTD_PROVIDER", "loopback")
+	model    = env("COMPACTD_MODEL", "agent-12k")
+)
+
+func connect(t *testing.T) *compactd.Client {
+	t.Helper()
+	address := os.Getenv("COMPACTD_ADDRESS")
+	if address == "" {
+		t.Skip("COMPACTD_ADDRESS is not set")
+	}
+	client, err := compactd.Dial(address)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = client.Close() })
+	return client
+}
+
+func newSession(t *testing.T, c *compactd.Client) string {
+	t.Helper()
+	buf := make([]byte, 6)
+	_, _ = rand.Read(buf)
+	id := "go-" + hex.EncodeToString(buf)
+	session, err := c.CreateSession(context.Background(), id, nil)
+	if err != nil || session.GetSessionId() != id {
+		t.Fatalf("create %s: %v", id, err)
+	}
+	return id
+}
+
+// seed appends a system prompt, a header and `turns` closed turns with large tool output.
+func seed(t *testing.T, c *compactd.Client, id string, turns int) int64 {
+	t.Helper()
+	events := []*v1.SessionEvent{compactd.SystemMessage("You are a careful coding agent."), compactd.RequestHeader(provider, model)}
+	for turn := 1; turn <= turns; turn++ {
+		callID := fmt.Sprintf("call-%d", turn)
+		var listing []string
+		for i := 0; i < 90; i++ {
+			listing = append(listing, fmt.Sprintf("src/module_%d_%d.py: def handler_%d(): ...", turn, i, i))
+		}
+		events = append(events,
+			compactd.TurnStart(int64(turn)),
+			compactd.UserMessage(fmt.Sprintf("Turn %d: find where the handlers are defined.", turn)),
+			compactd.AssistantMessage("", compactd.ToolCallBlock(callID, "grep", compactd.JSON(map[string]string{"pattern": "def "}))),
+			compactd.ToolResult(callID, "grep", strings.Join(listing, "\n")),
+			compactd.AssistantMessage(fmt.Sprintf("Turn %d: the handlers live in src/module_%d_*.py.", turn, turn)),
+			compactd.TurnEnd(int64(turn), ""),
+		)
+	}
+	resp, err := c.AppendEvents(context.Background(), id, events, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp.GetRevision()
+}
+
+func eventTypes(t *testing.T, c *compactd.Client, id string) []string {
+	t.Helper()
+	stream, err := c.Sessions.ListEvents(context.Background(), &v1.ListEventsRequest{SessionId: id})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for {
+		msg, err := stream.Recv()
+		if err == io.EOF {
+			return out
+		}
+		if err != nil {
+			t.Fatal(compactd.FromError(err))
+		}
+		out = append(out, compactd.EventType(msg.GetEvent()))
+	}
+}
+
+func TestCreate(t *testing.T) {
+	c := connect(t)
+	id := newSession(t, c)
+	_, err := c.CreateSession(context.Background(), id, nil)
+	var e *compactd.Error
+	if !errors.As(err, &e) || e.Code != codes.AlreadyExists {
+		t.Fatalf("want ALREADY_EXISTS, got %v", err)
+	}
+	chosen, err := c.CreateSession(context.Background(), "", nil)
+	if err != nil || chosen.GetSessionId() == "" || chosen.GetRevision() != 0 {
+		t.Fatalf("server-chosen id: %v %v", chosen, err)
+	}
+}
+
+func TestAppend(t *testing.T) {
+	c := connect(t)
+	id := newSession(t, c)
+	resp, err := c.AppendEvents(context.Background(), id, []*v1.SessionEvent{
+		compactd.SystemMessage("Be terse."), compactd.TurnStart(1), compactd.UserMessage("hello"),
+	}, compactd.Seq(-1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fmt.Sprint(resp.GetSeqs()) != "[0 1 2]" || resp.GetRevision() != 3 {
+		t.Fatalf("seqs %v revision %d", resp.GetSeqs(), resp.GetRevision())
+	}
+	if got := strings.Join(eventTypes(t, c, id), ","); got != "system/message,turn/start,user/message" {
+		t.Fatalf("types %s", got)
+	}
+}
+
+func TestRebuildRequest(t *testing.T) {
+	c := connect(t)
+	id := newSession(t, c)
+	revision := seed(t, c, id, 1)
+	req, err := c.BuildRequest(context.Background(), id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var roles []string
+	for _, m := range req.GetMessages() {
+		roles = append(roles, m.GetRole().String())
+	}
+	want := "MESSAGE_ROLE_SYSTEM,MESSAGE_ROLE_USER,MESSAGE_ROLE_ASSISTANT,MESSAGE_ROLE_TOOL,MESSAGE_ROLE_ASSISTANT"
+	if strings.Join(roles, ",") != want {
+		t.Fatalf("roles %v", roles)
+	}
+	if req.GetRevision() != revision || req.GetConfig().GetModel() != model || req.GetHeaderSeq() != 1 {
+		t.Fatalf("request %v", req)
+	}
+	if req.GetMessages()[3].GetToolCallId() != "call-1" {
+		t.Fatalf("tool message %v", req.GetMessages()[3])
+	}
+}
+
+func TestPressureCheck(t *testing.T) {
+	c := connect(t)
+	id := newSession(t, c)
+	revision := seed(t, c, id, 1)
+	report, err := c.CheckPressure(context.Background(), id, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if report.GetRevision() != revision || report.GetRoute().GetModel() != model || report.GetContextWindow() <= 0 {
+		t.Fatalf("report %v", report)
+	}
+	if report.GetMeasuredTokens() <= 0 || report.GetMeasuredTokens() >= report.GetTriggerTokens() ||
+		report.GetState() != v1.PressureState_PRESSURE_STATE_BELOW {
+		t.Fatalf("report %v", report)
+	}
+}
+
+func TestWatch(t *testing.T) {
+	c := connect(t)
+	id := newSession(t, c)
+	revision := seed(t, c, id, 1)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	watch, err := c.WatchPressure(ctx, id, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, err := watch.Recv()
+	if err != nil || first.GetRevision() != revision {
+		t.Fatalf("first report %v %v", first, err)
+	}
+	if _, err := c.AppendEvents(context.Background(), id, []*v1.SessionEvent{compactd.TurnStart(2), compactd.UserMessage("more")}, nil); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		report, err := watch.Recv()
+		if err != nil {
+			t.Fatalf("watch ended early: %v", err)
+		}
+		if report.GetRevision() >= revision+2 {
+			if report.GetRevision() != revision+2 || report.GetMeasuredTokens() <= first.GetMeasuredTokens() {
+				t.Fatalf("report %v", report)
+			}
+			cancel()
+			return
+		}
+	}
+}
+
+func TestCompactionStreamsItsSteps(t *testing.T) {
+	c := connect(t)
+	id := newSession(t, c)
+	seed(t, c, id, 3)
+	stream, err := c.Compact(context.Background(), id, "keep the file names")
+	if err != nil {
+		t.Fatal(err)
+	}
+	result, err := stream.Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var steps []v1.CompactionStep
+	for _, p := range stream.Progress {
+		for _, b := range bracket {
+			if p.GetStep() == b {
+				steps = append(steps, p.GetStep())
+			}
+		}
+	}
+	if fmt.Sprint(steps) != fmt.Sprint(bracket) {
+		t.Fatalf("steps %v", stream.Progress)
+	}
+	outcome := result.GetOutcome()
+	if outcome.GetCompactionId() == "" || outcome.GetItemsCondensed() <= 0 {
+		t.Fatalf("outcome %v", outcome)
+	}
+	surface, err := c.GetSurface(context.Background(), id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var checkpoints []*v1.SurfaceNode
+	for _, n := range surface.GetNodes() {
+		if n.GetCompactionId() == outcome.GetCompactionId() {
+			checkpoints = append(checkpoints, n)
+		}
+	}
+	if len(checkpoints) != 1 || checkpoints[0].GetSeq() != outcome.GetCheckpointSeq() || checkpoints[0].GetType() != "user/message" {
+		t.Fatalf("checkpoints %v", checkpoints)
+	}
+	all := strings.Join(eventTypes(t, c, id), ",")
+	if strings.Count(all, "compaction/start") != 1 || strings.Count(all, "compaction/end") != 1 {
+		t.Fatalf("log %s", all)
+	}
+}
+
+func TestBusyErrorCarriesItsReason(t *testing.T) {
+	c := connect(t)
+	id := newSession(t, c)
+	seed(t, c, id, 2)
+	if _, err := c.AppendEvents(context.Background(), id, []*v1.SessionEvent{compactd.TurnStart(3), compactd.UserMessage("still working")}, nil); err != nil {
+		t.Fatal(err)
+	}
+	stream, err := c.Compact(context.Background(), id, "")
+	if err == nil {
+		_, err = stream.Result()
+	}
+	var e *compactd.Error
+	if !errors.Is(err, compactd.ErrCompactionBusy) || !errors.As(err, &e) || e.Code != codes.Aborted || e.Reason != "COMPACTION_BUSY" {
+		t.Fatalf("want ABORTED/COMPACTION_BUSY, got %v", err)
+	}
+}
+
+func TestSeqConflict(t *testing.T) {
+	c := connect(t)
+	id := newSession(t, c)
+	revision := seed(t, c, id, 1)
+	_, err := c.AppendEvents(context.Background(), id, []*v1.SessionEvent{compactd.UserMessage("stale")}, compactd.Seq(revision-2))
+	var e *compactd.Error
+	if !errors.Is(err, compactd.ErrSeqConflict) || !errors.As(err, &e) || e.Code != codes.Aborted || e.Reason != "SEQ_CONFLICT" {
+		t.Fatalf("want ABORTED/SEQ_CONFLICT, got %v", err)
+	}
+	next, err := c.AppendEvents(context.Background(), id, []*v1.SessionEvent{compactd.TurnStart(9)}, compactd.Seq(revision-1))
+	if err != nil || len(next.GetSeqs()) != 1 || next.GetSeqs()[0] != revision {
+		t.Fatalf("append after conflict: %v %v", next, err)
+	}
+}

@@ -1,0 +1,53 @@
+"""A typed Python client for compactd.
+
+``CompactdClient`` (blocking) and ``AsyncCompactdClient`` (asyncio) wrap both gRPC services over
+one channel; :mod:`compactd_client.events` builds the events to append;
+:mod:`compactd_client.errors` holds the typed exceptions; :mod:`compactd_client.v1` re-exports
+the generated messages.
+"""
+
+from compactd_client.aio import AsyncCompactdClient
+from compactd_client.client import CompactdClient
+from compactd_client.config import RetryPolicy
+from compactd_client.errors import (
+    AbortedError,
+    AlreadyExistsError,
+    CapacityUnknownError,
+    CompactdError,
+    CompactionBusyError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    SeqConflictError,
+    UnavailableError,
+    UnimplementedError,
+)
+from compactd_client.streams import (
+    AsyncCompactionStream,
+    AsyncServerStream,
+    CompactionStream,
+    ServerStream,
+)
+
+__all__ = [
+    "AbortedError",
+    "AlreadyExistsError",
+    "AsyncCompactdClient",
+    "AsyncCompactionStream",
+    "AsyncServerStream",
+    "CapacityUnknownError",
+    "CompactdClient",
+    "CompactdError",
+    "CompactionBusyError",
+    "CompactionStream",
+    "DeadlineExceededError",
+    "FailedPreconditionError",
+    "InvalidArgumentError",
+    "NotFoundError",
+    "RetryPolicy",
+    "SeqConflictError",
+    "ServerStream",
+    "UnavailableError",
+    "UnimplementedError",
+]

@@ -1,0 +1,282 @@
+"""The asyncio client.
+
+Example::
+
+    async with AsyncCompactdClient("127.0.0.1:50051") as client:
+        session = await client.create_session()
+        await client.append_events(session.session_id, [user_message("hi")])
+        async for report in client.watch_pressure(session.session_id):
+            print(report.measured_tokens, report.trigger_tokens)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import grpc
+import grpc.aio
+
+from compactd_client import _requests as rq
+from compactd_client._requests import UNSET, Timeout, resolve_timeout
+from compactd_client.config import DEFAULT_RETRY, RetryPolicy, channel_options
+from compactd_client.errors import from_rpc_error
+from compactd_client.streams import AsyncCompactionStream, AsyncServerStream
+from compactd_client.v1.compaction_service_pb2 import (
+    CompactResult,
+    PrepareStepResult,
+    PressureReport,
+    ProviderError,
+    RecoverFromErrorResult,
+    SwitchModelResult,
+)
+from compactd_client.v1.compaction_service_pb2_grpc import CompactionServiceStub
+from compactd_client.v1.events_pb2 import Route, SessionEvent
+from compactd_client.v1.session_service_pb2 import (
+    AppendEventsResponse,
+    BuildRequestRequest,
+    BuildRequestResponse,
+    GetSurfaceRequest,
+    GetSurfaceResponse,
+    ListEventsRequest,
+    Session,
+)
+from compactd_client.v1.session_service_pb2_grpc import SessionServiceStub
+
+__all__ = ["AsyncCompactdClient"]
+
+_Req = TypeVar("_Req")
+_Resp = TypeVar("_Resp")
+
+
+class AsyncCompactdClient:
+    """An asyncio client for both compactd services over one channel.
+
+    Every method raises a :class:`compactd_client.errors.CompactdError` subclass on failure.
+    Each takes ``timeout``: seconds, None for no deadline, or unset for the client default
+    (``timeout`` for unary calls, ``stream_timeout`` for streaming ones).
+
+    Args:
+        target: ``host:port`` of the server.
+        credentials: TLS credentials; None for a plaintext channel.
+        timeout: Default deadline of unary calls, in seconds (None: no deadline).
+        stream_timeout: Default deadline of streaming calls (None: no deadline, the default,
+            since watches stay open and summaries take a model call).
+        retry: Retry policy for the idempotent RPCs (gRPC service config); None disables it.
+        metadata: Metadata sent with every call (e.g. ``("authorization", "Bearer ...")``).
+        options: Extra channel options.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        timeout: float | None = 30.0,
+        stream_timeout: float | None = None,
+        retry: RetryPolicy | None = DEFAULT_RETRY,
+        metadata: Sequence[tuple[str, str]] = (),
+        options: Sequence[tuple[str, str | int]] = (),
+    ) -> None:
+        opts = channel_options(retry, options)
+        if credentials is None:
+            channel = grpc.aio.insecure_channel(target, options=opts)
+        else:
+            channel = grpc.aio.secure_channel(target, credentials, options=opts)
+        self._channel = channel
+        self._timeout = timeout
+        self._stream_timeout = stream_timeout
+        self._metadata = tuple(metadata)
+        self._sessions = SessionServiceStub(channel)
+        self._compaction = CompactionServiceStub(channel)
+
+    async def close(self) -> None:
+        """Closes the channel, cancelling calls still in flight."""
+        await self._channel.close(None)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def _unary(
+        self,
+        method: grpc.aio.UnaryUnaryMultiCallable[_Req, _Resp],
+        request: _Req,
+        timeout: Timeout,
+    ) -> _Resp:
+        try:
+            return await method(
+                request,
+                timeout=resolve_timeout(timeout, self._timeout),
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from err
+
+    def _stream(
+        self,
+        method: grpc.aio.UnaryStreamMultiCallable[_Req, _Resp],
+        request: _Req,
+        timeout: Timeout,
+    ) -> grpc.aio.UnaryStreamCall[_Req, _Resp]:
+        return method(
+            request,
+            timeout=resolve_timeout(timeout, self._stream_timeout),
+            metadata=self._metadata,
+        )
+
+    # SessionService
+
+    async def create_session(
+        self,
+        session_id: str = "",
+        *,
+        compaction_policy: Mapping[str, Any] | None = None,
+        timeout: Timeout = UNSET,
+    ) -> Session:
+        """Creates an empty session.
+
+        Args:
+            session_id: 1-128 characters of ``[A-Za-z0-9._:-]``; empty lets the server choose.
+            compaction_policy: Per-session policy overrides with the spec's keys
+                (``thresholdRatio``, ``modelPolicies``...).
+            timeout: Deadline in seconds.
+
+        Raises:
+            AlreadyExistsError: the id is taken.
+            InvalidArgumentError: a malformed id or policy.
+        """
+        request = rq.create_session(session_id, compaction_policy)
+        response = await self._unary(self._sessions.CreateSession, request, timeout)
+        return response.session
+
+    async def append_events(
+        self,
+        session_id: str,
+        events: Iterable[SessionEvent],
+        *,
+        expected_last_seq: int | None = None,
+        timeout: Timeout = UNSET,
+    ) -> AppendEventsResponse:
+        """Appends events atomically; returns their seqs and the new revision.
+
+        Args:
+            session_id: The session.
+            events: Events built with :mod:`compactd_client.events` (seq unset).
+            expected_last_seq: Optimistic concurrency: the last seq the caller has seen
+                (-1 for an empty log); None skips the check.
+            timeout: Deadline in seconds.
+
+        Raises:
+            SeqConflictError: ``expected_last_seq`` does not match the log.
+            InvalidArgumentError: a malformed event (``violations`` name the fields).
+            NotFoundError: no such session.
+        """
+        request = rq.append_events(session_id, events, expected_last_seq)
+        return await self._unary(self._sessions.AppendEvents, request, timeout)
+
+    def list_events(
+        self,
+        session_id: str,
+        *,
+        from_seq: int = 0,
+        follow: bool = False,
+        timeout: Timeout = UNSET,
+    ) -> AsyncServerStream[SessionEvent]:
+        """Streams the log from ``from_seq``; with ``follow``, keeps streaming new events."""
+        request = ListEventsRequest(session_id=session_id, from_seq=from_seq, follow=follow)
+        call = self._stream(self._sessions.ListEvents, request, timeout)
+        return AsyncServerStream(call, lambda m: m.event)
+
+    async def get_surface(self, session_id: str, *, timeout: Timeout = UNSET) -> GetSurfaceResponse:
+        """Returns the current surface (nodes in position order, with projected messages)."""
+        request = GetSurfaceRequest(session_id=session_id)
+        return await self._unary(self._sessions.GetSurface, request, timeout)
+
+    async def build_request(
+        self, session_id: str, *, timeout: Timeout = UNSET
+    ) -> BuildRequestResponse:
+        """Returns the reconstructed model request (messages, config, tools)."""
+        request = BuildRequestRequest(session_id=session_id)
+        return await self._unary(self._sessions.BuildRequest, request, timeout)
+
+    # CompactionService
+
+    async def check_pressure(
+        self, session_id: str, *, destination: Route | None = None, timeout: Timeout = UNSET
+    ) -> PressureReport:
+        """Measures the request envelope against the route's pressure policy.
+
+        Raises:
+            CapacityUnknownError: the route declares no context window.
+            FailedPreconditionError: no route is known, or the policy does not fit the window.
+        """
+        request = rq.check_pressure(session_id, destination)
+        response = await self._unary(self._compaction.CheckPressure, request, timeout)
+        return response.report
+
+    def watch_pressure(
+        self, session_id: str, *, destination: Route | None = None, timeout: Timeout = UNSET
+    ) -> AsyncServerStream[PressureReport]:
+        """Streams a report now and one per new log revision, until cancelled."""
+        request = rq.watch_pressure(session_id, destination)
+        call = self._stream(self._compaction.WatchPressure, request, timeout)
+        return AsyncServerStream(call, lambda m: m.report)
+
+    def prepare_step(
+        self,
+        session_id: str,
+        turn: int,
+        *,
+        intended_route: Route | None = None,
+        timeout: Timeout = UNSET,
+    ) -> AsyncCompactionStream[PrepareStepResult]:
+        """The pre-step check: prunes and compacts when above pressure; the result carries the
+        request to send. Raises ``CompactionBusyError`` while a bracket is live."""
+        request = rq.prepare_step(session_id, turn, intended_route)
+        call = self._stream(self._compaction.PrepareStep, request, timeout)
+        return AsyncCompactionStream(call, rq.split_prepare_step)
+
+    def compact(
+        self, session_id: str, *, focus: str = "", timeout: Timeout = UNSET
+    ) -> AsyncCompactionStream[CompactResult]:
+        """On-demand compaction, even below pressure. Raises ``CompactionBusyError`` while a
+        turn is open or a bracket is live."""
+        request = rq.compact(session_id, focus)
+        call = self._stream(self._compaction.Compact, request, timeout)
+        return AsyncCompactionStream(call, rq.split_compact)
+
+    def recover_from_error(
+        self,
+        session_id: str,
+        turn: int,
+        error: ProviderError,
+        *,
+        retries_so_far: int = 0,
+        timeout: Timeout = UNSET,
+    ) -> AsyncCompactionStream[RecoverFromErrorResult]:
+        """Recovery after a provider error; the result says whether to retry, with what."""
+        request = rq.recover_from_error(session_id, turn, error, retries_so_far)
+        call = self._stream(self._compaction.RecoverFromError, request, timeout)
+        return AsyncCompactionStream(call, rq.split_recover)
+
+    def switch_model(
+        self,
+        session_id: str,
+        destination: Route,
+        *,
+        turn: int | None = None,
+        timeout: Timeout = UNSET,
+    ) -> AsyncCompactionStream[SwitchModelResult]:
+        """Compacts history until it fits the destination route's policy."""
+        request = rq.switch_model(session_id, destination, turn)
+        call = self._stream(self._compaction.SwitchModel, request, timeout)
+        return AsyncCompactionStream(call, rq.split_switch)

@@ -1,0 +1,280 @@
+"""The blocking client.
+
+Example::
+
+    with CompactdClient("127.0.0.1:50051") as client:
+        session = client.create_session()
+        client.append_events(session.session_id, [user_message("hi")])
+        with client.watch_pressure(session.session_id) as watch:
+            for report in watch:
+                print(report.measured_tokens, report.trigger_tokens)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import grpc
+
+from compactd_client import _requests as rq
+from compactd_client._requests import UNSET, Timeout, resolve_timeout
+from compactd_client.config import DEFAULT_RETRY, RetryPolicy, channel_options
+from compactd_client.errors import from_rpc_error
+from compactd_client.streams import CompactionStream, ServerStream
+from compactd_client.v1.compaction_service_pb2 import (
+    CompactResult,
+    PrepareStepResult,
+    PressureReport,
+    ProviderError,
+    RecoverFromErrorResult,
+    SwitchModelResult,
+)
+from compactd_client.v1.compaction_service_pb2_grpc import CompactionServiceStub
+from compactd_client.v1.events_pb2 import Route, SessionEvent
+from compactd_client.v1.session_service_pb2 import (
+    AppendEventsResponse,
+    BuildRequestRequest,
+    BuildRequestResponse,
+    GetSurfaceRequest,
+    GetSurfaceResponse,
+    ListEventsRequest,
+    Session,
+)
+from compactd_client.v1.session_service_pb2_grpc import SessionServiceStub
+
+__all__ = ["CompactdClient"]
+
+_Req = TypeVar("_Req")
+_Resp = TypeVar("_Resp")
+
+
+class CompactdClient:
+    """A blocking client for both compactd services over one channel.
+
+    Every method raises a :class:`compactd_client.errors.CompactdError` subclass on failure.
+    Each takes ``timeout``: seconds, None for no deadline, or unset for the client default
+    (``timeout`` for unary calls, ``stream_timeout`` for streaming ones).
+
+    Args:
+        target: ``host:port`` of the server.
+        credentials: TLS credentials; None for a plaintext channel.
+        timeout: Default deadline of unary calls, in seconds (None: no deadline).
+        stream_timeout: Default deadline of streaming calls (None: no deadline, the default,
+            since watches stay open and summaries take a model call).
+        retry: Retry policy for the idempotent RPCs (gRPC service config); None disables it.
+        metadata: Metadata sent with every call (e.g. ``("authorization", "Bearer ...")``).
+        options: Extra channel options.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        timeout: float | None = 30.0,
+        stream_timeout: float | None = None,
+        retry: RetryPolicy | None = DEFAULT_RETRY,
+        metadata: Sequence[tuple[str, str]] = (),
+        options: Sequence[tuple[str, str | int]] = (),
+    ) -> None:
+        opts = channel_options(retry, options)
+        if credentials is None:
+            channel = grpc.insecure_channel(target, options=opts)
+        else:
+            channel = grpc.secure_channel(target, credentials, options=opts)
+        self._channel = channel
+        self._timeout = timeout
+        self._stream_timeout = stream_timeout
+        self._metadata = tuple(metadata)
+        self._sessions = SessionServiceStub(channel)
+        self._compaction = CompactionServiceStub(channel)
+
+    def close(self) -> None:
+        """Closes the channel, cancelling calls still in flight."""
+        self._channel.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _unary(
+        self,
+        method: grpc.UnaryUnaryMultiCallable[_Req, _Resp],
+        request: _Req,
+        timeout: Timeout,
+    ) -> _Resp:
+        try:
+            return method(
+                request,
+                timeout=resolve_timeout(timeout, self._timeout),
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from err
+
+    def _stream(
+        self,
+        method: grpc.UnaryStreamMultiCallable[_Req, _Resp],
+        request: _Req,
+        timeout: Timeout,
+    ) -> grpc.CallIterator[_Resp]:
+        return method(
+            request,
+            timeout=resolve_timeout(timeout, self._stream_timeout),
+            metadata=self._metadata,
+        )
+
+    # SessionService
+
+    def create_session(
+        self,
+        session_id: str = "",
+        *,
+        compaction_policy: Mapping[str, Any] | None = None,
+        timeout: Timeout = UNSET,
+    ) -> Session:
+        """Creates an empty session.
+
+        Args:
+            session_id: 1-128 characters of ``[A-Za-z0-9._:-]``; empty lets the server choose.
+            compaction_policy: Per-session policy overrides with the spec's keys
+                (``thresholdRatio``, ``modelPolicies``...).
+            timeout: Deadline in seconds.
+
+        Raises:
+            AlreadyExistsError: the id is taken.
+            InvalidArgumentError: a malformed id or policy.
+        """
+        request = rq.create_session(session_id, compaction_policy)
+        response = self._unary(self._sessions.CreateSession, request, timeout)
+        return response.session
+
+    def append_events(
+        self,
+        session_id: str,
+        events: Iterable[SessionEvent],
+        *,
+        expected_last_seq: int | None = None,
+        timeout: Timeout = UNSET,
+    ) -> AppendEventsResponse:
+        """Appends events atomically; returns their seqs and the new revision.
+
+        Args:
+            session_id: The session.
+            events: Events built with :mod:`compactd_client.events` (seq unset).
+            expected_last_seq: Optimistic concurrency: the last seq the caller has seen
+                (-1 for an empty log); None skips the check.
+            timeout: Deadline in seconds.
+
+        Raises:
+            SeqConflictError: ``expected_last_seq`` does not match the log.
+            InvalidArgumentError: a malformed event (``violations`` name the fields).
+            NotFoundError: no such session.
+        """
+        request = rq.append_events(session_id, events, expected_last_seq)
+        return self._unary(self._sessions.AppendEvents, request, timeout)
+
+    def list_events(
+        self,
+        session_id: str,
+        *,
+        from_seq: int = 0,
+        follow: bool = False,
+        timeout: Timeout = UNSET,
+    ) -> ServerStream[SessionEvent]:
+        """Streams the log from ``from_seq``; with ``follow``, keeps streaming new events."""
+        request = ListEventsRequest(session_id=session_id, from_seq=from_seq, follow=follow)
+        call = self._stream(self._sessions.ListEvents, request, timeout)
+        return ServerStream(call, lambda m: m.event)
+
+    def get_surface(self, session_id: str, *, timeout: Timeout = UNSET) -> GetSurfaceResponse:
+        """Returns the current surface (nodes in position order, with projected messages)."""
+        request = GetSurfaceRequest(session_id=session_id)
+        return self._unary(self._sessions.GetSurface, request, timeout)
+
+    def build_request(self, session_id: str, *, timeout: Timeout = UNSET) -> BuildRequestResponse:
+        """Returns the reconstructed model request (messages, config, tools)."""
+        request = BuildRequestRequest(session_id=session_id)
+        return self._unary(self._sessions.BuildRequest, request, timeout)
+
+    # CompactionService
+
+    def check_pressure(
+        self, session_id: str, *, destination: Route | None = None, timeout: Timeout = UNSET
+    ) -> PressureReport:
+        """Measures the request envelope against the route's pressure policy.
+
+        Raises:
+            CapacityUnknownError: the route declares no context window.
+            FailedPreconditionError: no route is known, or the policy does not fit the window.
+        """
+        request = rq.check_pressure(session_id, destination)
+        response = self._unary(self._compaction.CheckPressure, request, timeout)
+        return response.report
+
+    def watch_pressure(
+        self, session_id: str, *, destination: Route | None = None, timeout: Timeout = UNSET
+    ) -> ServerStream[PressureReport]:
+        """Streams a report now and one per new log revision, until cancelled."""
+        request = rq.watch_pressure(session_id, destination)
+        call = self._stream(self._compaction.WatchPressure, request, timeout)
+        return ServerStream(call, lambda m: m.report)
+
+    def prepare_step(
+        self,
+        session_id: str,
+        turn: int,
+        *,
+        intended_route: Route | None = None,
+        timeout: Timeout = UNSET,
+    ) -> CompactionStream[PrepareStepResult]:
+        """The pre-step check: prunes and compacts when above pressure; the result carries the
+        request to send. Raises ``CompactionBusyError`` while a bracket is live."""
+        request = rq.prepare_step(session_id, turn, intended_route)
+        call = self._stream(self._compaction.PrepareStep, request, timeout)
+        return CompactionStream(call, rq.split_prepare_step)
+
+    def compact(
+        self, session_id: str, *, focus: str = "", timeout: Timeout = UNSET
+    ) -> CompactionStream[CompactResult]:
+        """On-demand compaction, even below pressure. Raises ``CompactionBusyError`` while a
+        turn is open or a bracket is live."""
+        request = rq.compact(session_id, focus)
+        call = self._stream(self._compaction.Compact, request, timeout)
+        return CompactionStream(call, rq.split_compact)
+
+    def recover_from_error(
+        self,
+        session_id: str,
+        turn: int,
+        error: ProviderError,
+        *,
+        retries_so_far: int = 0,
+        timeout: Timeout = UNSET,
+    ) -> CompactionStream[RecoverFromErrorResult]:
+        """Recovery after a provider error; the result says whether to retry, with what."""
+        request = rq.recover_from_error(session_id, turn, error, retries_so_far)
+        call = self._stream(self._compaction.RecoverFromError, request, timeout)
+        return CompactionStream(call, rq.split_recover)
+
+    def switch_model(
+        self,
+        session_id: str,
+        destination: Route,
+        *,
+        turn: int | None = None,
+        timeout: Timeout = UNSET,
+    ) -> CompactionStream[SwitchModelResult]:
+        """Compacts history until it fits the destination route's policy."""
+        request = rq.switch_model(session_id, destination, turn)
+        call = self._stream(self._compaction.SwitchModel, request, timeout)
+        return CompactionStream(call, rq.split_switch)

@@ -1,0 +1,200 @@
+// The cross-language scenario list, run by the TypeScript client against a running compactd
+// (COMPACTD_ADDRESS; the routed model from COMPACTD_PROVIDER / COMPACTD_MODEL). Same list as
+// clients/python/scenarios and clients/go/scenarios: create, append, rebuild request, pressure
+// check, a watch receiving updates, a compaction with its streamed steps, a busy error with its
+// reason, a SEQ_CONFLICT.
+
+import assert from "node:assert/strict";
+import { randomUUID } from "node:crypto";
+import { after, describe, test } from "node:test";
+import { Code } from "@connectrpc/connect";
+import {
+  AlreadyExistsError,
+  assistantMessage,
+  CompactdClient,
+  CompactionBusyError,
+  CompactionStep,
+  eventType,
+  MessageRole,
+  PressureState,
+  requestHeader,
+  SeqConflictError,
+  type SessionEvent,
+  systemMessage,
+  toolCallBlock,
+  toolResult,
+  turnEnd,
+  turnStart,
+  userMessage,
+} from "../src/index.js";
+
+const address = process.env.COMPACTD_ADDRESS ?? "";
+const provider = process.env.COMPACTD_PROVIDER ?? "loopback";
+const model = process.env.COMPACTD_MODEL ?? "agent-12k";
+
+const bracket = [
+  CompactionStep.START,
+  CompactionStep.SUMMARIZE,
+  CompactionStep.SUMMARY,
+  CompactionStep.REPLACE,
+  CompactionStep.END,
+];
+
+describe("scenarios", { skip: address === "" ? "COMPACTD_ADDRESS is not set" : false }, () => {
+  const client = new CompactdClient({ target: address, timeoutMs: 30_000 });
+  after(() => client.close());
+
+  async function newSession(): Promise<string> {
+    const sessionId = `ts-${randomUUID().slice(0, 12)}`;
+    const session = await client.createSession({ sessionId });
+    assert.equal(session.sessionId, sessionId);
+    return sessionId;
+  }
+
+  /** A system prompt, a header and `turns` closed turns with large tool output; returns the revision. */
+  async function seed(sessionId: string, turns: number): Promise<bigint> {
+    const events: SessionEvent[] = [systemMessage("You are a careful coding agent."), requestHeader(provider, model)];
+    for (let turn = 1; turn <= turns; turn++) {
+      const callId = `call-${turn}`;
+      const listing = Array.from({ length: 90 }, (_, i) => `src/module_${turn}_${i}.py: def handler_${i}(): ...`).join(
+        "\n",
+      );
+      events.push(
+        turnStart(turn),
+        userMessage(`Turn ${turn}: find where the handlers are defined.`),
+        assistantMessage({ toolCalls: [toolCallBlock(callId, "grep", { pattern: "def " })] }),
+        toolResult(callId, listing, { toolName: "grep" }),
+        assistantMessage({ text: `Turn ${turn}: the handlers live in src/module_${turn}_*.py.` }),
+        turnEnd(turn),
+      );
+    }
+    return (await client.appendEvents(sessionId, events)).revision;
+  }
+
+  async function types(sessionId: string): Promise<string[]> {
+    const out: string[] = [];
+    for await (const event of client.listEvents(sessionId)) out.push(eventType(event));
+    return out;
+  }
+
+  test("create", async () => {
+    const sessionId = await newSession();
+    const err = await client.createSession({ sessionId }).catch((e: unknown) => e);
+    assert.ok(err instanceof AlreadyExistsError);
+    assert.equal(err.code, Code.AlreadyExists);
+    const chosen = await client.createSession();
+    assert.ok(chosen.sessionId);
+    assert.equal(chosen.revision, 0n);
+  });
+
+  test("append", async () => {
+    const sessionId = await newSession();
+    const response = await client.appendEvents(
+      sessionId,
+      [systemMessage("Be terse."), turnStart(1), userMessage("hello")],
+      { expectedLastSeq: -1 },
+    );
+    assert.deepEqual(response.seqs, [0n, 1n, 2n]);
+    assert.equal(response.revision, 3n);
+    assert.deepEqual(await types(sessionId), ["system/message", "turn/start", "user/message"]);
+  });
+
+  test("rebuild request", async () => {
+    const sessionId = await newSession();
+    const revision = await seed(sessionId, 1);
+    const request = await client.buildRequest(sessionId);
+    assert.equal(request.revision, revision);
+    assert.deepEqual(
+      request.messages.map((m) => m.role),
+      [MessageRole.SYSTEM, MessageRole.USER, MessageRole.ASSISTANT, MessageRole.TOOL, MessageRole.ASSISTANT],
+    );
+    assert.equal(request.config?.provider, provider);
+    assert.equal(request.config?.model, model);
+    assert.equal(request.headerSeq, 1n);
+    assert.equal(request.messages[3]?.toolCallId, "call-1");
+  });
+
+  test("pressure check", async () => {
+    const sessionId = await newSession();
+    const revision = await seed(sessionId, 1);
+    const report = await client.checkPressure(sessionId);
+    assert.equal(report.revision, revision);
+    assert.equal(report.route?.model, model);
+    assert.ok(report.contextWindow > 0n);
+    assert.ok(report.measuredTokens > 0n && report.measuredTokens < report.triggerTokens);
+    assert.equal(report.state, PressureState.BELOW);
+  });
+
+  test("watch", async () => {
+    const sessionId = await newSession();
+    const revision = await seed(sessionId, 1);
+    const controller = new AbortController();
+    const seen: bigint[] = [];
+    let firstTokens = 0n;
+    let lastTokens = 0n;
+    for await (const report of client.watchPressure(sessionId, {}, { signal: controller.signal, timeoutMs: 60_000 })) {
+      seen.push(report.revision);
+      if (seen.length === 1) {
+        firstTokens = report.measuredTokens;
+        await client.appendEvents(sessionId, [turnStart(2), userMessage("more")]);
+      }
+      lastTokens = report.measuredTokens;
+      if (report.revision >= revision + 2n) controller.abort();
+    }
+    assert.equal(seen[0], revision);
+    assert.equal(seen.at(-1), revision + 2n);
+    assert.ok(lastTokens > firstTokens);
+  });
+
+  test("compaction streams its steps", async () => {
+    const sessionId = await newSession();
+    await seed(sessionId, 3);
+    const stream = client.compact(sessionId, { focus: "keep the file names" });
+    const steps: CompactionStep[] = [];
+    for await (const progress of stream) steps.push(progress.step);
+    const result = await stream.result();
+    assert.deepEqual(
+      steps.filter((s) => bracket.includes(s)),
+      bracket,
+    );
+    const outcome = result.outcome;
+    assert.ok(outcome?.compactionId);
+    assert.ok(outcome.itemsCondensed > 0n);
+    const surface = await client.getSurface(sessionId);
+    const checkpoints = surface.nodes.filter((n) => n.compactionId === outcome.compactionId);
+    assert.deepEqual(
+      checkpoints.map((n) => n.seq),
+      [outcome.checkpointSeq],
+    );
+    assert.equal(checkpoints[0]?.type, "user/message");
+    const all = await types(sessionId);
+    assert.equal(all.filter((t) => t === "compaction/start").length, 1);
+    assert.equal(all.filter((t) => t === "compaction/end").length, 1);
+  });
+
+  test("busy error carries its reason", async () => {
+    const sessionId = await newSession();
+    await seed(sessionId, 2);
+    await client.appendEvents(sessionId, [turnStart(3), userMessage("still working")]);
+    const err = await client
+      .compact(sessionId)
+      .result()
+      .catch((e: unknown) => e);
+    assert.ok(err instanceof CompactionBusyError, String(err));
+    assert.equal(err.code, Code.Aborted);
+    assert.equal(err.reason, "COMPACTION_BUSY");
+  });
+
+  test("seq conflict", async () => {
+    const sessionId = await newSession();
+    const revision = await seed(sessionId, 1);
+    const err = await client
+      .appendEvents(sessionId, [userMessage("stale")], { expectedLastSeq: revision - 2n })
+      .catch((e: unknown) => e);
+    assert.ok(err instanceof SeqConflictError, String(err));
+    assert.equal(err.code, Code.Aborted);
+    assert.equal(err.reason, "SEQ_CONFLICT");
+    const next = await client.appendEvents(sessionId, [turnStart(9)], { expectedLastSeq: revision - 1n });
+    assert.deepEqual(next.seqs, [revision]);
+  });
+});

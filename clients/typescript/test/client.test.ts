@@ -1,0 +1,216 @@
+// The wrapper against a real gRPC server on loopback: typed errors with ErrorInfo, retries of
+// idempotent calls only, compaction streams, watch cancellation, deadlines.
+
+import assert from "node:assert/strict";
+import { after, before, describe, test } from "node:test";
+import { create } from "@bufbuild/protobuf";
+import { Code, ConnectError } from "@connectrpc/connect";
+import {
+  AppendEventsResponseSchema,
+  CompactdClient,
+  CompactionBusyError,
+  CompactionStep,
+  CompactResponseSchema,
+  DeadlineExceededError,
+  errorClass,
+  GetSurfaceResponseSchema,
+  IncompleteStreamError,
+  InvalidArgumentError,
+  NotFoundError,
+  SeqConflictError,
+  UnavailableError,
+  userMessage,
+  WatchPressureResponseSchema,
+} from "../src/index.js";
+import { type FakeServer, richError, startFake } from "./fake-server.js";
+
+const steps = [
+  CompactionStep.START,
+  CompactionStep.SUMMARIZE,
+  CompactionStep.SUMMARY,
+  CompactionStep.REPLACE,
+  CompactionStep.END,
+];
+
+describe("errors", () => {
+  test("a reason only selects its class under its own code", () => {
+    assert.equal(errorClass(Code.Aborted, "SEQ_CONFLICT"), SeqConflictError);
+    assert.equal(errorClass(Code.Aborted, "COMPACTION_BUSY"), CompactionBusyError);
+    assert.equal(errorClass(Code.Internal, "SEQ_CONFLICT").name, "CompactdError");
+  });
+
+  let fake: FakeServer;
+  before(async () => {
+    fake = await startFake(
+      {
+        appendEvents: (req) => {
+          if (req.events.length > 1) {
+            throw richError(Code.InvalidArgument, "malformed event", "INVALID_ARGUMENT", {}, [
+              ["events[1].seq", "must be unset"],
+            ]);
+          }
+          throw richError(Code.Aborted, "log ends at 5", "SEQ_CONFLICT", { expected_last_seq: "3", last_seq: "5" });
+        },
+        getSurface: () => {
+          throw new ConnectError("no such session", Code.NotFound);
+        },
+      },
+      {
+        compact: async function* () {
+          throw richError(Code.Aborted, "turn 4 is open", "COMPACTION_BUSY");
+        },
+      },
+    );
+  });
+  after(() => fake.close());
+
+  test("a seq conflict carries its reason and metadata", async () => {
+    const client = new CompactdClient(fake.target);
+    const err = await client.appendEvents("s1", [userMessage("hi")], { expectedLastSeq: 3 }).catch((e: unknown) => e);
+    assert.ok(err instanceof SeqConflictError);
+    assert.equal(err.reason, "SEQ_CONFLICT");
+    assert.equal(err.domain, "compactd.dev");
+    assert.deepEqual(err.metadata, { expected_last_seq: "3", last_seq: "5" });
+    assert.equal(err.message, "ABORTED (SEQ_CONFLICT): log ends at 5");
+  });
+
+  test("bad request violations are carried", async () => {
+    const client = new CompactdClient(fake.target);
+    const err = await client.appendEvents("s1", [userMessage("a"), userMessage("b")]).catch((e: unknown) => e);
+    assert.ok(err instanceof InvalidArgumentError);
+    assert.deepEqual(err.violations, [{ field: "events[1].seq", description: "must be unset" }]);
+  });
+
+  test("a busy compaction stream throws CompactionBusyError", async () => {
+    const client = new CompactdClient(fake.target);
+    await assert.rejects(client.compact("s1").result(), CompactionBusyError);
+  });
+
+  test("an error without details maps by code and names it", async () => {
+    const client = new CompactdClient({ target: fake.target, retry: null });
+    const err = await client.getSurface("s1").catch((e: unknown) => e);
+    assert.ok(err instanceof NotFoundError);
+    assert.equal(err.reason, "NOT_FOUND");
+    assert.deepEqual(err.metadata, {});
+  });
+});
+
+describe("retries", () => {
+  test("idempotent reads are retried on UNAVAILABLE; appends are not", async () => {
+    let failures = 2;
+    const fake = await startFake({
+      getSurface: () => {
+        if (failures-- > 0) throw richError(Code.Unavailable, "store briefly down", "UNAVAILABLE");
+        return create(GetSurfaceResponseSchema, { revision: 7n });
+      },
+      appendEvents: () => {
+        throw richError(Code.Unavailable, "store briefly down", "UNAVAILABLE");
+      },
+    });
+    try {
+      const client = new CompactdClient({
+        target: fake.target,
+        retry: { maxAttempts: 4, initialBackoffMs: 5, maxBackoffMs: 10, backoffMultiplier: 2 },
+      });
+      const surface = await client.getSurface("s1");
+      assert.equal(surface.revision, 7n);
+      assert.equal(fake.calls.get("GetSurface"), 3);
+      await assert.rejects(client.appendEvents("s1", [userMessage("x")]), UnavailableError);
+      assert.equal(fake.calls.get("AppendEvents"), 1);
+    } finally {
+      await fake.close();
+    }
+  });
+
+  test("a deadline surfaces as DeadlineExceededError", async () => {
+    const fake = await startFake({
+      getSurface: (_req, ctx) =>
+        new Promise((resolve) => ctx.signal.addEventListener("abort", () => resolve(create(GetSurfaceResponseSchema)))),
+    });
+    try {
+      const client = new CompactdClient({ target: fake.target, retry: null });
+      await assert.rejects(client.getSurface("s1", { timeoutMs: 200 }), DeadlineExceededError);
+    } finally {
+      await fake.close();
+    }
+  });
+});
+
+describe("streams", () => {
+  let fake: FakeServer;
+  before(async () => {
+    fake = await startFake(
+      { appendEvents: () => create(AppendEventsResponseSchema) },
+      {
+        compact: async function* (req) {
+          if (req.focus === "truncate") {
+            yield create(CompactResponseSchema, {
+              update: { case: "progress", value: { step: CompactionStep.START } },
+            });
+            return;
+          }
+          for (const [i, step] of steps.entries()) {
+            yield create(CompactResponseSchema, {
+              update: { case: "progress", value: { step, compactionId: "c1", seq: BigInt(10 + i) } },
+            });
+          }
+          yield create(CompactResponseSchema, {
+            update: { case: "result", value: { outcome: { compactionId: "c1", itemsCondensed: 6n } } },
+          });
+        },
+        watchPressure: async function* (_req, ctx) {
+          for (let revision = 1n; !ctx.signal.aborted; revision++) {
+            yield create(WatchPressureResponseSchema, { report: { revision } });
+            await new Promise((r) => setTimeout(r, 1));
+          }
+        },
+      },
+    );
+  });
+  after(() => fake.close());
+
+  test("a compaction yields each step then its result", async () => {
+    const client = new CompactdClient(fake.target);
+    const stream = client.compact("s1");
+    const seen: CompactionStep[] = [];
+    for await (const progress of stream) {
+      seen.push(progress.step);
+    }
+    assert.deepEqual(seen, steps);
+    const result = await stream.result();
+    assert.equal(result.outcome?.itemsCondensed, 6n);
+    assert.deepEqual(
+      stream.progress.map((p) => p.seq),
+      [10n, 11n, 12n, 13n, 14n],
+    );
+  });
+
+  test("a stream without result is incomplete", async () => {
+    const client = new CompactdClient(fake.target);
+    await assert.rejects(client.compact("s1", { focus: "truncate" }).result(), IncompleteStreamError);
+  });
+
+  test("aborting a watch ends the iteration", async () => {
+    const client = new CompactdClient(fake.target);
+    const controller = new AbortController();
+    const revisions: bigint[] = [];
+    for await (const report of client.watchPressure("s1", {}, { signal: controller.signal })) {
+      revisions.push(report.revision);
+      if (revisions.length === 3) controller.abort();
+    }
+    assert.deepEqual(revisions, [1n, 2n, 3n]);
+  });
+
+  test("an unknown session maps to NotFoundError", async () => {
+    const missing = await startFake({
+      getSurface: () => {
+        throw richError(Code.NotFound, "no session s9", "NOT_FOUND");
+      },
+    });
+    try {
+      await assert.rejects(new CompactdClient(missing.target).getSurface("s9"), NotFoundError);
+    } finally {
+      await missing.close();
+    }
+  });
+});

@@ -1,0 +1,78 @@
+"""The Python client and the server in one process: shared descriptors, real typed errors."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from compactd_client import (
+    AsyncCompactdClient,
+    CompactionBusyError,
+    InvalidArgumentError,
+    NotFoundError,
+    SeqConflictError,
+)
+from compactd_client.events import (
+    assistant_message,
+    tool_call_block,
+    tool_result,
+    turn_start,
+    user_message,
+)
+from compactd_client.v1 import events_pb2 as client_events
+
+from compactd.api.server import RunningServer
+from compactd.v1 import events_pb2 as server_events
+
+
+def test_client_and_server_stubs_share_one_descriptor_pool() -> None:
+    # Both are generated from protos/compactd/v1 under different Python packages; the
+    # serialized files are identical, so the default pool holds them once.
+    assert client_events.DESCRIPTOR is server_events.DESCRIPTOR
+    server_message = server_events.SessionEvent(user_message=server_events.UserMessage())
+    assert client_events.SessionEvent.FromString(server_message.SerializeToString()).HasField(
+        "user_message"
+    )
+
+
+async def test_append_conflict_from_the_real_server_is_typed(server: RunningServer) -> None:
+    async with AsyncCompactdClient(server.address) as client:
+        session = await client.create_session("co-installed")
+        await client.append_events(session.session_id, [user_message("one")])
+        with pytest.raises(SeqConflictError) as caught:
+            await client.append_events(
+                session.session_id, [user_message("two")], expected_last_seq=5
+            )
+    assert caught.value.code == grpc.StatusCode.ABORTED
+    assert caught.value.reason == "SEQ_CONFLICT"
+    assert caught.value.domain
+
+
+async def test_field_violations_from_the_real_server(server: RunningServer) -> None:
+    async with AsyncCompactdClient(server.address) as client:
+        session = await client.create_session()
+        orphan = tool_result("never-called", "output")
+        with pytest.raises(InvalidArgumentError) as caught:
+            await client.append_events(session.session_id, [orphan])
+    assert caught.value.reason == "TOOL_RESULT_WITHOUT_CALL"
+    assert [v.field for v in caught.value.violations if v.field.endswith("tool_call_id")]
+
+
+async def test_compact_during_an_open_turn_is_busy(server: RunningServer) -> None:
+    async with AsyncCompactdClient(server.address) as client:
+        session = await client.create_session()
+        events = [
+            turn_start(1),
+            user_message("look"),
+            assistant_message(tool_calls=[tool_call_block("c1", "ls", {})]),
+            tool_result("c1", "a\nb"),
+        ]
+        await client.append_events(session.session_id, events)
+        with pytest.raises(CompactionBusyError) as caught:
+            await client.compact(session.session_id).result()
+    assert caught.value.reason == "COMPACTION_BUSY"
+
+
+async def test_unknown_session_is_not_found(server: RunningServer) -> None:
+    async with AsyncCompactdClient(server.address) as client:
+        with pytest.raises(NotFoundError):
+            await client.get_surface("no-such-session")

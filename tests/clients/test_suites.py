@@ -1,0 +1,81 @@
+"""Every client's own suite, the cross-language scenarios and the examples, run from pytest.
+
+Each test runs one documented command as a subprocess and passes when it exits 0. A missing
+toolchain (``clients/setup`` installs Node's packages and Debian's Go) skips locally but fails
+under CI (``CI=true``), so a green CI never hides a missing install step.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CLIENTS = ROOT / "clients"
+TRAJECTORIES = Path(
+    os.environ.get(
+        "COMPACTD_TRAJECTORIES",
+        ROOT.parent / "shared" / "data" / "trajectories" / "conversations.jsonl",
+    )
+)
+
+
+def _require(ok: bool, what: str) -> None:
+    if not ok:
+        message = f"{what} is missing: run clients/setup"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def _node_ready() -> bool:
+    return (CLIENTS / "typescript" / "node_modules" / ".bin" / "tsc").exists()
+
+
+def _go_ready() -> bool:
+    grpc_sources = Path("/usr/share/gocode/src/google.golang.org/grpc")
+    return shutil.which("go") is not None and grpc_sources.is_dir()
+
+
+def _run(command: list[str], cwd: Path) -> None:
+    done = subprocess.run(
+        command, cwd=cwd, capture_output=True, text=True, check=False, timeout=600
+    )
+    assert done.returncode == 0, (
+        f"{' '.join(command)}\n{done.stdout[-8000:]}\n{done.stderr[-8000:]}"
+    )
+
+
+def test_python_client_suite_passes() -> None:
+    _run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
+        CLIENTS / "python",
+    )
+
+
+def test_typescript_client_suite_passes() -> None:
+    _require(_node_ready(), "clients/typescript/node_modules")
+    _run(["npm", "test", "--silent"], CLIENTS / "typescript")
+
+
+def test_go_client_suite_passes() -> None:
+    _require(_go_ready(), "Debian's Go toolchain and gRPC sources")
+    _run([str(CLIENTS / "go" / "gotest"), "./compactd/"], CLIENTS / "go")
+
+
+def test_every_language_passes_the_scenarios_against_one_server() -> None:
+    _require(_node_ready(), "clients/typescript/node_modules")
+    _require(_go_ready(), "Debian's Go toolchain and gRPC sources")
+    _run([sys.executable, str(CLIENTS / "run-scenarios")], ROOT)
+
+
+def test_every_example_agent_loop_runs() -> None:
+    _require(_node_ready(), "clients/typescript/node_modules")
+    _require(_go_ready(), "Debian's Go toolchain and gRPC sources")
+    _require(TRAJECTORIES.exists(), f"the shared trajectories ({TRAJECTORIES})")
+    _run([sys.executable, str(ROOT / "examples" / "run")], ROOT)
