@@ -28,10 +28,22 @@ def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> trace.
         {"service.name": env.get("OTEL_SERVICE_NAME", "compactd"), "service.version": __version__}
     )
     provider = TracerProvider(resource=resource)
-    if env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+    endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+    if endpoint:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        # Read from ``env``, not only ``os.environ`` as the exporter would on its own, so a
+        # caller's mapping configures where spans go.
+        insecure = env.get("OTEL_EXPORTER_OTLP_TRACES_INSECURE") or env.get(
+            "OTEL_EXPORTER_OTLP_INSECURE"
+        )
+        exporter = OTLPSpanExporter(
+            endpoint=endpoint,
+            insecure=None if insecure is None else insecure.strip().lower() == "true",
+        )
+        provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
 
 

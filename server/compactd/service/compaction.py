@@ -47,7 +47,7 @@ from compactd.core.selection import (
 )
 from compactd.core.surface import SurfaceNode
 from compactd.errors import Busy, CompactdError, FailedPrecondition
-from compactd.providers.base import SummaryError, SummaryRequest, SummaryResult
+from compactd.providers.base import Summarizer, SummaryError, SummaryRequest, SummaryResult
 from compactd.routes import Route
 from compactd.service.pressure import PressureService, session_meter
 from compactd.service.requests import build_request
@@ -92,6 +92,14 @@ class _Bracket:
     retained_budget: int = 0
     turn: int | None = None
     focus: str | None = None
+
+
+@dataclass(frozen=True)
+class _Writer:
+    """Who writes a bracket's summary: the target route and its summarizer."""
+
+    target: Route
+    summarizer: Summarizer
 
 
 class CompactionEngine:
@@ -158,15 +166,15 @@ class CompactionEngine:
         attempts = 0
         while report.state == cpb.PRESSURE_STATE_ABOVE:
             if attempts > policy.compaction_retries:
-                outcome.warnings.append(
-                    f"pressure stays above the trigger after {attempts} compaction(s): "
-                    f"measured {report.measured_tokens} >= trigger {report.trigger_tokens} "
-                    f"(compactionRetries={policy.compaction_retries}); continuing with this surface"
-                )
+                outcome.warnings.append(_still_above(report, attempts, policy, "retries exhausted"))
                 break
             spec = self._pressure.spec(handle, route)
+            # A convergence retry reaches into the retained tail (everything but the last unit):
+            # the tail the first bracket kept is what stays above the trigger, and the same
+            # selection again could only pick the lone previous checkpoint.
+            mode = SelectionMode.PRESSURE if attempts == 0 else SelectionMode.MAXIMAL
             job = _Bracket(
-                handle, PRESSURE, SelectionMode.PRESSURE, route,
+                handle, PRESSURE, mode, route,
                 self._shrink_route(handle, route), policy, spec.retained_budget, turn,
             )  # fmt: skip
             try:
@@ -175,7 +183,12 @@ class CompactionEngine:
                 outcome.warnings.append(f"compaction failed ({error.reason}): {error.message}")
                 break
             if isinstance(committed, Declined):
-                outcome.warnings.append(f"nothing to compact: {committed.reason}")
+                why = f"nothing more to compact: {committed.reason}"
+                outcome.warnings.append(
+                    _still_above(report, attempts, policy, why)
+                    if attempts
+                    else f"nothing to compact: {committed.reason}"
+                )
                 break
             outcome.compactions.append(committed)
             attempts += 1
@@ -245,8 +258,13 @@ class CompactionEngine:
     ) -> cpb.CompactionOutcome | Declined:
         """Run one bracket; Declined when nothing is selectable (nothing is written then).
 
+        The summary target and its summarizer are resolved before ``compaction/start``, so a
+        configuration error writes nothing to the log.
+
         Raises:
             Busy: Another bracket is live.
+            FailedPrecondition: No model can write the summary (``SUMMARY_TARGET_UNKNOWN``) or
+                its summarizer is misconfigured; nothing was written.
             BracketFailed: The bracket closed without committing (summary failed, span drifted,
                 summary not smaller); the log holds its ``compaction/end`` with the error.
         """
@@ -256,6 +274,8 @@ class CompactionEngine:
             span.set_attribute("compactd.session_id", handle.session_id)
             span.set_attribute("compactd.compaction_id", compaction_id)
             span.set_attribute("compactd.trigger", events_pb2.CompactionTrigger.Name(job.trigger))
+            target = self._summarizers.target(job.policy, handle.fold.header)
+            summarizer = self._summarizers.for_route(target)
             opened = await self._open(job, compaction_id, span)
             if isinstance(opened, Declined):
                 span.set_attribute("compactd.declined", opened.reason)
@@ -264,11 +284,13 @@ class CompactionEngine:
             await progress(_step(cpb.COMPACTION_STEP_START, compaction_id, start_seq))
             try:
                 outcome = await self._summarize_and_commit(
-                    job, compaction_id, selection, start_seq, snapshot, envelope_before, progress
-                )
+                    job, _Writer(target, summarizer), compaction_id, selection, start_seq,
+                    snapshot, envelope_before, progress,
+                )  # fmt: skip
             except BaseException as error:
                 await asyncio.shield(self._close(handle, compaction_id, error, progress))
-                _record_error(span, error)
+                if not isinstance(error, Exception):
+                    _record_error(span, error)  # the span records Exceptions, not cancellation
                 raise
             await self._close(handle, compaction_id, None, progress)
             span.set_attribute("compactd.tokens_freed", outcome.tokens_freed)
@@ -302,6 +324,7 @@ class CompactionEngine:
     async def _summarize_and_commit(
         self,
         job: _Bracket,
+        writer: _Writer,
         compaction_id: str,
         selection: Selection,
         start_seq: int,
@@ -309,10 +332,9 @@ class CompactionEngine:
         envelope_before: int,
         progress: Progress,
     ) -> cpb.CompactionOutcome:
-        handle = job.handle
-        target = self._summarizers.target(job.policy, handle.fold.header)
+        handle, target = job.handle, writer.target
         request = _summary_request(handle, selection, target, job.policy, job.focus)
-        summary = await self._summarize(handle, compaction_id, target, request, progress)
+        summary = await self._summarize(handle, compaction_id, writer, request, progress)
         framed = prompts.frame_checkpoint(summary.text)
         with self._tracer.start_as_current_span("compaction.summary") as span:
             span.set_attribute("compactd.compaction_id", compaction_id)
@@ -352,7 +374,7 @@ class CompactionEngine:
                         compaction_id, summary.text, selection, tokens,
                         target=events_pb2.Route(provider=target.provider, model=target.model),
                         usage=summary.usage,
-                        summarizer=self._summarizers.for_route(target).name,
+                        summarizer=writer.summarizer.name,
                     ),
                     bracket.checkpoint_event(
                         compaction_id, framed, selection, start_seq, summary_seq
@@ -382,12 +404,16 @@ class CompactionEngine:
         self,
         handle: SessionHandle,
         compaction_id: str,
-        target: Route,
+        writer: _Writer,
         request: SummaryRequest,
         progress: Progress,
     ) -> SummaryResult:
-        summarizer = self._summarizers.for_route(target)
-        with self._tracer.start_as_current_span("compaction.summarize") as span:
+        target, summarizer = writer.target, writer.summarizer
+        # The span records the provider's SummaryError itself; recording the BracketFailed raised
+        # from it as well would log one failure twice.
+        with self._tracer.start_as_current_span(
+            "compaction.summarize", record_exception=False
+        ) as span:
             span.set_attribute("compactd.compaction_id", compaction_id)
             span.set_attribute(genai.GEN_AI_OPERATION_NAME, "chat")
             span.set_attribute(genai.GEN_AI_PROVIDER_NAME, target.provider)
@@ -491,6 +517,15 @@ class CompactionEngine:
         if after is not None:
             result.after.CopyFrom(after)
         return result
+
+
+def _still_above(report: cpb.PressureReport, attempts: int, policy: TargetPolicy, why: str) -> str:
+    """The warning of a step whose compactions could not bring pressure below the trigger."""
+    return (
+        f"pressure stays above the trigger after {attempts} compaction(s) ({why}): "
+        f"measured {report.measured_tokens} >= trigger {report.trigger_tokens} "
+        f"(compactionRetries={policy.compaction_retries}); continuing with this surface"
+    )
 
 
 def _refuse_live_bracket(handle: SessionHandle) -> None:

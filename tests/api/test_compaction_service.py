@@ -1,0 +1,318 @@
+"""CompactionService.Compact and PrepareStep over a real server: the RPC contract.
+
+Statuses and reasons, who may compact when (open turns, live and orphan brackets, two clients at
+once), what is declined without touching the log, warnings for routes without capacity, and
+cancellation of a call whose summary is still being written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from compactd.testing.openai_server import OpenAICompatServer, Reply
+from compactd.v1 import compaction_service_pb2 as cpb
+from compactd.v1 import events_pb2
+from tests.api.rpc import details
+from tests.builders import (
+    assistant,
+    compaction_end,
+    compaction_start,
+    end_seed,
+    tool_result,
+    turn_end,
+    turn_start,
+    user,
+)
+from tests.compaction_fixtures import (
+    BELOW,
+    PROVIDER,
+    RELAXED,
+    Run,
+    body,
+    loopback,
+    opening,
+    started,
+    summary_requests,
+    units,
+)
+
+STEP = cpb.CompactionStep
+
+
+@pytest.fixture
+def loop() -> Iterator[OpenAICompatServer]:
+    with loopback() as server:
+        yield server
+
+
+async def busy(call: object) -> dict[str, str]:
+    """Await a call that must fail with ABORTED / COMPACTION_BUSY; its ErrorInfo metadata."""
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call  # type: ignore[misc]
+    got = details(caught.value)
+    assert (got.code, got.reason) == (grpc.StatusCode.ABORTED, "COMPACTION_BUSY")
+    return got.metadata
+
+
+# ---- Compact -------------------------------------------------------------------------------------
+
+
+async def test_compact_works_below_pressure(tmp_path: Path, loop: OpenAICompatServer) -> None:
+    async with started(tmp_path, loop, policy=RELAXED) as h:
+        await h.create(*opening(), *units(4))
+        before = await h.pressure()
+        assert before.state == BELOW
+        run = await h.compact()
+
+        outcome = run.result.outcome
+        assert outcome.items_condensed == 15  # everything but the last unit (the final answer)
+        assert outcome.tokens_freed > 0
+        assert outcome.checkpoint_seq == (await h.events())[-2].seq
+        assert run.result.declined_reason == ""
+        assert run.result.after.measured_tokens < before.measured_tokens
+        assert run.steps() == [
+            STEP.COMPACTION_STEP_START,
+            STEP.COMPACTION_STEP_SUMMARIZE,
+            STEP.COMPACTION_STEP_SUMMARY,
+            STEP.COMPACTION_STEP_REPLACE,
+            STEP.COMPACTION_STEP_END,
+        ]
+        start = (await h.events())[run.progress[0].seq].compaction_start
+        assert start.trigger == events_pb2.COMPACTION_TRIGGER_MANUAL
+        assert not start.HasField("turn")
+
+
+async def test_compact_focus_text_reaches_the_instruction(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    async with started(tmp_path, loop) as h:
+        await h.create(*opening(), *units(4))
+        await h.compact(focus="Keep every detail of the database migration plan.")
+        (request,) = summary_requests(loop)
+        instruction = request["messages"][-1]
+        assert instruction["role"] == "user"
+        assert instruction["content"].endswith("Keep every detail of the database migration plan.")
+
+
+async def test_compact_is_refused_while_a_turn_is_open(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    async with started(tmp_path, loop) as h:
+        await h.create(*opening(), *units(4), turn_start(1))
+        before = await h.events()
+        metadata = await busy(h.compact())
+        assert metadata["open_turns"] == "1"
+        assert await h.events() == before
+        assert loop.requests == []
+
+        await h.append(turn_end(1))
+        assert (await h.compact()).result.outcome.compaction_id
+
+
+async def test_concurrent_compact_calls_from_two_clients_let_exactly_one_proceed(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    loop.enqueue(Reply(delay_before=1.5))  # the summary is slow, so the calls overlap
+    async with started(tmp_path, loop) as h:
+        await h.create(*opening(), *units(6))
+        async with grpc.aio.insecure_channel(h.address) as other:
+            outcomes = await asyncio.gather(
+                h.compact(), h.compact(channel=other), return_exceptions=True
+            )
+        refused = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+        done = [o for o in outcomes if isinstance(o, Run)]
+        assert len(refused) == len(done) == 1
+        got = details(refused[0])
+        assert (got.code, got.reason) == (grpc.StatusCode.ABORTED, "COMPACTION_BUSY")
+        assert got.metadata["compaction_id"] == done[0].result.outcome.compaction_id
+        log = [body(e) for e in await h.events()]
+        assert log.count("compaction_start") == log.count("compaction_end") == 1
+        assert len(summary_requests(loop)) == 1
+
+
+async def test_an_orphan_compaction_start_blocks_within_its_lifecycle(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    async with started(tmp_path, loop) as h:
+        await h.create(*opening(), *units(18), compaction_start("orphan"))
+        assert (await busy(h.compact()))["compaction_id"] == "orphan"
+        await h.append(turn_start(1))
+        before = await h.events()
+        assert (await busy(h.prepare(1)))["compaction_id"] == "orphan"
+        assert await h.events() == before
+
+        await h.append(end_seed("a new lifecycle"))  # the orphan is now stale evidence
+        run = await h.prepare(1)
+        assert len(run.result.compactions) == 1
+        log = [body(e) for e in await h.events()]
+        assert log[-4:] == [
+            "compaction_start",
+            "compaction_summary",
+            "user_message",
+            "compaction_end",
+        ]
+
+
+async def test_a_closed_client_bracket_no_longer_blocks(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    async with started(tmp_path, loop) as h:
+        await h.create(*opening(), *units(4), compaction_start("manual"))
+        await busy(h.compact())
+        await h.append(compaction_end("manual"))
+        assert (await h.compact()).result.outcome.compaction_id
+
+
+@pytest.mark.parametrize(
+    ("history", "reason"),
+    [
+        (
+            [*units(3), user("go on"), assistant(calls=[("open-1", "run", "{}")])],
+            "open-1 still wait for results",
+        ),
+        (
+            [assistant(calls=[("c0", "run", "{}")]), tool_result("c0", "ok")],
+            "single indivisible unit",
+        ),
+        ([], "no history after the system head"),
+    ],
+    ids=["open-tool-call-tail", "system-and-one-tool-unit", "system-only"],
+)
+async def test_nothing_selectable_is_declined_without_writing_to_the_log(
+    tmp_path: Path,
+    loop: OpenAICompatServer,
+    history: list[events_pb2.SessionEvent],
+    reason: str,
+) -> None:
+    async with started(tmp_path, loop) as h:
+        await h.create(*opening(), *history)
+        before = await h.events()
+        run = await h.compact()
+        assert reason in run.result.declined_reason
+        assert not run.result.HasField("outcome")
+        assert run.progress == []
+        assert await h.events() == before
+        assert loop.requests == []
+
+
+async def test_an_open_tail_above_pressure_declines_with_a_warning(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    async with started(tmp_path, loop) as h:
+        await h.create(
+            *opening(),
+            *units(18),
+            turn_start(1),
+            user("again"),
+            assistant(calls=[("open-2", "run", "{}")]),
+        )
+        before = await h.events()
+        run = await h.prepare(1)
+        assert run.result.compactions == []
+        (warning,) = run.result.warnings
+        assert "nothing to compact" in warning
+        assert "open-2" in warning
+        assert await h.events() == before
+
+
+# ---- PrepareStep ---------------------------------------------------------------------------------
+
+
+async def test_prepare_step_without_an_open_turn_is_failed_precondition(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    async with started(tmp_path, loop) as h:
+        await h.create(*opening(), *units(18), turn_start(1), turn_end(1))
+        before = await h.events()
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await h.prepare(1)
+        got = details(caught.value)
+        assert (got.code, got.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "NO_OPEN_TURN")
+        assert got.metadata["turn"] == "1"
+        assert await h.events() == before
+
+
+async def test_a_route_without_capacity_warns_once_per_target_and_continues(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    nocap = {"provider": PROVIDER, "model": "nocap", "base_url": loop.base_url}
+    async with started(tmp_path, loop, routes=[nocap]) as h:
+        await h.create(*opening(), *units(18), turn_start(1))
+        before = await h.events()
+        full = await h.build()
+        route = events_pb2.Route(provider=PROVIDER, model="nocap")
+
+        first = (await h.prepare(1, route)).result
+        (warning,) = first.warnings
+        assert "loop/nocap" in warning
+        assert "context window" in warning
+        assert not first.HasField("before")
+        assert list(first.request.messages) == list(full.messages)
+
+        again = (await h.prepare(1, route)).result
+        assert list(again.warnings) == []
+        assert list(again.request.messages) == list(full.messages)
+
+        elsewhere = events_pb2.Route(provider="other", model="unknown")
+        (other,) = (await h.prepare(1, elsewhere)).result.warnings
+        assert "other/unknown" in other
+        assert await h.events() == before
+
+
+async def test_prepare_step_streams_each_step_then_the_rebuilt_request(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    async with started(tmp_path, loop) as h:
+        await h.create(*opening(), *units(18), turn_start(1))
+        request = cpb.PrepareStepRequest(session_id=h.session_id, turn=1)
+        responses = [r async for r in h.compaction.PrepareStep(request)]
+        kinds = [r.WhichOneof("update") for r in responses]
+        assert kinds == ["progress"] * (len(kinds) - 1) + ["result"]
+        result = responses[-1].result
+        assert result.request == await h.build()
+
+
+# ---- errors and cancellation ---------------------------------------------------------------------
+
+
+async def test_unknown_sessions_and_missing_ids_are_rejected(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    async with started(tmp_path, loop) as h:
+        stub = h.compaction
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await dataclasses.replace(h, session_id="missing").compact()
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in stub.Compact(cpb.CompactRequest()):
+                pass
+        assert details(caught.value).fields == ["session_id"]
+
+
+async def test_a_cancelled_compact_still_closes_its_bracket_and_releases_the_lock(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    loop.enqueue(Reply(delay_before=60))
+    async with started(tmp_path, loop) as h:
+        await h.create(*opening(), *units(6))
+        surface = await h.surface()
+        call = h.compaction.Compact(cpb.CompactRequest(session_id=h.session_id))
+        first = await call.read()
+        assert first.progress.step == STEP.COMPACTION_STEP_START
+        assert await asyncio.to_thread(loop.wait_for_requests, 1)  # the summary is in flight
+        call.cancel()
+
+        log = await h.wait_for_log(lambda events: body(events[-1]) == "compaction_end")
+        end = log[-1].compaction_end
+        assert (end.error, end.error_reason) == ("cancelled by the caller", "CANCELLED")
+        assert [body(e) for e in log[-2:]] == ["compaction_start", "compaction_end"]
+        assert (await h.surface()).nodes == surface.nodes
+
+        later = await h.compact()  # the lock is free again
+        assert later.result.outcome.compaction_id

@@ -1,0 +1,315 @@
+"""Traced production debugging: the spans of a compaction, joined to the caller's trace, exported.
+
+The span tree is read from an in-memory exporter given to ``create_server``; one test lets the
+server build its provider from ``OTEL_EXPORTER_OTLP_ENDPOINT`` and receives the spans over real
+OTLP/gRPC in a local collector.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as genai
+from opentelemetry.trace import SpanContext, StatusCode
+
+from compactd import telemetry
+from compactd.api.server import create_server
+from compactd.testing.openai_server import OpenAICompatServer, Reply
+from compactd.v1 import compaction_service_pb2 as cpb
+from compactd.v1 import compaction_service_pb2_grpc
+from tests.builders import turn_start
+from tests.compaction_fixtures import (
+    MODEL,
+    Harness,
+    loopback,
+    opening,
+    server_config,
+    started,
+    unit,
+    units,
+)
+
+STEPS = (
+    "compaction.start",
+    "compaction.summarize",
+    "compaction.summary",
+    "compaction.replace",
+    "compaction.end",
+)
+PREPARE_STEP = "/compactd.v1.CompactionService/PrepareStep"
+COMPACT = "/compactd.v1.CompactionService/Compact"
+
+
+@pytest.fixture
+def loop() -> Iterator[OpenAICompatServer]:
+    with loopback() as server:
+        yield server
+
+
+@pytest.fixture
+def exporter() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+@pytest.fixture
+def provider(exporter: InMemorySpanExporter) -> Iterator[TracerProvider]:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield provider
+    provider.shutdown()
+
+
+async def spans_when(harness: Harness, exporter: InMemorySpanExporter, rpc: str) -> list[Any]:
+    """Every finished span, once the server span of ``rpc`` has ended (it ends after the reply)."""
+    async with asyncio.timeout(30):
+        while not any(s.name == rpc for s in exporter.get_finished_spans()):
+            await harness.pressure()  # any round trip lets the handler finish
+    return list(exporter.get_finished_spans())
+
+
+def attrs(span: ReadableSpan) -> dict[str, Any]:
+    """A span's attributes (the SDK types them loosely)."""
+    return dict(span.attributes or {})
+
+
+def ids(span: ReadableSpan) -> SpanContext:
+    """A finished span's own context."""
+    context = span.context
+    assert isinstance(context, SpanContext)
+    return context
+
+
+def one(spans: Sequence[ReadableSpan], name: str) -> ReadableSpan:
+    (span,) = [s for s in spans if s.name == name]
+    return span
+
+
+def children(spans: Sequence[ReadableSpan], parent: ReadableSpan) -> list[ReadableSpan]:
+    found = [s for s in spans if s.parent is not None and s.parent.span_id == ids(parent).span_id]
+    return sorted(found, key=lambda s: s.start_time or 0)
+
+
+async def test_a_prepare_step_traces_pruning_and_one_bracket_with_every_step(
+    tmp_path: Path,
+    loop: OpenAICompatServer,
+    provider: TracerProvider,
+    exporter: InMemorySpanExporter,
+) -> None:
+    async with started(tmp_path, loop, tracer_provider=provider) as h:
+        await h.create(*opening(), *unit(0, result="z" * 40_000), *units(18, 1), turn_start(1))
+        run = await h.prepare(1)
+        spans = await spans_when(h, exporter, PREPARE_STEP)
+
+    (outcome,) = run.result.compactions
+    server = one(spans, PREPARE_STEP)
+    bracket = one(spans, "compaction.bracket")
+    prune = one(spans, "compaction.prune")
+    assert [s.name for s in children(spans, server)] == ["compaction.prune", "compaction.bracket"]
+    assert [s.name for s in children(spans, bracket)] == list(STEPS)
+    assert {ids(s).trace_id for s in spans if s.name.startswith("compaction.")} == {
+        ids(server).trace_id
+    }
+
+    assert attrs(prune)["compactd.session_id"] == h.session_id
+    assert attrs(prune)["compactd.pruned_count"] == 1
+    assert len(attrs(prune)["compactd.shadowed_seqs"]) == 1
+
+    attributes = attrs(bracket)
+    assert attributes["compactd.session_id"] == h.session_id
+    assert attributes["compactd.compaction_id"] == outcome.compaction_id
+    assert attributes["compactd.trigger"] == "COMPACTION_TRIGGER_PRESSURE"
+    assert attributes["compactd.range.start_position"] == outcome.range.start_position
+    assert attributes["compactd.range.end_position"] == outcome.range.end_position
+    assert attributes["compactd.range.start_seq"] == outcome.range.start_seq
+    assert attributes["compactd.range.end_seq"] == outcome.range.end_seq
+    assert attributes["compactd.shadowed_count"] == outcome.items_condensed
+    assert attributes["compactd.tokens_before"] > 0
+    assert attributes["compactd.tokens_freed"] == outcome.tokens_freed
+
+    by_name = {s.name: s for s in children(spans, bracket)}
+    for span in by_name.values():
+        assert attrs(span)["compactd.compaction_id"] == outcome.compaction_id
+        assert span.status.status_code != StatusCode.ERROR
+    summary = attrs(by_name["compaction.summary"])
+    assert summary["compactd.tokens_after"] < summary["compactd.tokens_before"]
+    assert summary["compactd.shadowed_count"] == outcome.items_condensed
+    assert attrs(by_name["compaction.replace"])["compactd.seq"] == outcome.checkpoint_seq
+
+    summarize = attrs(by_name["compaction.summarize"])
+    assert summarize[genai.GEN_AI_OPERATION_NAME] == "chat"
+    assert summarize[genai.GEN_AI_REQUEST_MODEL] == MODEL
+    assert summarize[genai.GEN_AI_USAGE_INPUT_TOKENS] > 0
+    assert summarize[genai.GEN_AI_USAGE_OUTPUT_TOKENS] > 0
+
+
+async def test_usage_on_the_summarize_span_matches_the_logged_summary(
+    tmp_path: Path,
+    loop: OpenAICompatServer,
+    provider: TracerProvider,
+    exporter: InMemorySpanExporter,
+) -> None:
+    async with started(tmp_path, loop, tracer_provider=provider) as h:
+        await h.create(*opening(), *units(4))
+        await h.compact()
+        spans = await spans_when(h, exporter, COMPACT)
+        (summary,) = [e for e in await h.events() if e.HasField("compaction_summary")]
+    usage = summary.compaction_summary.usage
+    attributes = attrs(one(spans, "compaction.summarize"))
+    assert attributes[genai.GEN_AI_USAGE_OUTPUT_TOKENS] == usage.output_tokens
+    assert attributes[genai.GEN_AI_USAGE_INPUT_TOKENS] == (
+        usage.input_tokens + usage.cache_read_tokens + usage.cache_write_tokens
+    )
+
+
+async def test_a_failed_summary_is_recorded_as_an_error_on_its_spans(
+    tmp_path: Path,
+    loop: OpenAICompatServer,
+    provider: TracerProvider,
+    exporter: InMemorySpanExporter,
+) -> None:
+    loop.enqueue(Reply.server_error(503))
+    options = {"summarizer": {"max_attempts": 1}}
+    async with started(tmp_path, loop, tracer_provider=provider, **options) as h:
+        await h.create(*opening(), *units(4))
+        with pytest.raises(grpc.aio.AioRpcError):
+            await h.compact()
+        spans = await spans_when(h, exporter, COMPACT)
+
+    summarize = one(spans, "compaction.summarize")
+    assert summarize.status.status_code == StatusCode.ERROR
+    assert [e.name for e in summarize.events] == ["exception"]
+    bracket = one(spans, "compaction.bracket")
+    assert bracket.status.status_code == StatusCode.ERROR
+    assert "exception" in [e.name for e in bracket.events]
+    end = one(spans, "compaction.end")
+    assert "processing your request" in attrs(end)["compactd.error"]
+    assert [s.name for s in children(spans, bracket)] == [
+        "compaction.start",
+        "compaction.summarize",
+        "compaction.end",
+    ]
+    server = one(spans, COMPACT)
+    # Server spans follow the RPC conventions: a caller-side code (FAILED_PRECONDITION) is
+    # carried as an attribute and leaves the status unset.
+    assert attrs(server)["rpc.grpc.status_code"] == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+
+
+async def test_the_grpc_server_span_joins_the_callers_trace(
+    tmp_path: Path,
+    loop: OpenAICompatServer,
+    provider: TracerProvider,
+    exporter: InMemorySpanExporter,
+) -> None:
+    trace_id, parent_id = 0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331
+    traceparent = f"00-{trace_id:032x}-{parent_id:016x}-01"
+    async with started(tmp_path, loop, tracer_provider=provider) as h:
+        await h.create(*opening(), *units(4))
+        stub: Any = compaction_service_pb2_grpc.CompactionServiceStub(h.channel)
+        request = cpb.CompactRequest(session_id=h.session_id)
+        async for _ in stub.Compact(request, metadata=(("traceparent", traceparent),)):
+            pass
+        spans = await spans_when(h, exporter, COMPACT)
+
+    server = one(spans, COMPACT)
+    assert ids(server).trace_id == trace_id
+    assert server.parent is not None
+    assert server.parent.span_id == parent_id
+    assert server.parent.is_remote
+    assert attrs(server)["rpc.system"] == "grpc"
+    assert ids(one(spans, "compaction.bracket")).trace_id == trace_id
+
+
+class _Collector(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP/gRPC trace receiver that keeps every request."""
+
+    def __init__(self) -> None:
+        self.requests: list[trace_service_pb2.ExportTraceServiceRequest] = []
+        self.received = threading.Event()
+
+    def Export(
+        self, request: trace_service_pb2.ExportTraceServiceRequest, context: Any
+    ) -> trace_service_pb2.ExportTraceServiceResponse:
+        self.requests.append(request)
+        self.received.set()
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+@pytest.fixture
+def collector() -> Iterator[tuple[_Collector, int]]:
+    # A thread-pool server: the exporter flushes synchronously at shutdown, from the event loop.
+    receiver = _Collector()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)  # type: ignore[no-untyped-call]
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield receiver, port
+    server.stop(None)
+
+
+async def test_spans_are_exported_over_otlp_grpc_when_the_endpoint_is_set(
+    tmp_path: Path,
+    loop: OpenAICompatServer,
+    collector: tuple[_Collector, int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    receiver, port = collector
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "compactd-under-test")
+    running = await create_server(server_config(tmp_path, loop))  # builds and owns its provider
+    try:
+        async with grpc.aio.insecure_channel(running.address) as channel:
+            harness = Harness(channel, loop, running)
+            await harness.create(*opening(), *units(4))
+            await harness.compact()
+    finally:
+        await running.stop(0)  # shuts the provider down, flushing every span
+
+    assert receiver.received.is_set()
+    names: set[str] = set()
+    services: set[str] = set()
+    for request in receiver.requests:
+        for resource_spans in request.resource_spans:
+            for attribute in resource_spans.resource.attributes:
+                if attribute.key == "service.name":
+                    services.add(attribute.value.string_value)
+            for scope in resource_spans.scope_spans:
+                names.update(span.name for span in scope.spans)
+    assert services == {"compactd-under-test"}
+    assert {"compaction.bracket", *STEPS, COMPACT} <= names
+
+
+async def test_an_endpoint_in_the_given_mapping_configures_the_export(
+    tmp_path: Path,
+    loop: OpenAICompatServer,
+    collector: tuple[_Collector, int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    receiver, port = collector
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    provider = telemetry.tracer_provider_from_env(
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}"}
+    )
+    async with started(tmp_path, loop, tracer_provider=provider) as h:
+        await h.create(*opening(), *units(4))
+        await h.compact()
+    await asyncio.to_thread(telemetry.shutdown, provider)  # flushes off the event loop
+    exported = {
+        span.name
+        for request in receiver.requests
+        for resource_spans in request.resource_spans
+        for scope in resource_spans.scope_spans
+        for span in scope.spans
+    }
+    assert "compaction.bracket" in exported
