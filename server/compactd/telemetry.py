@@ -8,6 +8,7 @@ exporter.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 
@@ -45,6 +46,28 @@ def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> trace.
         )
         provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
+
+
+class _CancelledStreamDetach(logging.Filter):
+    """Drops the gRPC instrumentation's "Failed to detach context" error on cancelled streams.
+
+    When a client cancels a server-streaming call (a WatchPressure reader going away), the aio
+    server interceptor ends its span in another context and OpenTelemetry logs a harmless
+    ValueError at ERROR (opentelemetry-python-contrib issue 2357). Only that message is dropped.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "Failed to detach context"
+
+
+_DETACH_FILTER = _CancelledStreamDetach()
+
+
+def quiet_cancelled_stream_detach() -> None:
+    """Install the filter above on the ``opentelemetry.context`` logger (idempotent)."""
+    context_log = logging.getLogger("opentelemetry.context")
+    if _DETACH_FILTER not in context_log.filters:
+        context_log.addFilter(_DETACH_FILTER)
 
 
 def shutdown(provider: trace.TracerProvider) -> None:

@@ -153,7 +153,8 @@ async def test_watch_pressure_follows_concurrent_appends(routed: RunningServer) 
         await asyncio.gather(*(writer(n) for n in range(4)))
         revisions = []
         while not revisions or revisions[-1] < 41:
-            revisions.append((await watch.read()).report.revision)
+            reply = await asyncio.wait_for(watch.read(), timeout=30)  # fail, never hang
+            revisions.append(reply.report.revision)
         watch.cancel()
     assert revisions == sorted(revisions)  # coalesced, never out of order
     assert revisions[-1] == 41

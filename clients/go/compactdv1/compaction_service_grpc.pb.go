@@ -35,7 +35,10 @@ type CompactionServiceClient interface {
 	// On-demand compaction (`/compact`), even below pressure. Streams one update per bracket step,
 	// then the result. Errors: NOT_FOUND; ABORTED with reason `COMPACTION_BUSY` while a turn is open
 	// or a bracket is live; FAILED_PRECONDITION with reason `SUMMARY_TARGET_UNKNOWN` when no model
-	// can write the summary; reason `SUMMARY_NOT_SMALLER` / `SUMMARY_FAILED` when the summary fails.
+	// can write the summary; reason `SUMMARY_NOT_SMALLER`, `SPAN_DRIFT`, `UNSUPPORTED_CONTENT` or
+	// `SUMMARY_FAILED` when the bracket closes without committing; UNAVAILABLE with reason
+	// `TIMEOUT`, `RATE_LIMITED` or `PROVIDER_UNAVAILABLE` when the summarizer's provider failed
+	// transiently (the bracket is closed; retrying later may succeed).
 	Compact(ctx context.Context, in *CompactRequest, opts ...grpc.CallOption) (CompactionService_CompactClient, error)
 	// Recovery after a provider error on a step: `CONTEXT_WINDOW_EXCEEDED` attempts one maximal
 	// balanced reduction; `IMAGE_OFFLOAD_REQUIRED` offloads the oldest input images. The result says
@@ -247,7 +250,10 @@ type CompactionServiceServer interface {
 	// On-demand compaction (`/compact`), even below pressure. Streams one update per bracket step,
 	// then the result. Errors: NOT_FOUND; ABORTED with reason `COMPACTION_BUSY` while a turn is open
 	// or a bracket is live; FAILED_PRECONDITION with reason `SUMMARY_TARGET_UNKNOWN` when no model
-	// can write the summary; reason `SUMMARY_NOT_SMALLER` / `SUMMARY_FAILED` when the summary fails.
+	// can write the summary; reason `SUMMARY_NOT_SMALLER`, `SPAN_DRIFT`, `UNSUPPORTED_CONTENT` or
+	// `SUMMARY_FAILED` when the bracket closes without committing; UNAVAILABLE with reason
+	// `TIMEOUT`, `RATE_LIMITED` or `PROVIDER_UNAVAILABLE` when the summarizer's provider failed
+	// transiently (the bracket is closed; retrying later may succeed).
 	Compact(*CompactRequest, CompactionService_CompactServer) error
 	// Recovery after a provider error on a step: `CONTEXT_WINDOW_EXCEEDED` attempts one maximal
 	// balanced reduction; `IMAGE_OFFLOAD_REQUIRED` offloads the oldest input images. The result says

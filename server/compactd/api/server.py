@@ -72,8 +72,8 @@ class RunningServer:
         await self.server.stop(self.config.shutdown_grace_s if grace is None else grace)
         await self.manager.close()
         await self.store.close()
-        if self.owns_tracer_provider:
-            telemetry.shutdown(self.tracer_provider)
+        if self.owns_tracer_provider:  # flushing may wait on a collector: not on the loop
+            await asyncio.to_thread(telemetry.shutdown, self.tracer_provider)
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,7 @@ async def create_server(
         pruner=parts.pruner,
         tracer_provider=provider,
     )
+    telemetry.quiet_cancelled_stream_detach()
     tracing = aio_server_interceptor(tracer_provider=provider)  # type: ignore[no-untyped-call]
     server = grpc.aio.server(options=_channel_options(config), interceptors=[tracing])
     session_service_pb2_grpc.add_SessionServiceServicer_to_server(

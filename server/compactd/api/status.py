@@ -40,11 +40,14 @@ _CODES: list[tuple[type[errors.CompactdError], grpc.StatusCode]] = [
 ]
 
 
+# Failures of a dependency that may pass: retrying later can succeed.
+_TRANSIENT_REASONS = frozenset({"TIMEOUT", "PROVIDER_UNAVAILABLE", "RATE_LIMITED"})
+
+
 def code_for(error: errors.CompactdError) -> grpc.StatusCode:
-    """The gRPC code for a domain error (a domain error may override it with ``grpc_code``)."""
-    override = getattr(error, "grpc_code", None)
-    if isinstance(override, grpc.StatusCode):
-        return override
+    """The gRPC code for a domain error: transient reasons are UNAVAILABLE, else by class."""
+    if error.reason in _TRANSIENT_REASONS:
+        return grpc.StatusCode.UNAVAILABLE
     for kind, code in _CODES:
         if isinstance(error, kind):
             return code

@@ -107,7 +107,10 @@ class CompactionServiceServicer:
         """On-demand compaction (`/compact`), even below pressure. Streams one update per bracket step,
         then the result. Errors: NOT_FOUND; ABORTED with reason `COMPACTION_BUSY` while a turn is open
         or a bracket is live; FAILED_PRECONDITION with reason `SUMMARY_TARGET_UNKNOWN` when no model
-        can write the summary; reason `SUMMARY_NOT_SMALLER` / `SUMMARY_FAILED` when the summary fails.
+        can write the summary; reason `SUMMARY_NOT_SMALLER`, `SPAN_DRIFT`, `UNSUPPORTED_CONTENT` or
+        `SUMMARY_FAILED` when the bracket closes without committing; UNAVAILABLE with reason
+        `TIMEOUT`, `RATE_LIMITED` or `PROVIDER_UNAVAILABLE` when the summarizer's provider failed
+        transiently (the bracket is closed; retrying later may succeed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -57,7 +57,10 @@ class CompactionServiceStub:
     """On-demand compaction (`/compact`), even below pressure. Streams one update per bracket step,
     then the result. Errors: NOT_FOUND; ABORTED with reason `COMPACTION_BUSY` while a turn is open
     or a bracket is live; FAILED_PRECONDITION with reason `SUMMARY_TARGET_UNKNOWN` when no model
-    can write the summary; reason `SUMMARY_NOT_SMALLER` / `SUMMARY_FAILED` when the summary fails.
+    can write the summary; reason `SUMMARY_NOT_SMALLER`, `SPAN_DRIFT`, `UNSUPPORTED_CONTENT` or
+    `SUMMARY_FAILED` when the bracket closes without committing; UNAVAILABLE with reason
+    `TIMEOUT`, `RATE_LIMITED` or `PROVIDER_UNAVAILABLE` when the summarizer's provider failed
+    transiently (the bracket is closed; retrying later may succeed).
     """
     RecoverFromError: _grpc.UnaryStreamMultiCallable[_compaction_service_pb2.RecoverFromErrorRequest, _compaction_service_pb2.RecoverFromErrorResponse]
     """Recovery after a provider error on a step: `CONTEXT_WINDOW_EXCEEDED` attempts one maximal
@@ -100,7 +103,10 @@ class CompactionServiceAsyncStub(CompactionServiceStub):
     """On-demand compaction (`/compact`), even below pressure. Streams one update per bracket step,
     then the result. Errors: NOT_FOUND; ABORTED with reason `COMPACTION_BUSY` while a turn is open
     or a bracket is live; FAILED_PRECONDITION with reason `SUMMARY_TARGET_UNKNOWN` when no model
-    can write the summary; reason `SUMMARY_NOT_SMALLER` / `SUMMARY_FAILED` when the summary fails.
+    can write the summary; reason `SUMMARY_NOT_SMALLER`, `SPAN_DRIFT`, `UNSUPPORTED_CONTENT` or
+    `SUMMARY_FAILED` when the bracket closes without committing; UNAVAILABLE with reason
+    `TIMEOUT`, `RATE_LIMITED` or `PROVIDER_UNAVAILABLE` when the summarizer's provider failed
+    transiently (the bracket is closed; retrying later may succeed).
     """
     RecoverFromError: _aio.UnaryStreamMultiCallable[_compaction_service_pb2.RecoverFromErrorRequest, _compaction_service_pb2.RecoverFromErrorResponse]  # type: ignore[assignment]
     """Recovery after a provider error on a step: `CONTEXT_WINDOW_EXCEEDED` attempts one maximal
@@ -164,7 +170,10 @@ class CompactionServiceServicer(metaclass=_abc_1.ABCMeta):
         """On-demand compaction (`/compact`), even below pressure. Streams one update per bracket step,
         then the result. Errors: NOT_FOUND; ABORTED with reason `COMPACTION_BUSY` while a turn is open
         or a bracket is live; FAILED_PRECONDITION with reason `SUMMARY_TARGET_UNKNOWN` when no model
-        can write the summary; reason `SUMMARY_NOT_SMALLER` / `SUMMARY_FAILED` when the summary fails.
+        can write the summary; reason `SUMMARY_NOT_SMALLER`, `SPAN_DRIFT`, `UNSUPPORTED_CONTENT` or
+        `SUMMARY_FAILED` when the bracket closes without committing; UNAVAILABLE with reason
+        `TIMEOUT`, `RATE_LIMITED` or `PROVIDER_UNAVAILABLE` when the summarizer's provider failed
+        transiently (the bracket is closed; retrying later may succeed).
         """
 
     @_abc_1.abstractmethod
