@@ -9,13 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
 import signal
 import subprocess
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +20,7 @@ from compactd.testing.openai_server import OpenAICompatServer, Reply
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import compaction_service_pb2_grpc
 from tests.compaction_fixtures import POLICY, Harness, body, loopback, opening, route_table, units
-from tests.test_process import Output
-
-_LISTENING = re.compile(r"compactd listening on (\S+)")
+from tests.processes import serving
 
 
 def write_config(path: Path, loop: OpenAICompatServer) -> Path:
@@ -39,33 +32,6 @@ def write_config(path: Path, loop: OpenAICompatServer) -> Path:
         encoding="utf-8",
     )
     return path
-
-
-@contextmanager
-def serving(db: Path, config: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """Run `compactd serve` on a free port over ``db`` with ``config``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPACTD_", "OTEL_"))}
-    proc = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "compactd", "serve", "--config", str(config)),
-            *("--listen", "127.0.0.1:0", "--store", f"sqlite:///{db}", "--log-format", "text"),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    output = Output(proc)
-    try:
-        assert output.address.wait(timeout=60), "server did not start"
-        match = _LISTENING.search("".join(output.lines))
-        assert match is not None
-        yield proc, match.group(1)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=30)
-        output.text()
 
 
 async def _kill_during_summary(
@@ -94,10 +60,10 @@ async def test_sigkill_during_the_summary_then_restart_makes_the_orphan_stale(
     with loopback() as loop:
         config = write_config(tmp_path / "compactd.toml", loop)
         loop.enqueue(Reply(delay_before=120))  # the summary the process dies waiting for
-        with serving(db, config) as (proc, address):
+        with serving(db, "--config", str(config)) as (proc, address, _):
             orphan = await _kill_during_summary(address, proc, loop)
 
-        with serving(db, config) as (_, address):
+        with serving(db, "--config", str(config)) as (_, address, _):
             async with grpc.aio.insecure_channel(address) as channel:
                 harness = Harness(channel, loop)
                 restored = await harness.events()

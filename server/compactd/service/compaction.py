@@ -143,12 +143,12 @@ class CompactionEngine:
             if error.reason not in ("CAPACITY_UNKNOWN", "POLICY_INVALID", "ROUTE_UNKNOWN"):
                 raise
             self._warn_once(handle, _target_key(intended), error.message, outcome)
-            return self._step_result(handle, None, None, outcome)
+            return await self._step_result(handle, None, None, outcome)
         after = before
         policy = self._pressure.target_policy(handle, route)
         if before.state == cpb.PRESSURE_STATE_ABOVE and policy.auto:
             after = await self._relieve(handle, route, policy, turn, outcome, progress)
-        return self._step_result(handle, before, after, outcome)
+        return await self._step_result(handle, before, after, outcome)
 
     async def _relieve(
         self,
@@ -499,18 +499,20 @@ class CompactionEngine:
                 "pressure check skipped", extra={"session_id": handle.session_id, "error": message}
             )
 
-    def _step_result(
+    async def _step_result(
         self,
         handle: SessionHandle,
         before: cpb.PressureReport | None,
         after: cpb.PressureReport | None,
         outcome: StepOutcome,
     ) -> cpb.PrepareStepResult:
+        async with handle.lock:  # the request shows committed events only
+            request = build_request(handle)
         result = cpb.PrepareStepResult(
             pruned_count=outcome.pruned,
             compactions=outcome.compactions,
             warnings=outcome.warnings,
-            request=build_request(handle),
+            request=request,
         )
         if before is not None:
             result.before.CopyFrom(before)
