@@ -16,7 +16,8 @@ Three tables, from one run:
 3. The reference heuristic's error against exact counts for English prose, Chinese, source code and
    JSON tool output.
 
-Texts come from ``/work/shared/data/trajectories/conversations.jsonl`` (agent transcripts), cycled
+Texts come from ``shared/data/trajectories/conversations.jsonl`` beside the repository (agent
+transcripts; ``COMPACTD_SHARED`` names another ``shared`` folder), cycled
 to reach the sizes; the Chinese sample is the Chinese chapter of the spec (the transcripts hold
 almost no CJK).
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import statistics
 import time
@@ -47,8 +49,9 @@ from compactd.store.memory import MemoryEventStore
 from compactd.tokenizers import framing_for, load_tokenizer
 from compactd.v1 import events_pb2
 
-DATA = Path("/work/shared/data/trajectories/conversations.jsonl")
-CHINESE = next(Path("/work/shared/seeds").glob("001_*.txt"), None)
+SHARED = Path(os.environ.get("COMPACTD_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+DATA = SHARED / "data" / "trajectories" / "conversations.jsonl"
+CHINESE = next((SHARED / "seeds").glob("001_*.txt"), None)
 PROVIDER, MODEL = "openai", "gpt-4-turbo"  # cl100k_base, 128k window
 BATCH = 1000
 
