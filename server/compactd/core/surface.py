@@ -181,7 +181,7 @@ class Surface:
             balanced = not open_calls_after(before) and not open_calls_after(through)
         except CorruptPairing:  # pragma: no cover - the fold never admits an orphan result
             balanced = False
-        if not balanced:
+        if not balanced or self._orphans_after(start, end):
             _reject("surface_op", "a replaced span must begin and end at balanced tool-call cuts")
 
     def _orphans_after(self, start: int, end: int) -> bool:
