@@ -6,7 +6,7 @@ default; wrap one in ``replace`` to make it a REPLACE.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from compactd.v1 import events_pb2
 
@@ -136,7 +136,7 @@ def end_seed(reason: str = "restore") -> SessionEvent:
     return SessionEvent(session_end_seed=events_pb2.SessionEndSeed(reason=reason))
 
 
-def offload(targets: dict[int, Sequence[int]]) -> SessionEvent:
+def offload(targets: Mapping[int, Sequence[int]]) -> SessionEvent:
     """An ``image/offload`` selecting, per node seq, depth-first image indexes."""
     body = events_pb2.ImageOffload(
         targets=[
