@@ -22,6 +22,7 @@ from compactd.core.lock import live_bracket
 from compactd.core.pairing import CorruptPairing, balanced_cuts
 from compactd.core.surface import SurfaceNode
 from compactd.errors import Busy, CompactdError, InvalidArgument, ReplacementRejected
+from compactd.v1 import events_pb2
 from tests.builders import (
     SessionEvent,
     assistant,
@@ -113,7 +114,7 @@ def test_an_event_id_already_in_the_log_is_rejected() -> None:
     fold.admit([with_id(user("a"), "x")])
     with pytest.raises(InvalidArgument, match="already in the log") as caught:
         fold.admit([user("b"), with_id(user("c"), "x")])
-    assert caught.value.violations[0].field == "event_id"
+    assert caught.value.violations[0].field == "events[1].event_id"
     assert fold.event_ids == {"x": 0}
     assert fold.revision == 1
 
@@ -282,7 +283,7 @@ def test_an_offload_must_select_existing_input_images_of_current_nodes(
     fold = base_fold()
     with pytest.raises(InvalidArgument, match=reason) as caught:
         fold.admit([offload(target)])
-    assert caught.value.violations[0].field == field
+    assert caught.value.violations[0].field == f"events[0].{field}"
     assert fold.offloads == {}
 
 
@@ -624,3 +625,28 @@ class FoldMachine(RuleBasedStateMachine):
 
 FoldMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
 TestIncrementalFoldEqualsRefold = FoldMachine.TestCase
+
+
+def test_violations_name_the_event_in_the_batch() -> None:
+    fold = SessionFold()
+    fold.admit([system("s"), user("a")])
+    bad = replace(user("sum"), start=1, end=1, sources=[0])  # does not cite seq 1
+    with pytest.raises(ReplacementRejected) as caught:
+        fold.admit([user("b"), bad])
+    assert [v.field for v in caught.value.violations] == ["events[1].source_event_seqs"]
+
+
+def test_a_redundant_header_is_recorded_without_a_reason() -> None:
+    fold = SessionFold()
+    first = fold.admit([header("p", "m")]).events[0]
+    again = fold.admit([header("p", "m")]).events[0]
+    assert first.request_header.reason == events_pb2.HEADER_REASON_INITIAL
+    assert again.request_header.reason == events_pb2.HEADER_REASON_UNSPECIFIED
+
+
+def test_a_compaction_id_is_never_reused_even_after_its_bracket_closed() -> None:
+    fold = SessionFold()
+    fold.admit([user("a"), compaction_start("k1"), compaction_end("k1")])
+    with pytest.raises(InvalidArgument, match="a compaction id is used once"):
+        fold.admit([compaction_start("k1")])
+    fold.admit([compaction_start("k2")])  # a fresh id still opens a bracket

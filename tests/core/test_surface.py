@@ -50,9 +50,10 @@ def rejected(fold: SessionFold, event: SessionEvent, rule: str) -> ReplacementRe
 
 
 def field_of(error: ReplacementRejected) -> str:
-    """The single field a rejection points at."""
+    """The single field a rejection of a one-event batch points at, inside ``events[0]``."""
     (violation,) = error.violations
-    return violation.field
+    assert violation.field.startswith("events[0].")
+    return violation.field.removeprefix("events[0].")
 
 
 # Surface layout used by several tests: seqs 0..4, then seq 5 replaces positions 1..2.
@@ -450,7 +451,7 @@ def test_result_with_no_earlier_call_is_corrupt_input() -> None:
     with pytest.raises(CorruptPairing, match="'c9'") as caught:
         fold.admit([tool_result("c9", "x")])
     assert caught.value.reason == "TOOL_RESULT_WITHOUT_CALL"
-    assert caught.value.violations[0].field == "tool_result.tool_call_id"
+    assert caught.value.violations[0].field == "events[0].tool_result.tool_call_id"
     assert fold.revision == 1
 
 

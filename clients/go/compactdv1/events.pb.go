@@ -85,7 +85,8 @@ func (SurfaceOpKind) EnumDescriptor() ([]byte, []int) {
 type HeaderReason int32
 
 const (
-	// Not set.
+	// Not set. On a stored header: a redundant snapshot, identical to the one in force with no
+	// new series or lifecycle since, logged without a reason.
 	HeaderReason_HEADER_REASON_UNSPECIFIED HeaderReason = 0
 	// The session's first header.
 	HeaderReason_HEADER_REASON_INITIAL HeaderReason = 1

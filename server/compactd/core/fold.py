@@ -49,6 +49,7 @@ class SessionFold:
         self.open_turns: set[int] = set()
         self.offloads: dict[int, frozenset[int]] = {}  # node seq -> offloaded image indexes
         self.event_ids: dict[str, int] = {}
+        self.compaction_ids: set[str] = set()  # every bracket ever opened in this log
         self.restored_at = -1  # seq of the session/end-seed this process appended, if any
 
     def admit(
@@ -60,9 +61,18 @@ class SessionFold:
         when any event may not fold. Events already stored keep their seq when ``check`` is off.
         """
         batch = AdmittedBatch(self.revision, [])
+        index = 0
         try:
-            for event in events:
+            for index, event in enumerate(events):
                 self._admit_one(event, batch, now, check)
+        except InvalidArgument as error:
+            self.rollback(batch)
+            # Point each violation at the event in the request: ``events[2].surface_op``.
+            error.violations = tuple(
+                FieldViolation(f"events[{index}].{v.field}", v.description)
+                for v in error.violations
+            )
+            raise
         except BaseException:
             self.rollback(batch)
             raise
@@ -118,7 +128,11 @@ class SessionFold:
             self._fold_turn(event, kind, batch)
         elif kind == "image_offload":
             self._fold_offload(event, batch)
-        elif kind in ("compaction_start", "compaction_end", "session_end_seed"):
+        if kind == "compaction_start":
+            compaction_id = event.compaction_start.compaction_id
+            self.compaction_ids.add(compaction_id)
+            batch._undo.append(partial(self.compaction_ids.discard, compaction_id))
+        if kind in ("compaction_start", "compaction_end", "session_end_seed"):
             before = self.lock.copy()
             self.lock.apply(event, seq)
             batch._undo.append(lambda: setattr(self, "lock", before))
@@ -139,9 +153,10 @@ class SessionFold:
                 proposed,
                 series_boundary=self.surface.replacements != self.replacements_at_header,
                 resuming=self.restored_at >= 0 and self.header_seq < self.restored_at,
-            ) or hdr.HeaderReason(events_pb2.HEADER_REASON_CHANGE)
-            proposed.reason = verdict.reason
-            proposed.starts_series = verdict.starts_series
+            )
+            if verdict is not None:  # None: a redundant snapshot, recorded without a reason
+                proposed.reason = verdict.reason
+                proposed.starts_series = verdict.starts_series
         self.header = hdr.canonical(proposed)
         self.header_seq = seq
         self.replacements_at_header = self.surface.replacements
@@ -185,7 +200,7 @@ class SessionFold:
                         "start_seq": str(live.start_seq),
                     },
                 )
-            if event.compaction_start.compaction_id in self.lock.open_starts:
+            if event.compaction_start.compaction_id in self.compaction_ids:
                 _invalid("compaction_start.compaction_id", "a compaction id is used once")
         elif kind == "compaction_end":
             if event.compaction_end.compaction_id not in self.lock.open_starts:

@@ -60,7 +60,9 @@ class _HeaderReason:
 class _HeaderReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_HeaderReason.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     HEADER_REASON_UNSPECIFIED: _HeaderReason.ValueType  # 0
-    """Not set."""
+    """Not set. On a stored header: a redundant snapshot, identical to the one in force with no
+    new series or lifecycle since, logged without a reason.
+    """
     HEADER_REASON_INITIAL: _HeaderReason.ValueType  # 1
     """The session's first header."""
     HEADER_REASON_RESUME: _HeaderReason.ValueType  # 2
@@ -76,7 +78,9 @@ class HeaderReason(_HeaderReason, metaclass=_HeaderReasonEnumTypeWrapper):
     """Why a `request/header` was logged."""
 
 HEADER_REASON_UNSPECIFIED: HeaderReason.ValueType  # 0
-"""Not set."""
+"""Not set. On a stored header: a redundant snapshot, identical to the one in force with no
+new series or lifecycle since, logged without a reason.
+"""
 HEADER_REASON_INITIAL: HeaderReason.ValueType  # 1
 """The session's first header."""
 HEADER_REASON_RESUME: HeaderReason.ValueType  # 2

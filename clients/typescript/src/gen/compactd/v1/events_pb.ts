@@ -1614,7 +1614,8 @@ export const SurfaceOpKindSchema: GenEnum<SurfaceOpKind> = /*@__PURE__*/
  */
 export enum HeaderReason {
   /**
-   * Not set.
+   * Not set. On a stored header: a redundant snapshot, identical to the one in force with no
+   * new series or lifecycle since, logged without a reason.
    *
    * @generated from enum value: HEADER_REASON_UNSPECIFIED = 0;
    */
