@@ -61,11 +61,11 @@ class SessionFold:
         when any event may not fold. Events already stored keep their seq when ``check`` is off.
         """
         batch = AdmittedBatch(self.revision, [])
-        index = 0
         try:
-            for index, event in enumerate(events):
+            for event in events:
                 self._admit_one(event, batch, now, check)
         except InvalidArgument as error:
+            index = len(batch.events)  # the event that failed
             self.rollback(batch)
             # Point each violation at the event in the request: ``events[2].surface_op``.
             error.violations = tuple(
