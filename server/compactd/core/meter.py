@@ -166,7 +166,8 @@ class _Ledger:
         self._tools: tuple[int, int] = (-2, 0)  # (header seq, price)
 
     def put(self, seq: int, cost: NodeCost, in_delta: bool) -> None:
-        self.drop(seq, in_delta)
+        if seq in self.costs:
+            self.drop(seq, in_delta)
         self.costs[seq] = cost
         self.messages += cost.messages
         self.images += cost.images
@@ -223,9 +224,9 @@ class SessionMeter:
         shadowed. Call with the fold in the state right after the batch."""
         changes = iter(batch.surface_changes)
         for event in batch.events:
-            kind = ev.body_name(event)
+            kind = event.WhichOneof("body")
             if kind in ev.SURFACE_BODIES:
-                self._apply(fold, next(changes))
+                self._apply(fold, next(changes), kind)
             elif kind == "request_header":
                 self._header_seq, self._header = event.seq, event.request_header
             elif kind == "image_offload":
@@ -235,26 +236,29 @@ class SessionMeter:
         self._head = _head_seq(fold)
         self.revision = fold.revision
 
-    def _apply(self, fold: SessionFold, change: SurfaceChange) -> None:
-        for old in change.shadowed:
-            self._forget(old.seq)
-        node = change.node
+    def _apply(self, fold: SessionFold, change: SurfaceChange, kind: str) -> None:
+        """Price the node one surface event created (``kind``: its body) and drop what it
+        shadowed. Runs once per appended message: kept to the few lookups it needs."""
+        seq, event = change.node.seq, change.node.event
         in_delta = False
         if change.shadowed:
-            if self._anchor is not None and self._before_anchor(fold, node.seq):
+            for old in change.shadowed:
+                self._forget(old.seq)
+            if self._anchor is not None and self._before_anchor(fold, seq):
                 self._drop_anchor()
             in_delta = self._anchor is not None
-        elif _usage(node.event):
-            self._set_anchor(node.seq, node.event)
+        elif kind == "assistant_message" and _usage(event):
+            self._set_anchor(seq, event)
         else:
             in_delta = self._anchor is not None
-        if fold.surface.position_of(node.seq) is None:
+        if fold.surface.position_of(seq) is None:
             return  # shadowed later in this batch
-        self._nodes[node.seq] = node.event
+        self._nodes[seq] = event
         if in_delta:
-            self._after_anchor.add(node.seq)
+            self._after_anchor.add(seq)
         for ledger in self._ledgers.values():
-            ledger.put(node.seq, self._price(node.seq, ledger.pricing), in_delta)
+            # A new node has no offloads yet; an offload in this batch reprojects it afterwards.
+            ledger.put(seq, price_node(event, ledger.pricing), in_delta)
 
     def _forget(self, seq: int) -> None:
         if self._anchor is not None and self._anchor.seq == seq:
@@ -406,9 +410,12 @@ class SessionMeter:
 def _usage(event: SessionEvent) -> int:
     """The provider usage an ``assistant/message`` carries (0 if none): input + cache read +
     cache write + output tokens; reasoning is already counted in output."""
-    if ev.body_name(event) != "assistant_message" or not event.assistant_message.HasField("usage"):
+    if not event.HasField("assistant_message"):
         return 0
-    u = event.assistant_message.usage
+    message = event.assistant_message
+    if not message.HasField("usage"):
+        return 0
+    u = message.usage
     return u.input_tokens + u.cache_read_tokens + u.cache_write_tokens + u.output_tokens
 
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence, Set
+from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from google.protobuf import json_format
 
@@ -157,6 +157,8 @@ class PricingProfile:
         image_pricing: The route's image price; None prices images structurally.
         sends_reasoning: Whether the route sends assistant reasoning back (exact pricing only;
             the heuristic always counts reasoning, as the reference does).
+        count: ``tokenizer.count``, bound once.
+        prices_reasoning: Whether reasoning blocks are priced (``sends_reasoning`` or heuristic).
     """
 
     tokenizer: Tokenizer = field(compare=False)
@@ -164,10 +166,15 @@ class PricingProfile:
     image_pricing: ImagePricing | None = None
     sends_reasoning: bool = True
     tokenizer_name: str = field(init=False, default="")
+    count: Callable[[str], int] = field(init=False, compare=False, repr=False)
+    prices_reasoning: bool = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         # Profiles compare and hash by the tokenizer's name, so equal routes share one cache.
         object.__setattr__(self, "tokenizer_name", self.tokenizer.name)
+        # Bound once: the meter counts every text block through it.
+        object.__setattr__(self, "count", self.tokenizer.count)
+        object.__setattr__(self, "prices_reasoning", self.sends_reasoning or not self.exact)
 
     @property
     def exact(self) -> bool:
@@ -178,10 +185,9 @@ class PricingProfile:
 HEURISTIC = PricingProfile(HeuristicTokenizer(), HEURISTIC_FRAMING)
 
 
-@dataclass(frozen=True, slots=True)
-class NodeCost:
+class NodeCost(NamedTuple):
     """The price of one message: its image part (images sent and offload placeholders) and the
-    rest (text, reasoning, tool calls, framing)."""
+    rest (text, reasoning, tool calls, framing). A named tuple: the meter makes one per node."""
 
     messages: int
     images: int = 0
@@ -208,21 +214,24 @@ def price_message(
     """
     if message.role == _SYSTEM:
         return NodeCost(_system_tokens(message, pricing))
-    return _content_cost(message.content, pricing, placeholders)
+    cost = _content_cost(message.content, pricing)
+    if not placeholders:
+        return cost
+    # Placeholder blocks are priced as the text they are, then reported with the images.
+    moved = sum(_text_part(message.content[i], pricing) for i in placeholders)
+    return NodeCost(cost.messages - moved, cost.images + moved)
 
 
 def price_node(
     event: SessionEvent, pricing: PricingProfile, offloaded: Set[int] = frozenset()
 ) -> NodeCost:
     """The price of the message a surface event projects to (``ZERO`` if it projects to none)."""
-    kind = ev.body_name(event)
+    kind = event.WhichOneof("body")
     if not offloaded and kind in _OWN_CONTENT:
         # Without offloads these project to their own content blocks, unchanged; pricing the
         # blocks in place spares copying them (a third of the meter's own cost per event).
         content = getattr(event, kind).content
-        if kind == "assistant_message" and all(_is_empty_text(b) for b in content):
-            return ZERO  # projects to no message
-        return _content_cost(content, pricing, frozenset())
+        return _content_cost(content, pricing, drop_empty=kind == "assistant_message")
     message = project(event, offloaded)
     if message is None:
         return ZERO
@@ -233,21 +242,39 @@ _OWN_CONTENT = frozenset({"user_message", "assistant_message", "tool_result"})
 
 
 def _content_cost(
-    content: Iterable[ContentBlock], pricing: PricingProfile, placeholders: Set[int]
+    content: Iterable[ContentBlock], pricing: PricingProfile, *, drop_empty: bool = False
 ) -> NodeCost:
-    text = pricing.framing.per_message
+    """The blocks' price plus the message framing, images apart; with ``drop_empty``, ``ZERO``
+    when no block is sent (none, or only empty text: an assistant message that projects to no
+    message).
+
+    The meter's hot loop: one pass in which each text is read from its proto once.
+    """
+    count, framing = pricing.count, pricing.framing
+    per_block = framing.per_block
+    text = framing.per_message
     images = 0
-    for index, block in enumerate(content):
-        tokens = _block_tokens(block, pricing)
-        if index in placeholders or block.HasField("image"):
-            images += tokens
+    sent = False
+    for block in content:
+        kind = block.WhichOneof("block")
+        if kind == "text":
+            body = block.text.text
+            text += count(body) + per_block
+            sent = sent or bool(body)
+        elif kind == "image":
+            images += _block_tokens(block, kind, pricing)
+            sent = True
         else:
-            text += tokens
+            text += _block_tokens(block, kind, pricing)
+            sent = True
+    if drop_empty and not sent:
+        return ZERO
     return NodeCost(text, images)
 
 
-def _is_empty_text(block: ContentBlock) -> bool:
-    return block.HasField("text") and not block.text.text
+def _text_part(block: ContentBlock, pricing: PricingProfile) -> int:
+    """What ``_content_cost`` counts as text for ``block`` alone (0 for an image)."""
+    return _content_cost([block], pricing).messages - pricing.framing.per_message
 
 
 def price_tools(tools: Sequence[ToolDeclaration], pricing: PricingProfile) -> int:
@@ -319,19 +346,16 @@ def _system_tokens(message: Message, pricing: PricingProfile) -> int:
     return pricing.tokenizer.count(text) + pricing.framing.per_system
 
 
-def _block_tokens(block: ContentBlock, pricing: PricingProfile) -> int:
-    kind = block.WhichOneof("block")
-    count = pricing.tokenizer.count
-    framing = pricing.framing
-    if kind == "text":
-        return count(block.text.text) + framing.per_block
+def _block_tokens(block: ContentBlock, kind: str | None, pricing: PricingProfile) -> int:
+    """The price of one block other than text (``kind``: its oneof field, None if unset)."""
+    count = pricing.count
     if kind == "reasoning":
-        if pricing.exact and not pricing.sends_reasoning:
+        if not pricing.prices_reasoning:
             return 0
-        return count(block.reasoning.text) + framing.per_block
+        return count(block.reasoning.text) + pricing.framing.per_block
     if kind == "tool_call":
         call = block.tool_call
-        return count(call.name) + count(call.arguments_json) + framing.per_tool_call
+        return count(call.name) + count(call.arguments_json) + pricing.framing.per_tool_call
     if kind == "image" and pricing.image_pricing is not None:
         image = block.image
         handle = image_handle(image)
