@@ -63,10 +63,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     try:
         settings = config.load(args.config, overrides=overrides)
+        from compactd.api.server import components, serve
+
+        parts = components(settings)  # routes, policy, pruner, summarizer: named errors now
         if args.command == "check-config":
             print(settings)
+            print(f"{len(parts.routes)} routes, pruner {parts.pruner}, {parts.summarizer}")
             return 0
-        from compactd.api.server import serve
 
         logs.configure(settings.log_level, settings.log_format)
         asyncio.run(serve(settings))
