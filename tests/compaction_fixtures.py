@@ -24,6 +24,7 @@ from opentelemetry import trace
 
 from compactd import config
 from compactd.api.server import RunningServer, create_server
+from compactd.service.compaction import SummaryErrorRecovery
 from compactd.testing.openai_server import OpenAICompatServer
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import compaction_service_pb2_grpc, events_pb2, session_service_pb2_grpc
@@ -261,12 +262,13 @@ async def started(
     loop: OpenAICompatServer,
     *,
     tracer_provider: trace.TracerProvider | None = None,
+    recoveries: Sequence[SummaryErrorRecovery] = (),
     **options: Any,
 ) -> AsyncIterator[Harness]:
     """A server (see ``server_config`` for ``options``) and a channel to it."""
     settings = server_config(tmp_path, loop, **options)
     provider = tracer_provider or trace.NoOpTracerProvider()
-    running = await create_server(settings, tracer_provider=provider)
+    running = await create_server(settings, tracer_provider=provider, summary_recoveries=recoveries)
     try:
         async with grpc.aio.insecure_channel(running.address) as channel:
             yield Harness(channel, loop, running)

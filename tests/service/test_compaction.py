@@ -21,6 +21,9 @@ import pytest
 from compactd.core import prompts
 from compactd.core.pruner import PRUNE_MARKER
 from compactd.providers import openai_wire
+from compactd.providers.base import SummaryError
+from compactd.service.compaction import SummaryFailure
+from compactd.service.sessions import SessionHandle
 from compactd.testing.openai_server import OpenAICompatServer, Reply, ScriptedToolCall
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2
@@ -547,3 +550,83 @@ async def test_a_span_larger_than_the_summarizer_window_is_summarized_in_chunks_
         assert all(prompts.SUMMARY_OPEN_TAG in text for text in framed)
         (summary,) = of_type(await h.events(), "compaction_summary")
         assert summary.compaction_summary.usage.output_tokens > 0
+
+
+class OffloadSpanImages:
+    """A recovery that offloads every input image inside the failed summary's span."""
+
+    def __init__(self) -> None:
+        self.failures: list[SummaryFailure] = []
+
+    def wants(self, error: SummaryError) -> bool:
+        return error.reason == "IMAGE_OFFLOAD_REQUIRED"
+
+    async def recover(self, handle: SessionHandle, failure: SummaryFailure) -> bool:
+        self.failures.append(failure)
+        targets = []
+        for seq in failure.selection.shadowed_seqs:
+            position = handle.fold.surface.position_of(seq)
+            assert position is not None
+            node = handle.fold.surface[position].event
+            if node.HasField("user_message"):
+                images = [b for b in node.user_message.content if b.HasField("image")]
+                if images:
+                    indexes = list(range(len(images)))
+                    targets.append(events_pb2.ImageOffloadTarget(seq=seq, image_indexes=indexes))
+        if not targets:
+            return False
+        offload = events_pb2.SessionEvent(image_offload=events_pb2.ImageOffload(targets=targets))
+        await handle.append([offload])
+        return True
+
+
+def _with_image(text: str) -> events_pb2.SessionEvent:
+    event = user(text)
+    image = events_pb2.ImageBlock(
+        media_type="image/png", name="plot.png", path="/att/plot.png", data=b"\x89PNG fake"
+    )
+    event.user_message.content.append(events_pb2.ContentBlock(image=image))
+    return event
+
+
+async def test_a_recovery_records_its_change_and_the_summary_is_retried_in_the_same_bracket(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    recovery = OffloadSpanImages()
+    loop.enqueue(Reply.too_many_images(limit=0, offload_images=1))
+    async with started(tmp_path, loop, recoveries=[recovery]) as h:
+        await h.create(*opening(), _with_image("Look at this plot."), *units(4))
+        run = await h.compact()
+        log = await h.events()
+    assert run.result.outcome.items_condensed > 0
+    bracket_log = [body(e) for e in log if body(e).startswith(("compaction", "image"))]
+    assert bracket_log == [
+        "compaction_start",
+        "compaction_summary_error",
+        "image_offload",
+        "compaction_summary",
+        "compaction_end",
+    ]
+    (error,) = [e.compaction_summary_error for e in log if e.HasField("compaction_summary_error")]
+    assert (error.reason, error.attempt, error.retrying) == ("IMAGE_OFFLOAD_REQUIRED", 1, True)
+    first, second = summary_requests(loop)
+    assert "image_url" in json.dumps(first["messages"])
+    assert "image_url" not in json.dumps(second["messages"])  # re-derived with the offload
+    assert "[image offloaded: plot.png" in json.dumps(second["messages"])
+    assert [f.attempt for f in recovery.failures] == [1]
+
+
+async def test_without_a_recovery_a_summary_error_closes_the_bracket(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    loop.enqueue(Reply.too_many_images(limit=0, offload_images=1))
+    async with started(tmp_path, loop) as h:
+        await h.create(*opening(), _with_image("Look at this plot."), *units(4))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await h.compact()
+        log = await h.events()
+    assert details(caught.value).reason == "IMAGE_OFFLOAD_REQUIRED"
+    (error,) = [e.compaction_summary_error for e in log if e.HasField("compaction_summary_error")]
+    assert error.retrying is False
+    assert body(log[-1]) == "compaction_end"
+    assert log[-1].compaction_end.error_reason == "IMAGE_OFFLOAD_REQUIRED"

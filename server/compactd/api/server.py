@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -26,7 +27,7 @@ from compactd.core.policy import PressurePolicy
 from compactd.core.pruner import PrunerConfig
 from compactd.providers.base import Summarizer
 from compactd.routes import RouteCatalog
-from compactd.service.compaction import CompactionEngine
+from compactd.service.compaction import CompactionEngine, SummaryErrorRecovery
 from compactd.service.pressure import PressureService
 from compactd.service.sessions import SessionManager
 from compactd.service.summarizers import SummarizerRegistry, SummarizerSettings
@@ -101,12 +102,14 @@ async def create_server(
     *,
     tracer_provider: trace.TracerProvider | None = None,
     summarizer: Summarizer | None = None,
+    summary_recoveries: Sequence[SummaryErrorRecovery] = (),
 ) -> RunningServer:
     """Validate the configuration, open the store, build the services and start serving.
 
     ``tracer_provider`` defaults to one built from the OTEL_* environment (owned and shut down by
     the returned server); gRPC server spans join the caller's W3C trace context. ``summarizer``
-    replaces every route's summarizer (a deployment's own, or a test's).
+    replaces every route's summarizer (a deployment's own, or a test's); ``summary_recoveries``
+    run in the bracket's summary-error step (see ``SummaryErrorRecovery``).
     """
     parts = components(config)
     owns_provider = tracer_provider is None
@@ -121,6 +124,7 @@ async def create_server(
         SummarizerRegistry(parts.routes, parts.summarizer, override=summarizer),
         pruner=parts.pruner,
         tracer_provider=provider,
+        recoveries=summary_recoveries,
     )
     telemetry.quiet_cancelled_stream_detach()
     tracing = aio_server_interceptor(tracer_provider=provider)  # type: ignore[no-untyped-call]

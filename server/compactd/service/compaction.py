@@ -22,6 +22,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from opentelemetry import trace
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as genai
@@ -102,6 +103,38 @@ class _Writer:
     summarizer: Summarizer
 
 
+@dataclass(frozen=True)
+class SummaryFailure:
+    """A failed summary request inside a live bracket, as a recovery sees it."""
+
+    compaction_id: str
+    error: SummaryError
+    attempt: int  # from 1
+    selection: Selection  # a recovery may only change occurrences inside this span
+
+
+class SummaryErrorRecovery(Protocol):
+    """The summary-error step's hook: record a durable input change, then ask for a retry.
+
+    ``wants`` decides, from the error alone, whether this recovery handles it (the
+    ``compaction/summary-error`` event records that decision as ``retrying``). ``recover`` then
+    appends its change through ``handle.append`` (an ``image/offload``, say) and returns whether
+    it recorded one; only then is the summary re-derived, re-priced and retried in the same
+    bracket. What a recovery records stays in the log even if the bracket later fails.
+    """
+
+    def wants(self, error: SummaryError) -> bool:
+        """Whether this recovery handles ``error``."""
+        ...
+
+    async def recover(self, handle: SessionHandle, failure: SummaryFailure) -> bool:
+        """Record a durable input change for ``failure``; True when one was recorded."""
+        ...
+
+
+MAX_SUMMARY_ATTEMPTS = 3
+
+
 class CompactionEngine:
     """Runs pruning and brackets for sessions; one instance per server."""
 
@@ -113,8 +146,10 @@ class CompactionEngine:
         *,
         pruner: PrunerConfig | None = None,
         tracer_provider: trace.TracerProvider | None = None,
+        recoveries: Sequence[SummaryErrorRecovery] = (),
     ) -> None:
         self._manager = manager
+        self._recoveries = tuple(recoveries)
         self._pressure = pressure
         self._summarizers = summarizers
         self._pruner = pruner or PrunerConfig()
@@ -333,8 +368,17 @@ class CompactionEngine:
         progress: Progress,
     ) -> cpb.CompactionOutcome:
         handle, target = job.handle, writer.target
-        request = _summary_request(handle, selection, target, job.policy, job.focus)
-        summary = await self._summarize(handle, compaction_id, writer, request, progress)
+        attempt = 1
+        while True:
+            # Re-derived on every attempt: a recovery's change (an offload) must show.
+            request = _summary_request(handle, selection, target, job.policy, job.focus)
+            try:
+                summary = await self._summarize(compaction_id, writer, request, progress)
+                break
+            except SummaryError as error:
+                failure = SummaryFailure(compaction_id, error, attempt, selection)
+                await self._summary_error(job, failure, snapshot, progress)
+            attempt += 1
         framed = prompts.frame_checkpoint(summary.text)
         with self._tracer.start_as_current_span("compaction.summary") as span:
             span.set_attribute("compactd.compaction_id", compaction_id)
@@ -402,15 +446,15 @@ class CompactionEngine:
 
     async def _summarize(
         self,
-        handle: SessionHandle,
         compaction_id: str,
         writer: _Writer,
         request: SummaryRequest,
         progress: Progress,
     ) -> SummaryResult:
+        """One summary request, traced; a ``SummaryError`` is recorded on its span and raised."""
         target, summarizer = writer.target, writer.summarizer
-        # The span records the provider's SummaryError itself; recording the BracketFailed raised
-        # from it as well would log one failure twice.
+        # The span records the provider's SummaryError itself; the BracketFailed raised from it
+        # later is recorded on the bracket span, not here again.
         with self._tracer.start_as_current_span(
             "compaction.summarize", record_exception=False
         ) as span:
@@ -423,22 +467,8 @@ class CompactionEngine:
             try:
                 summary = await summarizer.summarize(request)
             except SummaryError as error:
-                _record_error(span, error)
-                async with handle.lock:
-                    await handle.append_locked(
-                        [
-                            bracket.summary_error_event(
-                                compaction_id, error.message, error.reason,
-                                attempt=1, retrying=False,
-                            )
-                        ]
-                    )  # fmt: skip
-                await progress(
-                    _step(cpb.COMPACTION_STEP_SUMMARIZE, compaction_id, -1, f"failed: {error}")
-                )
-                raise BracketFailed(
-                    f"the summary request failed: {error.message}", reason=error.reason
-                ) from error
+                _record_error(span, error)  # the summary-error step reports it to the caller
+                raise
             span.set_attribute(genai.GEN_AI_RESPONSE_MODEL, summary.model)
             span.set_attribute(genai.GEN_AI_RESPONSE_FINISH_REASONS, [summary.finish_reason])
             if summary.usage is not None:
@@ -448,6 +478,49 @@ class CompactionEngine:
             _step(cpb.COMPACTION_STEP_SUMMARIZE, compaction_id, -1, f"{len(summary.text)} chars")
         )
         return summary
+
+    async def _summary_error(
+        self,
+        job: _Bracket,
+        failure: SummaryFailure,
+        snapshot: SurfaceSnapshot,
+        progress: Progress,
+    ) -> None:
+        """The summary-error step: log it, let a recovery record a change, or fail the bracket.
+
+        Returns when the summary may be retried; raises ``BracketFailed`` otherwise.
+        """
+        handle, error = job.handle, failure.error
+        recovery = next((r for r in self._recoveries if r.wants(error)), None)
+        retrying = recovery is not None and failure.attempt < MAX_SUMMARY_ATTEMPTS
+        async with handle.lock:
+            stale = drift(handle.fold, failure.selection, snapshot, revalidation_for(job.trigger))
+            if stale is not None:
+                raise BracketFailed(
+                    f"stale span after a failed summary: {stale}", reason="SPAN_DRIFT"
+                )
+            event = bracket.summary_error_event(
+                failure.compaction_id, error.message, error.reason,
+                attempt=failure.attempt, retrying=retrying,
+            )  # fmt: skip
+            result = await handle.append_locked([event])
+        await progress(
+            _step(
+                cpb.COMPACTION_STEP_SUMMARIZE,
+                failure.compaction_id,
+                result.seqs[0],
+                f"failed: {error}" + (" (recovering)" if retrying else ""),
+            )
+        )
+        if recovery is None or not retrying:
+            raise BracketFailed(
+                f"the summary request failed: {error.message}", reason=error.reason
+            ) from error
+        if not await recovery.recover(handle, failure):
+            raise BracketFailed(
+                f"the summary request failed and its recovery recorded no change: {error.message}",
+                reason=error.reason,
+            ) from error
 
     async def _close(
         self,
