@@ -96,6 +96,16 @@ class SessionHandle:
         now = Timestamp()
         now.GetCurrentTime()
         batch = self.fold.admit(events, now=now)
+        commit = asyncio.ensure_future(self._commit(batch))
+        try:
+            return await asyncio.shield(commit)
+        except asyncio.CancelledError:
+            # The caller went away, but the store may still commit the batch: finish the commit
+            # (or its rollback) before the lock is released, so the fold never leaves the log.
+            await asyncio.wait([commit])
+            raise
+
+    async def _commit(self, batch: AdmittedBatch) -> AppendResult:
         try:
             await self._store.append(self.session_id, batch.events)
         except BaseException:
@@ -105,8 +115,7 @@ class SessionHandle:
         for observer in self._observers:
             observer(self.fold, batch)
         await self._notify()
-        seqs = [e.seq for e in batch.events]
-        return AppendResult(seqs, self.fold.revision)
+        return AppendResult([e.seq for e in batch.events], self.fold.revision)
 
     async def revisions(self) -> AsyncIterator[int]:
         """Yield the committed revision now, then the latest one after each commit (coalesced)."""

@@ -1,0 +1,78 @@
+"""Sessions over the store: the fold always matches what the log durably holds."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+
+from compactd.errors import Unavailable
+from compactd.service.sessions import SessionManager
+from compactd.store.memory import MemoryEventStore
+from compactd.v1 import events_pb2
+from tests.builders import user
+
+
+class GatedStore(MemoryEventStore):
+    """An in-memory store whose appends wait for a gate (and may be told to fail)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = asyncio.Event()
+        self.gate = asyncio.Event()
+        self.fail = False
+
+    async def append(self, session_id: str, events: Sequence[events_pb2.SessionEvent]) -> int:
+        self.entered.set()
+        await self.gate.wait()
+        if self.fail:
+            raise Unavailable("disk went away")
+        return await super().append(session_id, events)
+
+
+async def _session(store: GatedStore) -> SessionManager:
+    await store.open()
+    manager = SessionManager(store)
+    await manager.create("s", None)
+    return manager
+
+
+async def test_a_cancelled_append_still_folds_what_the_store_committed() -> None:
+    store = GatedStore()
+    handle = await (await _session(store)).get("s")
+    append = asyncio.create_task(handle.append([user("a")]))
+    await store.entered.wait()
+    append.cancel()
+    store.gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await append
+    stored = [e.seq async for e in store.read("s")]
+    assert stored == [0]
+    assert (handle.revision, handle.fold.revision) == (1, 1)
+    assert (await handle.append([user("b")])).seqs == [1]
+
+
+async def test_a_failed_commit_leaves_the_fold_as_the_log() -> None:
+    store = GatedStore()
+    handle = await (await _session(store)).get("s")
+    store.fail = True
+    store.gate.set()
+    with pytest.raises(Unavailable):
+        await handle.append([user("a")])
+    assert (handle.revision, handle.fold.revision, len(handle.fold.surface)) == (0, 0, 0)
+    store.fail = False
+    assert (await handle.append([user("a")])).seqs == [0]
+
+
+async def test_a_cancelled_append_whose_commit_fails_rolls_back() -> None:
+    store = GatedStore()
+    handle = await (await _session(store)).get("s")
+    append = asyncio.create_task(handle.append([user("a")]))
+    await store.entered.wait()
+    append.cancel()
+    store.fail = True
+    store.gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await append
+    assert (handle.revision, handle.fold.revision) == (0, 0)
