@@ -6,8 +6,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY server ./server
 RUN python -m venv /opt/compactd \
- && /opt/compactd/bin/pip install . \
- && /opt/compactd/bin/pip install grpcio-health-checking
+ && /opt/compactd/bin/pip install .
 
 # Runtime stage: the venv only, a non-root user, the log on a volume.
 FROM python:3.11-slim
