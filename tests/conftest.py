@@ -7,6 +7,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from hypothesis import settings
+
+# Property tests are bounded by example counts, never by wall time: these machines are noisy.
+settings.register_profile("compactd", deadline=None)
+settings.load_profile("compactd")
 
 from compactd import config
 from compactd.api.server import RunningServer, create_server
