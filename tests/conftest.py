@@ -9,13 +9,13 @@ import grpc
 import pytest
 from hypothesis import settings
 
-# Property tests are bounded by example counts, never by wall time: these machines are noisy.
-settings.register_profile("compactd", deadline=None)
-settings.load_profile("compactd")
-
 from compactd import config
 from compactd.api.server import RunningServer, create_server
 from compactd.v1 import compaction_service_pb2_grpc, session_service_pb2_grpc
+
+# Property tests are bounded by example counts, never by wall time: these machines are noisy.
+settings.register_profile("compactd", deadline=None)
+settings.load_profile("compactd")
 
 
 @pytest.fixture
