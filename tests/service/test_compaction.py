@@ -525,6 +525,20 @@ async def test_no_summary_target_fails_clearly_and_writes_nothing(
         assert await h.events() == before
 
 
+async def test_the_extractive_summarizer_needs_no_target(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    async with started(tmp_path, loop, kind="extractive") as h:
+        await h.create(system("You are terse."), *units(4))  # no header routes a model
+        run = await h.compact()
+        (summary,) = of_type(await h.events(), "compaction_summary")
+    assert run.result.outcome.items_condensed > 0
+    target = summary.compaction_summary.target
+    assert (target.provider, target.model) == ("compactd", "extractive")
+    assert summary.compaction_summary.summarizer == "extractive"
+    assert summary_requests(loop) == []
+
+
 async def test_a_span_larger_than_the_summarizer_window_is_summarized_in_chunks_and_merged(
     tmp_path: Path, loop: OpenAICompatServer
 ) -> None:

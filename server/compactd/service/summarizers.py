@@ -2,7 +2,8 @@
 
 Target resolution follows the spec: the configured ``summarizationProvider``/``summarizationModel``
 pair, else the latest routed ``request/header``, else the service default; with none of them
-the call fails with ``SUMMARY_TARGET_UNKNOWN`` saying what to configure. The summarizer for a
+the call fails with ``SUMMARY_TARGET_UNKNOWN`` saying what to configure (unless the summarizer
+is ``extractive``, which needs no model). The summarizer for a
 target is chosen by ``[summarizer] kind``: ``extractive`` (no model), ``openai`` (the route's
 OpenAI-compatible endpoint), or ``auto`` (openai when the route names a ``base_url``, else
 extractive). A model-backed summarizer is bounded by its route's window through
@@ -26,6 +27,8 @@ from compactd.routes import Route, RouteCatalog
 from compactd.v1 import events_pb2, session_service_pb2
 
 KINDS = ("auto", "extractive", "openai")
+#: The target recorded for an extractive summary when no model route was resolved.
+EXTRACTIVE_TARGET = Route("compactd", "extractive")
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,8 @@ class SummarizerRegistry:
             return self._routes.resolve(header.config.provider, header.config.model)
         if self.settings.provider and self.settings.model:
             return self._routes.resolve(self.settings.provider, self.settings.model)
+        if self.settings.kind == "extractive":
+            return EXTRACTIVE_TARGET  # needs no model, so no target either
         raise FailedPrecondition(
             "no model can write the summary: set compaction.summarizationProvider and "
             "compaction.summarizationModel (or [summarizer] provider/model), or log a "
