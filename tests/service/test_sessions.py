@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from compactd.errors import Unavailable
+from compactd.errors import NotFound, Unavailable
 from compactd.service.sessions import SessionManager
 from compactd.store.memory import MemoryEventStore
 from compactd.v1 import events_pb2
@@ -76,3 +76,27 @@ async def test_a_cancelled_append_whose_commit_fails_rolls_back() -> None:
     with pytest.raises(asyncio.CancelledError):
         await append
     assert (handle.revision, handle.fold.revision) == (0, 0)
+
+
+async def test_concurrent_first_uses_restore_a_session_once() -> None:
+    store = MemoryEventStore()
+    await store.open()
+    await SessionManager(store).create("s", None)
+    first = SessionManager(store)
+    handle = await first.get("s")
+    await handle.append([user("a")])
+    restarted = SessionManager(store)  # a new process over the same log
+    handles = await asyncio.gather(*(restarted.get("s") for _ in range(5)))
+    assert len({id(h) for h in handles}) == 1
+    kinds = [e.WhichOneof("body") async for e in store.read("s")]
+    assert kinds == ["user_message", "session_end_seed"]
+
+
+async def test_unknown_session_ids_leave_nothing_behind() -> None:
+    store = MemoryEventStore()
+    await store.open()
+    manager = SessionManager(store)
+    for n in range(3):
+        with pytest.raises(NotFound):
+            await manager.get(f"missing-{n}")
+    assert manager._loading == {}

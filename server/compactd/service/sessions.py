@@ -185,7 +185,7 @@ class SessionManager:
         self._policy_validator = policy_validator
         self.instance_id = instance_id or uuid.uuid4().hex[:12]
         self._handles: dict[str, SessionHandle] = {}
-        self._loading: dict[str, asyncio.Lock] = {}
+        self._loading: dict[str, asyncio.Future[SessionHandle]] = {}
         self._on_restore: list[Callable[[SessionHandle], None]] = []
 
     def on_restore(self, callback: Callable[[SessionHandle], None]) -> None:
@@ -218,12 +218,18 @@ class SessionManager:
         handle = self._handles.get(session_id)
         if handle is not None:
             return handle
-        lock = self._loading.setdefault(session_id, asyncio.Lock())
-        async with lock:
-            handle = self._handles.get(session_id)
-            if handle is None:
-                handle = await self._restore(session_id)
-                self._handles[session_id] = handle
+        # One restore per session however many callers arrive (and none left behind for ids
+        # that do not exist); a caller that goes away does not cancel it for the others.
+        restoring = self._loading.get(session_id)
+        if restoring is None:
+            restoring = asyncio.ensure_future(self._restore_once(session_id))
+            self._loading[session_id] = restoring
+            restoring.add_done_callback(lambda _: self._loading.pop(session_id, None))
+        return await asyncio.shield(restoring)
+
+    async def _restore_once(self, session_id: str) -> SessionHandle:
+        handle = await self._restore(session_id)
+        self._handles[session_id] = handle
         return handle
 
     async def _restore(self, session_id: str) -> SessionHandle:
