@@ -100,6 +100,26 @@ def children(spans: Sequence[ReadableSpan], parent: ReadableSpan) -> list[Readab
     return sorted(found, key=lambda s: s.start_time or 0)
 
 
+async def test_pruning_that_relieves_pressure_is_traced_as_a_bracket_that_never_opened(
+    tmp_path: Path,
+    loop: OpenAICompatServer,
+    provider: TracerProvider,
+    exporter: InMemorySpanExporter,
+) -> None:
+    async with started(tmp_path, loop, tracer_provider=provider) as h:
+        await h.create(*opening(), *units(2), *unit(2, result="y" * 40_000), turn_start(1))
+        run = await h.prepare(1)
+        spans = await spans_when(h, exporter, PREPARE_STEP)
+
+    assert run.result.pruned_count == 1
+    assert list(run.result.compactions) == []
+    bracket = one(spans, "compaction.bracket")
+    assert [s.name for s in children(spans, one(spans, PREPARE_STEP))] == ["compaction.bracket"]
+    assert [s.name for s in children(spans, bracket)] == ["compaction.prune"]
+    assert attrs(bracket)["compactd.relieved_by"] == "pruning"
+    assert "compactd.compaction_id" not in attrs(bracket)
+
+
 async def test_a_prepare_step_traces_pruning_and_one_bracket_with_every_step(
     tmp_path: Path,
     loop: OpenAICompatServer,
@@ -115,8 +135,8 @@ async def test_a_prepare_step_traces_pruning_and_one_bracket_with_every_step(
     server = one(spans, PREPARE_STEP)
     bracket = one(spans, "compaction.bracket")
     prune = one(spans, "compaction.prune")
-    assert [s.name for s in children(spans, server)] == ["compaction.prune", "compaction.bracket"]
-    assert [s.name for s in children(spans, bracket)] == list(STEPS)
+    assert [s.name for s in children(spans, server)] == ["compaction.bracket"]
+    assert [s.name for s in children(spans, bracket)] == ["compaction.prune", *STEPS]
     assert {ids(s).trace_id for s in spans if s.name.startswith("compaction.")} == {
         ids(server).trace_id
     }
@@ -137,7 +157,8 @@ async def test_a_prepare_step_traces_pruning_and_one_bracket_with_every_step(
     assert attributes["compactd.tokens_before"] > 0
     assert attributes["compactd.tokens_freed"] == outcome.tokens_freed
 
-    by_name = {s.name: s for s in children(spans, bracket)}
+    # Pruning precedes compaction/start: its span has no compaction id, the bracket's steps do.
+    by_name = {s.name: s for s in children(spans, bracket) if s is not prune}
     for span in by_name.values():
         assert attrs(span)["compactd.compaction_id"] == outcome.compaction_id
         assert span.status.status_code != StatusCode.ERROR

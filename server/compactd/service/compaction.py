@@ -194,10 +194,17 @@ class CompactionEngine:
         outcome: StepOutcome,
         progress: Progress,
     ) -> cpb.PressureReport:
-        outcome.pruned = await self.prune(handle, progress)
         report = self._pressure.report(handle, route)
-        if outcome.pruned:
-            await progress(_measured(report, "re-measured after pruning"))
+
+        async def prune_first() -> bool:
+            """The first bracket's opening step: prune, re-measure, and say if that was enough."""
+            nonlocal report
+            outcome.pruned = await self.prune(handle, progress)
+            report = self._pressure.report(handle, route)
+            if outcome.pruned:
+                await progress(_measured(report, "re-measured after pruning"))
+            return report.state != cpb.PRESSURE_STATE_ABOVE
+
         attempts = 0
         while report.state == cpb.PRESSURE_STATE_ABOVE:
             if attempts > policy.compaction_retries:
@@ -212,10 +219,13 @@ class CompactionEngine:
                 handle, PRESSURE, mode, route,
                 self._shrink_route(handle, route), policy, spec.retained_budget, turn,
             )  # fmt: skip
+            prelude = prune_first if attempts == 0 else None
             try:
-                committed = await self.run_bracket(job, progress)
+                committed = await self.run_bracket(job, progress, prelude=prelude)
             except CompactdError as error:
                 outcome.warnings.append(f"compaction failed ({error.reason}): {error.message}")
+                break
+            if committed is None:  # pruning alone brought the envelope below the trigger
                 break
             if isinstance(committed, Declined):
                 why = f"nothing more to compact: {committed.reason}"
@@ -253,7 +263,7 @@ class CompactionEngine:
         result = cpb.CompactResult()
         if isinstance(committed, Declined):
             result.declined_reason = committed.reason
-        else:
+        elif committed is not None:
             result.outcome.CopyFrom(committed)
         try:
             result.after.CopyFrom(self._pressure.report(handle, route))
@@ -289,12 +299,18 @@ class CompactionEngine:
     # ---- the bracket ---------------------------------------------------------------------------
 
     async def run_bracket(
-        self, job: _Bracket, progress: Progress
-    ) -> cpb.CompactionOutcome | Declined:
+        self,
+        job: _Bracket,
+        progress: Progress,
+        *,
+        prelude: Callable[[], Awaitable[bool]] | None = None,
+    ) -> cpb.CompactionOutcome | Declined | None:
         """Run one bracket; Declined when nothing is selectable (nothing is written then).
 
-        The summary target and its summarizer are resolved before ``compaction/start``, so a
-        configuration error writes nothing to the log.
+        ``prelude`` runs first inside the bracket's span (pressure-qualified pruning); when it
+        answers True no summary is needed and the bracket never opens (None). The summary target
+        and its summarizer are resolved before ``compaction/start``, so a configuration error
+        writes nothing to the log.
 
         Raises:
             Busy: Another bracket is live.
@@ -307,8 +323,11 @@ class CompactionEngine:
         compaction_id = uuid.uuid4().hex
         with self._tracer.start_as_current_span("compaction.bracket") as span:
             span.set_attribute("compactd.session_id", handle.session_id)
-            span.set_attribute("compactd.compaction_id", compaction_id)
             span.set_attribute("compactd.trigger", events_pb2.CompactionTrigger.Name(job.trigger))
+            if prelude is not None and await prelude():
+                span.set_attribute("compactd.relieved_by", "pruning")
+                return None
+            span.set_attribute("compactd.compaction_id", compaction_id)
             target = self._summarizers.target(job.policy, handle.fold.header)
             summarizer = self._summarizers.for_route(target)
             opened = await self._open(job, compaction_id, span)
