@@ -1,0 +1,37 @@
+"""README's example runs as written against a live server (the docs match the code)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+from pathlib import Path
+
+from compactd.api.server import RunningServer
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _example() -> str:
+    match = re.search(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.DOTALL)
+    assert match is not None, "README has no Python example"
+    return match.group(1)
+
+
+async def test_the_readme_example_prints_the_rebuilt_request(server: RunningServer) -> None:
+    code = _example()
+    assert code.count("\n") <= 24
+    code = code.replace("127.0.0.1:50051", server.address)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        code,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+    assert proc.returncode == 0, err.decode()
+    printed = out.decode()
+    for role in ("SYSTEM", "USER", "ASSISTANT", "TOOL"):
+        assert f"MESSAGE_ROLE_{role}" in printed
+    assert 'model: "deepseek-chat"' in printed
