@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from compactd.api.session_service import require_session_id
 from compactd.api.status import handle_errors, unimplemented
 from compactd.errors import FieldViolation, InvalidArgument
 from compactd.routes import Route
@@ -33,7 +34,7 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
     async def CheckPressure(
         self, request: pb.CheckPressureRequest, context: Context
     ) -> pb.CheckPressureResponse:
-        _require_session(request.session_id)
+        require_session_id(request.session_id)
         destination = self._destination(request.destination, request.HasField("destination"))
         report = await self._pressure.check(request.session_id, destination)
         return pb.CheckPressureResponse(report=report)
@@ -42,7 +43,7 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
     async def WatchPressure(
         self, request: pb.WatchPressureRequest, context: Context
     ) -> AsyncIterator[pb.WatchPressureResponse]:
-        _require_session(request.session_id)
+        require_session_id(request.session_id)
         destination = self._destination(request.destination, request.HasField("destination"))
         async for report in self._pressure.watch(request.session_id, destination):
             yield pb.WatchPressureResponse(report=report)
@@ -51,7 +52,7 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
     async def PrepareStep(
         self, request: pb.PrepareStepRequest, context: Context
     ) -> AsyncIterator[pb.PrepareStepResponse]:
-        _require_session(request.session_id)
+        require_session_id(request.session_id)
         intended = self._destination(request.intended_route, request.HasField("intended_route"))
 
         def run(progress: Progress) -> Awaitable[pb.PrepareStepResult]:
@@ -67,7 +68,7 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
     async def Compact(
         self, request: pb.CompactRequest, context: Context
     ) -> AsyncIterator[pb.CompactResponse]:
-        _require_session(request.session_id)
+        require_session_id(request.session_id)
 
         def run(progress: Progress) -> Awaitable[pb.CompactResult]:
             return self._engine.compact(request.session_id, request.focus or None, progress)
@@ -117,10 +118,3 @@ async def _streamed(
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait([task])
-
-
-def _require_session(session_id: str) -> None:
-    if not session_id:
-        raise InvalidArgument(
-            "session_id is required", violations=[FieldViolation("session_id", "required")]
-        )

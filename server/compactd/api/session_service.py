@@ -97,11 +97,16 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
             return build_request(handle)
 
     async def _handle(self, session_id: str) -> SessionHandle:
-        if not session_id:
-            raise InvalidArgument(
-                "session_id is required", violations=[FieldViolation("session_id", "required")]
-            )
+        require_session_id(session_id)
         return await self._manager.get(session_id)
+
+
+def require_session_id(session_id: str) -> None:
+    """Reject a request that names no session (every RPC of both services needs one)."""
+    if not session_id:
+        raise InvalidArgument(
+            "session_id is required", violations=[FieldViolation("session_id", "required")]
+        )
 
 
 def _session(record: SessionRecord, revision: int) -> pb.Session:

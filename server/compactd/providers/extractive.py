@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from compactd.core import prompts
+from compactd.core.pricing import utf16_length
 from compactd.providers import base
 from compactd.providers.base import SummaryError, SummaryRequest, SummaryResult
 from compactd.v1 import session_service_pb2
@@ -121,10 +122,10 @@ class ExtractiveSummarizer:
         """The summary of ``messages`` (a leading system message is the head and is skipped)."""
         budget = max_tokens * _UNITS_PER_TOKEN
         skeleton = _render({})
-        if _units(skeleton) > budget:
+        if utf16_length(skeleton) > budget:
             raise SummaryError(
                 f"max_tokens={max_tokens} cannot hold the summary's eight sections (needs at "
-                f"least {-(-_units(skeleton) // _UNITS_PER_TOKEN)})",
+                f"least {-(-utf16_length(skeleton) // _UNITS_PER_TOKEN)})",
                 reason=base.SUMMARIZER_MISCONFIGURED,
             )
         facts = _extract(_span(messages), self._limits)
@@ -390,17 +391,19 @@ def _rank_requests(ranking: _Ranking, requests: Sequence[str], cap: int) -> None
 def _fit(candidates: Sequence[_Candidate], budget: int) -> str:
     """Render the highest-ranked candidates that fit in ``budget`` code units."""
     chosen: dict[int, list[_Candidate]] = {}
-    used = _units(_render({}))
+    used = utf16_length(_render({}))
     for candidate in sorted(candidates, key=lambda c: (c.rank, c.order)):
         # The first bullet of a section replaces its "(none)" line; later ones add a newline.
         first = candidate.section not in chosen
-        credit = _units(_bullet(prompts.EMPTY_SECTION)) if first else -1
+        credit = utf16_length(_bullet(prompts.EMPTY_SECTION)) if first else -1
         room = budget - used + credit
-        fitted = candidate if _units(_bullet(candidate.text)) <= room else _shrunk(candidate, room)
+        fitted = (
+            candidate if utf16_length(_bullet(candidate.text)) <= room else _shrunk(candidate, room)
+        )
         if fitted is None:
             continue
         chosen.setdefault(fitted.section, []).append(fitted)
-        used += _units(_bullet(fitted.text)) - credit
+        used += utf16_length(_bullet(fitted.text)) - credit
     by_section = {
         index: [c.text for c in sorted(items, key=lambda c: c.order)]
         for index, items in chosen.items()
@@ -434,14 +437,9 @@ def _bullet(text: str) -> str:
 # --- text measurement ----------------------------------------------------------------------
 
 
-def _units(text: str) -> int:
-    """Length in UTF-16 code units (the reference heuristic's character)."""
-    return len(text.encode("utf-16-le")) // 2
-
-
 def _clip(text: str, max_units: int) -> str:
     """``text`` within ``max_units`` code units, cut at a word boundary with an ellipsis."""
-    if _units(text) <= max_units:
+    if utf16_length(text) <= max_units:
         return text
     room = max(0, max_units - len(_ELLIPSIS))
     cut, used = 0, 0
