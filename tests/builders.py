@@ -120,6 +120,21 @@ def turn_end(turn: int) -> SessionEvent:
     return SessionEvent(turn_end=events_pb2.TurnEnd(turn=turn))
 
 
+def step_start(turn: int, step: int) -> SessionEvent:
+    """A ``step/start``: one model request/response of ``turn`` begins."""
+    return SessionEvent(step_start=events_pb2.StepStart(turn=turn, step=step))
+
+
+def step_end(turn: int, step: int) -> SessionEvent:
+    """A ``step/end``: the step finished."""
+    return SessionEvent(step_end=events_pb2.StepEnd(turn=turn, step=step))
+
+
+def in_step(turn: int, step: int, *events: SessionEvent) -> list[SessionEvent]:
+    """``events`` (an ``assistant/message``, say) bracketed by ``step/start`` and ``step/end``."""
+    return [step_start(turn, step), *events, step_end(turn, step)]
+
+
 def compaction_start(compaction_id: str) -> SessionEvent:
     """A ``compaction/start`` (takes the log-recorded lock)."""
     return SessionEvent(compaction_start=events_pb2.CompactionStart(compaction_id=compaction_id))
