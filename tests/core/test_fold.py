@@ -35,6 +35,8 @@ from tests.builders import (
     image_block,
     offload,
     replace,
+    step_end,
+    step_start,
     system,
     tool,
     tool_result,
@@ -61,6 +63,7 @@ def snapshot(fold: SessionFold) -> tuple[Any, ...]:
         fold.lock.last_end_seed,
         dict(fold.lock.open_starts),
         set(fold.open_turns),
+        fold.open_step,
         dict(fold.offloads),
         dict(fold.event_ids),
         [m.SerializeToString(deterministic=True) for m in fold.messages()],
@@ -540,6 +543,10 @@ class FoldMachine(RuleBasedStateMachine):
         if self.fold.open_turns:
             turns = sorted(self.fold.open_turns)
             options.append(lambda: turn_end(self.draw(st.sampled_from(turns))))
+            options.append(lambda: step_start(self.draw(st.sampled_from(turns)), 1))
+        open_step = self.fold.open_step
+        if open_step is not None:
+            options.append(lambda: step_end(*open_step))
         with_images = self.nodes_with_images()
         if with_images:
             options.append(lambda: self.offload_of(with_images))

@@ -3,6 +3,13 @@
 ``SessionFold.admit`` checks a batch against the current state, assigns seqs and folds it in one
 step; ``rollback`` reverts an admitted batch (for a store commit that failed). Restoring a session
 is ``admit`` over its stored events with checks off: the log was valid when it was written.
+
+A runtime's batch (``Origin.CLIENT``) must also keep the step brackets: an ``assistant/message``
+APPEND only inside an open step (``step/start`` ... ``step/end``) of an open turn; a
+``step/start`` needs its turn open and no other step open; a ``step/end`` names the open step; a
+turn ends only after its open step did. Violations carry reason ``STEP_BRACKET``. ``tool/result``s
+may follow the step that made their calls. compactd's own appends (``Origin.SERVER``) are trusted;
+the fold tracks the open step for every origin, restores included.
 """
 
 from __future__ import annotations
@@ -10,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import NoReturn
+from typing import Final, NoReturn
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -20,8 +27,11 @@ from compactd.core.events import SessionEvent
 from compactd.core.lock import LockState, live_bracket
 from compactd.core.projection import Message, derive_messages
 from compactd.core.surface import Surface, SurfaceChange
+from compactd.core.validation import Origin, check_origin
 from compactd.errors import Busy, FieldViolation, InvalidArgument
 from compactd.v1 import events_pb2
+
+STEP_BRACKET: Final = "STEP_BRACKET"
 
 
 @dataclass(slots=True)
@@ -47,23 +57,34 @@ class SessionFold:
         self.header_seq = -1
         self.replacements_at_header = 0
         self.open_turns: set[int] = set()
+        self.open_step: tuple[int, int] | None = None  # (turn, step) between step/start and /end
         self.offloads: dict[int, frozenset[int]] = {}  # node seq -> offloaded image indexes
         self.event_ids: dict[str, int] = {}
         self.compaction_ids: set[str] = set()  # every bracket ever opened in this log
         self.restored_at = -1  # seq of the session/end-seed this process appended, if any
 
     def admit(
-        self, events: Sequence[SessionEvent], *, now: Timestamp | None = None, check: bool = True
+        self,
+        events: Sequence[SessionEvent],
+        *,
+        now: Timestamp | None = None,
+        check: bool = True,
+        origin: Origin = Origin.SERVER,
     ) -> AdmittedBatch:
         """Assign seqs to copies of ``events``, check them against the state, and fold them.
 
         Raises ``InvalidArgument`` (or a subclass) or ``Busy`` and leaves the state unchanged
         when any event may not fold. Events already stored keep their seq when ``check`` is off.
+        ``origin`` CLIENT refuses server-only events (``SERVER_ONLY_EVENT``) and enforces the
+        step brackets (``STEP_BRACKET``).
         """
+        if check:
+            check_origin(events, origin)
+        client = check and origin is Origin.CLIENT
         batch = AdmittedBatch(self.revision, [])
         try:
             for event in events:
-                self._admit_one(event, batch, now, check)
+                self._admit_one(event, batch, now, check, client)
         except InvalidArgument as error:
             index = len(batch.events)  # the event that failed
             self.rollback(batch)
@@ -89,7 +110,12 @@ class SessionFold:
         return derive_messages(((n.seq, n.event) for n in self.surface), self.offloads)
 
     def _admit_one(
-        self, source: SessionEvent, batch: AdmittedBatch, now: Timestamp | None, check: bool
+        self,
+        source: SessionEvent,
+        batch: AdmittedBatch,
+        now: Timestamp | None,
+        check: bool,
+        client: bool,
     ) -> None:
         seq = self.revision
         event = SessionEvent()
@@ -103,6 +129,8 @@ class SessionFold:
                 _invalid("event_id", f"{event.event_id!r} is already in the log")
             if ev.is_surface(event):
                 self.surface.check(event, seq)
+            if client:
+                self._check_step_rules(event)
             self._check_log_rules(event, seq)
         elif event.seq != seq:
             raise InvalidArgument(
@@ -126,6 +154,8 @@ class SessionFold:
             self._fold_header(event, seq, batch)
         elif kind in ("turn_start", "turn_end"):
             self._fold_turn(event, kind, batch)
+        if kind in ("step_start", "step_end", "turn_end"):
+            self._fold_step(event, kind, batch)
         elif kind == "image_offload":
             self._fold_offload(event, batch)
         if kind == "compaction_start":
@@ -174,6 +204,48 @@ class SessionFold:
         else:
             self.open_turns.discard(event.turn_end.turn)
         batch._undo.append(lambda: setattr(self, "open_turns", before))
+
+    def _fold_step(self, event: SessionEvent, kind: str, batch: AdmittedBatch) -> None:
+        before = self.open_step
+        if kind == "step_start":
+            self.open_step = (event.step_start.turn, event.step_start.step)
+        elif kind == "step_end" or (before is not None and before[0] == event.turn_end.turn):
+            self.open_step = None  # a trusted or stored log's stray end still closes the step
+        if self.open_step != before:
+            batch._undo.append(partial(setattr, self, "open_step", before))
+
+    def _check_step_rules(self, event: SessionEvent) -> None:
+        kind, open_step = ev.body_name(event), self.open_step
+        if kind == "assistant_message" and not ev.is_replace(event) and open_step is None:
+            _step_violation(
+                "assistant_message",
+                "an assistant/message is appended only inside an open step "
+                "(step/start ... step/end) of an open turn",
+            )
+        elif kind == "step_start":
+            turn = event.step_start.turn
+            if turn not in self.open_turns:
+                _step_violation("step_start.turn", f"turn {turn} is not open")
+            if open_step is not None:
+                _step_violation(
+                    "step_start", f"step {open_step[1]} of turn {open_step[0]} is still open"
+                )
+        elif kind == "step_end":
+            named = (event.step_end.turn, event.step_end.step)
+            if named != open_step:
+                now = (
+                    "no step is open"
+                    if open_step is None
+                    else (f"the open step is step {open_step[1]} of turn {open_step[0]}")
+                )
+                _step_violation(
+                    "step_end", f"step {named[1]} of turn {named[0]} is not open: {now}"
+                )
+        elif kind == "turn_end" and open_step is not None and open_step[0] == event.turn_end.turn:
+            _step_violation(
+                "turn_end.turn",
+                f"step {open_step[1]} of turn {open_step[0]} is still open; end it first",
+            )
 
     def _fold_offload(self, event: SessionEvent, batch: AdmittedBatch) -> None:
         for target in event.image_offload.targets:
@@ -232,4 +304,12 @@ class SessionFold:
 def _invalid(field_name: str, description: str) -> NoReturn:
     raise InvalidArgument(
         f"{field_name}: {description}", violations=[FieldViolation(field_name, description)]
+    )
+
+
+def _step_violation(field_name: str, description: str) -> NoReturn:
+    raise InvalidArgument(
+        f"step bracket broken: {field_name}: {description}",
+        violations=[FieldViolation(field_name, description)],
+        reason=STEP_BRACKET,
     )

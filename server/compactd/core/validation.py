@@ -2,13 +2,22 @@
 
 Each violation names the field (``events[3].surface_op``) so the API can return a
 ``google.rpc.BadRequest`` that points at it.
+
+Who appends matters (``Origin``). A runtime (``Origin.CLIENT``, the ``AppendEvents`` boundary)
+writes the conversation and its own bookkeeping; the protocol's bracket, lock and lifecycle
+events are the server's alone (``SERVER_ONLY_BODIES``, and a ``user/message`` whose source is a
+compaction checkpoint), so a client batch carrying one is refused with reason
+``SERVER_ONLY_EVENT``. compactd's own appends (``Origin.SERVER``: the compaction engine, summary
+recoveries, restores) are trusted.
 """
 
 from __future__ import annotations
 
+import enum
+import itertools
 import json
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Final, Protocol
 
 from compactd.core import events as ev
 from compactd.core.events import SessionEvent
@@ -16,6 +25,61 @@ from compactd.errors import FieldViolation, InvalidArgument
 from compactd.v1 import events_pb2
 
 MAX_EVENT_ID_LENGTH = 128
+SERVER_ONLY_EVENT: Final = "SERVER_ONLY_EVENT"
+
+
+class Origin(enum.Enum):
+    """Who appends a batch; the rules a batch must satisfy depend on it."""
+
+    CLIENT = "client"  # a runtime, through AppendEvents: runtime events only, step rules apply
+    SERVER = "server"  # compactd itself (compaction engine, recoveries, restore): trusted
+
+
+#: Bodies only compactd writes (see ``events.proto``): the bracket, pruning, the lock's lifecycle
+#: boundary and image offloads (written by error recovery).
+SERVER_ONLY_BODIES: Final[frozenset[str]] = frozenset(
+    {
+        "compaction_start",
+        "compaction_prune",
+        "compaction_summary",
+        "compaction_summary_error",
+        "compaction_end",
+        "session_end_seed",
+        "image_offload",
+    }
+)
+
+
+def server_only_violation(event: SessionEvent) -> FieldViolation | None:
+    """Why a client may not append ``event`` (the field named is the server-only part), or None."""
+    kind = ev.body_name(event)
+    if kind in SERVER_ONLY_BODIES:
+        return FieldViolation(kind, f"{ev.event_type(event)} is written only by compactd")
+    if kind == "user_message" and (
+        event.user_message.source.WhichOneof("origin") == "compaction_checkpoint"
+    ):
+        return FieldViolation(
+            "user_message.source.compaction_checkpoint",
+            "a compaction checkpoint is written only by compactd",
+        )
+    return None
+
+
+def check_origin(events: Sequence[SessionEvent], origin: Origin) -> None:
+    """Raise ``InvalidArgument`` (reason ``SERVER_ONLY_EVENT``) if ``origin`` may not write one of
+    ``events``; every server-only event of the batch is named."""
+    if origin is Origin.SERVER:
+        return
+    violations = [
+        FieldViolation(f"events[{index}].{violation.field}", violation.description)
+        for index, event in enumerate(events)
+        if (violation := server_only_violation(event)) is not None
+    ]
+    if violations:
+        summary = "; ".join(f"{v.field}: {v.description}" for v in violations[:5])
+        raise InvalidArgument(
+            f"server-only events: {summary}", violations=violations, reason=SERVER_ONLY_EVENT
+        )
 
 
 class _Bad(Protocol):
@@ -24,8 +88,15 @@ class _Bad(Protocol):
     def __call__(self, field: str, description: str, /) -> None: ...
 
 
-def check_batch(events: Sequence[SessionEvent], *, max_events: int) -> None:
-    """Raise ``InvalidArgument`` listing every shape violation in the batch."""
+def check_batch(
+    events: Sequence[SessionEvent], *, max_events: int, origin: Origin = Origin.SERVER
+) -> None:
+    """Raise ``InvalidArgument`` listing every shape violation in the batch.
+
+    A client batch holding a server-only event is refused first, with reason
+    ``SERVER_ONLY_EVENT`` (``check_origin``).
+    """
+    check_origin(events, origin)
     violations: list[FieldViolation] = []
     if not events:
         violations.append(FieldViolation("events", "a batch must hold at least one event"))
@@ -66,6 +137,8 @@ def _event_violations(event: SessionEvent, prefix: str) -> list[FieldViolation]:
         return out
     if ev.is_surface(event):
         _surface_op_violations(event, bad)
+        if event.source_event_seqs and not ev.is_replace(event):
+            bad("source_event_seqs", "only a REPLACE cites source_event_seqs")
     else:
         if event.HasField("surface_op"):
             bad("surface_op", f"{ev.event_type(event)} is log-only and cannot carry surface_op")
@@ -100,9 +173,23 @@ def _body_violations(event: SessionEvent, kind: str, bad: _Bad) -> None:
         if not getattr(event, kind).compaction_id:
             bad(f"{kind}.compaction_id", "required")
     elif kind == "image_offload":
-        for i, target in enumerate(event.image_offload.targets):
-            if not target.image_indexes or min(target.image_indexes) < 0:
-                bad(f"image_offload.targets[{i}].image_indexes", "non-empty, non-negative")
+        _offload_violations(event.image_offload, bad)
+
+
+def _offload_violations(offload: events_pb2.ImageOffload, bad: _Bad) -> None:
+    if not offload.targets:
+        bad("image_offload.targets", "an image/offload selects at least one target")
+    first: dict[int, int] = {}
+    for i, target in enumerate(offload.targets):
+        field = f"image_offload.targets[{i}]"
+        if target.seq in first:
+            bad(f"{field}.seq", f"seq {target.seq} repeats targets[{first[target.seq]}]")
+        first.setdefault(target.seq, i)
+        indexes = list(target.image_indexes)
+        if not indexes or min(indexes) < 0:
+            bad(f"{field}.image_indexes", "non-empty, non-negative")
+        elif any(a >= b for a, b in itertools.pairwise(indexes)):
+            bad(f"{field}.image_indexes", "image indexes must be strictly increasing")
 
 
 def _block_violations(block: events_pb2.ContentBlock, field: str, bad: _Bad) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from compactd.core.fold import AdmittedBatch, SessionFold
-from compactd.core.validation import check_batch
+from compactd.core.validation import Origin, check_batch
 from compactd.errors import ConfigError, FieldViolation, InvalidArgument, NotFound, SeqConflict
 from compactd.store.base import EventStore, SessionRecord
 from compactd.v1 import events_pb2
@@ -68,17 +68,26 @@ class SessionHandle:
         *,
         expected_last_seq: int | None = None,
         max_events: int = 1000,
+        origin: Origin = Origin.SERVER,
     ) -> AppendResult:
-        """Check, commit (durably) and fold a batch; see ``AppendEventsRequest`` for the rules."""
-        check_batch(events, max_events=max_events)
+        """Check, commit (durably) and fold a batch; see ``AppendEventsRequest`` for the rules.
+
+        ``origin`` says who writes: compactd's own code appends as ``Origin.SERVER`` (trusted:
+        bracket, lock and offload events); the API appends a runtime's batch as
+        ``Origin.CLIENT``, which refuses server-only events and enforces the step brackets.
+        """
+        check_batch(events, max_events=max_events, origin=origin)
         async with self.lock:
-            return await self.append_locked(events, expected_last_seq=expected_last_seq)
+            return await self.append_locked(
+                events, expected_last_seq=expected_last_seq, origin=origin
+            )
 
     async def append_locked(
         self,
         events: Sequence[events_pb2.SessionEvent],
         *,
         expected_last_seq: int | None = None,
+        origin: Origin = Origin.SERVER,
     ) -> AppendResult:
         """``append`` for a caller that already holds ``self.lock`` (the compaction engine)."""
         replay = await self._replayed(events)
@@ -95,7 +104,7 @@ class SessionHandle:
             )
         now = Timestamp()
         now.GetCurrentTime()
-        batch = self.fold.admit(events, now=now)
+        batch = self.fold.admit(events, now=now, origin=origin)
         commit = asyncio.ensure_future(self._commit(batch))
         try:
             return await asyncio.shield(commit)
