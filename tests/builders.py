@@ -135,6 +135,22 @@ def in_step(turn: int, step: int, *events: SessionEvent) -> list[SessionEvent]:
     return [step_start(turn, step), *events, step_end(turn, step)]
 
 
+def exchange(
+    turn: int, request: str, *events: SessionEvent, close: bool = True
+) -> list[SessionEvent]:
+    """A turn: ``request`` from the user, then each ``assistant/message`` of ``events`` in its
+    own step (other events, tool results, follow the step before them); closed unless told."""
+    out = [turn_start(turn), user(request)]
+    step = 0
+    for event in events:
+        if event.HasField("assistant_message"):
+            step += 1
+            out += in_step(turn, step, event)
+        else:
+            out.append(event)
+    return [*out, turn_end(turn)] if close else out
+
+
 def compaction_start(compaction_id: str) -> SessionEvent:
     """A ``compaction/start`` (takes the log-recorded lock)."""
     return SessionEvent(compaction_start=events_pb2.CompactionStart(compaction_id=compaction_id))

@@ -5,6 +5,10 @@
 ``Harness`` that speaks to it over gRPC like a runtime would. The default policy puts a
 conversation of ``units(18)`` above the trigger and keeps about four units verbatim; tests change
 it per session (``Harness.create(policy=...)``) or per server (``policy=``).
+
+Conversations keep the step brackets a runtime must keep (each unit is a closed turn of two
+steps). Events only compactd writes (an orphan ``compaction/start``, a ``session/end-seed``) are
+set up with ``Harness.append_as_server``, the service's own trusted path, never through the API.
 """
 
 from __future__ import annotations
@@ -24,12 +28,23 @@ from opentelemetry import trace
 
 from compactd import config
 from compactd.api.server import RunningServer, create_server
+from compactd.core.validation import Origin
 from compactd.service.compaction import SummaryErrorRecovery
 from compactd.testing.openai_server import OpenAICompatServer
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import compaction_service_pb2_grpc, events_pb2, session_service_pb2_grpc
 from compactd.v1 import session_service_pb2 as spb
-from tests.builders import assistant, header, system, tool, tool_result, user
+from tests.builders import (
+    assistant,
+    header,
+    in_step,
+    system,
+    tool,
+    tool_result,
+    turn_end,
+    turn_start,
+    user,
+)
 
 PROVIDER, MODEL = "loop", "m"
 WINDOW = 16_000
@@ -96,13 +111,25 @@ def loopback() -> Iterator[OpenAICompatServer]:
 # ---- conversations ------------------------------------------------------------------------
 
 
+#: Units are closed turns numbered from here on, so a test's own turns (1, 2, ...) never collide.
+UNIT_TURNS = 1000
+
+
 def unit(i: int, *, result: str | None = None) -> list[events_pb2.SessionEvent]:
-    """One balanced step: a request, a tool call, its result, a closing answer (~250 tokens)."""
+    """One balanced unit (~250 tokens), a closed turn (``UNIT_TURNS + i``) of two steps.
+
+    Four surface nodes: a request, a step's tool call, its result, a second step's answer.
+    """
+    turn = UNIT_TURNS + i
+    call = assistant(text=f"Running step {i}.", calls=[(f"call-{i}", "run", '{"cmd":"ls"}')])
+    answer = assistant(text=f"Step {i} is done; src/mod{i}.py passes. " + "Detail. " * 30)
     return [
+        turn_start(turn),
         user(f"Step {i}: run the check for src/mod{i}.py and report. " + "Context. " * 40),
-        assistant(text=f"Running step {i}.", calls=[(f"call-{i}", "run", '{"cmd":"ls"}')]),
+        *in_step(turn, 1, call),
         tool_result(f"call-{i}", result if result is not None else f"ok {i} " * 60, name="run"),
-        assistant(text=f"Step {i} is done; src/mod{i}.py passes. " + "Detail. " * 30),
+        *in_step(turn, 2, answer),
+        turn_end(turn),
     ]
 
 
@@ -188,6 +215,13 @@ class Harness:
             spb.AppendEventsRequest(session_id=self.session_id, events=events)
         )
         return list(reply.seqs)
+
+    async def append_as_server(self, *events: events_pb2.SessionEvent) -> list[int]:
+        """Append through the service's own trusted path (``Origin.SERVER``), as compactd's code
+        does: for states only the server writes (an orphan ``compaction/start``, say)."""
+        assert self.server is not None, "the trusted path needs the in-process server"
+        handle = await self.server.manager.get(self.session_id)
+        return (await handle.append(events, origin=Origin.SERVER)).seqs
 
     async def events(self) -> list[events_pb2.SessionEvent]:
         """The whole log."""

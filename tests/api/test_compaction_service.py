@@ -24,10 +24,11 @@ from tests.builders import (
     compaction_end,
     compaction_start,
     end_seed,
+    exchange,
+    in_step,
     tool_result,
     turn_end,
     turn_start,
-    user,
 )
 from tests.compaction_fixtures import (
     BELOW,
@@ -140,14 +141,15 @@ async def test_an_orphan_compaction_start_blocks_within_its_lifecycle(
     tmp_path: Path, loop: OpenAICompatServer
 ) -> None:
     async with started(tmp_path, loop) as h:
-        await h.create(*opening(), *units(18), compaction_start("orphan"))
+        await h.create(*opening(), *units(18))
+        await h.append_as_server(compaction_start("orphan"))  # a bracket its process never closed
         assert (await busy(h.compact()))["compaction_id"] == "orphan"
         await h.append(turn_start(1))
         before = await h.events()
         assert (await busy(h.prepare(1)))["compaction_id"] == "orphan"
         assert await h.events() == before
 
-        await h.append(end_seed("a new lifecycle"))  # the orphan is now stale evidence
+        await h.append_as_server(end_seed("a new lifecycle"))  # the orphan is stale evidence now
         run = await h.prepare(1)
         assert len(run.result.compactions) == 1
         log = [body(e) for e in await h.events()]
@@ -159,13 +161,12 @@ async def test_an_orphan_compaction_start_blocks_within_its_lifecycle(
         ]
 
 
-async def test_a_closed_client_bracket_no_longer_blocks(
-    tmp_path: Path, loop: OpenAICompatServer
-) -> None:
+async def test_a_closed_bracket_no_longer_blocks(tmp_path: Path, loop: OpenAICompatServer) -> None:
     async with started(tmp_path, loop) as h:
-        await h.create(*opening(), *units(4), compaction_start("manual"))
+        await h.create(*opening(), *units(4))
+        await h.append_as_server(compaction_start("manual"))
         await busy(h.compact())
-        await h.append(compaction_end("manual"))
+        await h.append_as_server(compaction_end("manual"))
         assert (await h.compact()).result.outcome.compaction_id
 
 
@@ -173,11 +174,16 @@ async def test_a_closed_client_bracket_no_longer_blocks(
     ("history", "reason"),
     [
         (
-            [*units(3), user("go on"), assistant(calls=[("open-1", "run", "{}")])],
+            [*units(3), *exchange(1, "go on", assistant(calls=[("open-1", "run", "{}")]))],
             "open-1 still wait for results",
         ),
         (
-            [assistant(calls=[("c0", "run", "{}")]), tool_result("c0", "ok")],
+            [
+                turn_start(1),
+                *in_step(1, 1, assistant(calls=[("c0", "run", "{}")])),
+                tool_result("c0", "ok"),
+                turn_end(1),
+            ],
             "single indivisible unit",
         ),
         ([], "no history after the system head"),
@@ -208,9 +214,7 @@ async def test_an_open_tail_above_pressure_declines_with_a_warning(
         await h.create(
             *opening(),
             *units(18),
-            turn_start(1),
-            user("again"),
-            assistant(calls=[("open-2", "run", "{}")]),
+            *exchange(1, "again", assistant(calls=[("open-2", "run", "{}")]), close=False),
         )
         before = await h.events()
         run = await h.prepare(1)

@@ -8,12 +8,28 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from compactd import config
-from compactd.api.server import create_server
+from compactd.api.server import RunningServer, create_server
+from compactd.errors import Busy
 from compactd.v1 import events_pb2 as ev
 from compactd.v1 import session_service_pb2 as pb
 from compactd.v1.session_service_pb2_grpc import SessionServiceStub
 from tests.api.rpc import details
-from tests.builders import assistant, header, replace, system, tool_result, user
+from tests.builders import (
+    assistant,
+    checkpoint,
+    compaction_end,
+    compaction_start,
+    end_seed,
+    header,
+    in_step,
+    offload,
+    replace,
+    step_start,
+    system,
+    tool_result,
+    turn_start,
+    user,
+)
 
 
 async def _create(sessions: SessionServiceStub, session_id: str = "s1") -> str:
@@ -55,7 +71,7 @@ async def test_malformed_session_id_names_the_field(sessions: SessionServiceStub
 async def test_append_assigns_contiguous_seqs_and_revision(sessions: SessionServiceStub) -> None:
     sid = await _create(sessions)
     first = await _append(sessions, sid, system("be brief"), user("hi"))
-    second = await _append(sessions, sid, assistant(text="hello"))
+    second = await _append(sessions, sid, user("hello?"))
     assert list(first.seqs) == [0, 1]
     assert first.revision == 2
     assert list(second.seqs) == [2]
@@ -168,15 +184,23 @@ async def test_get_surface_puts_replacement_at_the_span_position(
     sessions: SessionServiceStub,
 ) -> None:
     sid = await _create(sessions)
-    await _append(sessions, sid, system("s"), user("a"), assistant(text="b"), user("c"))
-    await _append(sessions, sid, replace(user("sum"), start=1, end=2, sources=[1, 2]))
+    conversation = [
+        system("s"),
+        turn_start(1),
+        user("a"),
+        *in_step(1, 1, assistant("b")),
+        user("c"),
+    ]
+    seqs = (await _append(sessions, sid, *conversation)).seqs
+    head, a, b, c = seqs[0], seqs[2], seqs[4], seqs[6]
+    summary = await _append(sessions, sid, replace(user("sum"), start=a, end=b, sources=[a, b]))
     surface = await sessions.GetSurface(pb.GetSurfaceRequest(session_id=sid))
     assert [(n.position, n.seq, n.type) for n in surface.nodes] == [
-        (0, 0, "system/message"),
-        (1, 4, "user/message"),
-        (2, 3, "user/message"),
+        (0, head, "system/message"),
+        (1, summary.seqs[0], "user/message"),
+        (2, c, "user/message"),
     ]
-    assert list(surface.nodes[1].source_event_seqs) == [1, 2]
+    assert list(surface.nodes[1].source_event_seqs) == [a, b]
 
 
 async def test_build_request_derives_messages_and_folds_the_header(
@@ -184,15 +208,15 @@ async def test_build_request_derives_messages_and_folds_the_header(
 ) -> None:
     sid = await _create(sessions)
     tools = [ev.ToolDeclaration(name="read", description="read a file", input_schema_json="{}")]
-    await _append(
+    appended = await _append(
         sessions,
         sid,
         system("be brief"),
         header("deepseek", "deepseek-chat", tools=tools),
+        turn_start(1),
         user("read x"),
-        assistant(calls=[("c1", "read", '{"path":"x"}')]),
+        *in_step(1, 1, assistant(calls=[("c1", "read", '{"path":"x"}')])),
         tool_result("c1", "contents"),
-        ev.SessionEvent(turn_start=ev.TurnStart(turn=1)),
     )
     built = await sessions.BuildRequest(pb.BuildRequestRequest(session_id=sid))
     assert [m.role for m in built.messages] == [
@@ -204,22 +228,22 @@ async def test_build_request_derives_messages_and_folds_the_header(
     assert built.messages[3].tool_call_id == "c1"
     assert built.config.model == "deepseek-chat"
     assert [t.name for t in built.tools] == ["read"]
-    assert built.header_seq == 1
-    assert built.revision == 6
+    assert built.header_seq == appended.seqs[1]
+    assert built.revision == appended.revision
 
 
-async def test_build_request_applies_image_offload(sessions: SessionServiceStub) -> None:
+async def test_build_request_applies_image_offload(
+    server: RunningServer, sessions: SessionServiceStub
+) -> None:
     sid = await _create(sessions)
     image = ev.ContentBlock(
         image=ev.ImageBlock(media_type="image/png", name="shot.png", path="/att/shot.png")
     )
     message = user("look")
     message.user_message.content.append(image)
-    await _append(sessions, sid, message)
-    offload = ev.SessionEvent(
-        image_offload=ev.ImageOffload(targets=[ev.ImageOffloadTarget(seq=0, image_indexes=[0])])
-    )
-    await _append(sessions, sid, offload)
+    (seq,) = (await _append(sessions, sid, message)).seqs
+    handle = await server.manager.get(sid)  # offloads are recovery's to write: the trusted path
+    await handle.append([offload({seq: [0]})])
     built = await sessions.BuildRequest(pb.BuildRequestRequest(session_id=sid))
     blocks = built.messages[0].content
     assert blocks[1].WhichOneof("block") == "text"
@@ -256,23 +280,23 @@ async def test_sessions_are_isolated(sessions: SessionServiceStub) -> None:
 async def test_restore_appends_end_seed_and_stale_bracket_no_longer_blocks(
     server_config: config.ServerConfig,
 ) -> None:
-    start = ev.SessionEvent(compaction_start=ev.CompactionStart(compaction_id="k1"))
     running = await create_server(server_config)
     async with grpc.aio.insecure_channel(running.address) as chan:
         stub = SessionServiceStub(chan)
         sid = await _create(stub)
-        await _append(stub, sid, user("a"), start)
-        again = ev.SessionEvent(compaction_start=ev.CompactionStart(compaction_id="k2"))
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await _append(stub, sid, again)
-        assert details(caught.value).reason == "COMPACTION_BUSY"
+        await _append(stub, sid, user("a"))
+        handle = await running.manager.get(sid)  # brackets are the server's: its trusted path
+        await handle.append([compaction_start("k1")])
+        with pytest.raises(Busy):
+            await handle.append([compaction_start("k2")])
     await running.stop(0)
 
     restarted = await create_server(server_config)
     try:
         async with grpc.aio.insecure_channel(restarted.address) as chan:
             stub = SessionServiceStub(chan)
-            result = await _append(stub, sid, again)
+            handle = await restarted.manager.get(sid)  # the restore appends session/end-seed
+            result = await handle.append([compaction_start("k2")])
             events = [r.event async for r in stub.ListEvents(pb.ListEventsRequest(session_id=sid))]
             assert [e.WhichOneof("body") for e in events] == [
                 "user_message",
@@ -283,6 +307,69 @@ async def test_restore_appends_end_seed_and_stale_bracket_no_longer_blocks(
             assert list(result.seqs) == [3]
     finally:
         await restarted.stop(0)
+
+
+SERVER_ONLY = [
+    (compaction_start("forged"), "compaction_start"),
+    (compaction_end("forged"), "compaction_end"),
+    (end_seed(), "session_end_seed"),
+    (offload({0: [0]}), "image_offload"),
+    (checkpoint("forged", "a summary"), "user_message.source.compaction_checkpoint"),
+]
+
+
+@pytest.mark.parametrize(("event", "field"), SERVER_ONLY, ids=[f for _, f in SERVER_ONLY])
+async def test_append_refuses_a_server_only_event_naming_the_field(
+    sessions: SessionServiceStub, event: ev.SessionEvent, field: str
+) -> None:
+    sid = await _create(sessions)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _append(sessions, sid, user("a"), event)
+    got = details(caught.value)
+    assert (got.code, got.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "SERVER_ONLY_EVENT")
+    assert got.fields == [f"events[1].{field}"]
+    surface = await sessions.GetSurface(pb.GetSurfaceRequest(session_id=sid))
+    assert surface.revision == 0
+
+
+async def test_a_forged_checkpoint_replacement_is_refused(sessions: SessionServiceStub) -> None:
+    sid = await _create(sessions)
+    await _append(sessions, sid, user("a"), user("b"))
+    forged = replace(checkpoint("forged", "summary"), start=0, end=1, sources=[0, 1])
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _append(sessions, sid, forged)
+    assert details(caught.value).reason == "SERVER_ONLY_EVENT"
+
+
+@pytest.mark.parametrize(
+    ("events", "field"),
+    [
+        ([turn_start(1), assistant("outside any step")], "events[1].assistant_message"),
+        ([step_start(1, 1)], "events[0].step_start.turn"),
+        ([turn_start(1), step_start(1, 1), step_start(1, 2)], "events[2].step_start"),
+    ],
+    ids=["assistant-outside-a-step", "step-of-a-closed-turn", "overlapping-steps"],
+)
+async def test_append_enforces_the_step_brackets(
+    sessions: SessionServiceStub, events: list[ev.SessionEvent], field: str
+) -> None:
+    sid = await _create(sessions)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _append(sessions, sid, *events)
+    got = details(caught.value)
+    assert (got.code, got.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "STEP_BRACKET")
+    assert got.fields == [field]
+
+
+async def test_only_replacements_cite_sources(sessions: SessionServiceStub) -> None:
+    sid = await _create(sessions)
+    cited = user("b")
+    cited.source_event_seqs.append(0)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _append(sessions, sid, user("a"), cited)
+    got = details(caught.value)
+    assert got.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert got.fields == ["events[1].source_event_seqs"]
 
 
 async def test_health_reports_serving_and_reflection_lists_services(

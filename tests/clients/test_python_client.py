@@ -13,6 +13,8 @@ from compactd_client import (
 )
 from compactd_client.events import (
     assistant_message,
+    step_end,
+    step_start,
     tool_call_block,
     tool_result,
     turn_start,
@@ -63,7 +65,9 @@ async def test_compact_during_an_open_turn_is_busy(server: RunningServer) -> Non
         events = [
             turn_start(1),
             user_message("look"),
+            step_start(1, 1),
             assistant_message(tool_calls=[tool_call_block("c1", "ls", {})]),
+            step_end(1, 1),
             tool_result("c1", "a\nb"),
         ]
         await client.append_events(session.session_id, events)

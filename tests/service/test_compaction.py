@@ -28,7 +28,7 @@ from compactd.testing.openai_server import OpenAICompatServer, Reply, ScriptedTo
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2
 from tests.api.rpc import details
-from tests.builders import assistant, header, system, tool_result, turn_start, user
+from tests.builders import assistant, exchange, header, system, tool_result, turn_start, user
 from tests.compaction_fixtures import (
     ABOVE,
     BELOW,
@@ -49,7 +49,7 @@ from tests.compaction_fixtures import (
 REPLACE = events_pb2.SURFACE_OP_KIND_REPLACE
 STEP = cpb.CompactionStep
 #: A middle unit no pruner can shrink: after the first bracket keeps it, pressure stays above.
-HUGE = [user("Explain the whole design."), assistant(text="Design notes, part one. " * 800)]
+HUGE = exchange(900, "Explain the whole design.", assistant(text="Design notes, part one. " * 800))
 
 
 @pytest.fixture
@@ -98,8 +98,7 @@ async def test_pruning_runs_first_and_alone_can_avoid_the_summary(
 ) -> None:
     async with started(tmp_path, loop) as h:
         await h.create(*opening(), *units(2), *unit(2, result="y" * 40_000), turn_start(1))
-        original = (await h.events())[-3]
-        assert body(original) == "tool_result"
+        original = of_type(await h.events(), "tool_result")[-1]
         run = await h.prepare(1)
 
         result = run.result
@@ -227,16 +226,22 @@ async def test_the_summary_request_replays_the_conversation_bytes_as_a_prefix(
         conversation = [
             system("You are a careful coding agent. Ünïcode stays as is: 日本語."),
             header(PROVIDER, MODEL, tools=TOOLS),
-            user("Fix the failing test in src/app.py"),
-            assistant(
-                text="Looking.",
-                reasoning="The test imports app.",
-                calls=[("c1", "run", '{"cmd":"pytest -x"}')],
+            *exchange(
+                1,
+                "Fix the failing test in src/app.py",
+                assistant(
+                    text="Looking.",
+                    reasoning="The test imports app.",
+                    calls=[("c1", "run", '{"cmd":"pytest -x"}')],
+                ),
+                tool_result(
+                    "c1",
+                    "FAILED tests/test_app.py::test_x - KeyError: 'k'",
+                    name="run",
+                    is_error=True,
+                ),
+                assistant(text="The key is missing; adding it."),
             ),
-            tool_result(
-                "c1", "FAILED tests/test_app.py::test_x - KeyError: 'k'", name="run", is_error=True
-            ),
-            assistant(text="The key is missing; adding it."),
             *units(2),
         ]
         await h.create(*conversation)

@@ -21,10 +21,12 @@ type SessionServiceClient interface {
 	// Errors: ALREADY_EXISTS if `session_id` is taken; INVALID_ARGUMENT for a malformed id or
 	// compaction policy.
 	CreateSession(ctx context.Context, in *CreateSessionRequest, opts ...grpc.CallOption) (*CreateSessionResponse, error)
-	// Appends a batch of events atomically: all are committed and synced before the reply, or none.
-	// Errors: NOT_FOUND; INVALID_ARGUMENT (with google.rpc.BadRequest field violations) for a
-	// malformed event, a broken replacement rule, a client-chosen seq or an oversized batch;
-	// ABORTED with reason `SEQ_CONFLICT` when `expected_last_seq` does not match.
+	// Appends a batch of a runtime's events atomically: all are committed and synced before the
+	// reply, or none. Errors: NOT_FOUND; INVALID_ARGUMENT (with google.rpc.BadRequest field
+	// violations) for a malformed event, a broken replacement rule, a client-chosen seq or an
+	// oversized batch, with reason `SERVER_ONLY_EVENT` for an event only compactd writes (see
+	// `SessionEvent`), `STEP_BRACKET` for an assistant message outside an open step or a broken
+	// step bracket; ABORTED with reason `SEQ_CONFLICT` when `expected_last_seq` does not match.
 	AppendEvents(ctx context.Context, in *AppendEventsRequest, opts ...grpc.CallOption) (*AppendEventsResponse, error)
 	// Streams the log from `from_seq`, one event per message, in seq order.
 	// Errors: NOT_FOUND; INVALID_ARGUMENT for a negative `from_seq`.
@@ -122,10 +124,12 @@ type SessionServiceServer interface {
 	// Errors: ALREADY_EXISTS if `session_id` is taken; INVALID_ARGUMENT for a malformed id or
 	// compaction policy.
 	CreateSession(context.Context, *CreateSessionRequest) (*CreateSessionResponse, error)
-	// Appends a batch of events atomically: all are committed and synced before the reply, or none.
-	// Errors: NOT_FOUND; INVALID_ARGUMENT (with google.rpc.BadRequest field violations) for a
-	// malformed event, a broken replacement rule, a client-chosen seq or an oversized batch;
-	// ABORTED with reason `SEQ_CONFLICT` when `expected_last_seq` does not match.
+	// Appends a batch of a runtime's events atomically: all are committed and synced before the
+	// reply, or none. Errors: NOT_FOUND; INVALID_ARGUMENT (with google.rpc.BadRequest field
+	// violations) for a malformed event, a broken replacement rule, a client-chosen seq or an
+	// oversized batch, with reason `SERVER_ONLY_EVENT` for an event only compactd writes (see
+	// `SessionEvent`), `STEP_BRACKET` for an assistant message outside an open step or a broken
+	// step bracket; ABORTED with reason `SEQ_CONFLICT` when `expected_last_seq` does not match.
 	AppendEvents(context.Context, *AppendEventsRequest) (*AppendEventsResponse, error)
 	// Streams the log from `from_seq`, one event per message, in seq order.
 	// Errors: NOT_FOUND; INVALID_ARGUMENT for a negative `from_seq`.

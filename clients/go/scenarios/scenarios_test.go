@@ -81,9 +81,13 @@ func seed(t *testing.T, c *compactd.Client, id string, turns int) int64 {
 		events = append(events,
 			compactd.TurnStart(int64(turn)),
 			compactd.UserMessage(fmt.Sprintf("Turn %d: find where the handlers are defined.", turn)),
+			compactd.StepStart(int64(turn), 1),
 			compactd.AssistantMessage("", compactd.ToolCallBlock(callID, "grep", compactd.JSON(map[string]string{"pattern": "def "}))),
+			compactd.StepEnd(int64(turn), 1),
 			compactd.ToolResult(callID, "grep", strings.Join(listing, "\n")),
+			compactd.StepStart(int64(turn), 2),
 			compactd.AssistantMessage(fmt.Sprintf("Turn %d: the handlers live in src/module_%d_*.py.", turn, turn)),
+			compactd.StepEnd(int64(turn), 2),
 			compactd.TurnEnd(int64(turn), ""),
 		)
 	}

@@ -28,6 +28,8 @@ from compactd_client.events import (
     assistant_message,
     event_type,
     request_header,
+    step_end,
+    step_start,
     system_message,
     tool_call_block,
     tool_result,
@@ -75,9 +77,13 @@ def seed(client: CompactdClient, session_id: str, turns: int = 3) -> int:
         events += [
             turn_start(turn),
             user_message(f"Turn {turn}: find where the handlers are defined."),
+            step_start(turn, 1),
             assistant_message(tool_calls=[tool_call_block(call_id, "grep", {"pattern": "def "})]),
+            step_end(turn, 1),
             tool_result(call_id, listing, tool_name="grep"),
+            step_start(turn, 2),
             assistant_message(f"Turn {turn}: the handlers live in src/module_{turn}_*.py."),
+            step_end(turn, 2),
             turn_end(turn),
         ]
     return client.append_events(session_id, events).revision

@@ -20,6 +20,8 @@ import {
   requestHeader,
   SeqConflictError,
   type SessionEvent,
+  stepEnd,
+  stepStart,
   systemMessage,
   toolCallBlock,
   toolResult,
@@ -62,9 +64,13 @@ describe("scenarios", { skip: address === "" ? "COMPACTD_ADDRESS is not set" : f
       events.push(
         turnStart(turn),
         userMessage(`Turn ${turn}: find where the handlers are defined.`),
+        stepStart(turn, 1),
         assistantMessage({ toolCalls: [toolCallBlock(callId, "grep", { pattern: "def " })] }),
+        stepEnd(turn, 1),
         toolResult(callId, listing, { toolName: "grep" }),
+        stepStart(turn, 2),
         assistantMessage({ text: `Turn ${turn}: the handlers live in src/module_${turn}_*.py.` }),
+        stepEnd(turn, 2),
         turnEnd(turn),
       );
     }

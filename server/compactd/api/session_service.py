@@ -11,6 +11,7 @@ import grpc
 from google.protobuf import json_format, struct_pb2
 
 from compactd.api.status import handle_errors
+from compactd.core.validation import Origin
 from compactd.errors import FieldViolation, InvalidArgument
 from compactd.service.requests import build_request, surface_response
 from compactd.service.sessions import SessionHandle, SessionManager
@@ -53,7 +54,10 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         handle = await self._handle(request.session_id)
         expected = request.expected_last_seq if request.HasField("expected_last_seq") else None
         result = await handle.append(
-            request.events, expected_last_seq=expected, max_events=self._max_batch_events
+            request.events,
+            expected_last_seq=expected,
+            max_events=self._max_batch_events,
+            origin=Origin.CLIENT,
         )
         return pb.AppendEventsResponse(seqs=result.seqs, revision=result.revision)
 

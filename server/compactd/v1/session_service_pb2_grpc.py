@@ -76,10 +76,12 @@ class SessionServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AppendEvents(self, request, context):
-        """Appends a batch of events atomically: all are committed and synced before the reply, or none.
-        Errors: NOT_FOUND; INVALID_ARGUMENT (with google.rpc.BadRequest field violations) for a
-        malformed event, a broken replacement rule, a client-chosen seq or an oversized batch;
-        ABORTED with reason `SEQ_CONFLICT` when `expected_last_seq` does not match.
+        """Appends a batch of a runtime's events atomically: all are committed and synced before the
+        reply, or none. Errors: NOT_FOUND; INVALID_ARGUMENT (with google.rpc.BadRequest field
+        violations) for a malformed event, a broken replacement rule, a client-chosen seq or an
+        oversized batch, with reason `SERVER_ONLY_EVENT` for an event only compactd writes (see
+        `SessionEvent`), `STEP_BRACKET` for an assistant message outside an open step or a broken
+        step bracket; ABORTED with reason `SEQ_CONFLICT` when `expected_last_seq` does not match.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

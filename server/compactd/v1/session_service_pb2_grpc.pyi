@@ -39,10 +39,12 @@ class SessionServiceStub:
     compaction policy.
     """
     AppendEvents: _grpc.UnaryUnaryMultiCallable[_session_service_pb2.AppendEventsRequest, _session_service_pb2.AppendEventsResponse]
-    """Appends a batch of events atomically: all are committed and synced before the reply, or none.
-    Errors: NOT_FOUND; INVALID_ARGUMENT (with google.rpc.BadRequest field violations) for a
-    malformed event, a broken replacement rule, a client-chosen seq or an oversized batch;
-    ABORTED with reason `SEQ_CONFLICT` when `expected_last_seq` does not match.
+    """Appends a batch of a runtime's events atomically: all are committed and synced before the
+    reply, or none. Errors: NOT_FOUND; INVALID_ARGUMENT (with google.rpc.BadRequest field
+    violations) for a malformed event, a broken replacement rule, a client-chosen seq or an
+    oversized batch, with reason `SERVER_ONLY_EVENT` for an event only compactd writes (see
+    `SessionEvent`), `STEP_BRACKET` for an assistant message outside an open step or a broken
+    step bracket; ABORTED with reason `SEQ_CONFLICT` when `expected_last_seq` does not match.
     """
     ListEvents: _grpc.UnaryStreamMultiCallable[_session_service_pb2.ListEventsRequest, _session_service_pb2.ListEventsResponse]
     """Streams the log from `from_seq`, one event per message, in seq order.
@@ -69,10 +71,12 @@ class SessionServiceAsyncStub(SessionServiceStub):
     compaction policy.
     """
     AppendEvents: _aio.UnaryUnaryMultiCallable[_session_service_pb2.AppendEventsRequest, _session_service_pb2.AppendEventsResponse]  # type: ignore[assignment]
-    """Appends a batch of events atomically: all are committed and synced before the reply, or none.
-    Errors: NOT_FOUND; INVALID_ARGUMENT (with google.rpc.BadRequest field violations) for a
-    malformed event, a broken replacement rule, a client-chosen seq or an oversized batch;
-    ABORTED with reason `SEQ_CONFLICT` when `expected_last_seq` does not match.
+    """Appends a batch of a runtime's events atomically: all are committed and synced before the
+    reply, or none. Errors: NOT_FOUND; INVALID_ARGUMENT (with google.rpc.BadRequest field
+    violations) for a malformed event, a broken replacement rule, a client-chosen seq or an
+    oversized batch, with reason `SERVER_ONLY_EVENT` for an event only compactd writes (see
+    `SessionEvent`), `STEP_BRACKET` for an assistant message outside an open step or a broken
+    step bracket; ABORTED with reason `SEQ_CONFLICT` when `expected_last_seq` does not match.
     """
     ListEvents: _aio.UnaryStreamMultiCallable[_session_service_pb2.ListEventsRequest, _session_service_pb2.ListEventsResponse]  # type: ignore[assignment]
     """Streams the log from `from_seq`, one event per message, in seq order.
@@ -108,10 +112,12 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _session_service_pb2.AppendEventsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_session_service_pb2.AppendEventsResponse, _abc.Awaitable[_session_service_pb2.AppendEventsResponse]]:
-        """Appends a batch of events atomically: all are committed and synced before the reply, or none.
-        Errors: NOT_FOUND; INVALID_ARGUMENT (with google.rpc.BadRequest field violations) for a
-        malformed event, a broken replacement rule, a client-chosen seq or an oversized batch;
-        ABORTED with reason `SEQ_CONFLICT` when `expected_last_seq` does not match.
+        """Appends a batch of a runtime's events atomically: all are committed and synced before the
+        reply, or none. Errors: NOT_FOUND; INVALID_ARGUMENT (with google.rpc.BadRequest field
+        violations) for a malformed event, a broken replacement rule, a client-chosen seq or an
+        oversized batch, with reason `SERVER_ONLY_EVENT` for an event only compactd writes (see
+        `SessionEvent`), `STEP_BRACKET` for an assistant message outside an open step or a broken
+        step bracket; ABORTED with reason `SEQ_CONFLICT` when `expected_last_seq` does not match.
         """
 
     @_abc_1.abstractmethod

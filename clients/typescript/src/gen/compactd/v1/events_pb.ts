@@ -23,8 +23,37 @@ export const file_compactd_v1_events: GenFile = /*@__PURE__*/
  * One entry of a session's append-only log.
  *
  * Surface events (`system/message`, `developer/message`, `user/message`, `assistant/message`,
- * `tool/result`) become nodes of the model-visible surface and may carry `surface_op` and
- * `source_event_seqs`. Every other event is log-only and must carry neither.
+ * `tool/result`) become nodes of the model-visible surface and may carry `surface_op`; only a
+ * REPLACE cites `source_event_seqs`. Every other event is log-only and must carry neither.
+ *
+ * Who writes which event. `AppendEvents` accepts only what a runtime writes; the rest is written
+ * by compactd itself and a client batch carrying it is refused with INVALID_ARGUMENT, reason
+ * `SERVER_ONLY_EVENT`, naming the field:
+ *
+ *   | event                                   | written by                                    |
+ *   |-----------------------------------------|-----------------------------------------------|
+ *   | `system/message`, `developer/message`   | runtime                                       |
+ *   | `user/message` (user input)             | runtime                                       |
+ *   | `user/message` with a                   | compactd only (a bracket's checkpoint)        |
+ *   |   `compaction_checkpoint` source        |                                               |
+ *   | `assistant/message`, `tool/result`      | runtime                                       |
+ *   | `turn/start`, `turn/end`                | runtime                                       |
+ *   | `step/start`, `step/end`                | runtime                                       |
+ *   | `tool/call`, `assistant/attempt`        | runtime                                       |
+ *   | `request/header`, `llm/retry`           | runtime                                       |
+ *   | `compaction/start`, `compaction/prune`, | compactd only (pruning and the bracket)       |
+ *   |   `compaction/summary`,                 |                                               |
+ *   |   `compaction/summary-error`,           |                                               |
+ *   |   `compaction/end`                      |                                               |
+ *   | `session/end-seed`                      | compactd only (a restore's lifecycle boundary)|
+ *   | `image/offload`                         | compactd only (`RecoverFromError` and the     |
+ *   |                                         |   summary-error recovery)                     |
+ *
+ * Step brackets (checked on runtime appends; violations are INVALID_ARGUMENT with reason
+ * `STEP_BRACKET`): an `assistant/message` APPEND is accepted only inside an open step
+ * (`step/start` ... `step/end`) of an open turn; `step/start` needs its turn open and no other
+ * step open; `step/end` names the open step; `turn/end` needs that turn's step ended. A
+ * `tool/result` comes after the step that made its call (inside it or after it).
  *
  * @generated from message compactd.v1.SessionEvent
  */
@@ -60,7 +89,7 @@ export type SessionEvent = Message<"compactd.v1.SessionEvent"> & {
   surfaceOp?: SurfaceOp | undefined;
 
   /**
-   * The earlier events this event was derived from (required for REPLACE).
+   * The earlier events a REPLACE was derived from (required for REPLACE, refused on APPEND).
    *
    * @generated from field: repeated int64 source_event_seqs = 5;
    */
