@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import itertools
 import json
 import os
 import re
@@ -106,6 +107,23 @@ def _event(message: dict[str, Any], prefix: str, calls: set[str]) -> SessionEven
     if role == "tool" and call_id in calls:
         return SessionEvent(tool_result=events_pb2.ToolResult(tool_call_id=call_id, content=blocks))
     return SessionEvent(user_message=events_pb2.UserMessage(content=blocks)) if blocks else None
+
+
+def in_steps(batch: Sequence[SessionEvent], steps: Iterator[int]) -> list[SessionEvent]:
+    """``batch`` as a runtime appends it over the API: each assistant message in its own step of
+    turn 1 (``AppendEvents`` refuses an assistant message outside an open step)."""
+    out: list[SessionEvent] = []
+    for event in batch:
+        if event.HasField("assistant_message"):
+            step = next(steps)
+            out += [
+                SessionEvent(step_start=events_pb2.StepStart(turn=1, step=step)),
+                event,
+                SessionEvent(step_end=events_pb2.StepEnd(turn=1, step=step)),
+            ]
+        else:
+            out.append(event)
+    return out
 
 
 def surface_events(corpus: list[dict[str, Any]]) -> Iterator[SessionEvent]:
@@ -234,7 +252,12 @@ async def latency_grpc(sizes: Sequence[int], checks: int) -> tuple[list[tuple[st
         session_service_pb2_grpc,
     )
 
-    overrides = {"listen": "127.0.0.1:0", "store": "memory://", "log_level": "WARNING"}
+    overrides = {
+        "listen": "127.0.0.1:0",
+        "store": "memory://",
+        "log_level": "WARNING",
+        "max_batch_events": 4 * BATCH,  # a batch of BATCH events with its assistant steps
+    }
     running = await create_server(config.load(None, environ={}, overrides=overrides))
     rows: list[tuple[str, ...]] = []
     try:
@@ -252,11 +275,15 @@ async def latency_grpc(sizes: Sequence[int], checks: int) -> tuple[list[tuple[st
                 config=events_pb2.RequestConfig(provider=PROVIDER, model=MODEL)
             )
 
+            steps = itertools.count(1)
+
             async def append(batch: list[SessionEvent]) -> None:
-                request = session_service_pb2.AppendEventsRequest(session_id="bench", events=batch)
+                events = in_steps(batch, steps)
+                request = session_service_pb2.AppendEventsRequest(session_id="bench", events=events)
                 await sessions.AppendEvents(request)
 
-            await append([SessionEvent(request_header=header)])
+            opening = SessionEvent(turn_start=events_pb2.TurnStart(turn=1))
+            await append([opening, SessionEvent(request_header=header)])
             request = compaction_service_pb2.CheckPressureRequest(session_id="bench")
             try:
                 await compaction.CheckPressure(request)
