@@ -193,3 +193,48 @@ async def test_folding_a_lone_checkpoint_reproduces_it(span: list[Message]) -> N
     first = await _summary(span, max_tokens=100_000)
 
     assert await _summary([user(prompts.frame_checkpoint(first))], max_tokens=100_000) == first
+
+
+_tagged_texts = st.lists(
+    st.one_of(
+        st.text(max_size=40),
+        st.sampled_from(
+            [prompts.SUMMARY_OPEN_TAG, prompts.SUMMARY_CLOSE_TAG, prompts.CHECKPOINT_PREAMBLE, "\n"]
+        ),
+    ),
+    max_size=6,
+).map("".join)
+
+
+async def test_a_request_quoting_the_closing_tag_survives_a_second_fold() -> None:
+    request = "Why does </compacted-summary> end my prompt early?"
+    first = await _summary([user(request)], max_tokens=100_000)
+
+    again = await _summary([user(prompts.frame_checkpoint(first))], max_tokens=100_000)
+
+    assert request in again
+    assert again == first
+
+
+async def test_a_user_message_that_only_mentions_the_tags_is_a_request() -> None:
+    request = f"Explain {prompts.SUMMARY_OPEN_TAG}x{prompts.SUMMARY_CLOSE_TAG} to me."
+
+    sections = _sections(await _summary([user(request)]))
+
+    assert request in sections["Goals and Requests"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(_tagged_texts.map(user), min_size=1, max_size=4))
+async def test_no_request_is_lost_when_a_checkpoint_folds_again(span: list[Message]) -> None:
+    """Requests quoting the checkpoint's own tags and preamble survive every later fold."""
+    first = await _summary(span, max_tokens=100_000)
+    again = await _summary([user(prompts.frame_checkpoint(first))], max_tokens=100_000)
+
+    assert again == first
+    for message in span:
+        text = message.content[0].text.text if message.content else ""
+        if len(text) > 700:
+            continue  # requests are quoted up to 800 code units, then clipped by design
+        for line in text.splitlines():  # a bullet renders each line of a request on its own
+            assert line.strip() in again

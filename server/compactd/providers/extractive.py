@@ -36,10 +36,9 @@ _GOALS, _TECH, _FILES, _ERRORS, _OUTSTANDING, _PROGRESS, _NEXT, _ESSENTIAL = ran
 _UNITS_PER_TOKEN = 4
 _ELLIPSIS = "…"
 
-_CHECKPOINT = re.compile(
-    re.escape(prompts.SUMMARY_OPEN_TAG) + r"\n?(.*?)\n?" + re.escape(prompts.SUMMARY_CLOSE_TAG),
-    re.DOTALL,
-)
+# A prior checkpoint is exactly ``prompts.frame_checkpoint(summary)``; see ``_checkpoint_summary``.
+_CHECKPOINT_HEAD = f"{prompts.CHECKPOINT_PREAMBLE}\n\n{prompts.SUMMARY_OPEN_TAG}\n"
+_CHECKPOINT_TAIL = f"\n{prompts.SUMMARY_CLOSE_TAG}"
 _PATH_TOKEN = re.compile(r"(?<![\w:/.~@+-])[\w.~@+-]*(?:/[\w.@+-]+)+/?")
 _KNOWN_EXTENSIONS = (
     "py|pyi|ts|tsx|js|jsx|mjs|cjs|json|jsonl|toml|yaml|yml|md|rst|txt|go|rs|java|kt|c|h|cc|cpp|"
@@ -162,10 +161,9 @@ def _extract(messages: Sequence[Message], limits: _Limits) -> _Facts:
 
 def _add_user(facts: _Facts, message: Message) -> None:
     text = _text(message)
-    folded = _CHECKPOINT.findall(text)
-    if folded:
-        for summary in folded:
-            _merge_prior(facts.prior, _parse_sections(summary))
+    folded = _checkpoint_summary(text)
+    if folded is not None:
+        _merge_prior(facts.prior, _parse_sections(folded))
         return
     facts.has_new = True
     if text.strip():
@@ -239,11 +237,23 @@ def _next_step(messages: Sequence[Message], limits: _Limits) -> str:
     if not messages:
         return ""
     last = messages[-1]
-    if last.role == _ROLE.MESSAGE_ROLE_USER and not _CHECKPOINT.search(_text(last)):
+    if last.role == _ROLE.MESSAGE_ROLE_USER and _checkpoint_summary(_text(last)) is None:
         return "Answer the latest user request: " + _clip(_text(last).strip(), limits.item_units)
     if last.role == _ROLE.MESSAGE_ROLE_TOOL:
         return f"Continue from the result of {last.name or 'the last tool call'}"
     return ""
+
+
+def _checkpoint_summary(text: str) -> str | None:
+    """The summary a framed checkpoint carries, or None when ``text`` is not one.
+
+    Only the whole frame counts: a request that merely contains the tags, or a summary that
+    quotes a closing tag, is never cut at an inner tag (that lost the rest of the summary).
+    """
+    framed = len(text) >= len(_CHECKPOINT_HEAD) + len(_CHECKPOINT_TAIL)
+    if framed and text.startswith(_CHECKPOINT_HEAD) and text.endswith(_CHECKPOINT_TAIL):
+        return text[len(_CHECKPOINT_HEAD) : len(text) - len(_CHECKPOINT_TAIL)]
+    return None
 
 
 def _text(message: Message) -> str:
