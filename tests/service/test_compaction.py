@@ -422,28 +422,30 @@ async def test_a_summary_not_smaller_than_its_span_is_rejected_and_nothing_repla
 # ---- convergence ---------------------------------------------------------------------------------
 
 
-async def test_continued_pressure_runs_a_retry_that_folds_the_previous_checkpoint(
+async def test_a_convergence_retry_keeps_the_retained_budget(
     tmp_path: Path, loop: OpenAICompatServer
 ) -> None:
     async with started(tmp_path, loop, policy={**POLICY, "compactionRetries": 1}) as h:
         await h.create(*opening(), *units(10), *HUGE, *units(1, 10), turn_start(1))
+        before = await h.surface()
         run = await h.prepare(1)
 
         result = run.result
-        assert (result.before.state, result.after.state) == (ABOVE, BELOW)
-        assert list(result.warnings) == []
-        first, second = result.compactions
-        first_request, second_request = summary_requests(loop)
-        first_text = prompts.frame_checkpoint(
-            of_type(await h.events(), "compaction_summary")[0].compaction_summary.summary
+        (outcome,) = result.compactions  # the retry found nothing outside the retained tail
+        assert (result.before.state, result.after.state) == (ABOVE, ABOVE)
+        (warning,) = result.warnings
+        assert "nothing more to compact" in warning
+        assert "after 1 compaction" in warning
+        assert len(summary_requests(loop)) == 1
+        after = await h.surface()
+        kept = before.nodes[outcome.range.end_position + 1 :]
+        assert [n.seq for n in after.nodes[2:]] == [n.seq for n in kept]  # the tail, verbatim
+        huge = next(n for n in kept if "Design notes" in str(n.message))
+        assert huge.seq in [n.seq for n in after.nodes]
+        tail_tokens = sum(
+            len(block.text.text) for n in kept for block in n.message.content if block.text.text
         )
-        replayed = first_request["messages"][:-1]  # the instruction itself names the tag
-        assert not any(prompts.SUMMARY_OPEN_TAG in json.dumps(m) for m in replayed)
-        assert second_request["messages"][1]["content"] == first_text
-        assert second.range.start_position == 1
-        surface = await h.surface()
-        assert surface.nodes[1].seq == second.checkpoint_seq
-        assert first.checkpoint_seq in (await h.events())[second.checkpoint_seq].source_event_seqs
+        assert tail_tokens // 4 >= result.after.retained_budget
 
 
 async def test_exhausted_retries_are_reported_with_the_figures(

@@ -211,12 +211,10 @@ class CompactionEngine:
                 outcome.warnings.append(_still_above(report, attempts, policy, "retries exhausted"))
                 break
             spec = self._pressure.spec(handle, route)
-            # A convergence retry reaches into the retained tail (everything but the last unit):
-            # the tail the first bracket kept is what stays above the trigger, and the same
-            # selection again could only pick the lone previous checkpoint.
-            mode = SelectionMode.PRESSURE if attempts == 0 else SelectionMode.MAXIMAL
+            # Every compaction of the crossing keeps the retained budget, retries included: a
+            # retry never reaches into the recent tail, so on an unchanged tail it declines.
             job = _Bracket(
-                handle, PRESSURE, mode, route,
+                handle, PRESSURE, SelectionMode.PRESSURE, route,
                 self._shrink_route(handle, route), policy, spec.retained_budget, turn,
             )  # fmt: skip
             prelude = prune_first if attempts == 0 else None
