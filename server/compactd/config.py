@@ -29,6 +29,8 @@ class ServerConfig:
     sqlite_synchronous: str = "FULL"  # FULL (default), EXTRA or NORMAL
     max_message_bytes: int = 16 * 1024 * 1024
     max_batch_events: int = 1000
+    max_streams: int = 1024  # concurrent response streams in the process
+    max_streams_per_session: int = 32  # concurrent response streams of one session
     keepalive_time_s: float = 60.0
     keepalive_timeout_s: float = 20.0
     shutdown_grace_s: float = 10.0
@@ -146,6 +148,8 @@ def validate(config: ServerConfig) -> None:
         raise ConfigError("sqlite_synchronous: expected FULL, EXTRA or NORMAL")
     _positive(config.max_message_bytes, "max_message_bytes")
     _positive(config.max_batch_events, "max_batch_events")
+    _positive(config.max_streams, "max_streams")
+    _positive(config.max_streams_per_session, "max_streams_per_session")
     _positive(config.keepalive_time_s, "keepalive_time_s")
     _positive(config.keepalive_timeout_s, "keepalive_timeout_s")
     if config.shutdown_grace_s < 0:

@@ -17,9 +17,9 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
-from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
 from compactd import telemetry
+from compactd.api import interceptors
 from compactd.api.compaction_service import CompactionServicer
 from compactd.api.session_service import SessionServicer
 from compactd.config import ServerConfig
@@ -127,8 +127,12 @@ async def create_server(
         recoveries=summary_recoveries,
     )
     telemetry.quiet_cancelled_stream_detach()
-    tracing = aio_server_interceptor(tracer_provider=provider)  # type: ignore[no-untyped-call]
-    server = grpc.aio.server(options=_channel_options(config), interceptors=[tracing])
+    chain = interceptors.chain(
+        provider,
+        max_streams=config.max_streams,
+        max_streams_per_session=config.max_streams_per_session,
+    )
+    server = grpc.aio.server(options=_channel_options(config), interceptors=chain)
     session_service_pb2_grpc.add_SessionServiceServicer_to_server(
         SessionServicer(manager, max_batch_events=config.max_batch_events), server
     )

@@ -28,7 +28,9 @@ GRPC_VERSION: str
 
 class CompactionServiceStub:
     """Prices sessions and compacts them. Every RPC answers NOT_FOUND when the session does not
-    exist. Failures carry a google.rpc.ErrorInfo whose `reason` names the cause.
+    exist. Failures carry a google.rpc.ErrorInfo whose `reason` names the cause. As for
+    SessionService: INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` for request bytes that do
+    not parse; RESOURCE_EXHAUSTED with reason `TOO_MANY_STREAMS` beyond the stream limits.
     """
 
     @_typing.overload
@@ -77,7 +79,9 @@ class CompactionServiceStub:
 @_typing.type_check_only
 class CompactionServiceAsyncStub(CompactionServiceStub):
     """Prices sessions and compacts them. Every RPC answers NOT_FOUND when the session does not
-    exist. Failures carry a google.rpc.ErrorInfo whose `reason` names the cause.
+    exist. Failures carry a google.rpc.ErrorInfo whose `reason` names the cause. As for
+    SessionService: INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` for request bytes that do
+    not parse; RESOURCE_EXHAUSTED with reason `TOO_MANY_STREAMS` beyond the stream limits.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -122,7 +126,9 @@ class CompactionServiceAsyncStub(CompactionServiceStub):
 
 class CompactionServiceServicer(metaclass=_abc_1.ABCMeta):
     """Prices sessions and compacts them. Every RPC answers NOT_FOUND when the session does not
-    exist. Failures carry a google.rpc.ErrorInfo whose `reason` names the cause.
+    exist. Failures carry a google.rpc.ErrorInfo whose `reason` names the cause. As for
+    SessionService: INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` for request bytes that do
+    not parse; RESOURCE_EXHAUSTED with reason `TOO_MANY_STREAMS` beyond the stream limits.
     """
 
     @_abc_1.abstractmethod

@@ -26,7 +26,11 @@ if _version_not_supported:
 
 
 class SessionServiceStub:
-    """Owns session logs. Every RPC answers NOT_FOUND when the named session does not exist.
+    """Owns session logs. Every RPC answers NOT_FOUND when the named session does not exist, and
+    INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` when the request bytes do not parse (a
+    string field that is not UTF-8, say). A streaming RPC beyond the server's stream limits
+    (`max_streams` in the process, `max_streams_per_session` per session) answers
+    RESOURCE_EXHAUSTED with reason `TOO_MANY_STREAMS`.
     """
 
     def __init__(self, channel):
@@ -63,7 +67,11 @@ class SessionServiceStub:
 
 
 class SessionServiceServicer:
-    """Owns session logs. Every RPC answers NOT_FOUND when the named session does not exist.
+    """Owns session logs. Every RPC answers NOT_FOUND when the named session does not exist, and
+    INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` when the request bytes do not parse (a
+    string field that is not UTF-8, say). A streaming RPC beyond the server's stream limits
+    (`max_streams` in the process, `max_streams_per_session` per session) answers
+    RESOURCE_EXHAUSTED with reason `TOO_MANY_STREAMS`.
     """
 
     def CreateSession(self, request, context):
@@ -149,7 +157,11 @@ def add_SessionServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class SessionService:
-    """Owns session logs. Every RPC answers NOT_FOUND when the named session does not exist.
+    """Owns session logs. Every RPC answers NOT_FOUND when the named session does not exist, and
+    INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` when the request bytes do not parse (a
+    string field that is not UTF-8, say). A streaming RPC beyond the server's stream limits
+    (`max_streams` in the process, `max_streams_per_session` per session) answers
+    RESOURCE_EXHAUSTED with reason `TOO_MANY_STREAMS`.
     """
 
     @staticmethod

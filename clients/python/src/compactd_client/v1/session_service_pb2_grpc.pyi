@@ -27,7 +27,12 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class SessionServiceStub:
-    """Owns session logs. Every RPC answers NOT_FOUND when the named session does not exist."""
+    """Owns session logs. Every RPC answers NOT_FOUND when the named session does not exist, and
+    INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` when the request bytes do not parse (a
+    string field that is not UTF-8, say). A streaming RPC beyond the server's stream limits
+    (`max_streams` in the process, `max_streams_per_session` per session) answers
+    RESOURCE_EXHAUSTED with reason `TOO_MANY_STREAMS`.
+    """
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
@@ -62,7 +67,12 @@ class SessionServiceStub:
 
 @_typing.type_check_only
 class SessionServiceAsyncStub(SessionServiceStub):
-    """Owns session logs. Every RPC answers NOT_FOUND when the named session does not exist."""
+    """Owns session logs. Every RPC answers NOT_FOUND when the named session does not exist, and
+    INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` when the request bytes do not parse (a
+    string field that is not UTF-8, say). A streaming RPC beyond the server's stream limits
+    (`max_streams` in the process, `max_streams_per_session` per session) answers
+    RESOURCE_EXHAUSTED with reason `TOO_MANY_STREAMS`.
+    """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     CreateSession: _aio.UnaryUnaryMultiCallable[_session_service_pb2.CreateSessionRequest, _session_service_pb2.CreateSessionResponse]  # type: ignore[assignment]
@@ -93,7 +103,12 @@ class SessionServiceAsyncStub(SessionServiceStub):
     """
 
 class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
-    """Owns session logs. Every RPC answers NOT_FOUND when the named session does not exist."""
+    """Owns session logs. Every RPC answers NOT_FOUND when the named session does not exist, and
+    INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` when the request bytes do not parse (a
+    string field that is not UTF-8, say). A streaming RPC beyond the server's stream limits
+    (`max_streams` in the process, `max_streams_per_session` per session) answers
+    RESOURCE_EXHAUSTED with reason `TOO_MANY_STREAMS`.
+    """
 
     @_abc_1.abstractmethod
     def CreateSession(

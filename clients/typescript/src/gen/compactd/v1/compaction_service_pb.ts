@@ -1060,7 +1060,9 @@ export const ProviderErrorKindSchema: GenEnum<ProviderErrorKind> = /*@__PURE__*/
 
 /**
  * Prices sessions and compacts them. Every RPC answers NOT_FOUND when the session does not
- * exist. Failures carry a google.rpc.ErrorInfo whose `reason` names the cause.
+ * exist. Failures carry a google.rpc.ErrorInfo whose `reason` names the cause. As for
+ * SessionService: INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` for request bytes that do
+ * not parse; RESOURCE_EXHAUSTED with reason `TOO_MANY_STREAMS` beyond the stream limits.
  *
  * @generated from service compactd.v1.CompactionService
  */

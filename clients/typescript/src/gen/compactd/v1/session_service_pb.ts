@@ -518,7 +518,11 @@ export const MessageRoleSchema: GenEnum<MessageRole> = /*@__PURE__*/
   enumDesc(file_compactd_v1_session_service, 0);
 
 /**
- * Owns session logs. Every RPC answers NOT_FOUND when the named session does not exist.
+ * Owns session logs. Every RPC answers NOT_FOUND when the named session does not exist, and
+ * INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` when the request bytes do not parse (a
+ * string field that is not UTF-8, say). A streaming RPC beyond the server's stream limits
+ * (`max_streams` in the process, `max_streams_per_session` per session) answers
+ * RESOURCE_EXHAUSTED with reason `TOO_MANY_STREAMS`.
  *
  * @generated from service compactd.v1.SessionService
  */

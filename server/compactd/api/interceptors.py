@@ -1,0 +1,276 @@
+"""The server's interceptor chain: small classes with one job each, composed in ``chain``.
+
+1. ``Tracing``: OpenTelemetry's aio server interceptor, fixed for streaming handlers that are
+   coroutines writing through ``context.write`` rather than async generators (the health
+   service's ``Watch``, an UNIMPLEMENTED stub): upstream wraps every response-streaming handler
+   as an async generator and answers such calls UNKNOWN (opentelemetry-python-contrib #3066).
+2. ``UndecodableRequests``: request bytes that do not parse (invalid UTF-8 in a string field, a
+   truncated varint, nesting past the parser's limit) answer INVALID_ARGUMENT with reason
+   ``UNDECODABLE_REQUEST``, for every method, streamed requests included. grpc.aio would raise
+   the parser's error out of the handler: UNKNOWN, and a traceback in the log per request.
+3. ``StreamLimits``: at most ``max_streams`` response streams at once in the process and
+   ``max_streams_per_session`` per session; more answer RESOURCE_EXHAUSTED with reason
+   ``TOO_MANY_STREAMS`` (every commit wakes each watcher of its session).
+
+Every wrapper keeps its handler's shape: an async-generator handler stays one, a coroutine
+handler (unary, or streaming through ``context.write``) stays a coroutine, because grpc.aio picks
+how to drive a handler by its shape.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import grpc
+from opentelemetry import trace
+from opentelemetry.instrumentation.grpc import _aio_server, aio_server_interceptor
+
+from compactd.api import status
+from compactd.errors import InvalidArgument, ResourceExhausted
+
+Behavior = Callable[[Any, Any], Any]
+if TYPE_CHECKING:  # generic only in the type stubs
+    Handler = grpc.RpcMethodHandler[Any, Any]
+    Interceptor = grpc.aio.ServerInterceptor[Any, Any]
+else:
+    Handler = grpc.RpcMethodHandler
+    Interceptor = grpc.aio.ServerInterceptor
+#: A guard around one call: given (request, context) it may abort; it yields the request the
+#: handler sees (a checked iterator for a streamed request) and cleans up after the call.
+Guard = Callable[[Any, Any], AbstractAsyncContextManager[Any]]
+Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[Handler]]
+
+UNDECODABLE_REQUEST = "UNDECODABLE_REQUEST"
+TOO_MANY_STREAMS = "TOO_MANY_STREAMS"
+_SESSION_SERVICES = ("/compactd.v1.SessionService/", "/compactd.v1.CompactionService/")
+
+
+def chain(
+    tracer_provider: trace.TracerProvider, *, max_streams: int, max_streams_per_session: int
+) -> list[Interceptor]:
+    """The server's interceptors, outermost first (tracing sees every status the others set)."""
+    return [
+        Tracing.for_provider(tracer_provider),
+        UndecodableRequests(),
+        StreamLimits(max_streams=max_streams, max_streams_per_session=max_streams_per_session),
+    ]
+
+
+def guarded(behavior: Behavior, guard: Guard) -> Behavior:
+    """``behavior`` run inside ``guard``, with the same shape (async generator or coroutine)."""
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
+            async with guard(request, context) as checked:
+                async for response in behavior(checked, context):
+                    yield response
+
+        return stream
+
+    async def call(request: Any, context: Any) -> Any:
+        async with guard(request, context) as checked:
+            result = behavior(checked, context)
+            return await result if inspect.isawaitable(result) else result
+
+    return call
+
+
+def rewrapped(
+    handler: Handler,
+    wrap: Callable[[Behavior], Behavior],
+    *,
+    request_deserializer: Callable[[bytes], Any] | None = None,
+) -> Handler:
+    """A copy of ``handler`` whose behavior is ``wrap(behavior)`` (and maybe a new deserializer)."""
+    behavior: Behavior | None
+    if handler.request_streaming and handler.response_streaming:
+        behavior, factory = handler.stream_stream, grpc.stream_stream_rpc_method_handler
+    elif handler.request_streaming:
+        behavior, factory = handler.stream_unary, grpc.stream_unary_rpc_method_handler
+    elif handler.response_streaming:
+        behavior, factory = handler.unary_stream, grpc.unary_stream_rpc_method_handler
+    else:
+        behavior, factory = handler.unary_unary, grpc.unary_unary_rpc_method_handler
+    assert behavior is not None
+    rebuilt: Handler = factory(
+        wrap(behavior),
+        request_deserializer=request_deserializer or handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+    return rebuilt
+
+
+# ---- 1. tracing ----------------------------------------------------------------------------
+
+
+class Tracing(_aio_server.OpenTelemetryAioServerInterceptor):
+    """OpenTelemetry's server spans for every handler shape.
+
+    A response-streaming handler that is not an async generator writes through
+    ``context.write`` and returns when done: it is traced like a unary call (awaited inside the
+    span), which is what it is to grpc.aio.
+    """
+
+    @classmethod
+    def for_provider(cls, tracer_provider: trace.TracerProvider) -> Tracing:
+        """The interceptor over ``tracer_provider`` (upstream's factory, this class)."""
+        upstream = aio_server_interceptor(tracer_provider=tracer_provider)  # type: ignore[no-untyped-call]
+        tracing = cls(upstream._tracer, filter_=upstream._filter)
+        return tracing
+
+    def _intercept_aio_server_stream(
+        self, behavior: Behavior, handler_call_details: grpc.HandlerCallDetails
+    ) -> Behavior:
+        if inspect.isasyncgenfunction(behavior):
+            traced: Behavior = super()._intercept_aio_server_stream(  # type: ignore[no-untyped-call]
+                behavior, handler_call_details
+            )
+        else:
+            traced = self._intercept_aio_server_unary(  # type: ignore[no-untyped-call]
+                behavior, handler_call_details
+            )
+        return traced
+
+
+# ---- 2. undecodable requests ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """What the guarded deserializer hands the handler instead of a request it could not parse."""
+
+    error: str
+
+
+class UndecodableRequests(Interceptor):
+    """Answers INVALID_ARGUMENT (reason ``UNDECODABLE_REQUEST``) for bytes that do not parse."""
+
+    async def intercept_service(
+        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> Handler:
+        handler: Handler | None = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return cast(Handler, handler)  # None: an unknown method, answered UNIMPLEMENTED
+        parse = handler.request_deserializer
+
+        def deserialize(raw: bytes) -> Any:
+            try:
+                return parse(raw)
+            except Exception as error:  # the parser's own error: the caller sent bad bytes
+                return Undecodable(f"{type(error).__name__}: {error}")
+
+        streaming = handler.request_streaming
+        return rewrapped(
+            handler,
+            lambda behavior: guarded(behavior, _decoded_guard(streaming)),
+            request_deserializer=deserialize,
+        )
+
+
+def _decoded_guard(request_streaming: bool) -> Guard:
+    @asynccontextmanager
+    async def guard(request: Any, context: Any) -> AsyncIterator[Any]:
+        if request_streaming:
+            yield _decoded(request, context)
+            return
+        if isinstance(request, Undecodable):
+            await _refuse_undecodable(context, request)
+        yield request
+
+    return guard
+
+
+async def _decoded(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+    async for request in requests:
+        if isinstance(request, Undecodable):
+            await _refuse_undecodable(context, request)
+        yield request
+
+
+async def _refuse_undecodable(context: Any, request: Undecodable) -> None:
+    await status.abort(
+        context,
+        InvalidArgument(
+            f"the request message could not be decoded ({request.error})",
+            reason=UNDECODABLE_REQUEST,
+        ),
+    )
+
+
+# ---- 3. stream limits -------------------------------------------------------------------------
+
+
+class StreamLimits(Interceptor):
+    """Bounds concurrent response streams, per process and per session.
+
+    A stream counts from the moment its handler starts until it returns, fails or is cancelled.
+    Health and reflection streams count towards the process limit; a stream of compactd's own
+    services also counts towards its session's (the request's ``session_id``).
+    """
+
+    def __init__(self, *, max_streams: int, max_streams_per_session: int) -> None:
+        self.max_streams = max_streams
+        self.max_streams_per_session = max_streams_per_session
+        self.active = 0
+        self.per_session: dict[str, int] = {}
+
+    async def intercept_service(
+        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> Handler:
+        handler: Handler | None = await continuation(handler_call_details)
+        if handler is None or not handler.response_streaming:
+            return cast(Handler, handler)
+        per_session = not handler.request_streaming and handler_call_details.method.startswith(
+            _SESSION_SERVICES
+        )
+        return rewrapped(handler, lambda behavior: guarded(behavior, self._guard(per_session)))
+
+    def _guard(self, per_session: bool) -> Guard:
+        @asynccontextmanager
+        async def guard(request: Any, context: Any) -> AsyncIterator[Any]:
+            session_id = str(getattr(request, "session_id", "")) if per_session else ""
+            if self.active >= self.max_streams:
+                await self._refuse(context, "process", self.max_streams)
+            if session_id and self.per_session.get(session_id, 0) >= self.max_streams_per_session:
+                await self._refuse(context, "session", self.max_streams_per_session, session_id)
+            self._enter(session_id)
+            try:
+                yield request
+            finally:
+                self._leave(session_id)
+
+        return guard
+
+    def _enter(self, session_id: str) -> None:
+        self.active += 1
+        if session_id:
+            self.per_session[session_id] = self.per_session.get(session_id, 0) + 1
+
+    def _leave(self, session_id: str) -> None:
+        self.active -= 1
+        if session_id:
+            left = self.per_session[session_id] - 1
+            if left:
+                self.per_session[session_id] = left
+            else:
+                del self.per_session[session_id]
+
+    async def _refuse(self, context: Any, scope: str, limit: int, session_id: str = "") -> None:
+        where = f"session {session_id!r}" if session_id else "this server"
+        metadata = {"scope": scope, "limit": str(limit)}
+        if session_id:
+            metadata["session_id"] = session_id
+        setting = "max_streams_per_session" if session_id else "max_streams"
+        await status.abort(
+            context,
+            ResourceExhausted(
+                f"{where} already serves {limit} streams, the most it allows ({setting}); "
+                "close one or retry later",
+                reason=TOO_MANY_STREAMS,
+                metadata=metadata,
+            ),
+        )

@@ -1,0 +1,336 @@
+"""The interceptor chain over real servers: every handler shape traced, undecodable bytes and too
+many streams answered with a precise status, and no traceback in the log."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+from compactd import config
+from compactd.api import interceptors
+from compactd.api.server import RunningServer, create_server
+from compactd.v1 import compaction_service_pb2 as cpb
+from compactd.v1 import events_pb2 as ev
+from compactd.v1 import session_service_pb2 as pb
+from compactd.v1.compaction_service_pb2_grpc import CompactionServiceStub
+from compactd.v1.session_service_pb2_grpc import SessionServiceStub
+from tests.api.rpc import details
+
+#: A string field (tag 1, length 2) holding bytes that are not UTF-8.
+BAD_UTF8 = b"\x0a\x02\xff\xfe"
+HEALTH = "/grpc.health.v1.Health/"
+
+
+@pytest.fixture
+def exporter() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+@pytest.fixture
+def provider(exporter: InMemorySpanExporter) -> Iterator[TracerProvider]:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield provider
+    provider.shutdown()
+
+
+@pytest.fixture
+async def traced(
+    server_config: config.ServerConfig, provider: TracerProvider
+) -> AsyncIterator[RunningServer]:
+    running = await create_server(server_config, tracer_provider=provider)
+    try:
+        yield running
+    finally:
+        await running.stop(0)
+
+
+def tracebacks(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    """Log records carrying a traceback (an unexpected exception) or saying one was raised."""
+    return [r for r in caplog.records if r.exc_info or "Unexpected" in r.getMessage()]
+
+
+# ---- health, as Kubernetes and client-side health checking call it ---------------------------
+
+
+async def test_health_watch_streams_serving_then_not_serving_on_shutdown(
+    traced: RunningServer, exporter: InMemorySpanExporter
+) -> None:
+    async with grpc.aio.insecure_channel(traced.address) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+        first = await asyncio.wait_for(watch.read(), 10)
+        assert first.status == health_pb2.HealthCheckResponse.SERVING
+        await traced.health.enter_graceful_shutdown()
+        second = await asyncio.wait_for(watch.read(), 10)
+        assert second.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        watch.cancel()
+    for _ in range(500):  # the server span ends once the handler saw the cancel
+        spans = [s for s in exporter.get_finished_spans() if s.name.endswith("Watch")]
+        if spans:
+            break
+        await asyncio.sleep(0.02)
+    assert [s.name for s in spans] == [f"{HEALTH}Watch"]
+    assert spans[0].status.status_code is not StatusCode.ERROR
+
+
+async def test_health_watch_of_an_unknown_service_says_service_unknown(
+    server: RunningServer,
+) -> None:
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service="no.such.Service")
+        )
+        reply = await asyncio.wait_for(watch.read(), 10)
+        watch.cancel()
+    assert reply.status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+
+
+async def test_a_kubernetes_grpc_probe_check_answers_serving(server: RunningServer) -> None:
+    # kubelet's gRPC probe (and grpc_health_probe) send Check with the configured service name,
+    # empty by default, over a fresh connection per probe.
+    for service in ("", "compactd.v1.SessionService"):
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=5
+            )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_client_side_health_checking_routes_calls_to_a_serving_server(
+    server: RunningServer,
+) -> None:
+    # gRPC client-side health checking: the channel watches grpc.health.v1.Health/Watch for
+    # each subchannel and sends calls only while it reports SERVING.
+    service_config = {
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "healthCheckConfig": {"serviceName": "compactd.v1.SessionService"},
+    }
+    options = [("grpc.service_config", json.dumps(service_config))]
+    async with grpc.aio.insecure_channel(server.address, options=options) as channel:
+        reply = await SessionServiceStub(channel).CreateSession(
+            pb.CreateSessionRequest(session_id="health-routed"), timeout=10
+        )
+    assert reply.session.session_id == "health-routed"
+
+
+# ---- any handler shape -------------------------------------------------------------------------
+
+
+async def _written(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+    for part in (b"a", b"b"):
+        await context.write(request + part)
+
+
+async def _yielded(request: bytes, context: Any) -> AsyncIterator[bytes]:
+    for part in (b"a", b"b"):
+        yield request + part
+
+
+async def _refused(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+    await context.abort(grpc.StatusCode.UNIMPLEMENTED, "later")
+
+
+@pytest.mark.parametrize(
+    ("behavior", "expected"),
+    [
+        (_written, [b"xa", b"xb"]),
+        (_yielded, [b"xa", b"xb"]),
+        (_refused, grpc.StatusCode.UNIMPLEMENTED),
+    ],
+    ids=["writes-through-the-context", "async-generator", "aborts"],
+)
+async def test_every_streaming_handler_shape_runs_under_the_chain(
+    behavior: Any, expected: Any, provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    server = grpc.aio.server(
+        interceptors=interceptors.chain(provider, max_streams=8, max_streams_per_session=8)
+    )
+    handler = grpc.unary_stream_rpc_method_handler(behavior)
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("test.Shapes", {"Stream": handler})]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_stream("/test.Shapes/Stream")(b"x")
+            if isinstance(expected, grpc.StatusCode):
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    [r async for r in call]
+                assert caught.value.code() == expected
+            else:
+                assert [r async for r in call] == expected
+    finally:
+        await server.stop(0)
+    assert [s.name for s in exporter.get_finished_spans()] == ["/test.Shapes/Stream"]
+
+
+@pytest.mark.parametrize("method", ["RecoverFromError", "SwitchModel"])
+async def test_compaction_streams_never_answer_unknown(server: RunningServer, method: str) -> None:
+    request: Any = (
+        cpb.RecoverFromErrorRequest(session_id="none")
+        if method == "RecoverFromError"
+        else cpb.SwitchModelRequest(
+            session_id="none", destination=ev.Route(provider="p", model="m")
+        )
+    )
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        call = getattr(CompactionServiceStub(channel), method)(request)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            [r async for r in call]
+    assert caught.value.code() not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+
+
+# ---- undecodable requests ------------------------------------------------------------------------
+
+
+UNARY = [
+    "/compactd.v1.SessionService/CreateSession",
+    "/compactd.v1.SessionService/AppendEvents",
+    "/compactd.v1.SessionService/GetSurface",
+    "/compactd.v1.SessionService/BuildRequest",
+    "/compactd.v1.CompactionService/CheckPressure",
+    f"{HEALTH}Check",
+]
+STREAMING = [
+    "/compactd.v1.SessionService/ListEvents",
+    "/compactd.v1.CompactionService/WatchPressure",
+    "/compactd.v1.CompactionService/PrepareStep",
+    "/compactd.v1.CompactionService/Compact",
+    "/compactd.v1.CompactionService/RecoverFromError",
+    "/compactd.v1.CompactionService/SwitchModel",
+    f"{HEALTH}Watch",
+]
+
+
+async def _raw_call(channel: grpc.aio.Channel, method: str, raw: bytes) -> list[bytes]:
+    """Call ``method`` with ``raw`` request bytes (identity serializers); its raw replies."""
+    if method in UNARY:
+        return [await channel.unary_unary(method)(raw)]
+    return [reply async for reply in channel.unary_stream(method)(raw)]
+
+
+@pytest.mark.parametrize("method", UNARY + STREAMING)
+async def test_undecodable_bytes_are_invalid_argument_without_a_traceback(
+    server: RunningServer, method: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await _raw_call(channel, method, BAD_UTF8)
+    got = details(caught.value)
+    assert (got.code, got.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "UNDECODABLE_REQUEST")
+    assert "bad UTF-8" in got.message
+    assert tracebacks(caplog) == []
+
+
+async def test_an_undecodable_message_in_a_request_stream_is_invalid_argument(
+    server: RunningServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    method = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+    good = reflection_pb2.ServerReflectionRequest(list_services="").SerializeToString()
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        call = channel.stream_stream(method)()
+        await call.write(good)
+        first = reflection_pb2.ServerReflectionResponse.FromString(await call.read())
+        assert first.list_services_response.service
+        await call.write(b"\x1a\x02\xff\xfe")  # file_containing_symbol: not UTF-8
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await call.read()
+    assert details(caught.value).reason == "UNDECODABLE_REQUEST"
+    assert tracebacks(caplog) == []
+    async with grpc.aio.insecure_channel(server.address) as channel:  # reflection still works
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        again = stub.ServerReflectionInfo()
+        await again.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+        assert (await again.read()).list_services_response.service
+        await again.done_writing()
+
+
+# ---- stream limits -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def limited(server_config: config.ServerConfig) -> AsyncIterator[RunningServer]:
+    settings = dataclasses.replace(server_config, max_streams=3, max_streams_per_session=2)
+    running = await create_server(settings)
+    try:
+        yield running
+    finally:
+        await running.stop(0)
+
+
+async def _following(channel: grpc.aio.Channel, session_id: str) -> Any:
+    """A ListEvents call following ``session_id``, once its first event arrived."""
+    call = SessionServiceStub(channel).ListEvents(
+        pb.ListEventsRequest(session_id=session_id, follow=True)
+    )
+    await asyncio.wait_for(call.read(), 10)
+    return call
+
+
+async def _refused_stream(channel: grpc.aio.Channel, session_id: str) -> dict[str, str]:
+    call = SessionServiceStub(channel).ListEvents(
+        pb.ListEventsRequest(session_id=session_id, follow=True)
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await asyncio.wait_for(call.read(), 10)
+    got = details(caught.value)
+    assert (got.code, got.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY_STREAMS")
+    return got.metadata
+
+
+async def _session(channel: grpc.aio.Channel, session_id: str) -> None:
+    stub = SessionServiceStub(channel)
+    await stub.CreateSession(pb.CreateSessionRequest(session_id=session_id))
+    user = ev.SessionEvent(user_message=ev.UserMessage(content=[]))
+    await stub.AppendEvents(pb.AppendEventsRequest(session_id=session_id, events=[user]))
+
+
+async def test_streams_per_session_are_limited_and_freed_when_one_ends(
+    limited: RunningServer,
+) -> None:
+    async with grpc.aio.insecure_channel(limited.address) as channel:
+        await _session(channel, "a")
+        first, second = [await _following(channel, "a") for _ in range(2)]
+        metadata = await _refused_stream(channel, "a")
+        assert metadata == {"scope": "session", "limit": "2", "session_id": "a"}
+        first.cancel()
+        async with asyncio.timeout(10):
+            while True:  # the cancelled stream's handler ends shortly after
+                try:
+                    third = await _following(channel, "a")
+                    break
+                except grpc.aio.AioRpcError:
+                    await asyncio.sleep(0.05)
+        for call in (second, third):
+            call.cancel()
+
+
+async def test_streams_per_process_are_limited(limited: RunningServer) -> None:
+    async with grpc.aio.insecure_channel(limited.address) as channel:
+        for name in ("a", "b"):
+            await _session(channel, name)
+        calls = [await _following(channel, name) for name in ("a", "a", "b")]
+        metadata = await _refused_stream(channel, "b")
+        assert metadata == {"scope": "process", "limit": "3"}
+        health = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await asyncio.wait_for(health.read(), 10)
+        assert details(caught.value).reason == "TOO_MANY_STREAMS"
+        reply = await SessionServiceStub(channel).GetSurface(pb.GetSurfaceRequest(session_id="a"))
+        assert reply.revision == 1  # unary calls are never limited
+        for call in calls:
+            call.cancel()
