@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from compactd.core.limits import RESPONSE_MARGIN_BYTES, AppendLimits
 from compactd.errors import ConfigError
 
 ENV_PREFIX = "COMPACTD_"
@@ -31,6 +32,10 @@ class ServerConfig:
     max_batch_events: int = 1000
     max_streams: int = 1024  # concurrent response streams in the process
     max_streams_per_session: int = 32  # concurrent response streams of one session
+    max_block_bytes: int = 1 << 20  # one content block of an appended event
+    max_event_bytes: int = 2 << 20  # one appended event
+    max_surface_bytes: int = 12 << 20  # a session's surface and header, as reads return them
+    max_json_depth: int = 64  # nesting of tool schemas and tool-call arguments
     keepalive_time_s: float = 60.0
     keepalive_timeout_s: float = 20.0
     shutdown_grace_s: float = 10.0
@@ -150,6 +155,7 @@ def validate(config: ServerConfig) -> None:
     _positive(config.max_batch_events, "max_batch_events")
     _positive(config.max_streams, "max_streams")
     _positive(config.max_streams_per_session, "max_streams_per_session")
+    _check_limits(config)
     _positive(config.keepalive_time_s, "keepalive_time_s")
     _positive(config.keepalive_timeout_s, "keepalive_timeout_s")
     if config.shutdown_grace_s < 0:
@@ -158,6 +164,32 @@ def validate(config: ServerConfig) -> None:
         raise ConfigError("log_level: expected DEBUG, INFO, WARNING or ERROR")
     if config.log_format not in ("json", "text"):
         raise ConfigError("log_format: expected json or text")
+
+
+def _check_limits(config: ServerConfig) -> None:
+    """Reads of a legal session must fit one message: block <= event <= surface < message."""
+    for key in ("max_block_bytes", "max_event_bytes", "max_surface_bytes", "max_json_depth"):
+        _positive(getattr(config, key), key)
+    if config.max_block_bytes > config.max_event_bytes:
+        raise ConfigError("max_block_bytes: must not exceed max_event_bytes")
+    if config.max_event_bytes > config.max_surface_bytes:
+        raise ConfigError("max_event_bytes: must not exceed max_surface_bytes")
+    room = config.max_message_bytes - RESPONSE_MARGIN_BYTES
+    if config.max_surface_bytes > room:
+        raise ConfigError(
+            f"max_surface_bytes: must leave {RESPONSE_MARGIN_BYTES} bytes of max_message_bytes "
+            f"for the rest of a response (at most {room}), got {config.max_surface_bytes}"
+        )
+
+
+def limits(config: ServerConfig) -> AppendLimits:
+    """The append limits of ``config``."""
+    return AppendLimits(
+        max_block_bytes=config.max_block_bytes,
+        max_event_bytes=config.max_event_bytes,
+        max_surface_bytes=config.max_surface_bytes,
+        max_json_depth=config.max_json_depth,
+    )
 
 
 def _positive(value: float, key: str) -> None:

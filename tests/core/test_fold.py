@@ -64,6 +64,7 @@ def snapshot(fold: SessionFold) -> tuple[Any, ...]:
         dict(fold.lock.open_starts),
         set(fold.open_turns),
         fold.open_step,
+        fold.surface_bytes,
         dict(fold.offloads),
         dict(fold.event_ids),
         [m.SerializeToString(deterministic=True) for m in fold.messages()],

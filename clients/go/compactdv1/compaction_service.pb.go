@@ -1139,7 +1139,8 @@ type CompactRequest struct {
 
 	// The session.
 	SessionId string `protobuf:"bytes,1,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
-	// Optional focus text added to the compaction instruction.
+	// Optional focus text added to the compaction instruction: at most 4096 characters
+	// (INVALID_ARGUMENT naming `focus` beyond).
 	Focus string `protobuf:"bytes,2,opt,name=focus,proto3" json:"focus,omitempty"`
 }
 

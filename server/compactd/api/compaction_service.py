@@ -21,6 +21,8 @@ from compactd.v1 import compaction_service_pb2_grpc, events_pb2
 Context = grpc.aio.ServicerContext[Any, Any]
 Result = TypeVar("Result")
 _DONE = object()
+#: The longest ``CompactRequest.focus`` (it is added to the summary instruction as written).
+MAX_FOCUS_CHARS = 4096
 
 
 class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
@@ -69,6 +71,11 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
         self, request: pb.CompactRequest, context: Context
     ) -> AsyncIterator[pb.CompactResponse]:
         require_session_id(request.session_id)
+        if len(request.focus) > MAX_FOCUS_CHARS:
+            raise InvalidArgument(
+                f"focus holds at most {MAX_FOCUS_CHARS} characters, got {len(request.focus)}",
+                violations=[FieldViolation("focus", f"at most {MAX_FOCUS_CHARS} characters")],
+            )
 
         def run(progress: Progress) -> Awaitable[pb.CompactResult]:
             return self._engine.compact(request.session_id, request.focus or None, progress)

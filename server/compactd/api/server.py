@@ -23,6 +23,7 @@ from compactd.api import interceptors
 from compactd.api.compaction_service import CompactionServicer
 from compactd.api.session_service import SessionServicer
 from compactd.config import ServerConfig
+from compactd.config import limits as config_limits
 from compactd.core.policy import PressurePolicy
 from compactd.core.pruner import PrunerConfig
 from compactd.providers.base import Summarizer
@@ -116,7 +117,9 @@ async def create_server(
     provider = tracer_provider or telemetry.tracer_provider_from_env()
     store = open_store(config.store, synchronous=config.sqlite_synchronous)
     await store.open()
-    manager = SessionManager(store, policy_validator=parts.policy.with_overrides)
+    manager = SessionManager(
+        store, policy_validator=parts.policy.with_overrides, limits=config_limits(config)
+    )
     pressure = PressureService(manager, parts.routes, parts.policy)
     engine = CompactionEngine(
         manager,

@@ -11,7 +11,7 @@ import grpc
 from google.protobuf import json_format, struct_pb2
 
 from compactd.api.status import handle_errors
-from compactd.core.validation import Origin
+from compactd.core.validation import Origin, non_finite_paths
 from compactd.errors import FieldViolation, InvalidArgument
 from compactd.service.requests import build_request, surface_response
 from compactd.service.sessions import SessionHandle, SessionManager
@@ -42,7 +42,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
             )
         policy = None
         if request.HasField("compaction_policy"):
-            policy = json_format.MessageToDict(request.compaction_policy)
+            policy = _policy(request.compaction_policy)
             self._manager.validate_policy(policy)
         record = await self._manager.create(session_id, policy)
         return pb.CreateSessionResponse(session=_session(record, record.revision))
@@ -111,6 +111,19 @@ def require_session_id(session_id: str) -> None:
         raise InvalidArgument(
             "session_id is required", violations=[FieldViolation("session_id", "required")]
         )
+
+
+def _policy(struct: struct_pb2.Struct) -> dict[str, object]:
+    """A session policy as plain JSON; a NaN or infinite number is POLICY_INVALID, named."""
+    bad = sorted(non_finite_paths(struct, "compaction_policy"))
+    if bad:
+        raise InvalidArgument(
+            f"{bad[0]}: numbers in a policy must be finite",
+            violations=[FieldViolation(path, "must be a finite number") for path in bad],
+            reason="POLICY_INVALID",
+        )
+    policy: dict[str, object] = json_format.MessageToDict(struct)
+    return policy
 
 
 def _session(record: SessionRecord, revision: int) -> pb.Session:

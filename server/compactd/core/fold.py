@@ -24,14 +24,16 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from compactd.core import events as ev
 from compactd.core import header as hdr
 from compactd.core.events import SessionEvent
+from compactd.core.limits import node_bytes
 from compactd.core.lock import LockState, live_bracket
 from compactd.core.projection import Message, derive_messages
 from compactd.core.surface import Surface, SurfaceChange
 from compactd.core.validation import Origin, check_origin
-from compactd.errors import Busy, FieldViolation, InvalidArgument
+from compactd.errors import Busy, FieldViolation, InvalidArgument, ResourceExhausted
 from compactd.v1 import events_pb2
 
 STEP_BRACKET: Final = "STEP_BRACKET"
+SURFACE_FULL: Final = "SURFACE_FULL"
 
 
 @dataclass(slots=True)
@@ -62,6 +64,9 @@ class SessionFold:
         self.event_ids: dict[str, int] = {}
         self.compaction_ids: set[str] = set()  # every bracket ever opened in this log
         self.restored_at = -1  # seq of the session/end-seed this process appended, if any
+        # What reads of the surface and the header carry, bounded by ``max_surface_bytes``.
+        self.surface_bytes = 0
+        self._node_bytes: dict[int, int] = {}  # current node seq -> its ``node_bytes``
 
     def admit(
         self,
@@ -70,21 +75,26 @@ class SessionFold:
         now: Timestamp | None = None,
         check: bool = True,
         origin: Origin = Origin.SERVER,
+        max_surface_bytes: int | None = None,
     ) -> AdmittedBatch:
         """Assign seqs to copies of ``events``, check them against the state, and fold them.
 
-        Raises ``InvalidArgument`` (or a subclass) or ``Busy`` and leaves the state unchanged
-        when any event may not fold. Events already stored keep their seq when ``check`` is off.
-        ``origin`` CLIENT refuses server-only events (``SERVER_ONLY_EVENT``) and enforces the
-        step brackets (``STEP_BRACKET``).
+        Raises ``InvalidArgument`` (or a subclass), ``Busy`` or ``ResourceExhausted`` and leaves
+        the state unchanged when any event may not fold. Events already stored keep their seq
+        when ``check`` is off. ``origin`` CLIENT refuses server-only events
+        (``SERVER_ONLY_EVENT``), enforces the step brackets (``STEP_BRACKET``) and refuses a
+        batch that grows ``surface_bytes`` past ``max_surface_bytes`` (``SURFACE_FULL``).
         """
         if check:
             check_origin(events, origin)
         client = check and origin is Origin.CLIENT
         batch = AdmittedBatch(self.revision, [])
+        before = self.surface_bytes
         try:
             for event in events:
                 self._admit_one(event, batch, now, check, client)
+            if client and max_surface_bytes is not None:
+                self._check_surface_size(before, max_surface_bytes)
         except InvalidArgument as error:
             index = len(batch.events)  # the event that failed
             self.rollback(batch)
@@ -104,6 +114,16 @@ class SessionFold:
         for undo in reversed(batch._undo):
             undo()
         batch._undo.clear()
+
+    def _check_surface_size(self, before: int, limit: int) -> None:
+        after = self.surface_bytes
+        if after > limit and after > before:  # a batch that shrinks an over-full surface may
+            raise ResourceExhausted(
+                f"the session's surface and header would hold {after} bytes, more than its "
+                f"{limit}-byte limit (max_surface_bytes); compact the session or start a new one",
+                reason=SURFACE_FULL,
+                metadata={"limit": str(limit), "surface_bytes": str(before), "after": str(after)},
+            )
 
     def messages(self) -> list[Message]:
         """The derived model messages, with projections applied."""
@@ -149,6 +169,9 @@ class SessionFold:
             change = self.surface.apply(event, seq)
             batch.surface_changes.append(change)
             batch._undo.append(lambda: self.surface.undo(change))
+            for shadowed in change.shadowed:
+                self._resize(shadowed.seq, None, batch)
+            self._resize(seq, node_bytes(event), batch)
         kind = ev.body_name(event)
         if kind == "request_header":
             self._fold_header(event, seq, batch)
@@ -166,6 +189,23 @@ class SessionFold:
             before = self.lock.copy()
             self.lock.apply(event, seq)
             batch._undo.append(lambda: setattr(self, "lock", before))
+
+    def _resize(self, seq: int, size: int | None, batch: AdmittedBatch) -> None:
+        """Record node ``seq``'s read size (None: it left the surface), undoably."""
+        previous = self._node_bytes.get(seq)
+        self.surface_bytes += (size or 0) - (previous or 0)
+        self._set_node_bytes(seq, size)
+        batch._undo.append(partial(self._undo_resize, seq, size, previous))
+
+    def _undo_resize(self, seq: int, size: int | None, previous: int | None) -> None:
+        self.surface_bytes -= (size or 0) - (previous or 0)
+        self._set_node_bytes(seq, previous)
+
+    def _set_node_bytes(self, seq: int, size: int | None) -> None:
+        if size is None:
+            self._node_bytes.pop(seq, None)
+        else:
+            self._node_bytes[seq] = size
 
     def _undo_revision(self) -> None:
         self.revision -= 1
@@ -191,9 +231,12 @@ class SessionFold:
         self.header_seq = seq
         self.replacements_at_header = self.surface.replacements
         batch.header_changed = True
+        grown = self.header.ByteSize() - (previous[0].ByteSize() if previous[0] else 0)
+        self.surface_bytes += grown
 
         def undo() -> None:
             self.header, self.header_seq, self.replacements_at_header = previous
+            self.surface_bytes -= grown
 
         batch._undo.append(undo)
 
@@ -253,6 +296,10 @@ class SessionFold:
             self.offloads[target.seq] = (previous or frozenset()) | frozenset(target.image_indexes)
             batch.reprojected.add(target.seq)
             batch._undo.append(partial(self._restore_offload, target.seq, previous))
+            position = self.surface.position_of(target.seq)
+            if position is not None:  # a stored log may name a node no longer on the surface
+                event = self.surface[position].event
+                self._resize(target.seq, node_bytes(event, self.offloads[target.seq]), batch)
 
     def _restore_offload(self, seq: int, previous: frozenset[int] | None) -> None:
         if previous is None:

@@ -16,16 +16,28 @@ from __future__ import annotations
 import enum
 import itertools
 import json
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
 from typing import Final, Protocol
+
+from google.protobuf import struct_pb2
 
 from compactd.core import events as ev
 from compactd.core.events import SessionEvent
+from compactd.core.limits import DEFAULT_LIMITS, MAX_TOKEN_COUNT, AppendLimits, json_depth
 from compactd.errors import FieldViolation, InvalidArgument
 from compactd.v1 import events_pb2
 
 MAX_EVENT_ID_LENGTH = 128
 SERVER_ONLY_EVENT: Final = "SERVER_ONLY_EVENT"
+EVENT_TOO_LARGE: Final = "EVENT_TOO_LARGE"
+_USAGE_FIELDS: Final = (
+    "input_tokens",
+    "output_tokens",
+    "cache_read_tokens",
+    "cache_write_tokens",
+    "reasoning_tokens",
+)
 
 
 class Origin(enum.Enum):
@@ -89,14 +101,22 @@ class _Bad(Protocol):
 
 
 def check_batch(
-    events: Sequence[SessionEvent], *, max_events: int, origin: Origin = Origin.SERVER
+    events: Sequence[SessionEvent],
+    *,
+    max_events: int,
+    origin: Origin = Origin.SERVER,
+    limits: AppendLimits = DEFAULT_LIMITS,
 ) -> None:
     """Raise ``InvalidArgument`` listing every shape violation in the batch.
 
     A client batch holding a server-only event is refused first, with reason
-    ``SERVER_ONLY_EVENT`` (``check_origin``).
+    ``SERVER_ONLY_EVENT`` (``check_origin``); then one with an oversized block or event, with
+    reason ``EVENT_TOO_LARGE`` (``check_sizes``). JSON nesting and token counts are bounded for
+    every origin.
     """
     check_origin(events, origin)
+    if origin is Origin.CLIENT:
+        check_sizes(events, limits)
     violations: list[FieldViolation] = []
     if not events:
         violations.append(FieldViolation("events", "a batch must hold at least one event"))
@@ -109,7 +129,7 @@ def check_batch(
     ids: dict[str, int] = {}
     for index, event in enumerate(events):
         prefix = f"events[{index}]"
-        violations.extend(_event_violations(event, prefix))
+        violations.extend(_event_violations(event, prefix, limits))
         if event.event_id:
             if event.event_id in ids:
                 violations.append(
@@ -121,7 +141,42 @@ def check_batch(
         raise InvalidArgument(f"malformed events: {summary}", violations=violations)
 
 
-def _event_violations(event: SessionEvent, prefix: str) -> list[FieldViolation]:
+def check_sizes(events: Sequence[SessionEvent], limits: AppendLimits) -> None:
+    """Raise ``InvalidArgument`` (reason ``EVENT_TOO_LARGE``) naming every content block over
+    ``limits.max_block_bytes`` and every event over ``limits.max_event_bytes``."""
+    violations: list[FieldViolation] = []
+    for index, event in enumerate(events):
+        size = event.ByteSize()
+        if size > limits.max_event_bytes:
+            violations.append(
+                FieldViolation(
+                    f"events[{index}]",
+                    f"an event holds at most {limits.max_event_bytes} bytes, got {size}",
+                )
+            )
+        kind = ev.body_name(event)
+        if kind not in ("user_message", "assistant_message", "tool_result"):
+            continue
+        for i, block in enumerate(getattr(event, kind).content):
+            block_size = block.ByteSize()
+            if block_size > limits.max_block_bytes:
+                violations.append(
+                    FieldViolation(
+                        f"events[{index}].{kind}.content[{i}]",
+                        f"a content block holds at most {limits.max_block_bytes} bytes, "
+                        f"got {block_size}",
+                    )
+                )
+    if violations:
+        summary = "; ".join(f"{v.field}: {v.description}" for v in violations[:5])
+        raise InvalidArgument(
+            f"events too large: {summary}", violations=violations, reason=EVENT_TOO_LARGE
+        )
+
+
+def _event_violations(
+    event: SessionEvent, prefix: str, limits: AppendLimits
+) -> list[FieldViolation]:
     out: list[FieldViolation] = []
 
     def bad(field: str, description: str) -> None:
@@ -147,7 +202,7 @@ def _event_violations(event: SessionEvent, prefix: str) -> list[FieldViolation]:
                 "source_event_seqs",
                 f"{ev.event_type(event)} is log-only and cannot carry source_event_seqs",
             )
-    _body_violations(event, kind, bad)
+    _body_violations(event, kind, bad, limits)
     return out
 
 
@@ -161,14 +216,16 @@ def _surface_op_violations(event: SessionEvent, bad: _Bad) -> None:
         bad("surface_op", "start_seq and end_seq must be non-negative")
 
 
-def _body_violations(event: SessionEvent, kind: str, bad: _Bad) -> None:
+def _body_violations(event: SessionEvent, kind: str, bad: _Bad, limits: AppendLimits) -> None:
     if kind in ("user_message", "assistant_message", "tool_result"):
         for i, block in enumerate(getattr(event, kind).content):
-            _block_violations(block, f"{kind}.content[{i}]", bad)
+            _block_violations(block, f"{kind}.content[{i}]", bad, limits)
+    if kind == "assistant_message" and event.assistant_message.HasField("usage"):
+        _usage_violations(event.assistant_message.usage, "assistant_message.usage", bad)
     if kind == "tool_result" and not event.tool_result.tool_call_id:
         bad("tool_result.tool_call_id", "a tool/result must name the call it answers")
     elif kind == "request_header":
-        _header_violations(event.request_header, bad)
+        _header_violations(event.request_header, bad, limits)
     elif kind in ("compaction_start", "compaction_end", "compaction_summary"):
         if not getattr(event, kind).compaction_id:
             bad(f"{kind}.compaction_id", "required")
@@ -192,7 +249,9 @@ def _offload_violations(offload: events_pb2.ImageOffload, bad: _Bad) -> None:
             bad(f"{field}.image_indexes", "image indexes must be strictly increasing")
 
 
-def _block_violations(block: events_pb2.ContentBlock, field: str, bad: _Bad) -> None:
+def _block_violations(
+    block: events_pb2.ContentBlock, field: str, bad: _Bad, limits: AppendLimits
+) -> None:
     which = block.WhichOneof("block")
     if which is None:
         bad(field, "a content block must set exactly one kind")
@@ -201,9 +260,45 @@ def _block_violations(block: events_pb2.ContentBlock, field: str, bad: _Bad) -> 
             bad(f"{field}.tool_call.id", "required")
         if not block.tool_call.name:
             bad(f"{field}.tool_call.name", "required")
+        _depth_violation(
+            block.tool_call.arguments_json, f"{field}.tool_call.arguments_json", bad, limits
+        )
 
 
-def _header_violations(header: events_pb2.RequestHeader, bad: _Bad) -> None:
+def _depth_violation(text: str, field: str, bad: _Bad, limits: AppendLimits) -> bool:
+    """Record a violation when ``text`` nests deeper than the limit; whether it did."""
+    depth = json_depth(text)
+    if depth > limits.max_json_depth:
+        bad(field, f"JSON nests at most {limits.max_json_depth} levels deep, got {depth}")
+        return True
+    return False
+
+
+def _usage_violations(usage: events_pb2.Usage, field: str, bad: _Bad) -> None:
+    for name in _USAGE_FIELDS:
+        value = getattr(usage, name)
+        if not 0 <= value <= MAX_TOKEN_COUNT:
+            bad(f"{field}.{name}", f"a token count in 0..{MAX_TOKEN_COUNT}, got {value}")
+
+
+def _header_violations(header: events_pb2.RequestHeader, bad: _Bad, limits: AppendLimits) -> None:
+    config = header.config
+    if config.HasField("max_output_tokens") and not (
+        0 <= config.max_output_tokens <= MAX_TOKEN_COUNT
+    ):
+        bad(
+            "request_header.config.max_output_tokens",
+            f"a token count in 0..{MAX_TOKEN_COUNT}, got {config.max_output_tokens}",
+        )
+    for name in ("temperature", "top_p"):
+        if config.HasField(name) and not math.isfinite(getattr(config, name)):
+            bad(f"request_header.config.{name}", "must be a finite number")
+    for path in sorted(non_finite_paths(config.extra, "request_header.config.extra")):
+        bad(path, "numbers must be finite")
+    for path in sorted(
+        non_finite_paths(header.adapter_defaults, "request_header.adapter_defaults")
+    ):
+        bad(path, "numbers must be finite")
     names: set[str] = set()
     for i, tool in enumerate(header.tools):
         field = f"request_header.tools[{i}]"
@@ -212,8 +307,27 @@ def _header_violations(header: events_pb2.RequestHeader, bad: _Bad) -> None:
         elif tool.name in names:
             bad(f"{field}.name", f"duplicate tool name {tool.name!r}")
         names.add(tool.name)
-        if tool.input_schema_json:
+        schema = f"{field}.input_schema_json"
+        if tool.input_schema_json and not _depth_violation(
+            tool.input_schema_json, schema, bad, limits
+        ):
             try:
                 json.loads(tool.input_schema_json)
-            except ValueError as err:
-                bad(f"{field}.input_schema_json", f"not valid JSON: {err}")
+            except (ValueError, RecursionError) as err:
+                bad(schema, f"not valid JSON: {err}")
+
+
+def non_finite_paths(struct: struct_pb2.Struct, field: str) -> Iterator[str]:
+    """Paths (under ``field``) of NaN or infinite numbers in a Struct: JSON has no such numbers."""
+    stack: list[tuple[str, struct_pb2.Value]] = [
+        (f"{field}.{key}", value) for key, value in struct.fields.items()
+    ]
+    while stack:
+        path, value = stack.pop()
+        kind = value.WhichOneof("kind")
+        if kind == "number_value" and not math.isfinite(value.number_value):
+            yield path
+        elif kind == "struct_value":
+            stack += [(f"{path}.{k}", v) for k, v in value.struct_value.fields.items()]
+        elif kind == "list_value":
+            stack += [(f"{path}[{i}]", v) for i, v in enumerate(value.list_value.values)]

@@ -20,6 +20,7 @@ from typing import Any
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from compactd.core.fold import AdmittedBatch, SessionFold
+from compactd.core.limits import DEFAULT_LIMITS, AppendLimits
 from compactd.core.validation import Origin, check_batch
 from compactd.errors import ConfigError, FieldViolation, InvalidArgument, NotFound, SeqConflict
 from compactd.store.base import EventStore, SessionRecord
@@ -42,8 +43,15 @@ class AppendResult:
 class SessionHandle:
     """One restored session: its fold, its lock, its observers and revision subscribers."""
 
-    def __init__(self, record: SessionRecord, store: EventStore, fold: SessionFold) -> None:
+    def __init__(
+        self,
+        record: SessionRecord,
+        store: EventStore,
+        fold: SessionFold,
+        limits: AppendLimits = DEFAULT_LIMITS,
+    ) -> None:
         self.session_id = record.session_id
+        self.limits = limits
         self.record = record
         self.fold = fold
         self.policy_overrides: dict[str, object] | None = (
@@ -74,9 +82,10 @@ class SessionHandle:
 
         ``origin`` says who writes: compactd's own code appends as ``Origin.SERVER`` (trusted:
         bracket, lock and offload events); the API appends a runtime's batch as
-        ``Origin.CLIENT``, which refuses server-only events and enforces the step brackets.
+        ``Origin.CLIENT``, which refuses server-only events, enforces the step brackets and
+        bounds the batch by ``self.limits`` (blocks, events, the surface).
         """
-        check_batch(events, max_events=max_events, origin=origin)
+        check_batch(events, max_events=max_events, origin=origin, limits=self.limits)
         async with self.lock:
             return await self.append_locked(
                 events, expected_last_seq=expected_last_seq, origin=origin
@@ -104,7 +113,9 @@ class SessionHandle:
             )
         now = Timestamp()
         now.GetCurrentTime()
-        batch = self.fold.admit(events, now=now, origin=origin)
+        batch = self.fold.admit(
+            events, now=now, origin=origin, max_surface_bytes=self.limits.max_surface_bytes
+        )
         commit = asyncio.ensure_future(self._commit(batch))
         try:
             return await asyncio.shield(commit)
@@ -189,8 +200,10 @@ class SessionManager:
         *,
         instance_id: str | None = None,
         policy_validator: Callable[[Mapping[str, Any]], object] | None = None,
+        limits: AppendLimits = DEFAULT_LIMITS,
     ) -> None:
         self.store = store
+        self.limits = limits
         self._policy_validator = policy_validator
         self.instance_id = instance_id or uuid.uuid4().hex[:12]
         self._handles: dict[str, SessionHandle] = {}
@@ -256,7 +269,7 @@ class SessionManager:
                 chunk = []
         if chunk:
             fold.admit(chunk, check=False)
-        handle = SessionHandle(record, self.store, fold)
+        handle = SessionHandle(record, self.store, fold, self.limits)
         if fold.revision:
             # A new lifecycle: brackets opened by an earlier process become stale evidence.
             seed = events_pb2.SessionEvent(

@@ -562,7 +562,9 @@ class CompactRequest(_message.Message):
     session_id: _builtins.str
     """The session."""
     focus: _builtins.str
-    """Optional focus text added to the compaction instruction."""
+    """Optional focus text added to the compaction instruction: at most 4096 characters
+    (INVALID_ARGUMENT naming `focus` beyond).
+    """
     def __init__(
         self,
         *,

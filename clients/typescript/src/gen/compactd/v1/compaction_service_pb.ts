@@ -510,7 +510,8 @@ export type CompactRequest = Message<"compactd.v1.CompactRequest"> & {
   sessionId: string;
 
   /**
-   * Optional focus text added to the compaction instruction.
+   * Optional focus text added to the compaction instruction: at most 4096 characters
+   * (INVALID_ARGUMENT naming `focus` beyond).
    *
    * @generated from field: string focus = 2;
    */

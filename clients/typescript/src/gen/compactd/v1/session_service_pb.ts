@@ -545,7 +545,13 @@ export const SessionService: GenService<{
    * violations) for a malformed event, a broken replacement rule, a client-chosen seq or an
    * oversized batch, with reason `SERVER_ONLY_EVENT` for an event only compactd writes (see
    * `SessionEvent`), `STEP_BRACKET` for an assistant message outside an open step or a broken
-   * step bracket; ABORTED with reason `SEQ_CONFLICT` when `expected_last_seq` does not match.
+   * step bracket, `EVENT_TOO_LARGE` for a content block over `max_block_bytes` or an event over
+   * `max_event_bytes`; RESOURCE_EXHAUSTED with reason `SURFACE_FULL` when the batch would grow
+   * the session's surface and header past `max_surface_bytes` (so that GetSurface and
+   * BuildRequest of a legal session always fit one message: compact, or start a new session);
+   * ABORTED with reason `SEQ_CONFLICT` when `expected_last_seq` does not match. Token counts
+   * (usage, `max_output_tokens`) are 0..10^12; tool schemas and tool-call arguments nest at
+   * most `max_json_depth` levels; header numbers are finite.
    *
    * @generated from rpc compactd.v1.SessionService.AppendEvents
    */
