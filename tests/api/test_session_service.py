@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -53,11 +54,39 @@ async def test_create_session_chooses_an_id_when_none_is_given(
     assert response.session.revision == 0
 
 
-async def test_create_session_twice_is_already_exists(sessions: SessionServiceStub) -> None:
-    await _create(sessions)
+async def test_a_retried_create_with_the_same_id_and_policy_succeeds(
+    sessions: SessionServiceStub,
+) -> None:
+    policy = struct_pb2.Struct()
+    policy.update({"thresholdRatio": 0.5, "modelPolicies": [{"provider": "p", "model": "m"}]})
+    request = pb.CreateSessionRequest(session_id="s1", compaction_policy=policy)
+    first = (await sessions.CreateSession(request)).session
+    await _append(sessions, "s1", user("hello"))
+    again = (await sessions.CreateSession(request)).session
+    assert (again.session_id, again.create_time) == (first.session_id, first.create_time)
+    assert again.compaction_policy == first.compaction_policy
+    assert again.revision == 1  # the session as it is now; nothing was reset
+
+
+@pytest.mark.parametrize(
+    "policy", [None, {"thresholdRatio": 0.6}], ids=["no-policy", "another-policy"]
+)
+async def test_create_with_the_id_of_a_session_with_another_policy_is_already_exists(
+    sessions: SessionServiceStub, policy: dict[str, float] | None
+) -> None:
+    original = struct_pb2.Struct()
+    original.update({"thresholdRatio": 0.5})
+    await sessions.CreateSession(
+        pb.CreateSessionRequest(session_id="s1", compaction_policy=original)
+    )
+    request = pb.CreateSessionRequest(session_id="s1")
+    if policy is not None:
+        request.compaction_policy.update(policy)
     with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await _create(sessions)
-    assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        await sessions.CreateSession(request)
+    got = details(caught.value)
+    assert (got.code, got.reason) == (grpc.StatusCode.ALREADY_EXISTS, "ALREADY_EXISTS")
+    assert "different compaction_policy" in got.message
 
 
 async def test_malformed_session_id_names_the_field(sessions: SessionServiceStub) -> None:

@@ -17,9 +17,10 @@ const _ = grpc.SupportPackageIsVersion7
 //
 // For semantics around ctx use and closing/ending streaming RPCs, please refer to https://pkg.go.dev/google.golang.org/grpc/?tab=doc#ClientConn.NewStream.
 type SessionServiceClient interface {
-	// Creates an empty session.
-	// Errors: ALREADY_EXISTS if `session_id` is taken; INVALID_ARGUMENT for a malformed id or
-	// compaction policy.
+	// Creates an empty session. Idempotent: a retried create with the same `session_id` and the
+	// same `compaction_policy` answers the existing session (with its current revision).
+	// Errors: ALREADY_EXISTS if `session_id` is taken with a different policy; INVALID_ARGUMENT
+	// for a malformed id or compaction policy (reason `POLICY_INVALID`).
 	CreateSession(ctx context.Context, in *CreateSessionRequest, opts ...grpc.CallOption) (*CreateSessionResponse, error)
 	// Appends a batch of a runtime's events atomically: all are committed and synced before the
 	// reply, or none. Errors: NOT_FOUND; INVALID_ARGUMENT (with google.rpc.BadRequest field
@@ -126,9 +127,10 @@ func (c *sessionServiceClient) BuildRequest(ctx context.Context, in *BuildReques
 // All implementations must embed UnimplementedSessionServiceServer
 // for forward compatibility
 type SessionServiceServer interface {
-	// Creates an empty session.
-	// Errors: ALREADY_EXISTS if `session_id` is taken; INVALID_ARGUMENT for a malformed id or
-	// compaction policy.
+	// Creates an empty session. Idempotent: a retried create with the same `session_id` and the
+	// same `compaction_policy` answers the existing session (with its current revision).
+	// Errors: ALREADY_EXISTS if `session_id` is taken with a different policy; INVALID_ARGUMENT
+	// for a malformed id or compaction policy (reason `POLICY_INVALID`).
 	CreateSession(context.Context, *CreateSessionRequest) (*CreateSessionResponse, error)
 	// Appends a batch of a runtime's events atomically: all are committed and synced before the
 	// reply, or none. Errors: NOT_FOUND; INVALID_ARGUMENT (with google.rpc.BadRequest field

@@ -120,7 +120,11 @@ func eventTypes(t *testing.T, c *compactd.Client, id string) []string {
 func TestCreate(t *testing.T) {
 	c := connect(t)
 	id := newSession(t, c)
-	_, err := c.CreateSession(context.Background(), id, nil)
+	again, err := c.CreateSession(context.Background(), id, nil) // a retry: idempotent
+	if err != nil || again.GetSessionId() != id {
+		t.Fatalf("retried create: %v %v", again, err)
+	}
+	_, err = c.CreateSession(context.Background(), id, map[string]interface{}{"thresholdRatio": 0.5})
 	var e *compactd.Error
 	if !errors.As(err, &e) || e.Code != codes.AlreadyExists {
 		t.Fatalf("want ALREADY_EXISTS, got %v", err)

@@ -1,7 +1,7 @@
 """The cross-language scenario list, run by the Python client against a running compactd.
 
 Every client (Python, TypeScript, Go) runs the same list against the one server that
-``clients/run-scenarios`` starts: create, append, rebuild request, pressure check, a watch
+``clients/run-scenarios`` starts: create (idempotent), append, rebuild request, pressure check, a watch
 receiving updates, a compaction with its streamed steps, a busy error with its reason, a
 SEQ_CONFLICT. The server comes from ``COMPACTD_ADDRESS``; the routed model from
 ``COMPACTD_PROVIDER`` / ``COMPACTD_MODEL`` (a route with a declared window).
@@ -91,8 +91,9 @@ def seed(client: CompactdClient, session_id: str, turns: int = 3) -> int:
 
 def test_create(client: CompactdClient) -> None:
     session_id = new_session(client)
+    assert client.create_session(session_id).session_id == session_id  # a retry: idempotent
     with pytest.raises(AlreadyExistsError) as caught:
-        client.create_session(session_id)
+        client.create_session(session_id, compaction_policy={"thresholdRatio": 0.5})
     assert caught.value.code == grpc.StatusCode.ALREADY_EXISTS
     chosen = client.create_session()
     assert chosen.session_id

@@ -85,7 +85,10 @@ describe("scenarios", { skip: address === "" ? "COMPACTD_ADDRESS is not set" : f
 
   test("create", async () => {
     const sessionId = await newSession();
-    const err = await client.createSession({ sessionId }).catch((e: unknown) => e);
+    assert.equal((await client.createSession({ sessionId })).sessionId, sessionId); // a retry: idempotent
+    const err = await client
+      .createSession({ sessionId, compactionPolicy: { thresholdRatio: 0.5 } })
+      .catch((e: unknown) => e);
     assert.ok(err instanceof AlreadyExistsError);
     assert.equal(err.code, Code.AlreadyExists);
     const chosen = await client.createSession();

@@ -22,7 +22,14 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from compactd.core.fold import AdmittedBatch, SessionFold
 from compactd.core.limits import DEFAULT_LIMITS, AppendLimits
 from compactd.core.validation import Origin, check_batch
-from compactd.errors import ConfigError, FieldViolation, InvalidArgument, NotFound, SeqConflict
+from compactd.errors import (
+    AlreadyExists,
+    ConfigError,
+    FieldViolation,
+    InvalidArgument,
+    NotFound,
+    SeqConflict,
+)
 from compactd.store.base import EventStore, SessionRecord
 from compactd.v1 import events_pb2
 
@@ -231,9 +238,22 @@ class SessionManager:
             ) from error
 
     async def create(self, session_id: str, policy: dict[str, object] | None) -> SessionRecord:
-        """Create an empty session (``AlreadyExists`` if taken)."""
+        """Create an empty session, idempotently.
+
+        A retried create (the same id and the same policy; a reply may have been lost) answers
+        the session as it is now. ``AlreadyExists`` when the id is taken with another policy.
+        """
         policy_json = json.dumps(policy, sort_keys=True) if policy else None
-        return await self.store.create_session(session_id, policy_json)
+        try:
+            return await self.store.create_session(session_id, policy_json)
+        except AlreadyExists:
+            existing = await self.store.get_session(session_id)
+            if existing is None or existing.policy_json != policy_json:
+                raise AlreadyExists(
+                    f"session {session_id!r} already exists with a different compaction_policy",
+                    metadata={"session_id": session_id},
+                ) from None
+            return existing
 
     async def get(self, session_id: str) -> SessionHandle:
         """The session's handle, restoring it from the log on first use (``NotFound``)."""

@@ -39,9 +39,10 @@ class SessionServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> SessionServiceAsyncStub: ...
     CreateSession: _grpc.UnaryUnaryMultiCallable[_session_service_pb2.CreateSessionRequest, _session_service_pb2.CreateSessionResponse]
-    """Creates an empty session.
-    Errors: ALREADY_EXISTS if `session_id` is taken; INVALID_ARGUMENT for a malformed id or
-    compaction policy.
+    """Creates an empty session. Idempotent: a retried create with the same `session_id` and the
+    same `compaction_policy` answers the existing session (with its current revision).
+    Errors: ALREADY_EXISTS if `session_id` is taken with a different policy; INVALID_ARGUMENT
+    for a malformed id or compaction policy (reason `POLICY_INVALID`).
     """
     AppendEvents: _grpc.UnaryUnaryMultiCallable[_session_service_pb2.AppendEventsRequest, _session_service_pb2.AppendEventsResponse]
     """Appends a batch of a runtime's events atomically: all are committed and synced before the
@@ -82,9 +83,10 @@ class SessionServiceAsyncStub(SessionServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     CreateSession: _aio.UnaryUnaryMultiCallable[_session_service_pb2.CreateSessionRequest, _session_service_pb2.CreateSessionResponse]  # type: ignore[assignment]
-    """Creates an empty session.
-    Errors: ALREADY_EXISTS if `session_id` is taken; INVALID_ARGUMENT for a malformed id or
-    compaction policy.
+    """Creates an empty session. Idempotent: a retried create with the same `session_id` and the
+    same `compaction_policy` answers the existing session (with its current revision).
+    Errors: ALREADY_EXISTS if `session_id` is taken with a different policy; INVALID_ARGUMENT
+    for a malformed id or compaction policy (reason `POLICY_INVALID`).
     """
     AppendEvents: _aio.UnaryUnaryMultiCallable[_session_service_pb2.AppendEventsRequest, _session_service_pb2.AppendEventsResponse]  # type: ignore[assignment]
     """Appends a batch of a runtime's events atomically: all are committed and synced before the
@@ -128,9 +130,10 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _session_service_pb2.CreateSessionRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_session_service_pb2.CreateSessionResponse, _abc.Awaitable[_session_service_pb2.CreateSessionResponse]]:
-        """Creates an empty session.
-        Errors: ALREADY_EXISTS if `session_id` is taken; INVALID_ARGUMENT for a malformed id or
-        compaction policy.
+        """Creates an empty session. Idempotent: a retried create with the same `session_id` and the
+        same `compaction_policy` answers the existing session (with its current revision).
+        Errors: ALREADY_EXISTS if `session_id` is taken with a different policy; INVALID_ARGUMENT
+        for a malformed id or compaction policy (reason `POLICY_INVALID`).
         """
 
     @_abc_1.abstractmethod

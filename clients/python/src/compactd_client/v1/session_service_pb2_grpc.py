@@ -75,9 +75,10 @@ class SessionServiceServicer:
     """
 
     def CreateSession(self, request, context):
-        """Creates an empty session.
-        Errors: ALREADY_EXISTS if `session_id` is taken; INVALID_ARGUMENT for a malformed id or
-        compaction policy.
+        """Creates an empty session. Idempotent: a retried create with the same `session_id` and the
+        same `compaction_policy` answers the existing session (with its current revision).
+        Errors: ALREADY_EXISTS if `session_id` is taken with a different policy; INVALID_ARGUMENT
+        for a malformed id or compaction policy (reason `POLICY_INVALID`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
