@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -103,3 +104,46 @@ def test_bad_settings_fail_at_start_naming_the_key(args: list[str], message: str
     )
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess[str]:
+    """`compactd serve` that is expected to refuse to start (it exits on its own)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPACTD_", "OTEL_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "compactd", "serve", "--log-format", "text", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+def test_a_second_server_on_a_port_in_use_refuses_to_start(tmp_path: Path) -> None:
+    with serving(tmp_path / "first.db") as (first, address, _):
+        second = _serve("--listen", address, "--store", f"sqlite:///{tmp_path / 'second.db'}")
+        assert first.poll() is None  # the first one keeps serving alone
+    assert second.returncode == 3
+    assert f"cannot start: cannot listen on {address}" in second.stderr
+    assert "Traceback" not in second.stderr + second.stdout
+
+
+def test_a_second_server_on_the_same_store_refuses_to_start(tmp_path: Path) -> None:
+    db = tmp_path / "shared.db"
+    with serving(db) as (first, _, _):
+        second = _serve("--listen", "127.0.0.1:0", "--store", f"sqlite:///{db}")
+        assert first.poll() is None
+    assert second.returncode == 3
+    assert f"the store {db} is already owned by another compactd (pid {first.pid})" in second.stderr
+    assert "Traceback" not in second.stderr + second.stdout
+    with serving(db) as (third, _, _):  # the owner is gone: the store is free again
+        assert third.poll() is None
+
+
+def test_a_store_in_a_missing_folder_is_a_clear_configuration_error(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such" / "folder" / "x.db"
+    result = _serve("--listen", "127.0.0.1:0", "--store", f"sqlite:///{missing}")
+    assert result.returncode == 2
+    assert f"store: the folder {missing.parent} of sqlite:///{missing} does not exist" in (
+        result.stderr
+    )
+    assert "Traceback" not in result.stderr + result.stdout

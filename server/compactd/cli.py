@@ -9,7 +9,12 @@ import sys
 from collections.abc import Sequence
 
 from compactd import __version__, config, logs
-from compactd.errors import ConfigError
+from compactd.errors import ConfigError, StartupError
+
+#: Exit codes: a bad setting (the message names it), and a start refused by the environment
+#: (the port is in use, another process owns the store).
+EXIT_CONFIG = 2
+EXIT_STARTUP = 3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the gRPC service until SIGTERM/SIGINT, then shut down gracefully. "
         "Every option can also come from the environment (COMPACTD_LISTEN, COMPACTD_STORE, "
         "COMPACTD_MAX_MESSAGE_BYTES, ...) or the TOML file; flags win over the environment, "
-        "which wins over the file.",
+        "which wins over the file. Exits 2 on a bad setting, 3 when the address is in use or "
+        "another compactd owns the store.",
     )
     _config_option(serve)
     serve.add_argument("--listen", help="HOST:PORT to bind (default 127.0.0.1:50051)")
@@ -75,7 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         asyncio.run(serve(settings))
     except ConfigError as err:
         print(f"compactd: configuration error: {err.message}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
+    except StartupError as err:
+        print(f"compactd: cannot start: {err.message}", file=sys.stderr)
+        return EXIT_STARTUP
     return 0
 
 

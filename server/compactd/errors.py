@@ -119,3 +119,9 @@ class Internal(CompactdError):
     """A bug or broken invariant: the details are logged, the caller gets the reason."""
 
     reason = "INTERNAL"
+
+
+class StartupError(CompactdError):
+    """The server cannot start here: its port or its store is taken (the message says which)."""
+
+    reason = "STARTUP_FAILED"

@@ -26,6 +26,7 @@ from compactd.config import ServerConfig
 from compactd.config import limits as config_limits
 from compactd.core.policy import PressurePolicy
 from compactd.core.pruner import PrunerConfig
+from compactd.errors import StartupError
 from compactd.providers.base import Summarizer
 from compactd.routes import RouteCatalog
 from compactd.service.compaction import CompactionEngine, SummaryErrorRecovery
@@ -111,12 +112,37 @@ async def create_server(
     the returned server); gRPC server spans join the caller's W3C trace context. ``summarizer``
     replaces every route's summarizer (a deployment's own, or a test's); ``summary_recoveries``
     run in the bracket's summary-error step (see ``SummaryErrorRecovery``).
+
+    Raises:
+        ConfigError: A setting is invalid (the message names it), or the store's folder is
+            missing.
+        StartupError: The address is in use (``ADDRESS_IN_USE``: the port is never shared,
+            ``SO_REUSEPORT`` is off) or another process owns the store (``STORE_LOCKED``);
+            nothing is left open.
     """
     parts = components(config)
     owns_provider = tracer_provider is None
     provider = tracer_provider or telemetry.tracer_provider_from_env()
     store = open_store(config.store, synchronous=config.sqlite_synchronous)
     await store.open()
+    try:
+        return await _start(
+            config, parts, store, provider, owns_provider, summarizer, summary_recoveries
+        )
+    except BaseException:
+        await store.close()
+        raise
+
+
+async def _start(
+    config: ServerConfig,
+    parts: Components,
+    store: EventStore,
+    provider: trace.TracerProvider,
+    owns_provider: bool,
+    summarizer: Summarizer | None,
+    summary_recoveries: Sequence[SummaryErrorRecovery],
+) -> RunningServer:
     manager = SessionManager(
         store, policy_validator=parts.policy.with_overrides, limits=config_limits(config)
     )
@@ -148,7 +174,7 @@ async def create_server(
         (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     host, port = config.host_port
-    bound = server.add_insecure_port(f"{host}:{port}" if ":" not in host else f"[{host}]:{port}")
+    bound = _bind(server, host, port)
     await server.start()
     for name in ("", *SERVICE_NAMES):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -158,8 +184,28 @@ async def create_server(
     )
 
 
+def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Listen on ``host:port`` (the bound port: port 0 picks one) or raise ``StartupError``."""
+    address = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError:
+        bound = 0  # grpcio raises where older releases answered 0
+    if not bound:
+        raise StartupError(
+            f"cannot listen on {address}: the address is in use by another process or not "
+            "available on this host (choose another --listen)",
+            reason="ADDRESS_IN_USE",
+            metadata={"listen": address},
+        )
+    return bound
+
+
 def _channel_options(config: ServerConfig) -> list[tuple[str, int]]:
     return [
+        # grpcio turns SO_REUSEPORT on by default: a second server on the same port would start
+        # silently and split the traffic (and the sessions' in-memory state) with the first.
+        ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.keepalive_time_ms", int(config.keepalive_time_s * 1000)),

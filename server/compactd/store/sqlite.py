@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import sqlite3
 import threading
 from collections import deque
@@ -26,6 +27,7 @@ from typing import Any, Generic, TypeVar
 
 from compactd import errors
 from compactd.store import base
+from compactd.store.owner import OwnerLock
 from compactd.v1 import events_pb2
 
 T = TypeVar("T")
@@ -74,6 +76,9 @@ class SqliteEventStore(base.EventStore):
         read_chunk: Events fetched per round trip while streaming a read.
         clock: Source of session creation times.
 
+    One process owns a database file at a time: ``open`` takes an exclusive lock on
+    ``<path>.lock`` (``store.owner``) and ``close`` releases it.
+
     Raises:
         ConfigError: for an unknown ``synchronous`` level.
     """
@@ -100,6 +105,7 @@ class SqliteEventStore(base.EventStore):
         self._readers = _ReadPool(path, busy_timeout_ms)
         self._writer_pragmas: dict[str, str | int] = {}
         self._lifecycle = asyncio.Lock()  # serializes open() and close()
+        self._owner = OwnerLock(path)
         self._last_stats = base.StoreStats()  # what a closed store still reports
 
     @property
@@ -121,10 +127,29 @@ class SqliteEventStore(base.EventStore):
         return dict(self._writer_pragmas)
 
     async def open(self) -> None:
+        """Take ownership of the file and open it.
+
+        Raises:
+            ConfigError: The database's folder does not exist.
+            StartupError: Another process owns the file (``STORE_LOCKED``), or SQLite cannot
+                open it (``STORE_UNAVAILABLE``).
+            Unavailable: The file cannot be used (a newer schema, no WAL).
+        """
         async with self._lifecycle:
             if self._writer is not None:
                 return
-            conn, self._writer_pragmas = await asyncio.to_thread(self._connect_writer)
+            await asyncio.to_thread(self._take_ownership)
+            try:
+                conn, self._writer_pragmas = await asyncio.to_thread(self._connect_writer)
+            except sqlite3.Error as error:
+                self._owner.release()
+                raise errors.StartupError(
+                    f"cannot open the store sqlite:///{self._path}: {error}",
+                    reason="STORE_UNAVAILABLE",
+                ) from None
+            except BaseException:
+                self._owner.release()
+                raise
             self._readers.reopen()
             self._writer = _Writer(conn, self._last_stats)
 
@@ -137,6 +162,7 @@ class SqliteEventStore(base.EventStore):
             await asyncio.to_thread(writer.stop)
             self._last_stats = writer.stats
             self._readers.close()
+            self._owner.release()
 
     async def create_session(self, session_id: str, policy_json: str | None) -> base.SessionRecord:
         record = base.SessionRecord(session_id, self._clock(), policy_json, 0)
@@ -176,6 +202,16 @@ class SqliteEventStore(base.EventStore):
     async def find_event_ids(self, session_id: str, event_ids: Sequence[str]) -> dict[str, int]:
         wanted = sorted({i for i in event_ids if i})
         return await self._read(functools.partial(_select_event_ids, session_id, wanted))
+
+    def _take_ownership(self) -> None:
+        folder = os.path.dirname(os.path.abspath(self._path))
+        if not os.path.isdir(folder):
+            raise errors.ConfigError(
+                f"store: the folder {folder} of sqlite:///{self._path} does not exist; "
+                "create it or choose another --store",
+                metadata={"field": "store"},
+            )
+        self._owner.acquire()
 
     def _connect_writer(self) -> tuple[sqlite3.Connection, dict[str, str | int]]:
         """Opens the write connection, sets its pragmas and schema; returns it and the pragmas
