@@ -26,6 +26,8 @@ class JsonFormatter(logging.Formatter):
                 entry[key] = value
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
+        elif record.exc_text:  # already formatted (and redacted: compactd.redaction)
+            entry["exception"] = record.exc_text
         return json.dumps(entry, default=str)
 
 

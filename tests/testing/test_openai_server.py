@@ -103,6 +103,21 @@ def test_scripted_errors_carry_status_headers_and_a_provider_body(
     assert "8192" in too_long.json()["error"]["message"]
 
 
+def test_an_error_message_can_echo_the_authorization_header(provider: OpenAICompatServer) -> None:
+    provider.enqueue(Reply.http_error(401, "Incorrect API key provided: {authorization}."))
+
+    reply = httpx.post(
+        f"{provider.base_url}/chat/completions",
+        json=_body(False),
+        headers={"Authorization": "Bearer sk-echoed-1234567890"},
+    )
+
+    assert reply.status_code == 401
+    assert reply.json()["error"]["message"] == (
+        "Incorrect API key provided: Bearer sk-echoed-1234567890."
+    )
+
+
 def test_replies_are_used_in_order_then_the_default(provider: OpenAICompatServer) -> None:
     provider.enqueue(Reply(text="one"), Reply(text="two"))
     url = f"{provider.base_url}/chat/completions"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
-from compactd import telemetry
+from compactd import redaction, telemetry
 from compactd.api import interceptors
 from compactd.api.compaction_service import CompactionServicer
 from compactd.api.session_service import SessionServicer
@@ -62,6 +62,7 @@ class RunningServer:
     config: ServerConfig
     tracer_provider: trace.TracerProvider
     owns_tracer_provider: bool = False
+    uninstall_redaction: Callable[[], None] | None = None
 
     @property
     def address(self) -> str:
@@ -75,6 +76,8 @@ class RunningServer:
         await self.server.stop(self.config.shutdown_grace_s if grace is None else grace)
         await self.manager.close()
         await self.store.close()
+        if self.uninstall_redaction is not None:
+            self.uninstall_redaction()
         if self.owns_tracer_provider:  # flushing may wait on a collector: not on the loop
             await asyncio.to_thread(telemetry.shutdown, self.tracer_provider)
 
@@ -147,6 +150,7 @@ async def _start(
         store, policy_validator=parts.policy.with_overrides, limits=config_limits(config)
     )
     pressure = PressureService(manager, parts.routes, parts.policy)
+    redactor = redaction.for_routes(parts.routes)
     engine = CompactionEngine(
         manager,
         pressure,
@@ -154,6 +158,7 @@ async def _start(
         pruner=parts.pruner,
         tracer_provider=provider,
         recoveries=summary_recoveries,
+        redact=redactor,
     )
     telemetry.quiet_cancelled_stream_detach()
     chain = interceptors.chain(
@@ -178,9 +183,10 @@ async def _start(
     await server.start()
     for name in ("", *SERVICE_NAMES):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    uninstall = redaction.install(redactor)  # every log line, from here on
     log.info("compactd serving", extra={"listen": f"{host}:{bound}", "store": config.store})
     return RunningServer(
-        server, bound, store, manager, health_servicer, config, provider, owns_provider
+        server, bound, store, manager, health_servicer, config, provider, owns_provider, uninstall
     )
 
 

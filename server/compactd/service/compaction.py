@@ -49,6 +49,7 @@ from compactd.core.selection import (
 from compactd.core.surface import SurfaceNode
 from compactd.errors import Busy, CompactdError, FailedPrecondition
 from compactd.providers.base import Summarizer, SummaryError, SummaryRequest, SummaryResult
+from compactd.redaction import Redactor
 from compactd.routes import Route
 from compactd.service.pressure import PressureService, session_meter
 from compactd.service.requests import build_request
@@ -147,8 +148,11 @@ class CompactionEngine:
         pruner: PrunerConfig | None = None,
         tracer_provider: trace.TracerProvider | None = None,
         recoveries: Sequence[SummaryErrorRecovery] = (),
+        redact: Callable[[str], str] | None = None,
     ) -> None:
         self._manager = manager
+        # Applied to a failed summary's error before it is logged, stored, traced or returned.
+        self._redact = redact or Redactor()
         self._recoveries = tuple(recoveries)
         self._pressure = pressure
         self._summarizers = summarizers
@@ -484,6 +488,7 @@ class CompactionEngine:
             try:
                 summary = await summarizer.summarize(request)
             except SummaryError as error:
+                _redact_error(error, self._redact)  # provider text may echo credentials
                 _record_error(span, error)  # the summary-error step reports it to the caller
                 raise
             span.set_attribute(genai.GEN_AI_RESPONSE_MODEL, summary.model)
@@ -708,6 +713,17 @@ def _close_reason(error: BaseException | None) -> tuple[str, str]:
     if isinstance(error, CompactdError):
         return error.message, error.reason
     return f"internal error: {type(error).__name__}", "INTERNAL"
+
+
+def _redact_error(error: CompactdError, redact: Callable[[str], str]) -> None:
+    """Redact ``error``'s message (and what ``str(error)`` shows) in place, and cut the chain of
+    exceptions it was raised from: their texts (a URL, a first attempt's error) would show in
+    every traceback recorded later, on spans and in logs."""
+    error.message = redact(error.message)
+    error.args = (error.message,)
+    error.__cause__ = None
+    error.__context__ = None
+    error.__suppress_context__ = True
 
 
 def _record_error(span: Span, error: BaseException) -> None:

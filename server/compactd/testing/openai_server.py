@@ -66,7 +66,8 @@ class Reply:
         image: Also return image output (``delta.images``), which summaries must refuse.
         finish_reason: Stop reason; default ``tool_calls`` when there are calls, else ``stop``.
         status: HTTP status; 400 and above answers ``error`` as a JSON body.
-        error: The ``error`` object of an HTTP error body.
+        error: The ``error`` object of an HTTP error body; ``{authorization}`` in its message is
+            replaced by the request's ``Authorization`` header, as a provider echoing it would.
         headers: Extra response headers (e.g. ``Retry-After``).
         delay_before: Seconds to wait before answering.
         delay_between: Seconds to wait between stream chunks.
@@ -434,7 +435,11 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         if reply.status >= 400:
-            self._send_json(reply.status, {"error": dict(reply.error or {})}, reply.headers)
+            error = dict(reply.error or {})
+            if isinstance(error.get("message"), str):  # a careless provider echoes credentials
+                authorization = headers.get("authorization", "")
+                error["message"] = error["message"].replace("{authorization}", authorization)
+            self._send_json(reply.status, {"error": error}, reply.headers)
             return
         compaction = headers.get(_PURPOSE_HEADER) == "compaction"
         answer = _Answer.build(number, reply, body, compaction)
