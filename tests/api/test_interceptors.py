@@ -60,7 +60,7 @@ async def traced(
 
 def tracebacks(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     """Log records carrying a traceback (an unexpected exception) or saying one was raised."""
-    return [r for r in caplog.records if r.exc_info or "Unexpected" in r.getMessage()]
+    return [r for r in caplog.records if r.exc_info or r.exc_text or "Unexpected" in r.getMessage()]
 
 
 # ---- health, as Kubernetes and client-side health checking call it ---------------------------
@@ -107,6 +107,19 @@ async def test_a_kubernetes_grpc_probe_check_answers_serving(server: RunningServ
                 health_pb2.HealthCheckRequest(service=service), timeout=5
             )
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_health_list_answers_every_service_without_a_traceback(
+    server: RunningServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest())
+    assert {name: s.status for name, s in reply.statuses.items()} == {
+        "": health_pb2.HealthCheckResponse.SERVING,
+        "compactd.v1.SessionService": health_pb2.HealthCheckResponse.SERVING,
+        "compactd.v1.CompactionService": health_pb2.HealthCheckResponse.SERVING,
+    }
+    assert tracebacks(caplog) == []
 
 
 async def test_client_side_health_checking_routes_calls_to_a_serving_server(

@@ -21,6 +21,7 @@ from opentelemetry import trace
 from compactd import redaction, telemetry
 from compactd.api import interceptors
 from compactd.api.compaction_service import CompactionServicer
+from compactd.api.health import HealthServicer
 from compactd.api.session_service import SessionServicer
 from compactd.config import ServerConfig
 from compactd.config import limits as config_limits
@@ -173,7 +174,7 @@ async def _start(
     compaction_service_pb2_grpc.add_CompactionServiceServicer_to_server(
         CompactionServicer(pressure, engine), server
     )
-    health_servicer = health_aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server

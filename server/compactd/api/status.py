@@ -54,32 +54,79 @@ def code_for(error: errors.CompactdError) -> grpc.StatusCode:
     return grpc.StatusCode.FAILED_PRECONDITION
 
 
+# Trailing metadata must fit a client's default limit (8 KiB): the message travels twice
+# (percent-encoded in grpc-message, base64 inside grpc-status-details-bin), so every text an
+# error echoes from a request (an id, a field path) is clipped and violations are capped.
+MAX_MESSAGE_BYTES = 400
+MAX_METADATA_ENTRIES = 8
+MAX_METADATA_VALUE_BYTES = 128
+MAX_VIOLATIONS = 8
+MAX_FIELD_BYTES = 128
+MAX_DESCRIPTION_BYTES = 160
+MAX_DETAILS_BYTES = 4096
+
+
 def to_status(error: errors.CompactdError) -> grpc.Status:
-    """The gRPC status (with ``google.rpc`` details in trailing metadata) for a domain error."""
+    """The gRPC status (with ``google.rpc`` details in trailing metadata) for a domain error.
+
+    Texts are clipped and violations capped (see ``MAX_DETAILS_BYTES``) so the status always
+    reaches the client: an oversized one would arrive as RESOURCE_EXHAUSTED instead.
+    """
     code = code_for(error)
-    details = [
-        error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN, metadata=error.metadata)
-    ]
-    violations = getattr(error, "violations", ())
-    packed: list[Any] = list(details)
+    metadata = {
+        clip(key, MAX_METADATA_VALUE_BYTES): clip(value, MAX_METADATA_VALUE_BYTES)
+        for key, value in list(error.metadata.items())[:MAX_METADATA_ENTRIES]
+    }
+    info = error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN, metadata=metadata)
+    violations = list(getattr(error, "violations", ()))
+    message = error.message
+    kept = violations[:MAX_VIOLATIONS]
+    while True:
+        status = _status(code, clip(message, MAX_MESSAGE_BYTES), info, kept)
+        if status.ByteSize() <= MAX_DETAILS_BYTES or not kept:
+            break
+        kept = kept[:-1]
+    if len(kept) < len(violations):
+        more = f" ({len(violations) - len(kept)} more violation(s) not shown)"
+        message = clip(message, MAX_MESSAGE_BYTES - len(more)) + more
+        status = _status(code, message, info, kept)
+    result: grpc.Status = rpc_status.to_status(status)
+    return result
+
+
+def _status(
+    code: grpc.StatusCode,
+    message: str,
+    info: error_details_pb2.ErrorInfo,
+    violations: list[errors.FieldViolation],
+) -> status_pb2.Status:
+    packed: list[Any] = [info]
     if violations:
         packed.append(
             error_details_pb2.BadRequest(
                 field_violations=[
                     error_details_pb2.BadRequest.FieldViolation(
-                        field=v.field, description=v.description
+                        field=clip(v.field, MAX_FIELD_BYTES),
+                        description=clip(v.description, MAX_DESCRIPTION_BYTES),
                     )
                     for v in violations
                 ]
             )
         )
-    status = status_pb2.Status(code=_rpc_code(code), message=error.message)
+    status = status_pb2.Status(code=_rpc_code(code), message=message)
     for detail in packed:
         holder = any_pb2.Any()
         holder.Pack(detail)
         status.details.append(holder)
-    result: grpc.Status = rpc_status.to_status(status)
-    return result
+    return status
+
+
+def clip(text: str, max_bytes: int) -> str:
+    """``text`` within ``max_bytes`` UTF-8 bytes, cut at a character with ``…`` when clipped."""
+    raw = text.encode("utf-8")
+    if len(raw) <= max_bytes:
+        return text
+    return raw[: max(0, max_bytes - 3)].decode("utf-8", "ignore") + "…"
 
 
 def _rpc_code(code: grpc.StatusCode) -> int:
