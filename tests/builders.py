@@ -1,7 +1,11 @@
 """Small builders for ``SessionEvent``s, shared by every test that needs a conversation.
 
 Each returns a fresh event with no seq (the server assigns seqs). Surface builders APPEND by
-default; wrap one in ``replace`` to make it a REPLACE.
+default; wrap one in ``replace`` to make it a REPLACE. A runtime's conversation keeps the step
+brackets: ``in_step`` and ``exchange`` put assistant messages inside steps of a turn. The
+bracket, lifecycle and offload builders (``compaction_start``, ``end_seed``, ``offload``,
+``checkpoint``) make server-only events: use them at the core level or through the service's
+trusted path, never through ``AppendEvents`` (which refuses them).
 """
 
 from __future__ import annotations
