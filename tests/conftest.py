@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 from hypothesis import settings
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from compactd import config
 from compactd.api.server import RunningServer, create_server
@@ -55,3 +58,18 @@ def sessions(channel: grpc.aio.Channel) -> session_service_pb2_grpc.SessionServi
 def compaction(channel: grpc.aio.Channel) -> compaction_service_pb2_grpc.CompactionServiceStub:
     """A CompactionService stub."""
     return compaction_service_pb2_grpc.CompactionServiceStub(channel)
+
+
+@pytest.fixture
+def exporter() -> InMemorySpanExporter:
+    """Finished spans, in memory."""
+    return InMemorySpanExporter()
+
+
+@pytest.fixture
+def provider(exporter: InMemorySpanExporter) -> Iterator[TracerProvider]:
+    """A tracer provider exporting to ``exporter`` (give it to ``create_server``)."""
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield provider
+    provider.shutdown()

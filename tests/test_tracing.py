@@ -18,7 +18,6 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as genai
 from opentelemetry.trace import SpanContext, StatusCode
@@ -55,19 +54,6 @@ COMPACT = "/compactd.v1.CompactionService/Compact"
 def loop() -> Iterator[OpenAICompatServer]:
     with loopback() as server:
         yield server
-
-
-@pytest.fixture
-def exporter() -> InMemorySpanExporter:
-    return InMemorySpanExporter()
-
-
-@pytest.fixture
-def provider(exporter: InMemorySpanExporter) -> Iterator[TracerProvider]:
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    yield provider
-    provider.shutdown()
 
 
 async def spans_when(harness: Harness, exporter: InMemorySpanExporter, rpc: str) -> list[Any]:

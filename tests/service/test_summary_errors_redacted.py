@@ -12,7 +12,6 @@ from typing import Any
 import grpc
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from compactd.redaction import REDACTED
@@ -29,19 +28,6 @@ PASSWORD = "pw-in-the-url-4242"
 def loop() -> Iterator[OpenAICompatServer]:
     with loopback() as server:
         yield server
-
-
-@pytest.fixture
-def exporter() -> InMemorySpanExporter:
-    return InMemorySpanExporter()
-
-
-@pytest.fixture
-def provider(exporter: InMemorySpanExporter) -> Iterator[TracerProvider]:
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    yield provider
-    provider.shutdown()
 
 
 def _span_text(exporter: InMemorySpanExporter) -> str:
