@@ -1,8 +1,8 @@
 """The cross-language scenario list, run by the Python client against a running compactd.
 
 Every client (Python, TypeScript, Go) runs the same list against the one server that
-``clients/run-scenarios`` starts: create (idempotent), append, rebuild request, pressure check, a watch
-receiving updates, a compaction with its streamed steps, a busy error with its reason, a
+``clients/run-scenarios`` starts: create (idempotent), append, rebuild request, pressure check, a
+watch receiving updates, a compaction with its streamed steps, a busy error with its reason, a
 SEQ_CONFLICT. The server comes from ``COMPACTD_ADDRESS``; the routed model from
 ``COMPACTD_PROVIDER`` / ``COMPACTD_MODEL`` (a route with a declared window).
 """
