@@ -20,14 +20,17 @@ from tests.builders import (
     checkpoint,
     compaction_end,
     compaction_start,
+    developer,
     end_seed,
     header,
     in_step,
     offload,
     replace,
+    step_end,
     step_start,
     system,
     tool_result,
+    turn_end,
     turn_start,
     user,
 )
@@ -359,6 +362,27 @@ async def test_append_refuses_a_server_only_event_naming_the_field(
     assert got.fields == [f"events[1].{field}"]
     surface = await sessions.GetSurface(pb.GetSurfaceRequest(session_id=sid))
     assert surface.revision == 0
+
+
+async def test_append_accepts_every_event_a_runtime_writes(sessions: SessionServiceStub) -> None:
+    sid = await _create(sessions)
+    runtime = [
+        system("s"),
+        developer("d"),
+        header("p", "m"),
+        turn_start(1),
+        user("u"),
+        step_start(1, 1),
+        ev.SessionEvent(assistant_attempt=ev.AssistantAttempt(attempt=1, error="overloaded")),
+        ev.SessionEvent(llm_retry=ev.LlmRetry(attempt=2, reason="overloaded", delay_ms=100)),
+        assistant(calls=[("c1", "run", "{}")]),
+        step_end(1, 1),
+        ev.SessionEvent(tool_call=ev.ToolCall(tool_call_id="c1", name="run")),
+        tool_result("c1", "ok"),
+        turn_end(1),
+    ]
+    reply = await _append(sessions, sid, *runtime)
+    assert list(reply.seqs) == list(range(len(runtime)))
 
 
 async def test_a_forged_checkpoint_replacement_is_refused(sessions: SessionServiceStub) -> None:
