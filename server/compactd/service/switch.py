@@ -21,6 +21,7 @@ differently, a summary that would relieve the destination can fail the shrink ch
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from compactd.core.selection import Declined, SelectionMode
@@ -108,7 +109,9 @@ class SwitchService:
         result = await self._engine.prepare_step(session_id, turn, intended, progress)
         result.before.CopyFrom(switched.before)
         result.pruned_count += switched.pruned
-        result.compactions[:0] = switched.compactions
+        committed = [*switched.compactions, *result.compactions]
+        del result.compactions[:]
+        result.compactions.extend(committed)
         if switched.header_seq is not None:
             result.header_seq = switched.header_seq
         return result
@@ -172,7 +175,7 @@ class SwitchService:
             except Busy:
                 raise
             except CompactdError as error:
-                raise _failed(destination, error.reason, error.message) from error
+                raise _failed(destination, error.reason, error.message, error.metadata) from error
             if isinstance(committed, Declined):
                 raise _failed(destination, committed.code.value, committed.reason)
             if committed is not None:
@@ -236,9 +239,12 @@ def destination_header(
     return header
 
 
-def _failed(destination: Route, cause: str, message: str) -> FailedPrecondition:
+def _failed(
+    destination: Route, cause: str, message: str, details: Mapping[str, str] | None = None
+) -> FailedPrecondition:
+    """The switch's failure: the cause's reason and metadata, and the destination."""
     return FailedPrecondition(
         f"cannot switch to {destination.name}: {message}",
         reason=SWITCH_FAILED,
-        metadata={"cause": cause, "destination": destination.name},
+        metadata={**(details or {}), "cause": cause, "destination": destination.name},
     )
