@@ -20,8 +20,20 @@ from compactd.v1 import events_pb2
 from compactd.v1 import session_service_pb2 as spb
 from tests.builders import assistant, in_step, tool_result, turn_end, turn_start, user
 from tests.compaction_fixtures import Harness, Run
+from tests.compaction_fixtures import _collect as collect
 
 SessionEvent = events_pb2.SessionEvent
+
+#: Each provider whose overflow body ``testing.provider_errors`` answers with, and the table rule
+#: that must recognize it.
+OVERFLOW_RULES = [
+    ("openai", "openai/context_length_exceeded"),
+    ("deepseek", "deepseek-vllm/maximum_context_length"),
+    ("vllm", "deepseek-vllm/maximum_context_length"),
+    ("llama.cpp", "llama.cpp/exceed_context_size"),
+    ("anthropic", "anthropic/prompt_too_long"),
+    ("gemini", "gemini/input_token_count"),
+]
 
 
 def exchange(turn: int, i: int, *, result: str | None = None) -> list[SessionEvent]:
@@ -38,6 +50,18 @@ def exchange(turn: int, i: int, *, result: str | None = None) -> list[SessionEve
         *in_step(
             turn, 2, assistant(text=f"Step {i} is done; src/mod{i}.py passes. " + "Detail. " * 30)
         ),
+    ]
+
+
+def bulky_turn(turn: int) -> list[SessionEvent]:
+    """A closed turn whose tool result (25,500 code points) the pruner shrinks."""
+    return [
+        turn_start(turn),
+        user("Dump the build log."),
+        *in_step(turn, 1, assistant(calls=[(f"log-{turn}", "run", '{"cmd":"make"}')])),
+        tool_result(f"log-{turn}", "compiling module\n" * 1500, name="run"),
+        *in_step(turn, 2, assistant(text="The build log ends with a linker error.")),
+        turn_end(turn),
     ]
 
 
@@ -93,17 +117,6 @@ async def switch(h: Harness, destination: events_pb2.Route, turn: int | None = N
     if turn is not None:
         request.turn = turn
     return await collect(h.compaction.SwitchModel(request))
-
-
-async def collect(call: Any) -> Run:
-    """The progress updates and the result of a compaction stream."""
-    run = Run()
-    async for response in call:
-        if response.HasField("progress"):
-            run.progress.append(response.progress)
-        else:
-            run.result = response.result
-    return run
 
 
 def of_type(events: list[SessionEvent], name: str) -> list[SessionEvent]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -16,12 +15,6 @@ from tests.api.rpc import details
 
 CONTEXT = cpb.PROVIDER_ERROR_KIND_CONTEXT_WINDOW_EXCEEDED
 IMAGES = cpb.PROVIDER_ERROR_KIND_IMAGE_OFFLOAD_REQUIRED
-
-
-@pytest.fixture
-def loop() -> Iterator[OpenAICompatServer]:
-    with OpenAICompatServer() as server:
-        yield server
 
 
 async def answered(loop: OpenAICompatServer, reply: Reply) -> cpb.RawProviderError:

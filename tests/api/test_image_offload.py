@@ -10,7 +10,6 @@ later compaction.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,6 @@ from tests.compaction_fixtures import (
     WINDOW,
     Harness,
     body,
-    loopback,
     started,
     summary_requests,
 )
@@ -64,12 +62,6 @@ def vision_route(loop: OpenAICompatServer, model: str = VISION, **overrides: Any
         "base_url": loop.base_url,
         **overrides,
     }
-
-
-@pytest.fixture
-def loop() -> Iterator[OpenAICompatServer]:
-    with loopback() as server:
-        yield server
 
 
 def picture(name: str) -> events_pb2.ContentBlock:

@@ -9,7 +9,6 @@ log and the loopback's recorded requests.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -28,7 +27,6 @@ from tests.builders import (
     system,
     tool,
     tool_result,
-    turn_end,
     turn_start,
     user,
 )
@@ -37,22 +35,24 @@ from tests.compaction_fixtures import (
     RELAXED,
     TOOLS,
     body,
-    loopback,
     opening,
     started,
     summary_requests,
 )
-from tests.runtime import closed_turns, of_type, overflow_error, raw_error, recover, send
+from tests.runtime import (
+    OVERFLOW_RULES,
+    bulky_turn,
+    closed_turns,
+    of_type,
+    overflow_error,
+    raw_error,
+    recover,
+    send,
+)
 
 CONTEXT = cpb.PROVIDER_ERROR_KIND_CONTEXT_WINDOW_EXCEEDED
 DECLINE = cpb.RecoveryDecline
 REPLACE = events_pb2.SURFACE_OP_KIND_REPLACE
-
-
-@pytest.fixture
-def loop() -> Iterator[OpenAICompatServer]:
-    with loopback() as server:
-        yield server
 
 
 def failing_step(turn: int) -> list[events_pb2.SessionEvent]:
@@ -60,17 +60,7 @@ def failing_step(turn: int) -> list[events_pb2.SessionEvent]:
     return [turn_start(turn), user("Now fix the failing module and rerun the checks.")]
 
 
-@pytest.mark.parametrize(
-    ("provider", "rule"),
-    [
-        ("openai", "openai/context_length_exceeded"),
-        ("deepseek", "deepseek-vllm/maximum_context_length"),
-        ("vllm", "deepseek-vllm/maximum_context_length"),
-        ("llama.cpp", "llama.cpp/exceed_context_size"),
-        ("anthropic", "anthropic/prompt_too_long"),
-        ("gemini", "gemini/input_token_count"),
-    ],
-)
+@pytest.mark.parametrize(("provider", "rule"), OVERFLOW_RULES)
 async def test_an_overflow_compacts_the_whole_head_below_any_threshold_and_authorizes_a_retry(
     tmp_path: Path, loop: OpenAICompatServer, provider: str, rule: str
 ) -> None:
@@ -243,16 +233,8 @@ async def test_an_envelope_over_a_declared_window_is_reported_without_provider_f
 async def test_pruning_that_landed_before_a_failed_summary_still_authorizes_a_retry(
     tmp_path: Path, loop: OpenAICompatServer
 ) -> None:
-    bulky = [
-        turn_start(1),
-        user("Dump the build log."),
-        *in_step(1, 1, assistant(calls=[("log-1", "run", '{"cmd":"make"}')])),
-        tool_result("log-1", "compiling module\n" * 1500, name="run"),
-        *in_step(1, 2, assistant(text="The build log is long; it ends with a linker error.")),
-        turn_end(1),
-    ]
     async with started(tmp_path, loop, policy=RELAXED) as h:
-        await h.create(*opening(), *bulky, *closed_turns(2, start=2)[:-1], user("Fix it."))
+        await h.create(*opening(), *bulky_turn(1), *closed_turns(2, start=2)[:-1], user("Fix it."))
         loop.enqueue(Reply.http_error(400, "unsupported parameter: temperature"))
 
         result = (await recover(h, 3, overflow_error())).result

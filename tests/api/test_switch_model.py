@@ -8,7 +8,6 @@ valid pressure budget is refused even for short history.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from compactd.testing.openai_server import OpenAICompatServer, Reply
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2
 from tests.api.rpc import ErrorDetails, details
-from tests.builders import assistant, in_step, tool_result, turn_end, turn_start, user
+from tests.builders import assistant, in_step, turn_end, turn_start, user
 from tests.compaction_fixtures import (
     ABOVE,
     BELOW,
@@ -29,12 +28,11 @@ from tests.compaction_fixtures import (
     TOOLS,
     Harness,
     body,
-    loopback,
     opening,
     started,
     summary_requests,
 )
-from tests.runtime import closed_turns, of_type, switch
+from tests.runtime import bulky_turn, closed_turns, of_type, switch
 
 SWITCH_FAILED = "MODEL_SWITCH_COMPACTION_FAILED"
 
@@ -50,12 +48,6 @@ def loop_route(
     if window is not None:
         table["context_window"] = window
     return {**table, **more}
-
-
-@pytest.fixture
-def loop() -> Iterator[OpenAICompatServer]:
-    with loopback() as server:
-        yield server
 
 
 @pytest.fixture
@@ -127,17 +119,9 @@ async def test_a_short_history_switches_at_once_and_the_same_route_logs_nothing(
 async def test_a_failed_switch_keeps_the_previous_header_and_the_completed_prunes(
     tmp_path: Path, loop: OpenAICompatServer, small: dict[str, Any]
 ) -> None:
-    bulky = [
-        turn_start(1),
-        user("Dump the build log."),
-        *in_step(1, 1, assistant(calls=[("log-1", "run", '{"cmd":"make"}')])),
-        tool_result("log-1", "compiling module\n" * 1500, name="run"),
-        *in_step(1, 2, assistant(text="The build log ends with a linker error.")),
-        turn_end(1),
-    ]
     loop.enqueue(Reply.http_error(400, "unsupported parameter: top_p"))
     async with started(tmp_path, loop, routes=[small]) as h:
-        await h.create(*opening(), *bulky, *closed_turns(10, start=2))
+        await h.create(*opening(), *bulky_turn(1), *closed_turns(10, start=2))
 
         got = await refused(switch(h, route("small")))
 

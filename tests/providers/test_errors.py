@@ -20,6 +20,7 @@ from compactd.testing import OpenAICompatServer, Reply
 from compactd.testing import provider_errors as pe
 from compactd.testing.messages import image_block, system, user
 from compactd.v1 import events_pb2
+from tests.runtime import OVERFLOW_RULES
 
 
 def _classify(reply: Reply, *, request_images: int | None = 0) -> ProviderFailure:
@@ -28,17 +29,7 @@ def _classify(reply: Reply, *, request_images: int | None = 0) -> ProviderFailur
     return classify(reply.status, body, reply.headers, request_images=request_images)
 
 
-@pytest.mark.parametrize(
-    ("provider", "rule"),
-    [
-        ("openai", "openai/context_length_exceeded"),
-        ("deepseek", "deepseek-vllm/maximum_context_length"),
-        ("vllm", "deepseek-vllm/maximum_context_length"),
-        ("llama.cpp", "llama.cpp/exceed_context_size"),
-        ("anthropic", "anthropic/prompt_too_long"),
-        ("gemini", "gemini/input_token_count"),
-    ],
-)
+@pytest.mark.parametrize(("provider", "rule"), OVERFLOW_RULES)
 def test_each_providers_overflow_is_context_window_exceeded_with_its_figures(
     provider: str, rule: str
 ) -> None:

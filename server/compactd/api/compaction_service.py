@@ -22,6 +22,7 @@ from compactd.v1 import compaction_service_pb2_grpc, events_pb2
 
 Context = grpc.aio.ServicerContext[Any, Any]
 Result = TypeVar("Result")
+Response = TypeVar("Response")
 _DONE = object()
 
 
@@ -69,11 +70,8 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
         def run(progress: Progress) -> Awaitable[pb.PrepareStepResult]:
             return self._switch.prepare_step(request.session_id, request.turn, intended, progress)
 
-        async for progress, result in _streamed(run):
-            if result is None:
-                yield pb.PrepareStepResponse(progress=progress)
-            else:
-                yield pb.PrepareStepResponse(result=result)
+        async for response in _streamed(run, pb.PrepareStepResponse):
+            yield response
 
     @handle_errors
     async def Compact(
@@ -84,11 +82,8 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
         def run(progress: Progress) -> Awaitable[pb.CompactResult]:
             return self._engine.compact(request.session_id, request.focus or None, progress)
 
-        async for progress, result in _streamed(run):
-            if result is None:
-                yield pb.CompactResponse(progress=progress)
-            else:
-                yield pb.CompactResponse(result=result)
+        async for response in _streamed(run, pb.CompactResponse):
+            yield response
 
     @handle_errors
     async def RecoverFromError(
@@ -102,11 +97,8 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
                 request.session_id, request.turn, request.error, request.retries_so_far, progress
             )
 
-        async for progress, result in _streamed(run):
-            if result is None:
-                yield pb.RecoverFromErrorResponse(progress=progress)
-            else:
-                yield pb.RecoverFromErrorResponse(result=result)
+        async for response in _streamed(run, pb.RecoverFromErrorResponse):
+            yield response
 
     @handle_errors
     async def SwitchModel(
@@ -120,11 +112,8 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
         def run(progress: Progress) -> Awaitable[pb.SwitchModelResult]:
             return self._switch.switch_model(request.session_id, destination, turn, progress)
 
-        async for progress, result in _streamed(run):
-            if result is None:
-                yield pb.SwitchModelResponse(progress=progress)
-            else:
-                yield pb.SwitchModelResponse(result=result)
+        async for response in _streamed(run, pb.SwitchModelResponse):
+            yield response
 
     @handle_errors
     async def ClassifyProviderError(
@@ -172,9 +161,10 @@ def _check_recovery(request: pb.RecoverFromErrorRequest) -> None:
 
 
 async def _streamed(
-    run: Callable[[Progress], Awaitable[Result]],
-) -> AsyncIterator[tuple[pb.CompactionProgress | None, Result | None]]:
-    """Run an engine operation, yielding ``(progress, None)`` per step, then ``(None, result)``.
+    run: Callable[[Progress], Awaitable[Result]], response: Callable[..., Response]
+) -> AsyncIterator[Response]:
+    """Run an engine operation, yielding ``response(progress=...)`` per step, then
+    ``response(result=...)``.
 
     If the caller goes away, the operation is cancelled and awaited, so a bracket it opened is
     closed before the handler returns.
@@ -189,8 +179,8 @@ async def _streamed(
     try:
         while (item := await queue.get()) is not _DONE:
             assert isinstance(item, pb.CompactionProgress)
-            yield item, None
-        yield None, task.result()
+            yield response(progress=item)
+        yield response(result=task.result())
     finally:
         if not task.done():
             task.cancel()

@@ -148,6 +148,8 @@ def plan_prune(
     config: PrunerConfig,
     shadow_price: Callable[[SurfaceNode], int],
     compaction_id: str = "",
+    *,
+    again: bool = False,
 ) -> PrunePlan | None:
     """The prune of one surface node, or None when it is not an oversized, unpruned result.
 
@@ -158,20 +160,10 @@ def plan_prune(
         config: The thresholds.
         shadow_price: The fixed heuristic price of a node, logged on ``compaction/prune``.
         compaction_id: The bracket or step the prune belongs to, if any.
+        again: Also prune a result that is already a REPLACE (window-sized prunes only).
     """
-    if node.type != ev.TOOL_RESULT or ev.is_replace(node.event):
+    if node.type != ev.TOOL_RESULT or (ev.is_replace(node.event) and not again):
         return None  # a tool/result REPLACE is a pruned result: never pruned again
-    return _prune_node(node, offloaded, config, shadow_price, compaction_id)
-
-
-def _prune_node(
-    node: SurfaceNode,
-    offloaded: Set[int],
-    config: PrunerConfig,
-    shadow_price: Callable[[SurfaceNode], int],
-    compaction_id: str = "",
-) -> PrunePlan | None:
-    """The prune of one ``tool/result`` node when its text exceeds the threshold."""
     original = node.event.tool_result
     pruned = prune_content(project_content(original.content, offloaded), config)
     if pruned is None:
@@ -267,7 +259,7 @@ def _fit_prune(
     while True:
         head = int(budget * share)
         scaled = _scaled_config(head, budget - head)
-        plan = _prune_node(node, offloaded, scaled, shadow_price)
+        plan = plan_prune(node, offloaded, scaled, shadow_price, again=True)
         if plan is not None and price(plan.replacement, frozenset()) <= target:
             return plan
         if budget == 0:
