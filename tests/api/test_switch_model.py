@@ -8,6 +8,7 @@ valid pressure budget is refused even for short history.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from tests.compaction_fixtures import (
     started,
     summary_requests,
 )
-from tests.runtime import bulky_turn, closed_turns, of_type, switch
+from tests.runtime import bulky_turn, closed_turns, of_type, overflow_error, recover, switch
 
 SWITCH_FAILED = "MODEL_SWITCH_COMPACTION_FAILED"
 
@@ -260,3 +261,34 @@ async def test_cross_model_image_pricing_can_reject_a_summary_that_would_relieve
         end = of_type(await h.events(), "compaction_end")[-1].compaction_end
         assert end.error_reason == "SUMMARY_NOT_SMALLER"
         assert await logged_model(h) == MODEL
+
+
+async def test_an_explicit_summary_target_writes_the_switch_summaries(
+    tmp_path: Path, loop: OpenAICompatServer, small: dict[str, Any]
+) -> None:
+    writer = loop_route(loop, "writer", 32000)
+    policy = {**POLICY, "summarizationProvider": PROVIDER, "summarizationModel": "writer"}
+    async with started(tmp_path, loop, policy=policy, routes=[small, writer]) as h:
+        await h.create(*opening(), *closed_turns(12))
+
+        result = (await switch(h, route("small"))).result
+
+        assert result.compactions
+        assert {r["model"] for r in summary_requests(loop)} == {"writer"}
+
+
+async def test_recovery_and_switches_wait_for_a_live_bracket(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    loop.enqueue(Reply(delay_before=1.0))  # the pre-step summary is slow
+    async with started(tmp_path, loop) as h:
+        await h.create(*opening(), *closed_turns(20), turn_start(21), user("Go on."))
+        step = asyncio.ensure_future(h.prepare(21))
+        await h.wait_for_log(lambda log: body(log[-1]) == "compaction_start")
+
+        for call in (recover(h, 21, overflow_error()), switch(h, route(MODEL), turn=21)):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call
+            got = details(caught.value)
+            assert (got.code, got.reason) == (grpc.StatusCode.ABORTED, "COMPACTION_BUSY")
+        assert (await step).result.compactions
