@@ -104,17 +104,20 @@ def classification(failure: ProviderFailure) -> cpb.ProviderErrorClassification:
 
 @dataclass(frozen=True)
 class _Window:
-    """The window an overflow is measured against, and the figures of the request now."""
+    """The window an overflow is measured against, with the figures of the request now."""
 
-    window: int  # 0: unknown
-    source: str
-    reservation: int
     figures: cpb.OverflowFigures
+
+    @property
+    def window(self) -> int:
+        """W (0: unknown)."""
+        return self.figures.context_window
 
     @property
     def room(self) -> int:
         """Tokens the window leaves for history after the envelope (negative: none)."""
-        return self.window - self.reservation - self.figures.envelope_tokens
+        f = self.figures
+        return f.context_window - f.output_reservation - f.envelope_tokens
 
 
 class RecoveryService:
@@ -302,7 +305,7 @@ class RecoveryService:
             measured_tokens=measured.total,
             prompt_tokens=error.prompt_tokens,
         )
-        return _Window(window, source, reservation, figures)
+        return _Window(figures)
 
     def _window_planner(self, route: Route, room: int) -> Planner:
         """Plans of the tool results whose route price alone exceeds ``room``."""
@@ -366,7 +369,7 @@ def _envelope_only(window: _Window) -> str:
     return (
         f"the envelope alone does not fit the window: system {f.system_tokens} + tools "
         f"{f.tools_tokens} + framing {f.config_tokens} = {f.envelope_tokens} tokens, window "
-        f"{f.context_window} ({window.source}) - output reservation {f.output_reservation} = "
+        f"{f.context_window} ({f.window_source}) - output reservation {f.output_reservation} = "
         f"{f.context_window - f.output_reservation}; no compaction reduces the system prompt or "
         "the tools"
     )
