@@ -18,7 +18,9 @@ after it is priced by the meter. Only the latest such message counts, and only w
 - the usage is not below the meter's own estimate of the same envelope.
 
 Otherwise the estimate stands. Reports say how the figure was obtained: EXACT (the route's
-tokenizer), HEURISTIC (the reference heuristic), or ANCHORED.
+tokenizer and chat template), TOKENIZER (the route's tokenizer with its family's published
+framing), HEURISTIC (the reference heuristic), or ANCHORED. The service reports a heuristic
+measurement of a route whose provider publishes no tokenizer as ESTIMATED.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ class Method(enum.Enum):
     EXACT = "exact"
     ANCHORED = "anchored"
     HEURISTIC = "heuristic"
+    TOKENIZER = "tokenizer"
+    ESTIMATED = "estimated"
 
 
 class MeteredRoute(Protocol):
@@ -356,11 +360,14 @@ class SessionMeter:
 
     # ---- measuring ----------------------------------------------------------------------
 
-    def measure(self, fold: SessionFold, route: MeteredRoute) -> Measurement:
+    def measure(
+        self, fold: SessionFold, route: MeteredRoute, *, anchored: bool = True
+    ) -> Measurement:
         """The envelope's price for ``route`` at the last observed revision.
 
         Costs O(1) once the route's profile has a ledger; the first measurement with a new
         profile prices every current node once. ``fold`` must be the fold this meter follows.
+        With ``anchored=False``, the meter's own estimate even when usage would anchor it.
         """
         self._check_fold(fold)
         ledger = self._ledger(route.pricing)
@@ -374,7 +381,7 @@ class SessionMeter:
             tools=ledger.tools(self._header_seq, self._header, (self._head, head_text)),
             config=price_config(self._header, route.pricing, head_text),
         )
-        if not self._anchor_applies(route):
+        if not anchored or not self._anchor_applies(route):
             return estimate
         assert self._anchor is not None
         covered = estimate.total - ledger.delta  # the estimate of the envelope usage priced
@@ -472,9 +479,15 @@ def _assemble(
         messages=messages,
         images=images,
         config=config,
-        method=Method.EXACT if pricing.exact else Method.HEURISTIC,
+        method=_method(pricing),
         tokenizer=pricing.tokenizer.name,
     )
+
+
+def _method(pricing: PricingProfile) -> Method:
+    if pricing.template is not None and pricing.exact:
+        return Method.EXACT
+    return Method.TOKENIZER if pricing.exact else Method.HEURISTIC
 
 
 def _replace_anchored(estimate: Measurement, gap: int, anchor_seq: int) -> Measurement:
