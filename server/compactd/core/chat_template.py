@@ -150,6 +150,7 @@ class SegmentCounter:
         self, count: Callable[[str], int], specials: Iterable[str], cache_size: int = 8192
     ) -> None:
         ordered = sorted({s for s in specials if s}, key=len, reverse=True)
+        self.specials: tuple[str, ...] = tuple(ordered)
         self._split = re.compile("|".join(map(re.escape, ordered))).split if ordered else None
         self._count = count
         self._cached = functools.lru_cache(maxsize=cache_size)(count)
@@ -163,12 +164,24 @@ class SegmentCounter:
         return len(pieces) - 1 + sum(cached(piece) for piece in pieces if piece)
 
     def count_fresh(self, text: str) -> int:
-        """As ``count``, without caching the stretches (for text seen once: a message body)."""
+        """As ``count``, caching only short stretches (a message body is seen once; the markers
+        and dummy neighbours around it repeat)."""
         if self._split is None:
             return self._count(text)
         pieces = self._split(text)
-        return len(pieces) - 1 + sum(self._count(piece) for piece in pieces if piece)
+        cached, count = self._cached, self._count
+        total = len(pieces) - 1
+        for piece in pieces:
+            if piece:
+                total += cached(piece) if len(piece) <= _SHORT else count(piece)
+        return total
 
+
+_SHORT: Final = 64  # stretches up to this length are cached
+_SENTINEL: Final = "\ue000compactd-content\ue001"  # private-use characters: never in a template
+# Probe contents that check a template inserts a message's content verbatim (no trimming, no
+# escaping): plain, with a special token, with inner newlines.
+_PROBES: Final = ("alpha beta", "x <|im_end|> \u03b3 12", "line one\nline two")
 
 # Neighbourhoods a message is inserted into: (before, after). Dummy messages carry "x".
 _CALL: Final = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": {}}}
@@ -206,6 +219,10 @@ class TemplatePricing:
         self._base: dict[str, int] = {}
         self._framing: dict[tuple[str | None, str], int] = {}
         self._system: tuple[str, int] = ("", 0)
+        self._shapes: dict[str, str | None] = {}
+        # Content the template inspects (tag-like literals such as "</think>", special tokens)
+        # takes the full rendering: the template may branch on it.
+        self._guard = _literal_guard(template.source, counter.specials)
 
     # ---- messages -------------------------------------------------------------------------
 
@@ -215,7 +232,14 @@ class TemplatePricing:
         An assistant message with tool calls is priced with one result per call after it, less
         those results' own prices: it carries what a run of results adds once (Qwen's
         ``<|im_start|>user`` around the run, for instance).
+
+        A message of plain content whose role's rendering inserts content verbatim (checked
+        once per role with probe contents) is priced from that rendering with the content
+        spliced in, without running the template again.
         """
+        fast = self._spliced(message)
+        if fast is not None:
+            return fast
         role = message["role"]
         calls = len(message.get("tool_calls") or ())
         before, after = _CONTEXTS.get(role, _CONTEXTS["user"])
@@ -227,6 +251,46 @@ class TemplatePricing:
         if calls:
             tokens -= calls * self._dummy_tool_price
         return tokens
+
+    def _spliced(self, message: ChatMessage) -> int | None:
+        content = message.get("content")
+        if not isinstance(content, str) or not content or content != content.strip():
+            return None
+        if set(message) - {"role", "content", "tool_call_id", "name"}:
+            return None
+        if self._guard is not None and self._guard.search(content):
+            return None
+        shape = self._shape(message["role"])
+        if shape is None:
+            return None
+        return self.counter.count_fresh(shape.replace(_SENTINEL, content)) - self._base_tokens(
+            message["role"]
+        )
+
+    def _shape(self, role: str) -> str | None:
+        """The rendering of ``role``'s neighbourhood with the sentinel as the message content,
+        or None when the template does not insert content verbatim for that role."""
+        if role in self._shapes:
+            return self._shapes[role]
+        before, after = _CONTEXTS.get(role, _CONTEXTS["user"])
+
+        def render(content: str, variant: int) -> str:
+            probe: ChatMessage = {"role": role, "content": content}
+            if role == "tool":
+                probe["tool_call_id"], probe["name"] = f"call_{variant}", f"tool{variant}"
+            return self.template.render([*before, probe, *after], add_generation_prompt=False)
+
+        shape: str | None = render(_SENTINEL, 0)
+        assert shape is not None
+        if shape.count(_SENTINEL) != 1:
+            shape = None
+        else:
+            for variant, probe in enumerate(_PROBES, start=1):
+                if render(probe, variant) != shape.replace(_SENTINEL, probe):
+                    shape = None
+                    break
+        self._shapes[role] = shape
+        return shape
 
     def system_tokens(self, text: str) -> int:
         """``message_tokens`` of a system message with ``text`` (the last one cached: the head)."""
@@ -306,6 +370,17 @@ class TemplatePricing:
         system = "You are a careful coding agent."
         incremental = self.framing(system, tools) + sum(self.message_tokens(m) for m in messages)
         return incremental - self.count_rendering(system, messages, tools)
+
+
+def _literal_guard(source: str, specials: Sequence[str]) -> re.Pattern[str] | None:
+    """A pattern of every tag the template source spells (``<think>``, ``</tool_response>``,
+    ``<|im_start|>``, ...) and every special token."""
+    literals = set(re.findall(r"</?[A-Za-z_|\[][^<>\s'\"]{0,40}>", source))
+    literals.update(specials)
+    literals.discard("")
+    if not literals:
+        return None
+    return re.compile("|".join(map(re.escape, sorted(literals, key=len, reverse=True))))
 
 
 # ---- compactd messages as chat dicts ------------------------------------------------------------
