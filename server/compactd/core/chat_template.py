@@ -182,6 +182,9 @@ _SENTINEL: Final = "\ue000compactd-content\ue001"  # private-use characters: nev
 # Probe contents that check a template inserts a message's content verbatim (no trimming, no
 # escaping): plain, with a special token, with inner newlines.
 _PROBES: Final = ("alpha beta", "x <|im_end|> \u03b3 12", "line one\nline two")
+# Probes with surrounding whitespace: a role passing them takes such content verbatim too (Qwen's
+# user and tool turns; not its assistant turns, whose content it strips of leading newlines).
+_SPACED_PROBES: Final = (" lead", "trail\n", "\n\nboth \n\t")
 
 # Neighbourhoods a message is inserted into: (before, after). Dummy messages carry "x".
 _CALL: Final = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": {}}}
@@ -219,7 +222,7 @@ class TemplatePricing:
         self._base: dict[str, int] = {}
         self._framing: dict[tuple[str | None, str], int] = {}
         self._system: tuple[str, int] = ("", 0)
-        self._shapes: dict[str, str | None] = {}
+        self._shapes: dict[tuple[str, bool], str | None] = {}
         # Content the template inspects (tag-like literals such as "</think>", special tokens)
         # takes the full rendering: the template may branch on it.
         self._guard = _literal_guard(template.source, counter.specials)
@@ -254,24 +257,26 @@ class TemplatePricing:
 
     def _spliced(self, message: ChatMessage) -> int | None:
         content = message.get("content")
-        if not isinstance(content, str) or not content or content != content.strip():
+        if not isinstance(content, str) or not content:
             return None
         if set(message) - {"role", "content", "tool_call_id", "name"}:
             return None
         if self._guard is not None and self._guard.search(content):
             return None
-        shape = self._shape(message["role"])
+        shape = self._shape(message["role"], spaced=content != content.strip())
         if shape is None:
             return None
         return self.counter.count_fresh(shape.replace(_SENTINEL, content)) - self._base_tokens(
             message["role"]
         )
 
-    def _shape(self, role: str) -> str | None:
+    def _shape(self, role: str, *, spaced: bool) -> str | None:
         """The rendering of ``role``'s neighbourhood with the sentinel as the message content,
-        or None when the template does not insert content verbatim for that role."""
-        if role in self._shapes:
-            return self._shapes[role]
+        or None when the template does not insert content verbatim for that role (``spaced``:
+        content with leading or trailing whitespace)."""
+        key = (role, spaced)
+        if key in self._shapes:
+            return self._shapes[key]
         before, after = _CONTEXTS.get(role, _CONTEXTS["user"])
 
         def render(content: str, variant: int) -> str:
@@ -282,14 +287,15 @@ class TemplatePricing:
 
         shape: str | None = render(_SENTINEL, 0)
         assert shape is not None
+        probes = _PROBES + (_SPACED_PROBES if spaced else ())
         if shape.count(_SENTINEL) != 1:
             shape = None
         else:
-            for variant, probe in enumerate(_PROBES, start=1):
+            for variant, probe in enumerate(probes, start=1):
                 if render(probe, variant) != shape.replace(_SENTINEL, probe):
                     shape = None
                     break
-        self._shapes[role] = shape
+        self._shapes[key] = shape
         return shape
 
     def system_tokens(self, text: str) -> int:
