@@ -12,6 +12,7 @@ import functools
 import json
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -310,3 +311,66 @@ def test_a_jinja_file_overrides_the_configs_template(tmp_path: Any) -> None:
     assert profile.template is not None
     assert profile.template_key != template_profile(QWEN3_TOKENIZER).template_key
     assert profile.template.self_check() == 0
+
+
+# ---- a real llama.cpp server: SmolLM2 with the Qwen2.5 tools template --------------------------
+
+SMOLLM2 = Path(__file__).resolve().parents[1] / "data" / "smollm2"
+
+
+def _events(record: dict[str, Any]) -> list[SessionEvent]:
+    tools = [
+        tool(t["function"]["name"], json.dumps(t["function"]["parameters"]),
+             t["function"]["description"])
+        for t in record["tools"]
+    ]  # fmt: skip
+    events = [header("local", "smollm2", tools=tools)]
+    for message in record["messages"]:
+        role, content = message["role"], message["content"]
+        if role == "system":
+            events.append(system(content))
+        elif role == "user":
+            events.append(user(content))
+        elif role == "tool":
+            events.append(tool_result(message["tool_call_id"], content))
+        else:
+            calls = [
+                (c["id"], c["function"]["name"], c["function"]["arguments"])
+                for c in message.get("tool_calls", [])
+            ]
+            events.append(assistant(content, calls=calls))
+    return events
+
+
+def test_requests_match_a_real_llama_cpp_server_to_zero_tokens() -> None:
+    # fixture.json was recorded once from llama.cpp's llama-server (make_fixture.py beside it):
+    # its own rendering, its token count, and the prompt_tokens it billed for a completion.
+    route = Route(
+        "local", "smollm2", 8192, tokenizer_file=str(SMOLLM2 / "tokenizer.json"),
+        chat_template=str(SMOLLM2 / "smollm2-tools.jinja"), sends_reasoning=False,
+    )  # fmt: skip
+    template = route.pricing.template
+    assert template is not None
+    records = json.loads((SMOLLM2 / "fixture.json").read_text(encoding="utf-8"))
+    assert len(records) >= 5
+    for record in records:
+        fold = SessionFold()
+        meter = SessionMeter(fold)
+        meter.observe(fold, fold.admit(_events(record)))
+        measured = meter.measure(fold, route)
+        assert measured.method is Method.EXACT
+        assert measured.total == record["tokens"]
+        assert record.get("prompt_tokens", record["tokens"]) == record["tokens"]
+        messages = [_parsed_arguments(m) for m in record["messages"]]
+        assert template.template.render(messages, record["tools"] or None) == record["prompt"]
+
+
+def _parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    """A wire message with its tool-call arguments parsed, as vLLM and llama.cpp render them."""
+    if "tool_calls" not in message:
+        return message
+    calls = []
+    for call in message["tool_calls"]:
+        function = {**call["function"], "arguments": json.loads(call["function"]["arguments"])}
+        calls.append({**call, "function": function})
+    return {**message, "tool_calls": calls}
