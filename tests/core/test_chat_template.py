@@ -374,3 +374,39 @@ def _parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
         function = {**call["function"], "arguments": json.loads(call["function"]["arguments"])}
         calls.append({**call, "function": function})
     return {**message, "tool_calls": calls}
+
+
+# ---- the splice: a verified rendering with the strings put in, never the template per message --
+
+arguments = st.dictionaries(st.sampled_from(["cmd", "path", "n"]), st.one_of(texts, st.integers()))
+chat_messages = st.one_of(
+    st.builds(lambda t: {"role": "user", "content": t}, texts),
+    st.builds(lambda t: {"role": "tool", "content": t, "tool_call_id": "c", "name": "run"}, texts),
+    st.builds(lambda t: {"role": "system", "content": t}, texts),
+    st.builds(
+        lambda t, args: {"role": "assistant", "content": t, "tool_calls": [
+            {"id": f"call_{i}", "type": "function", "function": {"name": "run", "arguments": a}}
+            for i, a in enumerate(args)]},
+        texts, st.lists(arguments, max_size=3),
+    ),
+)  # fmt: skip
+
+
+@settings(max_examples=200)
+@given(chat_messages)
+def test_a_spliced_price_equals_the_rendered_price(message: ChatMessage) -> None:
+    template = qwen3()
+    assert template.message_tokens(message) == template.message_tokens(message, splice=False)
+
+
+def test_plain_messages_and_tool_calls_take_the_splice() -> None:
+    template = qwen3()
+    call = {"id": "c1", "type": "function", "function": {"name": "run", "arguments": {"a": 1}}}
+    for message in (
+        {"role": "user", "content": SAMPLES["prose"]},
+        {"role": "tool", "content": SAMPLES["json"] + "\n", "tool_call_id": "c1", "name": "run"},
+        {"role": "assistant", "content": "", "tool_calls": [call, call]},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [call]},
+    ):
+        assert template._spliced(message) is not None
+    assert template._spliced({"role": "user", "content": SAMPLES["special"]}) is None  # guarded

@@ -178,7 +178,14 @@ class SegmentCounter:
 
 
 _SHORT: Final = 64  # stretches up to this length are cached
-_SENTINEL: Final = "\ue000compactd-content\ue001"  # private-use characters: never in a template
+
+
+def _sentinel(index: int) -> str:
+    """Placeholder ``index`` of a spliced rendering (private-use characters: never in a
+    template, and content holding them takes the full rendering)."""
+    return f"\ue000compactd-{index}\ue001"
+
+
 # Probe contents that check a template inserts a message's content verbatim (no trimming, no
 # escaping): plain, with a special token, with inner newlines.
 _PROBES: Final = ("alpha beta", "x <|im_end|> \u03b3 12", "line one\nline two")
@@ -222,25 +229,26 @@ class TemplatePricing:
         self._base: dict[str, int] = {}
         self._framing: dict[tuple[str | None, str], int] = {}
         self._system: tuple[str, int] = ("", 0)
-        self._shapes: dict[tuple[str, bool], str | None] = {}
+        self._shapes: dict[tuple[str, int, bool, bool], str | None] = {}
         # Content the template inspects (tag-like literals such as "</think>", special tokens)
         # takes the full rendering: the template may branch on it.
         self._guard = _literal_guard(template.source, counter.specials)
 
     # ---- messages -------------------------------------------------------------------------
 
-    def message_tokens(self, message: ChatMessage) -> int:
+    def message_tokens(self, message: ChatMessage, *, splice: bool = True) -> int:
         """What ``message`` adds to a rendering (a system message: one after the head).
 
         An assistant message with tool calls is priced with one result per call after it, less
         those results' own prices: it carries what a run of results adds once (Qwen's
         ``<|im_start|>user`` around the run, for instance).
 
-        A message of plain content whose role's rendering inserts content verbatim (checked
-        once per role with probe contents) is priced from that rendering with the content
-        spliced in, without running the template again.
+        A message whose rendering inserts its strings verbatim (content, tool-call ids, names,
+        and arguments as their ``tojson`` text; checked once per shape with probe messages) is
+        priced from that rendering with its strings spliced in, without running the template
+        again (``splice=False`` renders anyway: the reference the splice is tested against).
         """
-        fast = self._spliced(message)
+        fast = self._spliced(message) if splice else None
         if fast is not None:
             return fast
         role = message["role"]
@@ -256,45 +264,86 @@ class TemplatePricing:
         return tokens
 
     def _spliced(self, message: ChatMessage) -> int | None:
+        """The price from a verified rendering with the message's strings spliced in, or None
+        when the message or its role's rendering does not allow it."""
         content = message.get("content")
-        if not isinstance(content, str) or not content:
+        if not isinstance(content, str) or (not content and "tool_calls" not in message):
             return None
-        if set(message) - {"role", "content", "tool_call_id", "name"}:
+        if set(message) - {"role", "content", "tool_call_id", "name", "tool_calls"}:
             return None
-        if self._guard is not None and self._guard.search(content):
+        role = message["role"]
+        values = [content]
+        calls = message.get("tool_calls") or ()
+        for call in calls:
+            function = call.get("function") or {}
+            arguments = function.get("arguments")
+            if not isinstance(arguments, dict) or set(call) != {"id", "type", "function"}:
+                return None
+            values += [str(call["id"]), str(function.get("name", "")), _tojson(arguments)]
+        if any(self._unsafe(v) for v in values):
             return None
-        shape = self._shape(message["role"], spaced=content != content.strip())
+        key = (role, len(calls), bool(content), content != content.strip())
+        shape = self._shape(key)
         if shape is None:
             return None
-        return self.counter.count_fresh(shape.replace(_SENTINEL, content)) - self._base_tokens(
-            message["role"]
-        )
+        text = shape
+        for index, value in enumerate(values):
+            text = text.replace(_sentinel(index), value)
+        tokens = self.counter.count_fresh(text) - self._base_tokens(role)
+        return tokens - len(calls) * self._dummy_tool_price if calls else tokens
 
-    def _shape(self, role: str, *, spaced: bool) -> str | None:
-        """The rendering of ``role``'s neighbourhood with the sentinel as the message content,
-        or None when the template does not insert content verbatim for that role (``spaced``:
-        content with leading or trailing whitespace)."""
-        key = (role, spaced)
+    def _unsafe(self, value: str) -> bool:
+        guard = self._guard
+        return "\ue000" in value or (guard is not None and guard.search(value) is not None)
+
+    def _shape(self, key: tuple[str, int, bool, bool]) -> str | None:
+        """The rendering of a message of shape ``key`` (role, tool calls, has content, content
+        with surrounding whitespace) in its neighbourhood, with sentinels for its strings; None
+        when probe messages show the template does not insert them verbatim."""
         if key in self._shapes:
             return self._shapes[key]
+        role, calls, has_content, spaced = key
         before, after = _CONTEXTS.get(role, _CONTEXTS["user"])
+        results = (_TOOL,) * calls
 
-        def render(content: str, variant: int) -> str:
-            probe: ChatMessage = {"role": role, "content": content}
+        def message(values: Sequence[str], arguments: Sequence[Any], variant: int) -> ChatMessage:
+            built: ChatMessage = {"role": role, "content": values[0]}
             if role == "tool":
-                probe["tool_call_id"], probe["name"] = f"call_{variant}", f"tool{variant}"
-            return self.template.render([*before, probe, *after], add_generation_prompt=False)
+                built["tool_call_id"], built["name"] = f"call_{variant}", f"tool{variant}"
+            if calls:
+                built["tool_calls"] = [
+                    {"id": values[1 + 3 * i], "type": "function",
+                     "function": {"name": values[2 + 3 * i], "arguments": arguments[i]}}
+                    for i in range(calls)
+                ]  # fmt: skip
+            return built
 
-        shape: str | None = render(_SENTINEL, 0)
+        def render(values: Sequence[str], arguments: Sequence[Any], variant: int) -> str:
+            built = message(values, arguments, variant)
+            return self.template.render(
+                [*before, built, *results, *after], add_generation_prompt=False
+            )
+
+        count = 1 + 3 * calls
+        sentinels = [_sentinel(i) for i in range(count)]
+        # The arguments of the shape are strings (spliced text); a template that renders object
+        # arguments differently from their tojson text fails the probes below.
+        shape_values = [sentinels[0] if has_content else "", *sentinels[1:]]
+        shape: str | None = render(shape_values, sentinels[3::3], 0)  # ids may not be rendered
         assert shape is not None
-        probes = _PROBES + (_SPACED_PROBES if spaced else ())
-        if shape.count(_SENTINEL) != 1:
-            shape = None
-        else:
-            for variant, probe in enumerate(probes, start=1):
-                if render(probe, variant) != shape.replace(_SENTINEL, probe):
-                    shape = None
-                    break
+        contents = _PROBES + (_SPACED_PROBES if spaced else ())
+        for variant, probe in enumerate(contents, start=1):
+            if shape is None:
+                break
+            arguments = [{"path": f"a{variant}.py", "n": [variant, "\u03b3"]}] * calls
+            values = [probe if has_content else ""]
+            for i in range(calls):
+                values += [f"call_{variant}_{i}", f"tool_{variant}_{i}", _tojson(arguments[i])]
+            expected = shape
+            for index, value in enumerate(values):
+                expected = expected.replace(_sentinel(index), value)
+            if render(values, arguments, variant) != expected:
+                shape = None
         self._shapes[key] = shape
         return shape
 
