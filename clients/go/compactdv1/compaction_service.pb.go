@@ -290,7 +290,8 @@ type PressureBreakdown struct {
 	ConfigTokens int64 `protobuf:"varint,5,opt,name=config_tokens,json=configTokens,proto3" json:"config_tokens,omitempty"`
 	// How the total was obtained.
 	Method MeasurementMethod `protobuf:"varint,6,opt,name=method,proto3,enum=compactd.v1.MeasurementMethod" json:"method,omitempty"`
-	// Tokenizer name (`cl100k_base`, `deepseek-v4`, `heuristic`).
+	// Tokenizer name (`cl100k_base`, `o200k_base`, `deepseek-v4`, `heuristic`, or `hf:<digest>`
+	// for an open model's tokenizer.json).
 	Tokenizer string `protobuf:"bytes,7,opt,name=tokenizer,proto3" json:"tokenizer,omitempty"`
 	// For ANCHORED: the seq of the assistant message whose usage anchors the total.
 	AnchorSeq int64 `protobuf:"varint,8,opt,name=anchor_seq,json=anchorSeq,proto3" json:"anchor_seq,omitempty"`

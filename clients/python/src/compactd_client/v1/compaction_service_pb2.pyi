@@ -203,7 +203,9 @@ class PressureBreakdown(_message.Message):
     method: Global___MeasurementMethod.ValueType
     """How the total was obtained."""
     tokenizer: _builtins.str
-    """Tokenizer name (`cl100k_base`, `deepseek-v4`, `heuristic`)."""
+    """Tokenizer name (`cl100k_base`, `o200k_base`, `deepseek-v4`, `heuristic`, or `hf:<digest>`
+    for an open model's tokenizer.json).
+    """
     anchor_seq: _builtins.int
     """For ANCHORED: the seq of the assistant message whose usage anchors the total."""
     error_bound: _builtins.float

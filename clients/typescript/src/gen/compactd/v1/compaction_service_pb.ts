@@ -67,7 +67,8 @@ export type PressureBreakdown = Message<"compactd.v1.PressureBreakdown"> & {
   method: MeasurementMethod;
 
   /**
-   * Tokenizer name (`cl100k_base`, `deepseek-v4`, `heuristic`).
+   * Tokenizer name (`cl100k_base`, `o200k_base`, `deepseek-v4`, `heuristic`, or `hf:<digest>`
+   * for an open model's tokenizer.json).
    *
    * @generated from field: string tokenizer = 7;
    */
