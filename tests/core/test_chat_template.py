@@ -410,3 +410,13 @@ def test_plain_messages_and_tool_calls_take_the_splice() -> None:
     ):
         assert template._spliced(message) is not None
     assert template._spliced({"role": "user", "content": SAMPLES["special"]}) is None  # guarded
+
+
+def test_profile_keys_are_stable_text_and_tell_templates_apart() -> None:
+    profile = template_profile(QWEN3_TOKENIZER)
+    assert profile.key == template_profile(QWEN3_TOKENIZER).key
+    assert profile.key.startswith(profile.template_key.split(":")[0])
+    assert profile.template_key in profile.key
+    other = template_profile(QWEN3_TOKENIZER, image_pricing=ImagePricing(per_image=10))
+    assert other.key != profile.key
+    assert other != profile

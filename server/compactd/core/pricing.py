@@ -196,6 +196,21 @@ class PricingProfile:
         """Whether the tokenizer is exact."""
         return self.tokenizer.exact
 
+    @property
+    def key(self) -> str:
+        """A stable text identity of the profile, equal for equal profiles in every process
+        (tokenizer name, template digests, framing, image pricing, reasoning): what persisted
+        prices can be keyed by."""
+        f, images = self.framing, self.image_pricing
+        framing = ",".join(map(str, (f.per_message, f.per_system, f.per_block, f.per_tool_call,
+                                     f.per_tool, f.per_tools, f.per_request)))  # fmt: skip
+        image = "-" if images is None else ",".join(
+            map(str, (images.per_image, images.per_tile, images.tile_side, images.max_side,
+                      images.short_side))
+        )  # fmt: skip
+        reasoning = "r" if self.sends_reasoning else "n"
+        return f"{self.tokenizer_name}|{self.template_key}|{framing}|{image}|{reasoning}"
+
 
 HEURISTIC = PricingProfile(HeuristicTokenizer(), HEURISTIC_FRAMING)
 
