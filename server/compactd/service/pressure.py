@@ -25,6 +25,7 @@ from compactd.errors import FailedPrecondition
 from compactd.routes import Route, RouteCatalog
 from compactd.service.calibration import UsageCalibration, annotate, estimated
 from compactd.service.sessions import SessionHandle, SessionManager
+from compactd.tokenizers import unavailable
 from compactd.v1 import compaction_service_pb2, events_pb2
 
 PressureReport = compaction_service_pb2.PressureReport
@@ -199,8 +200,14 @@ class PressureService:
 
 
 def route_fallbacks(routes: RouteCatalog) -> dict[str, str]:
-    """Routes that name a tokenizer or template they cannot load, with why (loads each once)."""
-    return {route.name: route.pricing.fallback for route in routes if route.pricing.fallback}
+    """Routes whose tokenizer or template files are missing, with why (checked without loading
+    any tokenizer; the route's reports say it again)."""
+    found = {}
+    for route in routes:
+        reason = unavailable(route.tokenizer, route.tokenizer_file, route.chat_template)
+        if reason:
+            found[route.name] = reason
+    return found
 
 
 def _anchor_age(handle: SessionHandle, measured: Measurement) -> tuple[int, float] | None:
