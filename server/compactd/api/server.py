@@ -63,6 +63,7 @@ class RunningServer:
     config: ServerConfig
     tracer_provider: trace.TracerProvider
     owns_tracer_provider: bool = False
+    pressure: PressureService | None = None  # calibration stats for plan/inspect views, metrics
 
     @property
     def address(self) -> str:
@@ -153,7 +154,7 @@ async def create_server(
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("compactd serving", extra={"listen": f"{host}:{bound}", "store": config.store})
     return RunningServer(
-        server, bound, store, manager, health_servicer, config, provider, owns_provider
+        server, bound, store, manager, health_servicer, config, provider, owns_provider, pressure
     )
 
 
