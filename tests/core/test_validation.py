@@ -151,27 +151,6 @@ def test_offload_image_indexes_must_be_non_empty_and_non_negative(indexes: list[
     assert fields([offload({0: indexes})]) == ["events[0].image_offload.targets[0].image_indexes"]
 
 
-def test_an_offload_selects_at_least_one_target() -> None:
-    assert fields([SessionEvent(image_offload=events_pb2.ImageOffload())]) == [
-        "events[0].image_offload.targets"
-    ]
-
-
-def test_an_offload_names_each_node_once() -> None:
-    event = offload({3: [0]})
-    event.image_offload.targets.add(seq=3, image_indexes=[1])
-    (violation,) = violations([event])
-    assert violation.field == "events[0].image_offload.targets[1].seq"
-    assert "repeats targets[0]" in violation.description
-
-
-@pytest.mark.parametrize("indexes", [[1, 0], [0, 0], [0, 2, 1]])
-def test_offload_image_indexes_must_be_strictly_increasing(indexes: list[int]) -> None:
-    (violation,) = violations([offload({0: indexes})])
-    assert violation.field == "events[0].image_offload.targets[0].image_indexes"
-    assert "strictly increasing" in violation.description
-
-
 def test_every_violation_in_the_batch_is_reported_in_order() -> None:
     seq_set = user("a")
     seq_set.seq = 1

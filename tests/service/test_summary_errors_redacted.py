@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from compactd.redaction import REDACTED
 from compactd.testing.openai_server import OpenAICompatServer, Reply
+from compactd.v1 import compaction_service_pb2 as cpb
 from tests.api.rpc import details
 from tests.compaction_fixtures import POLICY, PROVIDER, loopback, opening, started, units
 
@@ -112,3 +113,23 @@ async def test_credentials_in_a_routes_base_url_are_never_logged_stored_or_retur
     for place in [returned.message, *stored, _span_text(exporter), caplog.text]:
         assert PASSWORD not in place
         assert "alice:" not in place
+
+
+async def test_a_classified_provider_error_returns_no_credentials(
+    tmp_path: Path, loop: OpenAICompatServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(KEY_VARIABLE, "configured-key-value-77")
+    route = _summary_route(base_url=loop.base_url, api_key_env=KEY_VARIABLE)
+    body = (
+        '{"error":{"message":"Incorrect API key provided: sk-proj-EchoedKey0123456789; '
+        'sent configured-key-value-77","code":"invalid_api_key"}}'
+    )
+    raw = cpb.RawProviderError(http_status=401, body=body.encode())
+    async with started(tmp_path, loop, routes=[route]) as h:
+        reply = await h.compaction.ClassifyProviderError(cpb.ClassifyProviderErrorRequest(raw=raw))
+    classification = reply.classification
+    assert classification.reason == "UNAUTHENTICATED"
+    for text in (classification.message, classification.error.message):
+        assert "Incorrect API key provided" in text
+        assert "EchoedKey0123456789" not in text
+        assert "configured-key-value-77" not in text

@@ -11,7 +11,7 @@ import pytest
 
 from compactd.core import prompts
 from compactd.providers.openai_wire import SSEDecoder
-from compactd.testing import OpenAICompatServer, Reply, ScriptedToolCall
+from compactd.testing import OpenAICompatServer, Reply, ScriptedToolCall, provider_errors
 
 
 @pytest.fixture
@@ -115,6 +115,28 @@ def test_an_error_message_can_echo_the_authorization_header(provider: OpenAIComp
     assert reply.status_code == 401
     assert reply.json()["error"]["message"] == (
         "Incorrect API key provided: Bearer sk-echoed-1234567890."
+    )
+
+
+def test_provider_error_bodies_are_sent_byte_for_byte_with_their_status(
+    provider: OpenAICompatServer,
+) -> None:
+    anthropic = provider_errors.overflow("anthropic", window=200000, prompt_tokens=210000)
+    provider.enqueue(
+        anthropic, provider_errors.overflow("llama.cpp", window=2048, prompt_tokens=3031)
+    )
+
+    first = httpx.post(f"{provider.base_url}/chat/completions", json=_body(True))
+    second = httpx.post(f"{provider.base_url}/chat/completions", json=_body(False))
+
+    assert (first.status_code, first.text) == (400, anthropic.body)
+    assert first.json()["type"] == "error"
+    assert second.status_code == 400
+    error = second.json()["error"]
+    assert (error["code"], error["type"], error["n_ctx"]) == (
+        400,
+        "exceed_context_size_error",
+        2048,
     )
 
 

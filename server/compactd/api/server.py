@@ -31,9 +31,12 @@ from compactd.errors import StartupError
 from compactd.providers.base import Summarizer
 from compactd.routes import RouteCatalog
 from compactd.service.compaction import CompactionEngine, SummaryErrorRecovery
+from compactd.service.offload import ImageOffloadRecovery
 from compactd.service.pressure import PressureService
+from compactd.service.recovery import RecoveryService
 from compactd.service.sessions import SessionManager
 from compactd.service.summarizers import SummarizerRegistry, SummarizerSettings
+from compactd.service.switch import SwitchService
 from compactd.store.base import EventStore
 from compactd.store.factory import open_store
 from compactd.v1 import (
@@ -63,6 +66,7 @@ class RunningServer:
     config: ServerConfig
     tracer_provider: trace.TracerProvider
     owns_tracer_provider: bool = False
+    pressure: PressureService | None = None  # calibration stats for plan/inspect views, metrics
     uninstall_redaction: Callable[[], None] | None = None
 
     @property
@@ -115,7 +119,8 @@ async def create_server(
     ``tracer_provider`` defaults to one built from the OTEL_* environment (owned and shut down by
     the returned server); gRPC server spans join the caller's W3C trace context. ``summarizer``
     replaces every route's summarizer (a deployment's own, or a test's); ``summary_recoveries``
-    run in the bracket's summary-error step (see ``SummaryErrorRecovery``).
+    run in the bracket's summary-error step (see ``SummaryErrorRecovery``), before the always-on
+    ``ImageOffloadRecovery``.
 
     Raises:
         ConfigError: A setting is invalid (the message names it), or the store's folder is
@@ -158,9 +163,11 @@ async def _start(
         SummarizerRegistry(parts.routes, parts.summarizer, override=summarizer),
         pruner=parts.pruner,
         tracer_provider=provider,
-        recoveries=summary_recoveries,
+        recoveries=(*summary_recoveries, ImageOffloadRecovery()),
         redact=redactor,
     )
+    recovery = RecoveryService(manager, pressure, engine, parts.pruner)
+    switch = SwitchService(manager, pressure, engine)
     telemetry.quiet_cancelled_stream_detach()
     chain = interceptors.chain(
         provider,
@@ -172,7 +179,7 @@ async def _start(
         SessionServicer(manager, max_batch_events=config.max_batch_events), server
     )
     compaction_service_pb2_grpc.add_CompactionServiceServicer_to_server(
-        CompactionServicer(pressure, engine), server
+        CompactionServicer(pressure, engine, recovery, switch), server
     )
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -187,7 +194,16 @@ async def _start(
     uninstall = redaction.install(redactor)  # every log line, from here on
     log.info("compactd serving", extra={"listen": f"{host}:{bound}", "store": config.store})
     return RunningServer(
-        server, bound, store, manager, health_servicer, config, provider, owns_provider, uninstall
+        server,
+        bound,
+        store,
+        manager,
+        health_servicer,
+        config,
+        provider,
+        owns_provider,
+        pressure,
+        uninstall,
     )
 
 

@@ -54,11 +54,25 @@ class _MeasurementMethodEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Mea
     MEASUREMENT_METHOD_UNSPECIFIED: _MeasurementMethod.ValueType  # 0
     """Not set."""
     MEASUREMENT_METHOD_EXACT: _MeasurementMethod.ValueType  # 1
-    """The route's exact tokenizer."""
+    """Exact: the route's tokenizer and chat template are known (open-model routes): the count is
+    the template's rendering of the request, tokenized as the server tokenizes it.
+    """
     MEASUREMENT_METHOD_ANCHORED: _MeasurementMethod.ValueType  # 2
-    """Anchored on provider-reported usage plus a priced delta."""
+    """Anchored on provider-reported usage plus a priced delta (`anchor_seq`, `anchor_age_*`)."""
     MEASUREMENT_METHOD_HEURISTIC: _MeasurementMethod.ValueType  # 3
-    """The reference heuristic (4 UTF-16 code units per token plus structural overhead)."""
+    """The reference heuristic (4 UTF-16 code units per token plus structural overhead): a route
+    without a tokenizer, or one whose tokenizer is unavailable (see `warnings`).
+    """
+    MEASUREMENT_METHOD_ESTIMATED: _MeasurementMethod.ValueType  # 4
+    """Estimated: a route whose provider publishes no tokenizer (Anthropic, Gemini), priced by the
+    heuristic scaled by the ratio the provider's usage has shown (`calibration_*`), within
+    `error_bound`.
+    """
+    MEASUREMENT_METHOD_TOKENIZER: _MeasurementMethod.ValueType  # 5
+    """The route's exact tokenizer with its family's published chat framing (OpenAI, DeepSeek): text
+    counts are exact; tool declarations and message framing follow the provider's documentation
+    where it publishes them and are estimated where it does not.
+    """
 
 class MeasurementMethod(_MeasurementMethod, metaclass=_MeasurementMethodEnumTypeWrapper):
     """How a measurement was obtained."""
@@ -66,11 +80,25 @@ class MeasurementMethod(_MeasurementMethod, metaclass=_MeasurementMethodEnumType
 MEASUREMENT_METHOD_UNSPECIFIED: MeasurementMethod.ValueType  # 0
 """Not set."""
 MEASUREMENT_METHOD_EXACT: MeasurementMethod.ValueType  # 1
-"""The route's exact tokenizer."""
+"""Exact: the route's tokenizer and chat template are known (open-model routes): the count is
+the template's rendering of the request, tokenized as the server tokenizes it.
+"""
 MEASUREMENT_METHOD_ANCHORED: MeasurementMethod.ValueType  # 2
-"""Anchored on provider-reported usage plus a priced delta."""
+"""Anchored on provider-reported usage plus a priced delta (`anchor_seq`, `anchor_age_*`)."""
 MEASUREMENT_METHOD_HEURISTIC: MeasurementMethod.ValueType  # 3
-"""The reference heuristic (4 UTF-16 code units per token plus structural overhead)."""
+"""The reference heuristic (4 UTF-16 code units per token plus structural overhead): a route
+without a tokenizer, or one whose tokenizer is unavailable (see `warnings`).
+"""
+MEASUREMENT_METHOD_ESTIMATED: MeasurementMethod.ValueType  # 4
+"""Estimated: a route whose provider publishes no tokenizer (Anthropic, Gemini), priced by the
+heuristic scaled by the ratio the provider's usage has shown (`calibration_*`), within
+`error_bound`.
+"""
+MEASUREMENT_METHOD_TOKENIZER: MeasurementMethod.ValueType  # 5
+"""The route's exact tokenizer with its family's published chat framing (OpenAI, DeepSeek): text
+counts are exact; tool declarations and message framing follow the provider's documentation
+where it publishes them and are estimated where it does not.
+"""
 Global___MeasurementMethod: _TypeAlias = MeasurementMethod  # noqa: Y015
 
 class _CompactionStep:
@@ -95,6 +123,10 @@ class _CompactionStepEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Compac
     """`compaction/end` was appended."""
     COMPACTION_STEP_MEASURE: _CompactionStep.ValueType  # 7
     """The pressure was re-measured."""
+    COMPACTION_STEP_OFFLOAD: _CompactionStep.ValueType  # 8
+    """An `image/offload` was appended."""
+    COMPACTION_STEP_HEADER: _CompactionStep.ValueType  # 9
+    """The destination `request/header` of a model switch was appended."""
 
 class CompactionStep(_CompactionStep, metaclass=_CompactionStepEnumTypeWrapper):
     """A step of a compaction, as streamed to the caller."""
@@ -115,6 +147,10 @@ COMPACTION_STEP_END: CompactionStep.ValueType  # 6
 """`compaction/end` was appended."""
 COMPACTION_STEP_MEASURE: CompactionStep.ValueType  # 7
 """The pressure was re-measured."""
+COMPACTION_STEP_OFFLOAD: CompactionStep.ValueType  # 8
+"""An `image/offload` was appended."""
+COMPACTION_STEP_HEADER: CompactionStep.ValueType  # 9
+"""The destination `request/header` of a model switch was appended."""
 Global___CompactionStep: _TypeAlias = CompactionStep  # noqa: Y015
 
 class _ProviderErrorKind:
@@ -141,6 +177,62 @@ PROVIDER_ERROR_KIND_IMAGE_OFFLOAD_REQUIRED: ProviderErrorKind.ValueType  # 2
 """The request carried more images than the route accepts."""
 Global___ProviderErrorKind: _TypeAlias = ProviderErrorKind  # noqa: Y015
 
+class _RecoveryDecline:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RecoveryDeclineEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RecoveryDecline.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    RECOVERY_DECLINE_UNSPECIFIED: _RecoveryDecline.ValueType  # 0
+    """Not set: a retry is authorized."""
+    RECOVERY_DECLINE_RETRIES_EXHAUSTED: _RecoveryDecline.ValueType  # 1
+    """`retries_so_far` reached the route's `maxOverflowRetries` (0 disables overflow recovery)."""
+    RECOVERY_DECLINE_AUTO_DISABLED: _RecoveryDecline.ValueType  # 2
+    """The route's policy has `auto` off: no automatic overflow recovery."""
+    RECOVERY_DECLINE_ENVELOPE_ONLY: _RecoveryDecline.ValueType  # 3
+    """System prompt, tools and framing alone do not fit the window (see `figures`)."""
+    RECOVERY_DECLINE_INDIVISIBLE_UNIT: _RecoveryDecline.ValueType  # 4
+    """The history after the system head is one indivisible unit, still over the window."""
+    RECOVERY_DECLINE_NOTHING_SELECTABLE: _RecoveryDecline.ValueType  # 5
+    """Nothing can be condensed (no history, or only the previous checkpoint)."""
+    RECOVERY_DECLINE_OPEN_TAIL: _RecoveryDecline.ValueType  # 6
+    """A tool call still waits for its results."""
+    RECOVERY_DECLINE_COMPACTION_FAILED: _RecoveryDecline.ValueType  # 7
+    """The compaction failed and nothing else changed the surface (see `cause`)."""
+    RECOVERY_DECLINE_NO_IMAGES: _RecoveryDecline.ValueType  # 8
+    """No input image is left to offload."""
+    RECOVERY_DECLINE_OFFLOAD_COUNT_UNKNOWN: _RecoveryDecline.ValueType  # 9
+    """IMAGE_OFFLOAD_REQUIRED without a count the provider stated or compactd could derive."""
+    RECOVERY_DECLINE_NOT_RECOVERABLE: _RecoveryDecline.ValueType  # 10
+    """The raw error is not one compactd recovers from (a rate limit, say: see `classification`)."""
+
+class RecoveryDecline(_RecoveryDecline, metaclass=_RecoveryDeclineEnumTypeWrapper):
+    """Why RecoverFromError authorizes no retry."""
+
+RECOVERY_DECLINE_UNSPECIFIED: RecoveryDecline.ValueType  # 0
+"""Not set: a retry is authorized."""
+RECOVERY_DECLINE_RETRIES_EXHAUSTED: RecoveryDecline.ValueType  # 1
+"""`retries_so_far` reached the route's `maxOverflowRetries` (0 disables overflow recovery)."""
+RECOVERY_DECLINE_AUTO_DISABLED: RecoveryDecline.ValueType  # 2
+"""The route's policy has `auto` off: no automatic overflow recovery."""
+RECOVERY_DECLINE_ENVELOPE_ONLY: RecoveryDecline.ValueType  # 3
+"""System prompt, tools and framing alone do not fit the window (see `figures`)."""
+RECOVERY_DECLINE_INDIVISIBLE_UNIT: RecoveryDecline.ValueType  # 4
+"""The history after the system head is one indivisible unit, still over the window."""
+RECOVERY_DECLINE_NOTHING_SELECTABLE: RecoveryDecline.ValueType  # 5
+"""Nothing can be condensed (no history, or only the previous checkpoint)."""
+RECOVERY_DECLINE_OPEN_TAIL: RecoveryDecline.ValueType  # 6
+"""A tool call still waits for its results."""
+RECOVERY_DECLINE_COMPACTION_FAILED: RecoveryDecline.ValueType  # 7
+"""The compaction failed and nothing else changed the surface (see `cause`)."""
+RECOVERY_DECLINE_NO_IMAGES: RecoveryDecline.ValueType  # 8
+"""No input image is left to offload."""
+RECOVERY_DECLINE_OFFLOAD_COUNT_UNKNOWN: RecoveryDecline.ValueType  # 9
+"""IMAGE_OFFLOAD_REQUIRED without a count the provider stated or compactd could derive."""
+RECOVERY_DECLINE_NOT_RECOVERABLE: RecoveryDecline.ValueType  # 10
+"""The raw error is not one compactd recovers from (a rate limit, say: see `classification`)."""
+Global___RecoveryDecline: _TypeAlias = RecoveryDecline  # noqa: Y015
+
 @_typing.final
 class PressureBreakdown(_message.Message):
     """Where the measured tokens are."""
@@ -155,6 +247,13 @@ class PressureBreakdown(_message.Message):
     METHOD_FIELD_NUMBER: _builtins.int
     TOKENIZER_FIELD_NUMBER: _builtins.int
     ANCHOR_SEQ_FIELD_NUMBER: _builtins.int
+    ERROR_BOUND_FIELD_NUMBER: _builtins.int
+    ANCHOR_AGE_EVENTS_FIELD_NUMBER: _builtins.int
+    ANCHOR_AGE_SECONDS_FIELD_NUMBER: _builtins.int
+    WARNINGS_FIELD_NUMBER: _builtins.int
+    CALIBRATION_RATIO_FIELD_NUMBER: _builtins.int
+    CALIBRATION_SAMPLES_FIELD_NUMBER: _builtins.int
+    UNSCALED_TOKENS_FIELD_NUMBER: _builtins.int
     system_tokens: _builtins.int
     """The system head."""
     tools_tokens: _builtins.int
@@ -168,9 +267,34 @@ class PressureBreakdown(_message.Message):
     method: Global___MeasurementMethod.ValueType
     """How the total was obtained."""
     tokenizer: _builtins.str
-    """Tokenizer name (`cl100k_base`, `deepseek-v4`, `heuristic`)."""
+    """Tokenizer name (`cl100k_base`, `o200k_base`, `deepseek-v4`, `heuristic`, or `hf:<digest>`
+    for an open model's tokenizer.json).
+    """
     anchor_seq: _builtins.int
     """For ANCHORED: the seq of the assistant message whose usage anchors the total."""
+    error_bound: _builtins.float
+    """The documented relative error bound of the total (0 for EXACT; for ESTIMATED and HEURISTIC
+    the worst error measured for the heuristic, or the residual of the calibration once usage
+    has calibrated the route); absent when no bound is known (TOKENIZER, ANCHORED).
+    """
+    anchor_age_events: _builtins.int
+    """For ANCHORED: events committed after the anchoring message."""
+    anchor_age_seconds: _builtins.float
+    """For ANCHORED: seconds between the anchoring message's commit time and the report."""
+    calibration_ratio: _builtins.float
+    """provider prompt tokens / compactd's count, over the route's recent requests that carried
+    usage (0 before the first); see the README's "Token truth".
+    """
+    calibration_samples: _builtins.int
+    """How many requests the calibration covers."""
+    unscaled_tokens: _builtins.int
+    """For ESTIMATED: the heuristic's total before the calibration scaled it."""
+    @_builtins.property
+    def warnings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """What the figure cannot vouch for, e.g. a route whose tokenizer file is missing and that is
+        priced with the heuristic instead.
+        """
+
     def __init__(
         self,
         *,
@@ -182,12 +306,21 @@ class PressureBreakdown(_message.Message):
         method: Global___MeasurementMethod.ValueType = ...,
         tokenizer: _builtins.str = ...,
         anchor_seq: _builtins.int = ...,
+        error_bound: _builtins.float | None = ...,
+        anchor_age_events: _builtins.int = ...,
+        anchor_age_seconds: _builtins.float = ...,
+        warnings: _abc.Iterable[_builtins.str] | None = ...,
+        calibration_ratio: _builtins.float = ...,
+        calibration_samples: _builtins.int = ...,
+        unscaled_tokens: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_error_bound", b"_error_bound", "error_bound", b"error_bound"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["anchor_seq", b"anchor_seq", "config_tokens", b"config_tokens", "images_tokens", b"images_tokens", "messages_tokens", b"messages_tokens", "method", b"method", "system_tokens", b"system_tokens", "tokenizer", b"tokenizer", "tools_tokens", b"tools_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error_bound", b"_error_bound", "anchor_age_events", b"anchor_age_events", "anchor_age_seconds", b"anchor_age_seconds", "anchor_seq", b"anchor_seq", "calibration_ratio", b"calibration_ratio", "calibration_samples", b"calibration_samples", "config_tokens", b"config_tokens", "error_bound", b"error_bound", "images_tokens", b"images_tokens", "messages_tokens", b"messages_tokens", "method", b"method", "system_tokens", b"system_tokens", "tokenizer", b"tokenizer", "tools_tokens", b"tools_tokens", "unscaled_tokens", b"unscaled_tokens", "warnings", b"warnings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__error_bound: _TypeAlias = _typing.Literal["error_bound"]  # noqa: Y015
+    _WhichOneofArgType__error_bound: _TypeAlias = _typing.Literal["_error_bound", b"_error_bound"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__error_bound) -> _WhichOneofReturnType__error_bound | None: ...
 
 Global___PressureBreakdown: _TypeAlias = PressureBreakdown  # noqa: Y015
 
@@ -479,8 +612,11 @@ class PrepareStepResult(_message.Message):
     COMPACTIONS_FIELD_NUMBER: _builtins.int
     WARNINGS_FIELD_NUMBER: _builtins.int
     REQUEST_FIELD_NUMBER: _builtins.int
+    HEADER_SEQ_FIELD_NUMBER: _builtins.int
     pruned_count: _builtins.int
     """`tool/result` nodes pruned."""
+    header_seq: _builtins.int
+    """Seq of the destination `request/header` appended when `intended_route` changed the route."""
     @_builtins.property
     def before(self) -> Global___PressureReport:
         """Pressure before anything was done."""
@@ -510,12 +646,15 @@ class PrepareStepResult(_message.Message):
         compactions: _abc.Iterable[Global___CompactionOutcome] | None = ...,
         warnings: _abc.Iterable[_builtins.str] | None = ...,
         request: _session_service_pb2.BuildRequestResponse | None = ...,
+        header_seq: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "before", b"before", "request", b"request"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_header_seq", b"_header_seq", "after", b"after", "before", b"before", "header_seq", b"header_seq", "request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "before", b"before", "compactions", b"compactions", "pruned_count", b"pruned_count", "request", b"request", "warnings", b"warnings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_header_seq", b"_header_seq", "after", b"after", "before", b"before", "compactions", b"compactions", "header_seq", b"header_seq", "pruned_count", b"pruned_count", "request", b"request", "warnings", b"warnings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__header_seq: _TypeAlias = _typing.Literal["header_seq"]  # noqa: Y015
+    _WhichOneofArgType__header_seq: _TypeAlias = _typing.Literal["_header_seq", b"_header_seq"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__header_seq) -> _WhichOneofReturnType__header_seq | None: ...
 
 Global___PrepareStepResult: _TypeAlias = PrepareStepResult  # noqa: Y015
 
@@ -647,33 +786,288 @@ Global___CompactResponse: _TypeAlias = CompactResponse  # noqa: Y015
 
 @_typing.final
 class ProviderError(_message.Message):
-    """A provider error, as classified by the runtime's adapter."""
+    """A provider error: classified by the runtime's adapter (`kind`), or raw for the service to
+    classify (`raw`).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     KIND_FIELD_NUMBER: _builtins.int
     OFFLOAD_IMAGES_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    CONTEXT_WINDOW_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    RAW_FIELD_NUMBER: _builtins.int
     kind: Global___ProviderErrorKind.ValueType
-    """The canonical kind."""
+    """The canonical kind; UNSPECIFIED with `raw` set asks the service to classify `raw`."""
     offload_images: _builtins.int
     """IMAGE_OFFLOAD_REQUIRED: how many images to offload."""
     message: _builtins.str
     """The provider's message, for the log."""
+    context_window: _builtins.int
+    """CONTEXT_WINDOW_EXCEEDED: the window the provider stated, in tokens (0: not stated). Used
+    when the route declares none.
+    """
+    prompt_tokens: _builtins.int
+    """CONTEXT_WINDOW_EXCEEDED: the size of the refused prompt the provider stated (0: not stated)."""
+    @_builtins.property
+    def raw(self) -> Global___RawProviderError:
+        """The provider's response as received; classified when `kind` is UNSPECIFIED."""
+
     def __init__(
         self,
         *,
         kind: Global___ProviderErrorKind.ValueType = ...,
         offload_images: _builtins.int = ...,
         message: _builtins.str = ...,
+        context_window: _builtins.int = ...,
+        prompt_tokens: _builtins.int = ...,
+        raw: Global___RawProviderError | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["raw", b"raw"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "message", b"message", "offload_images", b"offload_images"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_window", b"context_window", "kind", b"kind", "message", b"message", "offload_images", b"offload_images", "prompt_tokens", b"prompt_tokens", "raw", b"raw"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ProviderError: _TypeAlias = ProviderError  # noqa: Y015
+
+@_typing.final
+class RawProviderError(_message.Message):
+    """A provider's error response, as the runtime received it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class HeadersEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    HTTP_STATUS_FIELD_NUMBER: _builtins.int
+    BODY_FIELD_NUMBER: _builtins.int
+    HEADERS_FIELD_NUMBER: _builtins.int
+    REQUEST_IMAGES_FIELD_NUMBER: _builtins.int
+    http_status: _builtins.int
+    """HTTP status; 0 for an error object received inside a 200 event stream."""
+    body: _builtins.bytes
+    """The response body, byte for byte (JSON or text)."""
+    request_images: _builtins.int
+    """Input images the failed request carried, when known (with a limit the provider states,
+    this gives `offload_images`). RecoverFromError counts the session's own when absent.
+    """
+    @_builtins.property
+    def headers(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Response headers (names in any case), e.g. `retry-after`, `retry-after-ms`."""
+
+    def __init__(
+        self,
+        *,
+        http_status: _builtins.int = ...,
+        body: _builtins.bytes = ...,
+        headers: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        request_images: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_request_images", b"_request_images", "request_images", b"request_images"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_request_images", b"_request_images", "body", b"body", "headers", b"headers", "http_status", b"http_status", "request_images", b"request_images"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__request_images: _TypeAlias = _typing.Literal["request_images"]  # noqa: Y015
+    _WhichOneofArgType__request_images: _TypeAlias = _typing.Literal["_request_images", b"_request_images"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__request_images) -> _WhichOneofReturnType__request_images | None: ...
+
+Global___RawProviderError: _TypeAlias = RawProviderError  # noqa: Y015
+
+@_typing.final
+class ProviderErrorClassification(_message.Message):
+    """How compactd's provider error table classified a raw provider error."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REASON_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    RETRYABLE_FIELD_NUMBER: _builtins.int
+    RETRY_AFTER_SECONDS_FIELD_NUMBER: _builtins.int
+    OFFLOAD_IMAGES_FIELD_NUMBER: _builtins.int
+    CONTEXT_WINDOW_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    RULE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    reason: _builtins.str
+    """Canonical reason: `CONTEXT_WINDOW_EXCEEDED`, `IMAGE_OFFLOAD_REQUIRED`, `RATE_LIMITED`,
+    `UNAUTHENTICATED`, `TIMEOUT`, `PROVIDER_UNAVAILABLE`, or `PROVIDER_ERROR` when no rule
+    recognizes the failure.
+    """
+    kind: Global___ProviderErrorKind.ValueType
+    """The recoverable kind, when the reason is one (else UNSPECIFIED)."""
+    retryable: _builtins.bool
+    """Whether sending the same request again may succeed (after `retry_after_seconds`, if set)."""
+    retry_after_seconds: _builtins.float
+    """Seconds the provider asked to wait, when it said."""
+    offload_images: _builtins.int
+    """IMAGE_OFFLOAD_REQUIRED: input images to offload (0: the provider did not say)."""
+    context_window: _builtins.int
+    """The window the provider stated, in tokens (0: not stated)."""
+    prompt_tokens: _builtins.int
+    """The refused prompt's size the provider stated, in tokens (0: not stated)."""
+    message: _builtins.str
+    """`HTTP <status>: <provider message>`, clipped."""
+    rule: _builtins.str
+    """The table rule that recognized it, e.g. `llama.cpp/exceed_context_size` (empty: none)."""
+    @_builtins.property
+    def error(self) -> Global___ProviderError:
+        """The error as `RecoverFromErrorRequest.error` takes it (kind and figures filled in)."""
+
+    def __init__(
+        self,
+        *,
+        reason: _builtins.str = ...,
+        kind: Global___ProviderErrorKind.ValueType = ...,
+        retryable: _builtins.bool = ...,
+        retry_after_seconds: _builtins.float | None = ...,
+        offload_images: _builtins.int = ...,
+        context_window: _builtins.int = ...,
+        prompt_tokens: _builtins.int = ...,
+        message: _builtins.str = ...,
+        rule: _builtins.str = ...,
+        error: Global___ProviderError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_retry_after_seconds", b"_retry_after_seconds", "error", b"error", "retry_after_seconds", b"retry_after_seconds"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_retry_after_seconds", b"_retry_after_seconds", "context_window", b"context_window", "error", b"error", "kind", b"kind", "message", b"message", "offload_images", b"offload_images", "prompt_tokens", b"prompt_tokens", "reason", b"reason", "retry_after_seconds", b"retry_after_seconds", "retryable", b"retryable", "rule", b"rule"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__retry_after_seconds: _TypeAlias = _typing.Literal["retry_after_seconds"]  # noqa: Y015
+    _WhichOneofArgType__retry_after_seconds: _TypeAlias = _typing.Literal["_retry_after_seconds", b"_retry_after_seconds"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__retry_after_seconds) -> _WhichOneofReturnType__retry_after_seconds | None: ...
+
+Global___ProviderErrorClassification: _TypeAlias = ProviderErrorClassification  # noqa: Y015
+
+@_typing.final
+class ClassifyProviderErrorRequest(_message.Message):
+    """Request for `ClassifyProviderError`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RAW_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def raw(self) -> Global___RawProviderError:
+        """The provider's response."""
+
+    def __init__(
+        self,
+        *,
+        raw: Global___RawProviderError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["raw", b"raw"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["raw", b"raw"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClassifyProviderErrorRequest: _TypeAlias = ClassifyProviderErrorRequest  # noqa: Y015
+
+@_typing.final
+class ClassifyProviderErrorResponse(_message.Message):
+    """Response for `ClassifyProviderError`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLASSIFICATION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def classification(self) -> Global___ProviderErrorClassification:
+        """The classification."""
+
+    def __init__(
+        self,
+        *,
+        classification: Global___ProviderErrorClassification | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["classification", b"classification"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["classification", b"classification"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClassifyProviderErrorResponse: _TypeAlias = ClassifyProviderErrorResponse  # noqa: Y015
+
+@_typing.final
+class OverflowFigures(_message.Message):
+    """The figures of an overflow that surface compaction cannot relieve."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONTEXT_WINDOW_FIELD_NUMBER: _builtins.int
+    WINDOW_SOURCE_FIELD_NUMBER: _builtins.int
+    OUTPUT_RESERVATION_FIELD_NUMBER: _builtins.int
+    SYSTEM_TOKENS_FIELD_NUMBER: _builtins.int
+    TOOLS_TOKENS_FIELD_NUMBER: _builtins.int
+    CONFIG_TOKENS_FIELD_NUMBER: _builtins.int
+    ENVELOPE_TOKENS_FIELD_NUMBER: _builtins.int
+    UNIT_TOKENS_FIELD_NUMBER: _builtins.int
+    UNIT_RANGE_FIELD_NUMBER: _builtins.int
+    MEASURED_TOKENS_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    context_window: _builtins.int
+    """The window W: the route's declared one, else the one the provider stated (0: unknown)."""
+    window_source: _builtins.str
+    """Where `context_window` came from: `route`, `provider`, or empty when unknown."""
+    output_reservation: _builtins.int
+    """The output reservation O."""
+    system_tokens: _builtins.int
+    """The system head's tokens."""
+    tools_tokens: _builtins.int
+    """Tool declarations' tokens."""
+    config_tokens: _builtins.int
+    """Request framing tokens."""
+    envelope_tokens: _builtins.int
+    """What no compaction reduces: system + tools + config."""
+    unit_tokens: _builtins.int
+    """INDIVISIBLE_UNIT: the unit's tokens."""
+    measured_tokens: _builtins.int
+    """The measured envelope now, in tokens."""
+    prompt_tokens: _builtins.int
+    """The refused prompt's size the provider stated (0: not stated)."""
+    @_builtins.property
+    def unit_range(self) -> _events_pb2.SurfaceRange:
+        """INDIVISIBLE_UNIT: the unit's surface span."""
+
+    def __init__(
+        self,
+        *,
+        context_window: _builtins.int = ...,
+        window_source: _builtins.str = ...,
+        output_reservation: _builtins.int = ...,
+        system_tokens: _builtins.int = ...,
+        tools_tokens: _builtins.int = ...,
+        config_tokens: _builtins.int = ...,
+        envelope_tokens: _builtins.int = ...,
+        unit_tokens: _builtins.int = ...,
+        unit_range: _events_pb2.SurfaceRange | None = ...,
+        measured_tokens: _builtins.int = ...,
+        prompt_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["unit_range", b"unit_range"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_tokens", b"config_tokens", "context_window", b"context_window", "envelope_tokens", b"envelope_tokens", "measured_tokens", b"measured_tokens", "output_reservation", b"output_reservation", "prompt_tokens", b"prompt_tokens", "system_tokens", b"system_tokens", "tools_tokens", b"tools_tokens", "unit_range", b"unit_range", "unit_tokens", b"unit_tokens", "window_source", b"window_source"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OverflowFigures: _TypeAlias = OverflowFigures  # noqa: Y015
 
 @_typing.final
 class RecoverFromErrorRequest(_message.Message):
@@ -723,6 +1117,11 @@ class RecoverFromErrorResult(_message.Message):
     OFFLOADED_IMAGES_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     REQUEST_FIELD_NUMBER: _builtins.int
+    DECLINE_FIELD_NUMBER: _builtins.int
+    FIGURES_FIELD_NUMBER: _builtins.int
+    CLASSIFICATION_FIELD_NUMBER: _builtins.int
+    CAUSE_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
     retry: _builtins.bool
     """Whether the runtime may retry the request (the surface advanced or images were offloaded)."""
     pruned_count: _builtins.int
@@ -731,6 +1130,14 @@ class RecoverFromErrorResult(_message.Message):
     """Images offloaded."""
     reason: _builtins.str
     """Why no retry is authorized, when it is not."""
+    decline: Global___RecoveryDecline.ValueType
+    """Why no retry is authorized (UNSPECIFIED when `retry`)."""
+    cause: _builtins.str
+    """COMPACTION_FAILED (or a failure after pruning advanced): the compaction's reason, e.g.
+    `SUMMARY_NOT_SMALLER`.
+    """
+    kind: Global___ProviderErrorKind.ValueType
+    """The kind recovered from (the request's, or the classified one)."""
     @_builtins.property
     def compactions(self) -> _containers.RepeatedCompositeFieldContainer[Global___CompactionOutcome]:
         """Brackets committed."""
@@ -738,6 +1145,14 @@ class RecoverFromErrorResult(_message.Message):
     @_builtins.property
     def request(self) -> _session_service_pb2.BuildRequestResponse:
         """The request to send on retry."""
+
+    @_builtins.property
+    def figures(self) -> Global___OverflowFigures:
+        """ENVELOPE_ONLY and INDIVISIBLE_UNIT: the figures."""
+
+    @_builtins.property
+    def classification(self) -> Global___ProviderErrorClassification:
+        """How a raw error was classified (absent when the request named a kind)."""
 
     def __init__(
         self,
@@ -748,10 +1163,15 @@ class RecoverFromErrorResult(_message.Message):
         offloaded_images: _builtins.int = ...,
         reason: _builtins.str = ...,
         request: _session_service_pb2.BuildRequestResponse | None = ...,
+        decline: Global___RecoveryDecline.ValueType = ...,
+        figures: Global___OverflowFigures | None = ...,
+        classification: Global___ProviderErrorClassification | None = ...,
+        cause: _builtins.str = ...,
+        kind: Global___ProviderErrorKind.ValueType = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["classification", b"classification", "figures", b"figures", "request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compactions", b"compactions", "offloaded_images", b"offloaded_images", "pruned_count", b"pruned_count", "reason", b"reason", "request", b"request", "retry", b"retry"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cause", b"cause", "classification", b"classification", "compactions", b"compactions", "decline", b"decline", "figures", b"figures", "kind", b"kind", "offloaded_images", b"offloaded_images", "pruned_count", b"pruned_count", "reason", b"reason", "request", b"request", "retry", b"retry"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -833,8 +1253,12 @@ class SwitchModelResult(_message.Message):
     AFTER_FIELD_NUMBER: _builtins.int
     COMPACTIONS_FIELD_NUMBER: _builtins.int
     PRUNED_COUNT_FIELD_NUMBER: _builtins.int
+    HEADER_SEQ_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
     pruned_count: _builtins.int
     """`tool/result` nodes pruned."""
+    header_seq: _builtins.int
+    """Seq of the destination `request/header` (absent when the destination is the logged route)."""
     @_builtins.property
     def before(self) -> Global___PressureReport:
         """Pressure against the destination before compaction."""
@@ -847,6 +1271,10 @@ class SwitchModelResult(_message.Message):
     def compactions(self) -> _containers.RepeatedCompositeFieldContainer[Global___CompactionOutcome]:
         """Brackets committed."""
 
+    @_builtins.property
+    def request(self) -> _session_service_pb2.BuildRequestResponse:
+        """The request to send to the destination."""
+
     def __init__(
         self,
         *,
@@ -854,12 +1282,16 @@ class SwitchModelResult(_message.Message):
         after: Global___PressureReport | None = ...,
         compactions: _abc.Iterable[Global___CompactionOutcome] | None = ...,
         pruned_count: _builtins.int = ...,
+        header_seq: _builtins.int | None = ...,
+        request: _session_service_pb2.BuildRequestResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "before", b"before"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_header_seq", b"_header_seq", "after", b"after", "before", b"before", "header_seq", b"header_seq", "request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "before", b"before", "compactions", b"compactions", "pruned_count", b"pruned_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_header_seq", b"_header_seq", "after", b"after", "before", b"before", "compactions", b"compactions", "header_seq", b"header_seq", "pruned_count", b"pruned_count", "request", b"request"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__header_seq: _TypeAlias = _typing.Literal["header_seq"]  # noqa: Y015
+    _WhichOneofArgType__header_seq: _TypeAlias = _typing.Literal["_header_seq", b"_header_seq"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__header_seq) -> _WhichOneofReturnType__header_seq | None: ...
 
 Global___SwitchModelResult: _TypeAlias = SwitchModelResult  # noqa: Y015
 
