@@ -30,7 +30,7 @@ from compactd.routes import RouteCatalog
 from compactd.service.compaction import CompactionEngine, SummaryErrorRecovery
 from compactd.service.pressure import PressureService
 from compactd.service.sessions import SessionManager
-from compactd.service.summarizers import SummarizerRegistry, SummarizerSettings
+from compactd.service.summarizers import SummarizerRegistry, SummarizerSettings, named_routes
 from compactd.store.base import EventStore
 from compactd.store.factory import open_store
 from compactd.v1 import (
@@ -121,7 +121,12 @@ async def create_server(
     engine = CompactionEngine(
         manager,
         pressure,
-        SummarizerRegistry(parts.routes, parts.summarizer, override=summarizer),
+        SummarizerRegistry(
+            parts.routes,
+            parts.summarizer,
+            named=named_routes(config.routes, parts.summarizer, parts.policy),
+            override=summarizer,
+        ),
         pruner=parts.pruner,
         tracer_provider=provider,
         recoveries=summary_recoveries,
