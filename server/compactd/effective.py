@@ -74,3 +74,53 @@ def _without_none(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_without_none(v) for v in value]
     return value
+
+
+def startup_report(running: Any, parts: Any, summarizers: Any) -> list[tuple[str, dict[str, Any]]]:
+    """The start-up log lines of a running server: what it will do, as message and fields.
+
+    ``compactd serving`` (listen address, store, tracing and metrics targets), one line about the
+    summaries (the summarizer kind and every endpoint a conversation may be sent to, or that
+    summaries are extractive because none is configured), and one line per route (its tokenizer,
+    window and whether summaries may use its endpoint).
+    """
+    from compactd import telemetry
+
+    config = running.config
+    metrics = telemetry.export_target("metrics")
+    if running.prometheus is not None:
+        metrics = f"prometheus {running.prometheus.url}" + (
+            "" if metrics == "off" else f", {metrics}"
+        )
+    lines: list[tuple[str, dict[str, Any]]] = [
+        (
+            "compactd serving",
+            {
+                "listen": running.address,
+                "store": config.store,
+                "tracing": telemetry.export_target("traces"),
+                "metrics": metrics,
+            },
+        )
+    ]
+    kind, endpoints = parts.summarizer.kind, summarizers.model_endpoints
+    if summarizers.writes_with_models:
+        message = f"summaries: {kind} summarizer; model endpoints: " + (
+            ", ".join(f"{name} -> {url}" for name, url in endpoints.items()) or "none"
+        )
+    elif kind == "extractive":
+        message = "summaries: extractive summarizer (configured); no conversation leaves compactd"
+    else:
+        message = (
+            "summaries: extractive summarizer, since no model endpoint is configured; to use a "
+            "model, name its route in [[routes]] (with base_url) and in [summarizer] "
+            "provider/model or compaction.summarizationProvider/summarizationModel"
+        )
+    lines.append((message, {"summarizer": kind, "endpoints": endpoints}))
+    for route in parts.routes:
+        fields: dict[str, Any] = {"route": route.name, "tokenizer": route.tokenizer,
+                                  "context_window": route.context_window}  # fmt: skip
+        if summarizers.may_send(route):
+            fields["summary_endpoint"] = route.base_url
+        lines.append(("route", fields))
+    return lines
