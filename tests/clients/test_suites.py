@@ -59,7 +59,7 @@ def test_typescript_client_suite_passes() -> None:
 
 def test_go_client_suite_passes() -> None:
     _require(_go_ready(), "Debian's Go toolchain and gRPC sources")
-    _run([str(CLIENTS / "go" / "gotest"), "./compactd/"], CLIENTS / "go")
+    _run([str(CLIENTS / "go" / "gotest"), "./compactd/", "./openai/", "./anthropic/"], CLIENTS / "go")
 
 
 def test_every_language_passes_the_scenarios_against_one_server() -> None:
