@@ -53,6 +53,25 @@ def test_python_client_suite_passes() -> None:
     )
 
 
+def test_the_python_client_installs_alone_into_a_fresh_venv_typed(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)], tmp_path)
+    _run([str(venv / "bin" / "pip"), "install", "-q", str(CLIENTS / "python")], tmp_path)
+    check = (
+        "import importlib.resources as r, importlib.util as u\n"
+        "import compactd_client\n"
+        "from compactd_client import anthropic, openai\n"
+        "assert r.files('compactd_client').joinpath('py.typed').is_file()\n"
+        "assert r.files('compactd_client.v1').joinpath('events_pb2.pyi').is_file()\n"
+        "assert u.find_spec('compactd') is None  # the server is not needed\n"
+        "print(len(openai.events_from_messages([{'role': 'user', 'content': 'hi'}])))\n"
+    )
+    done = subprocess.run([str(venv / "bin" / "python"), "-c", check], capture_output=True,
+                          text=True, check=False, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "3"  # turn/start, user/message, turn/end
+
+
 def test_typescript_client_suite_passes() -> None:
     _require(_node_ready(), "clients/typescript/node_modules")
     _run(["npm", "test", "--silent"], CLIENTS / "typescript")
