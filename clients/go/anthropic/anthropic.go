@@ -280,20 +280,7 @@ func RequestBody(request *v1.BuildRequestResponse, maxTokens int64, stream *bool
 		}
 		body["tools"] = tools
 	}
-	if config != nil && config.Temperature != nil {
-		body["temperature"] = config.GetTemperature()
-	}
-	if config != nil && config.TopP != nil {
-		body["top_p"] = config.GetTopP()
-	}
-	if config.GetExtra() != nil {
-		for key, value := range config.GetExtra().AsMap() {
-			body[key] = value
-		}
-	}
-	if stream != nil {
-		body["stream"] = *stream
-	}
+	convert.AddSettings(body, config, stream)
 	return body, nil
 }
 

@@ -1,61 +1,17 @@
 package anthropic_test
 
 import (
-	"bufio"
 	"encoding/json"
-	"os"
-	"path/filepath"
 	"reflect"
-	"runtime"
 	"testing"
 
 	"compactd.dev/client/anthropic"
 	"compactd.dev/client/internal/convert"
+	"compactd.dev/client/internal/transcripts"
 )
 
-type record struct {
-	Source   string                   `json:"source"`
-	Messages []map[string]interface{} `json:"messages"`
-}
-
-func transcripts(t *testing.T, name string) []record {
-	dir := os.Getenv("COMPACTD_TESTDATA")
-	if dir == "" {
-		_, file, _, _ := runtime.Caller(0)
-		dir = filepath.Join(filepath.Dir(file), "..", "..", "..", "testdata", "transcripts")
-	}
-	f, err := os.Open(filepath.Join(dir, name+".jsonl"))
-	if err != nil {
-		t.Fatalf("the shared transcripts: %v (set COMPACTD_TESTDATA)", err)
-	}
-	defer f.Close()
-	var records []record
-	scanner := bufio.NewScanner(f)
-	scanner.Buffer(make([]byte, 1<<20), 64<<20)
-	for scanner.Scan() {
-		var r record
-		if err := json.Unmarshal(scanner.Bytes(), &r); err != nil {
-			t.Fatal(err)
-		}
-		records = append(records, r)
-	}
-	return records
-}
-
-func normalized(t *testing.T, v interface{}) interface{} {
-	data, err := json.Marshal(v)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var out interface{}
-	if err := json.Unmarshal(data, &out); err != nil {
-		t.Fatal(err)
-	}
-	return out
-}
-
 func TestImportThenRenderGivesEveryTranscriptsMessages(t *testing.T) {
-	records := transcripts(t, "anthropic")
+	records := transcripts.Load(t, "anthropic")
 	if len(records) < 4 {
 		t.Fatalf("only %d transcripts", len(records))
 	}
@@ -74,7 +30,7 @@ func TestImportThenRenderGivesEveryTranscriptsMessages(t *testing.T) {
 		if rendered.System != "" {
 			t.Fatalf("%s: a system prompt appeared", r.Source)
 		}
-		if got, want := normalized(t, rendered.Messages), normalized(t, r.Messages); !reflect.DeepEqual(got, want) {
+		if got, want := transcripts.Normalized(t, rendered.Messages), transcripts.Normalized(t, r.Messages); !reflect.DeepEqual(got, want) {
 			t.Fatalf("%s: the rendered messages differ from the transcript's", r.Source)
 		}
 	}
@@ -100,7 +56,7 @@ func TestToolResultsAndTextOfOneUserMessageRenderBackTogether(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if rendered.System != "Be brief." || !reflect.DeepEqual(normalized(t, rendered.Messages), normalized(t, messages)) {
+	if rendered.System != "Be brief." || !reflect.DeepEqual(transcripts.Normalized(t, rendered.Messages), transcripts.Normalized(t, messages)) {
 		t.Fatalf("got %+v", rendered)
 	}
 }

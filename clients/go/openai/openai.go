@@ -21,7 +21,6 @@ import (
 	"compactd.dev/client/compactd"
 	v1 "compactd.dev/client/compactdv1"
 	"compactd.dev/client/internal/convert"
-	"google.golang.org/protobuf/types/known/structpb"
 )
 
 // Message is one chat-completions message as a JSON object.
@@ -290,26 +289,8 @@ func RequestBody(request *v1.BuildRequestResponse, opts BodyOptions) (map[string
 	if config != nil && config.MaxOutputTokens != nil {
 		body["max_tokens"] = config.GetMaxOutputTokens()
 	}
-	if config != nil && config.Temperature != nil {
-		body["temperature"] = config.GetTemperature()
-	}
-	if config != nil && config.TopP != nil {
-		body["top_p"] = config.GetTopP()
-	}
-	for key, value := range extra(config.GetExtra()) {
-		body[key] = value
-	}
-	if opts.Stream != nil {
-		body["stream"] = *opts.Stream
-	}
+	convert.AddSettings(body, config, opts.Stream)
 	return body, nil
-}
-
-func extra(s *structpb.Struct) map[string]interface{} {
-	if s == nil {
-		return nil
-	}
-	return s.AsMap()
 }
 
 // Tools returns OpenAI tools of request/header tool declarations.

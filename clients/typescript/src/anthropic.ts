@@ -28,7 +28,7 @@ import {
 } from "./gen/compactd/v1/events_pb.js";
 import { type BuildRequestResponse, type Message, MessageRole } from "./gen/compactd/v1/session_service_pb.js";
 import { requestHeader, textBlock } from "./events.js";
-import { projectEvents } from "./project.js";
+import { addSettings, projectEvents } from "./project.js";
 import { Timeline } from "./timeline.js";
 
 /** A Messages API content block. */
@@ -238,16 +238,7 @@ export function requestBody(
   if (request.tools.length > 0) {
     body["tools"] = tools(request.tools) as unknown as JsonValue;
   }
-  if (config?.temperature !== undefined) {
-    body["temperature"] = config.temperature;
-  }
-  if (config?.topP !== undefined) {
-    body["top_p"] = config.topP;
-  }
-  Object.assign(body, config?.extra ?? {});
-  if (opts.stream !== undefined) {
-    body["stream"] = opts.stream;
-  }
+  addSettings(body, config, opts.stream);
   return body;
 }
 

@@ -28,7 +28,7 @@ import {
 } from "./gen/compactd/v1/events_pb.js";
 import { type BuildRequestResponse, type Message, MessageRole } from "./gen/compactd/v1/session_service_pb.js";
 import { requestHeader, textBlock } from "./events.js";
-import { projectEvents } from "./project.js";
+import { addSettings, projectEvents } from "./project.js";
 import { Timeline } from "./timeline.js";
 
 /** A chat-completions content part. */
@@ -269,16 +269,7 @@ export function requestBody(request: BuildRequestResponse, opts: BodyOptions = {
   if (config?.maxOutputTokens !== undefined) {
     body["max_tokens"] = Number(config.maxOutputTokens);
   }
-  if (config?.temperature !== undefined) {
-    body["temperature"] = config.temperature;
-  }
-  if (config?.topP !== undefined) {
-    body["top_p"] = config.topP;
-  }
-  Object.assign(body, config?.extra ?? {});
-  if (opts.stream !== undefined) {
-    body["stream"] = opts.stream;
-  }
+  addSettings(body, config, opts.stream);
   return body;
 }
 

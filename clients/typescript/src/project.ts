@@ -3,8 +3,8 @@
 // image offload; empty system or assistant messages are kept). For a compacted session's
 // surface, render BuildRequest's messages instead.
 
-import { create } from "@bufbuild/protobuf";
-import type { SessionEvent } from "./gen/compactd/v1/events_pb.js";
+import { create, type JsonObject } from "@bufbuild/protobuf";
+import type { RequestConfig, SessionEvent } from "./gen/compactd/v1/events_pb.js";
 import { type Message, MessageRole, MessageSchema } from "./gen/compactd/v1/session_service_pb.js";
 import { textBlock } from "./events.js";
 
@@ -43,4 +43,18 @@ export function projectEvents(events: Iterable<SessionEvent>): Message[] {
     }
   }
   return messages;
+}
+
+/** The header's sampling settings and extra keys, and `stream`, into a request body. */
+export function addSettings(body: JsonObject, config: RequestConfig | undefined, stream: boolean | undefined): void {
+  if (config?.temperature !== undefined) {
+    body["temperature"] = config.temperature;
+  }
+  if (config?.topP !== undefined) {
+    body["top_p"] = config.topP;
+  }
+  Object.assign(body, config?.extra ?? {});
+  if (stream !== undefined) {
+    body["stream"] = stream;
+  }
 }

@@ -214,3 +214,22 @@ func StepRuleViolations(events []*v1.SessionEvent) []string {
 	}
 	return problems
 }
+
+// AddSettings sets the header's sampling settings and extra keys, and stream when not nil,
+// in a request body.
+func AddSettings(body map[string]interface{}, config *v1.RequestConfig, stream *bool) {
+	if config != nil && config.Temperature != nil {
+		body["temperature"] = config.GetTemperature()
+	}
+	if config != nil && config.TopP != nil {
+		body["top_p"] = config.GetTopP()
+	}
+	if config.GetExtra() != nil {
+		for key, value := range config.GetExtra().AsMap() {
+			body[key] = value
+		}
+	}
+	if stream != nil {
+		body["stream"] = *stream
+	}
+}

@@ -9,8 +9,11 @@ a compacted session, render ``BuildRequest``'s messages instead (``openai.reques
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
-from compactd_client.v1.events_pb2 import ContentBlock, SessionEvent, TextBlock
+from google.protobuf import json_format
+
+from compactd_client.v1.events_pb2 import ContentBlock, RequestConfig, SessionEvent, TextBlock
 from compactd_client.v1.session_service_pb2 import (
     MESSAGE_ROLE_ASSISTANT,
     MESSAGE_ROLE_DEVELOPER,
@@ -49,3 +52,15 @@ def message(event: SessionEvent) -> Message | None:
 def messages(events: Iterable[SessionEvent]) -> list[Message]:
     """The messages of ``events``, in log order (see the module docstring)."""
     return [m for m in (message(e) for e in events) if m is not None]
+
+
+def add_settings(body: dict[str, Any], config: RequestConfig, stream: bool | None) -> None:
+    """The header's sampling settings and ``extra`` keys, and ``stream``, into a request body."""
+    if config.HasField("temperature"):
+        body["temperature"] = config.temperature
+    if config.HasField("top_p"):
+        body["top_p"] = config.top_p
+    if config.HasField("extra"):
+        body.update(json_format.MessageToDict(config.extra))
+    if stream is not None:
+        body["stream"] = stream

@@ -245,16 +245,7 @@ def request_body(
     body: JSON = {"model": config.model, "max_tokens": limit, **rendered}
     if request.tools:
         body["tools"] = tools(request.tools)
-    if config.HasField("temperature"):
-        body["temperature"] = config.temperature
-    if config.HasField("top_p"):
-        body["top_p"] = config.top_p
-    if config.HasField("extra"):
-        from google.protobuf import json_format
-
-        body.update(json_format.MessageToDict(config.extra))
-    if stream is not None:
-        body["stream"] = stream
+    _project.add_settings(body, config, stream)
     return body
 
 

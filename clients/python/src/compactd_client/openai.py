@@ -279,16 +279,7 @@ def request_body(
         body["tools"] = tools(request.tools)
     if config.HasField("max_output_tokens"):
         body["max_tokens"] = config.max_output_tokens
-    if config.HasField("temperature"):
-        body["temperature"] = config.temperature
-    if config.HasField("top_p"):
-        body["top_p"] = config.top_p
-    if config.HasField("extra"):
-        from google.protobuf import json_format
-
-        body.update(json_format.MessageToDict(config.extra))
-    if stream is not None:
-        body["stream"] = stream
+    _project.add_settings(body, config, stream)
     return body
 
 
