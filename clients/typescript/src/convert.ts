@@ -8,4 +8,4 @@ export * from "./gen/compactd/v1/events_pb.js";
 export * from "./gen/compactd/v1/session_service_pb.js";
 export * as openai from "./openai.js";
 export { projectEvent, projectEvents } from "./project.js";
-export { create, fromJson, toJson } from "@bufbuild/protobuf";
+export { create, fromJson, type JsonObject, toJson } from "@bufbuild/protobuf";
