@@ -128,15 +128,11 @@ func blocksOf(content interface{}, where string) ([]map[string]interface{}, erro
 func Declarations(tools []map[string]interface{}) ([]*v1.ToolDeclaration, error) {
 	var declared []*v1.ToolDeclaration
 	for i, tool := range tools {
-		schema := ""
-		if s, present := tool["input_schema"]; present {
-			var err error
-			if schema, err = convert.Compact(s); err != nil {
-				return nil, fmt.Errorf("tools[%d].input_schema: %w", i, err)
-			}
+		declaration, err := convert.Declaration(tool, "input_schema", fmt.Sprintf("tools[%d]", i))
+		if err != nil {
+			return nil, err
 		}
-		declared = append(declared, &v1.ToolDeclaration{Name: convert.String(tool, "name"),
-			Description: convert.String(tool, "description"), InputSchemaJson: schema})
+		declared = append(declared, declaration)
 	}
 	return declared, nil
 }
@@ -157,17 +153,10 @@ func AssistantEvent(reply map[string]interface{}, provider string) (*v1.SessionE
 	message.Provider, message.Model = provider, convert.String(reply, "model")
 	message.StopReason = convert.String(reply, "stop_reason")
 	if usage, ok := reply["usage"].(map[string]interface{}); ok {
-		message.Usage = &v1.Usage{InputTokens: number(usage, "input_tokens"), OutputTokens: number(usage, "output_tokens"),
-			CacheReadTokens: number(usage, "cache_read_input_tokens"), CacheWriteTokens: number(usage, "cache_creation_input_tokens")}
+		message.Usage = &v1.Usage{InputTokens: convert.Int(usage, "input_tokens"), OutputTokens: convert.Int(usage, "output_tokens"),
+			CacheReadTokens: convert.Int(usage, "cache_read_input_tokens"), CacheWriteTokens: convert.Int(usage, "cache_creation_input_tokens")}
 	}
 	return &v1.SessionEvent{Body: &v1.SessionEvent_AssistantMessage{AssistantMessage: message}}, nil
-}
-
-func number(m map[string]interface{}, key string) int64 {
-	if v, ok := m[key].(float64); ok {
-		return int64(v)
-	}
-	return 0
 }
 
 func assistant(blocks []map[string]interface{}, where string) (*v1.AssistantMessage, error) {

@@ -109,15 +109,11 @@ func Declarations(tools []map[string]interface{}) ([]*v1.ToolDeclaration, error)
 		if convert.String(tool, "type") != "function" || !ok {
 			return nil, fmt.Errorf("tools[%d]: only function tools are carried", i)
 		}
-		schema := ""
-		if parameters, present := function["parameters"]; present {
-			var err error
-			if schema, err = convert.Compact(parameters); err != nil {
-				return nil, fmt.Errorf("tools[%d].function.parameters: %w", i, err)
-			}
+		declaration, err := convert.Declaration(function, "parameters", fmt.Sprintf("tools[%d].function", i))
+		if err != nil {
+			return nil, err
 		}
-		declared = append(declared, &v1.ToolDeclaration{Name: convert.String(function, "name"),
-			Description: convert.String(function, "description"), InputSchemaJson: schema})
+		declared = append(declared, declaration)
 	}
 	return declared, nil
 }
@@ -141,23 +137,11 @@ func AssistantEvent(completion map[string]interface{}, provider string) (*v1.Ses
 	reply.StopReason = convert.String(choices[0], "finish_reason")
 	if usage, ok := completion["usage"].(map[string]interface{}); ok {
 		details, _ := usage["prompt_tokens_details"].(map[string]interface{})
-		cached := number(details, "cached_tokens")
-		reply.Usage = &v1.Usage{InputTokens: number(usage, "prompt_tokens") - cached, CacheReadTokens: cached,
-			OutputTokens: number(usage, "completion_tokens")}
+		cached := convert.Int(details, "cached_tokens")
+		reply.Usage = &v1.Usage{InputTokens: convert.Int(usage, "prompt_tokens") - cached, CacheReadTokens: cached,
+			OutputTokens: convert.Int(usage, "completion_tokens")}
 	}
 	return &v1.SessionEvent{Body: &v1.SessionEvent_AssistantMessage{AssistantMessage: reply}}, nil
-}
-
-func number(m map[string]interface{}, key string) int64 {
-	switch v := m[key].(type) {
-	case float64:
-		return int64(v)
-	case int:
-		return int64(v)
-	case int64:
-		return v
-	}
-	return 0
 }
 
 func text(m Message) string {

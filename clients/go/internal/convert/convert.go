@@ -233,3 +233,29 @@ func AddSettings(body map[string]interface{}, config *v1.RequestConfig, stream *
 		body["stream"] = *stream
 	}
 }
+
+// Declaration returns the tool declaration of m's name, description and m[schemaKey] (a JSON
+// Schema, kept as compact JSON text); where names m in errors.
+func Declaration(m map[string]interface{}, schemaKey, where string) (*v1.ToolDeclaration, error) {
+	schema := ""
+	if value, present := m[schemaKey]; present {
+		var err error
+		if schema, err = Compact(value); err != nil {
+			return nil, fmt.Errorf("%s.%s: %w", where, schemaKey, err)
+		}
+	}
+	return &v1.ToolDeclaration{Name: String(m, "name"), Description: String(m, "description"), InputSchemaJson: schema}, nil
+}
+
+// Int returns m[key] as an integer (0 when absent or not a number).
+func Int(m map[string]interface{}, key string) int64 {
+	switch v := m[key].(type) {
+	case float64:
+		return int64(v)
+	case int:
+		return int64(v)
+	case int64:
+		return v
+	}
+	return 0
+}
