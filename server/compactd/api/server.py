@@ -31,9 +31,12 @@ from compactd.metrics import Metrics
 from compactd.providers.base import Summarizer
 from compactd.routes import RouteCatalog
 from compactd.service.compaction import CompactionEngine, SummaryErrorRecovery
+from compactd.service.offload import ImageOffloadRecovery
 from compactd.service.pressure import PressureService
+from compactd.service.recovery import RecoveryService
 from compactd.service.sessions import SessionManager
 from compactd.service.summarizers import SummarizerRegistry, SummarizerSettings, named_routes
+from compactd.service.switch import SwitchService
 from compactd.store.base import EventStore
 from compactd.store.factory import open_store
 from compactd.v1 import (
@@ -120,7 +123,8 @@ async def create_server(
     (owned and shut down by the returned server; only a server-built meter provider serves
     ``metrics_listen``); gRPC server spans join the caller's W3C trace context. ``summarizer``
     replaces every route's summarizer (a deployment's own, or a test's); ``summary_recoveries``
-    run in the bracket's summary-error step (see ``SummaryErrorRecovery``).
+    run in the bracket's summary-error step (see ``SummaryErrorRecovery``), before the always-on
+    ``ImageOffloadRecovery``.
     """
     parts = components(config)
     owns_provider = tracer_provider is None
@@ -151,9 +155,11 @@ async def create_server(
         summarizers,
         pruner=parts.pruner,
         tracer_provider=provider,
-        recoveries=summary_recoveries,
+        recoveries=(*summary_recoveries, ImageOffloadRecovery()),
         metrics=metrics,
     )
+    recovery = RecoveryService(manager, pressure, engine, parts.pruner)
+    switch = SwitchService(manager, pressure, engine)
     telemetry.quiet_cancelled_stream_detach()
     tracing = aio_server_interceptor(tracer_provider=provider)  # type: ignore[no-untyped-call]
     interceptors = [tracing, metrics.interceptor()]
@@ -162,7 +168,7 @@ async def create_server(
         SessionServicer(manager, max_batch_events=config.max_batch_events), server
     )
     compaction_service_pb2_grpc.add_CompactionServiceServicer_to_server(
-        CompactionServicer(pressure, engine), server
+        CompactionServicer(pressure, engine, recovery, switch), server
     )
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
