@@ -20,7 +20,7 @@ how to drive a handler by its shape.
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -50,11 +50,17 @@ _SESSION_SERVICES = ("/compactd.v1.SessionService/", "/compactd.v1.CompactionSer
 
 
 def chain(
-    tracer_provider: trace.TracerProvider, *, max_streams: int, max_streams_per_session: int
+    tracer_provider: trace.TracerProvider,
+    *,
+    max_streams: int,
+    max_streams_per_session: int,
+    observe: Sequence[Interceptor] = (),
 ) -> list[Interceptor]:
-    """The server's interceptors, outermost first (tracing sees every status the others set)."""
+    """The server's interceptors, outermost first: tracing and the ``observe`` ones (metrics)
+    see every call and every status the others set."""
     return [
         Tracing.for_provider(tracer_provider),
+        *observe,
         UndecodableRequests(),
         StreamLimits(max_streams=max_streams, max_streams_per_session=max_streams_per_session),
     ]

@@ -7,6 +7,7 @@ talk to a real in-process server; ``serve`` adds signal handling and graceful sh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from collections.abc import Callable, Sequence
@@ -15,19 +16,21 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
+from opentelemetry.metrics import MeterProvider
 
+from compactd import config as settings
 from compactd import redaction, telemetry
-from compactd.api import interceptors
+from compactd.api import interceptors, reflection_v1
 from compactd.api.compaction_service import CompactionServicer
 from compactd.api.health import HealthServicer
 from compactd.api.session_service import SessionServicer
 from compactd.config import ServerConfig
-from compactd.config import limits as config_limits
 from compactd.core.policy import PressurePolicy
 from compactd.core.pruner import PrunerConfig
+from compactd.effective import startup_report
 from compactd.errors import StartupError
+from compactd.metrics import Metrics
 from compactd.providers.base import Summarizer
 from compactd.routes import RouteCatalog
 from compactd.service.compaction import CompactionEngine, SummaryErrorRecovery
@@ -35,7 +38,7 @@ from compactd.service.offload import ImageOffloadRecovery
 from compactd.service.pressure import PressureService
 from compactd.service.recovery import RecoveryService
 from compactd.service.sessions import SessionManager
-from compactd.service.summarizers import SummarizerRegistry, SummarizerSettings
+from compactd.service.summarizers import SummarizerRegistry, SummarizerSettings, named_routes
 from compactd.service.switch import SwitchService
 from compactd.store.base import EventStore
 from compactd.store.factory import open_store
@@ -66,6 +69,8 @@ class RunningServer:
     config: ServerConfig
     tracer_provider: trace.TracerProvider
     owns_tracer_provider: bool = False
+    meter_provider: MeterProvider | None = None  # set when the server built (and owns) it
+    prometheus: telemetry.PrometheusEndpoint | None = None
     pressure: PressureService | None = None  # calibration stats for plan/inspect views, metrics
     uninstall_redaction: Callable[[], None] | None = None
 
@@ -81,10 +86,14 @@ class RunningServer:
         await self.server.stop(self.config.shutdown_grace_s if grace is None else grace)
         await self.manager.close()
         await self.store.close()
+        if self.prometheus is not None:
+            await asyncio.to_thread(self.prometheus.stop)
         if self.uninstall_redaction is not None:
             self.uninstall_redaction()
         if self.owns_tracer_provider:  # flushing may wait on a collector: not on the loop
             await asyncio.to_thread(telemetry.shutdown, self.tracer_provider)
+        if self.meter_provider is not None:
+            await asyncio.to_thread(telemetry.shutdown, self.meter_provider)
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,7 @@ class Components:
 
 def components(config: ServerConfig) -> Components:
     """Validate the owned sections of ``config`` (``ConfigError`` names the bad key)."""
+    settings.check_limits(config)  # a config built without ``load`` is checked here too
     return Components(
         routes=RouteCatalog.from_config(config.routes),
         policy=PressurePolicy.from_settings(config.compaction),
@@ -111,13 +121,15 @@ async def create_server(
     config: ServerConfig,
     *,
     tracer_provider: trace.TracerProvider | None = None,
+    meter_provider: MeterProvider | None = None,
     summarizer: Summarizer | None = None,
     summary_recoveries: Sequence[SummaryErrorRecovery] = (),
 ) -> RunningServer:
     """Validate the configuration, open the store, build the services and start serving.
 
-    ``tracer_provider`` defaults to one built from the OTEL_* environment (owned and shut down by
-    the returned server); gRPC server spans join the caller's W3C trace context. ``summarizer``
+    ``tracer_provider`` and ``meter_provider`` default to ones built from the OTEL_* environment
+    (owned and shut down by the returned server; only a server-built meter provider serves
+    ``metrics_listen``); gRPC server spans join the caller's W3C trace context. ``summarizer``
     replaces every route's summarizer (a deployment's own, or a test's); ``summary_recoveries``
     run in the bracket's summary-error step (see ``SummaryErrorRecovery``), before the always-on
     ``ImageOffloadRecovery``.
@@ -127,43 +139,64 @@ async def create_server(
             missing.
         StartupError: The address is in use (``ADDRESS_IN_USE``: the port is never shared,
             ``SO_REUSEPORT`` is off) or another process owns the store (``STORE_LOCKED``);
-            nothing is left open.
+            the store is closed again.
     """
     parts = components(config)
     owns_provider = tracer_provider is None
     provider = tracer_provider or telemetry.tracer_provider_from_env()
+    prometheus = (
+        telemetry.PrometheusEndpoint(config.metrics_listen) if config.metrics_listen else None
+    )
+    owned_meter = None
+    if meter_provider is None:
+        readers = [prometheus.reader] if prometheus is not None else []
+        meter_provider = owned_meter = telemetry.meter_provider_from_env(readers)
+    metrics = Metrics(meter_provider)
     store = open_store(config.store, synchronous=config.sqlite_synchronous)
     await store.open()
-    try:
-        return await _start(
-            config, parts, store, provider, owns_provider, summarizer, summary_recoveries
-        )
-    except BaseException:
-        await store.close()
-        raise
+    async with contextlib.AsyncExitStack() as refused:  # a start that fails closes the store
+        refused.push_async_callback(store.close)
+        running = await _serve_on(
+            config, parts, store, provider, owns_provider, owned_meter, prometheus, metrics,
+            summarizer, summary_recoveries,
+        )  # fmt: skip
+        refused.pop_all()
+    return running
 
 
-async def _start(
+async def _serve_on(
     config: ServerConfig,
     parts: Components,
     store: EventStore,
     provider: trace.TracerProvider,
     owns_provider: bool,
+    owned_meter: MeterProvider | None,
+    prometheus: telemetry.PrometheusEndpoint | None,
+    metrics: Metrics,
     summarizer: Summarizer | None,
     summary_recoveries: Sequence[SummaryErrorRecovery],
 ) -> RunningServer:
     manager = SessionManager(
-        store, policy_validator=parts.policy.with_overrides, limits=config_limits(config)
+        store, policy_validator=parts.policy.with_overrides, limits=settings.limits(config)
     )
+    metrics.observe_sessions(lambda: manager.resident)
     pressure = PressureService(manager, parts.routes, parts.policy)
     redactor = redaction.for_routes(parts.routes)
+    summarizers = SummarizerRegistry(
+        parts.routes,
+        parts.summarizer,
+        named=named_routes(config.routes, parts.summarizer, parts.policy),
+        override=summarizer,
+        on_client=telemetry.instrument_http_client(provider),
+    )
     engine = CompactionEngine(
         manager,
         pressure,
-        SummarizerRegistry(parts.routes, parts.summarizer, override=summarizer),
+        summarizers,
         pruner=parts.pruner,
         tracer_provider=provider,
         recoveries=(*summary_recoveries, ImageOffloadRecovery()),
+        metrics=metrics,
         redact=redactor,
     )
     recovery = RecoveryService(manager, pressure, engine, parts.pruner)
@@ -173,6 +206,7 @@ async def _start(
         provider,
         max_streams=config.max_streams,
         max_streams_per_session=config.max_streams_per_session,
+        observe=[metrics.interceptor()],
     )
     server = grpc.aio.server(options=_channel_options(config), interceptors=chain)
     session_service_pb2_grpc.add_SessionServiceServicer_to_server(
@@ -183,28 +217,22 @@ async def _start(
     )
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    reflection_v1.enable((*SERVICE_NAMES, health.SERVICE_NAME), server)  # v1 and v1alpha
     host, port = config.host_port
     bound = _bind(server, host, port)
     await server.start()
+    if prometheus is not None:
+        prometheus.start()
     for name in ("", *SERVICE_NAMES):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     uninstall = redaction.install(redactor)  # every log line, from here on
-    log.info("compactd serving", extra={"listen": f"{host}:{bound}", "store": config.store})
-    return RunningServer(
-        server,
-        bound,
-        store,
-        manager,
-        health_servicer,
-        config,
-        provider,
-        owns_provider,
-        pressure,
-        uninstall,
-    )
+    running = RunningServer(
+        server, bound, store, manager, health_servicer, config, provider, owns_provider,
+        owned_meter, prometheus, pressure, uninstall,
+    )  # fmt: skip
+    for message, fields in startup_report(running, parts, summarizers):
+        log.info(message, extra=fields)
+    return running
 
 
 def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
