@@ -86,7 +86,7 @@ def _methods() -> list[Method]:
         health_pb2.DESCRIPTOR,
         reflection_pb2.DESCRIPTOR,
     )
-    return [
+    methods = [
         Method(
             f"/{service.full_name}/{m.name}", m.input_type, m.server_streaming, m.client_streaming
         )
@@ -94,6 +94,10 @@ def _methods() -> list[Method]:
         for service in file.services_by_name.values()
         for m in service.methods
     ]
+    # Reflection v1 is v1alpha's protocol under another name (``api.reflection_v1``).
+    v1alpha = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"].methods[0]
+    v1 = "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"
+    return [*methods, Method(v1, v1alpha.input_type, True, True)]
 
 
 METHODS = _methods()
@@ -610,6 +614,7 @@ def test_the_fuzzer_covers_every_rpc_of_every_service() -> None:
         "compactd.v1.CompactionService",
         "grpc.health.v1.Health",
         "grpc.reflection.v1alpha.ServerReflection",
+        "grpc.reflection.v1.ServerReflection",
     }
     compaction = compaction_service_pb2.DESCRIPTOR.services_by_name["CompactionService"]
     assert {m.name for m in compaction.methods} <= {p.split("/")[2] for p in BY_PATH}
