@@ -9,14 +9,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from opentelemetry import trace
+from opentelemetry import metrics, trace
 from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
 from compactd import telemetry
@@ -103,13 +104,17 @@ async def create_server(
     tracer_provider: trace.TracerProvider | None = None,
     summarizer: Summarizer | None = None,
     summary_recoveries: Sequence[SummaryErrorRecovery] = (),
+    clock: Callable[[], float] = time.monotonic,
+    meter_provider: metrics.MeterProvider | None = None,
 ) -> RunningServer:
     """Validate the configuration, open the store, build the services and start serving.
 
     ``tracer_provider`` defaults to one built from the OTEL_* environment (owned and shut down by
     the returned server); gRPC server spans join the caller's W3C trace context. ``summarizer``
     replaces every route's summarizer (a deployment's own, or a test's); ``summary_recoveries``
-    run in the bracket's summary-error step (see ``SummaryErrorRecovery``).
+    run in the bracket's summary-error step (see ``SummaryErrorRecovery``). ``clock`` (monotonic
+    seconds) times the failure memory's backoffs; ``meter_provider`` receives the compaction
+    counters (the global provider by default).
     """
     parts = components(config)
     owns_provider = tracer_provider is None
@@ -125,6 +130,8 @@ async def create_server(
         pruner=parts.pruner,
         tracer_provider=provider,
         recoveries=summary_recoveries,
+        clock=clock,
+        meter_provider=meter_provider,
     )
     telemetry.quiet_cancelled_stream_detach()
     tracing = aio_server_interceptor(tracer_provider=provider)  # type: ignore[no-untyped-call]

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from opentelemetry import trace
+from opentelemetry import metrics, trace
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as genai
 from opentelemetry.trace import Span, Status, StatusCode
 
@@ -37,6 +38,7 @@ from compactd.core.pricing import heuristic_price
 from compactd.core.projection import project
 from compactd.core.pruner import PrunerConfig, plan_prunes
 from compactd.core.selection import (
+    DeclineCode,
     Declined,
     Selection,
     SelectionMode,
@@ -50,6 +52,7 @@ from compactd.core.surface import SurfaceNode
 from compactd.errors import Busy, CompactdError, FailedPrecondition
 from compactd.providers.base import Summarizer, SummaryError, SummaryRequest, SummaryResult
 from compactd.routes import Route
+from compactd.service.guard import CompactionGuard, SummaryRejected
 from compactd.service.pressure import PressureService, session_meter
 from compactd.service.requests import build_request
 from compactd.service.sessions import SessionHandle, SessionManager
@@ -93,6 +96,8 @@ class _Bracket:
     retained_budget: int = 0
     turn: int | None = None
     focus: str | None = None
+    min_span_tokens: int = 0  # selection declines a smaller span (0: overflow recovery)
+    guarded: bool = False  # failure memory may hold the span back (PrepareStep)
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,8 @@ class CompactionEngine:
         pruner: PrunerConfig | None = None,
         tracer_provider: trace.TracerProvider | None = None,
         recoveries: Sequence[SummaryErrorRecovery] = (),
+        clock: Callable[[], float] = time.monotonic,
+        meter_provider: metrics.MeterProvider | None = None,
     ) -> None:
         self._manager = manager
         self._recoveries = tuple(recoveries)
@@ -154,6 +161,9 @@ class CompactionEngine:
         self._summarizers = summarizers
         self._pruner = pruner or PrunerConfig()
         self._tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer("compactd")
+        self._guard = CompactionGuard(
+            clock=clock, tracer=self._tracer, meter_provider=meter_provider
+        )
 
     # ---- PrepareStep ---------------------------------------------------------------------
 
@@ -181,7 +191,9 @@ class CompactionEngine:
             return await self._step_result(handle, None, None, outcome)
         after = before
         policy = self._pressure.target_policy(handle, route)
-        if before.state == cpb.PRESSURE_STATE_ABOVE and policy.auto:
+        if before.state != cpb.PRESSURE_STATE_ABOVE:
+            self._guard.end_crossing(handle)
+        elif policy.auto:
             after = await self._relieve(handle, route, policy, turn, outcome, progress)
         return await self._step_result(handle, before, after, outcome)
 
@@ -205,8 +217,13 @@ class CompactionEngine:
                 await progress(_measured(report, "re-measured after pruning"))
             return report.state != cpb.PRESSURE_STATE_ABOVE
 
-        attempts = 0
+        attempts, why = 0, "compaction did not bring it below"
         while report.state == cpb.PRESSURE_STATE_ABOVE:
+            if not self._guard.may_open(handle, policy):  # this crossing's budget is spent
+                if attempts == 0 and await prune_first():  # pruning opens no bracket
+                    break
+                await self._budget_spent(handle, policy, report, why, outcome, progress)
+                break
             if attempts > policy.compaction_retries:
                 outcome.warnings.append(_still_above(report, attempts, policy, "retries exhausted"))
                 break
@@ -218,12 +235,16 @@ class CompactionEngine:
             job = _Bracket(
                 handle, PRESSURE, mode, route,
                 self._shrink_route(handle, route), policy, spec.retained_budget, turn,
+                min_span_tokens=self._guard.min_span_tokens(route, policy), guarded=True,
             )  # fmt: skip
             prelude = prune_first if attempts == 0 else None
             try:
                 committed = await self.run_bracket(job, progress, prelude=prelude)
             except CompactdError as error:
                 outcome.warnings.append(f"compaction failed ({error.reason}): {error.message}")
+                why = f"the last bracket failed with {error.reason}"
+                if not self._guard.may_open(handle, policy):
+                    await self._budget_spent(handle, policy, report, why, outcome, progress)
                 break
             if committed is None:  # pruning alone brought the envelope below the trigger
                 break
@@ -256,9 +277,13 @@ class CompactionEngine:
                 metadata={"open_turns": turns},
             )
         _refuse_live_bracket(handle)
+        self._guard.end_crossing(handle)  # an explicit request starts afresh
         route = self._pressure.logged_route_or_heuristic(handle)
         policy = self._pressure.target_policy(handle, route)
-        job = _Bracket(handle, MANUAL, SelectionMode.MAXIMAL, route, route, policy, focus=focus)
+        job = _Bracket(
+            handle, MANUAL, SelectionMode.MAXIMAL, route, route, policy, focus=focus,
+            min_span_tokens=self._guard.min_span_tokens(route, policy),
+        )  # fmt: skip
         committed = await self.run_bracket(job, progress)
         result = cpb.CompactResult()
         if isinstance(committed, Declined):
@@ -333,8 +358,11 @@ class CompactionEngine:
             opened = await self._open(job, compaction_id, span)
             if isinstance(opened, Declined):
                 span.set_attribute("compactd.declined", opened.reason)
+                await self._declined(opened, progress)
                 return opened
             selection, start_seq, snapshot, envelope_before = opened
+            if job.guarded:
+                self._guard.opened(handle, job.policy)
             await progress(_step(cpb.COMPACTION_STEP_START, compaction_id, start_seq))
             try:
                 outcome = await self._summarize_and_commit(
@@ -343,11 +371,13 @@ class CompactionEngine:
                 )  # fmt: skip
             except BaseException as error:
                 await asyncio.shield(self._close(handle, compaction_id, error, progress))
+                self._guard.failed(handle, selection, target, _close_reason(error)[1], job.policy)
                 if not isinstance(error, Exception):
                     _record_error(span, error)  # the span records Exceptions, not cancellation
                 raise
             await self._close(handle, compaction_id, None, progress)
             span.set_attribute("compactd.tokens_freed", outcome.tokens_freed)
+            self._guard.count("committed")
             return outcome
 
     async def _open(
@@ -361,10 +391,14 @@ class CompactionEngine:
                 meter = session_meter(handle)
                 price = _node_price(handle, job.route)
                 chosen = select_range(
-                    handle.fold, price, mode=job.mode, retained_budget=job.retained_budget
-                )
+                    handle.fold, price, mode=job.mode, retained_budget=job.retained_budget,
+                    min_span_tokens=job.min_span_tokens,
+                )  # fmt: skip
                 if isinstance(chosen, Declined):
                     return chosen
+                held = self._held(job, chosen)
+                if held is not None:
+                    return held
                 snapshot = surface_snapshot(handle.fold)
                 envelope_before = meter.measure(handle.fold, job.route).total
                 start = bracket.start_event(compaction_id, job.trigger, chosen, job.turn)
@@ -398,6 +432,15 @@ class CompactionEngine:
                 failure = SummaryFailure(compaction_id, error, attempt, selection)
                 await self._summary_error(job, failure, snapshot, progress)
             attempt += 1
+        screened = await self._guard.screen(
+            policy=job.policy, compaction_id=compaction_id, request=request, summary=summary,
+            summarizer=writer.summarizer.name, target=target,
+            span_tokens=session_meter(handle).route_price_of_nodes(
+                handle.fold, selection.shadowed_seqs, job.shrink_route
+            ),
+            shrink_route=job.shrink_route, progress=progress,
+        )  # fmt: skip
+        summary = screened.summary
         framed = prompts.frame_checkpoint(summary.text)
         with self._tracer.start_as_current_span("compaction.summary") as span:
             span.set_attribute("compactd.compaction_id", compaction_id)
@@ -435,9 +478,13 @@ class CompactionEngine:
                 events = [
                     bracket.summary_event(
                         compaction_id, summary.text, selection, tokens,
-                        target=events_pb2.Route(provider=target.provider, model=target.model),
+                        target=events_pb2.Route(
+                            provider=screened.target.provider, model=screened.target.model
+                        ),
                         usage=summary.usage,
-                        summarizer=writer.summarizer.name,
+                        summarizer=screened.summarizer,
+                        gate=screened.report,
+                        fallback=screened.fallback,
                     ),
                     bracket.checkpoint_event(
                         compaction_id, framed, selection, start_seq, summary_seq
@@ -550,12 +597,13 @@ class CompactionEngine:
     ) -> None:
         """Step 5: exactly one closing attempt; a failure leaves the orphan start in place."""
         message, reason = _close_reason(error)
+        gate = error.gate if isinstance(error, SummaryRejected) else None
         with self._tracer.start_as_current_span("compaction.end") as span:
             span.set_attribute("compactd.compaction_id", compaction_id)
             try:
                 async with handle.lock:
                     result = await handle.append_locked(
-                        [bracket.end_event(compaction_id, message, reason)]
+                        [bracket.end_event(compaction_id, message, reason, gate=gate)]
                     )
             except Exception as close_error:
                 _record_error(span, close_error)
@@ -570,6 +618,37 @@ class CompactionEngine:
                 span.set_attribute("compactd.error", message)
         if not isinstance(error, asyncio.CancelledError):
             await progress(_step(cpb.COMPACTION_STEP_END, compaction_id, result.seqs[0], message))
+
+    # ---- the guard's hooks (service.guard) -------------------------------------------------------
+
+    def _held(self, job: _Bracket, chosen: Selection) -> Declined | None:
+        """Failure memory's say on a selected span (guarded jobs only; called under the lock)."""
+        if not job.guarded:
+            return None
+        target = self._summarizers.target(job.policy, job.handle.fold.header)
+        return self._guard.hold(job.handle, chosen, target, job.policy)
+
+    async def _declined(self, declined: Declined, progress: Progress) -> None:
+        if declined.code is DeclineCode.KNOWN_FAILURE:
+            self._guard.count("skipped", declined.code)
+            await progress(_step(cpb.COMPACTION_STEP_SKIP, "", -1, declined.reason))
+        else:
+            self._guard.count("declined", declined.code)
+
+    async def _budget_spent(
+        self,
+        handle: SessionHandle,
+        policy: TargetPolicy,
+        report: cpb.PressureReport,
+        why: str,
+        outcome: StepOutcome,
+        progress: Progress,
+    ) -> None:
+        """The crossing may open no more brackets: say so once, skip silently afterwards."""
+        note = self._guard.exhausted(handle, policy, report, why)
+        if note is not None:
+            outcome.warnings.append(note)
+            await progress(_step(cpb.COMPACTION_STEP_SKIP, "", -1, note))
 
     # ---- helpers -------------------------------------------------------------------------------
 

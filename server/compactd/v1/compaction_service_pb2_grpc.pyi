@@ -57,8 +57,10 @@ class CompactionServiceStub:
     """On-demand compaction (`/compact`), even below pressure. Streams one update per bracket step,
     then the result. Errors: NOT_FOUND; ABORTED with reason `COMPACTION_BUSY` while a turn is open
     or a bracket is live; FAILED_PRECONDITION with reason `SUMMARY_TARGET_UNKNOWN` when no model
-    can write the summary; reason `SUMMARY_NOT_SMALLER`, `SPAN_DRIFT`, `UNSUPPORTED_CONTENT` or
-    `SUMMARY_FAILED` when the bracket closes without committing; UNAVAILABLE with reason
+    can write the summary; reason `SUMMARY_REJECTED` (the quality gate's failed checks are in the
+    `compaction/end` event and the ErrorInfo metadata), `SUMMARY_NOT_SMALLER`, `SPAN_DRIFT`,
+    `UNSUPPORTED_CONTENT` or `SUMMARY_FAILED` when the bracket closes without committing; a span
+    too small for a useful checkpoint answers a result with `declined_reason`; UNAVAILABLE with reason
     `TIMEOUT`, `RATE_LIMITED` or `PROVIDER_UNAVAILABLE` when the summarizer's provider failed
     transiently (the bracket is closed; retrying later may succeed).
     """
@@ -103,8 +105,10 @@ class CompactionServiceAsyncStub(CompactionServiceStub):
     """On-demand compaction (`/compact`), even below pressure. Streams one update per bracket step,
     then the result. Errors: NOT_FOUND; ABORTED with reason `COMPACTION_BUSY` while a turn is open
     or a bracket is live; FAILED_PRECONDITION with reason `SUMMARY_TARGET_UNKNOWN` when no model
-    can write the summary; reason `SUMMARY_NOT_SMALLER`, `SPAN_DRIFT`, `UNSUPPORTED_CONTENT` or
-    `SUMMARY_FAILED` when the bracket closes without committing; UNAVAILABLE with reason
+    can write the summary; reason `SUMMARY_REJECTED` (the quality gate's failed checks are in the
+    `compaction/end` event and the ErrorInfo metadata), `SUMMARY_NOT_SMALLER`, `SPAN_DRIFT`,
+    `UNSUPPORTED_CONTENT` or `SUMMARY_FAILED` when the bracket closes without committing; a span
+    too small for a useful checkpoint answers a result with `declined_reason`; UNAVAILABLE with reason
     `TIMEOUT`, `RATE_LIMITED` or `PROVIDER_UNAVAILABLE` when the summarizer's provider failed
     transiently (the bracket is closed; retrying later may succeed).
     """
@@ -170,8 +174,10 @@ class CompactionServiceServicer(metaclass=_abc_1.ABCMeta):
         """On-demand compaction (`/compact`), even below pressure. Streams one update per bracket step,
         then the result. Errors: NOT_FOUND; ABORTED with reason `COMPACTION_BUSY` while a turn is open
         or a bracket is live; FAILED_PRECONDITION with reason `SUMMARY_TARGET_UNKNOWN` when no model
-        can write the summary; reason `SUMMARY_NOT_SMALLER`, `SPAN_DRIFT`, `UNSUPPORTED_CONTENT` or
-        `SUMMARY_FAILED` when the bracket closes without committing; UNAVAILABLE with reason
+        can write the summary; reason `SUMMARY_REJECTED` (the quality gate's failed checks are in the
+        `compaction/end` event and the ErrorInfo metadata), `SUMMARY_NOT_SMALLER`, `SPAN_DRIFT`,
+        `UNSUPPORTED_CONTENT` or `SUMMARY_FAILED` when the bracket closes without committing; a span
+        too small for a useful checkpoint answers a result with `declined_reason`; UNAVAILABLE with reason
         `TIMEOUT`, `RATE_LIMITED` or `PROVIDER_UNAVAILABLE` when the summarizer's provider failed
         transiently (the bracket is closed; retrying later may succeed).
         """

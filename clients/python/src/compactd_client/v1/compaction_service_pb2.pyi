@@ -95,6 +95,14 @@ class _CompactionStepEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Compac
     """`compaction/end` was appended."""
     COMPACTION_STEP_MEASURE: _CompactionStep.ValueType  # 7
     """The pressure was re-measured."""
+    COMPACTION_STEP_GATE: _CompactionStep.ValueType  # 10
+    """The summary quality gate judged the summary (`detail` says passed, fell back, or rejected
+    with the failed checks).
+    """
+    COMPACTION_STEP_SKIP: _CompactionStep.ValueType  # 11
+    """A bracket was not opened: failure memory holds its span back, or the threshold crossing's
+    budget is spent (`detail` says which, and when a retry may happen).
+    """
 
 class CompactionStep(_CompactionStep, metaclass=_CompactionStepEnumTypeWrapper):
     """A step of a compaction, as streamed to the caller."""
@@ -115,6 +123,14 @@ COMPACTION_STEP_END: CompactionStep.ValueType  # 6
 """`compaction/end` was appended."""
 COMPACTION_STEP_MEASURE: CompactionStep.ValueType  # 7
 """The pressure was re-measured."""
+COMPACTION_STEP_GATE: CompactionStep.ValueType  # 10
+"""The summary quality gate judged the summary (`detail` says passed, fell back, or rejected
+with the failed checks).
+"""
+COMPACTION_STEP_SKIP: CompactionStep.ValueType  # 11
+"""A bracket was not opened: failure memory holds its span back, or the threshold crossing's
+budget is spent (`detail` says which, and when a retry may happen).
+"""
 Global___CompactionStep: _TypeAlias = CompactionStep  # noqa: Y015
 
 class _ProviderErrorKind:
