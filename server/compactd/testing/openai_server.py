@@ -25,7 +25,7 @@ import logging
 import math
 import socket
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
@@ -189,6 +189,7 @@ class OpenAICompatServer:
         usage_style: str = "openai",
         prefix_cache: bool = True,
         cache_block_chars: int = 4,
+        responder: Callable[[RecordedRequest], Reply | None] | None = None,
     ) -> None:
         """Create a stopped server.
 
@@ -197,12 +198,15 @@ class OpenAICompatServer:
                 (``prompt_cache_hit_tokens`` / ``prompt_cache_miss_tokens``).
             prefix_cache: Report cache hits for prompt prefixes seen before.
             cache_block_chars: Cache granularity in characters of the serialized prompt.
+            responder: Chooses the reply to a request when the script is empty (called from a
+                handler thread); None from it, or no responder, answers with the default.
         """
         if usage_style not in ("openai", "deepseek"):
             raise ValueError(f"usage_style must be 'openai' or 'deepseek', not {usage_style!r}")
         self._usage_style = usage_style
         self._prefix_cache = prefix_cache
         self._cache_block = max(1, cache_block_chars)
+        self._responder = responder
         self._lock = threading.Lock()
         self._received = threading.Condition(self._lock)
         self._script: collections.deque[Reply] = collections.deque()
@@ -307,8 +311,11 @@ class OpenAICompatServer:
         with self._lock:
             self._requests.append(request)
             self._received.notify_all()
-            reply = self._script.popleft() if self._script else Reply()
-            return len(self._requests), reply
+            scripted = self._script.popleft() if self._script else None
+            number = len(self._requests)
+        if scripted is None and self._responder is not None:
+            scripted = self._responder(request)
+        return number, scripted or Reply()
 
     def _cached_chars(self, model: str, prompt: str) -> int:
         """Characters of ``prompt`` that repeat an earlier prompt of ``model``; then remember it."""
