@@ -975,7 +975,8 @@ type PrepareStepResult struct {
 	PrunedCount int64 `protobuf:"varint,3,opt,name=pruned_count,json=prunedCount,proto3" json:"pruned_count,omitempty"`
 	// Brackets committed.
 	Compactions []*CompactionOutcome `protobuf:"bytes,4,rep,name=compactions,proto3" json:"compactions,omitempty"`
-	// Warnings (e.g. a target without capacity); the step continues with full history.
+	// Warnings (a target without capacity, a rejected summary, a skipped bracket); the step
+	// continues with the surface as it is.
 	Warnings []string `protobuf:"bytes,5,rep,name=warnings,proto3" json:"warnings,omitempty"`
 	// The request to send.
 	Request *BuildRequestResponse `protobuf:"bytes,6,opt,name=request,proto3" json:"request,omitempty"`

@@ -30,7 +30,9 @@ type CompactionServiceClient interface {
 	// re-measures and summarizes if still needed. Streams one update per bracket step, then the
 	// result with the rebuilt request. Errors: NOT_FOUND; FAILED_PRECONDITION with reason
 	// `NO_OPEN_TURN` when `turn` is not open; ABORTED with reason `COMPACTION_BUSY` while a bracket
-	// is live. Configuration errors are warnings in the result, not failures.
+	// is live. Configuration errors are warnings in the result, not failures; so are a summary the
+	// quality gate rejected, a span failure memory holds back, a span too small for a useful
+	// checkpoint, and a threshold crossing whose brackets are spent (reported once).
 	PrepareStep(ctx context.Context, in *PrepareStepRequest, opts ...grpc.CallOption) (CompactionService_PrepareStepClient, error)
 	// On-demand compaction (`/compact`), even below pressure. Streams one update per bracket step,
 	// then the result. Errors: NOT_FOUND; ABORTED with reason `COMPACTION_BUSY` while a turn is open
@@ -247,7 +249,9 @@ type CompactionServiceServer interface {
 	// re-measures and summarizes if still needed. Streams one update per bracket step, then the
 	// result with the rebuilt request. Errors: NOT_FOUND; FAILED_PRECONDITION with reason
 	// `NO_OPEN_TURN` when `turn` is not open; ABORTED with reason `COMPACTION_BUSY` while a bracket
-	// is live. Configuration errors are warnings in the result, not failures.
+	// is live. Configuration errors are warnings in the result, not failures; so are a summary the
+	// quality gate rejected, a span failure memory holds back, a span too small for a useful
+	// checkpoint, and a threshold crossing whose brackets are spent (reported once).
 	PrepareStep(*PrepareStepRequest, CompactionService_PrepareStepServer) error
 	// On-demand compaction (`/compact`), even below pressure. Streams one update per bracket step,
 	// then the result. Errors: NOT_FOUND; ABORTED with reason `COMPACTION_BUSY` while a turn is open

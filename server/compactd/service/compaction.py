@@ -358,6 +358,7 @@ class CompactionEngine:
             opened = await self._open(job, compaction_id, span)
             if isinstance(opened, Declined):
                 span.set_attribute("compactd.declined", opened.reason)
+                span.set_attribute("compactd.decline_code", opened.code)
                 await self._declined(opened, progress)
                 return opened
             selection, start_seq, snapshot, envelope_before = opened

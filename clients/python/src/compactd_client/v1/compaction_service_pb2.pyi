@@ -511,7 +511,9 @@ class PrepareStepResult(_message.Message):
 
     @_builtins.property
     def warnings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Warnings (e.g. a target without capacity); the step continues with full history."""
+        """Warnings (a target without capacity, a rejected summary, a skipped bracket); the step
+        continues with the surface as it is.
+        """
 
     @_builtins.property
     def request(self) -> _session_service_pb2.BuildRequestResponse:

@@ -97,7 +97,9 @@ class CompactionServiceServicer:
         re-measures and summarizes if still needed. Streams one update per bracket step, then the
         result with the rebuilt request. Errors: NOT_FOUND; FAILED_PRECONDITION with reason
         `NO_OPEN_TURN` when `turn` is not open; ABORTED with reason `COMPACTION_BUSY` while a bracket
-        is live. Configuration errors are warnings in the result, not failures.
+        is live. Configuration errors are warnings in the result, not failures; so are a summary the
+        quality gate rejected, a span failure memory holds back, a span too small for a useful
+        checkpoint, and a threshold crossing whose brackets are spent (reported once).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -51,7 +51,9 @@ class CompactionServiceStub:
     re-measures and summarizes if still needed. Streams one update per bracket step, then the
     result with the rebuilt request. Errors: NOT_FOUND; FAILED_PRECONDITION with reason
     `NO_OPEN_TURN` when `turn` is not open; ABORTED with reason `COMPACTION_BUSY` while a bracket
-    is live. Configuration errors are warnings in the result, not failures.
+    is live. Configuration errors are warnings in the result, not failures; so are a summary the
+    quality gate rejected, a span failure memory holds back, a span too small for a useful
+    checkpoint, and a threshold crossing whose brackets are spent (reported once).
     """
     Compact: _grpc.UnaryStreamMultiCallable[_compaction_service_pb2.CompactRequest, _compaction_service_pb2.CompactResponse]
     """On-demand compaction (`/compact`), even below pressure. Streams one update per bracket step,
@@ -99,7 +101,9 @@ class CompactionServiceAsyncStub(CompactionServiceStub):
     re-measures and summarizes if still needed. Streams one update per bracket step, then the
     result with the rebuilt request. Errors: NOT_FOUND; FAILED_PRECONDITION with reason
     `NO_OPEN_TURN` when `turn` is not open; ABORTED with reason `COMPACTION_BUSY` while a bracket
-    is live. Configuration errors are warnings in the result, not failures.
+    is live. Configuration errors are warnings in the result, not failures; so are a summary the
+    quality gate rejected, a span failure memory holds back, a span too small for a useful
+    checkpoint, and a threshold crossing whose brackets are spent (reported once).
     """
     Compact: _aio.UnaryStreamMultiCallable[_compaction_service_pb2.CompactRequest, _compaction_service_pb2.CompactResponse]  # type: ignore[assignment]
     """On-demand compaction (`/compact`), even below pressure. Streams one update per bracket step,
@@ -162,7 +166,9 @@ class CompactionServiceServicer(metaclass=_abc_1.ABCMeta):
         re-measures and summarizes if still needed. Streams one update per bracket step, then the
         result with the rebuilt request. Errors: NOT_FOUND; FAILED_PRECONDITION with reason
         `NO_OPEN_TURN` when `turn` is not open; ABORTED with reason `COMPACTION_BUSY` while a bracket
-        is live. Configuration errors are warnings in the result, not failures.
+        is live. Configuration errors are warnings in the result, not failures; so are a summary the
+        quality gate rejected, a span failure memory holds back, a span too small for a useful
+        checkpoint, and a threshold crossing whose brackets are spent (reported once).
         """
 
     @_abc_1.abstractmethod

@@ -438,7 +438,8 @@ export type PrepareStepResult = Message<"compactd.v1.PrepareStepResult"> & {
   compactions: CompactionOutcome[];
 
   /**
-   * Warnings (e.g. a target without capacity); the step continues with full history.
+   * Warnings (a target without capacity, a rejected summary, a skipped bracket); the step
+   * continues with the surface as it is.
    *
    * @generated from field: repeated string warnings = 5;
    */
@@ -1111,7 +1112,9 @@ export const CompactionService: GenService<{
    * re-measures and summarizes if still needed. Streams one update per bracket step, then the
    * result with the rebuilt request. Errors: NOT_FOUND; FAILED_PRECONDITION with reason
    * `NO_OPEN_TURN` when `turn` is not open; ABORTED with reason `COMPACTION_BUSY` while a bracket
-   * is live. Configuration errors are warnings in the result, not failures.
+   * is live. Configuration errors are warnings in the result, not failures; so are a summary the
+   * quality gate rejected, a span failure memory holds back, a span too small for a useful
+   * checkpoint, and a threshold crossing whose brackets are spent (reported once).
    *
    * @generated from rpc compactd.v1.CompactionService.PrepareStep
    */
