@@ -416,11 +416,13 @@ def _row(rate: float, mode: str, tally: Tally) -> tuple[str, ...]:
 
 
 def table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """Print ``rows`` under ``header``: the first column left-aligned, the figures right."""
     widths = [max(len(str(c)) for c in column) for column in zip(header, *rows, strict=True)]
     print(f"\n{title}")
-    print("  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
-    for row in rows:
-        print("  ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)))
+    for cells in (header, *rows):
+        first, *rest = (str(c) for c in cells)
+        figures = (c.rjust(w) for c, w in zip(rest, widths[1:], strict=True))
+        print("  ".join((first.ljust(widths[0]), *figures)))
 
 
 def main() -> None:

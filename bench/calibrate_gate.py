@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench_gate import table  # bench/ is the script's folder
+
 from compactd.core import prompts
 from compactd.core.gate import DEFAULT_MIN_PROBE_RETENTION
 from compactd.core.probes import message_text, retention, select_probes, span_facts
@@ -174,21 +176,11 @@ def main() -> None:
             groups["model at --model-url"] = ratios
     header = ("summaries", "n", "min", "median", *(f"pass at {t}" for t in THRESHOLDS))
     rows = [row(name, ratios) for name, ratios in groups.items()]
-    widths = [max(len(c) for c in column) for column in zip(header, *rows, strict=True)]
-    print(f"Probe retention by summary (default minProbeRetention {DEFAULT_MIN_PROBE_RETENTION})")
-    print(
-        "  ".join(
-            h.ljust(w) if i == 0 else h.rjust(w)
-            for i, (h, w) in enumerate(zip(header, widths, strict=True))
-        )
+    table(
+        f"Probe retention by summary (default minProbeRetention {DEFAULT_MIN_PROBE_RETENTION})",
+        header,
+        rows,
     )
-    for cells in rows:
-        print(
-            "  ".join(
-                c.ljust(w) if i == 0 else c.rjust(w)
-                for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-            )
-        )
 
 
 if __name__ == "__main__":

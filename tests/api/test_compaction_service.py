@@ -24,6 +24,7 @@ from tests.builders import (
     compaction_end,
     compaction_start,
     end_seed,
+    header,
     tool_result,
     turn_end,
     turn_start,
@@ -244,25 +245,26 @@ async def test_a_route_without_capacity_warns_once_per_target_and_continues(
 ) -> None:
     nocap = {"provider": PROVIDER, "model": "nocap", "base_url": loop.base_url}
     async with started(tmp_path, loop, routes=[nocap]) as h:
-        await h.create(*opening(), *units(18), turn_start(1))
+        await h.create(*opening(), *units(18), header(PROVIDER, "nocap"), turn_start(1))
         before = await h.events()
         full = await h.build()
         route = events_pb2.Route(provider=PROVIDER, model="nocap")
 
-        first = (await h.prepare(1, route)).result
+        first = (await h.prepare(1)).result
         (warning,) = first.warnings
+        assert "the logged route" in warning
         assert "loop/nocap" in warning
         assert "context window" in warning
         assert not first.HasField("before")
         assert list(first.request.messages) == list(full.messages)
 
-        again = (await h.prepare(1, route)).result
+        again = (await h.prepare(1)).result
         assert list(again.warnings) == []
         assert list(again.request.messages) == list(full.messages)
 
-        elsewhere = events_pb2.Route(provider="other", model="unknown")
-        (other,) = (await h.prepare(1, elsewhere)).result.warnings
-        assert "other/unknown" in other
+        (named,) = (await h.prepare(1, route)).result.warnings  # the same route, named: no switch
+        assert "loop/nocap" in named
+        assert list((await h.prepare(1, route)).result.warnings) == []
         assert await h.events() == before
 
 

@@ -8,12 +8,14 @@ from hypothesis import strategies as st
 
 from compactd.core.events import SessionEvent, event_type
 from compactd.core.fold import SessionFold
+from compactd.core.pricing import heuristic_price
 from compactd.core.projection import offload_placeholder
 from compactd.core.pruner import (
     PRUNE_MARKER,
     PrunerConfig,
     code_points,
     plan_prunes,
+    plan_window_prunes,
     prune_content,
     prune_events,
     slice_code_points,
@@ -277,3 +279,50 @@ def test_pruning_is_byte_for_byte_deterministic() -> None:
         return [e.SerializeToString(deterministic=True) for e in events]
 
     assert once() == once()
+
+
+# --- window-sized prunes (overflow recovery on small windows) ----------------------------------
+
+
+def heuristic(event: SessionEvent, offloaded: frozenset[int] | set[int] = frozenset()) -> int:
+    return heuristic_price(event, offloaded)
+
+
+def test_a_result_under_the_threshold_that_alone_exceeds_the_room_is_pruned_to_half_of_it() -> None:
+    fold = fold_with(
+        assistant("go", calls=[("c1", "read", "{}")]), tool_result("c1", letters(8000))
+    )
+    assert plan_prunes(fold, DEFAULT, shadow_price) == []  # under max_code_points
+
+    [plan] = plan_window_prunes(fold, DEFAULT, heuristic, 1500, shadow_price)
+
+    assert heuristic(plan.replacement) <= 750
+    kept = plan.replacement.tool_result.content[0].text.text
+    head, tail = kept.split(PRUNE_MARKER)
+    assert kept.startswith(letters(len(head)))
+    assert len(head) == 4 * len(tail)  # the configured 4096:1024 ratio
+    assert plan.replacement.source_event_seqs == [2]
+
+
+def test_a_pruned_result_still_over_the_room_is_pruned_again() -> None:
+    fold = fold_with(assistant("go", calls=[("c1", "read", "{}")]), tool_result("c1", "x" * 20000))
+    fold.admit(prune_events(plan_prunes(fold, DEFAULT, shadow_price)))
+    pruned = fold.surface[2]
+
+    [plan] = plan_window_prunes(fold, DEFAULT, heuristic, 1000, shadow_price)
+
+    assert plan.shadowed_seq == pruned.seq
+    assert heuristic(plan.replacement) <= 500
+
+
+def test_results_within_the_room_or_made_of_images_are_left_alone() -> None:
+    images = [image_block(f"{i}.png") for i in range(40)]
+    fold = fold_with(
+        assistant("go", calls=[("c1", "read", "{}"), ("c2", "shot", "{}")]),
+        tool_result("c1", letters(3000)),
+        tool_result("c2", "shots", blocks=images),
+    )
+    assert heuristic(fold.surface[3].event) > 500  # the images alone cost more than the room
+    assert plan_window_prunes(fold, DEFAULT, heuristic, 1000, shadow_price) == []
+    [text_only] = plan_window_prunes(fold, DEFAULT, heuristic, 500, shadow_price)
+    assert text_only.shadowed_seq == 2

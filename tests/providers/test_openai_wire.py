@@ -1,4 +1,4 @@
-"""The OpenAI wire format: encoding, canonical bytes, stream decoding, error classification."""
+"""The OpenAI wire format: encoding, canonical bytes, stream decoding."""
 
 from __future__ import annotations
 
@@ -16,12 +16,10 @@ from compactd.providers.openai_wire import (
     Completion,
     SSEDecoder,
     UnsupportedContent,
-    classify_error,
     dumps,
     encode_messages,
     encode_request,
     encode_tools,
-    parse_retry_after,
     parse_usage,
     user_text_message,
 )
@@ -317,96 +315,3 @@ def test_deepseek_usage_reads_cache_hit_and_miss() -> None:
     )
 
     assert (usage.input_tokens, usage.cache_read_tokens, usage.output_tokens) == (40, 960, 5)
-
-
-# --- errors ----------------------------------------------------------------------------------
-
-
-def _error(message: str, code: str | None = None, **fields: object) -> str:
-    return json.dumps(
-        {"error": {"message": message, "type": "invalid_request_error", "code": code, **fields}}
-    )
-
-
-@pytest.mark.parametrize(
-    ("status", "body"),
-    [
-        (
-            400,
-            _error(
-                "This model's maximum context length is 65536 tokens. However, you "
-                "requested 70000 tokens. Please reduce the length of the messages."
-            ),
-        ),
-        (400, _error("Input too long", "context_length_exceeded")),
-        (
-            400,
-            json.dumps(
-                {
-                    "error": {
-                        "code": 400,
-                        "message": "the request exceeds the available "
-                        "context size, try increasing it",
-                        "type": "exceed_context_size_error",
-                    }
-                }
-            ),
-        ),
-        (413, "Request Entity Too Large"),
-    ],
-    ids=["deepseek-vllm-wording", "openai-code", "llama.cpp", "413-without-images"],
-)
-def test_context_limit_errors_are_classified(status: int, body: str) -> None:
-    error = classify_error(status, body, request_images=0)
-
-    assert error.reason == base.CONTEXT_WINDOW_EXCEEDED
-    assert not error.retryable
-
-
-def test_too_many_images_requires_offload_with_a_count() -> None:
-    body = _error("Too many images: at most 8 images per request")
-
-    error = classify_error(413, body, request_images=11)
-
-    assert error.reason == base.IMAGE_OFFLOAD_REQUIRED
-    assert error.offload_images == 3
-    assert classify_error(413, _error("x", offload_images=2)).offload_images == 2
-
-
-def test_rate_limits_are_retryable_and_carry_retry_after() -> None:
-    error = classify_error(429, _error("slow down"), {"Retry-After": "2"})
-
-    assert (error.reason, error.retryable, error.retry_after) == (base.RATE_LIMITED, True, 2.0)
-
-
-def test_exhausted_quota_is_not_retryable() -> None:
-    error = classify_error(429, _error("You exceeded your current quota", "insufficient_quota"))
-
-    assert error.reason == base.RATE_LIMITED
-    assert not error.retryable
-
-
-@pytest.mark.parametrize(
-    ("status", "reason", "retryable"),
-    [
-        (500, base.PROVIDER_UNAVAILABLE, True),
-        (503, base.PROVIDER_UNAVAILABLE, True),
-        (408, base.TIMEOUT, True),
-        (401, base.UNAUTHENTICATED, False),
-        (400, base.SUMMARY_FAILED, False),
-        (None, base.PROVIDER_UNAVAILABLE, True),
-    ],
-)
-def test_status_codes_map_to_reasons(status: int | None, reason: str, retryable: bool) -> None:
-    error = classify_error(status, _error("something went wrong"))
-
-    assert (error.reason, error.retryable) == (reason, retryable)
-    assert "something went wrong" in error.message
-
-
-def test_retry_after_accepts_milliseconds_seconds_and_http_dates() -> None:
-    assert parse_retry_after({"retry-after-ms": "1500", "retry-after": "9"}) == 1.5
-    assert parse_retry_after({"retry-after": "0.25"}) == 0.25
-    date = "Wed, 21 Oct 2015 07:28:10 GMT"
-    assert parse_retry_after({"retry-after": date}, now=1445412480.0) == 10.0
-    assert parse_retry_after({"retry-after": "soon"}) is None

@@ -633,10 +633,11 @@ async def test_a_recovery_records_its_change_and_the_summary_is_retried_in_the_s
     assert [f.attempt for f in recovery.failures] == [1]
 
 
-async def test_without_a_recovery_a_summary_error_closes_the_bracket(
+async def test_an_image_budget_error_without_a_count_closes_the_bracket(
     tmp_path: Path, loop: OpenAICompatServer
 ) -> None:
-    loop.enqueue(Reply.too_many_images(limit=0, offload_images=1))
+    # No count and no stated limit: the always-on image offload recovery cannot choose.
+    loop.enqueue(Reply.http_error(413, "Request Entity Too Large"))
     async with started(tmp_path, loop) as h:
         await h.create(*opening(), _with_image("Look at this plot."), *units(4))
         with pytest.raises(grpc.aio.AioRpcError) as caught:

@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from compactd.testing.openai_server import OpenAICompatServer, Reply
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2
-from tests.api.rpc import details
+from tests.api.rpc import ErrorDetails, details
 from tests.builders import assistant, in_step, tool_result, turn_end, turn_start, user
 from tests.compaction_fixtures import (
     ABOVE,
@@ -138,6 +138,15 @@ def ends(log: list[events_pb2.SessionEvent]) -> list[events_pb2.CompactionEnd]:
     return [e.compaction_end for e in log if e.HasField("compaction_end")]
 
 
+async def rejected_compact(h: Harness) -> ErrorDetails:
+    """Run Compact, which must fail with SUMMARY_REJECTED; its error details."""
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await h.compact()
+    got = details(caught.value)
+    assert got.reason == "SUMMARY_REJECTED"
+    return got
+
+
 def checks(report: events_pb2.SummaryGateReport) -> set[int]:
     return {failure.check for failure in report.failures}
 
@@ -177,11 +186,8 @@ async def test_a_summary_without_the_sections_is_rejected_with_the_reason(
     loop.enqueue(Reply(text=faithful(sections=False)))
     async with started(tmp_path, loop) as h:
         await h.create(*opening(), *history(20))
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await h.compact()
+        got = await rejected_compact(h)
 
-        got = details(caught.value)
-        assert got.reason == "SUMMARY_REJECTED"
         assert got.metadata["checks"] == "SECTIONS"
         (end,) = ends(await h.events())
         (failure,) = end.gate.failures
@@ -195,11 +201,8 @@ async def test_a_summary_that_drops_the_requests_and_paths_is_rejected_naming_th
     loop.enqueue(Reply(text=faithful(keep="errors")))
     async with started(tmp_path, loop) as h:
         await h.create(*opening(), *history(20))
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await h.compact()
+        got = await rejected_compact(h)
 
-        got = details(caught.value)
-        assert got.reason == "SUMMARY_REJECTED"
         assert got.metadata["checks"] == "PROBES"
         assert "request:Task 19: fix the tokenizer bug" in got.metadata["missed_probes"]
         (end,) = ends(await h.events())
@@ -216,18 +219,14 @@ async def test_a_summary_that_reduces_the_span_by_two_percent_is_rejected(
     async with started(tmp_path, loop) as h:
         await h.create(*opening(), *history(20))
         loop.enqueue(Reply(text="x"))  # learn the span's and the framing's prices
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await h.compact()
-        span = int(details(caught.value).metadata["shadowed_tokens"])
-        framing = int(details(caught.value).metadata["checkpoint_tokens"]) - 1
+        first = await rejected_compact(h)
+        span = int(first.metadata["shadowed_tokens"])
+        framing = int(first.metadata["checkpoint_tokens"]) - 1
         good = faithful()
         padding = 4 * (round(span * 0.98) - framing) - len(good) - 1
         loop.enqueue(Reply(text=good + "\n" + "p" * padding))
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await h.compact()
+        got = await rejected_compact(h)
 
-        got = details(caught.value)
-        assert got.reason == "SUMMARY_REJECTED"
         assert got.metadata["checks"] == "REDUCTION"
         end = ends(await h.events())[-1]
         assert end.gate.reduction == pytest.approx(0.02, abs=0.005)

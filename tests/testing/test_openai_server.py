@@ -11,7 +11,13 @@ import pytest
 
 from compactd.core import prompts
 from compactd.providers.openai_wire import SSEDecoder
-from compactd.testing import OpenAICompatServer, RecordedRequest, Reply, ScriptedToolCall
+from compactd.testing import (
+    OpenAICompatServer,
+    RecordedRequest,
+    Reply,
+    ScriptedToolCall,
+    provider_errors,
+)
 
 
 @pytest.fixture
@@ -101,6 +107,28 @@ def test_scripted_errors_carry_status_headers_and_a_provider_body(
     assert too_long.status_code == 400
     assert too_long.json()["error"]["code"] == "context_length_exceeded"
     assert "8192" in too_long.json()["error"]["message"]
+
+
+def test_provider_error_bodies_are_sent_byte_for_byte_with_their_status(
+    provider: OpenAICompatServer,
+) -> None:
+    anthropic = provider_errors.overflow("anthropic", window=200000, prompt_tokens=210000)
+    provider.enqueue(
+        anthropic, provider_errors.overflow("llama.cpp", window=2048, prompt_tokens=3031)
+    )
+
+    first = httpx.post(f"{provider.base_url}/chat/completions", json=_body(True))
+    second = httpx.post(f"{provider.base_url}/chat/completions", json=_body(False))
+
+    assert (first.status_code, first.text) == (400, anthropic.body)
+    assert first.json()["type"] == "error"
+    assert second.status_code == 400
+    error = second.json()["error"]
+    assert (error["code"], error["type"], error["n_ctx"]) == (
+        400,
+        "exceed_context_size_error",
+        2048,
+    )
 
 
 def test_replies_are_used_in_order_then_the_default(provider: OpenAICompatServer) -> None:

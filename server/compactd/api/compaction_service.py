@@ -10,25 +10,37 @@ from typing import Any, TypeVar
 import grpc
 
 from compactd.api.session_service import require_session_id
-from compactd.api.status import handle_errors, unimplemented
+from compactd.api.status import handle_errors
 from compactd.errors import FieldViolation, InvalidArgument
 from compactd.routes import Route
 from compactd.service.compaction import CompactionEngine, Progress
 from compactd.service.pressure import PressureService
+from compactd.service.recovery import RecoveryService, classification, classify_raw
+from compactd.service.switch import SwitchService
 from compactd.v1 import compaction_service_pb2 as pb
 from compactd.v1 import compaction_service_pb2_grpc, events_pb2
 
 Context = grpc.aio.ServicerContext[Any, Any]
 Result = TypeVar("Result")
+Response = TypeVar("Response")
 _DONE = object()
 
 
 class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
-    """Adapter from the wire to ``PressureService`` and ``CompactionEngine``."""
+    """Adapter from the wire to ``PressureService``, ``CompactionEngine``, ``RecoveryService``
+    and ``SwitchService``."""
 
-    def __init__(self, pressure: PressureService, engine: CompactionEngine) -> None:
+    def __init__(
+        self,
+        pressure: PressureService,
+        engine: CompactionEngine,
+        recovery: RecoveryService,
+        switch: SwitchService,
+    ) -> None:
         self._pressure = pressure
         self._engine = engine
+        self._recovery = recovery
+        self._switch = switch
 
     @handle_errors
     async def CheckPressure(
@@ -56,13 +68,10 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
         intended = self._destination(request.intended_route, request.HasField("intended_route"))
 
         def run(progress: Progress) -> Awaitable[pb.PrepareStepResult]:
-            return self._engine.prepare_step(request.session_id, request.turn, intended, progress)
+            return self._switch.prepare_step(request.session_id, request.turn, intended, progress)
 
-        async for progress, result in _streamed(run):
-            if result is None:
-                yield pb.PrepareStepResponse(progress=progress)
-            else:
-                yield pb.PrepareStepResponse(result=result)
+        async for response in _streamed(run, pb.PrepareStepResponse):
+            yield response
 
     @handle_errors
     async def Compact(
@@ -73,14 +82,51 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
         def run(progress: Progress) -> Awaitable[pb.CompactResult]:
             return self._engine.compact(request.session_id, request.focus or None, progress)
 
-        async for progress, result in _streamed(run):
-            if result is None:
-                yield pb.CompactResponse(progress=progress)
-            else:
-                yield pb.CompactResponse(result=result)
+        async for response in _streamed(run, pb.CompactResponse):
+            yield response
 
-    RecoverFromError = unimplemented("RecoverFromError")
-    SwitchModel = unimplemented("SwitchModel")
+    @handle_errors
+    async def RecoverFromError(
+        self, request: pb.RecoverFromErrorRequest, context: Context
+    ) -> AsyncIterator[pb.RecoverFromErrorResponse]:
+        require_session_id(request.session_id)
+        _check_recovery(request)
+
+        def run(progress: Progress) -> Awaitable[pb.RecoverFromErrorResult]:
+            return self._recovery.recover(
+                request.session_id, request.turn, request.error, request.retries_so_far, progress
+            )
+
+        async for response in _streamed(run, pb.RecoverFromErrorResponse):
+            yield response
+
+    @handle_errors
+    async def SwitchModel(
+        self, request: pb.SwitchModelRequest, context: Context
+    ) -> AsyncIterator[pb.SwitchModelResponse]:
+        require_session_id(request.session_id)
+        destination = self._destination(request.destination, True)
+        assert destination is not None
+        turn = request.turn if request.HasField("turn") else None
+
+        def run(progress: Progress) -> Awaitable[pb.SwitchModelResult]:
+            return self._switch.switch_model(request.session_id, destination, turn, progress)
+
+        async for response in _streamed(run, pb.SwitchModelResponse):
+            yield response
+
+    @handle_errors
+    async def ClassifyProviderError(
+        self, request: pb.ClassifyProviderErrorRequest, context: Context
+    ) -> pb.ClassifyProviderErrorResponse:
+        raw = request.raw
+        if not (raw.http_status or raw.body):
+            raise InvalidArgument(
+                "a provider error needs its HTTP status or its body",
+                violations=[FieldViolation("raw", "set http_status, body, or both")],
+            )
+        failure = classify_raw(raw)
+        return pb.ClassifyProviderErrorResponse(classification=classification(failure))
 
     def _destination(self, route: events_pb2.Route, present: bool) -> Route | None:
         if not present:
@@ -93,10 +139,32 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
         return self._pressure.route_for(route.provider, route.model)
 
 
+def _check_recovery(request: pb.RecoverFromErrorRequest) -> None:
+    """The request's error must say what failed, with a count for an image budget."""
+    error, violations = request.error, []
+    if error.kind == pb.PROVIDER_ERROR_KIND_UNSPECIFIED and not (
+        error.raw.http_status or error.raw.body
+    ):
+        violations.append(
+            FieldViolation("error.kind", "set a kind, or the provider's raw response in error.raw")
+        )
+    if error.kind == pb.PROVIDER_ERROR_KIND_IMAGE_OFFLOAD_REQUIRED and error.offload_images <= 0:
+        violations.append(
+            FieldViolation("error.offload_images", "IMAGE_OFFLOAD_REQUIRED needs a positive count")
+        )
+    if request.retries_so_far < 0:
+        violations.append(FieldViolation("retries_so_far", "must not be negative"))
+    if violations:
+        raise InvalidArgument(
+            "; ".join(f"{v.field}: {v.description}" for v in violations), violations=violations
+        )
+
+
 async def _streamed(
-    run: Callable[[Progress], Awaitable[Result]],
-) -> AsyncIterator[tuple[pb.CompactionProgress | None, Result | None]]:
-    """Run an engine operation, yielding ``(progress, None)`` per step, then ``(None, result)``.
+    run: Callable[[Progress], Awaitable[Result]], response: Callable[..., Response]
+) -> AsyncIterator[Response]:
+    """Run an engine operation, yielding ``response(progress=...)`` per step, then
+    ``response(result=...)``.
 
     If the caller goes away, the operation is cancelled and awaited, so a bracket it opened is
     closed before the handler returns.
@@ -111,8 +179,8 @@ async def _streamed(
     try:
         while (item := await queue.get()) is not _DONE:
             assert isinstance(item, pb.CompactionProgress)
-            yield item, None
-        yield None, task.result()
+            yield response(progress=item)
+        yield response(result=task.result())
     finally:
         if not task.done():
             task.cancel()

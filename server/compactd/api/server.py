@@ -29,9 +29,12 @@ from compactd.core.pruner import PrunerConfig
 from compactd.providers.base import Summarizer
 from compactd.routes import RouteCatalog
 from compactd.service.compaction import CompactionEngine, SummaryErrorRecovery
+from compactd.service.offload import ImageOffloadRecovery
 from compactd.service.pressure import PressureService
+from compactd.service.recovery import RecoveryService
 from compactd.service.sessions import SessionManager
 from compactd.service.summarizers import SummarizerRegistry, SummarizerSettings
+from compactd.service.switch import SwitchService
 from compactd.store.base import EventStore
 from compactd.store.factory import open_store
 from compactd.v1 import (
@@ -112,9 +115,10 @@ async def create_server(
     ``tracer_provider`` defaults to one built from the OTEL_* environment (owned and shut down by
     the returned server); gRPC server spans join the caller's W3C trace context. ``summarizer``
     replaces every route's summarizer (a deployment's own, or a test's); ``summary_recoveries``
-    run in the bracket's summary-error step (see ``SummaryErrorRecovery``). ``clock`` (monotonic
-    seconds) times the failure memory's backoffs; ``meter_provider`` receives the compaction
-    counters (the global provider by default).
+    run in the bracket's summary-error step (see ``SummaryErrorRecovery``), before the always-on
+    ``ImageOffloadRecovery``. ``clock`` (monotonic seconds) times the failure memory's
+    backoffs; ``meter_provider`` receives the compaction counters (the global provider by
+    default).
     """
     parts = components(config)
     owns_provider = tracer_provider is None
@@ -129,10 +133,12 @@ async def create_server(
         SummarizerRegistry(parts.routes, parts.summarizer, override=summarizer),
         pruner=parts.pruner,
         tracer_provider=provider,
-        recoveries=summary_recoveries,
+        recoveries=(*summary_recoveries, ImageOffloadRecovery()),
         clock=clock,
         meter_provider=meter_provider,
     )
+    recovery = RecoveryService(manager, pressure, engine, parts.pruner)
+    switch = SwitchService(manager, pressure, engine)
     telemetry.quiet_cancelled_stream_detach()
     tracing = aio_server_interceptor(tracer_provider=provider)  # type: ignore[no-untyped-call]
     server = grpc.aio.server(options=_channel_options(config), interceptors=[tracing])
@@ -140,7 +146,7 @@ async def create_server(
         SessionServicer(manager, max_batch_events=config.max_batch_events), server
     )
     compaction_service_pb2_grpc.add_CompactionServiceServicer_to_server(
-        CompactionServicer(pressure, engine), server
+        CompactionServicer(pressure, engine, recovery, switch), server
     )
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

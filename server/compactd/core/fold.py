@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import pairwise
 from typing import NoReturn
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -18,6 +19,7 @@ from compactd.core import events as ev
 from compactd.core import header as hdr
 from compactd.core.events import SessionEvent
 from compactd.core.lock import LockState, live_bracket
+from compactd.core.offload import INPUT_KINDS, image_count
 from compactd.core.projection import Message, derive_messages
 from compactd.core.surface import Surface, SurfaceChange
 from compactd.errors import Busy, FieldViolation, InvalidArgument
@@ -211,22 +213,33 @@ class SessionFold:
             self._check_offload(event)
 
     def _check_offload(self, event: SessionEvent) -> None:
-        for i, target in enumerate(event.image_offload.targets):
+        """An ``image/offload`` names at least one target; each target a distinct current
+        ``user/message`` or ``tool/result`` node and, strictly increasing, indexes of its image
+        blocks."""
+        targets = event.image_offload.targets
+        if not targets:
+            _invalid("image_offload.targets", "an offload selects at least one image")
+        seen: set[int] = set()
+        for i, target in enumerate(targets):
             field_name = f"image_offload.targets[{i}]"
+            if target.seq in seen:
+                _invalid(f"{field_name}.seq", f"node {target.seq} is targeted twice")
+            seen.add(target.seq)
             position = self.surface.position_of(target.seq)
             if position is None:
                 _invalid(f"{field_name}.seq", f"{target.seq} is not a current surface node")
             node_event = self.surface[position].event
-            kind = ev.body_name(node_event)
-            if kind not in ("user_message", "tool_result"):
+            if ev.body_name(node_event) not in INPUT_KINDS:
                 _invalid(f"{field_name}.seq", "only user and tool input images can be offloaded")
-            images = sum(1 for b in getattr(node_event, kind).content if b.HasField("image"))
-            indexes = target.image_indexes
+            images = image_count(node_event)
+            indexes = list(target.image_indexes)
             if not indexes or min(indexes) < 0 or max(indexes) >= images:
                 _invalid(
                     f"{field_name}.image_indexes",
                     f"non-empty indexes in 0..{images - 1}: the node has {images} image(s)",
                 )
+            if any(a >= b for a, b in pairwise(indexes)):
+                _invalid(f"{field_name}.image_indexes", "indexes must be strictly increasing")
 
 
 def _invalid(field_name: str, description: str) -> NoReturn:

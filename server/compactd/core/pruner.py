@@ -148,6 +148,8 @@ def plan_prune(
     config: PrunerConfig,
     shadow_price: Callable[[SurfaceNode], int],
     compaction_id: str = "",
+    *,
+    again: bool = False,
 ) -> PrunePlan | None:
     """The prune of one surface node, or None when it is not an oversized, unpruned result.
 
@@ -158,8 +160,9 @@ def plan_prune(
         config: The thresholds.
         shadow_price: The fixed heuristic price of a node, logged on ``compaction/prune``.
         compaction_id: The bracket or step the prune belongs to, if any.
+        again: Also prune a result that is already a REPLACE (window-sized prunes only).
     """
-    if node.type != ev.TOOL_RESULT or ev.is_replace(node.event):
+    if node.type != ev.TOOL_RESULT or (ev.is_replace(node.event) and not again):
         return None  # a tool/result REPLACE is a pruned result: never pruned again
     original = node.event.tool_result
     pruned = prune_content(project_content(original.content, offloaded), config)
@@ -203,6 +206,71 @@ def plan_prunes(
         if plan is not None:
             plans.append(plan)
     return plans
+
+
+def plan_window_prunes(
+    fold: SessionFold,
+    config: PrunerConfig,
+    price: Callable[[SessionEvent, Set[int]], int],
+    room: int,
+    shadow_price: Callable[[SurfaceNode], int],
+) -> list[PrunePlan]:
+    """Prunes of every ``tool/result`` whose price alone exceeds ``room`` tokens.
+
+    ``[pruner]`` thresholds are code points, independent of any window; on a small window a
+    result under ``max_code_points`` (or an already pruned one) can still not fit. Overflow
+    recovery calls this with ``room``, the tokens the window leaves for history (W - O - system,
+    tools and framing): each result priced above it is pruned, even a pruned one, keeping head
+    and tail in ``config``'s ratio, scaled down until the result costs at most ``room // 2``.
+    A result whose remainder (images, or text the marker alone outweighs) cannot get there is
+    left alone.
+
+    Args:
+        fold: The session state; its surface and offload marks are read.
+        config: The configured thresholds, whose head:tail ratio is kept.
+        price: The route price of an event projected with the given offloaded image indexes.
+        room: Tokens the window leaves for history.
+        shadow_price: The fixed heuristic price of a node, logged on ``compaction/prune``.
+    """
+    plans = []
+    for node in fold.surface:
+        offloaded = fold.offloads.get(node.seq, frozenset())
+        if node.type != ev.TOOL_RESULT or price(node.event, offloaded) <= room:
+            continue
+        plan = _fit_prune(node, offloaded, config, price, max(room // 2, 0), shadow_price)
+        if plan is not None:
+            plans.append(plan)
+    return plans
+
+
+def _fit_prune(
+    node: SurfaceNode,
+    offloaded: Set[int],
+    config: PrunerConfig,
+    price: Callable[[SessionEvent, Set[int]], int],
+    target: int,
+    shadow_price: Callable[[SurfaceNode], int],
+) -> PrunePlan | None:
+    """The largest head-and-tail prune of ``node`` that costs at most ``target`` tokens."""
+    kept = config.head_code_points + config.tail_code_points
+    share = config.head_code_points / kept if kept else 1.0
+    # Start from the heuristic's 4 code points per token, then halve until the route agrees.
+    budget = min(kept, max(target, 0) * 4)
+    while True:
+        head = int(budget * share)
+        scaled = _scaled_config(head, budget - head)
+        plan = plan_prune(node, offloaded, scaled, shadow_price, again=True)
+        if plan is not None and price(plan.replacement, frozenset()) <= target:
+            return plan
+        if budget == 0:
+            return None
+        budget //= 2
+
+
+def _scaled_config(head: int, tail: int) -> PrunerConfig:
+    """A config keeping ``head`` and ``tail`` code points of any result longer than them."""
+    threshold = head + code_points(PRUNE_MARKER) + tail
+    return PrunerConfig(max_code_points=threshold, head_code_points=head, tail_code_points=tail)
 
 
 def prune_events(plans: Iterable[PrunePlan]) -> list[SessionEvent]:

@@ -26,7 +26,7 @@ import httpx
 
 import compactd
 from compactd.errors import InvalidArgument
-from compactd.providers import base, openai_wire
+from compactd.providers import base, errors, openai_wire
 from compactd.providers.base import SummaryError, SummaryRequest, SummaryResult
 from compactd.providers.openai_wire import Completion, SSEDecoder
 
@@ -272,7 +272,7 @@ class OpenAISummarizer:
             if response.status_code >= 400:
                 raw = await response.aread()
                 raise _classified(
-                    openai_wire.classify_error(
+                    errors.classify(
                         response.status_code,
                         raw,
                         response.headers,
@@ -344,7 +344,7 @@ def _raise_on_output(completion: Completion, images: int) -> None:
     """Fail as soon as the stream carries an error or output a summary cannot hold."""
     if completion.error is not None:
         raise _classified(
-            openai_wire.classify_error(None, json.dumps(completion.error), request_images=images)
+            errors.classify(None, json.dumps(completion.error), request_images=images)
         )
     if completion.unsupported_output:
         kinds = ", ".join(completion.unsupported_output)
@@ -364,10 +364,14 @@ def _json(raw: bytes) -> dict[str, Any]:
     return value
 
 
-def _classified(error: openai_wire.ProviderError) -> SummaryError:
+def _classified(error: errors.ProviderFailure) -> SummaryError:
+    """The summarizer's error for a classified provider failure (an unrecognized one is
+    ``SUMMARY_FAILED``), naming the table rule that recognized it."""
+    reason = base.SUMMARY_FAILED if error.reason == errors.PROVIDER_ERROR else error.reason
     return SummaryError(
         error.message,
-        reason=error.reason,
+        reason=reason,
+        metadata={"rule": error.rule} if error.rule else None,
         retryable=error.retryable,
         offload_images=error.offload_images,
         status=error.status,

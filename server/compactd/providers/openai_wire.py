@@ -1,20 +1,18 @@
-"""The OpenAI chat-completions wire format: encoding, stream decoding, error classification.
+"""The OpenAI chat-completions wire format: encoding and stream decoding.
 
-Pure functions, no I/O. Everything that builds or reads an OpenAI-compatible request goes through
-this module: the runtime's conversation requests and compactd's summary requests are encoded by
-the same functions and serialized by the same ``dumps``, so a summary request's ``messages`` are
-a byte-identical prefix of the conversation's (plus the final instruction) and the provider's warm
-prefix cache is reused. Works for OpenAI, DeepSeek, vLLM, llama.cpp server and other compatible
+Pure functions, no I/O (provider errors are classified by ``providers.errors``). Everything that
+builds or reads an OpenAI-compatible request goes through this module: the runtime's
+conversation requests and compactd's summary requests are encoded by the same functions and
+serialized by the same ``dumps``, so a summary request's ``messages`` are a byte-identical prefix
+of the conversation's (plus the final instruction) and the provider's warm prefix cache is
+reused. Works for OpenAI, DeepSeek, vLLM, llama.cpp server and other compatible
 endpoints; route-specific differences are keyword flags, never guesses.
 """
 
 from __future__ import annotations
 
 import base64
-import email.utils
 import json
-import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -482,156 +480,3 @@ def _int(value: Any) -> int:
 
 def _mapping(value: Any) -> Mapping[str, Any]:
     return value if isinstance(value, Mapping) else {}
-
-
-# --- error classification -------------------------------------------------------------------
-
-_CONTEXT_PATTERNS = re.compile(
-    r"context[ _-]?length|context[ _-]?window|maximum context|context size|exceed_context"
-    r"|too many tokens|prompt is too long|input is too long|reduce the length"
-    r"|exceeds? the (?:model'?s? )?(?:maximum|max|available)",
-    re.IGNORECASE,
-)
-_IMAGE_PATTERNS = re.compile(
-    r"too many images|images? (?:limit|exceed)|(?:number|count) of images|image_limit"
-    r"|(?:at most|maximum of|max(?:imum)?|up to|limit of)\s*\d+\s*images?",
-    re.IGNORECASE,
-)
-_IMAGE_LIMIT = re.compile(
-    r"(?:at most|maximum of|max(?:imum)?(?: is)?|up to|limit(?: is| of)?)\s*(\d+)\s*images?",
-    re.IGNORECASE,
-)
-
-
-@dataclass(frozen=True)
-class ProviderError:
-    """A classified provider failure (see ``classify_error``)."""
-
-    reason: str
-    message: str
-    retryable: bool
-    status: int | None
-    retry_after: float | None = None
-    offload_images: int = 0
-
-
-def classify_error(
-    status: int | None,
-    body: bytes | str,
-    headers: Mapping[str, str] | None = None,
-    *,
-    request_images: int | None = None,
-    now: float | None = None,
-) -> ProviderError:
-    """Classify a provider error response into a canonical reason.
-
-    Rules, first match wins: context-limit wording (or code ``context_length_exceeded``) ->
-    ``CONTEXT_WINDOW_EXCEEDED``; image-count wording, or 413 on a request with images (or whose
-    image count is unknown) -> ``IMAGE_OFFLOAD_REQUIRED``; a 413 without images ->
-    ``CONTEXT_WINDOW_EXCEEDED``; 401/403 -> ``UNAUTHENTICATED``; 408 -> ``TIMEOUT``
-    (retryable); 429 -> ``RATE_LIMITED`` (retryable unless the quota is exhausted); 5xx or an
-    error inside a stream -> ``PROVIDER_UNAVAILABLE`` (retryable); else ``SUMMARY_FAILED``.
-
-    Args:
-        status: HTTP status, or None for an error object inside a 200 stream.
-        body: The response body (provider JSON or text).
-        headers: Response headers (``retry-after-ms`` / ``retry-after`` are honoured).
-        request_images: Input images the failed request carried, when known; with a stated limit
-            this gives ``offload_images``.
-        now: Current POSIX time, needed only to read an HTTP-date ``retry-after``.
-    """
-    message, code = _error_text(body)
-    lowered = {key.lower(): value for key, value in (headers or {}).items()}
-    retry_after = parse_retry_after(lowered, now=now)
-    text = f"{code} {message}"
-    prefix = f"HTTP {status}: " if status is not None else "stream error: "
-    described = prefix + message
-
-    def error(reason: str, retryable: bool, offload: int = 0) -> ProviderError:
-        return ProviderError(reason, described, retryable, status, retry_after, offload)
-
-    # A 429 may talk about tokens (per-minute quotas) without being about the window.
-    if status != 429 and (code == "context_length_exceeded" or _CONTEXT_PATTERNS.search(text)):
-        return error(base.CONTEXT_WINDOW_EXCEEDED, False)
-    if _IMAGE_PATTERNS.search(text) or (status == 413 and request_images != 0):
-        return error(base.IMAGE_OFFLOAD_REQUIRED, False, _offload_count(body, text, request_images))
-    if status == 413:
-        return error(base.CONTEXT_WINDOW_EXCEEDED, False)
-    if status in (401, 403):
-        return error(base.UNAUTHENTICATED, False)
-    if status == 408:
-        return error(base.TIMEOUT, True)
-    if status == 429:
-        return error(base.RATE_LIMITED, code != "insufficient_quota")
-    if status is None or status >= 500:
-        return error(base.PROVIDER_UNAVAILABLE, True)
-    return error(base.SUMMARY_FAILED, False)
-
-
-def parse_retry_after(headers: Mapping[str, str], *, now: float | None = None) -> float | None:
-    """Seconds to wait from lower-cased ``retry-after-ms`` or ``retry-after`` headers, if any."""
-    milliseconds = headers.get("retry-after-ms")
-    if milliseconds is not None:
-        seconds = _float(milliseconds)
-        if seconds is not None:
-            return max(0.0, seconds / 1000)
-    value = headers.get("retry-after")
-    if value is None:
-        return None
-    seconds = _float(value)
-    if seconds is not None:
-        return max(0.0, seconds)
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return None if now is None else max(0.0, when.timestamp() - now)
-
-
-def _float(value: str) -> float | None:
-    try:
-        number = float(value)
-    except ValueError:
-        return None
-    return number if math.isfinite(number) else None
-
-
-def _error_text(body: bytes | str) -> tuple[str, str]:
-    """The provider's error message and code from a JSON (or plain text) error body."""
-    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
-    try:
-        parsed: Any = json.loads(text)
-    except ValueError:
-        return _clip(text.strip() or "(empty body)"), ""
-    error = parsed.get("error", parsed) if isinstance(parsed, dict) else parsed
-    if isinstance(error, str):
-        return _clip(error), ""
-    if not isinstance(error, dict):
-        return _clip(text), ""
-    message = error.get("message") or error.get("detail") or text
-    code = error.get("code") or error.get("type") or ""
-    return _clip(str(message)), str(code)
-
-
-def _offload_count(body: bytes | str, text: str, request_images: int | None) -> int:
-    stated = _stated_offload(body)
-    if stated:
-        return stated
-    limit = _IMAGE_LIMIT.search(text)
-    if limit is None or not request_images:
-        return 0
-    return max(1, request_images - int(limit.group(1)))
-
-
-def _stated_offload(body: bytes | str) -> int:
-    try:
-        parsed: Any = json.loads(body)
-    except ValueError:
-        return 0
-    error = parsed.get("error") if isinstance(parsed, dict) else None
-    count = error.get("offload_images") if isinstance(error, dict) else None
-    return count if isinstance(count, int) and count > 0 else 0
-
-
-def _clip(text: str, limit: int = 500) -> str:
-    return text if len(text) <= limit else text[:limit] + "..."

@@ -22,7 +22,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from opentelemetry import metrics, trace
@@ -31,12 +31,13 @@ from opentelemetry.trace import Span, Status, StatusCode
 
 from compactd.core import bracket, prompts
 from compactd.core import events as ev
+from compactd.core.fold import SessionFold
 from compactd.core.lock import live_bracket
 from compactd.core.meter import route_price
 from compactd.core.policy import TargetPolicy
 from compactd.core.pricing import heuristic_price
 from compactd.core.projection import project
-from compactd.core.pruner import PrunerConfig, plan_prunes
+from compactd.core.pruner import PrunePlan, PrunerConfig, plan_prunes
 from compactd.core.selection import (
     DeclineCode,
     Declined,
@@ -63,6 +64,7 @@ from compactd.v1 import events_pb2
 log = logging.getLogger(__name__)
 
 Progress = Callable[[cpb.CompactionProgress], Awaitable[None]]
+Planner = Callable[[SessionFold, Callable[[SurfaceNode], int]], list[PrunePlan]]
 PRESSURE = events_pb2.COMPACTION_TRIGGER_PRESSURE
 MANUAL = events_pb2.COMPACTION_TRIGGER_MANUAL
 _WARNED_KEY = "warned_targets"
@@ -98,6 +100,10 @@ class _Bracket:
     focus: str | None = None
     min_span_tokens: int = 0  # selection declines a smaller span (0: overflow recovery)
     guarded: bool = False  # failure memory may hold the span back (PrepareStep)
+
+
+#: The inputs of one bracket run, for the recovery flows (``service.recovery``, ``.switch``).
+Bracket = _Bracket
 
 
 @dataclass(frozen=True)
@@ -217,12 +223,12 @@ class CompactionEngine:
                 await progress(_measured(report, "re-measured after pruning"))
             return report.state != cpb.PRESSURE_STATE_ABOVE
 
-        attempts, why = 0, "compaction did not bring it below"
+        attempts, cause = 0, "compaction did not bring it below"
         while report.state == cpb.PRESSURE_STATE_ABOVE:
             if not self._guard.may_open(handle, policy):  # this crossing's budget is spent
                 if attempts == 0 and await prune_first():  # pruning opens no bracket
                     break
-                await self._budget_spent(handle, policy, report, why, outcome, progress)
+                await self._budget_spent(handle, policy, report, cause, outcome, progress)
                 break
             if attempts > policy.compaction_retries:
                 outcome.warnings.append(_still_above(report, attempts, policy, "retries exhausted"))
@@ -242,9 +248,9 @@ class CompactionEngine:
                 committed = await self.run_bracket(job, progress, prelude=prelude)
             except CompactdError as error:
                 outcome.warnings.append(f"compaction failed ({error.reason}): {error.message}")
-                why = f"the last bracket failed with {error.reason}"
+                cause = f"the last bracket failed with {error.reason}"
                 if not self._guard.may_open(handle, policy):
-                    await self._budget_spent(handle, policy, report, why, outcome, progress)
+                    await self._budget_spent(handle, policy, report, cause, outcome, progress)
                 break
             if committed is None:  # pruning alone brought the envelope below the trigger
                 break
@@ -298,12 +304,23 @@ class CompactionEngine:
 
     # ---- pruning -----------------------------------------------------------------------------
 
-    async def prune(self, handle: SessionHandle, progress: Progress) -> int:
-        """Prune every oversized ``tool/result`` (callers qualify pressure first)."""
+    async def prune(
+        self, handle: SessionHandle, progress: Progress, *, planner: Planner | None = None
+    ) -> int:
+        """Prune every oversized ``tool/result`` (callers qualify pressure first).
+
+        ``planner(fold, shadow_price)`` replaces the configured pruner's plans (overflow
+        recovery's window-sized prunes); it runs under the session's lock.
+        """
         with self._tracer.start_as_current_span("compaction.prune") as span:
             span.set_attribute("compactd.session_id", handle.session_id)
             async with handle.lock:
-                plans = plan_prunes(handle.fold, self._pruner, _shadow_price_of(handle))
+                shadow_price = _shadow_price_of(handle)
+                plans = (
+                    planner(handle.fold, shadow_price)
+                    if planner is not None
+                    else plan_prunes(handle.fold, self._pruner, shadow_price)
+                )
                 if not plans:
                     span.set_attribute("compactd.pruned_count", 0)
                     return 0
@@ -432,6 +449,9 @@ class CompactionEngine:
             except SummaryError as error:
                 failure = SummaryFailure(compaction_id, error, attempt, selection)
                 await self._summary_error(job, failure, snapshot, progress)
+                # The recovery changed the span's projection (an offload): re-price the span
+                # and the envelope, so the figures logged with the summary are today's.
+                selection, envelope_before = await self._repriced(job, selection, envelope_before)
             attempt += 1
         screened = await self._guard.screen(
             policy=job.policy, compaction_id=compaction_id, request=request, summary=summary,
@@ -620,6 +640,21 @@ class CompactionEngine:
         if not isinstance(error, asyncio.CancelledError):
             await progress(_step(cpb.COMPACTION_STEP_END, compaction_id, result.seqs[0], message))
 
+    async def _repriced(
+        self, job: _Bracket, selection: Selection, envelope_before: int
+    ) -> tuple[Selection, int]:
+        """``selection`` with the span's current route price, and the envelope measured now
+        (unchanged when a span node is gone: the commit's revalidation rejects the span)."""
+        handle = job.handle
+        meter = session_meter(handle)
+        async with handle.lock:
+            try:
+                price = meter.route_price_of_nodes(handle.fold, selection.shadowed_seqs, job.route)
+            except ValueError:
+                return selection, envelope_before
+            envelope = meter.measure(handle.fold, job.route).total
+        return replace(selection, shadowed_price=price), envelope
+
     # ---- the guard's hooks (service.guard) -------------------------------------------------------
 
     def _held(self, job: _Bracket, chosen: Selection) -> Declined | None:
@@ -709,6 +744,10 @@ def _refuse_live_bracket(handle: SessionHandle) -> None:
             f"compaction {live.compaction_id} (started at seq {live.start_seq}) is still running",
             metadata={"compaction_id": live.compaction_id, "start_seq": str(live.start_seq)},
         )
+
+
+#: For the recovery flows (``service.recovery``, ``service.switch``).
+refuse_live_bracket = _refuse_live_bracket
 
 
 def _node_price(handle: SessionHandle, route: Route) -> Callable[[SurfaceNode], int]:

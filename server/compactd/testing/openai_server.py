@@ -75,6 +75,8 @@ class Reply:
         finish_reason: Stop reason; default ``tool_calls`` when there are calls, else ``stop``.
         status: HTTP status; 400 and above answers ``error`` as a JSON body.
         error: The ``error`` object of an HTTP error body.
+        body: An HTTP error's whole JSON body, sent as is instead of ``{"error": error}`` (for
+            providers whose errors have another shape: see ``testing.provider_errors``).
         headers: Extra response headers (e.g. ``Retry-After``).
         delay_before: Seconds to wait before answering.
         delay_between: Seconds to wait between stream chunks.
@@ -91,6 +93,7 @@ class Reply:
     finish_reason: str | None = None
     status: int = 200
     error: Mapping[str, Any] | None = None
+    body: str | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
     delay_before: float = 0.0
     delay_between: float = 0.0
@@ -520,7 +523,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         if reply.status >= 400:
-            self._send_json(reply.status, {"error": dict(reply.error or {})}, reply.headers)
+            error: Any = {"error": dict(reply.error or {})}
+            self._send_json(reply.status, error, reply.headers, raw=reply.body)
             return
         compaction = headers.get(_PURPOSE_HEADER) == "compaction"
         answer = _Answer.build(number, reply, body, compaction)
@@ -557,8 +561,15 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
         self.wfile.flush()
 
-    def _send_json(self, status: int, obj: Any, headers: Mapping[str, str] | None = None) -> None:
-        data = json.dumps(obj, ensure_ascii=False).encode()
+    def _send_json(
+        self,
+        status: int,
+        obj: Any,
+        headers: Mapping[str, str] | None = None,
+        *,
+        raw: str | None = None,
+    ) -> None:
+        data = (raw if raw is not None else json.dumps(obj, ensure_ascii=False)).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))

@@ -95,6 +95,10 @@ class _CompactionStepEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Compac
     """`compaction/end` was appended."""
     COMPACTION_STEP_MEASURE: _CompactionStep.ValueType  # 7
     """The pressure was re-measured."""
+    COMPACTION_STEP_OFFLOAD: _CompactionStep.ValueType  # 8
+    """An `image/offload` was appended."""
+    COMPACTION_STEP_HEADER: _CompactionStep.ValueType  # 9
+    """The destination `request/header` of a model switch was appended."""
     COMPACTION_STEP_GATE: _CompactionStep.ValueType  # 10
     """The summary quality gate judged the summary (`detail` says passed, fell back, or rejected
     with the failed checks).
@@ -123,6 +127,10 @@ COMPACTION_STEP_END: CompactionStep.ValueType  # 6
 """`compaction/end` was appended."""
 COMPACTION_STEP_MEASURE: CompactionStep.ValueType  # 7
 """The pressure was re-measured."""
+COMPACTION_STEP_OFFLOAD: CompactionStep.ValueType  # 8
+"""An `image/offload` was appended."""
+COMPACTION_STEP_HEADER: CompactionStep.ValueType  # 9
+"""The destination `request/header` of a model switch was appended."""
 COMPACTION_STEP_GATE: CompactionStep.ValueType  # 10
 """The summary quality gate judged the summary (`detail` says passed, fell back, or rejected
 with the failed checks).
@@ -156,6 +164,62 @@ PROVIDER_ERROR_KIND_CONTEXT_WINDOW_EXCEEDED: ProviderErrorKind.ValueType  # 1
 PROVIDER_ERROR_KIND_IMAGE_OFFLOAD_REQUIRED: ProviderErrorKind.ValueType  # 2
 """The request carried more images than the route accepts."""
 Global___ProviderErrorKind: _TypeAlias = ProviderErrorKind  # noqa: Y015
+
+class _RecoveryDecline:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RecoveryDeclineEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RecoveryDecline.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    RECOVERY_DECLINE_UNSPECIFIED: _RecoveryDecline.ValueType  # 0
+    """Not set: a retry is authorized."""
+    RECOVERY_DECLINE_RETRIES_EXHAUSTED: _RecoveryDecline.ValueType  # 1
+    """`retries_so_far` reached the route's `maxOverflowRetries` (0 disables overflow recovery)."""
+    RECOVERY_DECLINE_AUTO_DISABLED: _RecoveryDecline.ValueType  # 2
+    """The route's policy has `auto` off: no automatic overflow recovery."""
+    RECOVERY_DECLINE_ENVELOPE_ONLY: _RecoveryDecline.ValueType  # 3
+    """System prompt, tools and framing alone do not fit the window (see `figures`)."""
+    RECOVERY_DECLINE_INDIVISIBLE_UNIT: _RecoveryDecline.ValueType  # 4
+    """The history after the system head is one indivisible unit, still over the window."""
+    RECOVERY_DECLINE_NOTHING_SELECTABLE: _RecoveryDecline.ValueType  # 5
+    """Nothing can be condensed (no history, or only the previous checkpoint)."""
+    RECOVERY_DECLINE_OPEN_TAIL: _RecoveryDecline.ValueType  # 6
+    """A tool call still waits for its results."""
+    RECOVERY_DECLINE_COMPACTION_FAILED: _RecoveryDecline.ValueType  # 7
+    """The compaction failed and nothing else changed the surface (see `cause`)."""
+    RECOVERY_DECLINE_NO_IMAGES: _RecoveryDecline.ValueType  # 8
+    """No input image is left to offload."""
+    RECOVERY_DECLINE_OFFLOAD_COUNT_UNKNOWN: _RecoveryDecline.ValueType  # 9
+    """IMAGE_OFFLOAD_REQUIRED without a count the provider stated or compactd could derive."""
+    RECOVERY_DECLINE_NOT_RECOVERABLE: _RecoveryDecline.ValueType  # 10
+    """The raw error is not one compactd recovers from (a rate limit, say: see `classification`)."""
+
+class RecoveryDecline(_RecoveryDecline, metaclass=_RecoveryDeclineEnumTypeWrapper):
+    """Why RecoverFromError authorizes no retry."""
+
+RECOVERY_DECLINE_UNSPECIFIED: RecoveryDecline.ValueType  # 0
+"""Not set: a retry is authorized."""
+RECOVERY_DECLINE_RETRIES_EXHAUSTED: RecoveryDecline.ValueType  # 1
+"""`retries_so_far` reached the route's `maxOverflowRetries` (0 disables overflow recovery)."""
+RECOVERY_DECLINE_AUTO_DISABLED: RecoveryDecline.ValueType  # 2
+"""The route's policy has `auto` off: no automatic overflow recovery."""
+RECOVERY_DECLINE_ENVELOPE_ONLY: RecoveryDecline.ValueType  # 3
+"""System prompt, tools and framing alone do not fit the window (see `figures`)."""
+RECOVERY_DECLINE_INDIVISIBLE_UNIT: RecoveryDecline.ValueType  # 4
+"""The history after the system head is one indivisible unit, still over the window."""
+RECOVERY_DECLINE_NOTHING_SELECTABLE: RecoveryDecline.ValueType  # 5
+"""Nothing can be condensed (no history, or only the previous checkpoint)."""
+RECOVERY_DECLINE_OPEN_TAIL: RecoveryDecline.ValueType  # 6
+"""A tool call still waits for its results."""
+RECOVERY_DECLINE_COMPACTION_FAILED: RecoveryDecline.ValueType  # 7
+"""The compaction failed and nothing else changed the surface (see `cause`)."""
+RECOVERY_DECLINE_NO_IMAGES: RecoveryDecline.ValueType  # 8
+"""No input image is left to offload."""
+RECOVERY_DECLINE_OFFLOAD_COUNT_UNKNOWN: RecoveryDecline.ValueType  # 9
+"""IMAGE_OFFLOAD_REQUIRED without a count the provider stated or compactd could derive."""
+RECOVERY_DECLINE_NOT_RECOVERABLE: RecoveryDecline.ValueType  # 10
+"""The raw error is not one compactd recovers from (a rate limit, say: see `classification`)."""
+Global___RecoveryDecline: _TypeAlias = RecoveryDecline  # noqa: Y015
 
 @_typing.final
 class PressureBreakdown(_message.Message):
@@ -495,8 +559,11 @@ class PrepareStepResult(_message.Message):
     COMPACTIONS_FIELD_NUMBER: _builtins.int
     WARNINGS_FIELD_NUMBER: _builtins.int
     REQUEST_FIELD_NUMBER: _builtins.int
+    HEADER_SEQ_FIELD_NUMBER: _builtins.int
     pruned_count: _builtins.int
     """`tool/result` nodes pruned."""
+    header_seq: _builtins.int
+    """Seq of the destination `request/header` appended when `intended_route` changed the route."""
     @_builtins.property
     def before(self) -> Global___PressureReport:
         """Pressure before anything was done."""
@@ -528,12 +595,15 @@ class PrepareStepResult(_message.Message):
         compactions: _abc.Iterable[Global___CompactionOutcome] | None = ...,
         warnings: _abc.Iterable[_builtins.str] | None = ...,
         request: _session_service_pb2.BuildRequestResponse | None = ...,
+        header_seq: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "before", b"before", "request", b"request"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_header_seq", b"_header_seq", "after", b"after", "before", b"before", "header_seq", b"header_seq", "request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "before", b"before", "compactions", b"compactions", "pruned_count", b"pruned_count", "request", b"request", "warnings", b"warnings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_header_seq", b"_header_seq", "after", b"after", "before", b"before", "compactions", b"compactions", "header_seq", b"header_seq", "pruned_count", b"pruned_count", "request", b"request", "warnings", b"warnings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__header_seq: _TypeAlias = _typing.Literal["header_seq"]  # noqa: Y015
+    _WhichOneofArgType__header_seq: _TypeAlias = _typing.Literal["_header_seq", b"_header_seq"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__header_seq) -> _WhichOneofReturnType__header_seq | None: ...
 
 Global___PrepareStepResult: _TypeAlias = PrepareStepResult  # noqa: Y015
 
@@ -663,33 +733,288 @@ Global___CompactResponse: _TypeAlias = CompactResponse  # noqa: Y015
 
 @_typing.final
 class ProviderError(_message.Message):
-    """A provider error, as classified by the runtime's adapter."""
+    """A provider error: classified by the runtime's adapter (`kind`), or raw for the service to
+    classify (`raw`).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     KIND_FIELD_NUMBER: _builtins.int
     OFFLOAD_IMAGES_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    CONTEXT_WINDOW_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    RAW_FIELD_NUMBER: _builtins.int
     kind: Global___ProviderErrorKind.ValueType
-    """The canonical kind."""
+    """The canonical kind; UNSPECIFIED with `raw` set asks the service to classify `raw`."""
     offload_images: _builtins.int
     """IMAGE_OFFLOAD_REQUIRED: how many images to offload."""
     message: _builtins.str
     """The provider's message, for the log."""
+    context_window: _builtins.int
+    """CONTEXT_WINDOW_EXCEEDED: the window the provider stated, in tokens (0: not stated). Used
+    when the route declares none.
+    """
+    prompt_tokens: _builtins.int
+    """CONTEXT_WINDOW_EXCEEDED: the size of the refused prompt the provider stated (0: not stated)."""
+    @_builtins.property
+    def raw(self) -> Global___RawProviderError:
+        """The provider's response as received; classified when `kind` is UNSPECIFIED."""
+
     def __init__(
         self,
         *,
         kind: Global___ProviderErrorKind.ValueType = ...,
         offload_images: _builtins.int = ...,
         message: _builtins.str = ...,
+        context_window: _builtins.int = ...,
+        prompt_tokens: _builtins.int = ...,
+        raw: Global___RawProviderError | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["raw", b"raw"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "message", b"message", "offload_images", b"offload_images"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_window", b"context_window", "kind", b"kind", "message", b"message", "offload_images", b"offload_images", "prompt_tokens", b"prompt_tokens", "raw", b"raw"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ProviderError: _TypeAlias = ProviderError  # noqa: Y015
+
+@_typing.final
+class RawProviderError(_message.Message):
+    """A provider's error response, as the runtime received it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class HeadersEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    HTTP_STATUS_FIELD_NUMBER: _builtins.int
+    BODY_FIELD_NUMBER: _builtins.int
+    HEADERS_FIELD_NUMBER: _builtins.int
+    REQUEST_IMAGES_FIELD_NUMBER: _builtins.int
+    http_status: _builtins.int
+    """HTTP status; 0 for an error object received inside a 200 event stream."""
+    body: _builtins.bytes
+    """The response body, byte for byte (JSON or text)."""
+    request_images: _builtins.int
+    """Input images the failed request carried, when known (with a limit the provider states,
+    this gives `offload_images`). RecoverFromError counts the session's own when absent.
+    """
+    @_builtins.property
+    def headers(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Response headers (names in any case), e.g. `retry-after`, `retry-after-ms`."""
+
+    def __init__(
+        self,
+        *,
+        http_status: _builtins.int = ...,
+        body: _builtins.bytes = ...,
+        headers: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        request_images: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_request_images", b"_request_images", "request_images", b"request_images"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_request_images", b"_request_images", "body", b"body", "headers", b"headers", "http_status", b"http_status", "request_images", b"request_images"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__request_images: _TypeAlias = _typing.Literal["request_images"]  # noqa: Y015
+    _WhichOneofArgType__request_images: _TypeAlias = _typing.Literal["_request_images", b"_request_images"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__request_images) -> _WhichOneofReturnType__request_images | None: ...
+
+Global___RawProviderError: _TypeAlias = RawProviderError  # noqa: Y015
+
+@_typing.final
+class ProviderErrorClassification(_message.Message):
+    """How compactd's provider error table classified a raw provider error."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REASON_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    RETRYABLE_FIELD_NUMBER: _builtins.int
+    RETRY_AFTER_SECONDS_FIELD_NUMBER: _builtins.int
+    OFFLOAD_IMAGES_FIELD_NUMBER: _builtins.int
+    CONTEXT_WINDOW_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    RULE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    reason: _builtins.str
+    """Canonical reason: `CONTEXT_WINDOW_EXCEEDED`, `IMAGE_OFFLOAD_REQUIRED`, `RATE_LIMITED`,
+    `UNAUTHENTICATED`, `TIMEOUT`, `PROVIDER_UNAVAILABLE`, or `PROVIDER_ERROR` when no rule
+    recognizes the failure.
+    """
+    kind: Global___ProviderErrorKind.ValueType
+    """The recoverable kind, when the reason is one (else UNSPECIFIED)."""
+    retryable: _builtins.bool
+    """Whether sending the same request again may succeed (after `retry_after_seconds`, if set)."""
+    retry_after_seconds: _builtins.float
+    """Seconds the provider asked to wait, when it said."""
+    offload_images: _builtins.int
+    """IMAGE_OFFLOAD_REQUIRED: input images to offload (0: the provider did not say)."""
+    context_window: _builtins.int
+    """The window the provider stated, in tokens (0: not stated)."""
+    prompt_tokens: _builtins.int
+    """The refused prompt's size the provider stated, in tokens (0: not stated)."""
+    message: _builtins.str
+    """`HTTP <status>: <provider message>`, clipped."""
+    rule: _builtins.str
+    """The table rule that recognized it, e.g. `llama.cpp/exceed_context_size` (empty: none)."""
+    @_builtins.property
+    def error(self) -> Global___ProviderError:
+        """The error as `RecoverFromErrorRequest.error` takes it (kind and figures filled in)."""
+
+    def __init__(
+        self,
+        *,
+        reason: _builtins.str = ...,
+        kind: Global___ProviderErrorKind.ValueType = ...,
+        retryable: _builtins.bool = ...,
+        retry_after_seconds: _builtins.float | None = ...,
+        offload_images: _builtins.int = ...,
+        context_window: _builtins.int = ...,
+        prompt_tokens: _builtins.int = ...,
+        message: _builtins.str = ...,
+        rule: _builtins.str = ...,
+        error: Global___ProviderError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_retry_after_seconds", b"_retry_after_seconds", "error", b"error", "retry_after_seconds", b"retry_after_seconds"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_retry_after_seconds", b"_retry_after_seconds", "context_window", b"context_window", "error", b"error", "kind", b"kind", "message", b"message", "offload_images", b"offload_images", "prompt_tokens", b"prompt_tokens", "reason", b"reason", "retry_after_seconds", b"retry_after_seconds", "retryable", b"retryable", "rule", b"rule"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__retry_after_seconds: _TypeAlias = _typing.Literal["retry_after_seconds"]  # noqa: Y015
+    _WhichOneofArgType__retry_after_seconds: _TypeAlias = _typing.Literal["_retry_after_seconds", b"_retry_after_seconds"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__retry_after_seconds) -> _WhichOneofReturnType__retry_after_seconds | None: ...
+
+Global___ProviderErrorClassification: _TypeAlias = ProviderErrorClassification  # noqa: Y015
+
+@_typing.final
+class ClassifyProviderErrorRequest(_message.Message):
+    """Request for `ClassifyProviderError`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RAW_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def raw(self) -> Global___RawProviderError:
+        """The provider's response."""
+
+    def __init__(
+        self,
+        *,
+        raw: Global___RawProviderError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["raw", b"raw"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["raw", b"raw"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClassifyProviderErrorRequest: _TypeAlias = ClassifyProviderErrorRequest  # noqa: Y015
+
+@_typing.final
+class ClassifyProviderErrorResponse(_message.Message):
+    """Response for `ClassifyProviderError`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLASSIFICATION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def classification(self) -> Global___ProviderErrorClassification:
+        """The classification."""
+
+    def __init__(
+        self,
+        *,
+        classification: Global___ProviderErrorClassification | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["classification", b"classification"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["classification", b"classification"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClassifyProviderErrorResponse: _TypeAlias = ClassifyProviderErrorResponse  # noqa: Y015
+
+@_typing.final
+class OverflowFigures(_message.Message):
+    """The figures of an overflow that surface compaction cannot relieve."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONTEXT_WINDOW_FIELD_NUMBER: _builtins.int
+    WINDOW_SOURCE_FIELD_NUMBER: _builtins.int
+    OUTPUT_RESERVATION_FIELD_NUMBER: _builtins.int
+    SYSTEM_TOKENS_FIELD_NUMBER: _builtins.int
+    TOOLS_TOKENS_FIELD_NUMBER: _builtins.int
+    CONFIG_TOKENS_FIELD_NUMBER: _builtins.int
+    ENVELOPE_TOKENS_FIELD_NUMBER: _builtins.int
+    UNIT_TOKENS_FIELD_NUMBER: _builtins.int
+    UNIT_RANGE_FIELD_NUMBER: _builtins.int
+    MEASURED_TOKENS_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    context_window: _builtins.int
+    """The window W: the route's declared one, else the one the provider stated (0: unknown)."""
+    window_source: _builtins.str
+    """Where `context_window` came from: `route`, `provider`, or empty when unknown."""
+    output_reservation: _builtins.int
+    """The output reservation O."""
+    system_tokens: _builtins.int
+    """The system head's tokens."""
+    tools_tokens: _builtins.int
+    """Tool declarations' tokens."""
+    config_tokens: _builtins.int
+    """Request framing tokens."""
+    envelope_tokens: _builtins.int
+    """What no compaction reduces: system + tools + config."""
+    unit_tokens: _builtins.int
+    """INDIVISIBLE_UNIT: the unit's tokens."""
+    measured_tokens: _builtins.int
+    """The measured envelope now, in tokens."""
+    prompt_tokens: _builtins.int
+    """The refused prompt's size the provider stated (0: not stated)."""
+    @_builtins.property
+    def unit_range(self) -> _events_pb2.SurfaceRange:
+        """INDIVISIBLE_UNIT: the unit's surface span."""
+
+    def __init__(
+        self,
+        *,
+        context_window: _builtins.int = ...,
+        window_source: _builtins.str = ...,
+        output_reservation: _builtins.int = ...,
+        system_tokens: _builtins.int = ...,
+        tools_tokens: _builtins.int = ...,
+        config_tokens: _builtins.int = ...,
+        envelope_tokens: _builtins.int = ...,
+        unit_tokens: _builtins.int = ...,
+        unit_range: _events_pb2.SurfaceRange | None = ...,
+        measured_tokens: _builtins.int = ...,
+        prompt_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["unit_range", b"unit_range"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_tokens", b"config_tokens", "context_window", b"context_window", "envelope_tokens", b"envelope_tokens", "measured_tokens", b"measured_tokens", "output_reservation", b"output_reservation", "prompt_tokens", b"prompt_tokens", "system_tokens", b"system_tokens", "tools_tokens", b"tools_tokens", "unit_range", b"unit_range", "unit_tokens", b"unit_tokens", "window_source", b"window_source"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OverflowFigures: _TypeAlias = OverflowFigures  # noqa: Y015
 
 @_typing.final
 class RecoverFromErrorRequest(_message.Message):
@@ -739,6 +1064,11 @@ class RecoverFromErrorResult(_message.Message):
     OFFLOADED_IMAGES_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     REQUEST_FIELD_NUMBER: _builtins.int
+    DECLINE_FIELD_NUMBER: _builtins.int
+    FIGURES_FIELD_NUMBER: _builtins.int
+    CLASSIFICATION_FIELD_NUMBER: _builtins.int
+    CAUSE_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
     retry: _builtins.bool
     """Whether the runtime may retry the request (the surface advanced or images were offloaded)."""
     pruned_count: _builtins.int
@@ -747,6 +1077,14 @@ class RecoverFromErrorResult(_message.Message):
     """Images offloaded."""
     reason: _builtins.str
     """Why no retry is authorized, when it is not."""
+    decline: Global___RecoveryDecline.ValueType
+    """Why no retry is authorized (UNSPECIFIED when `retry`)."""
+    cause: _builtins.str
+    """COMPACTION_FAILED (or a failure after pruning advanced): the compaction's reason, e.g.
+    `SUMMARY_NOT_SMALLER`.
+    """
+    kind: Global___ProviderErrorKind.ValueType
+    """The kind recovered from (the request's, or the classified one)."""
     @_builtins.property
     def compactions(self) -> _containers.RepeatedCompositeFieldContainer[Global___CompactionOutcome]:
         """Brackets committed."""
@@ -754,6 +1092,14 @@ class RecoverFromErrorResult(_message.Message):
     @_builtins.property
     def request(self) -> _session_service_pb2.BuildRequestResponse:
         """The request to send on retry."""
+
+    @_builtins.property
+    def figures(self) -> Global___OverflowFigures:
+        """ENVELOPE_ONLY and INDIVISIBLE_UNIT: the figures."""
+
+    @_builtins.property
+    def classification(self) -> Global___ProviderErrorClassification:
+        """How a raw error was classified (absent when the request named a kind)."""
 
     def __init__(
         self,
@@ -764,10 +1110,15 @@ class RecoverFromErrorResult(_message.Message):
         offloaded_images: _builtins.int = ...,
         reason: _builtins.str = ...,
         request: _session_service_pb2.BuildRequestResponse | None = ...,
+        decline: Global___RecoveryDecline.ValueType = ...,
+        figures: Global___OverflowFigures | None = ...,
+        classification: Global___ProviderErrorClassification | None = ...,
+        cause: _builtins.str = ...,
+        kind: Global___ProviderErrorKind.ValueType = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["classification", b"classification", "figures", b"figures", "request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compactions", b"compactions", "offloaded_images", b"offloaded_images", "pruned_count", b"pruned_count", "reason", b"reason", "request", b"request", "retry", b"retry"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cause", b"cause", "classification", b"classification", "compactions", b"compactions", "decline", b"decline", "figures", b"figures", "kind", b"kind", "offloaded_images", b"offloaded_images", "pruned_count", b"pruned_count", "reason", b"reason", "request", b"request", "retry", b"retry"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -849,8 +1200,12 @@ class SwitchModelResult(_message.Message):
     AFTER_FIELD_NUMBER: _builtins.int
     COMPACTIONS_FIELD_NUMBER: _builtins.int
     PRUNED_COUNT_FIELD_NUMBER: _builtins.int
+    HEADER_SEQ_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
     pruned_count: _builtins.int
     """`tool/result` nodes pruned."""
+    header_seq: _builtins.int
+    """Seq of the destination `request/header` (absent when the destination is the logged route)."""
     @_builtins.property
     def before(self) -> Global___PressureReport:
         """Pressure against the destination before compaction."""
@@ -863,6 +1218,10 @@ class SwitchModelResult(_message.Message):
     def compactions(self) -> _containers.RepeatedCompositeFieldContainer[Global___CompactionOutcome]:
         """Brackets committed."""
 
+    @_builtins.property
+    def request(self) -> _session_service_pb2.BuildRequestResponse:
+        """The request to send to the destination."""
+
     def __init__(
         self,
         *,
@@ -870,12 +1229,16 @@ class SwitchModelResult(_message.Message):
         after: Global___PressureReport | None = ...,
         compactions: _abc.Iterable[Global___CompactionOutcome] | None = ...,
         pruned_count: _builtins.int = ...,
+        header_seq: _builtins.int | None = ...,
+        request: _session_service_pb2.BuildRequestResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "before", b"before"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_header_seq", b"_header_seq", "after", b"after", "before", b"before", "header_seq", b"header_seq", "request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "before", b"before", "compactions", b"compactions", "pruned_count", b"pruned_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_header_seq", b"_header_seq", "after", b"after", "before", b"before", "compactions", b"compactions", "header_seq", b"header_seq", "pruned_count", b"pruned_count", "request", b"request"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__header_seq: _TypeAlias = _typing.Literal["header_seq"]  # noqa: Y015
+    _WhichOneofArgType__header_seq: _TypeAlias = _typing.Literal["_header_seq", b"_header_seq"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__header_seq) -> _WhichOneofReturnType__header_seq | None: ...
 
 Global___SwitchModelResult: _TypeAlias = SwitchModelResult  # noqa: Y015
 

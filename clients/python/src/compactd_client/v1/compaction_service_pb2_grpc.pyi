@@ -67,15 +67,55 @@ class CompactionServiceStub:
     transiently (the bracket is closed; retrying later may succeed).
     """
     RecoverFromError: _grpc.UnaryStreamMultiCallable[_compaction_service_pb2.RecoverFromErrorRequest, _compaction_service_pb2.RecoverFromErrorResponse]
-    """Recovery after a provider error on a step: `CONTEXT_WINDOW_EXCEEDED` attempts one maximal
-    balanced reduction; `IMAGE_OFFLOAD_REQUIRED` offloads the oldest input images. The result says
-    whether the runtime may retry. Errors: NOT_FOUND; INVALID_ARGUMENT for an unknown error kind.
+    """Recovery after a provider error on a step of an open turn. The error is a canonical kind, or
+    the provider's raw response (`ProviderError.raw`), classified first as ClassifyProviderError
+    does.
+
+    `CONTEXT_WINDOW_EXCEEDED` bypasses threshold and retention: it prunes (also a tool result
+    that alone exceeds the window), then runs one maximal balanced head reduction (everything
+    selectable but the system head and the last unit; trigger OVERFLOW). `retry` is true only
+    when the surface replacement generation advanced (pruning that landed before a failed summary
+    counts); otherwise the provider's error stays authoritative and `decline` says why
+    (envelope-only overflow with its figures, an indivisible unit still over the window, nothing
+    selectable, an open tool call, the compaction failed, `retries_so_far` reached
+    `maxOverflowRetries` (0 disables this recovery), or `auto` is off).
+
+    `IMAGE_OFFLOAD_REQUIRED` appends one `image/offload` of the oldest `offload_images` input
+    images not yet offloaded, in message order (never assistant output); `retry` is true when
+    at least one was selected. It spends no overflow retry and the runtime logs no `llm/retry`
+    for it. The offload is durable: later requests carry the attachment text instead.
+
+    Streams one update per step (PRUNE, the bracket's steps, OFFLOAD), then the result with the
+    request to send on retry. Errors: NOT_FOUND; INVALID_ARGUMENT when the error has neither a
+    kind nor a raw response, `offload_images` is not positive for IMAGE_OFFLOAD_REQUIRED, or
+    `retries_so_far` is negative; FAILED_PRECONDITION with reason `NO_OPEN_TURN` when `turn` is
+    not open; ABORTED with reason `COMPACTION_BUSY` while a bracket is live.
     """
     SwitchModel: _grpc.UnaryStreamMultiCallable[_compaction_service_pb2.SwitchModelRequest, _compaction_service_pb2.SwitchModelResponse]
-    """Prepares a switch to a destination route: measures history against the destination's
-    policy and compacts (with the previous route's summarizer) until it fits. Errors: NOT_FOUND;
-    FAILED_PRECONDITION with reason `MODEL_SWITCH_COMPACTION_FAILED` when history cannot be
-    brought below the destination threshold (the previous header stays in force).
+    """Prepares a switch to a destination route before its header is committed: measures history
+    against the destination's capacity, output reservation and policy, prunes and compacts with
+    the previous routed model's summarizer (an explicit summary target wins) until history is
+    below the destination trigger, then appends the destination `request/header` (reason
+    CHANGE). Selection prices with the destination route, the shrink check with the committed
+    one. Streams one update per step (the last is HEADER), then the result. `PrepareStep` with an
+    `intended_route` other than the logged one runs the same check (unless `auto` is off).
+    The appended header is the logged one with the destination's provider and model, its tools
+    and sampling, without `max_output_tokens` and adapter defaults (the destination's default
+    output reservation applies); a runtime may log its own full header after it.
+    Errors: NOT_FOUND; INVALID_ARGUMENT when the destination is incomplete; FAILED_PRECONDITION with reason `NO_OPEN_TURN` when `turn` is set and not
+    open; ABORTED with reason `COMPACTION_BUSY` while a bracket is live; FAILED_PRECONDITION with
+    reason `MODEL_SWITCH_COMPACTION_FAILED` (ErrorInfo metadata `cause`: `CAPACITY_UNKNOWN`,
+    `POLICY_INVALID`, `SUMMARY_NOT_SMALLER`, `NOTHING_SELECTABLE`, `RETRIES_EXHAUSTED`, ...)
+    when the destination has no declared capacity or no valid pressure budget (even for short
+    history) or history cannot be brought below its trigger. The previous header then stays in
+    force; completed prunes and checkpoints remain.
+    """
+    ClassifyProviderError: _grpc.UnaryUnaryMultiCallable[_compaction_service_pb2.ClassifyProviderErrorRequest, _compaction_service_pb2.ClassifyProviderErrorResponse]
+    """Classifies a provider's error response (HTTP status, body, headers) with compactd's one
+    table of recognized provider failures, so runtimes in every language get the same answer
+    (OpenAI, DeepSeek, vLLM, llama.cpp, Anthropic, Gemini overflow bodies; image budgets; rate
+    limits; authentication; unavailability). Needs no session. Errors: INVALID_ARGUMENT when
+    neither a status nor a body is given.
     """
 
 @_typing.type_check_only
@@ -117,15 +157,55 @@ class CompactionServiceAsyncStub(CompactionServiceStub):
     transiently (the bracket is closed; retrying later may succeed).
     """
     RecoverFromError: _aio.UnaryStreamMultiCallable[_compaction_service_pb2.RecoverFromErrorRequest, _compaction_service_pb2.RecoverFromErrorResponse]  # type: ignore[assignment]
-    """Recovery after a provider error on a step: `CONTEXT_WINDOW_EXCEEDED` attempts one maximal
-    balanced reduction; `IMAGE_OFFLOAD_REQUIRED` offloads the oldest input images. The result says
-    whether the runtime may retry. Errors: NOT_FOUND; INVALID_ARGUMENT for an unknown error kind.
+    """Recovery after a provider error on a step of an open turn. The error is a canonical kind, or
+    the provider's raw response (`ProviderError.raw`), classified first as ClassifyProviderError
+    does.
+
+    `CONTEXT_WINDOW_EXCEEDED` bypasses threshold and retention: it prunes (also a tool result
+    that alone exceeds the window), then runs one maximal balanced head reduction (everything
+    selectable but the system head and the last unit; trigger OVERFLOW). `retry` is true only
+    when the surface replacement generation advanced (pruning that landed before a failed summary
+    counts); otherwise the provider's error stays authoritative and `decline` says why
+    (envelope-only overflow with its figures, an indivisible unit still over the window, nothing
+    selectable, an open tool call, the compaction failed, `retries_so_far` reached
+    `maxOverflowRetries` (0 disables this recovery), or `auto` is off).
+
+    `IMAGE_OFFLOAD_REQUIRED` appends one `image/offload` of the oldest `offload_images` input
+    images not yet offloaded, in message order (never assistant output); `retry` is true when
+    at least one was selected. It spends no overflow retry and the runtime logs no `llm/retry`
+    for it. The offload is durable: later requests carry the attachment text instead.
+
+    Streams one update per step (PRUNE, the bracket's steps, OFFLOAD), then the result with the
+    request to send on retry. Errors: NOT_FOUND; INVALID_ARGUMENT when the error has neither a
+    kind nor a raw response, `offload_images` is not positive for IMAGE_OFFLOAD_REQUIRED, or
+    `retries_so_far` is negative; FAILED_PRECONDITION with reason `NO_OPEN_TURN` when `turn` is
+    not open; ABORTED with reason `COMPACTION_BUSY` while a bracket is live.
     """
     SwitchModel: _aio.UnaryStreamMultiCallable[_compaction_service_pb2.SwitchModelRequest, _compaction_service_pb2.SwitchModelResponse]  # type: ignore[assignment]
-    """Prepares a switch to a destination route: measures history against the destination's
-    policy and compacts (with the previous route's summarizer) until it fits. Errors: NOT_FOUND;
-    FAILED_PRECONDITION with reason `MODEL_SWITCH_COMPACTION_FAILED` when history cannot be
-    brought below the destination threshold (the previous header stays in force).
+    """Prepares a switch to a destination route before its header is committed: measures history
+    against the destination's capacity, output reservation and policy, prunes and compacts with
+    the previous routed model's summarizer (an explicit summary target wins) until history is
+    below the destination trigger, then appends the destination `request/header` (reason
+    CHANGE). Selection prices with the destination route, the shrink check with the committed
+    one. Streams one update per step (the last is HEADER), then the result. `PrepareStep` with an
+    `intended_route` other than the logged one runs the same check (unless `auto` is off).
+    The appended header is the logged one with the destination's provider and model, its tools
+    and sampling, without `max_output_tokens` and adapter defaults (the destination's default
+    output reservation applies); a runtime may log its own full header after it.
+    Errors: NOT_FOUND; INVALID_ARGUMENT when the destination is incomplete; FAILED_PRECONDITION with reason `NO_OPEN_TURN` when `turn` is set and not
+    open; ABORTED with reason `COMPACTION_BUSY` while a bracket is live; FAILED_PRECONDITION with
+    reason `MODEL_SWITCH_COMPACTION_FAILED` (ErrorInfo metadata `cause`: `CAPACITY_UNKNOWN`,
+    `POLICY_INVALID`, `SUMMARY_NOT_SMALLER`, `NOTHING_SELECTABLE`, `RETRIES_EXHAUSTED`, ...)
+    when the destination has no declared capacity or no valid pressure budget (even for short
+    history) or history cannot be brought below its trigger. The previous header then stays in
+    force; completed prunes and checkpoints remain.
+    """
+    ClassifyProviderError: _aio.UnaryUnaryMultiCallable[_compaction_service_pb2.ClassifyProviderErrorRequest, _compaction_service_pb2.ClassifyProviderErrorResponse]  # type: ignore[assignment]
+    """Classifies a provider's error response (HTTP status, body, headers) with compactd's one
+    table of recognized provider failures, so runtimes in every language get the same answer
+    (OpenAI, DeepSeek, vLLM, llama.cpp, Anthropic, Gemini overflow bodies; image budgets; rate
+    limits; authentication; unavailability). Needs no session. Errors: INVALID_ARGUMENT when
+    neither a status nor a body is given.
     """
 
 class CompactionServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -194,9 +274,29 @@ class CompactionServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _compaction_service_pb2.RecoverFromErrorRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_compaction_service_pb2.RecoverFromErrorResponse], _abc.AsyncIterator[_compaction_service_pb2.RecoverFromErrorResponse]]:
-        """Recovery after a provider error on a step: `CONTEXT_WINDOW_EXCEEDED` attempts one maximal
-        balanced reduction; `IMAGE_OFFLOAD_REQUIRED` offloads the oldest input images. The result says
-        whether the runtime may retry. Errors: NOT_FOUND; INVALID_ARGUMENT for an unknown error kind.
+        """Recovery after a provider error on a step of an open turn. The error is a canonical kind, or
+        the provider's raw response (`ProviderError.raw`), classified first as ClassifyProviderError
+        does.
+
+        `CONTEXT_WINDOW_EXCEEDED` bypasses threshold and retention: it prunes (also a tool result
+        that alone exceeds the window), then runs one maximal balanced head reduction (everything
+        selectable but the system head and the last unit; trigger OVERFLOW). `retry` is true only
+        when the surface replacement generation advanced (pruning that landed before a failed summary
+        counts); otherwise the provider's error stays authoritative and `decline` says why
+        (envelope-only overflow with its figures, an indivisible unit still over the window, nothing
+        selectable, an open tool call, the compaction failed, `retries_so_far` reached
+        `maxOverflowRetries` (0 disables this recovery), or `auto` is off).
+
+        `IMAGE_OFFLOAD_REQUIRED` appends one `image/offload` of the oldest `offload_images` input
+        images not yet offloaded, in message order (never assistant output); `retry` is true when
+        at least one was selected. It spends no overflow retry and the runtime logs no `llm/retry`
+        for it. The offload is durable: later requests carry the attachment text instead.
+
+        Streams one update per step (PRUNE, the bracket's steps, OFFLOAD), then the result with the
+        request to send on retry. Errors: NOT_FOUND; INVALID_ARGUMENT when the error has neither a
+        kind nor a raw response, `offload_images` is not positive for IMAGE_OFFLOAD_REQUIRED, or
+        `retries_so_far` is negative; FAILED_PRECONDITION with reason `NO_OPEN_TURN` when `turn` is
+        not open; ABORTED with reason `COMPACTION_BUSY` while a bracket is live.
         """
 
     @_abc_1.abstractmethod
@@ -205,10 +305,36 @@ class CompactionServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _compaction_service_pb2.SwitchModelRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_compaction_service_pb2.SwitchModelResponse], _abc.AsyncIterator[_compaction_service_pb2.SwitchModelResponse]]:
-        """Prepares a switch to a destination route: measures history against the destination's
-        policy and compacts (with the previous route's summarizer) until it fits. Errors: NOT_FOUND;
-        FAILED_PRECONDITION with reason `MODEL_SWITCH_COMPACTION_FAILED` when history cannot be
-        brought below the destination threshold (the previous header stays in force).
+        """Prepares a switch to a destination route before its header is committed: measures history
+        against the destination's capacity, output reservation and policy, prunes and compacts with
+        the previous routed model's summarizer (an explicit summary target wins) until history is
+        below the destination trigger, then appends the destination `request/header` (reason
+        CHANGE). Selection prices with the destination route, the shrink check with the committed
+        one. Streams one update per step (the last is HEADER), then the result. `PrepareStep` with an
+        `intended_route` other than the logged one runs the same check (unless `auto` is off).
+        The appended header is the logged one with the destination's provider and model, its tools
+        and sampling, without `max_output_tokens` and adapter defaults (the destination's default
+        output reservation applies); a runtime may log its own full header after it.
+        Errors: NOT_FOUND; INVALID_ARGUMENT when the destination is incomplete; FAILED_PRECONDITION with reason `NO_OPEN_TURN` when `turn` is set and not
+        open; ABORTED with reason `COMPACTION_BUSY` while a bracket is live; FAILED_PRECONDITION with
+        reason `MODEL_SWITCH_COMPACTION_FAILED` (ErrorInfo metadata `cause`: `CAPACITY_UNKNOWN`,
+        `POLICY_INVALID`, `SUMMARY_NOT_SMALLER`, `NOTHING_SELECTABLE`, `RETRIES_EXHAUSTED`, ...)
+        when the destination has no declared capacity or no valid pressure budget (even for short
+        history) or history cannot be brought below its trigger. The previous header then stays in
+        force; completed prunes and checkpoints remain.
+        """
+
+    @_abc_1.abstractmethod
+    def ClassifyProviderError(
+        self,
+        request: _compaction_service_pb2.ClassifyProviderErrorRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_compaction_service_pb2.ClassifyProviderErrorResponse, _abc.Awaitable[_compaction_service_pb2.ClassifyProviderErrorResponse]]:
+        """Classifies a provider's error response (HTTP status, body, headers) with compactd's one
+        table of recognized provider failures, so runtimes in every language get the same answer
+        (OpenAI, DeepSeek, vLLM, llama.cpp, Anthropic, Gemini overflow bodies; image budgets; rate
+        limits; authentication; unavailability). Needs no session. Errors: INVALID_ARGUMENT when
+        neither a status nor a body is given.
         """
 
 def add_CompactionServiceServicer_to_server(servicer: CompactionServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

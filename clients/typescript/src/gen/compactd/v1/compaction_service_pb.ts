@@ -16,7 +16,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file compactd/v1/compaction_service.proto.
  */
 export const file_compactd_v1_compaction_service: GenFile = /*@__PURE__*/
-  fileDesc("CiRjb21wYWN0ZC92MS9jb21wYWN0aW9uX3NlcnZpY2UucHJvdG8SC2NvbXBhY3RkLnYxIt4BChFQcmVzc3VyZUJyZWFrZG93bhIVCg1zeXN0ZW1fdG9rZW5zGAEgASgDEhQKDHRvb2xzX3Rva2VucxgCIAEoAxIXCg9tZXNzYWdlc190b2tlbnMYAyABKAMSFQoNaW1hZ2VzX3Rva2VucxgEIAEoAxIVCg1jb25maWdfdG9rZW5zGAUgASgDEi4KBm1ldGhvZBgGIAEoDjIeLmNvbXBhY3RkLnYxLk1lYXN1cmVtZW50TWV0aG9kEhEKCXRva2VuaXplchgHIAEoCRISCgphbmNob3Jfc2VxGAggASgDIroCCg5QcmVzc3VyZVJlcG9ydBIQCghyZXZpc2lvbhgBIAEoAxIhCgVyb3V0ZRgCIAEoCzISLmNvbXBhY3RkLnYxLlJvdXRlEhcKD21lYXN1cmVkX3Rva2VucxgDIAEoAxIWCg5jb250ZXh0X3dpbmRvdxgEIAEoAxIaChJvdXRwdXRfcmVzZXJ2YXRpb24YBSABKAMSFwoPaGVhZHJvb21fdG9rZW5zGAYgASgDEhYKDnRyaWdnZXJfdG9rZW5zGAcgASgDEhcKD3JldGFpbmVkX2J1ZGdldBgIIAEoAxIpCgVzdGF0ZRgJIAEoDjIaLmNvbXBhY3RkLnYxLlByZXNzdXJlU3RhdGUSMQoJYnJlYWtkb3duGAogASgLMh4uY29tcGFjdGQudjEuUHJlc3N1cmVCcmVha2Rvd24iUwoUQ2hlY2tQcmVzc3VyZVJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRInCgtkZXN0aW5hdGlvbhgCIAEoCzISLmNvbXBhY3RkLnYxLlJvdXRlIkQKFUNoZWNrUHJlc3N1cmVSZXNwb25zZRIrCgZyZXBvcnQYASABKAsyGy5jb21wYWN0ZC52MS5QcmVzc3VyZVJlcG9ydCJTChRXYXRjaFByZXNzdXJlUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEicKC2Rlc3RpbmF0aW9uGAIgASgLMhIuY29tcGFjdGQudjEuUm91dGUiRAoVV2F0Y2hQcmVzc3VyZVJlc3BvbnNlEisKBnJlcG9ydBgBIAEoCzIbLmNvbXBhY3RkLnYxLlByZXNzdXJlUmVwb3J0IowBChJDb21wYWN0aW9uUHJvZ3Jlc3MSKQoEc3RlcBgBIAEoDjIbLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25TdGVwEhUKDWNvbXBhY3Rpb25faWQYAiABKAkSCwoDc2VxGAMgASgDEhcKD21lYXN1cmVkX3Rva2VucxgEIAEoAxIOCgZkZXRhaWwYBSABKAkimwEKEUNvbXBhY3Rpb25PdXRjb21lEhUKDWNvbXBhY3Rpb25faWQYASABKAkSFwoPaXRlbXNfY29uZGVuc2VkGAIgASgDEhQKDHRva2Vuc19mcmVlZBgDIAEoAxIoCgVyYW5nZRgEIAEoCzIZLmNvbXBhY3RkLnYxLlN1cmZhY2VSYW5nZRIWCg5jaGVja3BvaW50X3NlcRgFIAEoAyJiChJQcmVwYXJlU3RlcFJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRIMCgR0dXJuGAIgASgDEioKDmludGVuZGVkX3JvdXRlGAMgASgLMhIuY29tcGFjdGQudjEuUm91dGUi/QEKEVByZXBhcmVTdGVwUmVzdWx0EisKBmJlZm9yZRgBIAEoCzIbLmNvbXBhY3RkLnYxLlByZXNzdXJlUmVwb3J0EioKBWFmdGVyGAIgASgLMhsuY29tcGFjdGQudjEuUHJlc3N1cmVSZXBvcnQSFAoMcHJ1bmVkX2NvdW50GAMgASgDEjMKC2NvbXBhY3Rpb25zGAQgAygLMh4uY29tcGFjdGQudjEuQ29tcGFjdGlvbk91dGNvbWUSEAoId2FybmluZ3MYBSADKAkSMgoHcmVxdWVzdBgGIAEoCzIhLmNvbXBhY3RkLnYxLkJ1aWxkUmVxdWVzdFJlc3BvbnNlIoYBChNQcmVwYXJlU3RlcFJlc3BvbnNlEjMKCHByb2dyZXNzGAEgASgLMh8uY29tcGFjdGQudjEuQ29tcGFjdGlvblByb2dyZXNzSAASMAoGcmVzdWx0GAIgASgLMh4uY29tcGFjdGQudjEuUHJlcGFyZVN0ZXBSZXN1bHRIAEIICgZ1cGRhdGUiMwoOQ29tcGFjdFJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRINCgVmb2N1cxgCIAEoCSKFAQoNQ29tcGFjdFJlc3VsdBIvCgdvdXRjb21lGAEgASgLMh4uY29tcGFjdGQudjEuQ29tcGFjdGlvbk91dGNvbWUSFwoPZGVjbGluZWRfcmVhc29uGAIgASgJEioKBWFmdGVyGAMgASgLMhsuY29tcGFjdGQudjEuUHJlc3N1cmVSZXBvcnQifgoPQ29tcGFjdFJlc3BvbnNlEjMKCHByb2dyZXNzGAEgASgLMh8uY29tcGFjdGQudjEuQ29tcGFjdGlvblByb2dyZXNzSAASLAoGcmVzdWx0GAIgASgLMhouY29tcGFjdGQudjEuQ29tcGFjdFJlc3VsdEgAQggKBnVwZGF0ZSJmCg1Qcm92aWRlckVycm9yEiwKBGtpbmQYASABKA4yHi5jb21wYWN0ZC52MS5Qcm92aWRlckVycm9yS2luZBIWCg5vZmZsb2FkX2ltYWdlcxgCIAEoBRIPCgdtZXNzYWdlGAMgASgJIn4KF1JlY292ZXJGcm9tRXJyb3JSZXF1ZXN0EhIKCnNlc3Npb25faWQYASABKAkSDAoEdHVybhgCIAEoAxIpCgVlcnJvchgDIAEoCzIaLmNvbXBhY3RkLnYxLlByb3ZpZGVyRXJyb3ISFgoOcmV0cmllc19zb19mYXIYBCABKAUi0AEKFlJlY292ZXJGcm9tRXJyb3JSZXN1bHQSDQoFcmV0cnkYASABKAgSMwoLY29tcGFjdGlvbnMYAiADKAsyHi5jb21wYWN0ZC52MS5Db21wYWN0aW9uT3V0Y29tZRIUCgxwcnVuZWRfY291bnQYAyABKAMSGAoQb2ZmbG9hZGVkX2ltYWdlcxgEIAEoAxIOCgZyZWFzb24YBSABKAkSMgoHcmVxdWVzdBgGIAEoCzIhLmNvbXBhY3RkLnYxLkJ1aWxkUmVxdWVzdFJlc3BvbnNlIpABChhSZWNvdmVyRnJvbUVycm9yUmVzcG9uc2USMwoIcHJvZ3Jlc3MYASABKAsyHy5jb21wYWN0ZC52MS5Db21wYWN0aW9uUHJvZ3Jlc3NIABI1CgZyZXN1bHQYAiABKAsyIy5jb21wYWN0ZC52MS5SZWNvdmVyRnJvbUVycm9yUmVzdWx0SABCCAoGdXBkYXRlIm0KElN3aXRjaE1vZGVsUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEicKC2Rlc3RpbmF0aW9uGAIgASgLMhIuY29tcGFjdGQudjEuUm91dGUSEQoEdHVybhgDIAEoA0gAiAEBQgcKBV90dXJuIrcBChFTd2l0Y2hNb2RlbFJlc3VsdBIrCgZiZWZvcmUYASABKAsyGy5jb21wYWN0ZC52MS5QcmVzc3VyZVJlcG9ydBIqCgVhZnRlchgCIAEoCzIbLmNvbXBhY3RkLnYxLlByZXNzdXJlUmVwb3J0EjMKC2NvbXBhY3Rpb25zGAMgAygLMh4uY29tcGFjdGQudjEuQ29tcGFjdGlvbk91dGNvbWUSFAoMcHJ1bmVkX2NvdW50GAQgASgDIoYBChNTd2l0Y2hNb2RlbFJlc3BvbnNlEjMKCHByb2dyZXNzGAEgASgLMh8uY29tcGFjdGQudjEuQ29tcGFjdGlvblByb2dyZXNzSAASMAoGcmVzdWx0GAIgASgLMh4uY29tcGFjdGQudjEuU3dpdGNoTW9kZWxSZXN1bHRIAEIICgZ1cGRhdGUqYwoNUHJlc3N1cmVTdGF0ZRIeChpQUkVTU1VSRV9TVEFURV9VTlNQRUNJRklFRBAAEhgKFFBSRVNTVVJFX1NUQVRFX0JFTE9XEAESGAoUUFJFU1NVUkVfU1RBVEVfQUJPVkUQAiqYAQoRTWVhc3VyZW1lbnRNZXRob2QSIgoeTUVBU1VSRU1FTlRfTUVUSE9EX1VOU1BFQ0lGSUVEEAASHAoYTUVBU1VSRU1FTlRfTUVUSE9EX0VYQUNUEAESHwobTUVBU1VSRU1FTlRfTUVUSE9EX0FOQ0hPUkVEEAISIAocTUVBU1VSRU1FTlRfTUVUSE9EX0hFVVJJU1RJQxADKqoCCg5Db21wYWN0aW9uU3RlcBIfChtDT01QQUNUSU9OX1NURVBfVU5TUEVDSUZJRUQQABIZChVDT01QQUNUSU9OX1NURVBfUFJVTkUQARIZChVDT01QQUNUSU9OX1NURVBfU1RBUlQQAhIdChlDT01QQUNUSU9OX1NURVBfU1VNTUFSSVpFEAMSGwoXQ09NUEFDVElPTl9TVEVQX1NVTU1BUlkQBBIbChdDT01QQUNUSU9OX1NURVBfUkVQTEFDRRAFEhcKE0NPTVBBQ1RJT05fU1RFUF9FTkQQBhIbChdDT01QQUNUSU9OX1NURVBfTUVBU1VSRRAHEhgKFENPTVBBQ1RJT05fU1RFUF9HQVRFEAoSGAoUQ09NUEFDVElPTl9TVEVQX1NLSVAQCyqZAQoRUHJvdmlkZXJFcnJvcktpbmQSIwofUFJPVklERVJfRVJST1JfS0lORF9VTlNQRUNJRklFRBAAEi8KK1BST1ZJREVSX0VSUk9SX0tJTkRfQ09OVEVYVF9XSU5ET1dfRVhDRUVERUQQARIuCipQUk9WSURFUl9FUlJPUl9LSU5EX0lNQUdFX09GRkxPQURfUkVRVUlSRUQQAjKYBAoRQ29tcGFjdGlvblNlcnZpY2USVgoNQ2hlY2tQcmVzc3VyZRIhLmNvbXBhY3RkLnYxLkNoZWNrUHJlc3N1cmVSZXF1ZXN0GiIuY29tcGFjdGQudjEuQ2hlY2tQcmVzc3VyZVJlc3BvbnNlElgKDVdhdGNoUHJlc3N1cmUSIS5jb21wYWN0ZC52MS5XYXRjaFByZXNzdXJlUmVxdWVzdBoiLmNvbXBhY3RkLnYxLldhdGNoUHJlc3N1cmVSZXNwb25zZTABElIKC1ByZXBhcmVTdGVwEh8uY29tcGFjdGQudjEuUHJlcGFyZVN0ZXBSZXF1ZXN0GiAuY29tcGFjdGQudjEuUHJlcGFyZVN0ZXBSZXNwb25zZTABEkYKB0NvbXBhY3QSGy5jb21wYWN0ZC52MS5Db21wYWN0UmVxdWVzdBocLmNvbXBhY3RkLnYxLkNvbXBhY3RSZXNwb25zZTABEmEKEFJlY292ZXJGcm9tRXJyb3ISJC5jb21wYWN0ZC52MS5SZWNvdmVyRnJvbUVycm9yUmVxdWVzdBolLmNvbXBhY3RkLnYxLlJlY292ZXJGcm9tRXJyb3JSZXNwb25zZTABElIKC1N3aXRjaE1vZGVsEh8uY29tcGFjdGQudjEuU3dpdGNoTW9kZWxSZXF1ZXN0GiAuY29tcGFjdGQudjEuU3dpdGNoTW9kZWxSZXNwb25zZTABYgZwcm90bzM", [file_compactd_v1_events, file_compactd_v1_session_service]);
+  fileDesc("CiRjb21wYWN0ZC92MS9jb21wYWN0aW9uX3NlcnZpY2UucHJvdG8SC2NvbXBhY3RkLnYxIt4BChFQcmVzc3VyZUJyZWFrZG93bhIVCg1zeXN0ZW1fdG9rZW5zGAEgASgDEhQKDHRvb2xzX3Rva2VucxgCIAEoAxIXCg9tZXNzYWdlc190b2tlbnMYAyABKAMSFQoNaW1hZ2VzX3Rva2VucxgEIAEoAxIVCg1jb25maWdfdG9rZW5zGAUgASgDEi4KBm1ldGhvZBgGIAEoDjIeLmNvbXBhY3RkLnYxLk1lYXN1cmVtZW50TWV0aG9kEhEKCXRva2VuaXplchgHIAEoCRISCgphbmNob3Jfc2VxGAggASgDIroCCg5QcmVzc3VyZVJlcG9ydBIQCghyZXZpc2lvbhgBIAEoAxIhCgVyb3V0ZRgCIAEoCzISLmNvbXBhY3RkLnYxLlJvdXRlEhcKD21lYXN1cmVkX3Rva2VucxgDIAEoAxIWCg5jb250ZXh0X3dpbmRvdxgEIAEoAxIaChJvdXRwdXRfcmVzZXJ2YXRpb24YBSABKAMSFwoPaGVhZHJvb21fdG9rZW5zGAYgASgDEhYKDnRyaWdnZXJfdG9rZW5zGAcgASgDEhcKD3JldGFpbmVkX2J1ZGdldBgIIAEoAxIpCgVzdGF0ZRgJIAEoDjIaLmNvbXBhY3RkLnYxLlByZXNzdXJlU3RhdGUSMQoJYnJlYWtkb3duGAogASgLMh4uY29tcGFjdGQudjEuUHJlc3N1cmVCcmVha2Rvd24iUwoUQ2hlY2tQcmVzc3VyZVJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRInCgtkZXN0aW5hdGlvbhgCIAEoCzISLmNvbXBhY3RkLnYxLlJvdXRlIkQKFUNoZWNrUHJlc3N1cmVSZXNwb25zZRIrCgZyZXBvcnQYASABKAsyGy5jb21wYWN0ZC52MS5QcmVzc3VyZVJlcG9ydCJTChRXYXRjaFByZXNzdXJlUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEicKC2Rlc3RpbmF0aW9uGAIgASgLMhIuY29tcGFjdGQudjEuUm91dGUiRAoVV2F0Y2hQcmVzc3VyZVJlc3BvbnNlEisKBnJlcG9ydBgBIAEoCzIbLmNvbXBhY3RkLnYxLlByZXNzdXJlUmVwb3J0IowBChJDb21wYWN0aW9uUHJvZ3Jlc3MSKQoEc3RlcBgBIAEoDjIbLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25TdGVwEhUKDWNvbXBhY3Rpb25faWQYAiABKAkSCwoDc2VxGAMgASgDEhcKD21lYXN1cmVkX3Rva2VucxgEIAEoAxIOCgZkZXRhaWwYBSABKAkimwEKEUNvbXBhY3Rpb25PdXRjb21lEhUKDWNvbXBhY3Rpb25faWQYASABKAkSFwoPaXRlbXNfY29uZGVuc2VkGAIgASgDEhQKDHRva2Vuc19mcmVlZBgDIAEoAxIoCgVyYW5nZRgEIAEoCzIZLmNvbXBhY3RkLnYxLlN1cmZhY2VSYW5nZRIWCg5jaGVja3BvaW50X3NlcRgFIAEoAyJiChJQcmVwYXJlU3RlcFJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRIMCgR0dXJuGAIgASgDEioKDmludGVuZGVkX3JvdXRlGAMgASgLMhIuY29tcGFjdGQudjEuUm91dGUipQIKEVByZXBhcmVTdGVwUmVzdWx0EisKBmJlZm9yZRgBIAEoCzIbLmNvbXBhY3RkLnYxLlByZXNzdXJlUmVwb3J0EioKBWFmdGVyGAIgASgLMhsuY29tcGFjdGQudjEuUHJlc3N1cmVSZXBvcnQSFAoMcHJ1bmVkX2NvdW50GAMgASgDEjMKC2NvbXBhY3Rpb25zGAQgAygLMh4uY29tcGFjdGQudjEuQ29tcGFjdGlvbk91dGNvbWUSEAoId2FybmluZ3MYBSADKAkSMgoHcmVxdWVzdBgGIAEoCzIhLmNvbXBhY3RkLnYxLkJ1aWxkUmVxdWVzdFJlc3BvbnNlEhcKCmhlYWRlcl9zZXEYFCABKANIAIgBAUINCgtfaGVhZGVyX3NlcSKGAQoTUHJlcGFyZVN0ZXBSZXNwb25zZRIzCghwcm9ncmVzcxgBIAEoCzIfLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25Qcm9ncmVzc0gAEjAKBnJlc3VsdBgCIAEoCzIeLmNvbXBhY3RkLnYxLlByZXBhcmVTdGVwUmVzdWx0SABCCAoGdXBkYXRlIjMKDkNvbXBhY3RSZXF1ZXN0EhIKCnNlc3Npb25faWQYASABKAkSDQoFZm9jdXMYAiABKAkihQEKDUNvbXBhY3RSZXN1bHQSLwoHb3V0Y29tZRgBIAEoCzIeLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25PdXRjb21lEhcKD2RlY2xpbmVkX3JlYXNvbhgCIAEoCRIqCgVhZnRlchgDIAEoCzIbLmNvbXBhY3RkLnYxLlByZXNzdXJlUmVwb3J0In4KD0NvbXBhY3RSZXNwb25zZRIzCghwcm9ncmVzcxgBIAEoCzIfLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25Qcm9ncmVzc0gAEiwKBnJlc3VsdBgCIAEoCzIaLmNvbXBhY3RkLnYxLkNvbXBhY3RSZXN1bHRIAEIICgZ1cGRhdGUiwQEKDVByb3ZpZGVyRXJyb3ISLAoEa2luZBgBIAEoDjIeLmNvbXBhY3RkLnYxLlByb3ZpZGVyRXJyb3JLaW5kEhYKDm9mZmxvYWRfaW1hZ2VzGAIgASgFEg8KB21lc3NhZ2UYAyABKAkSFgoOY29udGV4dF93aW5kb3cYFCABKAMSFQoNcHJvbXB0X3Rva2VucxgVIAEoAxIqCgNyYXcYFiABKAsyHS5jb21wYWN0ZC52MS5SYXdQcm92aWRlckVycm9yItIBChBSYXdQcm92aWRlckVycm9yEhMKC2h0dHBfc3RhdHVzGAEgASgFEgwKBGJvZHkYAiABKAwSOwoHaGVhZGVycxgDIAMoCzIqLmNvbXBhY3RkLnYxLlJhd1Byb3ZpZGVyRXJyb3IuSGVhZGVyc0VudHJ5EhsKDnJlcXVlc3RfaW1hZ2VzGAQgASgFSACIAQEaLgoMSGVhZGVyc0VudHJ5EgsKA2tleRgBIAEoCRINCgV2YWx1ZRgCIAEoCToCOAFCEQoPX3JlcXVlc3RfaW1hZ2VzIrkCChtQcm92aWRlckVycm9yQ2xhc3NpZmljYXRpb24SDgoGcmVhc29uGAEgASgJEiwKBGtpbmQYAiABKA4yHi5jb21wYWN0ZC52MS5Qcm92aWRlckVycm9yS2luZBIRCglyZXRyeWFibGUYAyABKAgSIAoTcmV0cnlfYWZ0ZXJfc2Vjb25kcxgEIAEoAUgAiAEBEhYKDm9mZmxvYWRfaW1hZ2VzGAUgASgFEhYKDmNvbnRleHRfd2luZG93GAYgASgDEhUKDXByb21wdF90b2tlbnMYByABKAMSDwoHbWVzc2FnZRgIIAEoCRIMCgRydWxlGAkgASgJEikKBWVycm9yGAogASgLMhouY29tcGFjdGQudjEuUHJvdmlkZXJFcnJvckIWChRfcmV0cnlfYWZ0ZXJfc2Vjb25kcyJKChxDbGFzc2lmeVByb3ZpZGVyRXJyb3JSZXF1ZXN0EioKA3JhdxgBIAEoCzIdLmNvbXBhY3RkLnYxLlJhd1Byb3ZpZGVyRXJyb3IiYQodQ2xhc3NpZnlQcm92aWRlckVycm9yUmVzcG9uc2USQAoOY2xhc3NpZmljYXRpb24YASABKAsyKC5jb21wYWN0ZC52MS5Qcm92aWRlckVycm9yQ2xhc3NpZmljYXRpb24irQIKD092ZXJmbG93RmlndXJlcxIWCg5jb250ZXh0X3dpbmRvdxgBIAEoAxIVCg13aW5kb3dfc291cmNlGAIgASgJEhoKEm91dHB1dF9yZXNlcnZhdGlvbhgDIAEoAxIVCg1zeXN0ZW1fdG9rZW5zGAQgASgDEhQKDHRvb2xzX3Rva2VucxgFIAEoAxIVCg1jb25maWdfdG9rZW5zGAYgASgDEhcKD2VudmVsb3BlX3Rva2VucxgHIAEoAxITCgt1bml0X3Rva2VucxgIIAEoAxItCgp1bml0X3JhbmdlGAkgASgLMhkuY29tcGFjdGQudjEuU3VyZmFjZVJhbmdlEhcKD21lYXN1cmVkX3Rva2VucxgKIAEoAxIVCg1wcm9tcHRfdG9rZW5zGAsgASgDIn4KF1JlY292ZXJGcm9tRXJyb3JSZXF1ZXN0EhIKCnNlc3Npb25faWQYASABKAkSDAoEdHVybhgCIAEoAxIpCgVlcnJvchgDIAEoCzIaLmNvbXBhY3RkLnYxLlByb3ZpZGVyRXJyb3ISFgoOcmV0cmllc19zb19mYXIYBCABKAUirQMKFlJlY292ZXJGcm9tRXJyb3JSZXN1bHQSDQoFcmV0cnkYASABKAgSMwoLY29tcGFjdGlvbnMYAiADKAsyHi5jb21wYWN0ZC52MS5Db21wYWN0aW9uT3V0Y29tZRIUCgxwcnVuZWRfY291bnQYAyABKAMSGAoQb2ZmbG9hZGVkX2ltYWdlcxgEIAEoAxIOCgZyZWFzb24YBSABKAkSMgoHcmVxdWVzdBgGIAEoCzIhLmNvbXBhY3RkLnYxLkJ1aWxkUmVxdWVzdFJlc3BvbnNlEi0KB2RlY2xpbmUYFCABKA4yHC5jb21wYWN0ZC52MS5SZWNvdmVyeURlY2xpbmUSLQoHZmlndXJlcxgVIAEoCzIcLmNvbXBhY3RkLnYxLk92ZXJmbG93RmlndXJlcxJACg5jbGFzc2lmaWNhdGlvbhgWIAEoCzIoLmNvbXBhY3RkLnYxLlByb3ZpZGVyRXJyb3JDbGFzc2lmaWNhdGlvbhINCgVjYXVzZRgXIAEoCRIsCgRraW5kGBggASgOMh4uY29tcGFjdGQudjEuUHJvdmlkZXJFcnJvcktpbmQikAEKGFJlY292ZXJGcm9tRXJyb3JSZXNwb25zZRIzCghwcm9ncmVzcxgBIAEoCzIfLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25Qcm9ncmVzc0gAEjUKBnJlc3VsdBgCIAEoCzIjLmNvbXBhY3RkLnYxLlJlY292ZXJGcm9tRXJyb3JSZXN1bHRIAEIICgZ1cGRhdGUibQoSU3dpdGNoTW9kZWxSZXF1ZXN0EhIKCnNlc3Npb25faWQYASABKAkSJwoLZGVzdGluYXRpb24YAiABKAsyEi5jb21wYWN0ZC52MS5Sb3V0ZRIRCgR0dXJuGAMgASgDSACIAQFCBwoFX3R1cm4ikwIKEVN3aXRjaE1vZGVsUmVzdWx0EisKBmJlZm9yZRgBIAEoCzIbLmNvbXBhY3RkLnYxLlByZXNzdXJlUmVwb3J0EioKBWFmdGVyGAIgASgLMhsuY29tcGFjdGQudjEuUHJlc3N1cmVSZXBvcnQSMwoLY29tcGFjdGlvbnMYAyADKAsyHi5jb21wYWN0ZC52MS5Db21wYWN0aW9uT3V0Y29tZRIUCgxwcnVuZWRfY291bnQYBCABKAMSFwoKaGVhZGVyX3NlcRgUIAEoA0gAiAEBEjIKB3JlcXVlc3QYFSABKAsyIS5jb21wYWN0ZC52MS5CdWlsZFJlcXVlc3RSZXNwb25zZUINCgtfaGVhZGVyX3NlcSKGAQoTU3dpdGNoTW9kZWxSZXNwb25zZRIzCghwcm9ncmVzcxgBIAEoCzIfLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25Qcm9ncmVzc0gAEjAKBnJlc3VsdBgCIAEoCzIeLmNvbXBhY3RkLnYxLlN3aXRjaE1vZGVsUmVzdWx0SABCCAoGdXBkYXRlKmMKDVByZXNzdXJlU3RhdGUSHgoaUFJFU1NVUkVfU1RBVEVfVU5TUEVDSUZJRUQQABIYChRQUkVTU1VSRV9TVEFURV9CRUxPVxABEhgKFFBSRVNTVVJFX1NUQVRFX0FCT1ZFEAIqmAEKEU1lYXN1cmVtZW50TWV0aG9kEiIKHk1FQVNVUkVNRU5UX01FVEhPRF9VTlNQRUNJRklFRBAAEhwKGE1FQVNVUkVNRU5UX01FVEhPRF9FWEFDVBABEh8KG01FQVNVUkVNRU5UX01FVEhPRF9BTkNIT1JFRBACEiAKHE1FQVNVUkVNRU5UX01FVEhPRF9IRVVSSVNUSUMQAyrjAgoOQ29tcGFjdGlvblN0ZXASHwobQ09NUEFDVElPTl9TVEVQX1VOU1BFQ0lGSUVEEAASGQoVQ09NUEFDVElPTl9TVEVQX1BSVU5FEAESGQoVQ09NUEFDVElPTl9TVEVQX1NUQVJUEAISHQoZQ09NUEFDVElPTl9TVEVQX1NVTU1BUklaRRADEhsKF0NPTVBBQ1RJT05fU1RFUF9TVU1NQVJZEAQSGwoXQ09NUEFDVElPTl9TVEVQX1JFUExBQ0UQBRIXChNDT01QQUNUSU9OX1NURVBfRU5EEAYSGwoXQ09NUEFDVElPTl9TVEVQX01FQVNVUkUQBxIbChdDT01QQUNUSU9OX1NURVBfT0ZGTE9BRBAIEhoKFkNPTVBBQ1RJT05fU1RFUF9IRUFERVIQCRIYChRDT01QQUNUSU9OX1NURVBfR0FURRAKEhgKFENPTVBBQ1RJT05fU1RFUF9TS0lQEAsqmQEKEVByb3ZpZGVyRXJyb3JLaW5kEiMKH1BST1ZJREVSX0VSUk9SX0tJTkRfVU5TUEVDSUZJRUQQABIvCitQUk9WSURFUl9FUlJPUl9LSU5EX0NPTlRFWFRfV0lORE9XX0VYQ0VFREVEEAESLgoqUFJPVklERVJfRVJST1JfS0lORF9JTUFHRV9PRkZMT0FEX1JFUVVJUkVEEAIqrQMKD1JlY292ZXJ5RGVjbGluZRIgChxSRUNPVkVSWV9ERUNMSU5FX1VOU1BFQ0lGSUVEEAASJgoiUkVDT1ZFUllfREVDTElORV9SRVRSSUVTX0VYSEFVU1RFRBABEiIKHlJFQ09WRVJZX0RFQ0xJTkVfQVVUT19ESVNBQkxFRBACEiIKHlJFQ09WRVJZX0RFQ0xJTkVfRU5WRUxPUEVfT05MWRADEiUKIVJFQ09WRVJZX0RFQ0xJTkVfSU5ESVZJU0lCTEVfVU5JVBAEEicKI1JFQ09WRVJZX0RFQ0xJTkVfTk9USElOR19TRUxFQ1RBQkxFEAUSHgoaUkVDT1ZFUllfREVDTElORV9PUEVOX1RBSUwQBhImCiJSRUNPVkVSWV9ERUNMSU5FX0NPTVBBQ1RJT05fRkFJTEVEEAcSHgoaUkVDT1ZFUllfREVDTElORV9OT19JTUFHRVMQCBIqCiZSRUNPVkVSWV9ERUNMSU5FX09GRkxPQURfQ09VTlRfVU5LTk9XThAJEiQKIFJFQ09WRVJZX0RFQ0xJTkVfTk9UX1JFQ09WRVJBQkxFEAoyiAUKEUNvbXBhY3Rpb25TZXJ2aWNlElYKDUNoZWNrUHJlc3N1cmUSIS5jb21wYWN0ZC52MS5DaGVja1ByZXNzdXJlUmVxdWVzdBoiLmNvbXBhY3RkLnYxLkNoZWNrUHJlc3N1cmVSZXNwb25zZRJYCg1XYXRjaFByZXNzdXJlEiEuY29tcGFjdGQudjEuV2F0Y2hQcmVzc3VyZVJlcXVlc3QaIi5jb21wYWN0ZC52MS5XYXRjaFByZXNzdXJlUmVzcG9uc2UwARJSCgtQcmVwYXJlU3RlcBIfLmNvbXBhY3RkLnYxLlByZXBhcmVTdGVwUmVxdWVzdBogLmNvbXBhY3RkLnYxLlByZXBhcmVTdGVwUmVzcG9uc2UwARJGCgdDb21wYWN0EhsuY29tcGFjdGQudjEuQ29tcGFjdFJlcXVlc3QaHC5jb21wYWN0ZC52MS5Db21wYWN0UmVzcG9uc2UwARJhChBSZWNvdmVyRnJvbUVycm9yEiQuY29tcGFjdGQudjEuUmVjb3ZlckZyb21FcnJvclJlcXVlc3QaJS5jb21wYWN0ZC52MS5SZWNvdmVyRnJvbUVycm9yUmVzcG9uc2UwARJSCgtTd2l0Y2hNb2RlbBIfLmNvbXBhY3RkLnYxLlN3aXRjaE1vZGVsUmVxdWVzdBogLmNvbXBhY3RkLnYxLlN3aXRjaE1vZGVsUmVzcG9uc2UwARJuChVDbGFzc2lmeVByb3ZpZGVyRXJyb3ISKS5jb21wYWN0ZC52MS5DbGFzc2lmeVByb3ZpZGVyRXJyb3JSZXF1ZXN0GiouY29tcGFjdGQudjEuQ2xhc3NpZnlQcm92aWRlckVycm9yUmVzcG9uc2ViBnByb3RvMw", [file_compactd_v1_events, file_compactd_v1_session_service]);
 
 /**
  * Where the measured tokens are.
@@ -451,6 +451,13 @@ export type PrepareStepResult = Message<"compactd.v1.PrepareStepResult"> & {
    * @generated from field: compactd.v1.BuildRequestResponse request = 6;
    */
   request?: BuildRequestResponse | undefined;
+
+  /**
+   * Seq of the destination `request/header` appended when `intended_route` changed the route.
+   *
+   * @generated from field: optional int64 header_seq = 20;
+   */
+  headerSeq?: bigint | undefined;
 };
 
 /**
@@ -598,13 +605,14 @@ export const CompactResponseSchema: GenMessage<CompactResponse> = /*@__PURE__*/
   messageDesc(file_compactd_v1_compaction_service, 13);
 
 /**
- * A provider error, as classified by the runtime's adapter.
+ * A provider error: classified by the runtime's adapter (`kind`), or raw for the service to
+ * classify (`raw`).
  *
  * @generated from message compactd.v1.ProviderError
  */
 export type ProviderError = Message<"compactd.v1.ProviderError"> & {
   /**
-   * The canonical kind.
+   * The canonical kind; UNSPECIFIED with `raw` set asks the service to classify `raw`.
    *
    * @generated from field: compactd.v1.ProviderErrorKind kind = 1;
    */
@@ -623,6 +631,28 @@ export type ProviderError = Message<"compactd.v1.ProviderError"> & {
    * @generated from field: string message = 3;
    */
   message: string;
+
+  /**
+   * CONTEXT_WINDOW_EXCEEDED: the window the provider stated, in tokens (0: not stated). Used
+   * when the route declares none.
+   *
+   * @generated from field: int64 context_window = 20;
+   */
+  contextWindow: bigint;
+
+  /**
+   * CONTEXT_WINDOW_EXCEEDED: the size of the refused prompt the provider stated (0: not stated).
+   *
+   * @generated from field: int64 prompt_tokens = 21;
+   */
+  promptTokens: bigint;
+
+  /**
+   * The provider's response as received; classified when `kind` is UNSPECIFIED.
+   *
+   * @generated from field: compactd.v1.RawProviderError raw = 22;
+   */
+  raw?: RawProviderError | undefined;
 };
 
 /**
@@ -631,6 +661,268 @@ export type ProviderError = Message<"compactd.v1.ProviderError"> & {
  */
 export const ProviderErrorSchema: GenMessage<ProviderError> = /*@__PURE__*/
   messageDesc(file_compactd_v1_compaction_service, 14);
+
+/**
+ * A provider's error response, as the runtime received it.
+ *
+ * @generated from message compactd.v1.RawProviderError
+ */
+export type RawProviderError = Message<"compactd.v1.RawProviderError"> & {
+  /**
+   * HTTP status; 0 for an error object received inside a 200 event stream.
+   *
+   * @generated from field: int32 http_status = 1;
+   */
+  httpStatus: number;
+
+  /**
+   * The response body, byte for byte (JSON or text).
+   *
+   * @generated from field: bytes body = 2;
+   */
+  body: Uint8Array;
+
+  /**
+   * Response headers (names in any case), e.g. `retry-after`, `retry-after-ms`.
+   *
+   * @generated from field: map<string, string> headers = 3;
+   */
+  headers: { [key: string]: string };
+
+  /**
+   * Input images the failed request carried, when known (with a limit the provider states,
+   * this gives `offload_images`). RecoverFromError counts the session's own when absent.
+   *
+   * @generated from field: optional int32 request_images = 4;
+   */
+  requestImages?: number | undefined;
+};
+
+/**
+ * Describes the message compactd.v1.RawProviderError.
+ * Use `create(RawProviderErrorSchema)` to create a new message.
+ */
+export const RawProviderErrorSchema: GenMessage<RawProviderError> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_compaction_service, 15);
+
+/**
+ * How compactd's provider error table classified a raw provider error.
+ *
+ * @generated from message compactd.v1.ProviderErrorClassification
+ */
+export type ProviderErrorClassification = Message<"compactd.v1.ProviderErrorClassification"> & {
+  /**
+   * Canonical reason: `CONTEXT_WINDOW_EXCEEDED`, `IMAGE_OFFLOAD_REQUIRED`, `RATE_LIMITED`,
+   * `UNAUTHENTICATED`, `TIMEOUT`, `PROVIDER_UNAVAILABLE`, or `PROVIDER_ERROR` when no rule
+   * recognizes the failure.
+   *
+   * @generated from field: string reason = 1;
+   */
+  reason: string;
+
+  /**
+   * The recoverable kind, when the reason is one (else UNSPECIFIED).
+   *
+   * @generated from field: compactd.v1.ProviderErrorKind kind = 2;
+   */
+  kind: ProviderErrorKind;
+
+  /**
+   * Whether sending the same request again may succeed (after `retry_after_seconds`, if set).
+   *
+   * @generated from field: bool retryable = 3;
+   */
+  retryable: boolean;
+
+  /**
+   * Seconds the provider asked to wait, when it said.
+   *
+   * @generated from field: optional double retry_after_seconds = 4;
+   */
+  retryAfterSeconds?: number | undefined;
+
+  /**
+   * IMAGE_OFFLOAD_REQUIRED: input images to offload (0: the provider did not say).
+   *
+   * @generated from field: int32 offload_images = 5;
+   */
+  offloadImages: number;
+
+  /**
+   * The window the provider stated, in tokens (0: not stated).
+   *
+   * @generated from field: int64 context_window = 6;
+   */
+  contextWindow: bigint;
+
+  /**
+   * The refused prompt's size the provider stated, in tokens (0: not stated).
+   *
+   * @generated from field: int64 prompt_tokens = 7;
+   */
+  promptTokens: bigint;
+
+  /**
+   * `HTTP <status>: <provider message>`, clipped.
+   *
+   * @generated from field: string message = 8;
+   */
+  message: string;
+
+  /**
+   * The table rule that recognized it, e.g. `llama.cpp/exceed_context_size` (empty: none).
+   *
+   * @generated from field: string rule = 9;
+   */
+  rule: string;
+
+  /**
+   * The error as `RecoverFromErrorRequest.error` takes it (kind and figures filled in).
+   *
+   * @generated from field: compactd.v1.ProviderError error = 10;
+   */
+  error?: ProviderError | undefined;
+};
+
+/**
+ * Describes the message compactd.v1.ProviderErrorClassification.
+ * Use `create(ProviderErrorClassificationSchema)` to create a new message.
+ */
+export const ProviderErrorClassificationSchema: GenMessage<ProviderErrorClassification> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_compaction_service, 16);
+
+/**
+ * Request for `ClassifyProviderError`.
+ *
+ * @generated from message compactd.v1.ClassifyProviderErrorRequest
+ */
+export type ClassifyProviderErrorRequest = Message<"compactd.v1.ClassifyProviderErrorRequest"> & {
+  /**
+   * The provider's response.
+   *
+   * @generated from field: compactd.v1.RawProviderError raw = 1;
+   */
+  raw?: RawProviderError | undefined;
+};
+
+/**
+ * Describes the message compactd.v1.ClassifyProviderErrorRequest.
+ * Use `create(ClassifyProviderErrorRequestSchema)` to create a new message.
+ */
+export const ClassifyProviderErrorRequestSchema: GenMessage<ClassifyProviderErrorRequest> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_compaction_service, 17);
+
+/**
+ * Response for `ClassifyProviderError`.
+ *
+ * @generated from message compactd.v1.ClassifyProviderErrorResponse
+ */
+export type ClassifyProviderErrorResponse = Message<"compactd.v1.ClassifyProviderErrorResponse"> & {
+  /**
+   * The classification.
+   *
+   * @generated from field: compactd.v1.ProviderErrorClassification classification = 1;
+   */
+  classification?: ProviderErrorClassification | undefined;
+};
+
+/**
+ * Describes the message compactd.v1.ClassifyProviderErrorResponse.
+ * Use `create(ClassifyProviderErrorResponseSchema)` to create a new message.
+ */
+export const ClassifyProviderErrorResponseSchema: GenMessage<ClassifyProviderErrorResponse> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_compaction_service, 18);
+
+/**
+ * The figures of an overflow that surface compaction cannot relieve.
+ *
+ * @generated from message compactd.v1.OverflowFigures
+ */
+export type OverflowFigures = Message<"compactd.v1.OverflowFigures"> & {
+  /**
+   * The window W: the route's declared one, else the one the provider stated (0: unknown).
+   *
+   * @generated from field: int64 context_window = 1;
+   */
+  contextWindow: bigint;
+
+  /**
+   * Where `context_window` came from: `route`, `provider`, or empty when unknown.
+   *
+   * @generated from field: string window_source = 2;
+   */
+  windowSource: string;
+
+  /**
+   * The output reservation O.
+   *
+   * @generated from field: int64 output_reservation = 3;
+   */
+  outputReservation: bigint;
+
+  /**
+   * The system head's tokens.
+   *
+   * @generated from field: int64 system_tokens = 4;
+   */
+  systemTokens: bigint;
+
+  /**
+   * Tool declarations' tokens.
+   *
+   * @generated from field: int64 tools_tokens = 5;
+   */
+  toolsTokens: bigint;
+
+  /**
+   * Request framing tokens.
+   *
+   * @generated from field: int64 config_tokens = 6;
+   */
+  configTokens: bigint;
+
+  /**
+   * What no compaction reduces: system + tools + config.
+   *
+   * @generated from field: int64 envelope_tokens = 7;
+   */
+  envelopeTokens: bigint;
+
+  /**
+   * INDIVISIBLE_UNIT: the unit's tokens.
+   *
+   * @generated from field: int64 unit_tokens = 8;
+   */
+  unitTokens: bigint;
+
+  /**
+   * INDIVISIBLE_UNIT: the unit's surface span.
+   *
+   * @generated from field: compactd.v1.SurfaceRange unit_range = 9;
+   */
+  unitRange?: SurfaceRange | undefined;
+
+  /**
+   * The measured envelope now, in tokens.
+   *
+   * @generated from field: int64 measured_tokens = 10;
+   */
+  measuredTokens: bigint;
+
+  /**
+   * The refused prompt's size the provider stated (0: not stated).
+   *
+   * @generated from field: int64 prompt_tokens = 11;
+   */
+  promptTokens: bigint;
+};
+
+/**
+ * Describes the message compactd.v1.OverflowFigures.
+ * Use `create(OverflowFiguresSchema)` to create a new message.
+ */
+export const OverflowFiguresSchema: GenMessage<OverflowFigures> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_compaction_service, 19);
 
 /**
  * Request for `RecoverFromError`.
@@ -672,7 +964,7 @@ export type RecoverFromErrorRequest = Message<"compactd.v1.RecoverFromErrorReque
  * Use `create(RecoverFromErrorRequestSchema)` to create a new message.
  */
 export const RecoverFromErrorRequestSchema: GenMessage<RecoverFromErrorRequest> = /*@__PURE__*/
-  messageDesc(file_compactd_v1_compaction_service, 15);
+  messageDesc(file_compactd_v1_compaction_service, 20);
 
 /**
  * The result of `RecoverFromError`.
@@ -721,6 +1013,42 @@ export type RecoverFromErrorResult = Message<"compactd.v1.RecoverFromErrorResult
    * @generated from field: compactd.v1.BuildRequestResponse request = 6;
    */
   request?: BuildRequestResponse | undefined;
+
+  /**
+   * Why no retry is authorized (UNSPECIFIED when `retry`).
+   *
+   * @generated from field: compactd.v1.RecoveryDecline decline = 20;
+   */
+  decline: RecoveryDecline;
+
+  /**
+   * ENVELOPE_ONLY and INDIVISIBLE_UNIT: the figures.
+   *
+   * @generated from field: compactd.v1.OverflowFigures figures = 21;
+   */
+  figures?: OverflowFigures | undefined;
+
+  /**
+   * How a raw error was classified (absent when the request named a kind).
+   *
+   * @generated from field: compactd.v1.ProviderErrorClassification classification = 22;
+   */
+  classification?: ProviderErrorClassification | undefined;
+
+  /**
+   * COMPACTION_FAILED (or a failure after pruning advanced): the compaction's reason, e.g.
+   * `SUMMARY_NOT_SMALLER`.
+   *
+   * @generated from field: string cause = 23;
+   */
+  cause: string;
+
+  /**
+   * The kind recovered from (the request's, or the classified one).
+   *
+   * @generated from field: compactd.v1.ProviderErrorKind kind = 24;
+   */
+  kind: ProviderErrorKind;
 };
 
 /**
@@ -728,7 +1056,7 @@ export type RecoverFromErrorResult = Message<"compactd.v1.RecoverFromErrorResult
  * Use `create(RecoverFromErrorResultSchema)` to create a new message.
  */
 export const RecoverFromErrorResultSchema: GenMessage<RecoverFromErrorResult> = /*@__PURE__*/
-  messageDesc(file_compactd_v1_compaction_service, 16);
+  messageDesc(file_compactd_v1_compaction_service, 21);
 
 /**
  * One message of the `RecoverFromError` stream.
@@ -765,7 +1093,7 @@ export type RecoverFromErrorResponse = Message<"compactd.v1.RecoverFromErrorResp
  * Use `create(RecoverFromErrorResponseSchema)` to create a new message.
  */
 export const RecoverFromErrorResponseSchema: GenMessage<RecoverFromErrorResponse> = /*@__PURE__*/
-  messageDesc(file_compactd_v1_compaction_service, 17);
+  messageDesc(file_compactd_v1_compaction_service, 22);
 
 /**
  * Request for `SwitchModel`.
@@ -800,7 +1128,7 @@ export type SwitchModelRequest = Message<"compactd.v1.SwitchModelRequest"> & {
  * Use `create(SwitchModelRequestSchema)` to create a new message.
  */
 export const SwitchModelRequestSchema: GenMessage<SwitchModelRequest> = /*@__PURE__*/
-  messageDesc(file_compactd_v1_compaction_service, 18);
+  messageDesc(file_compactd_v1_compaction_service, 23);
 
 /**
  * The result of `SwitchModel`.
@@ -835,6 +1163,20 @@ export type SwitchModelResult = Message<"compactd.v1.SwitchModelResult"> & {
    * @generated from field: int64 pruned_count = 4;
    */
   prunedCount: bigint;
+
+  /**
+   * Seq of the destination `request/header` (absent when the destination is the logged route).
+   *
+   * @generated from field: optional int64 header_seq = 20;
+   */
+  headerSeq?: bigint | undefined;
+
+  /**
+   * The request to send to the destination.
+   *
+   * @generated from field: compactd.v1.BuildRequestResponse request = 21;
+   */
+  request?: BuildRequestResponse | undefined;
 };
 
 /**
@@ -842,7 +1184,7 @@ export type SwitchModelResult = Message<"compactd.v1.SwitchModelResult"> & {
  * Use `create(SwitchModelResultSchema)` to create a new message.
  */
 export const SwitchModelResultSchema: GenMessage<SwitchModelResult> = /*@__PURE__*/
-  messageDesc(file_compactd_v1_compaction_service, 19);
+  messageDesc(file_compactd_v1_compaction_service, 24);
 
 /**
  * One message of the `SwitchModel` stream.
@@ -879,7 +1221,7 @@ export type SwitchModelResponse = Message<"compactd.v1.SwitchModelResponse"> & {
  * Use `create(SwitchModelResponseSchema)` to create a new message.
  */
 export const SwitchModelResponseSchema: GenMessage<SwitchModelResponse> = /*@__PURE__*/
-  messageDesc(file_compactd_v1_compaction_service, 20);
+  messageDesc(file_compactd_v1_compaction_service, 25);
 
 /**
  * Whether the envelope is at or over the trigger.
@@ -1019,6 +1361,20 @@ export enum CompactionStep {
   MEASURE = 7,
 
   /**
+   * An `image/offload` was appended.
+   *
+   * @generated from enum value: COMPACTION_STEP_OFFLOAD = 8;
+   */
+  OFFLOAD = 8,
+
+  /**
+   * The destination `request/header` of a model switch was appended.
+   *
+   * @generated from enum value: COMPACTION_STEP_HEADER = 9;
+   */
+  HEADER = 9,
+
+  /**
    * The summary quality gate judged the summary (`detail` says passed, fell back, or rejected
    * with the failed checks).
    *
@@ -1074,6 +1430,96 @@ export enum ProviderErrorKind {
  */
 export const ProviderErrorKindSchema: GenEnum<ProviderErrorKind> = /*@__PURE__*/
   enumDesc(file_compactd_v1_compaction_service, 3);
+
+/**
+ * Why RecoverFromError authorizes no retry.
+ *
+ * @generated from enum compactd.v1.RecoveryDecline
+ */
+export enum RecoveryDecline {
+  /**
+   * Not set: a retry is authorized.
+   *
+   * @generated from enum value: RECOVERY_DECLINE_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * `retries_so_far` reached the route's `maxOverflowRetries` (0 disables overflow recovery).
+   *
+   * @generated from enum value: RECOVERY_DECLINE_RETRIES_EXHAUSTED = 1;
+   */
+  RETRIES_EXHAUSTED = 1,
+
+  /**
+   * The route's policy has `auto` off: no automatic overflow recovery.
+   *
+   * @generated from enum value: RECOVERY_DECLINE_AUTO_DISABLED = 2;
+   */
+  AUTO_DISABLED = 2,
+
+  /**
+   * System prompt, tools and framing alone do not fit the window (see `figures`).
+   *
+   * @generated from enum value: RECOVERY_DECLINE_ENVELOPE_ONLY = 3;
+   */
+  ENVELOPE_ONLY = 3,
+
+  /**
+   * The history after the system head is one indivisible unit, still over the window.
+   *
+   * @generated from enum value: RECOVERY_DECLINE_INDIVISIBLE_UNIT = 4;
+   */
+  INDIVISIBLE_UNIT = 4,
+
+  /**
+   * Nothing can be condensed (no history, or only the previous checkpoint).
+   *
+   * @generated from enum value: RECOVERY_DECLINE_NOTHING_SELECTABLE = 5;
+   */
+  NOTHING_SELECTABLE = 5,
+
+  /**
+   * A tool call still waits for its results.
+   *
+   * @generated from enum value: RECOVERY_DECLINE_OPEN_TAIL = 6;
+   */
+  OPEN_TAIL = 6,
+
+  /**
+   * The compaction failed and nothing else changed the surface (see `cause`).
+   *
+   * @generated from enum value: RECOVERY_DECLINE_COMPACTION_FAILED = 7;
+   */
+  COMPACTION_FAILED = 7,
+
+  /**
+   * No input image is left to offload.
+   *
+   * @generated from enum value: RECOVERY_DECLINE_NO_IMAGES = 8;
+   */
+  NO_IMAGES = 8,
+
+  /**
+   * IMAGE_OFFLOAD_REQUIRED without a count the provider stated or compactd could derive.
+   *
+   * @generated from enum value: RECOVERY_DECLINE_OFFLOAD_COUNT_UNKNOWN = 9;
+   */
+  OFFLOAD_COUNT_UNKNOWN = 9,
+
+  /**
+   * The raw error is not one compactd recovers from (a rate limit, say: see `classification`).
+   *
+   * @generated from enum value: RECOVERY_DECLINE_NOT_RECOVERABLE = 10;
+   */
+  NOT_RECOVERABLE = 10,
+}
+
+/**
+ * Describes the enum compactd.v1.RecoveryDecline.
+ */
+export const RecoveryDeclineSchema: GenEnum<RecoveryDecline> = /*@__PURE__*/
+  enumDesc(file_compactd_v1_compaction_service, 4);
 
 /**
  * Prices sessions and compacts them. Every RPC answers NOT_FOUND when the session does not
@@ -1142,9 +1588,29 @@ export const CompactionService: GenService<{
     output: typeof CompactResponseSchema;
   },
   /**
-   * Recovery after a provider error on a step: `CONTEXT_WINDOW_EXCEEDED` attempts one maximal
-   * balanced reduction; `IMAGE_OFFLOAD_REQUIRED` offloads the oldest input images. The result says
-   * whether the runtime may retry. Errors: NOT_FOUND; INVALID_ARGUMENT for an unknown error kind.
+   * Recovery after a provider error on a step of an open turn. The error is a canonical kind, or
+   * the provider's raw response (`ProviderError.raw`), classified first as ClassifyProviderError
+   * does.
+   *
+   * `CONTEXT_WINDOW_EXCEEDED` bypasses threshold and retention: it prunes (also a tool result
+   * that alone exceeds the window), then runs one maximal balanced head reduction (everything
+   * selectable but the system head and the last unit; trigger OVERFLOW). `retry` is true only
+   * when the surface replacement generation advanced (pruning that landed before a failed summary
+   * counts); otherwise the provider's error stays authoritative and `decline` says why
+   * (envelope-only overflow with its figures, an indivisible unit still over the window, nothing
+   * selectable, an open tool call, the compaction failed, `retries_so_far` reached
+   * `maxOverflowRetries` (0 disables this recovery), or `auto` is off).
+   *
+   * `IMAGE_OFFLOAD_REQUIRED` appends one `image/offload` of the oldest `offload_images` input
+   * images not yet offloaded, in message order (never assistant output); `retry` is true when
+   * at least one was selected. It spends no overflow retry and the runtime logs no `llm/retry`
+   * for it. The offload is durable: later requests carry the attachment text instead.
+   *
+   * Streams one update per step (PRUNE, the bracket's steps, OFFLOAD), then the result with the
+   * request to send on retry. Errors: NOT_FOUND; INVALID_ARGUMENT when the error has neither a
+   * kind nor a raw response, `offload_images` is not positive for IMAGE_OFFLOAD_REQUIRED, or
+   * `retries_so_far` is negative; FAILED_PRECONDITION with reason `NO_OPEN_TURN` when `turn` is
+   * not open; ABORTED with reason `COMPACTION_BUSY` while a bracket is live.
    *
    * @generated from rpc compactd.v1.CompactionService.RecoverFromError
    */
@@ -1154,10 +1620,23 @@ export const CompactionService: GenService<{
     output: typeof RecoverFromErrorResponseSchema;
   },
   /**
-   * Prepares a switch to a destination route: measures history against the destination's
-   * policy and compacts (with the previous route's summarizer) until it fits. Errors: NOT_FOUND;
-   * FAILED_PRECONDITION with reason `MODEL_SWITCH_COMPACTION_FAILED` when history cannot be
-   * brought below the destination threshold (the previous header stays in force).
+   * Prepares a switch to a destination route before its header is committed: measures history
+   * against the destination's capacity, output reservation and policy, prunes and compacts with
+   * the previous routed model's summarizer (an explicit summary target wins) until history is
+   * below the destination trigger, then appends the destination `request/header` (reason
+   * CHANGE). Selection prices with the destination route, the shrink check with the committed
+   * one. Streams one update per step (the last is HEADER), then the result. `PrepareStep` with an
+   * `intended_route` other than the logged one runs the same check (unless `auto` is off).
+   * The appended header is the logged one with the destination's provider and model, its tools
+   * and sampling, without `max_output_tokens` and adapter defaults (the destination's default
+   * output reservation applies); a runtime may log its own full header after it.
+   * Errors: NOT_FOUND; INVALID_ARGUMENT when the destination is incomplete; FAILED_PRECONDITION with reason `NO_OPEN_TURN` when `turn` is set and not
+   * open; ABORTED with reason `COMPACTION_BUSY` while a bracket is live; FAILED_PRECONDITION with
+   * reason `MODEL_SWITCH_COMPACTION_FAILED` (ErrorInfo metadata `cause`: `CAPACITY_UNKNOWN`,
+   * `POLICY_INVALID`, `SUMMARY_NOT_SMALLER`, `NOTHING_SELECTABLE`, `RETRIES_EXHAUSTED`, ...)
+   * when the destination has no declared capacity or no valid pressure budget (even for short
+   * history) or history cannot be brought below its trigger. The previous header then stays in
+   * force; completed prunes and checkpoints remain.
    *
    * @generated from rpc compactd.v1.CompactionService.SwitchModel
    */
@@ -1165,6 +1644,20 @@ export const CompactionService: GenService<{
     methodKind: "server_streaming";
     input: typeof SwitchModelRequestSchema;
     output: typeof SwitchModelResponseSchema;
+  },
+  /**
+   * Classifies a provider's error response (HTTP status, body, headers) with compactd's one
+   * table of recognized provider failures, so runtimes in every language get the same answer
+   * (OpenAI, DeepSeek, vLLM, llama.cpp, Anthropic, Gemini overflow bodies; image budgets; rate
+   * limits; authentication; unavailability). Needs no session. Errors: INVALID_ARGUMENT when
+   * neither a status nor a body is given.
+   *
+   * @generated from rpc compactd.v1.CompactionService.ClassifyProviderError
+   */
+  classifyProviderError: {
+    methodKind: "unary";
+    input: typeof ClassifyProviderErrorRequestSchema;
+    output: typeof ClassifyProviderErrorResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_compactd_v1_compaction_service, 0);

@@ -1,0 +1,405 @@
+"""RecoverFromError and ClassifyProviderError: a runtime's moves after a provider refused a step.
+
+A runtime whose model request failed asks what it may do next. The error arrives as a canonical
+kind (the runtime's adapter classified it) or raw (status, body, headers), classified here with
+the one provider error table (``providers.errors``). Two failures have a recovery:
+
+- ``CONTEXT_WINDOW_EXCEEDED`` (the seed's canonical overflow recovery) bypasses the threshold and
+  the retention policy: it prunes, first with ``[pruner]``, then every tool result that alone
+  exceeds the room the window leaves for history; then it runs one maximal balanced head
+  reduction (trigger OVERFLOW: everything selectable but the system head and the last unit).
+  A retry is authorized only when the surface replacement generation advanced, and pruning that
+  landed before a failed summary counts. Otherwise the provider's error stays authoritative, with
+  the precise reason: an envelope that alone fills the window (with its figures), one
+  indivisible unit, nothing selectable, an open tool call, a failed compaction. At most
+  ``maxOverflowRetries`` recoveries per step (the runtime counts them in ``retries_so_far``);
+  ``0`` disables this recovery only, and ``auto: false`` disables it too.
+- ``IMAGE_OFFLOAD_REQUIRED`` with an ``offload_images`` count offloads the oldest input images
+  (``service.offload``). It spends no overflow retry and needs no ``llm/retry``.
+
+The window is the route's declared one, else the one the provider stated in its error (llama.cpp
+``n_ctx``, "maximum context length is N tokens", ...): overflow recovery works for a route
+without declared capacity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Set
+from dataclasses import dataclass
+
+from compactd.core.events import SessionEvent
+from compactd.core.fold import SessionFold
+from compactd.core.meter import route_price
+from compactd.core.offload import offloadable
+from compactd.core.policy import output_reservation
+from compactd.core.pruner import PrunePlan, PrunerConfig, plan_window_prunes
+from compactd.core.selection import (
+    DeclineCode,
+    Declined,
+    SelectionMode,
+    head_length,
+    unit_boundaries,
+)
+from compactd.core.surface import SurfaceNode
+from compactd.errors import Busy, CompactdError, FailedPrecondition
+from compactd.providers import errors
+from compactd.providers.errors import ProviderFailure
+from compactd.routes import Route
+from compactd.service.compaction import (
+    Bracket,
+    CompactionEngine,
+    Planner,
+    Progress,
+    refuse_live_bracket,
+)
+from compactd.service.offload import offload_oldest
+from compactd.service.pressure import PressureService, session_meter
+from compactd.service.requests import build_request
+from compactd.service.sessions import SessionHandle, SessionManager
+from compactd.v1 import compaction_service_pb2 as cpb
+from compactd.v1 import events_pb2
+
+OVERFLOW = events_pb2.COMPACTION_TRIGGER_OVERFLOW
+CONTEXT = cpb.PROVIDER_ERROR_KIND_CONTEXT_WINDOW_EXCEEDED
+IMAGES = cpb.PROVIDER_ERROR_KIND_IMAGE_OFFLOAD_REQUIRED
+_KINDS: Mapping[str, cpb.ProviderErrorKind.ValueType] = {
+    errors.CONTEXT_WINDOW_EXCEEDED: CONTEXT,
+    errors.IMAGE_OFFLOAD_REQUIRED: IMAGES,
+}
+Decline = cpb.RecoveryDecline
+
+
+def classify_raw(raw: cpb.RawProviderError, request_images: int | None = None) -> ProviderFailure:
+    """Classify a runtime's raw provider error with the table (status 0: inside a stream)."""
+    images = raw.request_images if raw.HasField("request_images") else request_images
+    return errors.classify(
+        raw.http_status or None, raw.body, dict(raw.headers), request_images=images
+    )
+
+
+def classification(failure: ProviderFailure) -> cpb.ProviderErrorClassification:
+    """The wire form of a classified failure, with the error ready for RecoverFromError."""
+    kind = _KINDS.get(failure.reason, cpb.PROVIDER_ERROR_KIND_UNSPECIFIED)
+    result = cpb.ProviderErrorClassification(
+        reason=failure.reason,
+        kind=kind,
+        retryable=failure.retryable,
+        offload_images=failure.offload_images,
+        context_window=failure.context_window,
+        prompt_tokens=failure.prompt_tokens,
+        message=failure.message,
+        rule=failure.rule,
+        error=cpb.ProviderError(
+            kind=kind,
+            offload_images=failure.offload_images,
+            message=failure.message,
+            context_window=failure.context_window,
+            prompt_tokens=failure.prompt_tokens,
+        ),
+    )
+    if failure.retry_after is not None:
+        result.retry_after_seconds = failure.retry_after
+    return result
+
+
+@dataclass(frozen=True)
+class _Window:
+    """The window an overflow is measured against, with the figures of the request now."""
+
+    figures: cpb.OverflowFigures
+
+    @property
+    def window(self) -> int:
+        """W (0: unknown)."""
+        return self.figures.context_window
+
+    @property
+    def room(self) -> int:
+        """Tokens the window leaves for history after the envelope (negative: none)."""
+        f = self.figures
+        return f.context_window - f.output_reservation - f.envelope_tokens
+
+
+class RecoveryService:
+    """Runs RecoverFromError for sessions; one instance per server.
+
+    Args:
+        manager: Where sessions live.
+        pressure: Routes, policies and the session meters.
+        engine: Pruning and the bracket.
+        pruner: The ``[pruner]`` thresholds (their head:tail ratio shapes window-sized prunes).
+    """
+
+    def __init__(
+        self,
+        manager: SessionManager,
+        pressure: PressureService,
+        engine: CompactionEngine,
+        pruner: PrunerConfig | None = None,
+    ) -> None:
+        self._manager = manager
+        self._pressure = pressure
+        self._engine = engine
+        self._pruner = pruner or PrunerConfig()
+
+    async def recover(
+        self,
+        session_id: str,
+        turn: int,
+        error: cpb.ProviderError,
+        retries_so_far: int,
+        progress: Progress,
+    ) -> cpb.RecoverFromErrorResult:
+        """Recover from ``error`` on a step of ``turn`` (see ``CompactionService``).
+
+        Raises:
+            NotFound: The session does not exist.
+            FailedPrecondition: ``NO_OPEN_TURN`` when ``turn`` is not open.
+            Busy: A bracket is live.
+        """
+        handle = await self._manager.get(session_id)
+        session_meter(handle)
+        require_open_turn(handle, turn)
+        refuse_live_bracket(handle)
+        result = cpb.RecoverFromErrorResult()
+        if error.kind == cpb.PROVIDER_ERROR_KIND_UNSPECIFIED:
+            images = offloadable(handle.fold.surface.nodes, handle.fold.offloads)
+            classified = classify_raw(error.raw, images)
+            result.classification.CopyFrom(classification(classified))
+            error = result.classification.error
+        result.kind = error.kind
+        if error.kind == IMAGES:
+            await self._offload(handle, error, result, progress)
+        elif error.kind == CONTEXT:
+            await self._overflow(handle, turn, error, retries_so_far, result, progress)
+        else:
+            reason = result.classification.reason
+            _decline(result, Decline.RECOVERY_DECLINE_NOT_RECOVERABLE, _not_recoverable(reason))
+        async with handle.lock:  # the request shows committed events only
+            result.request.CopyFrom(build_request(handle))
+        return result
+
+    # ---- image offload -----------------------------------------------------------------------
+
+    async def _offload(
+        self,
+        handle: SessionHandle,
+        error: cpb.ProviderError,
+        result: cpb.RecoverFromErrorResult,
+        progress: Progress,
+    ) -> None:
+        if error.offload_images <= 0:
+            _decline(
+                result,
+                Decline.RECOVERY_DECLINE_OFFLOAD_COUNT_UNKNOWN,
+                "the provider refused the request's images without saying how many to offload "
+                "(and stated no limit to derive it from)",
+            )
+            return
+        selection, seq = await offload_oldest(handle, error.offload_images)
+        if not selection.targets:
+            _decline(
+                result,
+                Decline.RECOVERY_DECLINE_NO_IMAGES,
+                "every input image of the request is already offloaded",
+            )
+            return
+        await progress(
+            cpb.CompactionProgress(
+                step=cpb.COMPACTION_STEP_OFFLOAD,
+                seq=seq,
+                detail=f"offloaded {selection.count} image(s) in {len(selection.targets)} node(s)",
+            )
+        )
+        result.offloaded_images = selection.count
+        result.retry = True
+
+    # ---- context overflow --------------------------------------------------------------------
+
+    async def _overflow(
+        self,
+        handle: SessionHandle,
+        turn: int,
+        error: cpb.ProviderError,
+        retries_so_far: int,
+        result: cpb.RecoverFromErrorResult,
+        progress: Progress,
+    ) -> None:
+        route = self._pressure.logged_route_or_heuristic(handle)
+        policy = self._pressure.target_policy(handle, route)
+        if not policy.auto:
+            _decline(
+                result,
+                Decline.RECOVERY_DECLINE_AUTO_DISABLED,
+                f"automatic compaction and overflow recovery are off for {route.name} (auto)",
+            )
+            return
+        if retries_so_far >= policy.max_overflow_retries:
+            _decline(
+                result,
+                Decline.RECOVERY_DECLINE_RETRIES_EXHAUSTED,
+                f"{retries_so_far} overflow retr{'y' if retries_so_far == 1 else 'ies'} already "
+                f"made for this step (maxOverflowRetries={policy.max_overflow_retries})",
+            )
+            return
+        window = self._window(handle, route, error)
+        if window.window and window.room <= 0:
+            result.figures.CopyFrom(window.figures)
+            _decline(result, Decline.RECOVERY_DECLINE_ENVELOPE_ONLY, _envelope_only(window))
+            return
+        generation = handle.fold.surface.replacements
+        result.pruned_count = await self._engine.prune(handle, progress)
+        if window.window:
+            result.pruned_count += await self._engine.prune(
+                handle, progress, planner=self._window_planner(route, window.room)
+            )
+        job = Bracket(handle, OVERFLOW, SelectionMode.MAXIMAL, route, route, policy, 0, turn)
+        try:
+            committed = await self._engine.run_bracket(job, progress)
+        except Busy:
+            raise
+        except CompactdError as failure:
+            result.cause = failure.reason
+            if handle.fold.surface.replacements == generation:
+                _decline(
+                    result,
+                    Decline.RECOVERY_DECLINE_COMPACTION_FAILED,
+                    f"the overflow compaction failed ({failure.reason}): {failure.message}",
+                )
+                return
+            result.retry = True
+            result.reason = f"pruned; the compaction then failed ({failure.reason})"
+            return
+        if isinstance(committed, cpb.CompactionOutcome):
+            result.compactions.append(committed)
+        if handle.fold.surface.replacements > generation:
+            result.retry = True
+            return
+        assert isinstance(committed, Declined)
+        self._declined(handle, route, window, committed, result)
+
+    def _window(self, handle: SessionHandle, route: Route, error: cpb.ProviderError) -> _Window:
+        """The window to recover against (the provider's statement wins) and today's figures."""
+        header = handle.fold.header
+        max_output = (
+            header.config.max_output_tokens
+            if header is not None and header.config.HasField("max_output_tokens")
+            else None
+        )
+        reservation = output_reservation(max_output, route.default_output_tokens)
+        measured = session_meter(handle).measure(handle.fold, route)
+        if error.context_window > 0:
+            window, source = error.context_window, "provider"
+        elif route.context_window is not None:
+            window, source = route.context_window, "route"
+        else:
+            window, source = 0, ""
+        figures = cpb.OverflowFigures(
+            context_window=window,
+            window_source=source,
+            output_reservation=reservation,
+            system_tokens=measured.system,
+            tools_tokens=measured.tools,
+            config_tokens=measured.config,
+            envelope_tokens=measured.system + measured.tools + measured.config,
+            measured_tokens=measured.total,
+            prompt_tokens=error.prompt_tokens,
+        )
+        return _Window(figures)
+
+    def _window_planner(self, route: Route, room: int) -> Planner:
+        """Plans of the tool results whose route price alone exceeds ``room``."""
+        config = self._pruner
+
+        def price(event: SessionEvent, offloaded: Set[int]) -> int:
+            return route_price(event, route, offloaded)
+
+        def planner(
+            fold: SessionFold, shadow_price: Callable[[SurfaceNode], int]
+        ) -> list[PrunePlan]:
+            return plan_window_prunes(fold, config, price, room, shadow_price)
+
+        return planner
+
+    def _declined(
+        self,
+        handle: SessionHandle,
+        route: Route,
+        window: _Window,
+        declined: Declined,
+        result: cpb.RecoverFromErrorResult,
+    ) -> None:
+        """Why a reduction that advanced nothing could not: an open call, one unit, or nothing."""
+        if declined.code is DeclineCode.OPEN_TAIL:
+            _decline(result, Decline.RECOVERY_DECLINE_OPEN_TAIL, declined.reason)
+            return
+        nodes = handle.fold.surface.nodes
+        start = head_length(nodes)
+        bounds = unit_boundaries(nodes)
+        if start < len(nodes) and not any(bounds[start + 1 : len(nodes)]):
+            figures = result.figures
+            figures.CopyFrom(window.figures)
+            seqs = [node.seq for node in nodes[start:]]
+            figures.unit_tokens = session_meter(handle).route_price_of_nodes(
+                handle.fold, seqs, route
+            )
+            figures.unit_range.CopyFrom(
+                events_pb2.SurfaceRange(
+                    start_position=start,
+                    end_position=len(nodes) - 1,
+                    start_seq=seqs[0],
+                    end_seq=seqs[-1],
+                )
+            )
+            _decline(result, Decline.RECOVERY_DECLINE_INDIVISIBLE_UNIT, _indivisible(figures))
+            return
+        _decline(result, Decline.RECOVERY_DECLINE_NOTHING_SELECTABLE, declined.reason)
+
+
+def _decline(
+    result: cpb.RecoverFromErrorResult, decline: cpb.RecoveryDecline.ValueType, reason: str
+) -> None:
+    result.retry = False
+    result.decline = decline
+    result.reason = reason
+
+
+def _envelope_only(window: _Window) -> str:
+    f = window.figures
+    return (
+        f"the envelope alone does not fit the window: system {f.system_tokens} + tools "
+        f"{f.tools_tokens} + framing {f.config_tokens} = {f.envelope_tokens} tokens, window "
+        f"{f.context_window} ({f.window_source}) - output reservation {f.output_reservation} = "
+        f"{f.context_window - f.output_reservation}; no compaction reduces the system prompt or "
+        "the tools"
+    )
+
+
+def _indivisible(figures: cpb.OverflowFigures) -> str:
+    window = (
+        f"window {figures.context_window} ({figures.window_source})"
+        if figures.context_window
+        else "an unknown window"
+    )
+    return (
+        f"the history after the system head is one indivisible unit (seqs "
+        f"{figures.unit_range.start_seq}..{figures.unit_range.end_seq}, {figures.unit_tokens} "
+        f"tokens) that compaction cannot split; envelope {figures.envelope_tokens} tokens, "
+        f"{window}"
+    )
+
+
+def _not_recoverable(reason: str) -> str:
+    if reason in (errors.RATE_LIMITED, errors.TIMEOUT, errors.PROVIDER_UNAVAILABLE):
+        return f"{reason} is transient: retry the same request later, per the classification"
+    return f"{reason or 'the error'} is not one compactd recovers from"
+
+
+def require_open_turn(handle: SessionHandle, turn: int) -> None:
+    """FAILED_PRECONDITION ``NO_OPEN_TURN`` unless ``turn`` is open."""
+    if turn not in handle.fold.open_turns:
+        raise FailedPrecondition(
+            f"turn {turn} is not open: recovery runs for a step of an open turn",
+            reason="NO_OPEN_TURN",
+            metadata={"turn": str(turn)},
+        )
