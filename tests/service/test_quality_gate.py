@@ -549,3 +549,28 @@ async def test_a_rejected_bracket_traces_its_failed_checks_and_missed_probes(
     (end,) = [s for s in spans if s.name == "compaction.end"]
     assert "PROBES: keeps" in attrs(end)["compactd.error"]
     provider.shutdown()
+
+
+async def test_a_held_back_bracket_and_an_exhausted_crossing_are_traced(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    loop.enqueue(Reply(text=request_text(3)))
+    async with started(tmp_path, loop, tracer_provider=provider, clock=Clock()) as h:
+        await pressured(h, long=True, compactionRetries=1)
+        await h.prepare(21)  # rejected: one bracket of two
+        await h.prepare(21)  # the same span: held back
+        await h.append(turn_end(21), *history(2, 21), *open_turn(24))
+        loop.enqueue(Reply(text=request_text(3)))
+        await h.prepare(24)  # a new span, rejected: the crossing is exhausted
+        await spans_when(h, exporter, "/compactd.v1.CompactionService/PrepareStep")
+        spans = list(exporter.get_finished_spans())
+
+    codes = [attrs(s).get("compactd.decline_code") for s in spans if s.name == "compaction.bracket"]
+    assert codes.count("KNOWN_FAILURE") == 1
+    (skip,) = [s for s in spans if s.name == "compaction.skip"]
+    assert attrs(skip)["compactd.skipped"] == "BUDGET_SPENT"
+    assert attrs(skip)["compactd.retry_in_s"] == 60
+    provider.shutdown()
