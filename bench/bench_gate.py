@@ -22,7 +22,8 @@ README measured for llama.cpp serving SmolLM2-135M on this machine (``shared/too
 memory's backoffs) is simulated too: each agent step takes ``--step-seconds`` plus the modeled
 time of the summary calls its ``PrepareStep`` made, so a replay of hours runs in seconds.
 
-Printed per failure rate and mode: summary model calls; brackets that sent a span whose earlier
+Printed per failure rate and mode: steps, and how many sent their request above the trigger
+(pressure left unrelieved); summary model calls; brackets that sent a span whose earlier
 bracket had failed ("failed span again"); model time, all and wasted (calls whose
 summary was not committed, plus calls whose committed summary the gate would have rejected);
 brackets committed, rejected (closed without commit) and skipped (failure memory, crossing
@@ -76,6 +77,11 @@ MODES: dict[str, dict[str, Any]] = {
     "after": {},
     "after + extractiveFallback": {"extractiveFallback": True},
 }
+HEADER = (
+    "fail", "mode", "steps", "sent above trigger", "summary calls", "failed span again",
+    "model time", "wasted", "committed", "rejected", "skipped", "garbage in history",
+    "probe retention",
+)  # fmt: skip
 #: How a failing summary request is answered: garbage the old shrink check accepts (an echo,
 #: no sections, the empty skeleton), a summary larger than its span, or a provider error.
 FAILURES = ("echo", "no sections", "skeleton", "rambles", "error")
@@ -189,7 +195,7 @@ class Runtime:
         self.turn = 0
         self.open = False
         self.calls: set[str] = set()
-        self.steps = self.skips = 0
+        self.steps = self.skips = self.above = 0
         self.bracket_calls: dict[str, list[Call]] = {}
 
     async def replay(self, messages: Sequence[dict[str, Any]], policy: dict[str, Any]) -> None:
@@ -253,6 +259,8 @@ class Runtime:
         prepare = cpb.PrepareStepRequest(session_id=self.session_id, turn=self.turn)
         first = attributed = len(self.model.calls)
         async for response in self.compaction.PrepareStep(prepare):
+            if response.HasField("result"):
+                self.above += response.result.after.state == cpb.PRESSURE_STATE_ABOVE
             step = response.progress.step if response.HasField("progress") else None
             if step == cpb.COMPACTION_STEP_SKIP:
                 self.skips += 1
@@ -297,6 +305,7 @@ class Tally:
     garbage: int = 0
     retention: list[float] = field(default_factory=list)
     steps: int = 0
+    above: int = 0  # steps whose request was sent above the trigger
 
 
 def account(log: list[SessionEvent], runtime: Runtime, tally: Tally) -> None:
@@ -391,6 +400,7 @@ async def run(
                             tally = tallies[mode]
                             tally.skipped += runtime.skips
                             tally.steps += runtime.steps
+                            tally.above += runtime.above
                             account(await runtime.log(), runtime, tally)
             finally:
                 await server.stop(0)
@@ -398,20 +408,18 @@ async def run(
             rows.append(_row(rate, mode, tally))
     table(
         "Replay of the shared transcripts; the summarizer fails a given fraction of the time",
-        ("fail", "mode", "steps", "summary calls", "failed span again", "model time", "wasted",
-         "committed",
-         "rejected", "skipped", "garbage in history", "probe retention"),
+        HEADER,
         rows,
-    )  # fmt: skip
+    )
 
 
 def _row(rate: float, mode: str, tally: Tally) -> tuple[str, ...]:
     kept = statistics.mean(tally.retention) if tally.retention else 0.0
+    figures = (tally.steps, tally.above, tally.calls, tally.repeats)
+    outcomes = (tally.committed, tally.rejected, tally.skipped, tally.garbage)
     return (
-        f"{rate:.0%}", mode, str(tally.steps), str(tally.calls), str(tally.repeats),
-        f"{tally.model_s:,.0f} s",
-        f"{tally.wasted_s:,.0f} s", str(tally.committed), str(tally.rejected), str(tally.skipped),
-        str(tally.garbage), f"{kept:.0%}",
+        f"{rate:.0%}", mode, *map(str, figures), f"{tally.model_s:,.0f} s",
+        f"{tally.wasted_s:,.0f} s", *map(str, outcomes), f"{kept:.0%}",
     )  # fmt: skip
 
 

@@ -52,8 +52,8 @@ def test_defaults_are_the_spec_table() -> None:
         min_reduction_ratio=0.1,
         min_probe_retention=0.5,
         extractive_fallback=False,
-        failure_backoff_seconds=60.0,
-        failure_backoff_max_seconds=960.0,
+        failure_backoff_seconds=300.0,
+        failure_backoff_max_seconds=3600.0,
     )
 
 

@@ -338,7 +338,7 @@ async def test_the_same_failing_span_is_not_sent_again_on_the_next_steps(
             (warning,) = run.result.warnings
             assert warning.startswith("nothing to compact: the same span (seqs ")
             assert "failed 1 time(s) with SUMMARY_REJECTED on loop/m" in warning
-            assert "it is sent again when it changes or in 60 s" in warning
+            assert "it is sent again when it changes or in 300 s" in warning
             assert STEP.COMPACTION_STEP_SKIP in run.steps()
             assert STEP.COMPACTION_STEP_START not in run.steps()
         assert f"seqs {start.range.start_seq}..{start.range.end_seq}" in warning
@@ -372,13 +372,13 @@ async def test_a_failing_span_is_sent_again_after_a_backoff_that_doubles(
     async with started(tmp_path, loop, clock=clock) as h:
         await pressured(h, compactionRetries=5)
         await h.prepare(21)
-        clock.now += 59
+        clock.now += 299
         await h.prepare(21)
         assert len(summary_requests(loop)) == 1
-        clock.now += 2  # 61 s after the first failure: the 60 s backoff elapsed
+        clock.now += 2  # 301 s after the first failure: the 300 s backoff elapsed
         await h.prepare(21)
         assert len(summary_requests(loop)) == 2
-        clock.now += 119  # the second failure waits 120 s
+        clock.now += 599  # the second failure waits 600 s
         run = await h.prepare(21)
         assert len(summary_requests(loop)) == 2
         assert "failed 2 time(s)" in run.result.warnings[0]
@@ -416,18 +416,18 @@ async def test_an_exhausted_crossing_is_reported_once_and_not_retried_on_every_s
             f"measured {report.measured_tokens} >= trigger {report.trigger_tokens}"
         )
         assert "compactionRetries=0, budget 1" in exhausted
-        assert "no bracket opens before 60 s pass" in exhausted
+        assert "no bracket opens before 300 s pass" in exhausted
         await h.append(turn_end(21), *history(2, 21), *open_turn(24))  # a new span, same crossing
         later = await h.prepare(24)
 
         assert len(summary_requests(loop)) == 1
         assert list(later.result.warnings) == []
         assert later.result.after.state == ABOVE
-        clock.now += 61
+        clock.now += 301
         renewed = await h.prepare(24)
         assert len(summary_requests(loop)) == 2
         assert "after 1 compaction(s)" in renewed.result.warnings[-1]
-        assert "no bracket opens before 120 s pass" in renewed.result.warnings[-1]
+        assert "no bracket opens before 600 s pass" in renewed.result.warnings[-1]
 
 
 async def test_a_crossing_ends_when_pressure_drops_below_the_trigger(
@@ -572,5 +572,5 @@ async def test_a_held_back_bracket_and_an_exhausted_crossing_are_traced(
     assert codes.count("KNOWN_FAILURE") == 1
     (skip,) = [s for s in spans if s.name == "compaction.skip"]
     assert attrs(skip)["compactd.skipped"] == "BUDGET_SPENT"
-    assert attrs(skip)["compactd.retry_in_s"] == 60
+    assert attrs(skip)["compactd.retry_in_s"] == 300
     provider.shutdown()

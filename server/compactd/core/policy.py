@@ -22,9 +22,9 @@ The summary quality gate and failure memory (``core.gate``, ``core.attempts``):
 ``minReductionRatio``         0.1      the checkpoint is at least this much smaller, [0, 1)
 ``minProbeRetention``         0.5      share of the span's probes a summary keeps, [0, 1]
 ``extractiveFallback``        false    a rejected summary is replaced by the extractive one
-``failureBackoffSeconds``     60       first wait before a failed span is sent again (0: no
+``failureBackoffSeconds``     300      first wait before a failed span is sent again (0: no
                                        failure memory and no per-crossing budget)
-``failureBackoffMaxSeconds``  960      the longest wait (the backoff doubles up to it)
+``failureBackoffMaxSeconds``  3600     the longest wait (the backoff doubles up to it)
 ============================  =======  ===================================================
 
 ``W`` is the route's context window and ``O`` the effective output reservation (the envelope's
@@ -56,8 +56,8 @@ DEFAULT_HEADROOM_TOKENS: Final = 65536
 DEFAULT_RETAIN_RATIO: Final = 0.16
 DEFAULT_COMPACTION_RETRIES: Final = 1
 DEFAULT_MAX_OVERFLOW_RETRIES: Final = 1
-DEFAULT_FAILURE_BACKOFF_SECONDS: Final = 60.0
-DEFAULT_FAILURE_BACKOFF_MAX_SECONDS: Final = 960.0
+DEFAULT_FAILURE_BACKOFF_SECONDS: Final = 300.0
+DEFAULT_FAILURE_BACKOFF_MAX_SECONDS: Final = 3600.0
 
 # camelCase setting -> PolicyLayer attribute.
 _SETTINGS: Final[dict[str, str]] = {

@@ -213,12 +213,8 @@ def _text(message: Message) -> str:
     return "\n\n".join(block.text.text for block in message.content if block.HasField("text"))
 
 
-def _add_unique(items: list[str] | dict[str, None], item: str) -> None:
-    if not item or item in items:
-        return
-    if isinstance(items, dict):
-        items[item] = None
-    else:
+def _add_unique(items: list[str], item: str) -> None:
+    if item and item not in items:
         items.append(item)
 
 
