@@ -9,6 +9,7 @@ injected clock for the failure memory's backoff (no sleeps).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +27,7 @@ from compactd.testing.openai_server import OpenAICompatServer, Reply
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2
 from tests.api.rpc import ErrorDetails, details
-from tests.builders import assistant, in_step, tool_result, turn_end, turn_start, user
+from tests.builders import assistant, in_step, replace, tool_result, turn_end, turn_start, user
 from tests.compaction_fixtures import (
     ABOVE,
     BELOW,
@@ -574,3 +575,21 @@ async def test_a_held_back_bracket_and_an_exhausted_crossing_are_traced(
     assert attrs(skip)["compactd.skipped"] == "BUDGET_SPENT"
     assert attrs(skip)["compactd.retry_in_s"] == 300
     provider.shutdown()
+
+
+async def test_a_span_that_drifts_while_the_summary_is_written_fails_as_drift_not_in_the_gate(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    loop.enqueue(Reply(text=faithful(), delay_before=0.5))
+    async with started(tmp_path, loop) as h:
+        await h.create(*opening(), *history(20))
+        result = next(e for e in await h.events() if e.HasField("tool_result"))
+        compact = asyncio.create_task(h.compact())
+        assert await asyncio.to_thread(loop.wait_for_requests, 1)
+        shorter = tool_result(result.tool_result.tool_call_id, "trimmed", name="run", is_error=True)
+        await h.append(replace(shorter, result.seq, result.seq, [result.seq]))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await compact
+
+        assert details(caught.value).reason == "SPAN_DRIFT"
+        assert ends(await h.events())[-1].error_reason == "SPAN_DRIFT"

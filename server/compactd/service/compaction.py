@@ -456,9 +456,7 @@ class CompactionEngine:
         screened = await self._guard.screen(
             policy=job.policy, compaction_id=compaction_id, request=request, summary=summary,
             summarizer=writer.summarizer.name, target=target,
-            span_tokens=session_meter(handle).route_price_of_nodes(
-                handle.fold, selection.shadowed_seqs, job.shrink_route
-            ),
+            span_tokens=_span_tokens(handle, selection, job.shrink_route),
             shrink_route=job.shrink_route, progress=progress,
         )  # fmt: skip
         summary = screened.summary
@@ -778,6 +776,17 @@ def _shadow_price(handle: SessionHandle, selection: Selection) -> int:
         assert position is not None
         total += price(surface[position])
     return total
+
+
+def _span_tokens(handle: SessionHandle, selection: Selection, route: Route) -> int | None:
+    """The span's route price now; None when a node of it is gone (the commit then fails the
+    span's revalidation, so the quality gate need not judge it)."""
+    try:
+        return session_meter(handle).route_price_of_nodes(
+            handle.fold, selection.shadowed_seqs, route
+        )
+    except ValueError:
+        return None
 
 
 def _summary_request(

@@ -227,18 +227,20 @@ class CompactionGuard:
         summary: SummaryResult,
         summarizer: str,
         target: Route,
-        span_tokens: int,
+        span_tokens: int | None,
         shrink_route: MeteredRoute,
         progress: Progress,
     ) -> Screened:
-        """The summary to commit, after the quality gate.
+        """The summary to commit, after the quality gate (not judged when the policy turns the
+        gate off, or when ``span_tokens`` is None: a span node is gone and the commit's
+        revalidation rejects the span).
 
         Raises:
             SummaryRejected: The summary failed the gate (reason ``SUMMARY_NOT_SMALLER`` when its
                 checkpoint is not smaller at all) and no fallback passed it.
         """
         settings = policy.gate
-        if settings is None:
+        if settings is None or span_tokens is None:
             return Screened(summary, summarizer, target)
         span = _without_head(request.messages)
         probes = select_probes(span_facts(span))
