@@ -8,16 +8,18 @@ COPY server ./server
 RUN python -m venv /opt/compactd \
  && /opt/compactd/bin/pip install .
 
-# Runtime stage: the venv only, a non-root user, the log on a volume.
+# Runtime stage: the venv only, a non-root user with a numeric UID (Kubernetes' runAsNonRoot can
+# verify a number, not a name), the log on a volume.
 FROM python:3.11-slim
-RUN groupadd --system compactd && useradd --system --gid compactd --home /data compactd \
- && mkdir -p /data && chown compactd:compactd /data
+RUN groupadd --system --gid 10001 compactd \
+ && useradd --system --uid 10001 --gid 10001 --home /data --no-create-home compactd \
+ && mkdir -p /data && chown 10001:10001 /data
 COPY --from=build /opt/compactd /opt/compactd
 ENV PATH=/opt/compactd/bin:$PATH \
     COMPACTD_LISTEN=0.0.0.0:50051 \
     COMPACTD_STORE=sqlite:////data/compactd.db \
     PYTHONUNBUFFERED=1
-USER compactd
+USER 10001:10001
 WORKDIR /data
 VOLUME ["/data"]
 EXPOSE 50051

@@ -93,6 +93,7 @@ class _Process:
     popen: subprocess.Popen[str]
     address: str
     log: list[str]
+    pump: threading.Thread | None = None
 
 
 class LoopbackStack:
@@ -137,9 +138,10 @@ class LoopbackStack:
         assert self._process is not None
         found: list[str] = []
         ready = threading.Event()
-        threading.Thread(
+        self._process.pump = threading.Thread(
             target=_pump, args=(popen.stdout, self._process.log, found, ready), daemon=True
-        ).start()
+        )
+        self._process.pump.start()
         if not ready.wait(_START_TIMEOUT_S) or not found:
             self.stop()
             raise RuntimeError("compactd did not start:\n" + "".join(self._process.log))
@@ -172,6 +174,10 @@ class LoopbackStack:
                 except subprocess.TimeoutExpired:
                     popen.kill()
                     popen.wait()
+            if self._process.pump is not None:
+                self._process.pump.join(timeout=10)  # at the end of the output
+            if popen.stdout is not None:
+                popen.stdout.close()
             self._process = None
         self.agent.stop()
         self.summarizer.stop()

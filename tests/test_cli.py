@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -48,10 +50,47 @@ def test_check_config_validates_the_policy_and_routes(
     assert "routes[0].context_window" in capsys.readouterr().err
 
 
-def test_check_config_accepts_a_valid_file(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_check_config_prints_the_effective_configuration_as_toml(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     good = tmp_path / "good.toml"
-    good.write_text('[summarizer]\nkind = "extractive"\n[pruner]\nmax_code_points = 9000\n')
+    good.write_text(
+        '[summarizer]\nkind = "extractive"\n[pruner]\nmax_code_points = 9000\n'
+        '[[routes]]\nprovider = "local"\nmodel = "m"\ncontext_window = 32768\n'
+    )
+    monkeypatch.setenv("COMPACTD_MAX_BATCH_EVENTS", "7")
     assert main(["check-config", "--config", str(good)]) == 0
-    assert "max_code_points=9000" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    effective = tomllib.loads(out)
+    assert effective["max_batch_events"] == 7
+    assert effective["summarizer"]["kind"] == "extractive"
+    assert effective["summarizer"]["max_attempts"] == 4  # defaults filled in
+    assert effective["pruner"] == {"max_code_points": 9000, "head_code_points": 4096,
+                                   "tail_code_points": 1024}  # fmt: skip
+    assert effective["routes"] == [
+        {"provider": "local", "model": "m", "context_window": 32768, "tokenizer": "heuristic",
+         "sends_reasoning": True, "protocol": "openai"}
+    ]  # fmt: skip
+    # Built-in routes are shown, commented out: naming one would make its endpoint usable.
+    assert '# model = "gpt-4o"' in out
+    assert '# base_url = "https://api.openai.com/v1"' in out
+
+    again = tmp_path / "again.toml"
+    again.write_text(out)
+    assert main(["check-config", "--config", str(again)]) == 0
+    assert capsys.readouterr().out == out  # the printed configuration reads back as itself
+
+
+def test_check_config_names_ignored_variables(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COMPACTD_ADDRESS", "127.0.0.1:1")
+    assert main(["check-config"]) == 0
+    assert "# ignored: COMPACTD_ADDRESS is not a compactd setting" in capsys.readouterr().out
+
+
+def test_config_schema_prints_the_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config-schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert schema["title"] == "compactd configuration"
+    assert "listen" in schema["properties"]["server"]["properties"]

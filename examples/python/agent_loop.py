@@ -19,15 +19,13 @@ import os
 import urllib.request
 from typing import Any
 
-from compactd_client import CompactdClient
+from compactd_client import CompactdClient, openai
 from compactd_client.events import (
-    assistant_message,
     event_type,
     request_header,
     step_end,
     step_start,
     system_message,
-    tool_call_block,
     tool_declaration,
     tool_result,
     turn_end,
@@ -35,44 +33,7 @@ from compactd_client.events import (
     user_message,
 )
 from compactd_client.v1 import compaction_service_pb2 as cpb
-from compactd_client.v1 import events_pb2, session_service_pb2
-
-ROLES = {
-    session_service_pb2.MESSAGE_ROLE_SYSTEM: "system",
-    session_service_pb2.MESSAGE_ROLE_DEVELOPER: "developer",
-    session_service_pb2.MESSAGE_ROLE_USER: "user",
-    session_service_pb2.MESSAGE_ROLE_ASSISTANT: "assistant",
-    session_service_pb2.MESSAGE_ROLE_TOOL: "tool",
-}
-
-
-def to_openai(request: session_service_pb2.BuildRequestResponse) -> dict[str, Any]:
-    """The chat-completions body for a request compactd rebuilt."""
-    messages = []
-    for message in request.messages:
-        text = "\n".join(b.text.text for b in message.content if b.HasField("text"))
-        wire: dict[str, Any] = {"role": ROLES[message.role], "content": text}
-        calls = [b.tool_call for b in message.content if b.HasField("tool_call")]
-        if calls:
-            wire["tool_calls"] = [
-                {"id": c.id, "type": "function",
-                 "function": {"name": c.name, "arguments": c.arguments_json}}
-                for c in calls
-            ]  # fmt: skip
-        if message.role == session_service_pb2.MESSAGE_ROLE_TOOL:
-            wire["tool_call_id"] = message.tool_call_id
-        messages.append(wire)
-    tools = [
-        {"type": "function", "function": {"name": t.name, "description": t.description,
-                                          "parameters": json.loads(t.input_schema_json)}}
-        for t in request.tools
-    ]  # fmt: skip
-    body: dict[str, Any] = {"model": request.config.model, "messages": messages, "stream": False}
-    if tools:
-        body["tools"] = tools
-    if request.config.HasField("max_output_tokens"):
-        body["max_tokens"] = request.config.max_output_tokens
-    return body
+from compactd_client.v1 import session_service_pb2
 
 
 def complete(base_url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -85,17 +46,6 @@ def complete(base_url: str, body: dict[str, Any]) -> dict[str, Any]:
     with urllib.request.urlopen(request, timeout=60) as response:
         answer: dict[str, Any] = json.load(response)
     return answer
-
-
-def usage_of(answer: dict[str, Any]) -> events_pb2.Usage:
-    """The provider's usage as compactd records it (cached input counted apart)."""
-    usage = answer.get("usage") or {}
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return events_pb2.Usage(
-        input_tokens=usage.get("prompt_tokens", 0) - cached,
-        cache_read_tokens=cached,
-        output_tokens=usage.get("completion_tokens", 0),
-    )
 
 
 def pressure_line(label: str, report: cpb.PressureReport) -> str:
@@ -144,10 +94,11 @@ class Agent:
         """One model call: prepare, send, log the reply and tool results. True if tools ran."""
         self.steps += 1
         request = self.prepare(turn, step)
-        answer = complete(self.base_url, to_openai(request))
+        # compactd rebuilt the request; the converter makes it a chat-completions body.
+        answer = complete(self.base_url, openai.request_body(request, stream=False))
         choice = answer["choices"][0]
         calls = choice["message"].get("tool_calls") or []
-        events = [step_start(turn, step), self.assistant_event(answer)]
+        events = [step_start(turn, step), openai.assistant_event(answer, provider=self.provider)]
         for call in calls:  # the scripted tools: the recorded outputs
             output = self.script["tool_results"].get(call["id"], "(no output recorded)")
             name = call["function"]["name"]
@@ -174,23 +125,6 @@ class Agent:
         for warning in result.warnings:
             print(f"    warning: {warning}")
         return result.request
-
-    def assistant_event(self, answer: dict[str, Any]) -> events_pb2.SessionEvent:
-        """The model's reply as an assistant/message carrying the provider's usage."""
-        choice = answer["choices"][0]
-        message = choice["message"]
-        calls = [
-            tool_call_block(c["id"], c["function"]["name"], c["function"]["arguments"])
-            for c in message.get("tool_calls") or []
-        ]
-        return assistant_message(
-            message.get("content") or "",
-            tool_calls=calls,
-            usage=usage_of(answer),
-            provider=self.provider,
-            model=self.model,
-            stop_reason=choice.get("finish_reason") or "",
-        )
 
     def report(self) -> None:
         """Prints the totals, the final pressure and the final surface."""

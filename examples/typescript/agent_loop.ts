@@ -9,15 +9,14 @@
 
 import { readFileSync } from "node:fs";
 import {
-  assistantMessage,
   type BuildRequestResponse,
   CompactdClient,
   type CompactionProgress,
   CompactionStep,
-  create,
   eventType,
+  type JsonObject,
   MeasurementMethod,
-  MessageRole,
+  openai,
   PressureState,
   type PressureReport,
   requestHeader,
@@ -25,14 +24,12 @@ import {
   stepEnd,
   stepStart,
   systemMessage,
-  toolCallBlock,
   toolDeclaration,
   toolResult,
   turnEnd,
   turnStart,
-  UsageSchema,
   userMessage,
-} from "../../clients/typescript/dist/src/index.js";
+} from "../../clients/typescript/lib/index.js";
 
 interface Script {
   source: string;
@@ -58,57 +55,6 @@ interface Completion {
     completion_tokens?: number;
     prompt_tokens_details?: { cached_tokens?: number };
   };
-}
-
-const roles: Record<number, string> = {
-  [MessageRole.SYSTEM]: "system",
-  [MessageRole.DEVELOPER]: "developer",
-  [MessageRole.USER]: "user",
-  [MessageRole.ASSISTANT]: "assistant",
-  [MessageRole.TOOL]: "tool",
-};
-
-/** The chat-completions body for a request compactd rebuilt. */
-function toOpenAI(request: BuildRequestResponse): object {
-  const messages = request.messages.map((message) => {
-    const text = message.content
-      .flatMap((b) => (b.block.case === "text" ? [b.block.value.text] : []))
-      .join("\n");
-    const wire: Record<string, unknown> = {
-      role: roles[message.role],
-      content: text,
-    };
-    const calls = message.content.flatMap((b) =>
-      b.block.case === "toolCall" ? [b.block.value] : [],
-    );
-    if (calls.length > 0) {
-      wire.tool_calls = calls.map((c) => ({
-        id: c.id,
-        type: "function",
-        function: { name: c.name, arguments: c.argumentsJson },
-      }));
-    }
-    if (message.role === MessageRole.TOOL)
-      wire.tool_call_id = message.toolCallId;
-    return wire;
-  });
-  const tools = request.tools.map((t) => ({
-    type: "function",
-    function: {
-      name: t.name,
-      description: t.description,
-      parameters: JSON.parse(t.inputSchemaJson) as object,
-    },
-  }));
-  const body: Record<string, unknown> = {
-    model: request.config?.model,
-    messages,
-    stream: false,
-  };
-  if (tools.length > 0) body.tools = tools;
-  if (request.config?.maxOutputTokens !== undefined)
-    body.max_tokens = Number(request.config.maxOutputTokens);
-  return body;
 }
 
 async function complete(baseUrl: string, body: object): Promise<Completion> {
@@ -181,11 +127,17 @@ class Agent {
   private async step(turn: number, step: number): Promise<boolean> {
     this.steps++;
     const request = await this.prepare(turn, step);
-    const answer = await complete(this.baseUrl, toOpenAI(request));
+    // compactd rebuilt the request; the converter makes it a chat-completions body.
+    const answer = await complete(
+      this.baseUrl,
+      openai.requestBody(request, { stream: false }),
+    );
     const calls = answer.choices[0]?.message.tool_calls ?? [];
     const events: SessionEvent[] = [
       stepStart(turn, step),
-      this.assistantEvent(answer),
+      openai.assistantEvent(answer as unknown as JsonObject, {
+        provider: this.provider,
+      }),
     ];
     for (const call of calls) {
       const output =
@@ -227,27 +179,6 @@ class Agent {
       console.log(`    warning: ${warning}`);
     if (!result.request) throw new Error("PrepareStep returned no request");
     return result.request;
-  }
-
-  /** The model's reply as an assistant/message carrying the provider's usage. */
-  private assistantEvent(answer: Completion): SessionEvent {
-    const choice = answer.choices[0];
-    const cached = answer.usage?.prompt_tokens_details?.cached_tokens ?? 0;
-    const usage = create(UsageSchema, {
-      inputTokens: BigInt((answer.usage?.prompt_tokens ?? 0) - cached),
-      cacheReadTokens: BigInt(cached),
-      outputTokens: BigInt(answer.usage?.completion_tokens ?? 0),
-    });
-    return assistantMessage({
-      text: choice?.message.content ?? "",
-      toolCalls: (choice?.message.tool_calls ?? []).map((c) =>
-        toolCallBlock(c.id, c.function.name, c.function.arguments),
-      ),
-      usage,
-      provider: this.provider,
-      model: this.model,
-      stopReason: choice?.finish_reason ?? "",
-    });
   }
 
   /** Prints the totals, the final pressure and the final surface. */

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
 
 from compactd import __version__, config, logs
 from compactd.errors import ConfigError
+
+log = logging.getLogger("compactd.config")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,9 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="run the gRPC service",
         description="Run the gRPC service until SIGTERM/SIGINT, then shut down gracefully. "
-        "Every option can also come from the environment (COMPACTD_LISTEN, COMPACTD_STORE, "
-        "COMPACTD_MAX_MESSAGE_BYTES, ...) or the TOML file; flags win over the environment, "
-        "which wins over the file.",
+        "Every setting can also come from the environment (COMPACTD_LISTEN, COMPACTD_STORE, "
+        "COMPACTD_SUMMARIZER__KIND, ...) or the TOML file; flags win over the environment, "
+        "which wins over the file. Unknown COMPACTD_* variables are warned about and ignored.",
     )
     _config_option(serve)
     serve.add_argument("--listen", help="HOST:PORT to bind (default 127.0.0.1:50051)")
@@ -37,13 +41,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     serve.add_argument("--log-format", choices=("json", "text"), help="log format (default json)")
+    serve.add_argument(
+        "--metrics-listen", help="HOST:PORT of a Prometheus /metrics endpoint (default: none)"
+    )
     check = commands.add_parser(
         "check-config",
-        help="validate the configuration and print it",
-        description="Load and validate the configuration exactly as `serve` would; print it "
-        "and exit 0, or print the error naming the bad key and exit 2.",
+        help="validate the configuration and print it as TOML",
+        description="Load and validate the configuration exactly as `serve` would; print the "
+        "effective configuration as TOML (defaults filled in, built-in routes included) and "
+        "exit 0, or print the error naming the bad key and exit 2.",
     )
     _config_option(check)
+    commands.add_parser(
+        "config-schema",
+        help="print the JSON Schema of the configuration file",
+        description="Print the JSON Schema of compactd.toml, for editors (taplo, VS Code, "
+        "JetBrains): save it and point the file at it with a `#:schema` first line.",
+    )
     return parser
 
 
@@ -58,20 +72,28 @@ def _config_option(parser: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     args = build_parser().parse_args(argv)
-    overrides = {
-        key: getattr(args, key, None) for key in ("listen", "store", "log_level", "log_format")
-    }
+    if args.command == "config-schema":
+        print(json.dumps(config.json_schema(), indent=2))
+        return 0
+    flags = ("listen", "store", "log_level", "log_format", "metrics_listen")
+    overrides = {key: getattr(args, key, None) for key in flags}
     try:
         settings = config.load(args.config, overrides=overrides)
         from compactd.api.server import components, serve
+        from compactd.effective import effective_toml
 
         parts = components(settings)  # routes, policy, pruner, summarizer: named errors now
+        ignored = config.unknown_variables()
         if args.command == "check-config":
-            print(settings)
-            print(f"{len(parts.routes)} routes, pruner {parts.pruner}, {parts.summarizer}")
+            for name in ignored:
+                print(f"# ignored: {name} is not a compactd setting")
+            print(effective_toml(settings, routes=list(parts.routes), summarizer=parts.summarizer,
+                                 pruner=parts.pruner), end="")  # fmt: skip
             return 0
 
         logs.configure(settings.log_level, settings.log_format)
+        for name in ignored:
+            log.warning("ignored: %s is not a compactd setting", name, extra={"variable": name})
         asyncio.run(serve(settings))
     except ConfigError as err:
         print(f"compactd: configuration error: {err.message}", file=sys.stderr)

@@ -1,43 +1,117 @@
 """Service configuration: defaults, then the TOML file, then the environment, then flags.
 
-One place reads the environment and the file. Values are validated at start; every error names
-the bad key (``server.max_message_bytes``, ``COMPACTD_LISTEN``). Tables owned by other modules
-(``[compaction]`` — the spec's policy keys, ``[[routes]]``, ``[summarizer]``, ``[pruner]``) are
-carried as plain data and validated by their owners at start (``api.server.components``).
+``ServerConfig`` is the one declaration of every setting: a frozen pydantic dataclass whose
+fields carry their type, default, constraint and description. Adding a setting is adding one
+field (a scalar, or a ``Table`` that its owning module validates); the loader, the environment
+variables, the error messages, ``check-config`` and the JSON Schema follow from it.
+
+Sources, lowest first: the defaults; the TOML file (top-level keys, or the scalars under
+``[server]``); ``COMPACTD_*`` variables, read by pydantic-settings (``COMPACTD_LISTEN``, nested
+keys with ``__``: ``COMPACTD_SUMMARIZER__KIND=openai``, ``COMPACTD_COMPACTION__THRESHOLD_RATIO``
+for the camelCase ``thresholdRatio``; a whole table as JSON: ``COMPACTD_PRUNER='{...}'``); then
+the command-line flags. Values of owned tables from the environment are read as JSON when they
+parse as JSON (numbers, booleans, arrays), else as strings.
+
+An unknown key in the file is an error naming it; an unknown ``COMPACTD_*`` variable is not (other
+tools share the prefix: the client suites read ``COMPACTD_ADDRESS``): ``unknown_variables`` lists
+them, and ``compactd`` warns about each and ignores it. Every error names the bad key as the user
+wrote it: ``server.max_message_bytes``, ``COMPACTD_LISTEN``, ``--store``.
+
+Tables owned by other modules (``[compaction]``, the spec's policy keys; ``[[routes]]``;
+``[summarizer]``; ``[pruner]``) are carried as plain data and validated by their owners at start
+(``api.server.components``).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Final, Literal
+
+from pydantic import AfterValidator, ConfigDict, Field, TypeAdapter, ValidationError, create_model
+from pydantic.dataclasses import dataclass
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
+from pydantic_settings.sources.utils import parse_env_vars
 
 from compactd.errors import ConfigError
 
-ENV_PREFIX = "COMPACTD_"
+ENV_PREFIX: Final = "COMPACTD_"
+#: Variables with the prefix that are not settings (the CLI reads the config file's path).
+NOT_SETTINGS: Final = frozenset({"COMPACTD_CONFIG"})
+
+#: A table validated by its owning module.
+Table = dict[str, Any]
 
 
-@dataclass(frozen=True)
+class CamelCaseKeys:
+    """Marks a table whose keys are camelCase: ``..._THRESHOLD_RATIO`` sets ``thresholdRatio``."""
+
+
+def _listen(value: str) -> str:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError("expected HOST:PORT")
+    return value
+
+
+def _optional_listen(value: str) -> str:
+    return _listen(value) if value else value
+
+
+def _store(value: str) -> str:
+    if not (value.startswith("sqlite:///") or value == "memory://"):
+        raise ValueError("expected sqlite:///PATH or memory://")
+    return value
+
+
+def _one_of(*choices: str) -> AfterValidator:
+    def check(value: str) -> str:
+        if value.upper() not in choices:
+            raise ValueError(f"expected {', '.join(choices[:-1])} or {choices[-1]}")
+        return value
+
+    return AfterValidator(check)
+
+
+Listen = Annotated[str, AfterValidator(_listen)]
+Store = Annotated[str, AfterValidator(_store)]
+Positive = Annotated[int, Field(gt=0)]
+PositiveSeconds = Annotated[float, Field(gt=0)]
+
+
+@dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class ServerConfig:
     """Everything ``compactd serve`` needs. Defaults are the documented ones."""
 
-    listen: str = "127.0.0.1:50051"  # HOST:PORT; port 0 picks a free port
-    store: str = "sqlite:///./compactd.db"  # sqlite:///PATH or memory://
-    sqlite_synchronous: str = "FULL"  # FULL (default), EXTRA or NORMAL
-    max_message_bytes: int = 16 * 1024 * 1024
-    max_batch_events: int = 1000
-    keepalive_time_s: float = 60.0
-    keepalive_timeout_s: float = 20.0
-    shutdown_grace_s: float = 10.0
-    log_level: str = "INFO"
-    log_format: str = "json"  # json or text
-    compaction: Mapping[str, Any] = field(default_factory=dict)
-    routes: tuple[Mapping[str, Any], ...] = ()
-    summarizer: Mapping[str, Any] = field(default_factory=dict)
-    pruner: Mapping[str, Any] = field(default_factory=dict)
+    listen: Listen = Field("127.0.0.1:50051", description="HOST:PORT to bind; port 0 picks one")
+    store: Store = Field("sqlite:///./compactd.db", description="sqlite:///PATH or memory://")
+    sqlite_synchronous: Annotated[str, _one_of("FULL", "EXTRA", "NORMAL")] = Field(
+        "FULL", description="SQLite synchronous mode: FULL, EXTRA or NORMAL"
+    )
+    max_message_bytes: Positive = Field(16 * 1024 * 1024, description="largest gRPC message")
+    max_batch_events: Positive = Field(1000, description="most events in one AppendEvents")
+    keepalive_time_s: PositiveSeconds = Field(60.0, description="gRPC keepalive ping interval")
+    keepalive_timeout_s: PositiveSeconds = Field(20.0, description="keepalive ping timeout")
+    shutdown_grace_s: Annotated[float, Field(ge=0)] = Field(
+        10.0, description="seconds in-flight calls may finish after SIGTERM"
+    )
+    log_level: Annotated[str, _one_of("DEBUG", "INFO", "WARNING", "ERROR")] = Field(
+        "INFO", description="DEBUG, INFO, WARNING or ERROR"
+    )
+    log_format: Literal["json", "text"] = Field("json", description="json or text")
+    metrics_listen: Annotated[str, AfterValidator(_optional_listen)] = Field(
+        "", description="HOST:PORT of the Prometheus /metrics endpoint; empty: none"
+    )
+    compaction: Annotated[Table, CamelCaseKeys] = field(default_factory=dict)
+    routes: tuple[Table, ...] = ()
+    summarizer: Table = field(default_factory=dict)
+    pruner: Table = field(default_factory=dict)
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -46,9 +120,40 @@ class ServerConfig:
         return host.strip("[]"), int(port)
 
 
-_TABLES = ("compaction", "summarizer", "pruner")
-_SCALARS = {f.name: f for f in fields(ServerConfig) if f.name not in ("routes", *_TABLES)}
-_FILE_SECTIONS = {"routes", "server", *_TABLES}
+_ADAPTER: Final = TypeAdapter(ServerConfig)
+# pydantic's record of the dataclass's fields (types, defaults, constraints, descriptions).
+_FIELDS: Final[dict[str, FieldInfo]] = ServerConfig.__pydantic_fields__  # type: ignore[attr-defined]
+TABLES: Final = tuple(
+    name for name, info in _FIELDS.items() if info.annotation in (Table, tuple[Table, ...])
+)
+SCALARS: Final = tuple(name for name in _FIELDS if name not in TABLES)
+
+
+class _EnvironmentSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="ignore"
+    )
+
+
+# The same fields, for pydantic-settings' environment source (it reads a settings class).
+_Environment = create_model(  # type: ignore[call-overload]
+    "CompactdEnvironment",
+    __base__=_EnvironmentSettings,
+    **{name: (info.annotation, info) for name, info in _FIELDS.items()},
+)
+
+
+class _EnvironSource(EnvSettingsSource):
+    """pydantic-settings' environment source over a given mapping instead of ``os.environ``."""
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        super().__init__(_Environment)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return parse_env_vars(
+            self._environ, self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str
+        )
 
 
 def load(
@@ -57,105 +162,175 @@ def load(
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> ServerConfig:
-    """Build and validate the configuration (``ConfigError`` names the bad key)."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        values.update(_from_file(Path(path)))
-    values.update(_from_env(os.environ if environ is None else environ))
-    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    config = replace(ServerConfig(), **values)
-    validate(config)
-    return config
+    """Build and validate the configuration (``ConfigError`` names the bad key).
+
+    Args:
+        path: The TOML file, if any.
+        environ: The environment; defaults to ``os.environ``.
+        overrides: Command-line flags by setting name; None values are not given.
+    """
+    env = os.environ if environ is None else environ
+    file, origin = _from_file(Path(path)) if path is not None else ({}, {})
+    sources = _Sources(
+        file=file,
+        origin=origin,
+        env=_from_env(env),
+        flags={key: value for key, value in (overrides or {}).items() if value is not None},
+    )
+    try:
+        return _ADAPTER.validate_python(sources.merged())
+    except ValidationError as err:
+        raise ConfigError(sources.describe(err.errors()[0])) from None
 
 
-def _from_file(path: Path) -> dict[str, Any]:
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``COMPACTD_*`` variables that name no setting (warned about and ignored)."""
+    env = os.environ if environ is None else environ
+    return sorted(
+        name
+        for name in env
+        if name.upper().startswith(ENV_PREFIX)
+        and name.upper() not in NOT_SETTINGS
+        and _setting_of(name) is None
+    )
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema of the configuration file (for editors: taplo, VS Code, JetBrains)."""
+    schema = _ADAPTER.json_schema(mode="validation")
+    properties = schema["properties"]
+    scalars = {name: properties[name] for name in SCALARS}
+    properties["server"] = {
+        "type": "object",
+        "description": "The scalar settings, also accepted at the top level",
+        "properties": scalars,
+        "additionalProperties": False,
+    }
+    schema["title"] = "compactd configuration"
+    schema["additionalProperties"] = False
+    return schema
+
+
+# ---- sources ---------------------------------------------------------------------------------
+
+
+class _Sources:
+    """The three sources' values, merged by precedence, and where each key came from."""
+
+    def __init__(
+        self,
+        *,
+        file: dict[str, Any],
+        origin: dict[str, str],
+        env: dict[str, Any],
+        flags: dict[str, Any],
+    ) -> None:
+        self.file, self.origin, self.env, self.flags = file, origin, env, flags
+
+    def merged(self) -> dict[str, Any]:
+        values = dict(self.file)
+        for source in (self.env, self.flags):
+            for key, value in source.items():
+                if isinstance(value, dict) and isinstance(values.get(key), dict):
+                    values[key] = {**values[key], **value}
+                else:
+                    values[key] = value
+        return values
+
+    def describe(self, error: Mapping[str, Any]) -> str:
+        """``where: what`` for one pydantic error, ``where`` as the user wrote the key."""
+        location = [str(part) for part in error["loc"]]
+        key = location[0] if location else ""
+        if key in self.flags:
+            where = "--" + key.replace("_", "-")
+        elif key in self.env:
+            where = ENV_PREFIX + key.upper()
+        else:
+            where = self.origin.get(key, key)
+        for part in location[1:]:
+            where += f"[{part}]" if part.isdigit() else f".{part}"
+        return f"{where}: {_message(error)}"
+
+
+def _from_file(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """The file's settings, and how the user wrote each key that came from ``[server]``."""
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as err:
         raise ConfigError(f"config file {path} does not exist") from err
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config file {path} is not valid TOML: {err}") from err
-    values: dict[str, Any] = {}
-    for key, value in data.items():
-        if key == "server":
-            if not isinstance(value, dict):
-                raise ConfigError("server: must be a table")
-            for sub, sub_value in value.items():
-                key_name = _scalar_key(sub, f"server.{sub}")
-                values[key_name] = _coerce(key_name, sub_value, f"server.{sub}")
-        elif key == "routes":
-            if not isinstance(value, list) or not all(isinstance(r, dict) for r in value):
-                raise ConfigError("routes: must be an array of tables ([[routes]])")
-            values["routes"] = tuple(value)
-        elif key in _TABLES:
-            if not isinstance(value, dict):
-                raise ConfigError(f"{key}: must be a table")
-            values[key] = value
-        elif key in _SCALARS:
-            values[key] = _coerce(key, value, key)
-        else:
-            known = ", ".join(sorted(set(_SCALARS) | _FILE_SECTIONS))
-            raise ConfigError(f"{key}: unknown setting (known: {known})")
-    return values
+    server = data.pop("server", {})
+    if not isinstance(server, dict):
+        raise ConfigError("server: must be a table")
+    origin: dict[str, str] = {}
+    for key, value in server.items():
+        if key not in SCALARS:
+            raise ConfigError(f"server.{key}: unknown setting (known: {', '.join(SCALARS)})")
+        data[key] = value
+        origin[key] = f"server.{key}"
+    unknown = [key for key in data if key not in _FIELDS]
+    if unknown:
+        known = ", ".join((*SCALARS, "server", *TABLES))
+        raise ConfigError(f"{unknown[0]}: unknown setting (known: {known})")
+    return data, origin
 
 
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    for name, raw in environ.items():
-        if not name.startswith(ENV_PREFIX) or name == "COMPACTD_CONFIG":
-            continue
-        key = name[len(ENV_PREFIX) :].lower()
-        if key not in _SCALARS:
-            raise ConfigError(f"{name}: unknown setting")
-        values[key] = _coerce(key, raw, name)
+    relevant = {name: value for name, value in environ.items() if _setting_of(name) is not None}
+    values: dict[str, Any] = _EnvironSource(relevant)()
+    for name in TABLES:
+        if isinstance(values.get(name), dict):
+            camel = CamelCaseKeys in _FIELDS[name].metadata
+            values[name] = {
+                (_camel(key) if camel else key): _literal(value)
+                for key, value in values[name].items()
+            }
     return values
 
 
-def _scalar_key(key: str, where: str) -> str:
-    if key not in _SCALARS:
-        raise ConfigError(f"{where}: unknown setting")
-    return key
+def _setting_of(variable: str) -> str | None:
+    """The setting a ``COMPACTD_*`` variable sets, or None."""
+    name = variable.upper()
+    if not name.startswith(ENV_PREFIX) or name in NOT_SETTINGS:
+        return None
+    key, nested, _ = name[len(ENV_PREFIX) :].lower().partition("__")
+    if key in SCALARS and not nested:
+        return key
+    return key if key in TABLES else None
 
 
-def _coerce(key: str, value: Any, where: str) -> Any:
-    kind = _SCALARS[key].type
+def _camel(key: str) -> str:
+    head, *rest = key.split("_")
+    return head + "".join(part.capitalize() for part in rest)
+
+
+def _literal(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
     try:
-        if kind == "int":
-            if isinstance(value, bool):
-                raise ValueError
-            return int(value)
-        if kind == "float":
-            return float(value)
-        if kind == "str":
-            if not isinstance(value, str):
-                raise ValueError
-            return value
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: expected {kind}, got {value!r}") from None
-    return value
+        return json.loads(value)
+    except ValueError:
+        return value
 
 
-def validate(config: ServerConfig) -> None:
-    """Check the scalar settings; ``ConfigError`` names the first bad key."""
-    host, _, port = config.listen.rpartition(":")
-    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"listen: expected HOST:PORT, got {config.listen!r}")
-    if not (config.store.startswith("sqlite:///") or config.store == "memory://"):
-        raise ConfigError(f"store: expected sqlite:///PATH or memory://, got {config.store!r}")
-    if config.sqlite_synchronous.upper() not in ("FULL", "EXTRA", "NORMAL"):
-        raise ConfigError("sqlite_synchronous: expected FULL, EXTRA or NORMAL")
-    _positive(config.max_message_bytes, "max_message_bytes")
-    _positive(config.max_batch_events, "max_batch_events")
-    _positive(config.keepalive_time_s, "keepalive_time_s")
-    _positive(config.keepalive_timeout_s, "keepalive_timeout_s")
-    if config.shutdown_grace_s < 0:
-        raise ConfigError("shutdown_grace_s: must be >= 0")
-    if config.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-        raise ConfigError("log_level: expected DEBUG, INFO, WARNING or ERROR")
-    if config.log_format not in ("json", "text"):
-        raise ConfigError("log_format: expected json or text")
+_TYPES: Final = {"int": "int", "float": "float", "string": "str", "bool": "bool"}
 
 
-def _positive(value: float, key: str) -> None:
-    if value <= 0:
-        raise ConfigError(f"{key}: must be positive, got {value}")
+def _message(error: Mapping[str, Any]) -> str:
+    kind, value = str(error["type"]), error.get("input")
+    base = kind.split("_")[0]
+    if kind == "extra_forbidden" or kind == "unexpected_keyword_argument":
+        return "unknown setting"
+    if kind in ("dict_type", "model_type", "dataclass_type"):
+        return f"must be a table, got {value!r}"
+    if kind in ("tuple_type", "list_type"):
+        return f"must be an array of tables ([[{error['loc'][0]}]]), got {value!r}"
+    if base in _TYPES and kind.endswith(("_type", "_parsing", "_from_float")):
+        return f"expected {_TYPES[base]}, got {value!r}"
+    if kind == "greater_than" and error.get("ctx", {}).get("gt") == 0:
+        return f"must be positive, got {value!r}"
+    if kind == "greater_than_equal":
+        return f"must be >= {error['ctx']['ge']}, got {value!r}"
+    text = re.sub(r"^Value error, ", "", str(error["msg"]))
+    return f"{text[0].lower()}{text[1:]}, got {value!r}"

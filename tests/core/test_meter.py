@@ -108,7 +108,7 @@ def test_images_are_their_own_part() -> None:
 def test_an_exact_route_measures_exactly_with_its_framing() -> None:
     session = Session(routed(), system("hello world"), user("hello world"))
     m = session.measure(EXACT)
-    assert (m.method, m.tokenizer) == (Method.EXACT, "cl100k_base")
+    assert (m.method, m.tokenizer) == (Method.TOKENIZER, "cl100k_base")
     framing = framing_for("cl100k_base")
     assert m.system == 2 + framing.per_system
     assert m.messages == 2 + framing.per_message

@@ -90,7 +90,7 @@ async def test_check_reports_the_worked_example(
     assert report.state == BELOW
     assert report.revision == 3
     breakdown = report.breakdown
-    assert breakdown.method == compaction_service_pb2.MEASUREMENT_METHOD_EXACT
+    assert breakdown.method == compaction_service_pb2.MEASUREMENT_METHOD_TOKENIZER
     assert breakdown.tokenizer == "deepseek-v4"
     chat = service.route_for("deepseek", "deepseek-chat")
     assert report.measured_tokens == await measured(manager, sid, chat)

@@ -492,17 +492,17 @@ async def test_a_span_smaller_than_the_minimum_useful_checkpoint_is_declined_wit
 # ---- observable ---------------------------------------------------------------------------------
 
 
-def counted(reader: InMemoryMetricReader, name: str) -> dict[tuple[str, str], float]:
-    """``(outcome, reason) -> value`` of a counter, or ``{}``."""
+def counted(reader: InMemoryMetricReader, name: str, *keys: str) -> dict[tuple[str, ...], float]:
+    """A counter's value by the attributes ``keys`` ("" for an attribute not set)."""
     data = reader.get_metrics_data()
-    found: dict[tuple[str, str], float] = {}
+    found: dict[tuple[str, ...], float] = {}
     for resource in data.resource_metrics if data else ():
         for scope in resource.scope_metrics:
             for metric in scope.metrics:
                 if metric.name == name:
                     for point in metric.data.data_points:
                         labels = dict(point.attributes or {})
-                        key = (str(labels["compactd.outcome"]), str(labels["compactd.reason"]))
+                        key = tuple(str(labels.get(k, "")) for k in keys)
                         found[key] = found.get(key, 0) + point.value  # type: ignore[union-attr]
     return found
 
@@ -521,10 +521,15 @@ async def test_rejected_skipped_and_committed_brackets_are_counted(
         await h.append(turn_end(21))
         await h.compact()  # committed
 
-    assert counted(reader, "compactd.compaction.brackets") == {
-        ("rejected", "SUMMARY_REJECTED"): 1,
+    outcomes = ("compactd.outcome", "compactd.reason")
+    assert counted(reader, "compactd.compactions", *outcomes) == {
+        ("failed", "SUMMARY_REJECTED"): 1,
         ("skipped", "KNOWN_FAILURE"): 1,
         ("committed", ""): 1,
+    }
+    assert counted(reader, "compactd.summary.gate", "compactd.outcome") == {
+        ("rejected",): 1,
+        ("passed",): 1,
     }
     meters.shutdown()
 

@@ -1,10 +1,6 @@
-// compactd's TypeScript client: the thin wrapper, typed errors, event builders, and the
-// generated messages (re-exported so callers need no deep imports).
+// compactd's TypeScript client: the thin wrapper, typed errors, event builders, the OpenAI and
+// Anthropic converters, and the generated messages (re-exported so callers need no deep imports).
 
 export * from "./client.js";
+export * from "./convert.js";
 export * from "./errors.js";
-export * from "./events.js";
-export * from "./gen/compactd/v1/compaction_service_pb.js";
-export * from "./gen/compactd/v1/events_pb.js";
-export * from "./gen/compactd/v1/session_service_pb.js";
-export { create, toJson, fromJson } from "@bufbuild/protobuf";

@@ -21,6 +21,7 @@ import (
 
 	"compactd.dev/client/compactd"
 	v1 "compactd.dev/client/compactdv1"
+	"compactd.dev/client/openai"
 )
 
 type script struct {
@@ -37,78 +38,7 @@ type script struct {
 	} `json:"tools"`
 }
 
-type wireCall struct {
-	ID       string `json:"id"`
-	Type     string `json:"type"`
-	Function struct {
-		Name      string `json:"name"`
-		Arguments string `json:"arguments"`
-	} `json:"function"`
-}
-
-type completion struct {
-	Choices []struct {
-		Message struct {
-			Content   string     `json:"content"`
-			ToolCalls []wireCall `json:"tool_calls"`
-		} `json:"message"`
-		FinishReason string `json:"finish_reason"`
-	} `json:"choices"`
-	Usage struct {
-		PromptTokens        int64 `json:"prompt_tokens"`
-		CompletionTokens    int64 `json:"completion_tokens"`
-		PromptTokensDetails struct {
-			CachedTokens int64 `json:"cached_tokens"`
-		} `json:"prompt_tokens_details"`
-	} `json:"usage"`
-}
-
-var roles = map[v1.MessageRole]string{
-	v1.MessageRole_MESSAGE_ROLE_SYSTEM: "system", v1.MessageRole_MESSAGE_ROLE_DEVELOPER: "developer",
-	v1.MessageRole_MESSAGE_ROLE_USER: "user", v1.MessageRole_MESSAGE_ROLE_ASSISTANT: "assistant",
-	v1.MessageRole_MESSAGE_ROLE_TOOL: "tool",
-}
-
-// toOpenAI is the chat-completions body for a request compactd rebuilt.
-func toOpenAI(req *v1.BuildRequestResponse) map[string]interface{} {
-	var messages []map[string]interface{}
-	for _, m := range req.GetMessages() {
-		var texts []string
-		var calls []map[string]interface{}
-		for _, b := range m.GetContent() {
-			if t := b.GetText(); t != nil {
-				texts = append(texts, t.GetText())
-			}
-			if c := b.GetToolCall(); c != nil {
-				calls = append(calls, map[string]interface{}{"id": c.GetId(), "type": "function",
-					"function": map[string]string{"name": c.GetName(), "arguments": c.GetArgumentsJson()}})
-			}
-		}
-		wire := map[string]interface{}{"role": roles[m.GetRole()], "content": strings.Join(texts, "\n")}
-		if len(calls) > 0 {
-			wire["tool_calls"] = calls
-		}
-		if m.GetRole() == v1.MessageRole_MESSAGE_ROLE_TOOL {
-			wire["tool_call_id"] = m.GetToolCallId()
-		}
-		messages = append(messages, wire)
-	}
-	body := map[string]interface{}{"model": req.GetConfig().GetModel(), "messages": messages, "stream": false}
-	var tools []map[string]interface{}
-	for _, t := range req.GetTools() {
-		tools = append(tools, map[string]interface{}{"type": "function", "function": map[string]interface{}{
-			"name": t.GetName(), "description": t.GetDescription(), "parameters": json.RawMessage(t.GetInputSchemaJson())}})
-	}
-	if len(tools) > 0 {
-		body["tools"] = tools
-	}
-	if req.GetConfig().MaxOutputTokens != nil {
-		body["max_tokens"] = req.GetConfig().GetMaxOutputTokens()
-	}
-	return body
-}
-
-func complete(baseURL string, body map[string]interface{}) (*completion, error) {
+func complete(baseURL string, body map[string]interface{}) (map[string]interface{}, error) {
 	data, err := json.Marshal(body)
 	if err != nil {
 		return nil, err
@@ -121,8 +51,8 @@ func complete(baseURL string, body map[string]interface{}) (*completion, error) 
 	if resp.StatusCode != http.StatusOK {
 		return nil, fmt.Errorf("model answered HTTP %d", resp.StatusCode)
 	}
-	var out completion
-	return &out, json.NewDecoder(resp.Body).Decode(&out)
+	var out map[string]interface{}
+	return out, json.NewDecoder(resp.Body).Decode(&out)
 }
 
 func pressureLine(label string, r *v1.PressureReport) string {
@@ -176,31 +106,36 @@ func (a *agent) runTurn(turn int64, user string) {
 // step is one model call: prepare, send, log the reply and tool results. True if tools ran.
 func (a *agent) step(turn, step int64) bool {
 	a.steps++
-	answer, err := complete(a.baseURL, toOpenAI(a.prepare(turn, step)))
-	if err != nil || len(answer.Choices) == 0 {
+	// compactd rebuilt the request; the converter makes it a chat-completions body.
+	stream := false
+	body, err := openai.RequestBody(a.prepare(turn, step), openai.BodyOptions{Stream: &stream})
+	if err != nil {
+		log.Fatal(err)
+	}
+	answer, err := complete(a.baseURL, body)
+	if err != nil {
 		log.Fatalf("model call failed: %v", err)
 	}
-	choice := answer.Choices[0]
-	var blocks []*v1.ContentBlock
-	for _, c := range choice.Message.ToolCalls {
-		blocks = append(blocks, compactd.ToolCallBlock(c.ID, c.Function.Name, c.Function.Arguments))
+	reply, err := openai.AssistantEvent(answer, a.provider)
+	if err != nil {
+		log.Fatal(err)
 	}
-	reply := compactd.AssistantMessage(choice.Message.Content, blocks...)
-	message := reply.GetAssistantMessage()
-	message.Provider, message.Model, message.StopReason = a.provider, a.model, choice.FinishReason
-	cached := answer.Usage.PromptTokensDetails.CachedTokens
-	message.Usage = &v1.Usage{InputTokens: answer.Usage.PromptTokens - cached, CacheReadTokens: cached,
-		OutputTokens: answer.Usage.CompletionTokens}
 	events := []*v1.SessionEvent{compactd.StepStart(turn, step), reply}
-	for _, c := range choice.Message.ToolCalls { // the scripted tools: the recorded outputs
-		output, ok := a.script.ToolResults[c.ID]
+	calls := 0
+	for _, b := range reply.GetAssistantMessage().GetContent() { // the scripted tools: the recorded outputs
+		c := b.GetToolCall()
+		if c == nil {
+			continue
+		}
+		calls++
+		output, ok := a.script.ToolResults[c.GetId()]
 		if !ok {
 			output = "(no output recorded)"
 		}
-		events = append(events, compactd.ToolResult(c.ID, c.Function.Name, output))
+		events = append(events, compactd.ToolResult(c.GetId(), c.GetName(), output))
 	}
 	a.append(append(events, compactd.StepEnd(turn, step))...)
-	return len(choice.Message.ToolCalls) > 0
+	return calls > 0
 }
 
 // prepare runs PrepareStep, prints pressure and what compactd did, returns the request to send.

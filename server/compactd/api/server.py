@@ -16,16 +16,19 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-from opentelemetry import metrics, trace
+from opentelemetry import trace
 from opentelemetry.instrumentation.grpc import aio_server_interceptor
+from opentelemetry.metrics import MeterProvider
 
 from compactd import telemetry
+from compactd.api import reflection_v1
 from compactd.api.compaction_service import CompactionServicer
 from compactd.api.session_service import SessionServicer
 from compactd.config import ServerConfig
 from compactd.core.policy import PressurePolicy
 from compactd.core.pruner import PrunerConfig
+from compactd.effective import startup_report
+from compactd.metrics import Metrics
 from compactd.providers.base import Summarizer
 from compactd.routes import RouteCatalog
 from compactd.service.compaction import CompactionEngine, SummaryErrorRecovery
@@ -33,7 +36,7 @@ from compactd.service.offload import ImageOffloadRecovery
 from compactd.service.pressure import PressureService
 from compactd.service.recovery import RecoveryService
 from compactd.service.sessions import SessionManager
-from compactd.service.summarizers import SummarizerRegistry, SummarizerSettings
+from compactd.service.summarizers import SummarizerRegistry, SummarizerSettings, named_routes
 from compactd.service.switch import SwitchService
 from compactd.store.base import EventStore
 from compactd.store.factory import open_store
@@ -64,6 +67,9 @@ class RunningServer:
     config: ServerConfig
     tracer_provider: trace.TracerProvider
     owns_tracer_provider: bool = False
+    meter_provider: MeterProvider | None = None  # set when the server built (and owns) it
+    prometheus: telemetry.PrometheusEndpoint | None = None
+    pressure: PressureService | None = None  # calibration stats for plan/inspect views, metrics
 
     @property
     def address(self) -> str:
@@ -77,8 +83,12 @@ class RunningServer:
         await self.server.stop(self.config.shutdown_grace_s if grace is None else grace)
         await self.manager.close()
         await self.store.close()
+        if self.prometheus is not None:
+            await asyncio.to_thread(self.prometheus.stop)
         if self.owns_tracer_provider:  # flushing may wait on a collector: not on the loop
             await asyncio.to_thread(telemetry.shutdown, self.tracer_provider)
+        if self.meter_provider is not None:
+            await asyncio.to_thread(telemetry.shutdown, self.meter_provider)
 
 
 @dataclass(frozen=True)
@@ -105,43 +115,60 @@ async def create_server(
     config: ServerConfig,
     *,
     tracer_provider: trace.TracerProvider | None = None,
+    meter_provider: MeterProvider | None = None,
     summarizer: Summarizer | None = None,
     summary_recoveries: Sequence[SummaryErrorRecovery] = (),
     clock: Callable[[], float] = time.monotonic,
-    meter_provider: metrics.MeterProvider | None = None,
 ) -> RunningServer:
     """Validate the configuration, open the store, build the services and start serving.
 
-    ``tracer_provider`` defaults to one built from the OTEL_* environment (owned and shut down by
-    the returned server); gRPC server spans join the caller's W3C trace context. ``summarizer``
+    ``tracer_provider`` and ``meter_provider`` default to ones built from the OTEL_* environment
+    (owned and shut down by the returned server; only a server-built meter provider serves
+    ``metrics_listen``); gRPC server spans join the caller's W3C trace context. ``summarizer``
     replaces every route's summarizer (a deployment's own, or a test's); ``summary_recoveries``
     run in the bracket's summary-error step (see ``SummaryErrorRecovery``), before the always-on
     ``ImageOffloadRecovery``. ``clock`` (monotonic seconds) times the failure memory's
-    backoffs; ``meter_provider`` receives the compaction counters (the global provider by
-    default).
+    backoffs.
     """
     parts = components(config)
     owns_provider = tracer_provider is None
     provider = tracer_provider or telemetry.tracer_provider_from_env()
+    prometheus = (
+        telemetry.PrometheusEndpoint(config.metrics_listen) if config.metrics_listen else None
+    )
+    owned_meter = None
+    if meter_provider is None:
+        readers = [prometheus.reader] if prometheus is not None else []
+        meter_provider = owned_meter = telemetry.meter_provider_from_env(readers)
+    metrics = Metrics(meter_provider)
     store = open_store(config.store, synchronous=config.sqlite_synchronous)
     await store.open()
     manager = SessionManager(store, policy_validator=parts.policy.with_overrides)
+    metrics.observe_sessions(lambda: manager.resident)
     pressure = PressureService(manager, parts.routes, parts.policy)
+    summarizers = SummarizerRegistry(
+        parts.routes,
+        parts.summarizer,
+        named=named_routes(config.routes, parts.summarizer, parts.policy),
+        override=summarizer,
+        on_client=telemetry.instrument_http_client(provider),
+    )
     engine = CompactionEngine(
         manager,
         pressure,
-        SummarizerRegistry(parts.routes, parts.summarizer, override=summarizer),
+        summarizers,
         pruner=parts.pruner,
         tracer_provider=provider,
         recoveries=(*summary_recoveries, ImageOffloadRecovery()),
+        metrics=metrics,
         clock=clock,
-        meter_provider=meter_provider,
     )
     recovery = RecoveryService(manager, pressure, engine, parts.pruner)
     switch = SwitchService(manager, pressure, engine)
     telemetry.quiet_cancelled_stream_detach()
     tracing = aio_server_interceptor(tracer_provider=provider)  # type: ignore[no-untyped-call]
-    server = grpc.aio.server(options=_channel_options(config), interceptors=[tracing])
+    interceptors = [tracing, metrics.interceptor()]
+    server = grpc.aio.server(options=_channel_options(config), interceptors=interceptors)
     session_service_pb2_grpc.add_SessionServiceServicer_to_server(
         SessionServicer(manager, max_batch_events=config.max_batch_events), server
     )
@@ -150,18 +177,21 @@ async def create_server(
     )
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    reflection_v1.enable((*SERVICE_NAMES, health.SERVICE_NAME), server)  # v1 and v1alpha
     host, port = config.host_port
     bound = server.add_insecure_port(f"{host}:{port}" if ":" not in host else f"[{host}]:{port}")
     await server.start()
+    if prometheus is not None:
+        prometheus.start()
     for name in ("", *SERVICE_NAMES):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("compactd serving", extra={"listen": f"{host}:{bound}", "store": config.store})
-    return RunningServer(
-        server, bound, store, manager, health_servicer, config, provider, owns_provider
-    )
+    running = RunningServer(
+        server, bound, store, manager, health_servicer, config, provider, owns_provider,
+        owned_meter, prometheus, pressure,
+    )  # fmt: skip
+    for message, fields in startup_report(running, parts, summarizers):
+        log.info(message, extra=fields)
+    return running
 
 
 def _channel_options(config: ServerConfig) -> list[tuple[str, int]]:

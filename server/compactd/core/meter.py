@@ -18,7 +18,9 @@ after it is priced by the meter. Only the latest such message counts, and only w
 - the usage is not below the meter's own estimate of the same envelope.
 
 Otherwise the estimate stands. Reports say how the figure was obtained: EXACT (the route's
-tokenizer), HEURISTIC (the reference heuristic), or ANCHORED.
+tokenizer and chat template), TOKENIZER (the route's tokenizer with its family's published
+framing), HEURISTIC (the reference heuristic), or ANCHORED. The service reports a heuristic
+measurement of a route whose provider publishes no tokenizer as ESTIMATED.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ class Method(enum.Enum):
     EXACT = "exact"
     ANCHORED = "anchored"
     HEURISTIC = "heuristic"
+    TOKENIZER = "tokenizer"
+    ESTIMATED = "estimated"
 
 
 class MeteredRoute(Protocol):
@@ -141,8 +145,8 @@ def recount(fold: SessionFold, route: MeteredRoute) -> Measurement:
         costs=costs,
         head=_head_seq(fold),
         totals=_sum(costs.values()),
-        tools=price_tools(fold.header.tools, pricing) if fold.header else 0,
-        config=price_config(fold.header, pricing),
+        tools=price_tools(fold.header.tools, pricing, _head_text(fold)) if fold.header else 0,
+        config=price_config(fold.header, pricing, _head_text(fold)),
     )
 
 
@@ -163,7 +167,7 @@ class _Ledger:
         self.messages = 0
         self.images = 0
         self.delta = 0  # total of the nodes after the anchor
-        self._tools: tuple[int, int] = (-2, 0)  # (header seq, price)
+        self._tools: tuple[tuple[int, int | None], int] = ((-2, None), 0)  # (header, head), price
 
     def put(self, seq: int, cost: NodeCost, in_delta: bool) -> None:
         if seq in self.costs:
@@ -183,10 +187,17 @@ class _Ledger:
         if in_delta:
             self.delta -= cost.total
 
-    def tools(self, header_seq: int, header: events_pb2.RequestHeader | None) -> int:
-        if self._tools[0] != header_seq:
-            price = price_tools(header.tools, self.pricing) if header is not None else 0
-            self._tools = (header_seq, price)
+    def tools(
+        self,
+        header_seq: int,
+        header: events_pb2.RequestHeader | None,
+        head: tuple[int | None, str | None] = (None, None),
+    ) -> int:
+        """The tools' price, cached per header and system head (``(seq, text)``)."""
+        if self._tools[0] != (header_seq, head[0]):
+            system = head[1]
+            price = price_tools(header.tools, self.pricing, system) if header is not None else 0
+            self._tools = ((header_seq, head[0]), price)
         return self._tools[1]
 
 
@@ -349,24 +360,28 @@ class SessionMeter:
 
     # ---- measuring ----------------------------------------------------------------------
 
-    def measure(self, fold: SessionFold, route: MeteredRoute) -> Measurement:
+    def measure(
+        self, fold: SessionFold, route: MeteredRoute, *, anchored: bool = True
+    ) -> Measurement:
         """The envelope's price for ``route`` at the last observed revision.
 
         Costs O(1) once the route's profile has a ledger; the first measurement with a new
         profile prices every current node once. ``fold`` must be the fold this meter follows.
+        With ``anchored=False``, the meter's own estimate even when usage would anchor it.
         """
         self._check_fold(fold)
         ledger = self._ledger(route.pricing)
+        head_text = _system_text(self._nodes.get(self._head)) if self._head is not None else None
         estimate = _assemble(
             revision=self.revision,
             pricing=route.pricing,
             costs=ledger.costs,
             head=self._head,
             totals=NodeCost(ledger.messages, ledger.images),
-            tools=ledger.tools(self._header_seq, self._header),
-            config=price_config(self._header, route.pricing),
+            tools=ledger.tools(self._header_seq, self._header, (self._head, head_text)),
+            config=price_config(self._header, route.pricing, head_text),
         )
-        if not self._anchor_applies(route):
+        if not anchored or not self._anchor_applies(route):
             return estimate
         assert self._anchor is not None
         covered = estimate.total - ledger.delta  # the estimate of the envelope usage priced
@@ -425,6 +440,15 @@ def _head_seq(fold: SessionFold) -> int | None:
     return None
 
 
+def _system_text(event: SessionEvent | None) -> str | None:
+    return event.system_message.text if event is not None else None
+
+
+def _head_text(fold: SessionFold) -> str | None:
+    head = _head_seq(fold)
+    return _system_text(fold.surface[0].event) if head is not None else None
+
+
 def _sum(costs: Iterable[NodeCost]) -> NodeCost:
     messages = images = 0
     for cost in costs:
@@ -455,9 +479,15 @@ def _assemble(
         messages=messages,
         images=images,
         config=config,
-        method=Method.EXACT if pricing.exact else Method.HEURISTIC,
+        method=_method(pricing),
         tokenizer=pricing.tokenizer.name,
     )
+
+
+def _method(pricing: PricingProfile) -> Method:
+    if pricing.template is not None and pricing.exact:
+        return Method.EXACT
+    return Method.TOKENIZER if pricing.exact else Method.HEURISTIC
 
 
 def _replace_anchored(estimate: Measurement, gap: int, anchor_seq: int) -> Measurement:

@@ -12,6 +12,11 @@ Two kinds of pricing share one algorithm, parameterized by a ``Tokenizer`` and a
 - Exact pricing: a real tokenizer counts the text, and the route family's ``Framing`` adds the
   chat format's per-message, per-tool-call and per-tool tokens.
 
+- Template pricing (open models): the route's chat template (``core.chat_template``) rendered
+  one message at a time and counted by its tokenizer; the framing (begin-of-sequence, system
+  block, tools preamble, generation prompt) is priced apart, through ``price_tools`` and
+  ``price_config``, which then need the system head's text.
+
 Images still sent cost the route's ``ImagePricing`` plus their handle text when the route
 declares one, else the structural (heuristic) block price; offloaded images cost their
 placeholder text, which the projection already put in their place.
@@ -28,6 +33,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 from google.protobuf import json_format
 
 from compactd.core import events as ev
+from compactd.core.chat_template import TemplatePricing, chat_message, chat_tools
 from compactd.core.events import SessionEvent
 from compactd.core.projection import Message, project
 from compactd.v1 import events_pb2, session_service_pb2
@@ -157,21 +163,30 @@ class PricingProfile:
         image_pricing: The route's image price; None prices images structurally.
         sends_reasoning: Whether the route sends assistant reasoning back (exact pricing only;
             the heuristic always counts reasoning, as the reference does).
+        template: The chat template pricing of an open-model route (None: ``framing`` applies).
         count: ``tokenizer.count``, bound once.
         prices_reasoning: Whether reasoning blocks are priced (``sends_reasoning`` or heuristic).
+        fallback: Why the route's own tokenizer or template is not used (a missing file), ""
+            when it is; reported with every measurement, never compared.
+        template_key: The template's stable identity (tokenizer and template digests), "" for
+            none: profiles compare and hash by it, never by the template object.
     """
 
     tokenizer: Tokenizer = field(compare=False)
     framing: Framing
     image_pricing: ImagePricing | None = None
     sends_reasoning: bool = True
+    template: TemplatePricing | None = field(default=None, compare=False, repr=False)
+    fallback: str = field(default="", compare=False)
     tokenizer_name: str = field(init=False, default="")
+    template_key: str = field(init=False, default="")
     count: Callable[[str], int] = field(init=False, compare=False, repr=False)
     prices_reasoning: bool = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         # Profiles compare and hash by the tokenizer's name, so equal routes share one cache.
         object.__setattr__(self, "tokenizer_name", self.tokenizer.name)
+        object.__setattr__(self, "template_key", self.template.key if self.template else "")
         # Bound once: the meter counts every text block through it.
         object.__setattr__(self, "count", self.tokenizer.count)
         object.__setattr__(self, "prices_reasoning", self.sends_reasoning or not self.exact)
@@ -180,6 +195,21 @@ class PricingProfile:
     def exact(self) -> bool:
         """Whether the tokenizer is exact."""
         return self.tokenizer.exact
+
+    @property
+    def key(self) -> str:
+        """A stable text identity of the profile, equal for equal profiles in every process
+        (tokenizer name, template digests, framing, image pricing, reasoning): what persisted
+        prices can be keyed by."""
+        f, images = self.framing, self.image_pricing
+        framing = ",".join(map(str, (f.per_message, f.per_system, f.per_block, f.per_tool_call,
+                                     f.per_tool, f.per_tools, f.per_request)))  # fmt: skip
+        image = "-" if images is None else ",".join(
+            map(str, (images.per_image, images.per_tile, images.tile_side, images.max_side,
+                      images.short_side))
+        )  # fmt: skip
+        reasoning = "r" if self.sends_reasoning else "n"
+        return f"{self.tokenizer_name}|{self.template_key}|{framing}|{image}|{reasoning}"
 
 
 HEURISTIC = PricingProfile(HeuristicTokenizer(), HEURISTIC_FRAMING)
@@ -212,6 +242,8 @@ def price_message(
         placeholders: Indexes of content blocks that are offload placeholders (priced as text,
             reported as images).
     """
+    if pricing.template is not None:
+        return _template_cost(message, pricing, pricing.template)
     if message.role == _SYSTEM:
         return NodeCost(_system_tokens(message, pricing))
     cost = _content_cost(message.content, pricing)
@@ -227,7 +259,7 @@ def price_node(
 ) -> NodeCost:
     """The price of the message a surface event projects to (``ZERO`` if it projects to none)."""
     kind = event.WhichOneof("body")
-    if not offloaded and kind in _OWN_CONTENT:
+    if not offloaded and kind in _OWN_CONTENT and pricing.template is None:
         # Without offloads these project to their own content blocks, unchanged; pricing the
         # blocks in place spares copying them (a third of the meter's own cost per event).
         content = getattr(event, kind).content
@@ -277,23 +309,44 @@ def _text_part(block: ContentBlock, pricing: PricingProfile) -> int:
     return _content_cost([block], pricing).messages - pricing.framing.per_message
 
 
-def price_tools(tools: Sequence[ToolDeclaration], pricing: PricingProfile) -> int:
-    """The price of the tool declarations: their JSON plus framing; 0 when there are none."""
+def price_tools(
+    tools: Sequence[ToolDeclaration], pricing: PricingProfile, system: str | None = None
+) -> int:
+    """The price of the tool declarations: their JSON plus framing; 0 when there are none.
+
+    A template route renders them into its tools preamble, which can share a stretch of text with
+    the system head: ``system`` is the head's text (None or "" for none).
+    """
     if not tools:
         return 0
+    if pricing.template is not None:
+        declared = chat_tools(tools)
+        head = system or None
+        return pricing.template.framing(head, declared) - pricing.template.framing(head, None)
     framing = pricing.framing
     body = pricing.tokenizer.count(tools_json(tools))
     return body + framing.per_tools + framing.per_tool * len(tools)
 
 
-def price_config(header: RequestHeader | None, pricing: PricingProfile) -> int:
+def price_config(
+    header: RequestHeader | None, pricing: PricingProfile, system: str | None = None
+) -> int:
     """Tokens the routed request adds besides messages and tools: the format's request framing.
 
     Sampling settings travel as request parameters, not prompt tokens, so only the framing
-    counts; the heuristic has none.
+    counts; the heuristic has none. On a template route it is the template's framing without
+    tools, less the system head's own node price (``system``: the head's text), so that head,
+    tools and config add up to the template's framing.
     """
     del header  # the framing is the same for every config of a route family
-    return pricing.framing.per_request
+    template = pricing.template
+    if template is None:
+        return pricing.framing.per_request
+    head = system or None
+    framing = template.framing(head, None)
+    if head is None:
+        return framing
+    return framing - template.system_tokens(head)
 
 
 def heuristic_price(item: SessionEvent | Message, offloaded: Set[int] = frozenset()) -> int:
@@ -362,6 +415,20 @@ def _block_tokens(block: ContentBlock, kind: str | None, pricing: PricingProfile
         extra = count(handle) if handle else 0
         return pricing.image_pricing.tokens(image.width, image.height) + extra
     return structural_tokens(block)
+
+
+def _template_cost(
+    message: Message, pricing: PricingProfile, template: TemplatePricing
+) -> NodeCost:
+    """A message's price on a template route: what its rendering adds (a system message: as one
+    after the head; ``price_config`` accounts for the head's own framing), images apart."""
+    chat = chat_message(message, sends_reasoning=pricing.sends_reasoning)
+    images = sum(
+        _block_tokens(block, "image", pricing)
+        for block in message.content
+        if block.HasField("image")
+    )
+    return NodeCost(template.message_tokens(chat), images)
 
 
 def structural_tokens(block: ContentBlock) -> int:

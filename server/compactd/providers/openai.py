@@ -18,7 +18,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +96,7 @@ class OpenAISummarizer:
         transport: httpx.AsyncBaseTransport | None = None,
         rng: random.Random | None = None,
         environ: Mapping[str, str] | None = None,
+        on_client: Callable[[httpx.AsyncClient], None] | None = None,
     ) -> None:
         """Configure the endpoint.
 
@@ -119,6 +120,8 @@ class OpenAISummarizer:
             transport: httpx transport override (tests of transport-level failures).
             rng: Randomness of the backoff jitter.
             environ: Where to read the API key; defaults to ``os.environ``.
+            on_client: Called with each HTTP client before its first request (instrumentation:
+                the server traces every call and propagates ``traceparent``).
         """
         self._url = base_url.rstrip("/") + "/chat/completions"
         self._api_key_env = api_key_env or None
@@ -136,6 +139,7 @@ class OpenAISummarizer:
         self._transport = transport
         self._rng = rng or random.Random()
         self._environ = environ if environ is not None else os.environ
+        self._on_client = on_client
 
     def build_body(self, request: SummaryRequest) -> dict[str, Any]:
         """The request body ``summarize`` sends for ``request`` (before serialization).
@@ -202,7 +206,10 @@ class OpenAISummarizer:
     def _client(self) -> httpx.AsyncClient:
         limits = self._timeouts
         timeout = httpx.Timeout(limits.read, connect=limits.connect)
-        return httpx.AsyncClient(timeout=timeout, transport=self._transport)
+        client = httpx.AsyncClient(timeout=timeout, transport=self._transport)
+        if self._on_client is not None:
+            self._on_client(client)
+        return client
 
     async def _with_retries(
         self, client: httpx.AsyncClient, body: bytes, headers: dict[str, str], images: int

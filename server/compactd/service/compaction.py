@@ -25,10 +25,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from opentelemetry import metrics, trace
-from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as genai
+from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 
+from compactd import genai, logs
 from compactd.core import bracket, prompts
 from compactd.core import events as ev
 from compactd.core.fold import SessionFold
@@ -51,6 +51,7 @@ from compactd.core.selection import (
 )
 from compactd.core.surface import SurfaceNode
 from compactd.errors import Busy, CompactdError, FailedPrecondition
+from compactd.metrics import Metrics
 from compactd.providers.base import Summarizer, SummaryError, SummaryRequest, SummaryResult
 from compactd.routes import Route
 from compactd.service.guard import CompactionGuard, SummaryRejected
@@ -158,18 +159,18 @@ class CompactionEngine:
         pruner: PrunerConfig | None = None,
         tracer_provider: trace.TracerProvider | None = None,
         recoveries: Sequence[SummaryErrorRecovery] = (),
+        metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
-        meter_provider: metrics.MeterProvider | None = None,
     ) -> None:
+        self._metrics = metrics or Metrics()
         self._manager = manager
         self._recoveries = tuple(recoveries)
         self._pressure = pressure
         self._summarizers = summarizers
         self._pruner = pruner or PrunerConfig()
-        self._tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer("compactd")
-        self._guard = CompactionGuard(
-            clock=clock, tracer=self._tracer, meter_provider=meter_provider
-        )
+        tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer("compactd")
+        self._tracer = self._metrics.timed(tracer)  # each compaction.<step> span is timed
+        self._guard = CompactionGuard(clock=clock, tracer=self._tracer, metrics=self._metrics)
 
     # ---- PrepareStep ---------------------------------------------------------------------
 
@@ -327,6 +328,7 @@ class CompactionEngine:
                 events = [event for plan in plans for event in plan.events]
                 result = await handle.append_locked(events)
             span.set_attribute("compactd.pruned_count", len(plans))
+            self._metrics.pruned(len(plans))
             span.set_attribute("compactd.shadowed_seqs", [plan.shadowed_seq for plan in plans])
         for plan, seq in zip(plans, result.seqs[1::2], strict=True):
             await progress(
@@ -365,18 +367,21 @@ class CompactionEngine:
         compaction_id = uuid.uuid4().hex
         with self._tracer.start_as_current_span("compaction.bracket") as span:
             span.set_attribute("compactd.session_id", handle.session_id)
-            span.set_attribute("compactd.trigger", events_pb2.CompactionTrigger.Name(job.trigger))
+            trigger = events_pb2.CompactionTrigger.Name(job.trigger)
+            span.set_attribute("compactd.trigger", trigger)
             if prelude is not None and await prelude():
                 span.set_attribute("compactd.relieved_by", "pruning")
+                self._metrics.compaction(trigger, "relieved")
                 return None
             span.set_attribute("compactd.compaction_id", compaction_id)
+            logs.bind(compaction_id=compaction_id)
             target = self._summarizers.target(job.policy, handle.fold.header)
             summarizer = self._summarizers.for_route(target)
             opened = await self._open(job, compaction_id, span)
             if isinstance(opened, Declined):
                 span.set_attribute("compactd.declined", opened.reason)
                 span.set_attribute("compactd.decline_code", opened.code)
-                await self._declined(opened, progress)
+                await self._declined(trigger, opened, progress)
                 return opened
             selection, start_seq, snapshot, envelope_before = opened
             if job.guarded:
@@ -388,6 +393,7 @@ class CompactionEngine:
                     snapshot, envelope_before, progress,
                 )  # fmt: skip
             except BaseException as error:
+                self._metrics.compaction(trigger, "failed", reason=_close_reason(error)[1])
                 await asyncio.shield(self._close(handle, compaction_id, error, progress))
                 self._guard.failed(handle, selection, target, _close_reason(error)[1], job.policy)
                 if not isinstance(error, Exception):
@@ -395,7 +401,7 @@ class CompactionEngine:
                 raise
             await self._close(handle, compaction_id, None, progress)
             span.set_attribute("compactd.tokens_freed", outcome.tokens_freed)
-            self._guard.count("committed")
+            self._metrics.compaction(trigger, "committed", freed=outcome.tokens_freed)
             return outcome
 
     async def _open(
@@ -544,21 +550,18 @@ class CompactionEngine:
             "compaction.summarize", record_exception=False
         ) as span:
             span.set_attribute("compactd.compaction_id", compaction_id)
-            span.set_attribute(genai.GEN_AI_OPERATION_NAME, "chat")
-            span.set_attribute(genai.GEN_AI_PROVIDER_NAME, target.provider)
-            span.set_attribute(genai.GEN_AI_REQUEST_MODEL, target.model)
-            span.set_attribute(genai.GEN_AI_REQUEST_MAX_TOKENS, request.max_tokens)
             span.set_attribute("compactd.summarizer", summarizer.name)
-            try:
-                summary = await summarizer.summarize(request)
-            except SummaryError as error:
-                _record_error(span, error)  # the summary-error step reports it to the caller
-                raise
-            span.set_attribute(genai.GEN_AI_RESPONSE_MODEL, summary.model)
-            span.set_attribute(genai.GEN_AI_RESPONSE_FINISH_REASONS, [summary.finish_reason])
-            if summary.usage is not None:
-                span.set_attribute(genai.GEN_AI_USAGE_INPUT_TOKENS, _input_tokens(summary.usage))
-                span.set_attribute(genai.GEN_AI_USAGE_OUTPUT_TOKENS, summary.usage.output_tokens)
+            # A model-backed summary is a GenAI client span (``chat {model}``) inside this one.
+            with genai.summary_call(
+                self._tracer, self._metrics, target, request, summarizer
+            ) as call:
+                try:
+                    summary = await summarizer.summarize(request)
+                except SummaryError as error:
+                    _record_error(span, error)  # the summary-error step reports it to the caller
+                    call.failed(error)
+                    raise
+                call.answered(summary)
         await progress(
             _step(cpb.COMPACTION_STEP_SUMMARIZE, compaction_id, -1, f"{len(summary.text)} chars")
         )
@@ -662,12 +665,12 @@ class CompactionEngine:
         target = self._summarizers.target(job.policy, job.handle.fold.header)
         return self._guard.hold(job.handle, chosen, target, job.policy)
 
-    async def _declined(self, declined: Declined, progress: Progress) -> None:
+    async def _declined(self, trigger: str, declined: Declined, progress: Progress) -> None:
         if declined.code is DeclineCode.KNOWN_FAILURE:
-            self._guard.count("skipped", declined.code)
+            self._metrics.compaction(trigger, "skipped", reason=declined.code)
             await progress(_step(cpb.COMPACTION_STEP_SKIP, "", -1, declined.reason))
         else:
-            self._guard.count("declined", declined.code)
+            self._metrics.compaction(trigger, "declined", reason=declined.code)
 
     async def _budget_spent(
         self,
@@ -824,10 +827,6 @@ def _summary_request(
         instruction=prompts.compaction_instruction(focus),
         max_tokens=policy.max_tokens,
     )
-
-
-def _input_tokens(usage: events_pb2.Usage) -> int:
-    return usage.input_tokens + usage.cache_read_tokens + usage.cache_write_tokens
 
 
 def _close_reason(error: BaseException | None) -> tuple[str, str]:

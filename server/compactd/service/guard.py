@@ -18,10 +18,10 @@ The memory lives in the session's in-process state (``SessionHandle.extensions``
 a session evicted from the resident cache, forgets it, so a failing span may be sent once more
 after a restart (the log keeps every failed bracket's ``compaction/end`` for audit).
 
-Every decision is observable: the ``compaction.gate`` span (failed checks, missed probes), the
-``compactd.compaction.brackets`` counter (outcome and reason) and the
-``compactd.compaction.probe_retention`` histogram, the ``GATE`` and ``SKIP`` progress steps, and
-``PrepareStep``'s warnings.
+Every decision is observable: the ``compaction.gate`` and ``compaction.skip`` spans (failed
+checks, missed probes), the metrics (``compactd.metrics``: ``compactd.summary.gate``,
+``compactd.summary.probe_retention``, and ``compactd.compactions`` with outcome ``skipped``), the
+``GATE`` and ``SKIP`` progress steps, and ``PrepareStep``'s warnings.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from opentelemetry import metrics, trace
+from opentelemetry import trace
 
 from compactd.core import bracket, gate, prompts
 from compactd.core.attempts import AttemptLedger, Backoff, span_key
@@ -39,6 +39,7 @@ from compactd.core.policy import TargetPolicy
 from compactd.core.probes import ProbeKind, select_probes, span_facts
 from compactd.core.selection import DeclineCode, Declined, Selection
 from compactd.errors import CompactdError
+from compactd.metrics import Metrics
 from compactd.providers.base import SummaryRequest, SummaryResult
 from compactd.providers.extractive import ExtractiveSummarizer
 from compactd.routes import Route
@@ -50,6 +51,7 @@ from compactd.v1 import events_pb2, session_service_pb2
 Progress = Callable[[cpb.CompactionProgress], Awaitable[None]]
 SUMMARY_REJECTED = "SUMMARY_REJECTED"
 SUMMARY_NOT_SMALLER = "SUMMARY_NOT_SMALLER"
+BUDGET_SPENT = "BUDGET_SPENT"  # a skip's reason in metrics and spans (never an error's)
 _LEDGER_KEY = "compaction_attempts"
 _PROBE_TEXT = 200  # characters of a probe in a report
 _CHECKS = {
@@ -102,27 +104,16 @@ class CompactionGuard:
         *,
         clock: Callable[[], float] | None = None,
         tracer: trace.Tracer | None = None,
-        meter_provider: metrics.MeterProvider | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         """Args:
         clock: Seconds on a monotonic clock (``time.monotonic``); tests inject their own.
         tracer: Where the ``compaction.gate`` and ``compaction.skip`` spans go.
-        meter_provider: Where the counters go (the global provider by default).
+        metrics: Where the gate's and the skips' figures go (``compactd.metrics``).
         """
         self._clock = clock or time.monotonic
         self._tracer = tracer or trace.get_tracer("compactd")
-        meter = (meter_provider or metrics.get_meter_provider()).get_meter("compactd")
-        self._brackets = meter.create_counter(
-            "compactd.compaction.brackets",
-            unit="{bracket}",
-            description="Brackets by outcome: committed, fallback, rejected, failed, skipped, "
-            "declined (attribute compactd.reason says why)",
-        )
-        self._retention = meter.create_histogram(
-            "compactd.compaction.probe_retention",
-            unit="1",
-            description="Share of the span's probes a summary kept, per judged summary",
-        )
+        self._metrics = metrics or Metrics()
         self._extractive = ExtractiveSummarizer()
 
     # ---- 1. the minimum useful span -------------------------------------------------------
@@ -164,7 +155,6 @@ class CompactionGuard:
         policy: TargetPolicy,
     ) -> None:
         """Remember a bracket on ``selection`` that closed without committing."""
-        self.count("failed" if reason != SUMMARY_REJECTED else "rejected", reason)
         backoff = Backoff(policy.failure_backoff_seconds, policy.failure_backoff_max_seconds)
         key = span_key(selection.shadowed_seqs, handle.fold.offloads)
         ledger(handle).remember(key, target.name, reason, self._clock(), backoff)
@@ -194,9 +184,13 @@ class CompactionGuard:
         first = crossing.exhaust(now, backoff)
         with self._tracer.start_as_current_span("compaction.skip") as span:
             span.set_attribute("compactd.session_id", handle.session_id)
-            span.set_attribute("compactd.skipped", "BUDGET_SPENT")
+            span.set_attribute("compactd.skipped", BUDGET_SPENT)
             span.set_attribute("compactd.retry_in_s", crossing.retry_in(now))
-        self.count("skipped", "BUDGET_SPENT")
+        self._metrics.compaction(
+            events_pb2.CompactionTrigger.Name(events_pb2.COMPACTION_TRIGGER_PRESSURE),
+            "skipped",
+            reason=BUDGET_SPENT,
+        )
         if not first:
             return None
         budget = 1 + policy.compaction_retries
@@ -211,10 +205,6 @@ class CompactionGuard:
     def end_crossing(self, handle: SessionHandle) -> None:
         """Pressure is below the trigger, or the runtime compacted explicitly."""
         ledger(handle).close_crossing()
-
-    def count(self, outcome: str, reason: str = "") -> None:
-        """One bracket outcome for the ``compactd.compaction.brackets`` counter."""
-        self._brackets.add(1, {"compactd.outcome": outcome, "compactd.reason": reason})
 
     # ---- 3. the quality gate ----------------------------------------------------------------
 
@@ -261,8 +251,8 @@ class CompactionGuard:
             verdict = verdict_of(summary.text)
             report = _report(verdict, settings)
             _gate_attributes(trace_span, verdict)
-            self._retention.record(verdict.retention.ratio, {"compactd.summarizer": summarizer})
             if verdict.passed:
+                self._metrics.gate(summarizer, "passed", verdict.retention.ratio)
                 await progress(_gate_step(compaction_id, f"passed: {_figures(verdict)}"))
                 return Screened(summary, summarizer, target, report)
             if policy.extractive_fallback:
@@ -270,7 +260,7 @@ class CompactionGuard:
                 second = verdict_of(fallback.text)
                 trace_span.set_attribute("compactd.gate.fallback_passed", second.passed)
                 if second.passed:
-                    self.count("fallback", SUMMARY_REJECTED)
+                    self._metrics.gate(summarizer, "fallback", verdict.retention.ratio)
                     detail = f"rejected ({verdict.describe()}); the extractive fallback passed"
                     await progress(_gate_step(compaction_id, f"{detail}: {_figures(second)}"))
                     rejected = events_pb2.SummaryFallback(
@@ -285,6 +275,7 @@ class CompactionGuard:
                         _report(second, settings), rejected,
                     )  # fmt: skip
             await progress(_gate_step(compaction_id, f"rejected: {verdict.describe()}"))
+            self._metrics.gate(summarizer, "rejected", verdict.retention.ratio)
         raise _rejection(verdict, report)
 
 

@@ -8,8 +8,11 @@ into a ``PressureReport``. A report is computed synchronously, so it describes o
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import AsyncGenerator
 
+from compactd.core.calibration import CalibrationStats
 from compactd.core.meter import Measurement, Method, SessionMeter
 from compactd.core.policy import (
     CompactSpec,
@@ -20,10 +23,13 @@ from compactd.core.policy import (
 )
 from compactd.errors import FailedPrecondition
 from compactd.routes import Route, RouteCatalog
+from compactd.service.calibration import UsageCalibration, annotate, estimated
 from compactd.service.sessions import SessionHandle, SessionManager
+from compactd.tokenizers import unavailable
 from compactd.v1 import compaction_service_pb2, events_pb2
 
 PressureReport = compaction_service_pb2.PressureReport
+log = logging.getLogger(__name__)
 
 METER_KEY = "meter"
 _POLICY_KEY = "pressure_policy"
@@ -32,7 +38,10 @@ _METHODS = {
     Method.EXACT: compaction_service_pb2.MEASUREMENT_METHOD_EXACT,
     Method.ANCHORED: compaction_service_pb2.MEASUREMENT_METHOD_ANCHORED,
     Method.HEURISTIC: compaction_service_pb2.MEASUREMENT_METHOD_HEURISTIC,
+    Method.ESTIMATED: compaction_service_pb2.MEASUREMENT_METHOD_ESTIMATED,
+    Method.TOKENIZER: compaction_service_pb2.MEASUREMENT_METHOD_TOKENIZER,
 }
+_CALIBRATION_KEY = "calibration"
 
 
 def session_meter(handle: SessionHandle) -> SessionMeter:
@@ -44,11 +53,10 @@ def session_meter(handle: SessionHandle) -> SessionMeter:
     meter = SessionMeter(handle.fold)
     handle.extensions[METER_KEY] = meter
     handle.add_observer(meter.observe)
+    calibration = handle.extensions.get(_CALIBRATION_KEY)
+    if isinstance(calibration, UsageCalibration):  # after the meter: it reads the new revision
+        handle.add_observer(calibration.observer(handle.session_id, meter))
     return meter
-
-
-def _attach_meter(handle: SessionHandle) -> None:
-    session_meter(handle)
 
 
 class PressureService:
@@ -66,7 +74,28 @@ class PressureService:
         self._manager = manager
         self.routes = routes
         self.policy = service_policy
-        manager.on_restore(_attach_meter)
+        self.calibration = UsageCalibration(routes)
+        manager.on_restore(self._attach)
+        self.fallbacks = route_fallbacks(routes)
+        if self.fallbacks:
+            log.warning(
+                "%d routes are priced with the heuristic instead of their own tokenizer: %s",
+                len(self.fallbacks),
+                "; ".join(f"{name}: {why}" for name, why in self.fallbacks.items()),
+            )
+
+    def _attach(self, handle: SessionHandle) -> None:
+        handle.extensions[_CALIBRATION_KEY] = self.calibration
+        session_meter(handle)
+
+    def calibration_stats(self, route: Route) -> CalibrationStats | None:
+        """What provider usage has shown about ``route``'s counts (None before any sample): for
+        the plan/inspect views and metrics."""
+        return self.calibration.stats(route)
+
+    def all_calibration_stats(self) -> list[CalibrationStats]:
+        """Every calibrated route's stats."""
+        return self.calibration.all_stats()
 
     async def check(self, session_id: str, destination: Route | None = None) -> PressureReport:
         """The session's pressure against ``destination`` (default: the latest logged route).
@@ -108,8 +137,19 @@ class PressureService:
         meter = session_meter(handle)
         route = destination or self._logged_route(meter)
         spec = self.spec(handle, route)
-        measurement = meter.measure(handle.fold, route)
-        return _report(route, spec, measurement)
+        raw = meter.measure(handle.fold, route)
+        stats = self.calibration.stats(route)
+        measurement = estimated(route, raw, stats)
+        report = _report(route, spec, measurement)
+        annotate(
+            report.breakdown,
+            route=route,
+            measured=measurement,
+            unscaled=raw.total,
+            stats=stats,
+            anchor_age=_anchor_age(handle, measurement),
+        )
+        return report
 
     def spec(self, handle: SessionHandle, route: Route) -> CompactSpec:
         """Trigger and retained budget of ``route`` for this session (errors as ``check``)."""
@@ -157,6 +197,32 @@ class PressureService:
         policy = self.policy.with_overrides(overrides)
         handle.extensions[_POLICY_KEY] = (overrides, self.policy, policy)
         return policy
+
+
+def route_fallbacks(routes: RouteCatalog) -> dict[str, str]:
+    """Routes whose tokenizer or template files are missing, with why (checked without loading
+    any tokenizer; the route's reports say it again)."""
+    found = {}
+    for route in routes:
+        reason = unavailable(route.tokenizer, route.tokenizer_file, route.chat_template)
+        if reason:
+            found[route.name] = reason
+    return found
+
+
+def _anchor_age(handle: SessionHandle, measured: Measurement) -> tuple[int, float] | None:
+    """(events since, seconds since) the anchoring message committed."""
+    seq = measured.anchor_seq
+    if seq is None:
+        return None
+    position = handle.fold.surface.position_of(seq)
+    if position is None:
+        return None
+    stamp = handle.fold.surface[position].event.time
+    seconds = (
+        max(0.0, time.time() - stamp.ToSeconds() - stamp.nanos / 1e9) if stamp.seconds else 0.0
+    )
+    return measured.revision - 1 - seq, seconds
 
 
 def _envelope_max_output(header: events_pb2.RequestHeader | None, route: Route) -> int | None:

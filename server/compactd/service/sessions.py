@@ -188,6 +188,11 @@ class SessionManager:
         self._loading: dict[str, asyncio.Future[SessionHandle]] = {}
         self._on_restore: list[Callable[[SessionHandle], None]] = []
 
+    @property
+    def resident(self) -> int:
+        """How many sessions are held in memory (the live-sessions gauge)."""
+        return len(self._handles)
+
     def on_restore(self, callback: Callable[[SessionHandle], None]) -> None:
         """Call ``callback(handle)`` for every session restored from now on."""
         self._on_restore.append(callback)

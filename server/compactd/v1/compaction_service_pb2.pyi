@@ -54,11 +54,25 @@ class _MeasurementMethodEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Mea
     MEASUREMENT_METHOD_UNSPECIFIED: _MeasurementMethod.ValueType  # 0
     """Not set."""
     MEASUREMENT_METHOD_EXACT: _MeasurementMethod.ValueType  # 1
-    """The route's exact tokenizer."""
+    """Exact: the route's tokenizer and chat template are known (open-model routes): the count is
+    the template's rendering of the request, tokenized as the server tokenizes it.
+    """
     MEASUREMENT_METHOD_ANCHORED: _MeasurementMethod.ValueType  # 2
-    """Anchored on provider-reported usage plus a priced delta."""
+    """Anchored on provider-reported usage plus a priced delta (`anchor_seq`, `anchor_age_*`)."""
     MEASUREMENT_METHOD_HEURISTIC: _MeasurementMethod.ValueType  # 3
-    """The reference heuristic (4 UTF-16 code units per token plus structural overhead)."""
+    """The reference heuristic (4 UTF-16 code units per token plus structural overhead): a route
+    without a tokenizer, or one whose tokenizer is unavailable (see `warnings`).
+    """
+    MEASUREMENT_METHOD_ESTIMATED: _MeasurementMethod.ValueType  # 4
+    """Estimated: a route whose provider publishes no tokenizer (Anthropic, Gemini), priced by the
+    heuristic scaled by the ratio the provider's usage has shown (`calibration_*`), within
+    `error_bound`.
+    """
+    MEASUREMENT_METHOD_TOKENIZER: _MeasurementMethod.ValueType  # 5
+    """The route's exact tokenizer with its family's published chat framing (OpenAI, DeepSeek): text
+    counts are exact; tool declarations and message framing follow the provider's documentation
+    where it publishes them and are estimated where it does not.
+    """
 
 class MeasurementMethod(_MeasurementMethod, metaclass=_MeasurementMethodEnumTypeWrapper):
     """How a measurement was obtained."""
@@ -66,11 +80,25 @@ class MeasurementMethod(_MeasurementMethod, metaclass=_MeasurementMethodEnumType
 MEASUREMENT_METHOD_UNSPECIFIED: MeasurementMethod.ValueType  # 0
 """Not set."""
 MEASUREMENT_METHOD_EXACT: MeasurementMethod.ValueType  # 1
-"""The route's exact tokenizer."""
+"""Exact: the route's tokenizer and chat template are known (open-model routes): the count is
+the template's rendering of the request, tokenized as the server tokenizes it.
+"""
 MEASUREMENT_METHOD_ANCHORED: MeasurementMethod.ValueType  # 2
-"""Anchored on provider-reported usage plus a priced delta."""
+"""Anchored on provider-reported usage plus a priced delta (`anchor_seq`, `anchor_age_*`)."""
 MEASUREMENT_METHOD_HEURISTIC: MeasurementMethod.ValueType  # 3
-"""The reference heuristic (4 UTF-16 code units per token plus structural overhead)."""
+"""The reference heuristic (4 UTF-16 code units per token plus structural overhead): a route
+without a tokenizer, or one whose tokenizer is unavailable (see `warnings`).
+"""
+MEASUREMENT_METHOD_ESTIMATED: MeasurementMethod.ValueType  # 4
+"""Estimated: a route whose provider publishes no tokenizer (Anthropic, Gemini), priced by the
+heuristic scaled by the ratio the provider's usage has shown (`calibration_*`), within
+`error_bound`.
+"""
+MEASUREMENT_METHOD_TOKENIZER: MeasurementMethod.ValueType  # 5
+"""The route's exact tokenizer with its family's published chat framing (OpenAI, DeepSeek): text
+counts are exact; tool declarations and message framing follow the provider's documentation
+where it publishes them and are estimated where it does not.
+"""
 Global___MeasurementMethod: _TypeAlias = MeasurementMethod  # noqa: Y015
 
 class _CompactionStep:
@@ -235,6 +263,13 @@ class PressureBreakdown(_message.Message):
     METHOD_FIELD_NUMBER: _builtins.int
     TOKENIZER_FIELD_NUMBER: _builtins.int
     ANCHOR_SEQ_FIELD_NUMBER: _builtins.int
+    ERROR_BOUND_FIELD_NUMBER: _builtins.int
+    ANCHOR_AGE_EVENTS_FIELD_NUMBER: _builtins.int
+    ANCHOR_AGE_SECONDS_FIELD_NUMBER: _builtins.int
+    WARNINGS_FIELD_NUMBER: _builtins.int
+    CALIBRATION_RATIO_FIELD_NUMBER: _builtins.int
+    CALIBRATION_SAMPLES_FIELD_NUMBER: _builtins.int
+    UNSCALED_TOKENS_FIELD_NUMBER: _builtins.int
     system_tokens: _builtins.int
     """The system head."""
     tools_tokens: _builtins.int
@@ -248,9 +283,34 @@ class PressureBreakdown(_message.Message):
     method: Global___MeasurementMethod.ValueType
     """How the total was obtained."""
     tokenizer: _builtins.str
-    """Tokenizer name (`cl100k_base`, `deepseek-v4`, `heuristic`)."""
+    """Tokenizer name (`cl100k_base`, `o200k_base`, `deepseek-v4`, `heuristic`, or `hf:<digest>`
+    for an open model's tokenizer.json).
+    """
     anchor_seq: _builtins.int
     """For ANCHORED: the seq of the assistant message whose usage anchors the total."""
+    error_bound: _builtins.float
+    """The documented relative error bound of the total (0 for EXACT; for ESTIMATED and HEURISTIC
+    the worst error measured for the heuristic, or the residual of the calibration once usage
+    has calibrated the route); absent when no bound is known (TOKENIZER, ANCHORED).
+    """
+    anchor_age_events: _builtins.int
+    """For ANCHORED: events committed after the anchoring message."""
+    anchor_age_seconds: _builtins.float
+    """For ANCHORED: seconds between the anchoring message's commit time and the report."""
+    calibration_ratio: _builtins.float
+    """provider prompt tokens / compactd's count, over the route's recent requests that carried
+    usage (0 before the first); see the README's "Token truth".
+    """
+    calibration_samples: _builtins.int
+    """How many requests the calibration covers."""
+    unscaled_tokens: _builtins.int
+    """For ESTIMATED: the heuristic's total before the calibration scaled it."""
+    @_builtins.property
+    def warnings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """What the figure cannot vouch for, e.g. a route whose tokenizer file is missing and that is
+        priced with the heuristic instead.
+        """
+
     def __init__(
         self,
         *,
@@ -262,12 +322,21 @@ class PressureBreakdown(_message.Message):
         method: Global___MeasurementMethod.ValueType = ...,
         tokenizer: _builtins.str = ...,
         anchor_seq: _builtins.int = ...,
+        error_bound: _builtins.float | None = ...,
+        anchor_age_events: _builtins.int = ...,
+        anchor_age_seconds: _builtins.float = ...,
+        warnings: _abc.Iterable[_builtins.str] | None = ...,
+        calibration_ratio: _builtins.float = ...,
+        calibration_samples: _builtins.int = ...,
+        unscaled_tokens: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_error_bound", b"_error_bound", "error_bound", b"error_bound"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["anchor_seq", b"anchor_seq", "config_tokens", b"config_tokens", "images_tokens", b"images_tokens", "messages_tokens", b"messages_tokens", "method", b"method", "system_tokens", b"system_tokens", "tokenizer", b"tokenizer", "tools_tokens", b"tools_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error_bound", b"_error_bound", "anchor_age_events", b"anchor_age_events", "anchor_age_seconds", b"anchor_age_seconds", "anchor_seq", b"anchor_seq", "calibration_ratio", b"calibration_ratio", "calibration_samples", b"calibration_samples", "config_tokens", b"config_tokens", "error_bound", b"error_bound", "images_tokens", b"images_tokens", "messages_tokens", b"messages_tokens", "method", b"method", "system_tokens", b"system_tokens", "tokenizer", b"tokenizer", "tools_tokens", b"tools_tokens", "unscaled_tokens", b"unscaled_tokens", "warnings", b"warnings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__error_bound: _TypeAlias = _typing.Literal["error_bound"]  # noqa: Y015
+    _WhichOneofArgType__error_bound: _TypeAlias = _typing.Literal["_error_bound", b"_error_bound"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__error_bound) -> _WhichOneofReturnType__error_bound | None: ...
 
 Global___PressureBreakdown: _TypeAlias = PressureBreakdown  # noqa: Y015
 

@@ -2,8 +2,10 @@
 
 ``CompactdClient`` (blocking) and ``AsyncCompactdClient`` (asyncio) wrap both gRPC services over
 one channel; :mod:`compactd_client.events` builds the events to append;
-:mod:`compactd_client.errors` holds the typed exceptions; :mod:`compactd_client.v1` re-exports
-the generated messages.
+:mod:`compactd_client.errors` holds the typed exceptions; :mod:`compactd_client.openai` and
+:mod:`compactd_client.anthropic` convert OpenAI chat and Anthropic messages to events and
+``BuildRequest`` answers to ready request bodies; :mod:`compactd_client.v1` re-exports the
+generated messages.
 """
 
 from compactd_client.aio import AsyncCompactdClient

@@ -1,0 +1,62 @@
+package anthropic_test
+
+import (
+	"encoding/json"
+	"reflect"
+	"testing"
+
+	"compactd.dev/client/anthropic"
+	"compactd.dev/client/internal/convert"
+	"compactd.dev/client/internal/transcripts"
+)
+
+func TestImportThenRenderGivesEveryTranscriptsMessages(t *testing.T) {
+	records := transcripts.Load(t, "anthropic")
+	if len(records) < 4 {
+		t.Fatalf("only %d transcripts", len(records))
+	}
+	for _, r := range records {
+		events, err := anthropic.EventsFromMessages(r.Messages, anthropic.Options{Model: "claude"})
+		if err != nil {
+			t.Fatalf("%s: %v", r.Source, err)
+		}
+		if problems := convert.StepRuleViolations(events); len(problems) > 0 {
+			t.Fatalf("%s: %v", r.Source, problems)
+		}
+		rendered, err := anthropic.MessagesFromEvents(events)
+		if err != nil {
+			t.Fatalf("%s: %v", r.Source, err)
+		}
+		if rendered.System != "" {
+			t.Fatalf("%s: a system prompt appeared", r.Source)
+		}
+		if got, want := transcripts.Normalized(t, rendered.Messages), transcripts.Normalized(t, r.Messages); !reflect.DeepEqual(got, want) {
+			t.Fatalf("%s: the rendered messages differ from the transcript's", r.Source)
+		}
+	}
+}
+
+func TestToolResultsAndTextOfOneUserMessageRenderBackTogether(t *testing.T) {
+	var messages []map[string]interface{}
+	_ = json.Unmarshal([]byte(`[
+	  {"role": "user", "content": "Read it."},
+	  {"role": "assistant", "content": [
+	    {"type": "thinking", "thinking": "Use the tool.", "signature": "sig"},
+	    {"type": "tool_use", "id": "t1", "name": "read", "input": {"path": "a"}}]},
+	  {"role": "user", "content": [
+	    {"type": "tool_result", "tool_use_id": "t1", "content": "text", "is_error": true},
+	    {"type": "text", "text": "Go on."}]},
+	  {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "opaque"},
+	                                    {"type": "text", "text": "Done."}]}]`), &messages)
+	events, err := anthropic.EventsFromMessages(messages, anthropic.Options{System: "Be brief."})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rendered, err := anthropic.MessagesFromEvents(events)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rendered.System != "Be brief." || !reflect.DeepEqual(transcripts.Normalized(t, rendered.Messages), transcripts.Normalized(t, messages)) {
+		t.Fatalf("got %+v", rendered)
+	}
+}
