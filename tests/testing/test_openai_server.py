@@ -153,23 +153,30 @@ def test_the_default_reply_is_deterministic(provider: OpenAICompatServer) -> Non
     assert first["choices"][0]["message"] == second["choices"][0]["message"]
 
 
-def test_an_unscripted_compaction_request_gets_an_eight_section_summary(
-    provider: OpenAICompatServer,
-) -> None:
+def _summary(provider: OpenAICompatServer, messages: list[dict[str, object]]) -> str:
+    """The loopback's unscripted answer to a compaction request with ``messages``."""
     body = _body(False)
-    body["messages"] = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Hi"},
-        {"role": "user", "content": "summarize"},
-    ]
-
+    body["messages"] = messages
     response = httpx.post(
         f"{provider.base_url}/chat/completions",
         json=body,
         headers={"X-Compactd-Purpose": "compaction"},
     ).json()
+    return str(response["choices"][0]["message"]["content"])
 
-    text = response["choices"][0]["message"]["content"]
+
+def test_an_unscripted_compaction_request_gets_an_eight_section_summary(
+    provider: OpenAICompatServer,
+) -> None:
+    text = _summary(
+        provider,
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "user", "content": "summarize"},
+        ],
+    )
+
     assert [line[3:] for line in text.splitlines() if line.startswith("## ")] == list(
         prompts.SUMMARY_SECTIONS
     )
@@ -231,8 +238,7 @@ def test_a_responder_answers_what_the_script_does_not() -> None:
 def test_the_default_summary_quotes_the_requests_and_keeps_paths_commands_and_errors(
     provider: OpenAICompatServer,
 ) -> None:
-    body = _body(False)
-    body["messages"] = [
+    messages: list[dict[str, object]] = [
         {"role": "user", "content": "Please fix the crash in src/app/main.py when it starts."},
         {
             "role": "assistant",
@@ -249,13 +255,8 @@ def test_the_default_summary_quotes_the_requests_and_keeps_paths_commands_and_er
         {"role": "user", "content": "summarize"},
     ]
 
-    response = httpx.post(
-        f"{provider.base_url}/chat/completions",
-        json=body,
-        headers={"X-Compactd-Purpose": "compaction"},
-    ).json()
+    text = _summary(provider, messages)
 
-    text = response["choices"][0]["message"]["content"]
     assert '- "Please fix the crash in src/app/main.py when it starts."' in text
     assert "- src/app/main.py" in text
     assert "- Ran: pytest -q tests/" in text
