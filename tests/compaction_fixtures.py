@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import struct_pb2
-from opentelemetry import trace
+from opentelemetry import metrics, trace
 
 from compactd import config
 from compactd.api.server import RunningServer, create_server
@@ -297,12 +298,20 @@ async def started(
     *,
     tracer_provider: trace.TracerProvider | None = None,
     recoveries: Sequence[SummaryErrorRecovery] = (),
+    clock: Callable[[], float] = time.monotonic,
+    meter_provider: metrics.MeterProvider | None = None,
     **options: Any,
 ) -> AsyncIterator[Harness]:
     """A server (see ``server_config`` for ``options``) and a channel to it."""
     settings = server_config(tmp_path, loop, **options)
     provider = tracer_provider or trace.NoOpTracerProvider()
-    running = await create_server(settings, tracer_provider=provider, summary_recoveries=recoveries)
+    running = await create_server(
+        settings,
+        tracer_provider=provider,
+        summary_recoveries=recoveries,
+        clock=clock,
+        meter_provider=meter_provider,
+    )
     try:
         async with grpc.aio.insecure_channel(running.address) as channel:
             yield Harness(channel, loop, running)

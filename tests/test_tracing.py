@@ -45,6 +45,7 @@ from tests.compaction_fixtures import (
 STEPS = (
     "compaction.start",
     "compaction.summarize",
+    "compaction.gate",
     "compaction.summary",
     "compaction.replace",
     "compaction.end",

@@ -13,8 +13,13 @@ Instruments (attribute keys in brackets):
                                                     report [route, state]
 ``compactd.pressure.tokens``           histogram    measured tokens of each report [route, state]
 ``compactd.compactions``               counter      brackets by outcome: committed, declined,
-                                                    relieved (pruning sufficed), failed [trigger,
+                                                    relieved (pruning sufficed), failed, skipped
+                                                    (failure memory, crossing budget) [trigger,
                                                     outcome, reason]
+``compactd.summary.gate``              counter      summaries the quality gate judged: passed,
+                                                    rejected, fallback [summarizer, outcome]
+``compactd.summary.probe_retention``   histogram    share of its span's probes a judged summary
+                                                    kept [summarizer]
 ``compactd.compaction.tokens_freed``   counter      route tokens a committed bracket freed
 ``compactd.prunes``                    counter      tool results pruned
 ``compactd.bracket.step.duration``     histogram    seconds per bracket step [step]
@@ -46,6 +51,7 @@ from compactd import __version__, logs
 _SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _RATIOS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)
 _TOKENS = (256, 1024, 4096, 16384, 65536, 131072, 262144, 1048576)
+_SHARES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 class Metrics:
@@ -90,6 +96,15 @@ class Metrics:
             explicit_bucket_boundaries_advisory=_TOKENS,
             description="Tokens of each summary model call, input and output",
         )  # fmt: skip
+        self._gate = meter.create_counter(
+            "compactd.summary.gate", unit="{summary}",
+            description="Summaries the quality gate judged, by outcome",
+        )  # fmt: skip
+        self._retention = meter.create_histogram(
+            "compactd.summary.probe_retention", unit="1",
+            explicit_bucket_boundaries_advisory=_SHARES,
+            description="Share of its span's probes a judged summary kept",
+        )  # fmt: skip
         self._appended = meter.create_counter(
             "compactd.events.appended", unit="{event}", description="Events appended by clients"
         )
@@ -109,13 +124,19 @@ class Metrics:
             self._pressure_ratio.record(measured / trigger, attributes)
 
     def compaction(self, trigger: str, outcome: str, *, reason: str = "", freed: int = 0) -> None:
-        """One bracket ended: ``committed``, ``declined``, ``relieved`` or ``failed``."""
+        """One bracket ended: ``committed``, ``declined``, ``relieved``, ``failed``, or was
+        ``skipped`` (failure memory held its span back, or the crossing's budget is spent)."""
         attributes = {"compactd.trigger": trigger, "compactd.outcome": outcome}
         if reason:
             attributes["compactd.reason"] = reason
         self._compactions.add(1, attributes)
         if freed > 0:
             self._freed.add(freed, {"compactd.trigger": trigger})
+
+    def gate(self, summarizer: str, outcome: str, retention: float) -> None:
+        """The quality gate judged a summary (``passed``, ``rejected`` or ``fallback``)."""
+        self._gate.add(1, {"compactd.summarizer": summarizer, "compactd.outcome": outcome})
+        self._retention.record(retention, {"compactd.summarizer": summarizer})
 
     def pruned(self, count: int) -> None:
         """``count`` tool results were pruned."""

@@ -81,6 +81,7 @@ async def test_compact_works_below_pressure(tmp_path: Path, loop: OpenAICompatSe
         assert run.steps() == [
             STEP.COMPACTION_STEP_START,
             STEP.COMPACTION_STEP_SUMMARIZE,
+            STEP.COMPACTION_STEP_GATE,
             STEP.COMPACTION_STEP_SUMMARY,
             STEP.COMPACTION_STEP_REPLACE,
             STEP.COMPACTION_STEP_END,

@@ -48,6 +48,12 @@ def test_defaults_are_the_spec_table() -> None:
         compaction_retries=1,
         max_overflow_retries=1,
         auto=True,
+        summary_gate=True,
+        min_reduction_ratio=0.1,
+        min_probe_retention=0.5,
+        extractive_fallback=False,
+        failure_backoff_seconds=300.0,
+        failure_backoff_max_seconds=3600.0,
     )
 
 
@@ -253,6 +259,18 @@ def test_duplicate_model_overrides_are_rejected() -> None:
         ({"retainRatio": 1}, "retainRatio"),
         ({"retainRatio": -0.1}, "retainRatio"),
         ({"auto": "yes"}, "auto"),
+        ({"summaryGate": 1}, "summaryGate"),
+        ({"minReductionRatio": 1}, "minReductionRatio"),
+        ({"minReductionRatio": -0.1}, "minReductionRatio"),
+        ({"minProbeRetention": 1.5}, "minProbeRetention"),
+        ({"extractiveFallback": "on"}, "extractiveFallback"),
+        ({"failureBackoffSeconds": -1}, "failureBackoffSeconds"),
+        ({"failureBackoffSeconds": float("inf")}, "failureBackoffSeconds"),
+        ({"failureBackoffMaxSeconds": "1h"}, "failureBackoffMaxSeconds"),
+        (
+            {"failureBackoffSeconds": 120, "failureBackoffMaxSeconds": 60},
+            "failureBackoffMaxSeconds",
+        ),
         ({"summarizationModel": 5, "summarizationProvider": "x"}, "summarizationModel"),
         (
             {"modelPolicies": [{"provider": "p", "model": "m", "maxTokens": -3}]},
@@ -341,3 +359,26 @@ def test_trigger_is_floor_of_min_ratio_window_and_room(
             spec(settings, window=window, output=output)
         return
     assert spec(settings, window=window, output=output).trigger == expected
+
+
+def test_gate_and_memory_settings_resolve_per_route() -> None:
+    policy = PressurePolicy.from_settings(
+        {
+            "minProbeRetention": 0.3,
+            "modelPolicies": [
+                {
+                    "provider": "p",
+                    "model": "small",
+                    "summaryGate": False,
+                    "failureBackoffSeconds": 0,
+                }
+            ],
+        }
+    )
+
+    big, small = policy.for_target("p", "m"), policy.for_target("p", "small")
+    assert big.gate is not None
+    assert (big.gate.min_probe_retention, big.gate.min_reduction_ratio) == (0.3, 0.1)
+    assert big.remembers_failures
+    assert small.gate is None
+    assert not small.remembers_failures

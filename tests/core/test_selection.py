@@ -322,3 +322,16 @@ def test_every_selection_is_balanced_and_its_checkpoint_folds(
         assert fold.surface[result.start_position].seq == fold.revision - 2
         if data.draw(st.booleans()):
             fold.admit([user(data.draw(WORDS))])
+
+
+def test_a_span_below_the_minimum_useful_checkpoint_is_declined_with_its_figures() -> None:
+    fold = fold_of(system("s"), user("a"), assistant(text="b"), user("c"))
+
+    declined = select_range(fold, ten, mode=MAXIMAL, min_span_tokens=21)
+    assert isinstance(declined, Declined)
+    assert declined.code is DeclineCode.SPAN_TOO_SMALL
+    assert declined.reason == (
+        "the selectable span (2 node(s), 20 tokens) is smaller than the minimum useful "
+        "checkpoint (21 tokens)"
+    )
+    assert isinstance(select_range(fold, ten, mode=MAXIMAL, min_span_tokens=20), Selection)

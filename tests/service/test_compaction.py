@@ -50,6 +50,8 @@ REPLACE = events_pb2.SURFACE_OP_KIND_REPLACE
 STEP = cpb.CompactionStep
 #: A middle unit no pruner can shrink: after the first bracket keeps it, pressure stays above.
 HUGE = exchange(900, "Explain the whole design.", assistant(text="Design notes, part one. " * 800))
+#: For tests of the wire, not of the quality gate: their scripted summaries are fragments.
+UNGATED = {**POLICY, "summaryGate": False}
 
 
 @pytest.fixture
@@ -198,6 +200,7 @@ async def test_the_bracket_is_logged_in_order_and_streamed_step_by_step(
         assert run.steps() == [
             STEP.COMPACTION_STEP_START,
             STEP.COMPACTION_STEP_SUMMARIZE,
+            STEP.COMPACTION_STEP_GATE,
             STEP.COMPACTION_STEP_SUMMARY,
             STEP.COMPACTION_STEP_REPLACE,
             STEP.COMPACTION_STEP_END,
@@ -293,7 +296,7 @@ async def test_reasoning_and_tool_calls_in_the_summary_reply_are_dropped(
             tool_calls=(ScriptedToolCall("run", '{"cmd":"rm -rf /"}'),),
         )
     )
-    async with started(tmp_path, loop) as h:
+    async with started(tmp_path, loop, policy=UNGATED) as h:
         await h.create(*opening(), *units(4))
         await h.compact()
         log = await h.events()
@@ -379,7 +382,7 @@ async def test_a_slow_streamed_summary_still_commits(
             chunk_chars=8,
         )
     )
-    async with started(tmp_path, loop) as h:
+    async with started(tmp_path, loop, policy=UNGATED) as h:
         await h.create(*opening(), *units(4))
         run = await h.compact()
         assert run.result.outcome.compaction_id

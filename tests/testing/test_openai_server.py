@@ -11,7 +11,13 @@ import pytest
 
 from compactd.core import prompts
 from compactd.providers.openai_wire import SSEDecoder
-from compactd.testing import OpenAICompatServer, Reply, ScriptedToolCall, provider_errors
+from compactd.testing import (
+    OpenAICompatServer,
+    RecordedRequest,
+    Reply,
+    ScriptedToolCall,
+    provider_errors,
+)
 
 
 @pytest.fixture
@@ -162,23 +168,30 @@ def test_the_default_reply_is_deterministic(provider: OpenAICompatServer) -> Non
     assert first["choices"][0]["message"] == second["choices"][0]["message"]
 
 
-def test_an_unscripted_compaction_request_gets_an_eight_section_summary(
-    provider: OpenAICompatServer,
-) -> None:
+def _summary(provider: OpenAICompatServer, messages: list[dict[str, object]]) -> str:
+    """The loopback's unscripted answer to a compaction request with ``messages``."""
     body = _body(False)
-    body["messages"] = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Hi"},
-        {"role": "user", "content": "summarize"},
-    ]
-
+    body["messages"] = messages
     response = httpx.post(
         f"{provider.base_url}/chat/completions",
         json=body,
         headers={"X-Compactd-Purpose": "compaction"},
     ).json()
+    return str(response["choices"][0]["message"]["content"])
 
-    text = response["choices"][0]["message"]["content"]
+
+def test_an_unscripted_compaction_request_gets_an_eight_section_summary(
+    provider: OpenAICompatServer,
+) -> None:
+    text = _summary(
+        provider,
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "user", "content": "summarize"},
+        ],
+    )
+
     assert [line[3:] for line in text.splitlines() if line.startswith("## ")] == list(
         prompts.SUMMARY_SECTIONS
     )
@@ -216,3 +229,50 @@ def test_stop_cuts_a_pending_delayed_reply(provider: OpenAICompatServer) -> None
     caller.join()
 
     assert len(outcome) == 1
+
+
+def test_a_responder_answers_what_the_script_does_not() -> None:
+    seen: list[str] = []
+
+    def responder(request: RecordedRequest) -> Reply | None:
+        seen.append(request.json["model"])
+        return Reply(text="from the responder") if request.json["model"] == "loop-1" else None
+
+    with OpenAICompatServer(responder=responder) as server:
+        server.enqueue(Reply(text="scripted"))
+        url = f"{server.base_url}/chat/completions"
+        first, second = (httpx.post(url, json=_body(False)).json() for _ in range(2))
+        other = httpx.post(url, json=_body(False, model="loop-2")).json()
+
+    assert first["choices"][0]["message"]["content"] == "scripted"
+    assert second["choices"][0]["message"]["content"] == "from the responder"
+    assert other["choices"][0]["message"]["content"].startswith("Loopback reply to")
+    assert seen == ["loop-1", "loop-2"]
+
+
+def test_the_default_summary_quotes_the_requests_and_keeps_paths_commands_and_errors(
+    provider: OpenAICompatServer,
+) -> None:
+    messages: list[dict[str, object]] = [
+        {"role": "user", "content": "Please fix the crash in src/app/main.py when it starts."},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "bash", "arguments": '{"command": "pytest -q tests/"}'},
+                },
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "E   ValueError: bad config value"},
+        {"role": "user", "content": "summarize"},
+    ]
+
+    text = _summary(provider, messages)
+
+    assert '- "Please fix the crash in src/app/main.py when it starts."' in text
+    assert "- src/app/main.py" in text
+    assert "- Ran: pytest -q tests/" in text
+    assert "- ValueError: bad config value" in text

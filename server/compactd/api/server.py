@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -124,6 +125,7 @@ async def create_server(
     meter_provider: MeterProvider | None = None,
     summarizer: Summarizer | None = None,
     summary_recoveries: Sequence[SummaryErrorRecovery] = (),
+    clock: Callable[[], float] = time.monotonic,
 ) -> RunningServer:
     """Validate the configuration, open the store, build the services and start serving.
 
@@ -132,7 +134,8 @@ async def create_server(
     ``metrics_listen``); gRPC server spans join the caller's W3C trace context. ``summarizer``
     replaces every route's summarizer (a deployment's own, or a test's); ``summary_recoveries``
     run in the bracket's summary-error step (see ``SummaryErrorRecovery``), before the always-on
-    ``ImageOffloadRecovery``.
+    ``ImageOffloadRecovery``. ``clock`` (monotonic seconds) times the failure memory's
+    backoffs.
 
     Raises:
         ConfigError: A setting is invalid (the message names it), or the store's folder is
@@ -158,7 +161,7 @@ async def create_server(
         refused.push_async_callback(store.close)
         running = await _serve_on(
             config, parts, store, provider, owns_provider, owned_meter, prometheus, metrics,
-            summarizer, summary_recoveries,
+            summarizer, summary_recoveries, clock,
         )  # fmt: skip
         refused.pop_all()
     return running
@@ -175,6 +178,7 @@ async def _serve_on(
     metrics: Metrics,
     summarizer: Summarizer | None,
     summary_recoveries: Sequence[SummaryErrorRecovery],
+    clock: Callable[[], float],
 ) -> RunningServer:
     manager = SessionManager(
         store, policy_validator=parts.policy.with_overrides, limits=settings.limits(config)
@@ -198,6 +202,7 @@ async def _serve_on(
         recoveries=(*summary_recoveries, ImageOffloadRecovery()),
         metrics=metrics,
         redact=redactor,
+        clock=clock,
     )
     recovery = RecoveryService(manager, pressure, engine, parts.pruner)
     switch = SwitchService(manager, pressure, engine)

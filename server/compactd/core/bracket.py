@@ -61,6 +61,8 @@ def summary_event(
     target: events_pb2.Route | None = None,
     usage: events_pb2.Usage | None = None,
     summarizer: str = "",
+    gate: events_pb2.SummaryGateReport | None = None,
+    fallback: events_pb2.SummaryFallback | None = None,
 ) -> SessionEvent:
     """Step 3: ``compaction/summary`` with the raw summary and its accounting (log-only).
 
@@ -73,6 +75,8 @@ def summary_event(
         target: The route that wrote the summary; None for a summarizer with no model.
         usage: The provider's usage of the summary call(s), when reported.
         summarizer: The summarizer's name (``openai``, ``extractive``, ...).
+        gate: The quality gate's report on this summary, when the gate ran.
+        fallback: The rejected summary this one replaced (extractive fallback), if any.
     """
     body = events_pb2.CompactionSummary(
         compaction_id=compaction_id,
@@ -86,6 +90,10 @@ def summary_event(
         body.target.CopyFrom(target)
     if usage is not None:
         body.usage.CopyFrom(usage)
+    if gate is not None:
+        body.gate.CopyFrom(gate)
+    if fallback is not None:
+        body.fallback.CopyFrom(fallback)
     return SessionEvent(compaction_summary=body)
 
 
@@ -121,9 +129,18 @@ def checkpoint_event(
     return event
 
 
-def end_event(compaction_id: str, error: str = "", reason: str = "") -> SessionEvent:
-    """Step 5: ``compaction/end``; ``error`` and ``reason`` when the bracket failed or declined."""
+def end_event(
+    compaction_id: str,
+    error: str = "",
+    reason: str = "",
+    *,
+    gate: events_pb2.SummaryGateReport | None = None,
+) -> SessionEvent:
+    """Step 5: ``compaction/end``; ``error`` and ``reason`` when the bracket failed or declined,
+    ``gate`` with the failed checks when the quality gate rejected the summary."""
     body = events_pb2.CompactionEnd(compaction_id=compaction_id, error=error, error_reason=reason)
+    if gate is not None:
+        body.gate.CopyFrom(gate)
     return SessionEvent(compaction_end=body)
 
 

@@ -15,6 +15,18 @@ Settings use the spec's camelCase names and defaults:
 ``auto``               true       automatic compaction and overflow recovery
 =====================  =========  ==========================================================
 
+The summary quality gate and failure memory (``core.gate``, ``core.attempts``):
+
+============================  =======  ===================================================
+``summaryGate``               true     check every summary before it may replace history
+``minReductionRatio``         0.1      the checkpoint is at least this much smaller, [0, 1)
+``minProbeRetention``         0.5      share of the span's probes a summary keeps, [0, 1]
+``extractiveFallback``        false    a rejected summary is replaced by the extractive one
+``failureBackoffSeconds``     300      first wait before a failed span is sent again (0: no
+                                       failure memory and no per-crossing budget)
+``failureBackoffMaxSeconds``  3600     the longest wait (the backoff doubles up to it)
+============================  =======  ===================================================
+
 ``W`` is the route's context window and ``O`` the effective output reservation (the envelope's
 max output tokens, else the route's default, else 0). Parsing fails fast with a ``ConfigError``
 naming the field; the rules that need ``W`` and ``O`` are checked at first use by
@@ -30,6 +42,11 @@ from dataclasses import dataclass, field, fields, replace
 from fractions import Fraction
 from typing import Any, Final, NoReturn, TypeVar
 
+from compactd.core.gate import (
+    DEFAULT_MIN_PROBE_RETENTION,
+    DEFAULT_MIN_REDUCTION_RATIO,
+    GateSettings,
+)
 from compactd.errors import CapacityUnknown, ConfigError, FailedPrecondition
 
 POLICY_INVALID: Final = "POLICY_INVALID"
@@ -39,6 +56,8 @@ DEFAULT_HEADROOM_TOKENS: Final = 65536
 DEFAULT_RETAIN_RATIO: Final = 0.16
 DEFAULT_COMPACTION_RETRIES: Final = 1
 DEFAULT_MAX_OVERFLOW_RETRIES: Final = 1
+DEFAULT_FAILURE_BACKOFF_SECONDS: Final = 300.0
+DEFAULT_FAILURE_BACKOFF_MAX_SECONDS: Final = 3600.0
 
 # camelCase setting -> PolicyLayer attribute.
 _SETTINGS: Final[dict[str, str]] = {
@@ -52,6 +71,12 @@ _SETTINGS: Final[dict[str, str]] = {
     "compactionRetries": "compaction_retries",
     "maxOverflowRetries": "max_overflow_retries",
     "auto": "auto",
+    "summaryGate": "summary_gate",
+    "minReductionRatio": "min_reduction_ratio",
+    "minProbeRetention": "min_probe_retention",
+    "extractiveFallback": "extractive_fallback",
+    "failureBackoffSeconds": "failure_backoff_seconds",
+    "failureBackoffMaxSeconds": "failure_backoff_max_seconds",
 }
 
 RouteKey = tuple[str, str]
@@ -73,6 +98,12 @@ class PolicyLayer:
     compaction_retries: int | None = None
     max_overflow_retries: int | None = None
     auto: bool | None = None
+    summary_gate: bool | None = None
+    min_reduction_ratio: float | None = None
+    min_probe_retention: float | None = None
+    extractive_fallback: bool | None = None
+    failure_backoff_seconds: float | None = None
+    failure_backoff_max_seconds: float | None = None
 
     def over(self, base: PolicyLayer) -> PolicyLayer:
         """This layer's settings over ``base``'s.
@@ -102,6 +133,24 @@ class TargetPolicy:
     compaction_retries: int = DEFAULT_COMPACTION_RETRIES
     max_overflow_retries: int = DEFAULT_MAX_OVERFLOW_RETRIES
     auto: bool = True
+    summary_gate: bool = True
+    min_reduction_ratio: float = DEFAULT_MIN_REDUCTION_RATIO
+    min_probe_retention: float = DEFAULT_MIN_PROBE_RETENTION
+    extractive_fallback: bool = False
+    failure_backoff_seconds: float = DEFAULT_FAILURE_BACKOFF_SECONDS
+    failure_backoff_max_seconds: float = DEFAULT_FAILURE_BACKOFF_MAX_SECONDS
+
+    @property
+    def gate(self) -> GateSettings | None:
+        """The quality gate's thresholds, or None when ``summaryGate`` is off."""
+        if not self.summary_gate:
+            return None
+        return GateSettings(self.min_reduction_ratio, self.min_probe_retention)
+
+    @property
+    def remembers_failures(self) -> bool:
+        """Whether failure memory and the per-crossing budget are on."""
+        return self.failure_backoff_seconds > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,6 +297,16 @@ def _resolve(layer: PolicyLayer) -> TargetPolicy:
         compaction_retries=_pick(layer.compaction_retries, defaults.compaction_retries),
         max_overflow_retries=_pick(layer.max_overflow_retries, defaults.max_overflow_retries),
         auto=_pick(layer.auto, defaults.auto),
+        summary_gate=_pick(layer.summary_gate, defaults.summary_gate),
+        min_reduction_ratio=_pick(layer.min_reduction_ratio, defaults.min_reduction_ratio),
+        min_probe_retention=_pick(layer.min_probe_retention, defaults.min_probe_retention),
+        extractive_fallback=_pick(layer.extractive_fallback, defaults.extractive_fallback),
+        failure_backoff_seconds=_pick(
+            layer.failure_backoff_seconds, defaults.failure_backoff_seconds
+        ),
+        failure_backoff_max_seconds=_pick(
+            layer.failure_backoff_max_seconds, defaults.failure_backoff_max_seconds
+        ),
     )
 
 
@@ -324,6 +383,12 @@ def _check_layer(layer: PolicyLayer, prefix: str) -> None:
         )
     if resolved.headroom_tokens == 0 and layer.max_tokens is None:
         _bad(prefix + "headroomTokens", "zero headroom requires an explicit positive maxTokens")
+    if resolved.failure_backoff_max_seconds < resolved.failure_backoff_seconds:
+        _bad(
+            prefix + "failureBackoffMaxSeconds",
+            f"{resolved.failure_backoff_max_seconds} must not be below failureBackoffSeconds "
+            f"{resolved.failure_backoff_seconds}",
+        )
 
 
 def _model_paths(settings: Mapping[str, Any]) -> dict[RouteKey, str]:
@@ -367,6 +432,14 @@ def _count(minimum: int) -> _Validator:
     return check
 
 
+def _seconds(value: object, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        _bad(path, f"must be a number of seconds, got {value!r}")
+    if value < 0 or math.isinf(value):
+        _bad(path, f"must be a finite number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
 def _text(value: object, path: str) -> str:
     if not isinstance(value, str):
         _bad(path, f"must be a string, got {value!r}")
@@ -390,6 +463,12 @@ _VALIDATORS: Final[dict[str, _Validator]] = {
     "compaction_retries": _count(0),
     "max_overflow_retries": _count(0),
     "auto": _flag,
+    "summary_gate": _flag,
+    "min_reduction_ratio": _ratio(low_open=False, high=1.0, high_open=True),
+    "min_probe_retention": _ratio(low_open=False, high=1.0, high_open=False),
+    "extractive_fallback": _flag,
+    "failure_backoff_seconds": _seconds,
+    "failure_backoff_max_seconds": _seconds,
 }
 
 

@@ -77,6 +77,11 @@ def frame_checkpoint(summary: str) -> str:
     return f"{CHECKPOINT_PREAMBLE}\n\n{SUMMARY_OPEN_TAG}\n{summary}\n{SUMMARY_CLOSE_TAG}"
 
 
+def summary_skeleton() -> str:
+    """The smallest summary the instruction allows: every section holding ``EMPTY_SECTION``."""
+    return "\n\n".join(f"## {title}\n- {EMPTY_SECTION}" for title in SUMMARY_SECTIONS)
+
+
 def compaction_instruction(focus: str | None = None) -> str:
     """The final user message of a summary request.
 

@@ -13,6 +13,9 @@ Rules this module decides (documented because the spec leaves them open):
 - A span that is only one previous checkpoint is not selected (re-summarizing a lone summary
   frees nothing); a single ordinary node, or a previous checkpoint together with newer nodes, is.
 - Any unanswered call on the surface (an open indivisible tail) declines the whole selection.
+- A span priced below ``min_span_tokens`` (the minimum useful checkpoint, see
+  ``gate.minimum_useful_span``) is declined: its checkpoint could not be smaller. Overflow
+  recovery passes 0.
 
 Selection never raises for "nothing to do": it returns ``Declined`` with a code and a reason.
 """
@@ -48,6 +51,8 @@ class DeclineCode(enum.StrEnum):
 
     OPEN_TAIL = "OPEN_TAIL"
     NOTHING_SELECTABLE = "NOTHING_SELECTABLE"
+    SPAN_TOO_SMALL = "SPAN_TOO_SMALL"
+    KNOWN_FAILURE = "KNOWN_FAILURE"  # the caller's failure memory holds this span back
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +93,7 @@ def select_range(
     *,
     mode: SelectionMode,
     retained_budget: int = 0,
+    min_span_tokens: int = 0,
 ) -> Selection | Declined:
     """Select the oldest replaceable span of ``fold``'s surface.
 
@@ -96,6 +102,7 @@ def select_range(
         price: The route price of one node (tokens).
         mode: PRESSURE keeps the newest ``retained_budget`` tokens; MAXIMAL ignores the budget.
         retained_budget: Tokens of recent history to keep verbatim (PRESSURE only).
+        min_span_tokens: The smallest span worth a bracket (0: any).
 
     Returns:
         The span, or ``Declined`` when there is an open tail or nothing worth selecting.
@@ -120,7 +127,14 @@ def select_range(
         return Declined(
             DeclineCode.NOTHING_SELECTABLE, "only the previous checkpoint could be selected"
         )
-    return _selection(nodes[start:end], start, price)
+    chosen = _selection(nodes[start:end], start, price)
+    if chosen.shadowed_price < min_span_tokens:
+        return Declined(
+            DeclineCode.SPAN_TOO_SMALL,
+            f"the selectable span ({chosen.count} node(s), {chosen.shadowed_price} tokens) is "
+            f"smaller than the minimum useful checkpoint ({min_span_tokens} tokens)",
+        )
+    return chosen
 
 
 def head_length(nodes: Sequence[SurfaceNode]) -> int:

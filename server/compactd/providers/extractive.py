@@ -1,9 +1,11 @@
 """``ExtractiveSummarizer``: a deterministic summary that needs no model.
 
-For air-gapped deployments and as the test default. It extracts facts instead of writing prose:
-the user's requests (verbatim, clipped), tools and commands used, file paths, error lines, and
-the last state of the work, laid out in the same eight sections the compaction instruction asks a
-model for (``prompts.SUMMARY_SECTIONS``).
+For air-gapped deployments, as the test default, and as the quality gate's optional fallback. It
+extracts facts instead of writing prose: the user's requests (verbatim, clipped), tools and
+commands used, file paths, error lines, and the last state of the work, laid out in the same eight
+sections the compaction instruction asks a model for (``prompts.SUMMARY_SECTIONS``). Paths,
+commands and error lines come from ``core.probes``, the extraction the quality gate probes with,
+so a summary this summarizer writes keeps the gate's probes whenever they fit ``max_tokens``.
 
 A prior checkpoint in the span (a ``<compacted-summary>`` block) is folded forward: its bullets
 are merged section by section with the new facts (the newer state replaces the older "Work in
@@ -16,13 +18,10 @@ and latest requests, then errors, paths, older requests, commands, ...). Same in
 
 from __future__ import annotations
 
-import json
-import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from compactd.core import prompts
+from compactd.core import probes, prompts
 from compactd.core.pricing import utf16_length
 from compactd.providers import base
 from compactd.providers.base import SummaryError, SummaryRequest, SummaryResult
@@ -39,20 +38,6 @@ _ELLIPSIS = "…"
 # A prior checkpoint is exactly ``prompts.frame_checkpoint(summary)``; see ``_checkpoint_summary``.
 _CHECKPOINT_HEAD = f"{prompts.CHECKPOINT_PREAMBLE}\n\n{prompts.SUMMARY_OPEN_TAG}\n"
 _CHECKPOINT_TAIL = f"\n{prompts.SUMMARY_CLOSE_TAG}"
-_PATH_TOKEN = re.compile(r"(?<![\w:/.~@+-])[\w.~@+-]*(?:/[\w.@+-]+)+/?")
-_KNOWN_EXTENSIONS = (
-    "py|pyi|ts|tsx|js|jsx|mjs|cjs|json|jsonl|toml|yaml|yml|md|rst|txt|go|rs|java|kt|c|h|cc|cpp|"
-    "hpp|cs|rb|php|sh|bash|zsh|sql|proto|html|css|scss|xml|ini|cfg|conf|lock|csv|ipynb|swift|lua|"
-    "env|log|mk|gradle|tf"
-)
-_BARE_FILE = re.compile(rf"(?<![\w/.-])[\w-]+(?:\.[\w-]+)*\.(?:{_KNOWN_EXTENSIONS})\b")
-_EXTENSION = re.compile(r"\.[A-Za-z0-9]{1,10}$")
-_ERROR_LINE = re.compile(
-    r"(?i:\b(?:error|exception|traceback|failed|failure|fatal|panic|denied|not found)\b)"
-    r"|\w(?:Error|Exception|Warning)\b"
-)
-_PATH_KEYS = ("path", "file_path", "filepath", "filename", "file", "paths", "files")
-_COMMAND_KEYS = ("command", "cmd", "script", "shell")
 
 
 @dataclass(frozen=True)
@@ -62,7 +47,6 @@ class _Limits:
     max_paths: int = 60
     max_commands: int = 30
     max_errors: int = 30
-    errors_per_result: int = 3
 
 
 @dataclass
@@ -72,10 +56,11 @@ class _Facts:
     prior: dict[int, list[str]] = field(default_factory=dict)
     requests: list[str] = field(default_factory=list)
     tools: dict[str, int] = field(default_factory=dict)
-    commands: list[str] = field(default_factory=list)
-    paths: list[str] = field(default_factory=list)
-    result_paths: list[str] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
+    # Ordered sets (dicts): a long span names thousands of paths.
+    commands: dict[str, None] = field(default_factory=dict)
+    paths: dict[str, None] = field(default_factory=dict)
+    result_paths: dict[str, None] = field(default_factory=dict)
+    errors: dict[str, None] = field(default_factory=dict)
     updates: list[str] = field(default_factory=list)
     progress: list[str] = field(default_factory=list)
     next_step: str = ""
@@ -127,8 +112,12 @@ class ExtractiveSummarizer:
                 f"least {-(-utf16_length(skeleton) // _UNITS_PER_TOKEN)})",
                 reason=base.SUMMARIZER_MISCONFIGURED,
             )
-        facts = _extract(_span(messages), self._limits)
-        return _fit(_candidates(facts, self._limits), budget)
+        span = _span(messages)
+        found = probes.span_facts(span, bulk=True)
+        facts = _extract(span, found, self._limits)
+        ranking = _candidates(facts, self._limits)
+        _promote_probes(ranking, found, self._limits)
+        return _fit(ranking.candidates, budget)
 
 
 # --- extraction ------------------------------------------------------------------------------
@@ -141,15 +130,22 @@ def _span(messages: Sequence[Message]) -> Sequence[Message]:
     return messages
 
 
-def _extract(messages: Sequence[Message], limits: _Limits) -> _Facts:
-    facts = _Facts()
+def _extract(messages: Sequence[Message], found: probes.SpanFacts, limits: _Limits) -> _Facts:
+    """The span's facts: paths, commands and errors from ``found`` (``probes.span_facts``), the
+    requests, prior checkpoints, tools and the state of the work from this walk."""
+    facts = _Facts(
+        commands=dict.fromkeys(found.commands),
+        paths=found.mentioned,
+        result_paths=found.result_paths,
+        errors=found.error_entries,
+    )
     for message in messages:
         if message.role == _ROLE.MESSAGE_ROLE_USER:
             _add_user(facts, message)
         elif message.role == _ROLE.MESSAGE_ROLE_ASSISTANT:
             _add_assistant(facts, message, limits)
         elif message.role == _ROLE.MESSAGE_ROLE_TOOL:
-            _add_tool_result(facts, message, limits)
+            _add_tool_result(facts, message)
         else:
             text = _text(message).strip()
             if text:
@@ -171,10 +167,6 @@ def _add_user(facts: _Facts, message: Message) -> None:
         if text.strip() in facts.requests:
             facts.requests.remove(text.strip())
         facts.requests.append(text.strip())
-        _add_paths(facts.paths, text)
-        for line in text.splitlines():
-            if line.startswith("$ "):
-                _add_unique(facts.commands, line[2:].strip())
     images = sum(1 for block in message.content if block.HasField("image"))
     if images:
         facts.requests.append(f"[{images} image(s) attached]")
@@ -185,50 +177,20 @@ def _add_assistant(facts: _Facts, message: Message, limits: _Limits) -> None:
     text = _text(message).strip()
     facts.progress = []
     if text:
-        _add_paths(facts.paths, text)
         _add_unique(facts.progress, "Last assistant message: " + _clip(text, limits.item_units))
     for block in message.content:
         if block.HasField("tool_call"):
             call = block.tool_call
             facts.tools[call.name] = facts.tools.get(call.name, 0) + 1
-            _add_call_facts(facts, call.arguments_json)
             _add_unique(facts.progress, f"Last tool call: {call.name} {call.arguments_json}")
 
 
-def _add_call_facts(facts: _Facts, arguments_json: str) -> None:
-    try:
-        arguments: Any = json.loads(arguments_json) if arguments_json else {}
-    except ValueError:
-        _add_paths(facts.paths, arguments_json)
-        return
-    for key, value in _walk(arguments):
-        strings = [value] if isinstance(value, str) else []
-        if isinstance(value, list) and all(isinstance(item, str) for item in value):
-            strings = value
-        if key in _COMMAND_KEYS and strings:
-            _add_unique(facts.commands, " ".join(strings))
-        elif key in _PATH_KEYS:
-            for item in strings:
-                _add_unique(facts.paths, item)
-        for item in strings:
-            _add_paths(facts.paths, item)
-
-
-def _add_tool_result(facts: _Facts, message: Message, limits: _Limits) -> None:
+def _add_tool_result(facts: _Facts, message: Message) -> None:
     facts.has_new = True
     text = _text(message)
     name = message.name or message.tool_call_id or "tool"
-    _add_paths(facts.result_paths, text)
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    # The last matching lines carry the cause (a traceback ends with it); a failed tool with
-    # no recognisable line still records its first line.
-    matching = [line for line in lines if _ERROR_LINE.search(line)]
-    if message.is_error and not matching:
-        matching = lines[:1]
-    for line in matching[-limits.errors_per_result :]:
-        _add_unique(facts.errors, f"{name}: {line}")
     status = "failed" if message.is_error else "returned"
-    first = lines[0] if lines else "(no text)"
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "(no text)")
     _add_unique(facts.progress, f"Last tool result: {name} {status}: {first}")
 
 
@@ -258,33 +220,6 @@ def _checkpoint_summary(text: str) -> str | None:
 
 def _text(message: Message) -> str:
     return "\n\n".join(block.text.text for block in message.content if block.HasField("text"))
-
-
-def _walk(value: Any, key: str = "") -> Iterator[tuple[str, Any]]:
-    """``(key, value)`` pairs of a decoded JSON value, depth first, in document order."""
-    yield key.lower(), value
-    if isinstance(value, dict):
-        for child_key, child in value.items():
-            yield from _walk(child, str(child_key))
-    elif isinstance(value, list):
-        for child in value:
-            if not isinstance(child, str):
-                yield from _walk(child, key)
-
-
-def _add_paths(paths: list[str], text: str) -> None:
-    for match in _PATH_TOKEN.finditer(text):
-        token = match.group(0).rstrip(".,:;")
-        if _looks_like_path(token):
-            _add_unique(paths, token)
-    for match in _BARE_FILE.finditer(text):
-        _add_unique(paths, match.group(0))
-
-
-def _looks_like_path(token: str) -> bool:
-    if token.startswith(("/", "~/", "./", "../")):
-        return len(token) > 1
-    return token.count("/") >= 2 or bool(_EXTENSION.search(token))
 
 
 def _add_unique(items: list[str], item: str) -> None:
@@ -343,23 +278,37 @@ class _Ranking:
 
     def __init__(self) -> None:
         self.candidates: list[_Candidate] = []
-        self._seen: set[tuple[int, str]] = set()
+        self._seen: dict[tuple[int, str], int] = {}  # -> index in candidates
 
     def add(
-        self, tier: int, section: int, items: Sequence[str], cap: int, *, newest_first: bool
+        self,
+        tier: int,
+        section: int,
+        items: Sequence[str],
+        cap: int,
+        *,
+        newest_first: bool,
+        promote: bool = False,
     ) -> None:
-        """Add ``items`` (clipped to ``cap``) at ``tier``; within a tier, older or newer first."""
+        """Add ``items`` (clipped to ``cap``) at ``tier``; within a tier, older or newer first.
+
+        An item already added keeps its place and rank, unless ``promote`` and ``tier`` ranks it
+        higher: then it moves up to ``tier`` (its place in the section stays).
+        """
         for position, item in enumerate(items):
             text = _clip(item, cap)
-            if (section, text) in self._seen:
-                continue
-            self._seen.add((section, text))
             recency = len(items) - position if newest_first else position
-            order = len(self.candidates)
+            index = self._seen.get((section, text))
+            if index is not None:
+                seen = self.candidates[index]
+                if promote and (tier, recency) < seen.rank:
+                    self.candidates[index] = _Candidate((tier, recency), section, seen.order, text)
+                continue
+            self._seen[(section, text)] = order = len(self.candidates)
             self.candidates.append(_Candidate((tier, recency), section, order, text))
 
 
-def _candidates(facts: _Facts, limits: _Limits) -> list[_Candidate]:
+def _candidates(facts: _Facts, limits: _Limits) -> _Ranking:
     """Every possible bullet, ranked: tier 0 (state, first and latest request, next step) is kept
     first, then errors and prior goals, paths and older requests, commands and tools, then paths
     seen only in tool output."""
@@ -374,18 +323,34 @@ def _candidates(facts: _Facts, limits: _Limits) -> list[_Candidate]:
     next_step = [facts.next_step] if facts.has_new else facts.prior.get(_NEXT, [])
     ranking.add(0, _NEXT, [step for step in next_step if step][:1], item, newest_first=False)
     _rank_requests(ranking, facts.requests, request)
-    ranking.add(1, _ERRORS, facts.errors[-limits.max_errors :], item, newest_first=True)
-    ranking.add(2, _FILES, facts.paths[: limits.max_paths], item, newest_first=False)
-    seen_in_output = [path for path in facts.result_paths if path not in facts.paths]
+    ranking.add(1, _ERRORS, list(facts.errors)[-limits.max_errors :], item, newest_first=True)
+    ranking.add(2, _FILES, list(facts.paths)[: limits.max_paths], item, newest_first=False)
     spare = max(0, limits.max_paths - len(facts.paths))
-    ranking.add(4, _FILES, seen_in_output[:spare], item, newest_first=False)
-    commands = [f"Ran: {command}" for command in facts.commands[-limits.max_commands :]]
+    seen_in_output = [path for path in facts.result_paths if path not in facts.paths][:spare]
+    ranking.add(4, _FILES, seen_in_output, item, newest_first=False)
+    commands = [f"Ran: {command}" for command in list(facts.commands)[-limits.max_commands :]]
     ranking.add(3, _TECH, commands, item, newest_first=True)
     tools = [f"Tool {name} called {count}x" for name, count in facts.tools.items()]
     ranking.add(3, _TECH, tools, item, newest_first=False)
     updates = [f"Instruction update: {text}" for text in facts.updates]
     ranking.add(3, _ESSENTIAL, updates, request, newest_first=True)
-    return ranking.candidates
+    return ranking
+
+
+def _promote_probes(ranking: _Ranking, span: probes.SpanFacts, limits: _Limits) -> None:
+    """The quality gate's probes (``probes.select_probes``) rank right after tier 0, so a summary
+    that has room for them keeps every fact the gate checks."""
+    by_kind: dict[probes.ProbeKind, list[str]] = {kind: [] for kind in probes.ProbeKind}
+    for probe in probes.select_probes(span):
+        by_kind[probe.kind].append(probe.origin or probe.text)
+    item, request = limits.item_units, limits.request_units
+    kinds = probes.ProbeKind
+    ranking.add(1, _GOALS, by_kind[kinds.REQUEST], request, newest_first=False, promote=True)
+    ranking.add(1, _FILES, by_kind[kinds.PATH], item, newest_first=False, promote=True)
+    commands = [f"Ran: {command}" for command in by_kind[kinds.COMMAND]]
+    ranking.add(1, _TECH, commands, item, newest_first=False, promote=True)
+    errors = [f"{span.errors[line]}: {line}" for line in by_kind[kinds.ERROR]]
+    ranking.add(1, _ERRORS, errors, item, newest_first=False, promote=True)
 
 
 def _rank_requests(ranking: _Ranking, requests: Sequence[str], cap: int) -> None:
@@ -452,6 +417,8 @@ def _clip(text: str, max_units: int) -> str:
     if utf16_length(text) <= max_units:
         return text
     room = max(0, max_units - len(_ELLIPSIS))
+    if text.isascii():  # one code unit per character: cut directly
+        return _at_word(text[:room], room)
     cut, used = 0, 0
     while cut < len(text):
         size = 2 if ord(text[cut]) > 0xFFFF else 1
@@ -459,7 +426,11 @@ def _clip(text: str, max_units: int) -> str:
             break
         used += size
         cut += 1
-    head = text[:cut]
+    return _at_word(text[:cut], room)
+
+
+def _at_word(head: str, room: int) -> str:
+    """``head`` cut back to its last space when that loses at most a fifth, plus the ellipsis."""
     space = head.rfind(" ")
     if space >= room * 4 // 5:
         head = head[:space]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -38,6 +39,7 @@ from compactd.core.pricing import heuristic_price
 from compactd.core.projection import project
 from compactd.core.pruner import PrunePlan, PrunerConfig, plan_prunes
 from compactd.core.selection import (
+    DeclineCode,
     Declined,
     Selection,
     SelectionMode,
@@ -53,6 +55,7 @@ from compactd.metrics import Metrics
 from compactd.providers.base import Summarizer, SummaryError, SummaryRequest, SummaryResult
 from compactd.redaction import Redactor
 from compactd.routes import Route
+from compactd.service.guard import CompactionGuard, SummaryRejected
 from compactd.service.pressure import PressureService, session_meter
 from compactd.service.requests import build_request
 from compactd.service.sessions import SessionHandle, SessionManager
@@ -97,6 +100,8 @@ class _Bracket:
     retained_budget: int = 0
     turn: int | None = None
     focus: str | None = None
+    min_span_tokens: int = 0  # selection declines a smaller span (0: overflow recovery)
+    guarded: bool = False  # failure memory may hold the span back (PrepareStep)
 
 
 #: The inputs of one bracket run, for the recovery flows (``service.recovery``, ``.switch``).
@@ -157,6 +162,7 @@ class CompactionEngine:
         recoveries: Sequence[SummaryErrorRecovery] = (),
         metrics: Metrics | None = None,
         redact: Callable[[str], str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._metrics = metrics or Metrics()
         self._manager = manager
@@ -168,6 +174,7 @@ class CompactionEngine:
         self._pruner = pruner or PrunerConfig()
         tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer("compactd")
         self._tracer = self._metrics.timed(tracer)  # each compaction.<step> span is timed
+        self._guard = CompactionGuard(clock=clock, tracer=self._tracer, metrics=self._metrics)
 
     # ---- PrepareStep ---------------------------------------------------------------------
 
@@ -195,7 +202,9 @@ class CompactionEngine:
             return await self._step_result(handle, None, None, outcome)
         after = before
         policy = self._pressure.target_policy(handle, route)
-        if before.state == cpb.PRESSURE_STATE_ABOVE and policy.auto:
+        if before.state != cpb.PRESSURE_STATE_ABOVE:
+            self._guard.end_crossing(handle)
+        elif policy.auto:
             after = await self._relieve(handle, route, policy, turn, outcome, progress)
         return await self._step_result(handle, before, after, outcome)
 
@@ -219,8 +228,13 @@ class CompactionEngine:
                 await progress(_measured(report, "re-measured after pruning"))
             return report.state != cpb.PRESSURE_STATE_ABOVE
 
-        attempts = 0
+        attempts, cause = 0, "compaction did not bring it below"
         while report.state == cpb.PRESSURE_STATE_ABOVE:
+            if not self._guard.may_open(handle, policy):  # this crossing's budget is spent
+                if attempts == 0 and await prune_first():  # pruning opens no bracket
+                    break
+                await self._budget_spent(handle, policy, report, cause, outcome, progress)
+                break
             if attempts > policy.compaction_retries:
                 outcome.warnings.append(_still_above(report, attempts, policy, "retries exhausted"))
                 break
@@ -230,12 +244,16 @@ class CompactionEngine:
             job = _Bracket(
                 handle, PRESSURE, SelectionMode.PRESSURE, route,
                 self._shrink_route(handle, route), policy, spec.retained_budget, turn,
+                min_span_tokens=self._guard.min_span_tokens(route, policy), guarded=True,
             )  # fmt: skip
             prelude = prune_first if attempts == 0 else None
             try:
                 committed = await self.run_bracket(job, progress, prelude=prelude)
             except CompactdError as error:
                 outcome.warnings.append(f"compaction failed ({error.reason}): {error.message}")
+                cause = f"the last bracket failed with {error.reason}"
+                if not self._guard.may_open(handle, policy):
+                    await self._budget_spent(handle, policy, report, cause, outcome, progress)
                 break
             if committed is None:  # pruning alone brought the envelope below the trigger
                 break
@@ -268,9 +286,13 @@ class CompactionEngine:
                 metadata={"open_turns": turns},
             )
         _refuse_live_bracket(handle)
+        self._guard.end_crossing(handle)  # an explicit request starts afresh
         route = self._pressure.logged_route_or_heuristic(handle)
         policy = self._pressure.target_policy(handle, route)
-        job = _Bracket(handle, MANUAL, SelectionMode.MAXIMAL, route, route, policy, focus=focus)
+        job = _Bracket(
+            handle, MANUAL, SelectionMode.MAXIMAL, route, route, policy, focus=focus,
+            min_span_tokens=self._guard.min_span_tokens(route, policy),
+        )  # fmt: skip
         committed = await self.run_bracket(job, progress)
         result = cpb.CompactResult()
         if isinstance(committed, Declined):
@@ -360,9 +382,12 @@ class CompactionEngine:
             opened = await self._open(job, compaction_id, span)
             if isinstance(opened, Declined):
                 span.set_attribute("compactd.declined", opened.reason)
-                self._metrics.compaction(trigger, "declined")
+                span.set_attribute("compactd.decline_code", opened.code)
+                await self._declined(trigger, opened, progress)
                 return opened
             selection, start_seq, snapshot, envelope_before = opened
+            if job.guarded:
+                self._guard.opened(handle, job.policy)
             await progress(_step(cpb.COMPACTION_STEP_START, compaction_id, start_seq))
             try:
                 outcome = await self._summarize_and_commit(
@@ -372,6 +397,7 @@ class CompactionEngine:
             except BaseException as error:
                 self._metrics.compaction(trigger, "failed", reason=_close_reason(error)[1])
                 await asyncio.shield(self._close(handle, compaction_id, error, progress))
+                self._guard.failed(handle, selection, target, _close_reason(error)[1], job.policy)
                 if not isinstance(error, Exception):
                     _record_error(span, error)  # the span records Exceptions, not cancellation
                 raise
@@ -391,10 +417,14 @@ class CompactionEngine:
                 meter = session_meter(handle)
                 price = _node_price(handle, job.route)
                 chosen = select_range(
-                    handle.fold, price, mode=job.mode, retained_budget=job.retained_budget
-                )
+                    handle.fold, price, mode=job.mode, retained_budget=job.retained_budget,
+                    min_span_tokens=job.min_span_tokens,
+                )  # fmt: skip
                 if isinstance(chosen, Declined):
                     return chosen
+                held = self._held(job, chosen)
+                if held is not None:
+                    return held
                 snapshot = surface_snapshot(handle.fold)
                 envelope_before = meter.measure(handle.fold, job.route).total
                 start = bracket.start_event(compaction_id, job.trigger, chosen, job.turn)
@@ -431,6 +461,13 @@ class CompactionEngine:
                 # and the envelope, so the figures logged with the summary are today's.
                 selection, envelope_before = await self._repriced(job, selection, envelope_before)
             attempt += 1
+        screened = await self._guard.screen(
+            policy=job.policy, compaction_id=compaction_id, request=request, summary=summary,
+            summarizer=writer.summarizer.name, target=target,
+            span_tokens=_span_tokens(handle, selection, job.shrink_route),
+            shrink_route=job.shrink_route, progress=progress,
+        )  # fmt: skip
+        summary = screened.summary
         framed = prompts.frame_checkpoint(summary.text)
         with self._tracer.start_as_current_span("compaction.summary") as span:
             span.set_attribute("compactd.compaction_id", compaction_id)
@@ -468,9 +505,13 @@ class CompactionEngine:
                 events = [
                     bracket.summary_event(
                         compaction_id, summary.text, selection, tokens,
-                        target=events_pb2.Route(provider=target.provider, model=target.model),
+                        target=events_pb2.Route(
+                            provider=screened.target.provider, model=screened.target.model
+                        ),
                         usage=summary.usage,
-                        summarizer=writer.summarizer.name,
+                        summarizer=screened.summarizer,
+                        gate=screened.report,
+                        fallback=screened.fallback,
                     ),
                     bracket.checkpoint_event(
                         compaction_id, framed, selection, start_seq, summary_seq
@@ -581,12 +622,13 @@ class CompactionEngine:
     ) -> None:
         """Step 5: exactly one closing attempt; a failure leaves the orphan start in place."""
         message, reason = _close_reason(error)
+        gate = error.gate if isinstance(error, SummaryRejected) else None
         with self._tracer.start_as_current_span("compaction.end") as span:
             span.set_attribute("compactd.compaction_id", compaction_id)
             try:
                 async with handle.lock:
                     result = await handle.append_locked(
-                        [bracket.end_event(compaction_id, message, reason)]
+                        [bracket.end_event(compaction_id, message, reason, gate=gate)]
                     )
             except Exception as close_error:
                 _record_error(span, close_error)
@@ -616,6 +658,37 @@ class CompactionEngine:
                 return selection, envelope_before
             envelope = meter.measure(handle.fold, job.route).total
         return replace(selection, shadowed_price=price), envelope
+
+    # ---- the guard's hooks (service.guard) -------------------------------------------------------
+
+    def _held(self, job: _Bracket, chosen: Selection) -> Declined | None:
+        """Failure memory's say on a selected span (guarded jobs only; called under the lock)."""
+        if not job.guarded:
+            return None
+        target = self._summarizers.target(job.policy, job.handle.fold.header)
+        return self._guard.hold(job.handle, chosen, target, job.policy)
+
+    async def _declined(self, trigger: str, declined: Declined, progress: Progress) -> None:
+        if declined.code is DeclineCode.KNOWN_FAILURE:
+            self._metrics.compaction(trigger, "skipped", reason=declined.code)
+            await progress(_step(cpb.COMPACTION_STEP_SKIP, "", -1, declined.reason))
+        else:
+            self._metrics.compaction(trigger, "declined", reason=declined.code)
+
+    async def _budget_spent(
+        self,
+        handle: SessionHandle,
+        policy: TargetPolicy,
+        report: cpb.PressureReport,
+        why: str,
+        outcome: StepOutcome,
+        progress: Progress,
+    ) -> None:
+        """The crossing may open no more brackets: say so once, skip silently afterwards."""
+        note = self._guard.exhausted(handle, policy, report, why)
+        if note is not None:
+            outcome.warnings.append(note)
+            await progress(_step(cpb.COMPACTION_STEP_SKIP, "", -1, note))
 
     # ---- helpers -------------------------------------------------------------------------------
 
@@ -709,6 +782,17 @@ def _shadow_price(handle: SessionHandle, selection: Selection) -> int:
         assert position is not None
         total += price(surface[position])
     return total
+
+
+def _span_tokens(handle: SessionHandle, selection: Selection, route: Route) -> int | None:
+    """The span's route price now; None when a node of it is gone (the commit then fails the
+    span's revalidation, so the quality gate need not judge it)."""
+    try:
+        return session_meter(handle).route_price_of_nodes(
+            handle.fold, selection.shadowed_seqs, route
+        )
+    except ValueError:
+        return None
 
 
 def _summary_request(

@@ -5,7 +5,8 @@ over real HTTP (streamed as server-sent events with a final usage chunk, or as o
 records every request byte for byte, and answers from a script of ``Reply`` values: text,
 reasoning, tool calls, image output, provider-like HTTP errors, delays. Without a script it answers
 with deterministic text derived from the request (a short eight-section summary for requests
-marked ``X-Compactd-Purpose: compaction``), so an agent loop runs unscripted.
+marked ``X-Compactd-Purpose: compaction``, keeping the facts the quality gate probes), so an
+agent loop runs unscripted.
 
 Usage figures follow the 4-characters-per-token heuristic, and a simulated prefix cache reports
 how much of each prompt (tools, then messages) repeats an earlier prompt of the same model, so
@@ -24,13 +25,20 @@ import logging
 import math
 import socket
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any
 
-from compactd.core.prompts import EMPTY_SECTION, SUMMARY_SECTIONS
+from compactd.core.probes import ProbeKind, is_checkpoint, select_probes, span_facts
+from compactd.core.prompts import (
+    EMPTY_SECTION,
+    SUMMARY_CLOSE_TAG,
+    SUMMARY_OPEN_TAG,
+    SUMMARY_SECTIONS,
+)
+from compactd.v1 import events_pb2, session_service_pb2
 
 _log = logging.getLogger(__name__)
 
@@ -185,6 +193,7 @@ class OpenAICompatServer:
         usage_style: str = "openai",
         prefix_cache: bool = True,
         cache_block_chars: int = 4,
+        responder: Callable[[RecordedRequest], Reply | None] | None = None,
     ) -> None:
         """Create a stopped server.
 
@@ -193,12 +202,15 @@ class OpenAICompatServer:
                 (``prompt_cache_hit_tokens`` / ``prompt_cache_miss_tokens``).
             prefix_cache: Report cache hits for prompt prefixes seen before.
             cache_block_chars: Cache granularity in characters of the serialized prompt.
+            responder: Chooses the reply to a request when the script is empty (called from a
+                handler thread); None from it, or no responder, answers with the default.
         """
         if usage_style not in ("openai", "deepseek"):
             raise ValueError(f"usage_style must be 'openai' or 'deepseek', not {usage_style!r}")
         self._usage_style = usage_style
         self._prefix_cache = prefix_cache
         self._cache_block = max(1, cache_block_chars)
+        self._responder = responder
         self._lock = threading.Lock()
         self._received = threading.Condition(self._lock)
         self._script: collections.deque[Reply] = collections.deque()
@@ -303,8 +315,11 @@ class OpenAICompatServer:
         with self._lock:
             self._requests.append(request)
             self._received.notify_all()
-            reply = self._script.popleft() if self._script else Reply()
-            return len(self._requests), reply
+            scripted = self._script.popleft() if self._script else None
+            number = len(self._requests)
+        if scripted is None and self._responder is not None:
+            scripted = self._responder(request)
+        return number, scripted or Reply()
 
     def _cached_chars(self, model: str, prompt: str) -> int:
         """Characters of ``prompt`` that repeat an earlier prompt of ``model``; then remember it."""
@@ -355,22 +370,93 @@ class OpenAICompatServer:
 def default_reply_text(body: Mapping[str, Any], *, compaction: bool) -> str:
     """The deterministic answer to an unscripted request.
 
-    A compaction request (purpose header) gets a short summary in the eight sections; any other
-    request gets one line naming what it received.
+    A compaction request (purpose header) gets a diligent summary in the eight sections: the facts
+    the quality gate probes (``core.probes``: requests quoted, paths, commands, error strings, each
+    clipped to 100 characters), the bullets of any prior checkpoint it folds, and the latest user
+    message as the work in progress. Any other request gets one line naming what it received.
     """
     messages = [m for m in body.get("messages", []) if isinstance(m, Mapping)]
     users = [_message_text(m) for m in messages if m.get("role") == "user"]
     if compaction:
         # The final user message is the instruction, not part of the conversation.
-        conversation = users[:-1]
-        first = _clip(conversation[0]) if conversation else EMPTY_SECTION
-        last = _clip(conversation[-1]) if conversation else EMPTY_SECTION
-        lines = {SUMMARY_SECTIONS[0]: first, SUMMARY_SECTIONS[5]: last}
-        return "\n".join(
-            f"## {title}\n- {lines.get(title, EMPTY_SECTION)}" for title in SUMMARY_SECTIONS
-        )
+        return _summary_of(messages[:-1], users[:-1])
     last_user = _clip(users[-1]) if users else "(no user message)"
     return f"Loopback reply to {len(messages)} messages; last user message: {last_user}"
+
+
+def _summary_of(messages: Sequence[Mapping[str, Any]], users: Sequence[str]) -> str:
+    requests = [text for text in users if not is_checkpoint(text)]
+    sections: dict[str, list[str]] = {title: [] for title in SUMMARY_SECTIONS}
+    for text in users:
+        if is_checkpoint(text):
+            _fold_prior(text, sections)
+    if requests:
+        sections[SUMMARY_SECTIONS[5]] = [_clip(requests[-1])]
+    where = {
+        ProbeKind.REQUEST: (SUMMARY_SECTIONS[0], '"{}"'),
+        ProbeKind.COMMAND: (SUMMARY_SECTIONS[1], "Ran: {}"),
+        ProbeKind.PATH: (SUMMARY_SECTIONS[2], "{}"),
+        ProbeKind.ERROR: (SUMMARY_SECTIONS[3], "{}"),
+    }
+    for probe in select_probes(span_facts(_as_messages(messages))):
+        title, form = where[probe.kind]
+        line = form.format(_clip(probe.text, 100))
+        if line not in sections[title]:
+            sections[title].append(line)
+    return "\n".join(
+        f"## {title}\n" + "\n".join(f"- {line}" for line in lines or [EMPTY_SECTION])
+        for title, lines in sections.items()
+    )
+
+
+def _fold_prior(checkpoint: str, sections: dict[str, list[str]]) -> None:
+    """Merge a prior checkpoint's bullets into ``sections`` (what a model folding it keeps)."""
+    inner = checkpoint.partition(SUMMARY_OPEN_TAG)[2].rpartition(SUMMARY_CLOSE_TAG)[0]
+    title = ""
+    for line in inner.splitlines():
+        if line.startswith("## "):
+            title = line[3:].strip()
+        elif line.startswith("- ") and title in sections:
+            bullet = line[2:].strip()
+            if bullet != EMPTY_SECTION and bullet not in sections[title]:
+                sections[title].append(bullet)
+
+
+_ROLES = {
+    "system": session_service_pb2.MESSAGE_ROLE_SYSTEM,
+    "developer": session_service_pb2.MESSAGE_ROLE_DEVELOPER,
+    "user": session_service_pb2.MESSAGE_ROLE_USER,
+    "assistant": session_service_pb2.MESSAGE_ROLE_ASSISTANT,
+    "tool": session_service_pb2.MESSAGE_ROLE_TOOL,
+}
+
+
+def _as_messages(messages: Sequence[Mapping[str, Any]]) -> list[session_service_pb2.Message]:
+    """Chat-completions messages as compactd messages (text and tool calls), for the probes."""
+    converted = []
+    for message in messages:
+        role = _ROLES.get(str(message.get("role")), session_service_pb2.MESSAGE_ROLE_USER)
+        blocks = [events_pb2.ContentBlock(text=events_pb2.TextBlock(text=_message_text(message)))]
+        for call in message.get("tool_calls") or []:
+            function = call.get("function", {}) if isinstance(call, Mapping) else {}
+            blocks.append(
+                events_pb2.ContentBlock(
+                    tool_call=events_pb2.ToolCallBlock(
+                        id=str(call.get("id", "")),
+                        name=str(function.get("name", "")),
+                        arguments_json=str(function.get("arguments", "")),
+                    )
+                )
+            )
+        converted.append(
+            session_service_pb2.Message(
+                role=role,
+                content=blocks,
+                tool_call_id=str(message.get("tool_call_id", "")),
+                name=str(message.get("name", "")),
+            )
+        )
+    return converted
 
 
 class _HTTPServer(ThreadingHTTPServer):

@@ -127,6 +127,14 @@ class _CompactionStepEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Compac
     """An `image/offload` was appended."""
     COMPACTION_STEP_HEADER: _CompactionStep.ValueType  # 9
     """The destination `request/header` of a model switch was appended."""
+    COMPACTION_STEP_GATE: _CompactionStep.ValueType  # 10
+    """The summary quality gate judged the summary (`detail` says passed, fell back, or rejected
+    with the failed checks).
+    """
+    COMPACTION_STEP_SKIP: _CompactionStep.ValueType  # 11
+    """A bracket was not opened: failure memory holds its span back, or the threshold crossing's
+    budget is spent (`detail` says which, and when a retry may happen).
+    """
 
 class CompactionStep(_CompactionStep, metaclass=_CompactionStepEnumTypeWrapper):
     """A step of a compaction, as streamed to the caller."""
@@ -151,6 +159,14 @@ COMPACTION_STEP_OFFLOAD: CompactionStep.ValueType  # 8
 """An `image/offload` was appended."""
 COMPACTION_STEP_HEADER: CompactionStep.ValueType  # 9
 """The destination `request/header` of a model switch was appended."""
+COMPACTION_STEP_GATE: CompactionStep.ValueType  # 10
+"""The summary quality gate judged the summary (`detail` says passed, fell back, or rejected
+with the failed checks).
+"""
+COMPACTION_STEP_SKIP: CompactionStep.ValueType  # 11
+"""A bracket was not opened: failure memory holds its span back, or the threshold crossing's
+budget is spent (`detail` says which, and when a retry may happen).
+"""
 Global___CompactionStep: _TypeAlias = CompactionStep  # noqa: Y015
 
 class _ProviderErrorKind:
@@ -631,7 +647,9 @@ class PrepareStepResult(_message.Message):
 
     @_builtins.property
     def warnings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Warnings (e.g. a target without capacity); the step continues with full history."""
+        """Warnings (a target without capacity, a rejected summary, a skipped bracket); the step
+        continues with the surface as it is.
+        """
 
     @_builtins.property
     def request(self) -> _session_service_pb2.BuildRequestResponse:

@@ -125,6 +125,70 @@ COMPACTION_TRIGGER_MODEL_SWITCH: CompactionTrigger.ValueType  # 4
 """A model switch to a destination whose threshold the history exceeds."""
 Global___CompactionTrigger: _TypeAlias = CompactionTrigger  # noqa: Y015
 
+class _SummaryCheck:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _SummaryCheckEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SummaryCheck.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SUMMARY_CHECK_UNSPECIFIED: _SummaryCheck.ValueType  # 0
+    """Not set."""
+    SUMMARY_CHECK_SECTIONS: _SummaryCheck.ValueType  # 1
+    """The instruction's sections, each as a heading, in order."""
+    SUMMARY_CHECK_ECHO: _SummaryCheck.ValueType  # 2
+    """Not a copy of one span message."""
+    SUMMARY_CHECK_REDUCTION: _SummaryCheck.ValueType  # 3
+    """The checkpoint is at least `minReductionRatio` smaller than the span."""
+    SUMMARY_CHECK_PROBES: _SummaryCheck.ValueType  # 4
+    """At least `minProbeRetention` of the span's probes are kept."""
+
+class SummaryCheck(_SummaryCheck, metaclass=_SummaryCheckEnumTypeWrapper):
+    """A check of the summary quality gate."""
+
+SUMMARY_CHECK_UNSPECIFIED: SummaryCheck.ValueType  # 0
+"""Not set."""
+SUMMARY_CHECK_SECTIONS: SummaryCheck.ValueType  # 1
+"""The instruction's sections, each as a heading, in order."""
+SUMMARY_CHECK_ECHO: SummaryCheck.ValueType  # 2
+"""Not a copy of one span message."""
+SUMMARY_CHECK_REDUCTION: SummaryCheck.ValueType  # 3
+"""The checkpoint is at least `minReductionRatio` smaller than the span."""
+SUMMARY_CHECK_PROBES: SummaryCheck.ValueType  # 4
+"""At least `minProbeRetention` of the span's probes are kept."""
+Global___SummaryCheck: _TypeAlias = SummaryCheck  # noqa: Y015
+
+class _SummaryProbeKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _SummaryProbeKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SummaryProbeKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SUMMARY_PROBE_KIND_UNSPECIFIED: _SummaryProbeKind.ValueType  # 0
+    """Not set."""
+    SUMMARY_PROBE_KIND_REQUEST: _SummaryProbeKind.ValueType  # 1
+    """A user request (kept when quoted)."""
+    SUMMARY_PROBE_KIND_PATH: _SummaryProbeKind.ValueType  # 2
+    """A file path."""
+    SUMMARY_PROBE_KIND_COMMAND: _SummaryProbeKind.ValueType  # 3
+    """A shell command."""
+    SUMMARY_PROBE_KIND_ERROR: _SummaryProbeKind.ValueType  # 4
+    """An error string from tool output."""
+
+class SummaryProbeKind(_SummaryProbeKind, metaclass=_SummaryProbeKindEnumTypeWrapper):
+    """What a probe stands for."""
+
+SUMMARY_PROBE_KIND_UNSPECIFIED: SummaryProbeKind.ValueType  # 0
+"""Not set."""
+SUMMARY_PROBE_KIND_REQUEST: SummaryProbeKind.ValueType  # 1
+"""A user request (kept when quoted)."""
+SUMMARY_PROBE_KIND_PATH: SummaryProbeKind.ValueType  # 2
+"""A file path."""
+SUMMARY_PROBE_KIND_COMMAND: SummaryProbeKind.ValueType  # 3
+"""A shell command."""
+SUMMARY_PROBE_KIND_ERROR: SummaryProbeKind.ValueType  # 4
+"""An error string from tool output."""
+Global___SummaryProbeKind: _TypeAlias = SummaryProbeKind  # noqa: Y015
+
 @_typing.final
 class SessionEvent(_message.Message):
     """One entry of a session's append-only log.
@@ -1281,6 +1345,8 @@ class CompactionSummary(_message.Message):
     TARGET_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     SUMMARIZER_FIELD_NUMBER: _builtins.int
+    GATE_FIELD_NUMBER: _builtins.int
+    FALLBACK_FIELD_NUMBER: _builtins.int
     compaction_id: _builtins.str
     """The bracket id."""
     summary: _builtins.str
@@ -1307,6 +1373,16 @@ class CompactionSummary(_message.Message):
     def usage(self) -> Global___Usage:
         """Provider usage of the summary call(s)."""
 
+    @_builtins.property
+    def gate(self) -> Global___SummaryGateReport:
+        """What the summary quality gate found (absent when the policy turns the gate off)."""
+
+    @_builtins.property
+    def fallback(self) -> Global___SummaryFallback:
+        """Set when the gate rejected the target's summary and the policy's extractive fallback wrote
+        this one (`summarizer` is then `extractive`).
+        """
+
     def __init__(
         self,
         *,
@@ -1318,14 +1394,152 @@ class CompactionSummary(_message.Message):
         target: Global___Route | None = ...,
         usage: Global___Usage | None = ...,
         summarizer: _builtins.str = ...,
+        gate: Global___SummaryGateReport | None = ...,
+        fallback: Global___SummaryFallback | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["range", b"range", "target", b"target", "tokens", b"tokens", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fallback", b"fallback", "gate", b"gate", "range", b"range", "target", b"target", "tokens", b"tokens", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "range", b"range", "shadowed_seqs", b"shadowed_seqs", "summarizer", b"summarizer", "summary", b"summary", "target", b"target", "tokens", b"tokens", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "fallback", b"fallback", "gate", b"gate", "range", b"range", "shadowed_seqs", b"shadowed_seqs", "summarizer", b"summarizer", "summary", b"summary", "target", b"target", "tokens", b"tokens", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CompactionSummary: _TypeAlias = CompactionSummary  # noqa: Y015
+
+@_typing.final
+class SummaryProbe(_message.Message):
+    """One exact fact of the span the gate looked for in the summary."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    kind: Global___SummaryProbeKind.ValueType
+    """What it is."""
+    text: _builtins.str
+    """The fact, clipped to 200 characters."""
+    def __init__(
+        self,
+        *,
+        kind: Global___SummaryProbeKind.ValueType = ...,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SummaryProbe: _TypeAlias = SummaryProbe  # noqa: Y015
+
+@_typing.final
+class SummaryCheckFailure(_message.Message):
+    """A gate check the summary failed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECK_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    MISSED_PROBES_FIELD_NUMBER: _builtins.int
+    check: Global___SummaryCheck.ValueType
+    """The check."""
+    detail: _builtins.str
+    """What it found, e.g. `missing section(s): Files Touched`."""
+    @_builtins.property
+    def missed_probes(self) -> _containers.RepeatedCompositeFieldContainer[Global___SummaryProbe]:
+        """`SUMMARY_CHECK_PROBES`: the probes the summary does not hold."""
+
+    def __init__(
+        self,
+        *,
+        check: Global___SummaryCheck.ValueType = ...,
+        detail: _builtins.str = ...,
+        missed_probes: _abc.Iterable[Global___SummaryProbe] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["check", b"check", "detail", b"detail", "missed_probes", b"missed_probes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SummaryCheckFailure: _TypeAlias = SummaryCheckFailure  # noqa: Y015
+
+@_typing.final
+class SummaryGateReport(_message.Message):
+    """The summary quality gate's findings on one summary."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FAILURES_FIELD_NUMBER: _builtins.int
+    PROBE_COUNT_FIELD_NUMBER: _builtins.int
+    PROBES_KEPT_FIELD_NUMBER: _builtins.int
+    REDUCTION_FIELD_NUMBER: _builtins.int
+    MIN_REDUCTION_RATIO_FIELD_NUMBER: _builtins.int
+    MIN_PROBE_RETENTION_FIELD_NUMBER: _builtins.int
+    probe_count: _builtins.int
+    """Probes extracted from the span."""
+    probes_kept: _builtins.int
+    """Probes the summary holds."""
+    reduction: _builtins.float
+    """1 - checkpoint tokens / span tokens (route prices, framed checkpoint)."""
+    min_reduction_ratio: _builtins.float
+    """The policy's `minReductionRatio`."""
+    min_probe_retention: _builtins.float
+    """The policy's `minProbeRetention`."""
+    @_builtins.property
+    def failures(self) -> _containers.RepeatedCompositeFieldContainer[Global___SummaryCheckFailure]:
+        """The failed checks, in check order; empty when the summary passed."""
+
+    def __init__(
+        self,
+        *,
+        failures: _abc.Iterable[Global___SummaryCheckFailure] | None = ...,
+        probe_count: _builtins.int = ...,
+        probes_kept: _builtins.int = ...,
+        reduction: _builtins.float = ...,
+        min_reduction_ratio: _builtins.float = ...,
+        min_probe_retention: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failures", b"failures", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "probe_count", b"probe_count", "probes_kept", b"probes_kept", "reduction", b"reduction"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SummaryGateReport: _TypeAlias = SummaryGateReport  # noqa: Y015
+
+@_typing.final
+class SummaryFallback(_message.Message):
+    """The summary the gate rejected before the extractive fallback wrote the committed one."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REJECTED_SUMMARIZER_FIELD_NUMBER: _builtins.int
+    REJECTED_TARGET_FIELD_NUMBER: _builtins.int
+    REJECTED_FIELD_NUMBER: _builtins.int
+    rejected_summarizer: _builtins.str
+    """The summarizer whose summary was rejected."""
+    @_builtins.property
+    def rejected_target(self) -> Global___Route:
+        """The route that wrote it."""
+
+    @_builtins.property
+    def rejected(self) -> Global___SummaryGateReport:
+        """Why it was rejected."""
+
+    def __init__(
+        self,
+        *,
+        rejected_summarizer: _builtins.str = ...,
+        rejected_target: Global___Route | None = ...,
+        rejected: Global___SummaryGateReport | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["rejected", b"rejected", "rejected_target", b"rejected_target"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rejected", b"rejected", "rejected_summarizer", b"rejected_summarizer", "rejected_target", b"rejected_target"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SummaryFallback: _TypeAlias = SummaryFallback  # noqa: Y015
 
 @_typing.final
 class CompactionSummaryError(_message.Message):
@@ -1374,22 +1588,28 @@ class CompactionEnd(_message.Message):
     COMPACTION_ID_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     ERROR_REASON_FIELD_NUMBER: _builtins.int
+    GATE_FIELD_NUMBER: _builtins.int
     compaction_id: _builtins.str
     """The bracket id."""
     error: _builtins.str
     """Error text when the bracket failed or declined; empty on success."""
     error_reason: _builtins.str
     """Canonical reason of the failure, when there is one."""
+    @_builtins.property
+    def gate(self) -> Global___SummaryGateReport:
+        """`SUMMARY_REJECTED` (and a `SUMMARY_NOT_SMALLER` found by the gate): the failed checks."""
+
     def __init__(
         self,
         *,
         compaction_id: _builtins.str = ...,
         error: _builtins.str = ...,
         error_reason: _builtins.str = ...,
+        gate: Global___SummaryGateReport | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["gate", b"gate"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "error", b"error", "error_reason", b"error_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "error", b"error", "error_reason", b"error_reason", "gate", b"gate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -106,7 +106,9 @@ class CompactionServiceServicer:
         re-measures and summarizes if still needed. Streams one update per bracket step, then the
         result with the rebuilt request. Errors: NOT_FOUND; FAILED_PRECONDITION with reason
         `NO_OPEN_TURN` when `turn` is not open; ABORTED with reason `COMPACTION_BUSY` while a bracket
-        is live. Configuration errors are warnings in the result, not failures.
+        is live. Configuration errors are warnings in the result, not failures; so are a summary the
+        quality gate rejected, a span failure memory holds back, a span too small for a useful
+        checkpoint, and a threshold crossing whose brackets are spent (reported once).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -116,8 +118,10 @@ class CompactionServiceServicer:
         """On-demand compaction (`/compact`), even below pressure. Streams one update per bracket step,
         then the result. Errors: NOT_FOUND; ABORTED with reason `COMPACTION_BUSY` while a turn is open
         or a bracket is live; FAILED_PRECONDITION with reason `SUMMARY_TARGET_UNKNOWN` when no model
-        can write the summary; reason `SUMMARY_NOT_SMALLER`, `SPAN_DRIFT`, `UNSUPPORTED_CONTENT` or
-        `SUMMARY_FAILED` when the bracket closes without committing; UNAVAILABLE with reason
+        can write the summary; reason `SUMMARY_REJECTED` (the quality gate's failed checks are in the
+        `compaction/end` event and the ErrorInfo metadata), `SUMMARY_NOT_SMALLER`, `SPAN_DRIFT`,
+        `UNSUPPORTED_CONTENT` or `SUMMARY_FAILED` when the bracket closes without committing; a span
+        too small for a useful checkpoint answers a result with `declined_reason`; UNAVAILABLE with reason
         `TIMEOUT`, `RATE_LIMITED` or `PROVIDER_UNAVAILABLE` when the summarizer's provider failed
         transiently (the bracket is closed; retrying later may succeed).
         """

@@ -17,7 +17,7 @@ import type { JsonObject, Message } from "@bufbuild/protobuf";
  * Describes the file compactd/v1/events.proto.
  */
 export const file_compactd_v1_events: GenFile = /*@__PURE__*/
-  fileDesc("Chhjb21wYWN0ZC92MS9ldmVudHMucHJvdG8SC2NvbXBhY3RkLnYxIs4JCgxTZXNzaW9uRXZlbnQSCwoDc2VxGAEgASgDEigKBHRpbWUYAiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhAKCGV2ZW50X2lkGAMgASgJEioKCnN1cmZhY2Vfb3AYBCABKAsyFi5jb21wYWN0ZC52MS5TdXJmYWNlT3ASGQoRc291cmNlX2V2ZW50X3NlcXMYBSADKAMSNAoOc3lzdGVtX21lc3NhZ2UYCiABKAsyGi5jb21wYWN0ZC52MS5TeXN0ZW1NZXNzYWdlSAASOgoRZGV2ZWxvcGVyX21lc3NhZ2UYCyABKAsyHS5jb21wYWN0ZC52MS5EZXZlbG9wZXJNZXNzYWdlSAASMAoMdXNlcl9tZXNzYWdlGAwgASgLMhguY29tcGFjdGQudjEuVXNlck1lc3NhZ2VIABI6ChFhc3Npc3RhbnRfbWVzc2FnZRgNIAEoCzIdLmNvbXBhY3RkLnYxLkFzc2lzdGFudE1lc3NhZ2VIABIuCgt0b29sX3Jlc3VsdBgOIAEoCzIXLmNvbXBhY3RkLnYxLlRvb2xSZXN1bHRIABIsCgp0dXJuX3N0YXJ0GBQgASgLMhYuY29tcGFjdGQudjEuVHVyblN0YXJ0SAASKAoIdHVybl9lbmQYFSABKAsyFC5jb21wYWN0ZC52MS5UdXJuRW5kSAASLAoKc3RlcF9zdGFydBgWIAEoCzIWLmNvbXBhY3RkLnYxLlN0ZXBTdGFydEgAEigKCHN0ZXBfZW5kGBcgASgLMhQuY29tcGFjdGQudjEuU3RlcEVuZEgAEioKCXRvb2xfY2FsbBgYIAEoCzIVLmNvbXBhY3RkLnYxLlRvb2xDYWxsSAASOgoRYXNzaXN0YW50X2F0dGVtcHQYGSABKAsyHS5jb21wYWN0ZC52MS5Bc3Npc3RhbnRBdHRlbXB0SAASNAoOcmVxdWVzdF9oZWFkZXIYGiABKAsyGi5jb21wYWN0ZC52MS5SZXF1ZXN0SGVhZGVySAASOAoQY29tcGFjdGlvbl9zdGFydBgbIAEoCzIcLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25TdGFydEgAEjgKEGNvbXBhY3Rpb25fcHJ1bmUYHCABKAsyHC5jb21wYWN0ZC52MS5Db21wYWN0aW9uUHJ1bmVIABI8ChJjb21wYWN0aW9uX3N1bW1hcnkYHSABKAsyHi5jb21wYWN0ZC52MS5Db21wYWN0aW9uU3VtbWFyeUgAEjQKDmNvbXBhY3Rpb25fZW5kGB4gASgLMhouY29tcGFjdGQudjEuQ29tcGFjdGlvbkVuZEgAEjIKDWltYWdlX29mZmxvYWQYHyABKAsyGS5jb21wYWN0ZC52MS5JbWFnZU9mZmxvYWRIABI3ChBzZXNzaW9uX2VuZF9zZWVkGCAgASgLMhsuY29tcGFjdGQudjEuU2Vzc2lvbkVuZFNlZWRIABIqCglsbG1fcmV0cnkYISABKAsyFS5jb21wYWN0ZC52MS5MbG1SZXRyeUgAEkcKGGNvbXBhY3Rpb25fc3VtbWFyeV9lcnJvchgiIAEoCzIjLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25TdW1tYXJ5RXJyb3JIAEIGCgRib2R5IlkKCVN1cmZhY2VPcBIoCgRraW5kGAEgASgOMhouY29tcGFjdGQudjEuU3VyZmFjZU9wS2luZBIRCglzdGFydF9zZXEYAiABKAMSDwoHZW5kX3NlcRgDIAEoAyLMAQoMQ29udGVudEJsb2NrEiYKBHRleHQYASABKAsyFi5jb21wYWN0ZC52MS5UZXh0QmxvY2tIABIwCglyZWFzb25pbmcYAiABKAsyGy5jb21wYWN0ZC52MS5SZWFzb25pbmdCbG9ja0gAEigKBWltYWdlGAMgASgLMhcuY29tcGFjdGQudjEuSW1hZ2VCbG9ja0gAEi8KCXRvb2xfY2FsbBgEIAEoCzIaLmNvbXBhY3RkLnYxLlRvb2xDYWxsQmxvY2tIAEIHCgVibG9jayIZCglUZXh0QmxvY2sSDAoEdGV4dBgBIAEoCSIxCg5SZWFzb25pbmdCbG9jaxIMCgR0ZXh0GAEgASgJEhEKCXNpZ25hdHVyZRgCIAEoCSKUAQoKSW1hZ2VCbG9jaxISCgptZWRpYV90eXBlGAEgASgJEgwKBG5hbWUYAiABKAkSFQoNYXR0YWNobWVudF9pZBgDIAEoCRIMCgRwYXRoGAQgASgJEhIKCnNpemVfYnl0ZXMYBSABKAMSDQoFd2lkdGgYBiABKAUSDgoGaGVpZ2h0GAcgASgFEgwKBGRhdGEYCCABKAwiQQoNVG9vbENhbGxCbG9jaxIKCgJpZBgBIAEoCRIMCgRuYW1lGAIgASgJEhYKDmFyZ3VtZW50c19qc29uGAMgASgJIoUBCgVVc2FnZRIUCgxpbnB1dF90b2tlbnMYASABKAMSFQoNb3V0cHV0X3Rva2VucxgCIAEoAxIZChFjYWNoZV9yZWFkX3Rva2VucxgDIAEoAxIaChJjYWNoZV93cml0ZV90b2tlbnMYBCABKAMSGAoQcmVhc29uaW5nX3Rva2VucxgFIAEoAyIdCg1TeXN0ZW1NZXNzYWdlEgwKBHRleHQYASABKAkiIAoQRGV2ZWxvcGVyTWVzc2FnZRIMCgR0ZXh0GAEgASgJImkKC1VzZXJNZXNzYWdlEioKB2NvbnRlbnQYASADKAsyGS5jb21wYWN0ZC52MS5Db250ZW50QmxvY2sSLgoGc291cmNlGAIgASgLMh4uY29tcGFjdGQudjEuVXNlck1lc3NhZ2VTb3VyY2UilQEKEVVzZXJNZXNzYWdlU291cmNlEiwKBHVzZXIYASABKAsyHC5jb21wYWN0ZC52MS5Vc2VySW5wdXRTb3VyY2VIABJIChVjb21wYWN0aW9uX2NoZWNrcG9pbnQYAiABKAsyJy5jb21wYWN0ZC52MS5Db21wYWN0aW9uQ2hlY2twb2ludFNvdXJjZUgAQggKBm9yaWdpbiIRCg9Vc2VySW5wdXRTb3VyY2UiMwoaQ29tcGFjdGlvbkNoZWNrcG9pbnRTb3VyY2USFQoNY29tcGFjdGlvbl9pZBgBIAEoCSKXAQoQQXNzaXN0YW50TWVzc2FnZRIqCgdjb250ZW50GAEgAygLMhkuY29tcGFjdGQudjEuQ29udGVudEJsb2NrEiEKBXVzYWdlGAIgASgLMhIuY29tcGFjdGQudjEuVXNhZ2USEAoIcHJvdmlkZXIYAyABKAkSDQoFbW9kZWwYBCABKAkSEwoLc3RvcF9yZWFzb24YBSABKAkicwoKVG9vbFJlc3VsdBIUCgx0b29sX2NhbGxfaWQYASABKAkSEQoJdG9vbF9uYW1lGAIgASgJEioKB2NvbnRlbnQYAyADKAsyGS5jb21wYWN0ZC52MS5Db250ZW50QmxvY2sSEAoIaXNfZXJyb3IYBCABKAgiGQoJVHVyblN0YXJ0EgwKBHR1cm4YASABKAMiJwoHVHVybkVuZBIMCgR0dXJuGAEgASgDEg4KBnJlYXNvbhgCIAEoCSInCglTdGVwU3RhcnQSDAoEdHVybhgBIAEoAxIMCgRzdGVwGAIgASgDIiUKB1N0ZXBFbmQSDAoEdHVybhgBIAEoAxIMCgRzdGVwGAIgASgDIkYKCFRvb2xDYWxsEhQKDHRvb2xfY2FsbF9pZBgBIAEoCRIMCgRuYW1lGAIgASgJEhYKDmFyZ3VtZW50c19qc29uGAMgASgJIkgKEEFzc2lzdGFudEF0dGVtcHQSDwoHYXR0ZW1wdBgBIAEoBRINCgVlcnJvchgCIAEoCRIUCgxlcnJvcl9yZWFzb24YAyABKAki1gEKDVJlcXVlc3RDb25maWcSEAoIcHJvdmlkZXIYASABKAkSDQoFbW9kZWwYAiABKAkSHgoRbWF4X291dHB1dF90b2tlbnMYAyABKANIAIgBARIYCgt0ZW1wZXJhdHVyZRgEIAEoAUgBiAEBEhIKBXRvcF9wGAUgASgBSAKIAQESJgoFZXh0cmEYBiABKAsyFy5nb29nbGUucHJvdG9idWYuU3RydWN0QhQKEl9tYXhfb3V0cHV0X3Rva2Vuc0IOCgxfdGVtcGVyYXR1cmVCCAoGX3RvcF9wIk8KD1Rvb2xEZWNsYXJhdGlvbhIMCgRuYW1lGAEgASgJEhMKC2Rlc2NyaXB0aW9uGAIgASgJEhkKEWlucHV0X3NjaGVtYV9qc29uGAMgASgJIt0BCg1SZXF1ZXN0SGVhZGVyEioKBmNvbmZpZxgBIAEoCzIaLmNvbXBhY3RkLnYxLlJlcXVlc3RDb25maWcSMQoQYWRhcHRlcl9kZWZhdWx0cxgCIAEoCzIXLmdvb2dsZS5wcm90b2J1Zi5TdHJ1Y3QSKwoFdG9vbHMYAyADKAsyHC5jb21wYWN0ZC52MS5Ub29sRGVjbGFyYXRpb24SKQoGcmVhc29uGAQgASgOMhkuY29tcGFjdGQudjEuSGVhZGVyUmVhc29uEhUKDXN0YXJ0c19zZXJpZXMYBSABKAgiYAoMU3VyZmFjZVJhbmdlEhYKDnN0YXJ0X3Bvc2l0aW9uGAEgASgDEhQKDGVuZF9wb3NpdGlvbhgCIAEoAxIRCglzdGFydF9zZXEYAyABKAMSDwoHZW5kX3NlcRgEIAEoAyK2AQoPQ29tcGFjdGlvblN0YXJ0EhUKDWNvbXBhY3Rpb25faWQYASABKAkSLwoHdHJpZ2dlchgCIAEoDjIeLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25UcmlnZ2VyEigKBXJhbmdlGAMgASgLMhkuY29tcGFjdGQudjEuU3VyZmFjZVJhbmdlEhUKDXNoYWRvd2VkX3NlcXMYBCADKAMSEQoEdHVybhgFIAEoA0gAiAEBQgcKBV90dXJuIpMBCg9Db21wYWN0aW9uUHJ1bmUSFQoNY29tcGFjdGlvbl9pZBgBIAEoCRIUCgxzaGFkb3dlZF9zZXEYAiABKAMSFwoPc2hhZG93ZWRfdG9rZW5zGAMgASgDEhwKFG9yaWdpbmFsX2NvZGVfcG9pbnRzGAQgASgDEhwKFHJldGFpbmVkX2NvZGVfcG9pbnRzGAUgASgDIrcBChBUb2tlbk1lYXN1cmVtZW50EhcKD2VudmVsb3BlX2JlZm9yZRgBIAEoAxIWCg5lbnZlbG9wZV9hZnRlchgCIAEoAxIXCg9zaGFkb3dlZF90b2tlbnMYAyABKAMSGQoRY2hlY2twb2ludF90b2tlbnMYBCABKAMSHQoVc2hhZG93ZWRfcm91dGVfdG9rZW5zGAUgASgDEh8KF2NoZWNrcG9pbnRfcm91dGVfdG9rZW5zGAYgASgDIigKBVJvdXRlEhAKCHByb3ZpZGVyGAEgASgJEg0KBW1vZGVsGAIgASgJIoYCChFDb21wYWN0aW9uU3VtbWFyeRIVCg1jb21wYWN0aW9uX2lkGAEgASgJEg8KB3N1bW1hcnkYAiABKAkSKAoFcmFuZ2UYAyABKAsyGS5jb21wYWN0ZC52MS5TdXJmYWNlUmFuZ2USFQoNc2hhZG93ZWRfc2VxcxgEIAMoAxItCgZ0b2tlbnMYBSABKAsyHS5jb21wYWN0ZC52MS5Ub2tlbk1lYXN1cmVtZW50EiIKBnRhcmdldBgGIAEoCzISLmNvbXBhY3RkLnYxLlJvdXRlEiEKBXVzYWdlGAcgASgLMhIuY29tcGFjdGQudjEuVXNhZ2USEgoKc3VtbWFyaXplchgIIAEoCSJxChZDb21wYWN0aW9uU3VtbWFyeUVycm9yEhUKDWNvbXBhY3Rpb25faWQYASABKAkSDQoFZXJyb3IYAiABKAkSDgoGcmVhc29uGAMgASgJEg8KB2F0dGVtcHQYBCABKAUSEAoIcmV0cnlpbmcYBSABKAgiSwoNQ29tcGFjdGlvbkVuZBIVCg1jb21wYWN0aW9uX2lkGAEgASgJEg0KBWVycm9yGAIgASgJEhQKDGVycm9yX3JlYXNvbhgDIAEoCSI4ChJJbWFnZU9mZmxvYWRUYXJnZXQSCwoDc2VxGAEgASgDEhUKDWltYWdlX2luZGV4ZXMYAiADKAUiQAoMSW1hZ2VPZmZsb2FkEjAKB3RhcmdldHMYASADKAsyHy5jb21wYWN0ZC52MS5JbWFnZU9mZmxvYWRUYXJnZXQiNQoOU2Vzc2lvbkVuZFNlZWQSDgoGcmVhc29uGAEgASgJEhMKC2luc3RhbmNlX2lkGAIgASgJIj0KCExsbVJldHJ5Eg8KB2F0dGVtcHQYASABKAUSDgoGcmVhc29uGAIgASgJEhAKCGRlbGF5X21zGAMgASgDKmkKDVN1cmZhY2VPcEtpbmQSHwobU1VSRkFDRV9PUF9LSU5EX1VOU1BFQ0lGSUVEEAASGgoWU1VSRkFDRV9PUF9LSU5EX0FQUEVORBABEhsKF1NVUkZBQ0VfT1BfS0lORF9SRVBMQUNFEAIqlgEKDEhlYWRlclJlYXNvbhIdChlIRUFERVJfUkVBU09OX1VOU1BFQ0lGSUVEEAASGQoVSEVBREVSX1JFQVNPTl9JTklUSUFMEAESGAoUSEVBREVSX1JFQVNPTl9SRVNVTUUQAhIYChRIRUFERVJfUkVBU09OX0NIQU5HRRADEhgKFEhFQURFUl9SRUFTT05fU0VSSUVTEAQqvQEKEUNvbXBhY3Rpb25UcmlnZ2VyEiIKHkNPTVBBQ1RJT05fVFJJR0dFUl9VTlNQRUNJRklFRBAAEh8KG0NPTVBBQ1RJT05fVFJJR0dFUl9QUkVTU1VSRRABEh0KGUNPTVBBQ1RJT05fVFJJR0dFUl9NQU5VQUwQAhIfChtDT01QQUNUSU9OX1RSSUdHRVJfT1ZFUkZMT1cQAxIjCh9DT01QQUNUSU9OX1RSSUdHRVJfTU9ERUxfU1dJVENIEARiBnByb3RvMw", [file_google_protobuf_struct, file_google_protobuf_timestamp]);
+  fileDesc("Chhjb21wYWN0ZC92MS9ldmVudHMucHJvdG8SC2NvbXBhY3RkLnYxIs4JCgxTZXNzaW9uRXZlbnQSCwoDc2VxGAEgASgDEigKBHRpbWUYAiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhAKCGV2ZW50X2lkGAMgASgJEioKCnN1cmZhY2Vfb3AYBCABKAsyFi5jb21wYWN0ZC52MS5TdXJmYWNlT3ASGQoRc291cmNlX2V2ZW50X3NlcXMYBSADKAMSNAoOc3lzdGVtX21lc3NhZ2UYCiABKAsyGi5jb21wYWN0ZC52MS5TeXN0ZW1NZXNzYWdlSAASOgoRZGV2ZWxvcGVyX21lc3NhZ2UYCyABKAsyHS5jb21wYWN0ZC52MS5EZXZlbG9wZXJNZXNzYWdlSAASMAoMdXNlcl9tZXNzYWdlGAwgASgLMhguY29tcGFjdGQudjEuVXNlck1lc3NhZ2VIABI6ChFhc3Npc3RhbnRfbWVzc2FnZRgNIAEoCzIdLmNvbXBhY3RkLnYxLkFzc2lzdGFudE1lc3NhZ2VIABIuCgt0b29sX3Jlc3VsdBgOIAEoCzIXLmNvbXBhY3RkLnYxLlRvb2xSZXN1bHRIABIsCgp0dXJuX3N0YXJ0GBQgASgLMhYuY29tcGFjdGQudjEuVHVyblN0YXJ0SAASKAoIdHVybl9lbmQYFSABKAsyFC5jb21wYWN0ZC52MS5UdXJuRW5kSAASLAoKc3RlcF9zdGFydBgWIAEoCzIWLmNvbXBhY3RkLnYxLlN0ZXBTdGFydEgAEigKCHN0ZXBfZW5kGBcgASgLMhQuY29tcGFjdGQudjEuU3RlcEVuZEgAEioKCXRvb2xfY2FsbBgYIAEoCzIVLmNvbXBhY3RkLnYxLlRvb2xDYWxsSAASOgoRYXNzaXN0YW50X2F0dGVtcHQYGSABKAsyHS5jb21wYWN0ZC52MS5Bc3Npc3RhbnRBdHRlbXB0SAASNAoOcmVxdWVzdF9oZWFkZXIYGiABKAsyGi5jb21wYWN0ZC52MS5SZXF1ZXN0SGVhZGVySAASOAoQY29tcGFjdGlvbl9zdGFydBgbIAEoCzIcLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25TdGFydEgAEjgKEGNvbXBhY3Rpb25fcHJ1bmUYHCABKAsyHC5jb21wYWN0ZC52MS5Db21wYWN0aW9uUHJ1bmVIABI8ChJjb21wYWN0aW9uX3N1bW1hcnkYHSABKAsyHi5jb21wYWN0ZC52MS5Db21wYWN0aW9uU3VtbWFyeUgAEjQKDmNvbXBhY3Rpb25fZW5kGB4gASgLMhouY29tcGFjdGQudjEuQ29tcGFjdGlvbkVuZEgAEjIKDWltYWdlX29mZmxvYWQYHyABKAsyGS5jb21wYWN0ZC52MS5JbWFnZU9mZmxvYWRIABI3ChBzZXNzaW9uX2VuZF9zZWVkGCAgASgLMhsuY29tcGFjdGQudjEuU2Vzc2lvbkVuZFNlZWRIABIqCglsbG1fcmV0cnkYISABKAsyFS5jb21wYWN0ZC52MS5MbG1SZXRyeUgAEkcKGGNvbXBhY3Rpb25fc3VtbWFyeV9lcnJvchgiIAEoCzIjLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25TdW1tYXJ5RXJyb3JIAEIGCgRib2R5IlkKCVN1cmZhY2VPcBIoCgRraW5kGAEgASgOMhouY29tcGFjdGQudjEuU3VyZmFjZU9wS2luZBIRCglzdGFydF9zZXEYAiABKAMSDwoHZW5kX3NlcRgDIAEoAyLMAQoMQ29udGVudEJsb2NrEiYKBHRleHQYASABKAsyFi5jb21wYWN0ZC52MS5UZXh0QmxvY2tIABIwCglyZWFzb25pbmcYAiABKAsyGy5jb21wYWN0ZC52MS5SZWFzb25pbmdCbG9ja0gAEigKBWltYWdlGAMgASgLMhcuY29tcGFjdGQudjEuSW1hZ2VCbG9ja0gAEi8KCXRvb2xfY2FsbBgEIAEoCzIaLmNvbXBhY3RkLnYxLlRvb2xDYWxsQmxvY2tIAEIHCgVibG9jayIZCglUZXh0QmxvY2sSDAoEdGV4dBgBIAEoCSIxCg5SZWFzb25pbmdCbG9jaxIMCgR0ZXh0GAEgASgJEhEKCXNpZ25hdHVyZRgCIAEoCSKUAQoKSW1hZ2VCbG9jaxISCgptZWRpYV90eXBlGAEgASgJEgwKBG5hbWUYAiABKAkSFQoNYXR0YWNobWVudF9pZBgDIAEoCRIMCgRwYXRoGAQgASgJEhIKCnNpemVfYnl0ZXMYBSABKAMSDQoFd2lkdGgYBiABKAUSDgoGaGVpZ2h0GAcgASgFEgwKBGRhdGEYCCABKAwiQQoNVG9vbENhbGxCbG9jaxIKCgJpZBgBIAEoCRIMCgRuYW1lGAIgASgJEhYKDmFyZ3VtZW50c19qc29uGAMgASgJIoUBCgVVc2FnZRIUCgxpbnB1dF90b2tlbnMYASABKAMSFQoNb3V0cHV0X3Rva2VucxgCIAEoAxIZChFjYWNoZV9yZWFkX3Rva2VucxgDIAEoAxIaChJjYWNoZV93cml0ZV90b2tlbnMYBCABKAMSGAoQcmVhc29uaW5nX3Rva2VucxgFIAEoAyIdCg1TeXN0ZW1NZXNzYWdlEgwKBHRleHQYASABKAkiIAoQRGV2ZWxvcGVyTWVzc2FnZRIMCgR0ZXh0GAEgASgJImkKC1VzZXJNZXNzYWdlEioKB2NvbnRlbnQYASADKAsyGS5jb21wYWN0ZC52MS5Db250ZW50QmxvY2sSLgoGc291cmNlGAIgASgLMh4uY29tcGFjdGQudjEuVXNlck1lc3NhZ2VTb3VyY2UilQEKEVVzZXJNZXNzYWdlU291cmNlEiwKBHVzZXIYASABKAsyHC5jb21wYWN0ZC52MS5Vc2VySW5wdXRTb3VyY2VIABJIChVjb21wYWN0aW9uX2NoZWNrcG9pbnQYAiABKAsyJy5jb21wYWN0ZC52MS5Db21wYWN0aW9uQ2hlY2twb2ludFNvdXJjZUgAQggKBm9yaWdpbiIRCg9Vc2VySW5wdXRTb3VyY2UiMwoaQ29tcGFjdGlvbkNoZWNrcG9pbnRTb3VyY2USFQoNY29tcGFjdGlvbl9pZBgBIAEoCSKXAQoQQXNzaXN0YW50TWVzc2FnZRIqCgdjb250ZW50GAEgAygLMhkuY29tcGFjdGQudjEuQ29udGVudEJsb2NrEiEKBXVzYWdlGAIgASgLMhIuY29tcGFjdGQudjEuVXNhZ2USEAoIcHJvdmlkZXIYAyABKAkSDQoFbW9kZWwYBCABKAkSEwoLc3RvcF9yZWFzb24YBSABKAkicwoKVG9vbFJlc3VsdBIUCgx0b29sX2NhbGxfaWQYASABKAkSEQoJdG9vbF9uYW1lGAIgASgJEioKB2NvbnRlbnQYAyADKAsyGS5jb21wYWN0ZC52MS5Db250ZW50QmxvY2sSEAoIaXNfZXJyb3IYBCABKAgiGQoJVHVyblN0YXJ0EgwKBHR1cm4YASABKAMiJwoHVHVybkVuZBIMCgR0dXJuGAEgASgDEg4KBnJlYXNvbhgCIAEoCSInCglTdGVwU3RhcnQSDAoEdHVybhgBIAEoAxIMCgRzdGVwGAIgASgDIiUKB1N0ZXBFbmQSDAoEdHVybhgBIAEoAxIMCgRzdGVwGAIgASgDIkYKCFRvb2xDYWxsEhQKDHRvb2xfY2FsbF9pZBgBIAEoCRIMCgRuYW1lGAIgASgJEhYKDmFyZ3VtZW50c19qc29uGAMgASgJIkgKEEFzc2lzdGFudEF0dGVtcHQSDwoHYXR0ZW1wdBgBIAEoBRINCgVlcnJvchgCIAEoCRIUCgxlcnJvcl9yZWFzb24YAyABKAki1gEKDVJlcXVlc3RDb25maWcSEAoIcHJvdmlkZXIYASABKAkSDQoFbW9kZWwYAiABKAkSHgoRbWF4X291dHB1dF90b2tlbnMYAyABKANIAIgBARIYCgt0ZW1wZXJhdHVyZRgEIAEoAUgBiAEBEhIKBXRvcF9wGAUgASgBSAKIAQESJgoFZXh0cmEYBiABKAsyFy5nb29nbGUucHJvdG9idWYuU3RydWN0QhQKEl9tYXhfb3V0cHV0X3Rva2Vuc0IOCgxfdGVtcGVyYXR1cmVCCAoGX3RvcF9wIk8KD1Rvb2xEZWNsYXJhdGlvbhIMCgRuYW1lGAEgASgJEhMKC2Rlc2NyaXB0aW9uGAIgASgJEhkKEWlucHV0X3NjaGVtYV9qc29uGAMgASgJIt0BCg1SZXF1ZXN0SGVhZGVyEioKBmNvbmZpZxgBIAEoCzIaLmNvbXBhY3RkLnYxLlJlcXVlc3RDb25maWcSMQoQYWRhcHRlcl9kZWZhdWx0cxgCIAEoCzIXLmdvb2dsZS5wcm90b2J1Zi5TdHJ1Y3QSKwoFdG9vbHMYAyADKAsyHC5jb21wYWN0ZC52MS5Ub29sRGVjbGFyYXRpb24SKQoGcmVhc29uGAQgASgOMhkuY29tcGFjdGQudjEuSGVhZGVyUmVhc29uEhUKDXN0YXJ0c19zZXJpZXMYBSABKAgiYAoMU3VyZmFjZVJhbmdlEhYKDnN0YXJ0X3Bvc2l0aW9uGAEgASgDEhQKDGVuZF9wb3NpdGlvbhgCIAEoAxIRCglzdGFydF9zZXEYAyABKAMSDwoHZW5kX3NlcRgEIAEoAyK2AQoPQ29tcGFjdGlvblN0YXJ0EhUKDWNvbXBhY3Rpb25faWQYASABKAkSLwoHdHJpZ2dlchgCIAEoDjIeLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25UcmlnZ2VyEigKBXJhbmdlGAMgASgLMhkuY29tcGFjdGQudjEuU3VyZmFjZVJhbmdlEhUKDXNoYWRvd2VkX3NlcXMYBCADKAMSEQoEdHVybhgFIAEoA0gAiAEBQgcKBV90dXJuIpMBCg9Db21wYWN0aW9uUHJ1bmUSFQoNY29tcGFjdGlvbl9pZBgBIAEoCRIUCgxzaGFkb3dlZF9zZXEYAiABKAMSFwoPc2hhZG93ZWRfdG9rZW5zGAMgASgDEhwKFG9yaWdpbmFsX2NvZGVfcG9pbnRzGAQgASgDEhwKFHJldGFpbmVkX2NvZGVfcG9pbnRzGAUgASgDIrcBChBUb2tlbk1lYXN1cmVtZW50EhcKD2VudmVsb3BlX2JlZm9yZRgBIAEoAxIWCg5lbnZlbG9wZV9hZnRlchgCIAEoAxIXCg9zaGFkb3dlZF90b2tlbnMYAyABKAMSGQoRY2hlY2twb2ludF90b2tlbnMYBCABKAMSHQoVc2hhZG93ZWRfcm91dGVfdG9rZW5zGAUgASgDEh8KF2NoZWNrcG9pbnRfcm91dGVfdG9rZW5zGAYgASgDIigKBVJvdXRlEhAKCHByb3ZpZGVyGAEgASgJEg0KBW1vZGVsGAIgASgJIuQCChFDb21wYWN0aW9uU3VtbWFyeRIVCg1jb21wYWN0aW9uX2lkGAEgASgJEg8KB3N1bW1hcnkYAiABKAkSKAoFcmFuZ2UYAyABKAsyGS5jb21wYWN0ZC52MS5TdXJmYWNlUmFuZ2USFQoNc2hhZG93ZWRfc2VxcxgEIAMoAxItCgZ0b2tlbnMYBSABKAsyHS5jb21wYWN0ZC52MS5Ub2tlbk1lYXN1cmVtZW50EiIKBnRhcmdldBgGIAEoCzISLmNvbXBhY3RkLnYxLlJvdXRlEiEKBXVzYWdlGAcgASgLMhIuY29tcGFjdGQudjEuVXNhZ2USEgoKc3VtbWFyaXplchgIIAEoCRIsCgRnYXRlGEYgASgLMh4uY29tcGFjdGQudjEuU3VtbWFyeUdhdGVSZXBvcnQSLgoIZmFsbGJhY2sYRyABKAsyHC5jb21wYWN0ZC52MS5TdW1tYXJ5RmFsbGJhY2siSQoMU3VtbWFyeVByb2JlEisKBGtpbmQYASABKA4yHS5jb21wYWN0ZC52MS5TdW1tYXJ5UHJvYmVLaW5kEgwKBHRleHQYAiABKAkigQEKE1N1bW1hcnlDaGVja0ZhaWx1cmUSKAoFY2hlY2sYASABKA4yGS5jb21wYWN0ZC52MS5TdW1tYXJ5Q2hlY2sSDgoGZGV0YWlsGAIgASgJEjAKDW1pc3NlZF9wcm9iZXMYAyADKAsyGS5jb21wYWN0ZC52MS5TdW1tYXJ5UHJvYmUivgEKEVN1bW1hcnlHYXRlUmVwb3J0EjIKCGZhaWx1cmVzGAEgAygLMiAuY29tcGFjdGQudjEuU3VtbWFyeUNoZWNrRmFpbHVyZRITCgtwcm9iZV9jb3VudBgCIAEoBRITCgtwcm9iZXNfa2VwdBgDIAEoBRIRCglyZWR1Y3Rpb24YBCABKAESGwoTbWluX3JlZHVjdGlvbl9yYXRpbxgFIAEoARIbChNtaW5fcHJvYmVfcmV0ZW50aW9uGAYgASgBIo0BCg9TdW1tYXJ5RmFsbGJhY2sSGwoTcmVqZWN0ZWRfc3VtbWFyaXplchgBIAEoCRIrCg9yZWplY3RlZF90YXJnZXQYAiABKAsyEi5jb21wYWN0ZC52MS5Sb3V0ZRIwCghyZWplY3RlZBgDIAEoCzIeLmNvbXBhY3RkLnYxLlN1bW1hcnlHYXRlUmVwb3J0InEKFkNvbXBhY3Rpb25TdW1tYXJ5RXJyb3ISFQoNY29tcGFjdGlvbl9pZBgBIAEoCRINCgVlcnJvchgCIAEoCRIOCgZyZWFzb24YAyABKAkSDwoHYXR0ZW1wdBgEIAEoBRIQCghyZXRyeWluZxgFIAEoCCJ5Cg1Db21wYWN0aW9uRW5kEhUKDWNvbXBhY3Rpb25faWQYASABKAkSDQoFZXJyb3IYAiABKAkSFAoMZXJyb3JfcmVhc29uGAMgASgJEiwKBGdhdGUYRiABKAsyHi5jb21wYWN0ZC52MS5TdW1tYXJ5R2F0ZVJlcG9ydCI4ChJJbWFnZU9mZmxvYWRUYXJnZXQSCwoDc2VxGAEgASgDEhUKDWltYWdlX2luZGV4ZXMYAiADKAUiQAoMSW1hZ2VPZmZsb2FkEjAKB3RhcmdldHMYASADKAsyHy5jb21wYWN0ZC52MS5JbWFnZU9mZmxvYWRUYXJnZXQiNQoOU2Vzc2lvbkVuZFNlZWQSDgoGcmVhc29uGAEgASgJEhMKC2luc3RhbmNlX2lkGAIgASgJIj0KCExsbVJldHJ5Eg8KB2F0dGVtcHQYASABKAUSDgoGcmVhc29uGAIgASgJEhAKCGRlbGF5X21zGAMgASgDKmkKDVN1cmZhY2VPcEtpbmQSHwobU1VSRkFDRV9PUF9LSU5EX1VOU1BFQ0lGSUVEEAASGgoWU1VSRkFDRV9PUF9LSU5EX0FQUEVORBABEhsKF1NVUkZBQ0VfT1BfS0lORF9SRVBMQUNFEAIqlgEKDEhlYWRlclJlYXNvbhIdChlIRUFERVJfUkVBU09OX1VOU1BFQ0lGSUVEEAASGQoVSEVBREVSX1JFQVNPTl9JTklUSUFMEAESGAoUSEVBREVSX1JFQVNPTl9SRVNVTUUQAhIYChRIRUFERVJfUkVBU09OX0NIQU5HRRADEhgKFEhFQURFUl9SRUFTT05fU0VSSUVTEAQqvQEKEUNvbXBhY3Rpb25UcmlnZ2VyEiIKHkNPTVBBQ1RJT05fVFJJR0dFUl9VTlNQRUNJRklFRBAAEh8KG0NPTVBBQ1RJT05fVFJJR0dFUl9QUkVTU1VSRRABEh0KGUNPTVBBQ1RJT05fVFJJR0dFUl9NQU5VQUwQAhIfChtDT01QQUNUSU9OX1RSSUdHRVJfT1ZFUkZMT1cQAxIjCh9DT01QQUNUSU9OX1RSSUdHRVJfTU9ERUxfU1dJVENIEAQqmAEKDFN1bW1hcnlDaGVjaxIdChlTVU1NQVJZX0NIRUNLX1VOU1BFQ0lGSUVEEAASGgoWU1VNTUFSWV9DSEVDS19TRUNUSU9OUxABEhYKElNVTU1BUllfQ0hFQ0tfRUNITxACEhsKF1NVTU1BUllfQ0hFQ0tfUkVEVUNUSU9OEAMSGAoUU1VNTUFSWV9DSEVDS19QUk9CRVMQBCqxAQoQU3VtbWFyeVByb2JlS2luZBIiCh5TVU1NQVJZX1BST0JFX0tJTkRfVU5TUEVDSUZJRUQQABIeChpTVU1NQVJZX1BST0JFX0tJTkRfUkVRVUVTVBABEhsKF1NVTU1BUllfUFJPQkVfS0lORF9QQVRIEAISHgoaU1VNTUFSWV9QUk9CRV9LSU5EX0NPTU1BTkQQAxIcChhTVU1NQVJZX1BST0JFX0tJTkRfRVJST1IQBGIGcHJvdG8z", [file_google_protobuf_struct, file_google_protobuf_timestamp]);
 
 /**
  * One entry of a session's append-only log.
@@ -1396,6 +1396,21 @@ export type CompactionSummary = Message<"compactd.v1.CompactionSummary"> & {
    * @generated from field: string summarizer = 8;
    */
   summarizer: string;
+
+  /**
+   * What the summary quality gate found (absent when the policy turns the gate off).
+   *
+   * @generated from field: compactd.v1.SummaryGateReport gate = 70;
+   */
+  gate?: SummaryGateReport | undefined;
+
+  /**
+   * Set when the gate rejected the target's summary and the policy's extractive fallback wrote
+   * this one (`summarizer` is then `extractive`).
+   *
+   * @generated from field: compactd.v1.SummaryFallback fallback = 71;
+   */
+  fallback?: SummaryFallback | undefined;
 };
 
 /**
@@ -1404,6 +1419,160 @@ export type CompactionSummary = Message<"compactd.v1.CompactionSummary"> & {
  */
 export const CompactionSummarySchema: GenMessage<CompactionSummary> = /*@__PURE__*/
   messageDesc(file_compactd_v1_events, 30);
+
+/**
+ * One exact fact of the span the gate looked for in the summary.
+ *
+ * @generated from message compactd.v1.SummaryProbe
+ */
+export type SummaryProbe = Message<"compactd.v1.SummaryProbe"> & {
+  /**
+   * What it is.
+   *
+   * @generated from field: compactd.v1.SummaryProbeKind kind = 1;
+   */
+  kind: SummaryProbeKind;
+
+  /**
+   * The fact, clipped to 200 characters.
+   *
+   * @generated from field: string text = 2;
+   */
+  text: string;
+};
+
+/**
+ * Describes the message compactd.v1.SummaryProbe.
+ * Use `create(SummaryProbeSchema)` to create a new message.
+ */
+export const SummaryProbeSchema: GenMessage<SummaryProbe> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_events, 31);
+
+/**
+ * A gate check the summary failed.
+ *
+ * @generated from message compactd.v1.SummaryCheckFailure
+ */
+export type SummaryCheckFailure = Message<"compactd.v1.SummaryCheckFailure"> & {
+  /**
+   * The check.
+   *
+   * @generated from field: compactd.v1.SummaryCheck check = 1;
+   */
+  check: SummaryCheck;
+
+  /**
+   * What it found, e.g. `missing section(s): Files Touched`.
+   *
+   * @generated from field: string detail = 2;
+   */
+  detail: string;
+
+  /**
+   * `SUMMARY_CHECK_PROBES`: the probes the summary does not hold.
+   *
+   * @generated from field: repeated compactd.v1.SummaryProbe missed_probes = 3;
+   */
+  missedProbes: SummaryProbe[];
+};
+
+/**
+ * Describes the message compactd.v1.SummaryCheckFailure.
+ * Use `create(SummaryCheckFailureSchema)` to create a new message.
+ */
+export const SummaryCheckFailureSchema: GenMessage<SummaryCheckFailure> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_events, 32);
+
+/**
+ * The summary quality gate's findings on one summary.
+ *
+ * @generated from message compactd.v1.SummaryGateReport
+ */
+export type SummaryGateReport = Message<"compactd.v1.SummaryGateReport"> & {
+  /**
+   * The failed checks, in check order; empty when the summary passed.
+   *
+   * @generated from field: repeated compactd.v1.SummaryCheckFailure failures = 1;
+   */
+  failures: SummaryCheckFailure[];
+
+  /**
+   * Probes extracted from the span.
+   *
+   * @generated from field: int32 probe_count = 2;
+   */
+  probeCount: number;
+
+  /**
+   * Probes the summary holds.
+   *
+   * @generated from field: int32 probes_kept = 3;
+   */
+  probesKept: number;
+
+  /**
+   * 1 - checkpoint tokens / span tokens (route prices, framed checkpoint).
+   *
+   * @generated from field: double reduction = 4;
+   */
+  reduction: number;
+
+  /**
+   * The policy's `minReductionRatio`.
+   *
+   * @generated from field: double min_reduction_ratio = 5;
+   */
+  minReductionRatio: number;
+
+  /**
+   * The policy's `minProbeRetention`.
+   *
+   * @generated from field: double min_probe_retention = 6;
+   */
+  minProbeRetention: number;
+};
+
+/**
+ * Describes the message compactd.v1.SummaryGateReport.
+ * Use `create(SummaryGateReportSchema)` to create a new message.
+ */
+export const SummaryGateReportSchema: GenMessage<SummaryGateReport> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_events, 33);
+
+/**
+ * The summary the gate rejected before the extractive fallback wrote the committed one.
+ *
+ * @generated from message compactd.v1.SummaryFallback
+ */
+export type SummaryFallback = Message<"compactd.v1.SummaryFallback"> & {
+  /**
+   * The summarizer whose summary was rejected.
+   *
+   * @generated from field: string rejected_summarizer = 1;
+   */
+  rejectedSummarizer: string;
+
+  /**
+   * The route that wrote it.
+   *
+   * @generated from field: compactd.v1.Route rejected_target = 2;
+   */
+  rejectedTarget?: Route | undefined;
+
+  /**
+   * Why it was rejected.
+   *
+   * @generated from field: compactd.v1.SummaryGateReport rejected = 3;
+   */
+  rejected?: SummaryGateReport | undefined;
+};
+
+/**
+ * Describes the message compactd.v1.SummaryFallback.
+ * Use `create(SummaryFallbackSchema)` to create a new message.
+ */
+export const SummaryFallbackSchema: GenMessage<SummaryFallback> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_events, 34);
 
 /**
  * `compaction/summary-error`: a summary request failed inside the bracket.
@@ -1452,7 +1621,7 @@ export type CompactionSummaryError = Message<"compactd.v1.CompactionSummaryError
  * Use `create(CompactionSummaryErrorSchema)` to create a new message.
  */
 export const CompactionSummaryErrorSchema: GenMessage<CompactionSummaryError> = /*@__PURE__*/
-  messageDesc(file_compactd_v1_events, 31);
+  messageDesc(file_compactd_v1_events, 35);
 
 /**
  * `compaction/end`: closes the bracket and releases the lock.
@@ -1480,6 +1649,13 @@ export type CompactionEnd = Message<"compactd.v1.CompactionEnd"> & {
    * @generated from field: string error_reason = 3;
    */
   errorReason: string;
+
+  /**
+   * `SUMMARY_REJECTED` (and a `SUMMARY_NOT_SMALLER` found by the gate): the failed checks.
+   *
+   * @generated from field: compactd.v1.SummaryGateReport gate = 70;
+   */
+  gate?: SummaryGateReport | undefined;
 };
 
 /**
@@ -1487,7 +1663,7 @@ export type CompactionEnd = Message<"compactd.v1.CompactionEnd"> & {
  * Use `create(CompactionEndSchema)` to create a new message.
  */
 export const CompactionEndSchema: GenMessage<CompactionEnd> = /*@__PURE__*/
-  messageDesc(file_compactd_v1_events, 32);
+  messageDesc(file_compactd_v1_events, 36);
 
 /**
  * Which input images of one message node are offloaded.
@@ -1515,7 +1691,7 @@ export type ImageOffloadTarget = Message<"compactd.v1.ImageOffloadTarget"> & {
  * Use `create(ImageOffloadTargetSchema)` to create a new message.
  */
 export const ImageOffloadTargetSchema: GenMessage<ImageOffloadTarget> = /*@__PURE__*/
-  messageDesc(file_compactd_v1_events, 33);
+  messageDesc(file_compactd_v1_events, 37);
 
 /**
  * `image/offload`: later requests replace the selected images with attachment text.
@@ -1536,7 +1712,7 @@ export type ImageOffload = Message<"compactd.v1.ImageOffload"> & {
  * Use `create(ImageOffloadSchema)` to create a new message.
  */
 export const ImageOffloadSchema: GenMessage<ImageOffload> = /*@__PURE__*/
-  messageDesc(file_compactd_v1_events, 34);
+  messageDesc(file_compactd_v1_events, 38);
 
 /**
  * `session/end-seed`: a lifecycle boundary; compaction starts before it are stale evidence.
@@ -1564,7 +1740,7 @@ export type SessionEndSeed = Message<"compactd.v1.SessionEndSeed"> & {
  * Use `create(SessionEndSeedSchema)` to create a new message.
  */
 export const SessionEndSeedSchema: GenMessage<SessionEndSeed> = /*@__PURE__*/
-  messageDesc(file_compactd_v1_events, 35);
+  messageDesc(file_compactd_v1_events, 39);
 
 /**
  * `llm/retry`: the runtime retried a provider request.
@@ -1599,7 +1775,7 @@ export type LlmRetry = Message<"compactd.v1.LlmRetry"> & {
  * Use `create(LlmRetrySchema)` to create a new message.
  */
 export const LlmRetrySchema: GenMessage<LlmRetry> = /*@__PURE__*/
-  messageDesc(file_compactd_v1_events, 36);
+  messageDesc(file_compactd_v1_events, 40);
 
 /**
  * The kind of surface change a surface event makes.
@@ -1733,4 +1909,100 @@ export enum CompactionTrigger {
  */
 export const CompactionTriggerSchema: GenEnum<CompactionTrigger> = /*@__PURE__*/
   enumDesc(file_compactd_v1_events, 2);
+
+/**
+ * A check of the summary quality gate.
+ *
+ * @generated from enum compactd.v1.SummaryCheck
+ */
+export enum SummaryCheck {
+  /**
+   * Not set.
+   *
+   * @generated from enum value: SUMMARY_CHECK_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * The instruction's sections, each as a heading, in order.
+   *
+   * @generated from enum value: SUMMARY_CHECK_SECTIONS = 1;
+   */
+  SECTIONS = 1,
+
+  /**
+   * Not a copy of one span message.
+   *
+   * @generated from enum value: SUMMARY_CHECK_ECHO = 2;
+   */
+  ECHO = 2,
+
+  /**
+   * The checkpoint is at least `minReductionRatio` smaller than the span.
+   *
+   * @generated from enum value: SUMMARY_CHECK_REDUCTION = 3;
+   */
+  REDUCTION = 3,
+
+  /**
+   * At least `minProbeRetention` of the span's probes are kept.
+   *
+   * @generated from enum value: SUMMARY_CHECK_PROBES = 4;
+   */
+  PROBES = 4,
+}
+
+/**
+ * Describes the enum compactd.v1.SummaryCheck.
+ */
+export const SummaryCheckSchema: GenEnum<SummaryCheck> = /*@__PURE__*/
+  enumDesc(file_compactd_v1_events, 3);
+
+/**
+ * What a probe stands for.
+ *
+ * @generated from enum compactd.v1.SummaryProbeKind
+ */
+export enum SummaryProbeKind {
+  /**
+   * Not set.
+   *
+   * @generated from enum value: SUMMARY_PROBE_KIND_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * A user request (kept when quoted).
+   *
+   * @generated from enum value: SUMMARY_PROBE_KIND_REQUEST = 1;
+   */
+  REQUEST = 1,
+
+  /**
+   * A file path.
+   *
+   * @generated from enum value: SUMMARY_PROBE_KIND_PATH = 2;
+   */
+  PATH = 2,
+
+  /**
+   * A shell command.
+   *
+   * @generated from enum value: SUMMARY_PROBE_KIND_COMMAND = 3;
+   */
+  COMMAND = 3,
+
+  /**
+   * An error string from tool output.
+   *
+   * @generated from enum value: SUMMARY_PROBE_KIND_ERROR = 4;
+   */
+  ERROR = 4,
+}
+
+/**
+ * Describes the enum compactd.v1.SummaryProbeKind.
+ */
+export const SummaryProbeKindSchema: GenEnum<SummaryProbeKind> = /*@__PURE__*/
+  enumDesc(file_compactd_v1_events, 4);
 

@@ -1,0 +1,210 @@
+"""The summary quality gate: what a summary must be before it may replace history.
+
+A summary that only has to be "non-empty and smaller than the span" can be a ten-token echo of
+one message, or a paragraph that keeps none of the work. The gate runs before the commit,
+deterministically and without a second model call, and reports every check a summary fails:
+
+- ``SECTIONS``: the eight sections of the compaction instruction (``prompts.SUMMARY_SECTIONS``),
+  each as a heading line, in order (``## Title``; ``#`` levels, numbering, bold and a trailing
+  colon are tolerated);
+- ``ECHO``: the summary is not a copy of one span message (after case and whitespace folding, it
+  is not contained in one message's text: a repeated prior checkpoint is an echo too);
+- ``REDUCTION``: the framed checkpoint is at least ``min_reduction_ratio`` smaller than the span
+  (route prices); a checkpoint that is not smaller at all fails here too;
+- ``PROBES``: at least ``min_probe_retention`` of the span's probes (``core.probes``: the user's
+  requests, file paths, commands and error strings) are kept; the failure lists the missed ones.
+
+The default retention threshold (``DEFAULT_MIN_PROBE_RETENTION``) comes from measurements on the
+shared agent transcripts (README, "Summary quality gate"). Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from compactd.core import prompts
+from compactd.core.probes import Probe, Retention, message_text, retention
+from compactd.v1 import session_service_pb2
+
+Message = session_service_pb2.Message
+
+DEFAULT_MIN_REDUCTION_RATIO: Final = 0.1
+DEFAULT_MIN_PROBE_RETENTION: Final = 0.5
+_CLIP = 120  # characters of a missed probe in a failure detail
+
+
+class GateCheck(enum.StrEnum):
+    """One check of the gate."""
+
+    SECTIONS = "SECTIONS"
+    ECHO = "ECHO"
+    REDUCTION = "REDUCTION"
+    PROBES = "PROBES"
+
+
+@dataclass(frozen=True, slots=True)
+class GateSettings:
+    """The gate's thresholds (policy keys ``minReductionRatio`` and ``minProbeRetention``)."""
+
+    min_reduction_ratio: float = DEFAULT_MIN_REDUCTION_RATIO
+    min_probe_retention: float = DEFAULT_MIN_PROBE_RETENTION
+
+
+@dataclass(frozen=True, slots=True)
+class GateFailure:
+    """A check the summary failed, with what it found."""
+
+    check: GateCheck
+    detail: str
+    missed: tuple[Probe, ...] = ()  # PROBES: the probes the summary does not hold
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The gate's findings on one summary.
+
+    Attributes:
+        failures: The failed checks, in check order; empty when the summary passed.
+        retention: Which probes the summary kept.
+        reduction: ``1 - checkpoint_tokens / span_tokens``.
+        checkpoint_tokens: Route price of the framed checkpoint.
+        span_tokens: Route price of the span.
+    """
+
+    failures: tuple[GateFailure, ...]
+    retention: Retention
+    reduction: float
+    checkpoint_tokens: int
+    span_tokens: int
+
+    @property
+    def smaller(self) -> bool:
+        """Whether the framed checkpoint is smaller than the span at all."""
+        return self.checkpoint_tokens < self.span_tokens
+
+    @property
+    def passed(self) -> bool:
+        """Whether the summary may be committed."""
+        return not self.failures
+
+    def describe(self) -> str:
+        """One line naming every failed check and what it found (empty when passed)."""
+        return "; ".join(f"{failure.check}: {failure.detail}" for failure in self.failures)
+
+
+def judge(
+    summary: str,
+    span: Sequence[Message],
+    probes: Sequence[Probe],
+    *,
+    checkpoint_tokens: int,
+    span_tokens: int,
+    settings: GateSettings,
+) -> Verdict:
+    """Run every check on ``summary``.
+
+    Args:
+        summary: The raw summary text (before framing).
+        span: The span's messages (without the system head).
+        probes: The span's probes (``probes.select_probes``).
+        checkpoint_tokens: Route price of the framed checkpoint.
+        span_tokens: Route price of the span it would replace.
+        settings: The thresholds.
+    """
+    failures: list[GateFailure] = []
+    sections = section_problem(summary)
+    if sections is not None:
+        failures.append(GateFailure(GateCheck.SECTIONS, sections))
+    echo = echoed_message(summary, span)
+    if echo is not None:
+        quoted = _clip(message_text(span[echo]))
+        failures.append(GateFailure(GateCheck.ECHO, f"repeats span message {echo}: {quoted!r}"))
+    reduction = 1 - checkpoint_tokens / span_tokens if span_tokens > 0 else 0.0
+    if reduction < settings.min_reduction_ratio or checkpoint_tokens >= span_tokens:
+        failures.append(
+            GateFailure(
+                GateCheck.REDUCTION,
+                f"the checkpoint ({checkpoint_tokens} tokens framed) reduces the span "
+                f"({span_tokens} tokens) by {_percent(reduction)}; at least "
+                f"{_percent(settings.min_reduction_ratio)} is required",
+            )
+        )
+    kept = retention(probes, summary)
+    if kept.ratio < settings.min_probe_retention:
+        failures.append(
+            GateFailure(
+                GateCheck.PROBES,
+                f"keeps {sum(kept.kept)} of {len(kept.probes)} probes ({_percent(kept.ratio)}); "
+                f"at least {_percent(settings.min_probe_retention)} are required; missed: "
+                + ", ".join(f"{p.kind} {_clip(p.text)!r}" for p in kept.missed),
+                kept.missed,
+            )
+        )
+    return Verdict(tuple(failures), kept, reduction, checkpoint_tokens, span_tokens)
+
+
+_HEADING_MARKS = re.compile(r"^(?:#+\s*)?(?:\d+[.)]\s*)?")
+
+
+def section_problem(summary: str) -> str | None:
+    """What is wrong with the summary's sections, or None when all eight are there in order."""
+    wanted = {title.casefold(): index for index, title in enumerate(prompts.SUMMARY_SECTIONS)}
+    found: list[int] = []
+    for line in summary.splitlines():
+        index = wanted.get(_heading_title(line))
+        if index is not None and index not in found:
+            found.append(index)
+    missing = [prompts.SUMMARY_SECTIONS[i] for i in range(len(wanted)) if i not in found]
+    if missing:
+        return f"missing section(s): {', '.join(missing)}"
+    if found != sorted(found):
+        return "sections out of order: " + ", ".join(prompts.SUMMARY_SECTIONS[i] for i in found)
+    return None
+
+
+def _heading_title(line: str) -> str:
+    """A heading line's title, normalized (``## 3. **Files Touched:**`` -> ``files touched``)."""
+    text = _HEADING_MARKS.sub("", line.strip()).strip()
+    text = text.strip("*_").strip().rstrip(":").strip("*_").strip()
+    return text.casefold()
+
+
+def echoed_message(summary: str, span: Sequence[Message]) -> int | None:
+    """The index of the span message ``summary`` merely repeats (is contained in), if any."""
+    needle = _fold(summary)
+    if not needle:
+        return None
+    for index, message in enumerate(span):
+        if needle in _fold(message_text(message)):
+            return index
+    return None
+
+
+def minimum_useful_span(skeleton_tokens: int, min_reduction_ratio: float | None) -> int:
+    """The smallest span (tokens) a checkpoint could relieve.
+
+    A checkpoint holds at least the framing and the eight empty sections (``skeleton_tokens``,
+    priced on the route); with the gate on it must also reduce the span by
+    ``min_reduction_ratio``. ``None`` means the gate is off: the span must only be larger.
+    """
+    if min_reduction_ratio is None:
+        return skeleton_tokens + 1
+    return max(skeleton_tokens + 1, math.ceil(skeleton_tokens / (1 - min_reduction_ratio)))
+
+
+def _fold(text: str) -> str:
+    return " ".join(text.split()).casefold()
+
+
+def _clip(text: str) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= _CLIP else flat[: _CLIP - 1] + "…"
+
+
+def _percent(ratio: float) -> str:
+    return f"{ratio * 100:.0f}%"

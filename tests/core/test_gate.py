@@ -1,0 +1,137 @@
+"""The summary quality gate: sections in order, no echo, a minimum reduction, kept probes."""
+
+from __future__ import annotations
+
+import pytest
+
+from compactd.core import prompts
+from compactd.core.gate import (
+    GateCheck,
+    GateSettings,
+    echoed_message,
+    judge,
+    minimum_useful_span,
+    section_problem,
+)
+from compactd.core.probes import Probe, ProbeKind
+from compactd.testing.messages import assistant, user
+
+SPAN = [user("Please fix the bug in lib/app/mod.py now."), assistant("Done: lib/app/mod.py fixed.")]
+PROBES = (Probe(ProbeKind.REQUEST, "Please fix the bug in lib/app/mod.py now."),)
+PROBES += (Probe(ProbeKind.PATH, "lib/app/mod.py"),)
+SETTINGS = GateSettings(min_reduction_ratio=0.1, min_probe_retention=0.5)
+
+
+def summary(**sections: str) -> str:
+    """The eight sections in order; keyword arguments fill them by their first word."""
+    blocks = []
+    for title in prompts.SUMMARY_SECTIONS:
+        body = sections.get(title.split()[0].lower(), prompts.EMPTY_SECTION)
+        blocks.append(f"## {title}\n- {body}")
+    return "\n\n".join(blocks)
+
+
+GOOD = summary(goals='"fix the bug in lib/app/mod.py now"', files="lib/app/mod.py")
+
+
+def checks_of(text: str, *, checkpoint: int = 100, span: int = 1000) -> list[GateCheck]:
+    verdict = judge(
+        text, SPAN, PROBES, checkpoint_tokens=checkpoint, span_tokens=span, settings=SETTINGS
+    )
+    return [failure.check for failure in verdict.failures]
+
+
+def test_a_faithful_summary_passes_every_check() -> None:
+    verdict = judge(GOOD, SPAN, PROBES, checkpoint_tokens=100, span_tokens=1000, settings=SETTINGS)
+
+    assert verdict.passed
+    assert verdict.describe() == ""
+    assert verdict.retention.ratio == 1.0
+    assert verdict.reduction == pytest.approx(0.9)
+
+
+def test_a_missing_section_fails_naming_it() -> None:
+    text = GOOD.replace("## Files Touched\n", "")
+
+    assert section_problem(text) == "missing section(s): Files Touched"
+    assert checks_of(text) == [GateCheck.SECTIONS]
+
+
+def test_sections_out_of_order_fail() -> None:
+    first, second, *rest = GOOD.split("\n\n")
+
+    problem = section_problem("\n\n".join([second, first, *rest]))
+
+    assert problem is not None
+    assert problem.startswith("sections out of order: Technical Context, Goals and Requests")
+
+
+@pytest.mark.parametrize(
+    "heading", ["# Files Touched", "### 3. Files Touched:", "**Files Touched**", "Files touched"]
+)
+def test_heading_levels_numbering_bold_and_colons_are_tolerated(heading: str) -> None:
+    assert section_problem(GOOD.replace("## Files Touched", heading)) is None
+
+
+def test_an_echo_of_a_span_message_fails() -> None:
+    assert echoed_message("  please FIX the bug in lib/app/mod.py now. ", SPAN) == 0
+    assert GateCheck.ECHO in checks_of(SPAN[1].content[0].text.text)
+    assert echoed_message(GOOD, SPAN) is None
+
+
+def test_a_copy_of_a_prior_checkpoint_is_an_echo() -> None:
+    prior = user(prompts.frame_checkpoint(GOOD))
+
+    assert echoed_message(GOOD, [prior, *SPAN]) == 0
+
+
+@pytest.mark.parametrize(("checkpoint", "passes"), [(899, True), (901, False), (980, False)])
+def test_the_checkpoint_must_reduce_the_span_by_the_minimum_ratio(
+    checkpoint: int, passes: bool
+) -> None:
+    assert (checks_of(GOOD, checkpoint=checkpoint) == []) is passes
+
+
+def test_a_checkpoint_not_smaller_at_all_fails_the_reduction_even_at_ratio_zero() -> None:
+    verdict = judge(
+        GOOD,
+        SPAN,
+        PROBES,
+        checkpoint_tokens=1000,
+        span_tokens=1000,
+        settings=GateSettings(min_reduction_ratio=0.0),
+    )
+
+    assert [f.check for f in verdict.failures] == [GateCheck.REDUCTION]
+    assert not verdict.smaller
+
+
+def test_too_few_kept_probes_fail_listing_the_missed_ones() -> None:
+    text = summary(files="lib/other.py")
+    verdict = judge(text, SPAN, PROBES, checkpoint_tokens=10, span_tokens=1000, settings=SETTINGS)
+
+    (failure,) = verdict.failures
+    assert failure.check is GateCheck.PROBES
+    assert failure.missed == PROBES
+    assert failure.detail.startswith("keeps 0 of 2 probes (0%); at least 50% are required")
+    assert "request 'Please fix the bug in lib/app/mod.py now.'" in failure.detail
+
+
+def test_every_failed_check_is_reported_at_once() -> None:
+    span = [*SPAN, assistant("All done.")]
+    verdict = judge(
+        "all done.", span, PROBES, checkpoint_tokens=990, span_tokens=1000, settings=SETTINGS
+    )
+
+    assert [failure.check for failure in verdict.failures] == [
+        GateCheck.SECTIONS,
+        GateCheck.ECHO,
+        GateCheck.REDUCTION,
+        GateCheck.PROBES,
+    ]
+
+
+def test_the_minimum_useful_span_prices_the_skeleton_and_the_reduction() -> None:
+    assert minimum_useful_span(90, 0.1) == 100
+    assert minimum_useful_span(90, 0.0) == 91
+    assert minimum_useful_span(90, None) == 91
