@@ -135,6 +135,18 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
         failure = classify_raw(raw, redact=self._engine.redact)
         return pb.ClassifyProviderErrorResponse(classification=classification(failure))
 
+    async def PlanCompaction(
+        self, request: pb.PlanCompactionRequest, context: Context
+    ) -> pb.PlanCompactionResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "PlanCompaction lands next")
+        raise AssertionError
+
+    async def ListBrackets(
+        self, request: pb.ListBracketsRequest, context: Context
+    ) -> pb.ListBracketsResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "ListBrackets lands next")
+        raise AssertionError
+
     def _destination(self, route: events_pb2.Route, present: bool) -> Route | None:
         if not present:
             return None

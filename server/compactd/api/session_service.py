@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from collections.abc import AsyncIterator
@@ -10,6 +11,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format, struct_pb2
 
+from compactd.api.policy_message import field_path, policy_of, settings_of
 from compactd.api.status import handle_errors
 from compactd.core.validation import Origin, non_finite_paths
 from compactd.errors import FieldViolation, InvalidArgument
@@ -40,10 +42,11 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
                 "session_id must be 1-128 characters of [A-Za-z0-9._:-]",
                 violations=[FieldViolation("session_id", "1-128 of [A-Za-z0-9._:-]")],
             )
-        policy = None
-        if request.HasField("compaction_policy"):
-            policy = _policy(request.compaction_policy)
-            self._manager.validate_policy(policy)
+        policy = _requested_policy(request)
+        if policy is not None:
+            typed = request.HasField("policy")
+            # Errors name the field in the form the caller sent.
+            self._manager.validate_policy(policy, field=field_path if typed else _struct_path)
         record = await self._manager.create(session_id, policy)
         return pb.CreateSessionResponse(session=_session(record, record.revision))
 
@@ -113,6 +116,26 @@ def require_session_id(session_id: str) -> None:
         )
 
 
+def _requested_policy(request: pb.CreateSessionRequest) -> dict[str, object] | None:
+    """The request's policy settings, from whichever form it sent (both: INVALID_ARGUMENT)."""
+    typed, legacy = request.HasField("policy"), request.HasField("compaction_policy")
+    if typed and legacy:
+        raise InvalidArgument(
+            "set policy or the deprecated compaction_policy, not both",
+            violations=[FieldViolation("policy", "set either policy or compaction_policy")],
+            reason="POLICY_INVALID",
+        )
+    if typed:
+        return settings_of(request.policy)
+    if legacy:
+        return _policy(request.compaction_policy)
+    return None
+
+
+def _struct_path(setting_path: str) -> str:
+    return f"compaction_policy.{setting_path}".rstrip(".")
+
+
 def _policy(struct: struct_pb2.Struct) -> dict[str, object]:
     """A session policy as plain JSON; a NaN or infinite number is POLICY_INVALID, named."""
     bad = sorted(non_finite_paths(struct, "compaction_policy"))
@@ -133,4 +156,5 @@ def _session(record: SessionRecord, revision: int) -> pb.Session:
         policy = struct_pb2.Struct()
         json_format.Parse(record.policy_json, policy)
         session.compaction_policy.CopyFrom(policy)
+        session.policy.CopyFrom(policy_of(json.loads(record.policy_json)))
     return session

@@ -27,41 +27,55 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!compactd/v1/session_service.proto\x12\x0b\x63ompactd.v1\x1a\x18\x63ompactd/v1/events.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x94\x01\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12/\n\x0b\x63reate_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x11\x63ompaction_policy\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\"^\n\x14\x43reateSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x32\n\x11\x63ompaction_policy\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\">\n\x15\x43reateSessionResponse\x12%\n\x07session\x18\x01 \x01(\x0b\x32\x14.compactd.v1.Session\"\x8a\x01\n\x13\x41ppendEventsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x19.compactd.v1.SessionEvent\x12\x1e\n\x11\x65xpected_last_seq\x18\x03 \x01(\x03H\x00\x88\x01\x01\x42\x14\n\x12_expected_last_seq\"6\n\x14\x41ppendEventsResponse\x12\x0c\n\x04seqs\x18\x01 \x03(\x03\x12\x10\n\x08revision\x18\x02 \x01(\x03\"I\n\x11ListEventsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x66rom_seq\x18\x02 \x01(\x03\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\">\n\x12ListEventsResponse\x12(\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x19.compactd.v1.SessionEvent\"\'\n\x11GetSurfaceRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x93\x01\n\x07Message\x12&\n\x04role\x18\x01 \x01(\x0e\x32\x18.compactd.v1.MessageRole\x12*\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x19.compactd.v1.ContentBlock\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\x12\x10\n\x08is_error\x18\x04 \x01(\x08\x12\x0c\n\x04name\x18\x05 \x01(\t\"\x93\x01\n\x0bSurfaceNode\x12\x10\n\x08position\x18\x01 \x01(\x03\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12\x0c\n\x04type\x18\x03 \x01(\t\x12%\n\x07message\x18\x04 \x01(\x0b\x32\x14.compactd.v1.Message\x12\x19\n\x11source_event_seqs\x18\x05 \x03(\x03\x12\x15\n\rcompaction_id\x18\x06 \x01(\t\"O\n\x12GetSurfaceResponse\x12\x10\n\x08revision\x18\x01 \x01(\x03\x12\'\n\x05nodes\x18\x02 \x03(\x0b\x32\x18.compactd.v1.SurfaceNode\")\n\x13\x42uildRequestRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xf0\x01\n\x14\x42uildRequestResponse\x12\x10\n\x08revision\x18\x01 \x01(\x03\x12&\n\x08messages\x18\x02 \x03(\x0b\x32\x14.compactd.v1.Message\x12*\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x1a.compactd.v1.RequestConfig\x12\x31\n\x10\x61\x64\x61pter_defaults\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12+\n\x05tools\x18\x05 \x03(\x0b\x32\x1c.compactd.v1.ToolDeclaration\x12\x12\n\nheader_seq\x18\x06 \x01(\x03*\xaa\x01\n\x0bMessageRole\x12\x1c\n\x18MESSAGE_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13MESSAGE_ROLE_SYSTEM\x10\x01\x12\x1a\n\x16MESSAGE_ROLE_DEVELOPER\x10\x02\x12\x15\n\x11MESSAGE_ROLE_USER\x10\x03\x12\x1a\n\x16MESSAGE_ROLE_ASSISTANT\x10\x04\x12\x15\n\x11MESSAGE_ROLE_TOOL\x10\x05\x32\xb2\x03\n\x0eSessionService\x12V\n\rCreateSession\x12!.compactd.v1.CreateSessionRequest\x1a\".compactd.v1.CreateSessionResponse\x12S\n\x0c\x41ppendEvents\x12 .compactd.v1.AppendEventsRequest\x1a!.compactd.v1.AppendEventsResponse\x12O\n\nListEvents\x12\x1e.compactd.v1.ListEventsRequest\x1a\x1f.compactd.v1.ListEventsResponse0\x01\x12M\n\nGetSurface\x12\x1e.compactd.v1.GetSurfaceRequest\x1a\x1f.compactd.v1.GetSurfaceResponse\x12S\n\x0c\x42uildRequest\x12 .compactd.v1.BuildRequestRequest\x1a!.compactd.v1.BuildRequestResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!compactd/v1/session_service.proto\x12\x0b\x63ompactd.v1\x1a\x18\x63ompactd/v1/events.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc3\x01\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12/\n\x0b\x63reate_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x11\x63ompaction_policy\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12-\n\x06policy\x18\x64 \x01(\x0b\x32\x1d.compactd.v1.CompactionPolicy\"\x91\x01\n\x14\x43reateSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x36\n\x11\x63ompaction_policy\x18\x02 \x01(\x0b\x32\x17.google.protobuf.StructB\x02\x18\x01\x12-\n\x06policy\x18\x64 \x01(\x0b\x32\x1d.compactd.v1.CompactionPolicy\">\n\x15\x43reateSessionResponse\x12%\n\x07session\x18\x01 \x01(\x0b\x32\x14.compactd.v1.Session\"\x8a\x01\n\x13\x41ppendEventsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x19.compactd.v1.SessionEvent\x12\x1e\n\x11\x65xpected_last_seq\x18\x03 \x01(\x03H\x00\x88\x01\x01\x42\x14\n\x12_expected_last_seq\"6\n\x14\x41ppendEventsResponse\x12\x0c\n\x04seqs\x18\x01 \x03(\x03\x12\x10\n\x08revision\x18\x02 \x01(\x03\"I\n\x11ListEventsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x66rom_seq\x18\x02 \x01(\x03\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\">\n\x12ListEventsResponse\x12(\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x19.compactd.v1.SessionEvent\"Z\n\x11GetSurfaceRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x64 \x01(\x08\x12!\n\x05route\x18\x65 \x01(\x0b\x32\x12.compactd.v1.Route\"\x93\x01\n\x07Message\x12&\n\x04role\x18\x01 \x01(\x0e\x32\x18.compactd.v1.MessageRole\x12*\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x19.compactd.v1.ContentBlock\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\x12\x10\n\x08is_error\x18\x04 \x01(\x08\x12\x0c\n\x04name\x18\x05 \x01(\t\"\xc3\x01\n\x0bSurfaceNode\x12\x10\n\x08position\x18\x01 \x01(\x03\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12\x0c\n\x04type\x18\x03 \x01(\t\x12%\n\x07message\x18\x04 \x01(\x0b\x32\x14.compactd.v1.Message\x12\x19\n\x11source_event_seqs\x18\x05 \x03(\x03\x12\x15\n\rcompaction_id\x18\x06 \x01(\t\x12.\n\x06\x64\x65tail\x18\x64 \x01(\x0b\x32\x1e.compactd.v1.SurfaceNodeDetail\"{\n\x12GetSurfaceResponse\x12\x10\n\x08revision\x18\x01 \x01(\x03\x12\'\n\x05nodes\x18\x02 \x03(\x0b\x32\x18.compactd.v1.SurfaceNode\x12*\n\x06\x64\x65tail\x18\x64 \x01(\x0b\x32\x1a.compactd.v1.SurfaceDetail\")\n\x13\x42uildRequestRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xf0\x01\n\x14\x42uildRequestResponse\x12\x10\n\x08revision\x18\x01 \x01(\x03\x12&\n\x08messages\x18\x02 \x03(\x0b\x32\x14.compactd.v1.Message\x12*\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x1a.compactd.v1.RequestConfig\x12\x31\n\x10\x61\x64\x61pter_defaults\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12+\n\x05tools\x18\x05 \x03(\x0b\x32\x1c.compactd.v1.ToolDeclaration\x12\x12\n\nheader_seq\x18\x06 \x01(\x03\"\xa4\x07\n\x10\x43ompactionPolicy\x12\x1c\n\x0fthreshold_ratio\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x1c\n\x0fheadroom_tokens\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x19\n\x0cretain_ratio\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x1a\n\rretain_tokens\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12#\n\x16summarization_provider\x18\x05 \x01(\tH\x04\x88\x01\x01\x12 \n\x13summarization_model\x18\x06 \x01(\tH\x05\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\x03H\x06\x88\x01\x01\x12\x1f\n\x12\x63ompaction_retries\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12!\n\x14max_overflow_retries\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x11\n\x04\x61uto\x18\n \x01(\x08H\t\x88\x01\x01\x12\x19\n\x0csummary_gate\x18\x0b \x01(\x08H\n\x88\x01\x01\x12 \n\x13min_reduction_ratio\x18\x0c \x01(\x01H\x0b\x88\x01\x01\x12 \n\x13min_probe_retention\x18\r \x01(\x01H\x0c\x88\x01\x01\x12 \n\x13\x65xtractive_fallback\x18\x0e \x01(\x08H\r\x88\x01\x01\x12$\n\x17\x66\x61ilure_backoff_seconds\x18\x0f \x01(\x01H\x0e\x88\x01\x01\x12(\n\x1b\x66\x61ilure_backoff_max_seconds\x18\x10 \x01(\x01H\x0f\x88\x01\x01\x12:\n\x0emodel_policies\x18\x11 \x03(\x0b\x32\".compactd.v1.ModelCompactionPolicyB\x12\n\x10_threshold_ratioB\x12\n\x10_headroom_tokensB\x0f\n\r_retain_ratioB\x10\n\x0e_retain_tokensB\x19\n\x17_summarization_providerB\x16\n\x14_summarization_modelB\r\n\x0b_max_tokensB\x15\n\x13_compaction_retriesB\x17\n\x15_max_overflow_retriesB\x07\n\x05_autoB\x0f\n\r_summary_gateB\x16\n\x14_min_reduction_ratioB\x16\n\x14_min_probe_retentionB\x16\n\x14_extractive_fallbackB\x1a\n\x18_failure_backoff_secondsB\x1e\n\x1c_failure_backoff_max_seconds\"\x8e\x07\n\x15ModelCompactionPolicy\x12\x10\n\x08provider\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1c\n\x0fthreshold_ratio\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x1c\n\x0fheadroom_tokens\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x19\n\x0cretain_ratio\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x1a\n\rretain_tokens\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12#\n\x16summarization_provider\x18\x07 \x01(\tH\x04\x88\x01\x01\x12 \n\x13summarization_model\x18\x08 \x01(\tH\x05\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x03H\x06\x88\x01\x01\x12\x1f\n\x12\x63ompaction_retries\x18\n \x01(\x03H\x07\x88\x01\x01\x12!\n\x14max_overflow_retries\x18\x0b \x01(\x03H\x08\x88\x01\x01\x12\x11\n\x04\x61uto\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x19\n\x0csummary_gate\x18\r \x01(\x08H\n\x88\x01\x01\x12 \n\x13min_reduction_ratio\x18\x0e \x01(\x01H\x0b\x88\x01\x01\x12 \n\x13min_probe_retention\x18\x0f \x01(\x01H\x0c\x88\x01\x01\x12 \n\x13\x65xtractive_fallback\x18\x10 \x01(\x08H\r\x88\x01\x01\x12$\n\x17\x66\x61ilure_backoff_seconds\x18\x11 \x01(\x01H\x0e\x88\x01\x01\x12(\n\x1b\x66\x61ilure_backoff_max_seconds\x18\x12 \x01(\x01H\x0f\x88\x01\x01\x42\x12\n\x10_threshold_ratioB\x12\n\x10_headroom_tokensB\x0f\n\r_retain_ratioB\x10\n\x0e_retain_tokensB\x19\n\x17_summarization_providerB\x16\n\x14_summarization_modelB\r\n\x0b_max_tokensB\x15\n\x13_compaction_retriesB\x17\n\x15_max_overflow_retriesB\x07\n\x05_autoB\x0f\n\r_summary_gateB\x16\n\x14_min_reduction_ratioB\x16\n\x14_min_probe_retentionB\x16\n\x14_extractive_fallbackB\x1a\n\x18_failure_backoff_secondsB\x1e\n\x1c_failure_backoff_max_seconds\"@\n\x11SurfaceNodeDetail\x12\x14\n\x0croute_tokens\x18\x01 \x01(\x03\x12\x15\n\rshadow_tokens\x18\x02 \x01(\x03\"F\n\x0bMeterAnchor\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x14\n\x0cusage_tokens\x18\x02 \x01(\x03\x12\x14\n\x0c\x64\x65lta_tokens\x18\x03 \x01(\x03\"Y\n\x0cShadowedNode\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x17\n\x0fshadowed_by_seq\x18\x03 \x01(\x03\x12\x15\n\rcompaction_id\x18\x04 \x01(\t\"\xc5\x01\n\rSurfaceDetail\x12!\n\x05route\x18\x01 \x01(\x0b\x32\x12.compactd.v1.Route\x12\x1e\n\x16replacement_generation\x18\x02 \x01(\x03\x12\x1a\n\x12\x63ontent_generation\x18\x03 \x01(\x03\x12(\n\x06\x61nchor\x18\x04 \x01(\x0b\x32\x18.compactd.v1.MeterAnchor\x12+\n\x08shadowed\x18\x05 \x03(\x0b\x32\x19.compactd.v1.ShadowedNode*\xaa\x01\n\x0bMessageRole\x12\x1c\n\x18MESSAGE_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13MESSAGE_ROLE_SYSTEM\x10\x01\x12\x1a\n\x16MESSAGE_ROLE_DEVELOPER\x10\x02\x12\x15\n\x11MESSAGE_ROLE_USER\x10\x03\x12\x1a\n\x16MESSAGE_ROLE_ASSISTANT\x10\x04\x12\x15\n\x11MESSAGE_ROLE_TOOL\x10\x05\x32\xb2\x03\n\x0eSessionService\x12V\n\rCreateSession\x12!.compactd.v1.CreateSessionRequest\x1a\".compactd.v1.CreateSessionResponse\x12S\n\x0c\x41ppendEvents\x12 .compactd.v1.AppendEventsRequest\x1a!.compactd.v1.AppendEventsResponse\x12O\n\nListEvents\x12\x1e.compactd.v1.ListEventsRequest\x1a\x1f.compactd.v1.ListEventsResponse0\x01\x12M\n\nGetSurface\x12\x1e.compactd.v1.GetSurfaceRequest\x1a\x1f.compactd.v1.GetSurfaceResponse\x12S\n\x0c\x42uildRequest\x12 .compactd.v1.BuildRequestRequest\x1a!.compactd.v1.BuildRequestResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'compactd.v1.session_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MESSAGEROLE']._serialized_start=1495
-  _globals['_MESSAGEROLE']._serialized_end=1665
+  _globals['_CREATESESSIONREQUEST'].fields_by_name['compaction_policy']._loaded_options = None
+  _globals['_CREATESESSIONREQUEST'].fields_by_name['compaction_policy']._serialized_options = b'\030\001'
+  _globals['_MESSAGEROLE']._serialized_start=4014
+  _globals['_MESSAGEROLE']._serialized_end=4184
   _globals['_SESSION']._serialized_start=140
-  _globals['_SESSION']._serialized_end=288
-  _globals['_CREATESESSIONREQUEST']._serialized_start=290
-  _globals['_CREATESESSIONREQUEST']._serialized_end=384
-  _globals['_CREATESESSIONRESPONSE']._serialized_start=386
-  _globals['_CREATESESSIONRESPONSE']._serialized_end=448
-  _globals['_APPENDEVENTSREQUEST']._serialized_start=451
-  _globals['_APPENDEVENTSREQUEST']._serialized_end=589
-  _globals['_APPENDEVENTSRESPONSE']._serialized_start=591
-  _globals['_APPENDEVENTSRESPONSE']._serialized_end=645
-  _globals['_LISTEVENTSREQUEST']._serialized_start=647
-  _globals['_LISTEVENTSREQUEST']._serialized_end=720
-  _globals['_LISTEVENTSRESPONSE']._serialized_start=722
-  _globals['_LISTEVENTSRESPONSE']._serialized_end=784
-  _globals['_GETSURFACEREQUEST']._serialized_start=786
-  _globals['_GETSURFACEREQUEST']._serialized_end=825
-  _globals['_MESSAGE']._serialized_start=828
-  _globals['_MESSAGE']._serialized_end=975
-  _globals['_SURFACENODE']._serialized_start=978
-  _globals['_SURFACENODE']._serialized_end=1125
-  _globals['_GETSURFACERESPONSE']._serialized_start=1127
-  _globals['_GETSURFACERESPONSE']._serialized_end=1206
-  _globals['_BUILDREQUESTREQUEST']._serialized_start=1208
-  _globals['_BUILDREQUESTREQUEST']._serialized_end=1249
-  _globals['_BUILDREQUESTRESPONSE']._serialized_start=1252
-  _globals['_BUILDREQUESTRESPONSE']._serialized_end=1492
-  _globals['_SESSIONSERVICE']._serialized_start=1668
-  _globals['_SESSIONSERVICE']._serialized_end=2102
+  _globals['_SESSION']._serialized_end=335
+  _globals['_CREATESESSIONREQUEST']._serialized_start=338
+  _globals['_CREATESESSIONREQUEST']._serialized_end=483
+  _globals['_CREATESESSIONRESPONSE']._serialized_start=485
+  _globals['_CREATESESSIONRESPONSE']._serialized_end=547
+  _globals['_APPENDEVENTSREQUEST']._serialized_start=550
+  _globals['_APPENDEVENTSREQUEST']._serialized_end=688
+  _globals['_APPENDEVENTSRESPONSE']._serialized_start=690
+  _globals['_APPENDEVENTSRESPONSE']._serialized_end=744
+  _globals['_LISTEVENTSREQUEST']._serialized_start=746
+  _globals['_LISTEVENTSREQUEST']._serialized_end=819
+  _globals['_LISTEVENTSRESPONSE']._serialized_start=821
+  _globals['_LISTEVENTSRESPONSE']._serialized_end=883
+  _globals['_GETSURFACEREQUEST']._serialized_start=885
+  _globals['_GETSURFACEREQUEST']._serialized_end=975
+  _globals['_MESSAGE']._serialized_start=978
+  _globals['_MESSAGE']._serialized_end=1125
+  _globals['_SURFACENODE']._serialized_start=1128
+  _globals['_SURFACENODE']._serialized_end=1323
+  _globals['_GETSURFACERESPONSE']._serialized_start=1325
+  _globals['_GETSURFACERESPONSE']._serialized_end=1448
+  _globals['_BUILDREQUESTREQUEST']._serialized_start=1450
+  _globals['_BUILDREQUESTREQUEST']._serialized_end=1491
+  _globals['_BUILDREQUESTRESPONSE']._serialized_start=1494
+  _globals['_BUILDREQUESTRESPONSE']._serialized_end=1734
+  _globals['_COMPACTIONPOLICY']._serialized_start=1737
+  _globals['_COMPACTIONPOLICY']._serialized_end=2669
+  _globals['_MODELCOMPACTIONPOLICY']._serialized_start=2672
+  _globals['_MODELCOMPACTIONPOLICY']._serialized_end=3582
+  _globals['_SURFACENODEDETAIL']._serialized_start=3584
+  _globals['_SURFACENODEDETAIL']._serialized_end=3648
+  _globals['_METERANCHOR']._serialized_start=3650
+  _globals['_METERANCHOR']._serialized_end=3720
+  _globals['_SHADOWEDNODE']._serialized_start=3722
+  _globals['_SHADOWEDNODE']._serialized_end=3811
+  _globals['_SURFACEDETAIL']._serialized_start=3814
+  _globals['_SURFACEDETAIL']._serialized_end=4011
+  _globals['_SESSIONSERVICE']._serialized_start=4187
+  _globals['_SESSIONSERVICE']._serialized_end=4621
 # @@protoc_insertion_point(module_scope)
