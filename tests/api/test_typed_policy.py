@@ -8,7 +8,7 @@ import grpc
 import pytest
 from google.protobuf import json_format, struct_pb2
 
-from compactd.api.policy_message import policy_of, settings_of
+from compactd.service.policy_message import policy_of, settings_of
 from compactd.v1 import session_service_pb2 as pb
 from compactd.v1.session_service_pb2_grpc import SessionServiceStub
 from tests.api.rpc import ErrorDetails, details

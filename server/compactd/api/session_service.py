@@ -11,10 +11,11 @@ from typing import Any
 import grpc
 from google.protobuf import json_format, struct_pb2
 
-from compactd.api.policy_message import field_path, policy_of, settings_of
 from compactd.api.status import handle_errors
 from compactd.core.validation import Origin, non_finite_paths
 from compactd.errors import FieldViolation, InvalidArgument
+from compactd.service.inspection import InspectionService
+from compactd.service.policy_message import field_path, policy_of, settings_of
 from compactd.service.requests import build_request, surface_response
 from compactd.service.sessions import SessionHandle, SessionManager
 from compactd.store.base import SessionRecord
@@ -28,9 +29,16 @@ _SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
     """Thin adapter from the wire to ``SessionManager``."""
 
-    def __init__(self, manager: SessionManager, *, max_batch_events: int) -> None:
+    def __init__(
+        self,
+        manager: SessionManager,
+        *,
+        max_batch_events: int,
+        inspection: InspectionService | None = None,
+    ) -> None:
         self._manager = manager
         self._max_batch_events = max_batch_events
+        self._inspection = inspection  # GetSurface's detail (None: detail is not served)
 
     @handle_errors
     async def CreateSession(
@@ -92,6 +100,9 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         self, request: pb.GetSurfaceRequest, context: Context
     ) -> pb.GetSurfaceResponse:
         handle = await self._handle(request.session_id)
+        if request.detail and self._inspection is not None:
+            route = request.route if request.HasField("route") else None
+            return await self._inspection.surface(handle.session_id, route)
         async with handle.lock:  # never show a batch that is admitted but not yet durable
             return surface_response(handle)
 

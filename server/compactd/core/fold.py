@@ -63,6 +63,7 @@ class SessionFold:
         self.open_turns: set[int] = set()
         self.open_step: tuple[int, int] | None = None  # (turn, step) between step/start and /end
         self.offloads: dict[int, frozenset[int]] = {}  # node seq -> offloaded image indexes
+        self.offload_generation = 0  # image/offload events folded (they change what nodes send)
         self.event_ids: dict[str, int] = {}
         self.compaction_ids: set[str] = set()  # every bracket ever opened in this log
         self.restored_at = -1  # seq of the session/end-seed this process appended, if any
@@ -293,6 +294,9 @@ class SessionFold:
             )
 
     def _fold_offload(self, event: SessionEvent, batch: AdmittedBatch) -> None:
+        self.offload_generation += 1
+        undo = partial(setattr, self, "offload_generation", self.offload_generation - 1)
+        batch._undo.append(undo)
         for target in event.image_offload.targets:
             previous = self.offloads.get(target.seq)
             self.offloads[target.seq] = (previous or frozenset()) | frozenset(target.image_indexes)

@@ -48,6 +48,9 @@ class Surface:
         self._position: dict[int, int] = {}  # seq -> position, for current nodes
         self._calls: dict[str, int] = {}  # tool call id -> count of current nodes making it
         self.replacements = 0  # replacement generation: REPLACE events folded so far
+        # Every node a REPLACE shadowed -> (the replacement's seq, the node's type, the
+        # replacement's compaction id if it is a checkpoint): for inspection, a few ints each.
+        self.shadowed_by: dict[int, tuple[int, str, str]] = {}
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -89,6 +92,9 @@ class Surface:
         shadowed = tuple(self._nodes[start : end + 1])
         self._splice(start, shadowed, (node,))
         self.replacements += 1
+        checkpoint = ev.checkpoint_compaction_id(event)
+        for old in shadowed:
+            self.shadowed_by[old.seq] = (seq, old.type, checkpoint)
         return SurfaceChange(start, node, shadowed)
 
     def undo(self, change: SurfaceChange) -> None:
@@ -96,6 +102,8 @@ class Surface:
         self._splice(change.position, (change.node,), change.shadowed)
         if change.shadowed:
             self.replacements -= 1
+            for old in change.shadowed:
+                self.shadowed_by.pop(old.seq, None)
 
     def _splice(self, start: int, old: Sequence[SurfaceNode], new: Sequence[SurfaceNode]) -> None:
         self._nodes[start : start + len(old)] = new

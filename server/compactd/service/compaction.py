@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Protocol
 
 from opentelemetry import trace
@@ -34,6 +35,7 @@ from compactd.core import events as ev
 from compactd.core.fold import SessionFold
 from compactd.core.lock import live_bracket
 from compactd.core.meter import route_price
+from compactd.core.planner import SHAPES, PlanMode, choose_span, node_pricer
 from compactd.core.policy import TargetPolicy
 from compactd.core.pricing import heuristic_price
 from compactd.core.projection import project
@@ -46,7 +48,6 @@ from compactd.core.selection import (
     SurfaceSnapshot,
     drift,
     revalidation_for,
-    select_range,
     surface_snapshot,
 )
 from compactd.core.surface import SurfaceNode
@@ -67,8 +68,8 @@ log = logging.getLogger(__name__)
 
 Progress = Callable[[cpb.CompactionProgress], Awaitable[None]]
 Planner = Callable[[SessionFold, Callable[[SurfaceNode], int]], list[PrunePlan]]
-PRESSURE = events_pb2.COMPACTION_TRIGGER_PRESSURE
-MANUAL = events_pb2.COMPACTION_TRIGGER_MANUAL
+AUTO = SHAPES[PlanMode.AUTO]
+MANUAL = SHAPES[PlanMode.MANUAL]
 _WARNED_KEY = "warned_targets"
 
 
@@ -176,6 +177,33 @@ class CompactionEngine:
         self._tracer = self._metrics.timed(tracer)  # each compaction.<step> span is timed
         self._guard = CompactionGuard(clock=clock, tracer=self._tracer, metrics=self._metrics)
 
+    # The parts a dry run (``service.inspection``) decides with: the same ones the brackets use.
+
+    @property
+    def manager(self) -> SessionManager:
+        """Where sessions live."""
+        return self._manager
+
+    @property
+    def pressure(self) -> PressureService:
+        """Routes, policies and meters."""
+        return self._pressure
+
+    @property
+    def summarizers(self) -> SummarizerRegistry:
+        """Summary targets and their summarizers."""
+        return self._summarizers
+
+    @property
+    def pruner(self) -> PrunerConfig:
+        """The ``[pruner]`` thresholds."""
+        return self._pruner
+
+    @property
+    def guard(self) -> CompactionGuard:
+        """Minimum spans, failure memory and crossing budgets."""
+        return self._guard
+
     # ---- PrepareStep ---------------------------------------------------------------------
 
     async def prepare_step(
@@ -242,7 +270,7 @@ class CompactionEngine:
             # Every compaction of the crossing keeps the retained budget, retries included: a
             # retry never reaches into the recent tail, so on an unchanged tail it declines.
             job = _Bracket(
-                handle, PRESSURE, SelectionMode.PRESSURE, route,
+                handle, AUTO.trigger, AUTO.selection, route,
                 self._shrink_route(handle, route), policy, spec.retained_budget, turn,
                 min_span_tokens=self._guard.min_span_tokens(route, policy), guarded=True,
             )  # fmt: skip
@@ -290,7 +318,7 @@ class CompactionEngine:
         route = self._pressure.logged_route_or_heuristic(handle)
         policy = self._pressure.target_policy(handle, route)
         job = _Bracket(
-            handle, MANUAL, SelectionMode.MAXIMAL, route, route, policy, focus=focus,
+            handle, MANUAL.trigger, MANUAL.selection, route, route, policy, focus=focus,
             min_span_tokens=self._guard.min_span_tokens(route, policy),
         )  # fmt: skip
         committed = await self.run_bracket(job, progress)
@@ -415,16 +443,13 @@ class CompactionEngine:
             async with handle.lock:
                 _refuse_live_bracket(handle)
                 meter = session_meter(handle)
-                price = _node_price(handle, job.route)
-                chosen = select_range(
-                    handle.fold, price, mode=job.mode, retained_budget=job.retained_budget,
-                    min_span_tokens=job.min_span_tokens,
+                chosen = choose_span(
+                    handle.fold, node_pricer(meter, handle.fold, job.route),
+                    selection=job.mode, retained_budget=job.retained_budget,
+                    min_span_tokens=job.min_span_tokens, hold=partial(self._held, job),
                 )  # fmt: skip
                 if isinstance(chosen, Declined):
                     return chosen
-                held = self._held(job, chosen)
-                if held is not None:
-                    return held
                 snapshot = surface_snapshot(handle.fold)
                 envelope_before = meter.measure(handle.fold, job.route).total
                 start = bracket.start_event(compaction_id, job.trigger, chosen, job.turn)
@@ -754,16 +779,6 @@ def _refuse_live_bracket(handle: SessionHandle) -> None:
 refuse_live_bracket = _refuse_live_bracket
 
 
-def _node_price(handle: SessionHandle, route: Route) -> Callable[[SurfaceNode], int]:
-    meter = session_meter(handle)
-    fold = handle.fold
-
-    def price(node: SurfaceNode) -> int:
-        return meter.route_price_of_nodes(fold, (node.seq,), route)
-
-    return price
-
-
 def _shadow_price_of(handle: SessionHandle) -> Callable[[SurfaceNode], int]:
     """The fixed heuristic price of a current node, as logged (projection applied)."""
     offloads = handle.fold.offloads
@@ -772,6 +787,10 @@ def _shadow_price_of(handle: SessionHandle) -> Callable[[SurfaceNode], int]:
         return heuristic_price(node.event, offloads.get(node.seq, frozenset()))
 
     return price
+
+
+#: For the dry run (``service.inspection``).
+shadow_price_of = _shadow_price_of
 
 
 def _shadow_price(handle: SessionHandle, selection: Selection) -> int:

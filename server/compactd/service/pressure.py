@@ -136,8 +136,11 @@ class PressureService:
         """The pressure report of ``handle``'s last committed revision (synchronous)."""
         meter = session_meter(handle)
         route = destination or self._logged_route(meter)
+        return self.report_of(handle, route, meter.measure(handle.fold, route))
+
+    def report_of(self, handle: SessionHandle, route: Route, raw: Measurement) -> PressureReport:
+        """The report of measurement ``raw`` (the meter's, or a planned one) against ``route``."""
         spec = self.spec(handle, route)
-        raw = meter.measure(handle.fold, route)
         stats = self.calibration.stats(route)
         measurement = estimated(route, raw, stats)
         report = _report(route, spec, measurement)

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from compactd.core.planner import SHAPES, PlanMode
 from compactd.core.selection import Declined, SelectionMode
 from compactd.errors import Busy, CompactdError, FailedPrecondition
 from compactd.routes import Route
@@ -35,7 +36,7 @@ from compactd.service.sessions import SessionHandle, SessionManager
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2
 
-MODEL_SWITCH = events_pb2.COMPACTION_TRIGGER_MODEL_SWITCH
+SWITCH = SHAPES[PlanMode.SWITCH]
 SWITCH_FAILED = "MODEL_SWITCH_COMPACTION_FAILED"
 ABOVE = cpb.PRESSURE_STATE_ABOVE
 
@@ -166,9 +167,9 @@ class SwitchService:
                     f"(compactionRetries={policy.compaction_retries})",
                 )
             # As in PrepareStep: a convergence retry reaches into the retained tail.
-            mode = SelectionMode.PRESSURE if attempts == 0 else SelectionMode.MAXIMAL
+            mode = SWITCH.selection if attempts == 0 else SelectionMode.MAXIMAL
             job = Bracket(
-                handle, MODEL_SWITCH, mode, destination, shrink, writer_policy, retained, turn
+                handle, SWITCH.trigger, mode, destination, shrink, writer_policy, retained, turn
             )
             try:
                 committed = await self._engine.run_bracket(job, progress)

@@ -86,3 +86,8 @@ def _fill(message: Message, settings: Mapping[str, Any]) -> None:
 def _snake(part: str) -> str:
     name, bracket, rest = part.partition("[")
     return _CAMEL.sub("_", name).lower() + bracket + rest
+
+
+def resolved_policy(values: Mapping[str, object]) -> pb.CompactionPolicy:
+    """A resolved policy (camelCase setting -> value, None for unset) as the typed message."""
+    return policy_of({key: value for key, value in values.items() if value is not None})
