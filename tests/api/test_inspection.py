@@ -24,10 +24,12 @@ from tests.compaction_fixtures import (
     body,
     loopback,
     opening,
+    route_table,
     started,
     unit,
     units,
 )
+from tests.runtime import overflow_error, recover, switch
 
 
 async def _plan(h: Harness, mode: int = cpb.PLAN_MODE_AUTO, **route: str) -> cpb.CompactionPlan:
@@ -101,6 +103,40 @@ async def test_an_auto_plan_predicts_the_prunes_and_the_span_prepare_step_makes(
         assert [p.shadowed_seq for p in pruned] == [prune.seq]
         assert events[prune.replacement_seq].surface_op.start_seq == prune.seq
         _assert_same_span(plan, _starts(events)[0])
+
+
+async def test_an_overflow_plan_predicts_what_recover_from_error_prunes_and_replaces(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    async with started(tmp_path, loop, kind="extractive") as h:
+        big = "line of build output\n" * 600
+        await h.create(*opening(), *units(3), *unit(3, result=big), *units(3, 4), turn_start(1))
+        plan = await _plan(h, cpb.PLAN_MODE_OVERFLOW)
+        assert plan.blocked == ""
+        assert plan.trigger == events_pb2.COMPACTION_TRIGGER_OVERFLOW
+        assert plan.min_span_tokens == 0
+        run = await recover(h, 1, overflow_error())
+        assert run.result.retry
+        events = await h.events()
+        pruned = [e.compaction_prune.shadowed_seq for e in events if body(e) == "compaction_prune"]
+        assert pruned == [p.seq for p in plan.prunes]
+        _assert_same_span(plan, _starts(events)[0])
+
+
+async def test_a_switch_plan_predicts_the_span_switch_model_replaces(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    small = {**route_table(loop), "model": "small", "context_window": 8000}
+    small["max_output_tokens"] = 500
+    async with started(tmp_path, loop, kind="extractive", routes=[small]) as h:
+        await h.create(*opening(), *units(12))
+        plan = await _plan(h, cpb.PLAN_MODE_SWITCH, provider=PROVIDER, model="small")
+        assert plan.blocked == ""
+        assert plan.pressure.trigger_tokens == 2500  # the destination's
+        assert plan.route.model == "small"
+        assert plan.summary_target.model == MODEL  # the previous model writes the summary
+        await switch(h, events_pb2.Route(provider=PROVIDER, model="small"))
+        _assert_same_span(plan, _starts(await h.events())[0])
 
 
 async def test_the_plan_names_every_setting_with_its_origin(
