@@ -80,7 +80,7 @@ async def test_inspect_json_holds_every_part_as_the_rpcs_answer_it(
     outcomes = [b["outcome"] for b in got["brackets"]["brackets"]]
     assert outcomes == ["BRACKET_OUTCOME_COMMITTED", "BRACKET_OUTCOME_LIVE"]
     assert got["plan"]["mode"] == "PLAN_MODE_MANUAL"
-    assert got["plan"]["blocked"].startswith("COMPACTION_BUSY")
+    assert got["plan"]["blocked_code"] == "COMPACTION_BUSY"
     assert got["pressure"]["state"] == "PRESSURE_STATE_ABOVE"
     assert got["surface"]["detail"]["replacement_generation"] == "1"
     assert got["request"]["messages"]

@@ -261,7 +261,8 @@ def _bracket_rows(history: cpb.ListBracketsResponse) -> list[str]:
 
 
 def _plan_rows(plan: cpb.CompactionPlan) -> list[str]:
-    rows = _wrapped(f"would run: {'no, ' + plan.blocked if plan.blocked else 'yes'}")
+    blocked = f"no, {plan.blocked_code}: {plan.blocked}" if plan.blocked_code else "yes"
+    rows = _wrapped(f"would run: {blocked}")
     for prune in plan.prunes:
         rows.append(
             f"prune seq {prune.seq} at {prune.position}: {prune.original_code_points} -> "

@@ -70,7 +70,7 @@ async def test_a_plan_appends_nothing_and_compact_then_replaces_the_planned_span
         assert await h.events() == before  # side-effect free
         assert plan.revision == len(before)
         assert plan.trigger == events_pb2.COMPACTION_TRIGGER_MANUAL
-        assert plan.blocked == ""
+        assert plan.blocked_code == ""
         assert plan.decline_code == ""
         assert plan.span.range.start_position == 1  # the system head is never replaced
         assert plan.expected_tokens_after < plan.pressure.measured_tokens
@@ -88,7 +88,7 @@ async def test_an_auto_plan_predicts_the_prunes_and_the_span_prepare_step_makes(
         big = "line of build output\n" * 600  # > 8192 code points: the pruner cuts it
         await h.create(*opening(), *unit(0, result=big), *units(17, 1), turn_start(1))
         plan = await _plan(h)
-        assert plan.blocked == ""
+        assert plan.blocked_code == ""
         assert plan.pressure.state == cpb.PRESSURE_STATE_ABOVE
         assert len(plan.prunes) == 1
         prune = plan.prunes[0]
@@ -112,7 +112,7 @@ async def test_an_overflow_plan_predicts_what_recover_from_error_prunes_and_repl
         big = "line of build output\n" * 600
         await h.create(*opening(), *units(3), *unit(3, result=big), *units(3, 4), turn_start(1))
         plan = await _plan(h, cpb.PLAN_MODE_OVERFLOW)
-        assert plan.blocked == ""
+        assert plan.blocked_code == ""
         assert plan.trigger == events_pb2.COMPACTION_TRIGGER_OVERFLOW
         assert plan.min_span_tokens == 0
         run = await recover(h, 1, overflow_error())
@@ -131,7 +131,7 @@ async def test_a_switch_plan_predicts_the_span_switch_model_replaces(
     async with started(tmp_path, loop, kind="extractive", routes=[small]) as h:
         await h.create(*opening(), *units(12))
         plan = await _plan(h, cpb.PLAN_MODE_SWITCH, provider=PROVIDER, model="small")
-        assert plan.blocked == ""
+        assert plan.blocked_code == ""
         assert plan.pressure.trigger_tokens == 2500  # the destination's
         assert plan.route.model == "small"
         assert plan.summary_target.model == MODEL  # the previous model writes the summary
@@ -164,7 +164,7 @@ async def test_the_plan_names_every_setting_with_its_origin(
         assert not plan.policy.auto
         assert not plan.policy.HasField("retain_ratio")
         assert plan.policy.retain_tokens == 1200
-        assert plan.blocked.startswith("AUTO_DISABLED")
+        assert plan.blocked_code == "AUTO_DISABLED"
 
 
 async def test_a_plan_reports_what_blocks_the_real_path_and_why_selection_declines(
@@ -173,17 +173,52 @@ async def test_a_plan_reports_what_blocks_the_real_path_and_why_selection_declin
     async with started(tmp_path, loop, kind="extractive") as h:
         await h.create(*opening(), *units(2))
         below = await _plan(h)
-        assert below.blocked.startswith("BELOW_TRIGGER")
+        assert below.blocked_code == "BELOW_TRIGGER"
         await h.append(turn_start(1), user("go"))
         call = assistant(calls=[("c9", "run", "{}")])
         await h.append(*in_step(1, 1, call))
         manual = await _plan(h, cpb.PLAN_MODE_MANUAL)
-        assert manual.blocked.startswith("COMPACTION_BUSY")
+        assert manual.blocked_code == "COMPACTION_BUSY"
         assert manual.decline_code == "OPEN_TAIL"
         assert "c9" in manual.decline_reason
         switch = await _plan(h, cpb.PLAN_MODE_SWITCH, provider="other", model="x")
-        assert switch.blocked.startswith("CAPACITY_UNKNOWN")
+        assert switch.blocked_code == "CAPACITY_UNKNOWN"
         assert switch.warnings
+
+
+async def test_an_auto_plan_knows_failure_memory_and_pruning_that_suffices(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    async with started(tmp_path, loop) as h:
+        await h.create(*opening(), *units(18), turn_start(1))
+        loop.enqueue(Reply(text="nothing useful"))  # the quality gate rejects it
+        run = await h.prepare(1)
+        assert any("SUMMARY_REJECTED" in w for w in run.result.warnings)
+        held = await _plan(h)
+        assert held.decline_code == "KNOWN_FAILURE"  # the same span waits for its backoff
+        assert held.decline_reason.startswith("the same span")
+    async with started(tmp_path, loop, db="other.db") as h:
+        big = "line of build output\n" * 2000
+        await h.create(*opening(), *units(5), *unit(5, result=big), *units(2, 6), turn_start(1))
+        plan = await _plan(h)
+        assert plan.pressure.state == cpb.PRESSURE_STATE_ABOVE
+        assert plan.blocked_code == "RELIEVED_BY_PRUNING"
+        assert plan.tokens_after_prune < plan.pressure.trigger_tokens
+        run = await h.prepare(1)
+        assert run.result.pruned_count == 1
+        assert not run.result.compactions  # pruning alone was enough, as planned
+        assert run.result.after.measured_tokens == plan.tokens_after_prune
+
+
+async def test_an_auto_plan_to_another_route_plans_the_switch_prepare_step_makes(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    small = {**route_table(loop), "model": "small", "context_window": 8000}
+    async with started(tmp_path, loop, kind="extractive", routes=[small]) as h:
+        await h.create(*opening(), *units(12), turn_start(1))
+        plan = await _plan(h, provider=PROVIDER, model="small")
+        assert plan.mode == cpb.PLAN_MODE_SWITCH
+        assert plan.trigger == events_pb2.COMPACTION_TRIGGER_MODEL_SWITCH
 
 
 async def test_a_switch_plan_without_a_route_is_invalid_argument(

@@ -41,7 +41,7 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
         switch: SwitchService,
         inspection: InspectionService | None = None,
     ) -> None:
-        self._inspection = inspection or InspectionService(engine, recovery)
+        self._inspection = inspection or InspectionService(engine, recovery, switch)
         self._pressure = pressure
         self._engine = engine
         self._recovery = recovery

@@ -215,7 +215,9 @@ async def _serve_on(
         observe=[metrics.interceptor()],
     )
     server = grpc.aio.server(options=_channel_options(config), interceptors=chain)
-    inspection = InspectionService(engine, recovery)  # plans, surface detail, bracket history
+    inspection = InspectionService(
+        engine, recovery, switch
+    )  # plans, surface detail, bracket history
     session_service_pb2_grpc.add_SessionServiceServicer_to_server(
         SessionServicer(manager, max_batch_events=config.max_batch_events, inspection=inspection),
         server,

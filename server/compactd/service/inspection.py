@@ -32,6 +32,7 @@ from compactd.service.pressure import session_meter
 from compactd.service.recovery import RecoveryService
 from compactd.service.requests import surface_response
 from compactd.service.sessions import SessionHandle
+from compactd.service.switch import SwitchService
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2
 from compactd.v1 import session_service_pb2 as spb
@@ -56,7 +57,7 @@ _ORIGINS = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Inputs:
     """What one plan is decided from."""
 
@@ -65,14 +66,18 @@ class _Inputs:
     route: Route  # selection pricing
     policy: TargetPolicy  # the route's (the destination's for SWITCH)
     writer_policy: TargetPolicy  # whose summary settings pick the target
+    report_error: str = ""  # why the route has no pressure report, if it has none
 
 
 class InspectionService:
     """Plans, surface detail and bracket history for sessions; one instance per server."""
 
-    def __init__(self, engine: CompactionEngine, recovery: RecoveryService) -> None:
+    def __init__(
+        self, engine: CompactionEngine, recovery: RecoveryService, switch: SwitchService
+    ) -> None:
         self._engine = engine
         self._recovery = recovery
+        self._switch = switch
         self._pressure = engine.pressure
 
     # ---- PlanCompaction ---------------------------------------------------------------------
@@ -98,6 +103,8 @@ class InspectionService:
 
     def _inputs(self, handle: SessionHandle, mode: PlanMode, requested: Route | None) -> _Inputs:
         pressure = self._pressure
+        if mode is PlanMode.AUTO and requested and self._switch.is_switch(handle, requested):
+            mode = PlanMode.SWITCH  # PrepareStep to another route switches first
         logged = pressure.logged_route_or_heuristic(handle)
         route = (
             requested
@@ -118,21 +125,28 @@ class InspectionService:
         )
         self._explain_policy(plan, job)
         report = self._report(plan, job)
-        blocked = self._blocked(job, report)
+        if job.mode in (PlanMode.AUTO, PlanMode.OVERFLOW) and not handle.fold.open_turns:
+            plan.warnings.append(
+                "no turn is open: PrepareStep and RecoverFromError run for a step of an open turn"
+            )
+        code, why = self._blocked(job, report)
         prunes = self._prunes(job) if shape.prunes else []
         drops_anchor = self._drops_anchor(job, prunes)
         with tentatively(handle.fold, [e for p in prunes for e in p.events]) as batch:
             self._planned_prunes(plan, job, batch.surface_changes[: len(prunes)], prunes)
             after = self._after_prune(plan, job, report, drops_anchor)
             relieved = after is not None and after.state != cpb.PRESSURE_STATE_ABOVE
-            if not blocked and prunes and relieved and job.mode in _PRESSURE_QUALIFIED:
+            if not code and prunes and relieved and job.mode in _PRESSURE_QUALIFIED:
                 assert after is not None
-                blocked = (
-                    f"RELIEVED_BY_PRUNING: pruning alone brings the envelope to "
-                    f"{after.measured_tokens} < trigger {after.trigger_tokens}; no bracket opens"
+                code, why = (
+                    "RELIEVED_BY_PRUNING",
+                    (
+                        f"pruning alone brings the envelope to {after.measured_tokens} < trigger "
+                        f"{after.trigger_tokens}; no bracket opens"
+                    ),
                 )
             self._span(plan, job, report)
-        plan.blocked = blocked
+        plan.blocked_code, plan.blocked = code, why
         return plan
 
     def _explain_policy(self, plan: cpb.CompactionPlan, job: _Inputs) -> None:
@@ -151,39 +165,39 @@ class InspectionService:
             plan.warnings.append(
                 f"no pressure report for {_name(job.route)} ({error.reason}): {error.message}"
             )
+            job.report_error = error.reason
             return None
         plan.pressure.CopyFrom(report)
         return report
 
-    def _blocked(self, job: _Inputs, report: cpb.PressureReport | None) -> str:
-        """Why the real path would not run now (empty: it would)."""
+    def _blocked(self, job: _Inputs, report: cpb.PressureReport | None) -> tuple[str, str]:
+        """``(code, why)`` the real path would not run now (``("", "")``: it would)."""
         fold, mode = job.handle.fold, job.mode
         live = live_bracket(fold.lock)
         if live is not None:
-            return (
-                f"COMPACTION_BUSY: compaction {live.compaction_id} (seq {live.start_seq}) is live"
-            )
+            why = f"compaction {live.compaction_id} (seq {live.start_seq}) is live"
+            return "COMPACTION_BUSY", why
         if mode is PlanMode.MANUAL:
             if fold.open_turns:
                 turns = ", ".join(str(t) for t in sorted(fold.open_turns))
-                return f"COMPACTION_BUSY: turn {turns} is open; Compact runs between turns"
-            return ""
+                return "COMPACTION_BUSY", f"turn {turns} is open; Compact runs between turns"
+            return "", ""
         if not job.policy.auto and mode is not PlanMode.SWITCH:
-            return f"AUTO_DISABLED: auto is off for {_name(job.route)}"
+            return "AUTO_DISABLED", f"auto is off for {_name(job.route)}"
         if mode is PlanMode.OVERFLOW:
             if job.policy.max_overflow_retries == 0:
-                return "RETRIES_EXHAUSTED: maxOverflowRetries is 0"
-            return ""
+                return "RETRIES_EXHAUSTED", "maxOverflowRetries is 0: overflow recovery is off"
+            return "", ""
         if report is None:
-            return "CAPACITY_UNKNOWN: the route has no usable pressure budget (see warnings)"
+            return job.report_error, "the route has no pressure report (see warnings)"
         if report.state != cpb.PRESSURE_STATE_ABOVE:
-            return (
-                f"BELOW_TRIGGER: measured {report.measured_tokens} < trigger "
-                f"{report.trigger_tokens}; a below-pressure step never prunes"
+            return "BELOW_TRIGGER", (
+                f"measured {report.measured_tokens} < trigger {report.trigger_tokens}; a "
+                "below-pressure step never prunes"
             )
         if mode is PlanMode.AUTO and not self._may_open(job):
-            return "BUDGET_SPENT: this threshold crossing's brackets are spent"
-        return ""
+            return "BUDGET_SPENT", "this threshold crossing's brackets are spent"
+        return "", ""
 
     def _may_open(self, job: _Inputs) -> bool:
         if ledger(job.handle).crossing is None:

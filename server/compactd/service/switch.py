@@ -102,7 +102,7 @@ class SwitchService:
         """
         handle = await self._manager.get(session_id)
         session_meter(handle)
-        if intended is None or not self._is_switch(handle, intended):
+        if intended is None or not self.is_switch(handle, intended):
             return await self._engine.prepare_step(session_id, turn, intended, progress)
         require_open_turn(handle, turn)
         refuse_live_bracket(handle)
@@ -117,7 +117,7 @@ class SwitchService:
             result.header_seq = switched.header_seq
         return result
 
-    def _is_switch(self, handle: SessionHandle, intended: Route) -> bool:
+    def is_switch(self, handle: SessionHandle, intended: Route) -> bool:
         """Whether a step to ``intended`` changes the logged route (and ``auto`` checks it)."""
         header = handle.fold.header
         if header is None or not (header.config.provider and header.config.model):

@@ -1477,8 +1477,10 @@ class PlanCompactionRequest(_message.Message):
     """The mode (UNSPECIFIED: AUTO)."""
     @_builtins.property
     def route(self) -> _events_pb2.Route:
-        """The route to plan for (AUTO: the step's intended route; SWITCH: the destination, required);
-        absent uses the latest logged route.
+        """The route to plan for: AUTO, the step's intended route (one other than the logged route
+        plans the switch PrepareStep would make, as SWITCH); SWITCH, the destination (required).
+        MANUAL and OVERFLOW, like Compact and RecoverFromError, use the latest logged route.
+        Absent: the latest logged route (the heuristic when none is logged).
         """
 
     def __init__(
@@ -1640,6 +1642,7 @@ class CompactionPlan(_message.Message):
     MIN_SPAN_TOKENS_FIELD_NUMBER: _builtins.int
     SUMMARY_TARGET_FIELD_NUMBER: _builtins.int
     WARNINGS_FIELD_NUMBER: _builtins.int
+    BLOCKED_CODE_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     """The log revision planned at."""
     mode: Global___PlanMode.ValueType
@@ -1647,9 +1650,8 @@ class CompactionPlan(_message.Message):
     trigger: _events_pb2.CompactionTrigger.ValueType
     """The trigger the bracket would record."""
     blocked: _builtins.str
-    """Why the real path would not run now (a live bracket, an open turn for MANUAL, `auto` off,
-    below the trigger, no capacity, pruning suffices, a spent crossing budget); empty when it
-    would. The prunes and span below are what it would do if it ran.
+    """Why the real path would not run now, in words (empty when it would); `blocked_code` names
+    the cause. The prunes and span below are what it would do if it ran.
     """
     tokens_after_prune: _builtins.int
     """The envelope after those prunes (route tokens, as the pressure report would measure it)."""
@@ -1667,6 +1669,13 @@ class CompactionPlan(_message.Message):
     """
     min_span_tokens: _builtins.int
     """The smallest span selection accepts (route tokens; 0 for OVERFLOW)."""
+    blocked_code: _builtins.str
+    """Why the real path would not run now (empty when it would): `COMPACTION_BUSY` (a live
+    bracket; for MANUAL also an open turn), `AUTO_DISABLED`, `RETRIES_EXHAUSTED` (OVERFLOW with
+    `maxOverflowRetries` 0), `CAPACITY_UNKNOWN`, `POLICY_INVALID` or `ROUTE_UNKNOWN` (no pressure
+    report for the route), `BELOW_TRIGGER`, `BUDGET_SPENT` (the threshold crossing's brackets
+    are spent), `RELIEVED_BY_PRUNING` (the prunes alone bring the envelope below the trigger).
+    """
     @_builtins.property
     def route(self) -> _events_pb2.Route:
         """The route selection prices with (empty: the heuristic, no route logged)."""
@@ -1701,7 +1710,7 @@ class CompactionPlan(_message.Message):
 
     @_builtins.property
     def warnings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """What the plan cannot vouch for."""
+        """What the plan cannot vouch for (e.g. no open turn for AUTO or OVERFLOW, whose RPCs need one)."""
 
     def __init__(
         self,
@@ -1724,10 +1733,11 @@ class CompactionPlan(_message.Message):
         min_span_tokens: _builtins.int = ...,
         summary_target: _events_pb2.Route | None = ...,
         warnings: _abc.Iterable[_builtins.str] | None = ...,
+        blocked_code: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["policy", b"policy", "pressure", b"pressure", "route", b"route", "span", b"span", "summary_target", b"summary_target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocked", b"blocked", "decline_code", b"decline_code", "decline_reason", b"decline_reason", "expected_tokens_after", b"expected_tokens_after", "expected_tokens_after_max", b"expected_tokens_after_max", "min_span_tokens", b"min_span_tokens", "mode", b"mode", "policy", b"policy", "pressure", b"pressure", "prunes", b"prunes", "revision", b"revision", "route", b"route", "settings", b"settings", "span", b"span", "summary_target", b"summary_target", "tokens_after_prune", b"tokens_after_prune", "trigger", b"trigger", "warnings", b"warnings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocked", b"blocked", "blocked_code", b"blocked_code", "decline_code", b"decline_code", "decline_reason", b"decline_reason", "expected_tokens_after", b"expected_tokens_after", "expected_tokens_after_max", b"expected_tokens_after_max", "min_span_tokens", b"min_span_tokens", "mode", b"mode", "policy", b"policy", "pressure", b"pressure", "prunes", b"prunes", "revision", b"revision", "route", b"route", "settings", b"settings", "span", b"span", "summary_target", b"summary_target", "tokens_after_prune", b"tokens_after_prune", "trigger", b"trigger", "warnings", b"warnings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1054,8 +1054,9 @@ export const SessionService: GenService<{
     output: typeof ListEventsResponseSchema;
   },
   /**
-   * Returns the current surface: ordered nodes with their projected messages.
-   * Errors: NOT_FOUND.
+   * Returns the current surface: ordered nodes with their projected messages; with `detail`,
+   * also each node's prices, the generations, the meter's anchor and the shadowed nodes.
+   * Errors: NOT_FOUND; INVALID_ARGUMENT when `route` lacks its provider or model.
    *
    * @generated from rpc compactd.v1.SessionService.GetSurface
    */
