@@ -270,14 +270,68 @@ def test_the_plan_predicts_the_span_a_real_compact_replaces_on_random_conversati
 async def _plan_then_compact(h: Harness, conversation: list[events_pb2.SessionEvent]) -> None:
     await h.create(*opening(), *conversation)
     plan = await _plan(h, cpb.PLAN_MODE_MANUAL)
-    run = await h.compact()
+    code, declined = grpc.StatusCode.OK, ""
+    try:
+        declined = (await h.compact()).result.declined_reason
+    except grpc.aio.AioRpcError as error:  # the bracket opened on its span, then failed
+        code = error.code()
+    assert code in (grpc.StatusCode.OK, grpc.StatusCode.FAILED_PRECONDITION)
     starts = _starts(await h.events())
     if plan.decline_code:
         assert not starts
-        assert run.result.declined_reason == plan.decline_reason
+        assert declined == plan.decline_reason
     else:
         (start,) = starts
         _assert_same_span(plan, start)
+
+
+@st.composite
+def _open_conversations(draw: st.DrawFn) -> list[events_pb2.SessionEvent]:
+    count = draw(st.integers(0, 24))
+    big = st.sampled_from(["ok " * 20, "build output line\n" * 500, "x" * 30_000])
+    events: list[events_pb2.SessionEvent] = []
+    for i in range(count):
+        events.extend(unit(i, result=draw(big)))
+    return [*events, turn_start(1)]
+
+
+def test_the_plan_predicts_what_prepare_step_prunes_and_replaces_on_random_conversations(
+    tmp_path: Path,
+) -> None:
+    with asyncio.Runner() as runner, loopback() as provider:
+        stack = AsyncExitStack()
+        h = runner.run(stack.enter_async_context(started(tmp_path, provider, kind="extractive")))
+        sessions = iter(range(10_000))
+        try:
+
+            @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+            @given(_open_conversations())
+            def one(conversation: list[events_pb2.SessionEvent]) -> None:
+                h.session_id = f"a{next(sessions)}"
+                runner.run(_plan_then_prepare(h, conversation))
+
+            one()
+        finally:
+            runner.run(stack.aclose())
+
+
+async def _plan_then_prepare(h: Harness, conversation: list[events_pb2.SessionEvent]) -> None:
+    await h.create(*opening(), *conversation)
+    before = len(await h.events())
+    plan = await _plan(h)
+    await h.prepare(1)
+    events = (await h.events())[before:]
+    if plan.blocked_code == "BELOW_TRIGGER":
+        assert events == []
+        return
+    pruned = [e.compaction_prune.shadowed_seq for e in events if body(e) == "compaction_prune"]
+    assert pruned == [p.seq for p in plan.prunes]
+    starts = _starts(events)
+    if plan.blocked_code == "RELIEVED_BY_PRUNING" or plan.decline_code:
+        assert starts == []
+    else:
+        assert plan.blocked_code == ""
+        _assert_same_span(plan, starts[0])
 
 
 # ---- GetSurface detail -----------------------------------------------------------------------
