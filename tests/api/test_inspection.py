@@ -16,7 +16,15 @@ from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2
 from compactd.v1 import session_service_pb2 as spb
 from tests.api.rpc import details
-from tests.builders import assistant, compaction_start, in_step, turn_start, user
+from tests.builders import (
+    assistant,
+    compaction_start,
+    header,
+    in_step,
+    system,
+    turn_start,
+    user,
+)
 from tests.compaction_fixtures import (
     MODEL,
     PROVIDER,
@@ -219,6 +227,20 @@ async def test_an_auto_plan_to_another_route_plans_the_switch_prepare_step_makes
         plan = await _plan(h, provider=PROVIDER, model="small")
         assert plan.mode == cpb.PLAN_MODE_SWITCH
         assert plan.trigger == events_pb2.COMPACTION_TRIGGER_MODEL_SWITCH
+
+
+async def test_an_overflow_plan_says_when_the_envelope_alone_fills_the_window(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    tiny = {**route_table(loop), "model": "tiny", "context_window": 1100}
+    policy = {"modelPolicies": [{"provider": PROVIDER, "model": "tiny", "headroomTokens": 10}]}
+    async with started(tmp_path, loop, kind="extractive", routes=[tiny], policy=policy) as h:
+        await h.create(system("x " * 2000), header(PROVIDER, "tiny"), *units(1), turn_start(1))
+        plan = await _plan(h, cpb.PLAN_MODE_OVERFLOW)
+        assert plan.blocked_code == "ENVELOPE_ONLY"
+        run = await recover(h, 1, overflow_error())
+        assert run.result.decline == cpb.RECOVERY_DECLINE_ENVELOPE_ONLY
+        assert run.result.reason == plan.blocked
 
 
 async def test_a_switch_plan_without_a_route_is_invalid_argument(

@@ -388,7 +388,8 @@ const (
 	// `Compact`: no pruning, everything selectable but the last unit.
 	PlanMode_PLAN_MODE_MANUAL PlanMode = 2
 	// `RecoverFromError` for CONTEXT_WINDOW_EXCEEDED: prune (also window-sized), then one
-	// maximal reduction with no minimum span.
+	// maximal reduction with no minimum span. Planned against the route's declared window (the
+	// plan cannot know a window a provider's error would state) and no retries made so far.
 	PlanMode_PLAN_MODE_OVERFLOW PlanMode = 3
 	// `SwitchModel` to `route`: prune, then a bracket keeping the destination's retained budget.
 	PlanMode_PLAN_MODE_SWITCH PlanMode = 4
@@ -3196,7 +3197,8 @@ type CompactionPlan struct {
 	Warnings []string `protobuf:"bytes,18,rep,name=warnings,proto3" json:"warnings,omitempty"`
 	// Why the real path would not run now (empty when it would): `COMPACTION_BUSY` (a live
 	// bracket; for MANUAL also an open turn), `AUTO_DISABLED`, `RETRIES_EXHAUSTED` (OVERFLOW with
-	// `maxOverflowRetries` 0), `CAPACITY_UNKNOWN`, `POLICY_INVALID` or `ROUTE_UNKNOWN` (no pressure
+	// `maxOverflowRetries` 0), `ENVELOPE_ONLY` (OVERFLOW: system, tools and framing alone do not
+	// fit the window), `CAPACITY_UNKNOWN`, `POLICY_INVALID` or `ROUTE_UNKNOWN` (no pressure
 	// report for the route), `BELOW_TRIGGER`, `BUDGET_SPENT` (the threshold crossing's brackets
 	// are spent), `RELIEVED_BY_PRUNING` (the prunes alone bring the envelope below the trigger).
 	BlockedCode string `protobuf:"bytes,19,opt,name=blocked_code,json=blockedCode,proto3" json:"blocked_code,omitempty"`

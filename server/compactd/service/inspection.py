@@ -29,7 +29,7 @@ from compactd.service.compaction import CompactionEngine, shadow_price_of
 from compactd.service.guard import ledger
 from compactd.service.policy_message import resolved_policy
 from compactd.service.pressure import session_meter
-from compactd.service.recovery import RecoveryService
+from compactd.service.recovery import RecoveryService, envelope_only
 from compactd.service.requests import surface_response
 from compactd.service.sessions import SessionHandle
 from compactd.service.switch import SwitchService
@@ -187,6 +187,9 @@ class InspectionService:
         if mode is PlanMode.OVERFLOW:
             if job.policy.max_overflow_retries == 0:
                 return "RETRIES_EXHAUSTED", "maxOverflowRetries is 0: overflow recovery is off"
+            window = self._recovery.window_of(job.handle, job.route, cpb.ProviderError())
+            if window.window and window.room <= 0:
+                return "ENVELOPE_ONLY", envelope_only(window)
             return "", ""
         if report is None:
             return job.report_error, "the route has no pressure report (see warnings)"

@@ -388,6 +388,10 @@ def _envelope_only(window: _Window) -> str:
     )
 
 
+#: For the dry run (``service.inspection``).
+envelope_only = _envelope_only
+
+
 def _indivisible(figures: cpb.OverflowFigures) -> str:
     window = (
         f"window {figures.context_window} ({figures.window_source})"

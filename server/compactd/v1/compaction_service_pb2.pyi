@@ -266,7 +266,8 @@ class _PlanModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PlanMode.Val
     """`Compact`: no pruning, everything selectable but the last unit."""
     PLAN_MODE_OVERFLOW: _PlanMode.ValueType  # 3
     """`RecoverFromError` for CONTEXT_WINDOW_EXCEEDED: prune (also window-sized), then one
-    maximal reduction with no minimum span.
+    maximal reduction with no minimum span. Planned against the route's declared window (the
+    plan cannot know a window a provider's error would state) and no retries made so far.
     """
     PLAN_MODE_SWITCH: _PlanMode.ValueType  # 4
     """`SwitchModel` to `route`: prune, then a bracket keeping the destination's retained budget."""
@@ -284,7 +285,8 @@ PLAN_MODE_MANUAL: PlanMode.ValueType  # 2
 """`Compact`: no pruning, everything selectable but the last unit."""
 PLAN_MODE_OVERFLOW: PlanMode.ValueType  # 3
 """`RecoverFromError` for CONTEXT_WINDOW_EXCEEDED: prune (also window-sized), then one
-maximal reduction with no minimum span.
+maximal reduction with no minimum span. Planned against the route's declared window (the
+plan cannot know a window a provider's error would state) and no retries made so far.
 """
 PLAN_MODE_SWITCH: PlanMode.ValueType  # 4
 """`SwitchModel` to `route`: prune, then a bracket keeping the destination's retained budget."""
@@ -1672,7 +1674,8 @@ class CompactionPlan(_message.Message):
     blocked_code: _builtins.str
     """Why the real path would not run now (empty when it would): `COMPACTION_BUSY` (a live
     bracket; for MANUAL also an open turn), `AUTO_DISABLED`, `RETRIES_EXHAUSTED` (OVERFLOW with
-    `maxOverflowRetries` 0), `CAPACITY_UNKNOWN`, `POLICY_INVALID` or `ROUTE_UNKNOWN` (no pressure
+    `maxOverflowRetries` 0), `ENVELOPE_ONLY` (OVERFLOW: system, tools and framing alone do not
+    fit the window), `CAPACITY_UNKNOWN`, `POLICY_INVALID` or `ROUTE_UNKNOWN` (no pressure
     report for the route), `BELOW_TRIGGER`, `BUDGET_SPENT` (the threshold crossing's brackets
     are spent), `RELIEVED_BY_PRUNING` (the prunes alone bring the envelope below the trigger).
     """

@@ -1606,7 +1606,8 @@ export type CompactionPlan = Message<"compactd.v1.CompactionPlan"> & {
   /**
    * Why the real path would not run now (empty when it would): `COMPACTION_BUSY` (a live
    * bracket; for MANUAL also an open turn), `AUTO_DISABLED`, `RETRIES_EXHAUSTED` (OVERFLOW with
-   * `maxOverflowRetries` 0), `CAPACITY_UNKNOWN`, `POLICY_INVALID` or `ROUTE_UNKNOWN` (no pressure
+   * `maxOverflowRetries` 0), `ENVELOPE_ONLY` (OVERFLOW: system, tools and framing alone do not
+   * fit the window), `CAPACITY_UNKNOWN`, `POLICY_INVALID` or `ROUTE_UNKNOWN` (no pressure
    * report for the route), `BELOW_TRIGGER`, `BUDGET_SPENT` (the threshold crossing's brackets
    * are spent), `RELIEVED_BY_PRUNING` (the prunes alone bring the envelope below the trigger).
    *
@@ -2258,7 +2259,8 @@ export enum PlanMode {
 
   /**
    * `RecoverFromError` for CONTEXT_WINDOW_EXCEEDED: prune (also window-sized), then one
-   * maximal reduction with no minimum span.
+   * maximal reduction with no minimum span. Planned against the route's declared window (the
+   * plan cannot know a window a provider's error would state) and no retries made so far.
    *
    * @generated from enum value: PLAN_MODE_OVERFLOW = 3;
    */
