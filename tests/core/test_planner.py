@@ -103,3 +103,12 @@ def test_choose_span_lets_the_hold_decline_a_chosen_span_and_nothing_else() -> N
     assert isinstance(small, Declined)
     assert small.code is DeclineCode.SPAN_TOO_SMALL
     assert len(held) == 1  # a declined selection never reaches the hold
+
+
+def test_a_switch_retry_reaches_into_the_tail_and_a_pressure_retry_does_not() -> None:
+    auto, switch = SHAPES[PlanMode.AUTO], SHAPES[PlanMode.SWITCH]
+    assert [auto.selection_for(a) for a in (0, 1, 2)] == [SelectionMode.PRESSURE] * 3
+    assert [switch.selection_for(a) for a in (0, 1)] == [
+        SelectionMode.PRESSURE,
+        SelectionMode.MAXIMAL,
+    ]

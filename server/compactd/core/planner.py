@@ -43,7 +43,8 @@ class BracketShape:
         window_prunes: Whether tool results too large for the window are pruned too (overflow).
         min_span: Whether selection declines a span below the minimum useful checkpoint.
         guarded: Whether failure memory and the crossing budget apply.
-        retains: Whether the retained budget is kept (PRESSURE selection).
+        retry_selection: How far a convergence retry's span may reach (PrepareStep keeps the
+            retained budget on every bracket of a crossing; a switch reaches into the tail).
     """
 
     trigger: events_pb2.CompactionTrigger.ValueType
@@ -52,6 +53,13 @@ class BracketShape:
     window_prunes: bool
     min_span: bool
     guarded: bool
+    retry_selection: SelectionMode | None = None
+
+    def selection_for(self, attempt: int) -> SelectionMode:
+        """The selection of the bracket ``attempt`` (from 0) of a convergence loop."""
+        if attempt and self.retry_selection is not None:
+            return self.retry_selection
+        return self.selection
 
     @property
     def retains(self) -> bool:
@@ -75,6 +83,7 @@ SHAPES: dict[PlanMode, BracketShape] = {
     PlanMode.SWITCH: BracketShape(
         events_pb2.COMPACTION_TRIGGER_MODEL_SWITCH, SelectionMode.PRESSURE,
         prunes=True, window_prunes=False, min_span=False, guarded=False,
+        retry_selection=SelectionMode.MAXIMAL,
     ),
 }  # fmt: skip
 

@@ -270,7 +270,7 @@ class CompactionEngine:
             # Every compaction of the crossing keeps the retained budget, retries included: a
             # retry never reaches into the recent tail, so on an unchanged tail it declines.
             job = _Bracket(
-                handle, AUTO.trigger, AUTO.selection, route,
+                handle, AUTO.trigger, AUTO.selection_for(attempts), route,
                 self._shrink_route(handle, route), policy, spec.retained_budget, turn,
                 min_span_tokens=self._guard.min_span_tokens(route, policy), guarded=True,
             )  # fmt: skip

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from compactd.core.planner import SHAPES, PlanMode
-from compactd.core.selection import Declined, SelectionMode
+from compactd.core.selection import Declined
 from compactd.errors import Busy, CompactdError, FailedPrecondition
 from compactd.routes import Route
 from compactd.service.compaction import Bracket, CompactionEngine, Progress, refuse_live_bracket
@@ -166,11 +166,11 @@ class SwitchService:
                     f"{report.measured_tokens} >= trigger {report.trigger_tokens} "
                     f"(compactionRetries={policy.compaction_retries})",
                 )
-            # As in PrepareStep: a convergence retry reaches into the retained tail.
-            mode = SWITCH.selection if attempts == 0 else SelectionMode.MAXIMAL
+            # Unlike PrepareStep (see core.planner.SHAPES), a retry reaches into the retained tail.
             job = Bracket(
-                handle, SWITCH.trigger, mode, destination, shrink, writer_policy, retained, turn
-            )
+                handle, SWITCH.trigger, SWITCH.selection_for(attempts), destination, shrink,
+                writer_policy, retained, turn,
+            )  # fmt: skip
             try:
                 committed = await self._engine.run_bracket(job, progress)
             except Busy:
