@@ -72,7 +72,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         handle = await self._handle(request.session_id)
         next_seq = request.from_seq
         end = handle.revision
-        async for event in self._manager.store.read(handle.session_id, next_seq, end):
+        async for event in handle.read(next_seq, end):
             yield pb.ListEventsResponse(event=event)
             next_seq = event.seq + 1
         if not request.follow:
@@ -80,7 +80,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         async for revision in handle.revisions():
             if revision <= next_seq:
                 continue
-            async for event in self._manager.store.read(handle.session_id, next_seq, revision):
+            async for event in handle.read(next_seq, revision):
                 yield pb.ListEventsResponse(event=event)
                 next_seq = event.seq + 1
 
