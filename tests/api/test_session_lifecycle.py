@@ -88,7 +88,7 @@ async def test_a_deleted_session_is_not_found_and_its_id_starts_fresh(
 
 
 async def _drain(stream: Any) -> None:
-    async for _ in stream:
+    while await stream.read() is not grpc.aio.EOF:
         pass
 
 
