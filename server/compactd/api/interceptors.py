@@ -4,12 +4,14 @@
    coroutines writing through ``context.write`` rather than async generators (the health
    service's ``Watch``, an UNIMPLEMENTED stub): upstream wraps every response-streaming handler
    as an async generator and answers such calls UNKNOWN (opentelemetry-python-contrib #3066).
-2. ``UndecodableRequests``: request bytes that do not parse (invalid UTF-8 in a string field, a
+2. ``api.auth.Authentication`` (when given): binds the caller's tenant, or answers
+   UNAUTHENTICATED, before anything reads the request.
+3. ``UndecodableRequests``: request bytes that do not parse (invalid UTF-8 in a string field, a
    truncated varint, nesting past the parser's limit) answer INVALID_ARGUMENT with reason
    ``UNDECODABLE_REQUEST``, for every method, streamed requests included. grpc.aio would raise
    the parser's error out of the handler: UNKNOWN, and a traceback in the log per request.
-3. ``StreamLimits``: at most ``max_streams`` response streams at once in the process and
-   ``max_streams_per_session`` per session; more answer RESOURCE_EXHAUSTED with reason
+4. ``StreamLimits``: at most ``max_streams`` response streams at once in the process and
+   ``max_streams_per_session`` per session (of the caller's tenant); more answer RESOURCE_EXHAUSTED with reason
    ``TOO_MANY_STREAMS`` (every commit wakes each watcher of its session).
 
 Every wrapper keeps its handler's shape: an async-generator handler stays one, a coroutine
