@@ -11,8 +11,9 @@
    ``UNDECODABLE_REQUEST``, for every method, streamed requests included. grpc.aio would raise
    the parser's error out of the handler: UNKNOWN, and a traceback in the log per request.
 4. ``StreamLimits``: at most ``max_streams`` response streams at once in the process and
-   ``max_streams_per_session`` per session (of the caller's tenant); more answer RESOURCE_EXHAUSTED with reason
-   ``TOO_MANY_STREAMS`` (every commit wakes each watcher of its session).
+   ``max_streams_per_session`` per session (of the caller's tenant); more answer
+   RESOURCE_EXHAUSTED with reason ``TOO_MANY_STREAMS`` (every commit wakes each watcher of its
+   session).
 
 Every wrapper keeps its handler's shape: an async-generator handler stays one, a coroutine
 handler (unary, or streaming through ``context.write``) stays a coroutine, because grpc.aio picks
