@@ -378,10 +378,9 @@ class InspectionService:
 
     async def brackets(self, session_id: str) -> cpb.ListBracketsResponse:
         """Every bracket of the session's committed log (``NotFound`` when it does not exist)."""
-        manager = self._engine.manager
-        handle = await manager.get(session_id)
+        handle = await self._engine.manager.get(session_id)
         end = handle.revision  # committed events only
-        history = bracket_history([e async for e in manager.store.read(session_id, 0, end)])
+        history = bracket_history([e async for e in handle.read(0, end)])
         history.revision = end
         return history
 

@@ -16,7 +16,7 @@ import type { JsonObject, Message as Message$1 } from "@bufbuild/protobuf";
  * Describes the file compactd/v1/session_service.proto.
  */
 export const file_compactd_v1_session_service: GenFile = /*@__PURE__*/
-  fileDesc("CiFjb21wYWN0ZC92MS9zZXNzaW9uX3NlcnZpY2UucHJvdG8SC2NvbXBhY3RkLnYxIsMBCgdTZXNzaW9uEhIKCnNlc3Npb25faWQYASABKAkSEAoIcmV2aXNpb24YAiABKAMSLwoLY3JlYXRlX3RpbWUYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEjIKEWNvbXBhY3Rpb25fcG9saWN5GAQgASgLMhcuZ29vZ2xlLnByb3RvYnVmLlN0cnVjdBItCgZwb2xpY3kYZCABKAsyHS5jb21wYWN0ZC52MS5Db21wYWN0aW9uUG9saWN5IpEBChRDcmVhdGVTZXNzaW9uUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEjYKEWNvbXBhY3Rpb25fcG9saWN5GAIgASgLMhcuZ29vZ2xlLnByb3RvYnVmLlN0cnVjdEICGAESLQoGcG9saWN5GGQgASgLMh0uY29tcGFjdGQudjEuQ29tcGFjdGlvblBvbGljeSI+ChVDcmVhdGVTZXNzaW9uUmVzcG9uc2USJQoHc2Vzc2lvbhgBIAEoCzIULmNvbXBhY3RkLnYxLlNlc3Npb24iigEKE0FwcGVuZEV2ZW50c1JlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRIpCgZldmVudHMYAiADKAsyGS5jb21wYWN0ZC52MS5TZXNzaW9uRXZlbnQSHgoRZXhwZWN0ZWRfbGFzdF9zZXEYAyABKANIAIgBAUIUChJfZXhwZWN0ZWRfbGFzdF9zZXEiNgoUQXBwZW5kRXZlbnRzUmVzcG9uc2USDAoEc2VxcxgBIAMoAxIQCghyZXZpc2lvbhgCIAEoAyJJChFMaXN0RXZlbnRzUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEhAKCGZyb21fc2VxGAIgASgDEg4KBmZvbGxvdxgDIAEoCCI+ChJMaXN0RXZlbnRzUmVzcG9uc2USKAoFZXZlbnQYASABKAsyGS5jb21wYWN0ZC52MS5TZXNzaW9uRXZlbnQiWgoRR2V0U3VyZmFjZVJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRIOCgZkZXRhaWwYZCABKAgSIQoFcm91dGUYZSABKAsyEi5jb21wYWN0ZC52MS5Sb3V0ZSKTAQoHTWVzc2FnZRImCgRyb2xlGAEgASgOMhguY29tcGFjdGQudjEuTWVzc2FnZVJvbGUSKgoHY29udGVudBgCIAMoCzIZLmNvbXBhY3RkLnYxLkNvbnRlbnRCbG9jaxIUCgx0b29sX2NhbGxfaWQYAyABKAkSEAoIaXNfZXJyb3IYBCABKAgSDAoEbmFtZRgFIAEoCSLDAQoLU3VyZmFjZU5vZGUSEAoIcG9zaXRpb24YASABKAMSCwoDc2VxGAIgASgDEgwKBHR5cGUYAyABKAkSJQoHbWVzc2FnZRgEIAEoCzIULmNvbXBhY3RkLnYxLk1lc3NhZ2USGQoRc291cmNlX2V2ZW50X3NlcXMYBSADKAMSFQoNY29tcGFjdGlvbl9pZBgGIAEoCRIuCgZkZXRhaWwYZCABKAsyHi5jb21wYWN0ZC52MS5TdXJmYWNlTm9kZURldGFpbCJ7ChJHZXRTdXJmYWNlUmVzcG9uc2USEAoIcmV2aXNpb24YASABKAMSJwoFbm9kZXMYAiADKAsyGC5jb21wYWN0ZC52MS5TdXJmYWNlTm9kZRIqCgZkZXRhaWwYZCABKAsyGi5jb21wYWN0ZC52MS5TdXJmYWNlRGV0YWlsIikKE0J1aWxkUmVxdWVzdFJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCSLwAQoUQnVpbGRSZXF1ZXN0UmVzcG9uc2USEAoIcmV2aXNpb24YASABKAMSJgoIbWVzc2FnZXMYAiADKAsyFC5jb21wYWN0ZC52MS5NZXNzYWdlEioKBmNvbmZpZxgDIAEoCzIaLmNvbXBhY3RkLnYxLlJlcXVlc3RDb25maWcSMQoQYWRhcHRlcl9kZWZhdWx0cxgEIAEoCzIXLmdvb2dsZS5wcm90b2J1Zi5TdHJ1Y3QSKwoFdG9vbHMYBSADKAsyHC5jb21wYWN0ZC52MS5Ub29sRGVjbGFyYXRpb24SEgoKaGVhZGVyX3NlcRgGIAEoAyKkBwoQQ29tcGFjdGlvblBvbGljeRIcCg90aHJlc2hvbGRfcmF0aW8YASABKAFIAIgBARIcCg9oZWFkcm9vbV90b2tlbnMYAiABKANIAYgBARIZCgxyZXRhaW5fcmF0aW8YAyABKAFIAogBARIaCg1yZXRhaW5fdG9rZW5zGAQgASgDSAOIAQESIwoWc3VtbWFyaXphdGlvbl9wcm92aWRlchgFIAEoCUgEiAEBEiAKE3N1bW1hcml6YXRpb25fbW9kZWwYBiABKAlIBYgBARIXCgptYXhfdG9rZW5zGAcgASgDSAaIAQESHwoSY29tcGFjdGlvbl9yZXRyaWVzGAggASgDSAeIAQESIQoUbWF4X292ZXJmbG93X3JldHJpZXMYCSABKANICIgBARIRCgRhdXRvGAogASgISAmIAQESGQoMc3VtbWFyeV9nYXRlGAsgASgISAqIAQESIAoTbWluX3JlZHVjdGlvbl9yYXRpbxgMIAEoAUgLiAEBEiAKE21pbl9wcm9iZV9yZXRlbnRpb24YDSABKAFIDIgBARIgChNleHRyYWN0aXZlX2ZhbGxiYWNrGA4gASgISA2IAQESJAoXZmFpbHVyZV9iYWNrb2ZmX3NlY29uZHMYDyABKAFIDogBARIoChtmYWlsdXJlX2JhY2tvZmZfbWF4X3NlY29uZHMYECABKAFID4gBARI6Cg5tb2RlbF9wb2xpY2llcxgRIAMoCzIiLmNvbXBhY3RkLnYxLk1vZGVsQ29tcGFjdGlvblBvbGljeUISChBfdGhyZXNob2xkX3JhdGlvQhIKEF9oZWFkcm9vbV90b2tlbnNCDwoNX3JldGFpbl9yYXRpb0IQCg5fcmV0YWluX3Rva2Vuc0IZChdfc3VtbWFyaXphdGlvbl9wcm92aWRlckIWChRfc3VtbWFyaXphdGlvbl9tb2RlbEINCgtfbWF4X3Rva2Vuc0IVChNfY29tcGFjdGlvbl9yZXRyaWVzQhcKFV9tYXhfb3ZlcmZsb3dfcmV0cmllc0IHCgVfYXV0b0IPCg1fc3VtbWFyeV9nYXRlQhYKFF9taW5fcmVkdWN0aW9uX3JhdGlvQhYKFF9taW5fcHJvYmVfcmV0ZW50aW9uQhYKFF9leHRyYWN0aXZlX2ZhbGxiYWNrQhoKGF9mYWlsdXJlX2JhY2tvZmZfc2Vjb25kc0IeChxfZmFpbHVyZV9iYWNrb2ZmX21heF9zZWNvbmRzIo4HChVNb2RlbENvbXBhY3Rpb25Qb2xpY3kSEAoIcHJvdmlkZXIYASABKAkSDQoFbW9kZWwYAiABKAkSHAoPdGhyZXNob2xkX3JhdGlvGAMgASgBSACIAQESHAoPaGVhZHJvb21fdG9rZW5zGAQgASgDSAGIAQESGQoMcmV0YWluX3JhdGlvGAUgASgBSAKIAQESGgoNcmV0YWluX3Rva2VucxgGIAEoA0gDiAEBEiMKFnN1bW1hcml6YXRpb25fcHJvdmlkZXIYByABKAlIBIgBARIgChNzdW1tYXJpemF0aW9uX21vZGVsGAggASgJSAWIAQESFwoKbWF4X3Rva2VucxgJIAEoA0gGiAEBEh8KEmNvbXBhY3Rpb25fcmV0cmllcxgKIAEoA0gHiAEBEiEKFG1heF9vdmVyZmxvd19yZXRyaWVzGAsgASgDSAiIAQESEQoEYXV0bxgMIAEoCEgJiAEBEhkKDHN1bW1hcnlfZ2F0ZRgNIAEoCEgKiAEBEiAKE21pbl9yZWR1Y3Rpb25fcmF0aW8YDiABKAFIC4gBARIgChNtaW5fcHJvYmVfcmV0ZW50aW9uGA8gASgBSAyIAQESIAoTZXh0cmFjdGl2ZV9mYWxsYmFjaxgQIAEoCEgNiAEBEiQKF2ZhaWx1cmVfYmFja29mZl9zZWNvbmRzGBEgASgBSA6IAQESKAobZmFpbHVyZV9iYWNrb2ZmX21heF9zZWNvbmRzGBIgASgBSA+IAQFCEgoQX3RocmVzaG9sZF9yYXRpb0ISChBfaGVhZHJvb21fdG9rZW5zQg8KDV9yZXRhaW5fcmF0aW9CEAoOX3JldGFpbl90b2tlbnNCGQoXX3N1bW1hcml6YXRpb25fcHJvdmlkZXJCFgoUX3N1bW1hcml6YXRpb25fbW9kZWxCDQoLX21heF90b2tlbnNCFQoTX2NvbXBhY3Rpb25fcmV0cmllc0IXChVfbWF4X292ZXJmbG93X3JldHJpZXNCBwoFX2F1dG9CDwoNX3N1bW1hcnlfZ2F0ZUIWChRfbWluX3JlZHVjdGlvbl9yYXRpb0IWChRfbWluX3Byb2JlX3JldGVudGlvbkIWChRfZXh0cmFjdGl2ZV9mYWxsYmFja0IaChhfZmFpbHVyZV9iYWNrb2ZmX3NlY29uZHNCHgocX2ZhaWx1cmVfYmFja29mZl9tYXhfc2Vjb25kcyJAChFTdXJmYWNlTm9kZURldGFpbBIUCgxyb3V0ZV90b2tlbnMYASABKAMSFQoNc2hhZG93X3Rva2VucxgCIAEoAyJGCgtNZXRlckFuY2hvchILCgNzZXEYASABKAMSFAoMdXNhZ2VfdG9rZW5zGAIgASgDEhQKDGRlbHRhX3Rva2VucxgDIAEoAyJZCgxTaGFkb3dlZE5vZGUSCwoDc2VxGAEgASgDEgwKBHR5cGUYAiABKAkSFwoPc2hhZG93ZWRfYnlfc2VxGAMgASgDEhUKDWNvbXBhY3Rpb25faWQYBCABKAkixQEKDVN1cmZhY2VEZXRhaWwSIQoFcm91dGUYASABKAsyEi5jb21wYWN0ZC52MS5Sb3V0ZRIeChZyZXBsYWNlbWVudF9nZW5lcmF0aW9uGAIgASgDEhoKEmNvbnRlbnRfZ2VuZXJhdGlvbhgDIAEoAxIoCgZhbmNob3IYBCABKAsyGC5jb21wYWN0ZC52MS5NZXRlckFuY2hvchIrCghzaGFkb3dlZBgFIAMoCzIZLmNvbXBhY3RkLnYxLlNoYWRvd2VkTm9kZSqqAQoLTWVzc2FnZVJvbGUSHAoYTUVTU0FHRV9ST0xFX1VOU1BFQ0lGSUVEEAASFwoTTUVTU0FHRV9ST0xFX1NZU1RFTRABEhoKFk1FU1NBR0VfUk9MRV9ERVZFTE9QRVIQAhIVChFNRVNTQUdFX1JPTEVfVVNFUhADEhoKFk1FU1NBR0VfUk9MRV9BU1NJU1RBTlQQBBIVChFNRVNTQUdFX1JPTEVfVE9PTBAFMrIDCg5TZXNzaW9uU2VydmljZRJWCg1DcmVhdGVTZXNzaW9uEiEuY29tcGFjdGQudjEuQ3JlYXRlU2Vzc2lvblJlcXVlc3QaIi5jb21wYWN0ZC52MS5DcmVhdGVTZXNzaW9uUmVzcG9uc2USUwoMQXBwZW5kRXZlbnRzEiAuY29tcGFjdGQudjEuQXBwZW5kRXZlbnRzUmVxdWVzdBohLmNvbXBhY3RkLnYxLkFwcGVuZEV2ZW50c1Jlc3BvbnNlEk8KCkxpc3RFdmVudHMSHi5jb21wYWN0ZC52MS5MaXN0RXZlbnRzUmVxdWVzdBofLmNvbXBhY3RkLnYxLkxpc3RFdmVudHNSZXNwb25zZTABEk0KCkdldFN1cmZhY2USHi5jb21wYWN0ZC52MS5HZXRTdXJmYWNlUmVxdWVzdBofLmNvbXBhY3RkLnYxLkdldFN1cmZhY2VSZXNwb25zZRJTCgxCdWlsZFJlcXVlc3QSIC5jb21wYWN0ZC52MS5CdWlsZFJlcXVlc3RSZXF1ZXN0GiEuY29tcGFjdGQudjEuQnVpbGRSZXF1ZXN0UmVzcG9uc2ViBnByb3RvMw", [file_compactd_v1_events, file_google_protobuf_struct, file_google_protobuf_timestamp]);
+  fileDesc("CiFjb21wYWN0ZC92MS9zZXNzaW9uX3NlcnZpY2UucHJvdG8SC2NvbXBhY3RkLnYxIsMBCgdTZXNzaW9uEhIKCnNlc3Npb25faWQYASABKAkSEAoIcmV2aXNpb24YAiABKAMSLwoLY3JlYXRlX3RpbWUYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEjIKEWNvbXBhY3Rpb25fcG9saWN5GAQgASgLMhcuZ29vZ2xlLnByb3RvYnVmLlN0cnVjdBItCgZwb2xpY3kYZCABKAsyHS5jb21wYWN0ZC52MS5Db21wYWN0aW9uUG9saWN5IpEBChRDcmVhdGVTZXNzaW9uUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEjYKEWNvbXBhY3Rpb25fcG9saWN5GAIgASgLMhcuZ29vZ2xlLnByb3RvYnVmLlN0cnVjdEICGAESLQoGcG9saWN5GGQgASgLMh0uY29tcGFjdGQudjEuQ29tcGFjdGlvblBvbGljeSI+ChVDcmVhdGVTZXNzaW9uUmVzcG9uc2USJQoHc2Vzc2lvbhgBIAEoCzIULmNvbXBhY3RkLnYxLlNlc3Npb24iigEKE0FwcGVuZEV2ZW50c1JlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRIpCgZldmVudHMYAiADKAsyGS5jb21wYWN0ZC52MS5TZXNzaW9uRXZlbnQSHgoRZXhwZWN0ZWRfbGFzdF9zZXEYAyABKANIAIgBAUIUChJfZXhwZWN0ZWRfbGFzdF9zZXEiNgoUQXBwZW5kRXZlbnRzUmVzcG9uc2USDAoEc2VxcxgBIAMoAxIQCghyZXZpc2lvbhgCIAEoAyJJChFMaXN0RXZlbnRzUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEhAKCGZyb21fc2VxGAIgASgDEg4KBmZvbGxvdxgDIAEoCCI+ChJMaXN0RXZlbnRzUmVzcG9uc2USKAoFZXZlbnQYASABKAsyGS5jb21wYWN0ZC52MS5TZXNzaW9uRXZlbnQiWgoRR2V0U3VyZmFjZVJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRIOCgZkZXRhaWwYZCABKAgSIQoFcm91dGUYZSABKAsyEi5jb21wYWN0ZC52MS5Sb3V0ZSKTAQoHTWVzc2FnZRImCgRyb2xlGAEgASgOMhguY29tcGFjdGQudjEuTWVzc2FnZVJvbGUSKgoHY29udGVudBgCIAMoCzIZLmNvbXBhY3RkLnYxLkNvbnRlbnRCbG9jaxIUCgx0b29sX2NhbGxfaWQYAyABKAkSEAoIaXNfZXJyb3IYBCABKAgSDAoEbmFtZRgFIAEoCSLDAQoLU3VyZmFjZU5vZGUSEAoIcG9zaXRpb24YASABKAMSCwoDc2VxGAIgASgDEgwKBHR5cGUYAyABKAkSJQoHbWVzc2FnZRgEIAEoCzIULmNvbXBhY3RkLnYxLk1lc3NhZ2USGQoRc291cmNlX2V2ZW50X3NlcXMYBSADKAMSFQoNY29tcGFjdGlvbl9pZBgGIAEoCRIuCgZkZXRhaWwYZCABKAsyHi5jb21wYWN0ZC52MS5TdXJmYWNlTm9kZURldGFpbCJ7ChJHZXRTdXJmYWNlUmVzcG9uc2USEAoIcmV2aXNpb24YASABKAMSJwoFbm9kZXMYAiADKAsyGC5jb21wYWN0ZC52MS5TdXJmYWNlTm9kZRIqCgZkZXRhaWwYZCABKAsyGi5jb21wYWN0ZC52MS5TdXJmYWNlRGV0YWlsIikKE0J1aWxkUmVxdWVzdFJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCSLwAQoUQnVpbGRSZXF1ZXN0UmVzcG9uc2USEAoIcmV2aXNpb24YASABKAMSJgoIbWVzc2FnZXMYAiADKAsyFC5jb21wYWN0ZC52MS5NZXNzYWdlEioKBmNvbmZpZxgDIAEoCzIaLmNvbXBhY3RkLnYxLlJlcXVlc3RDb25maWcSMQoQYWRhcHRlcl9kZWZhdWx0cxgEIAEoCzIXLmdvb2dsZS5wcm90b2J1Zi5TdHJ1Y3QSKwoFdG9vbHMYBSADKAsyHC5jb21wYWN0ZC52MS5Ub29sRGVjbGFyYXRpb24SEgoKaGVhZGVyX3NlcRgGIAEoAyI8ChNMaXN0U2Vzc2lvbnNSZXF1ZXN0EhEKCXBhZ2Vfc2l6ZRgBIAEoBRISCgpwYWdlX3Rva2VuGAIgASgJIlcKFExpc3RTZXNzaW9uc1Jlc3BvbnNlEiYKCHNlc3Npb25zGAEgAygLMhQuY29tcGFjdGQudjEuU2Vzc2lvbhIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkiKgoURGVsZXRlU2Vzc2lvblJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCSIXChVEZWxldGVTZXNzaW9uUmVzcG9uc2UipAcKEENvbXBhY3Rpb25Qb2xpY3kSHAoPdGhyZXNob2xkX3JhdGlvGAEgASgBSACIAQESHAoPaGVhZHJvb21fdG9rZW5zGAIgASgDSAGIAQESGQoMcmV0YWluX3JhdGlvGAMgASgBSAKIAQESGgoNcmV0YWluX3Rva2VucxgEIAEoA0gDiAEBEiMKFnN1bW1hcml6YXRpb25fcHJvdmlkZXIYBSABKAlIBIgBARIgChNzdW1tYXJpemF0aW9uX21vZGVsGAYgASgJSAWIAQESFwoKbWF4X3Rva2VucxgHIAEoA0gGiAEBEh8KEmNvbXBhY3Rpb25fcmV0cmllcxgIIAEoA0gHiAEBEiEKFG1heF9vdmVyZmxvd19yZXRyaWVzGAkgASgDSAiIAQESEQoEYXV0bxgKIAEoCEgJiAEBEhkKDHN1bW1hcnlfZ2F0ZRgLIAEoCEgKiAEBEiAKE21pbl9yZWR1Y3Rpb25fcmF0aW8YDCABKAFIC4gBARIgChNtaW5fcHJvYmVfcmV0ZW50aW9uGA0gASgBSAyIAQESIAoTZXh0cmFjdGl2ZV9mYWxsYmFjaxgOIAEoCEgNiAEBEiQKF2ZhaWx1cmVfYmFja29mZl9zZWNvbmRzGA8gASgBSA6IAQESKAobZmFpbHVyZV9iYWNrb2ZmX21heF9zZWNvbmRzGBAgASgBSA+IAQESOgoObW9kZWxfcG9saWNpZXMYESADKAsyIi5jb21wYWN0ZC52MS5Nb2RlbENvbXBhY3Rpb25Qb2xpY3lCEgoQX3RocmVzaG9sZF9yYXRpb0ISChBfaGVhZHJvb21fdG9rZW5zQg8KDV9yZXRhaW5fcmF0aW9CEAoOX3JldGFpbl90b2tlbnNCGQoXX3N1bW1hcml6YXRpb25fcHJvdmlkZXJCFgoUX3N1bW1hcml6YXRpb25fbW9kZWxCDQoLX21heF90b2tlbnNCFQoTX2NvbXBhY3Rpb25fcmV0cmllc0IXChVfbWF4X292ZXJmbG93X3JldHJpZXNCBwoFX2F1dG9CDwoNX3N1bW1hcnlfZ2F0ZUIWChRfbWluX3JlZHVjdGlvbl9yYXRpb0IWChRfbWluX3Byb2JlX3JldGVudGlvbkIWChRfZXh0cmFjdGl2ZV9mYWxsYmFja0IaChhfZmFpbHVyZV9iYWNrb2ZmX3NlY29uZHNCHgocX2ZhaWx1cmVfYmFja29mZl9tYXhfc2Vjb25kcyKOBwoVTW9kZWxDb21wYWN0aW9uUG9saWN5EhAKCHByb3ZpZGVyGAEgASgJEg0KBW1vZGVsGAIgASgJEhwKD3RocmVzaG9sZF9yYXRpbxgDIAEoAUgAiAEBEhwKD2hlYWRyb29tX3Rva2VucxgEIAEoA0gBiAEBEhkKDHJldGFpbl9yYXRpbxgFIAEoAUgCiAEBEhoKDXJldGFpbl90b2tlbnMYBiABKANIA4gBARIjChZzdW1tYXJpemF0aW9uX3Byb3ZpZGVyGAcgASgJSASIAQESIAoTc3VtbWFyaXphdGlvbl9tb2RlbBgIIAEoCUgFiAEBEhcKCm1heF90b2tlbnMYCSABKANIBogBARIfChJjb21wYWN0aW9uX3JldHJpZXMYCiABKANIB4gBARIhChRtYXhfb3ZlcmZsb3dfcmV0cmllcxgLIAEoA0gIiAEBEhEKBGF1dG8YDCABKAhICYgBARIZCgxzdW1tYXJ5X2dhdGUYDSABKAhICogBARIgChNtaW5fcmVkdWN0aW9uX3JhdGlvGA4gASgBSAuIAQESIAoTbWluX3Byb2JlX3JldGVudGlvbhgPIAEoAUgMiAEBEiAKE2V4dHJhY3RpdmVfZmFsbGJhY2sYECABKAhIDYgBARIkChdmYWlsdXJlX2JhY2tvZmZfc2Vjb25kcxgRIAEoAUgOiAEBEigKG2ZhaWx1cmVfYmFja29mZl9tYXhfc2Vjb25kcxgSIAEoAUgPiAEBQhIKEF90aHJlc2hvbGRfcmF0aW9CEgoQX2hlYWRyb29tX3Rva2Vuc0IPCg1fcmV0YWluX3JhdGlvQhAKDl9yZXRhaW5fdG9rZW5zQhkKF19zdW1tYXJpemF0aW9uX3Byb3ZpZGVyQhYKFF9zdW1tYXJpemF0aW9uX21vZGVsQg0KC19tYXhfdG9rZW5zQhUKE19jb21wYWN0aW9uX3JldHJpZXNCFwoVX21heF9vdmVyZmxvd19yZXRyaWVzQgcKBV9hdXRvQg8KDV9zdW1tYXJ5X2dhdGVCFgoUX21pbl9yZWR1Y3Rpb25fcmF0aW9CFgoUX21pbl9wcm9iZV9yZXRlbnRpb25CFgoUX2V4dHJhY3RpdmVfZmFsbGJhY2tCGgoYX2ZhaWx1cmVfYmFja29mZl9zZWNvbmRzQh4KHF9mYWlsdXJlX2JhY2tvZmZfbWF4X3NlY29uZHMiQAoRU3VyZmFjZU5vZGVEZXRhaWwSFAoMcm91dGVfdG9rZW5zGAEgASgDEhUKDXNoYWRvd190b2tlbnMYAiABKAMiRgoLTWV0ZXJBbmNob3ISCwoDc2VxGAEgASgDEhQKDHVzYWdlX3Rva2VucxgCIAEoAxIUCgxkZWx0YV90b2tlbnMYAyABKAMiWQoMU2hhZG93ZWROb2RlEgsKA3NlcRgBIAEoAxIMCgR0eXBlGAIgASgJEhcKD3NoYWRvd2VkX2J5X3NlcRgDIAEoAxIVCg1jb21wYWN0aW9uX2lkGAQgASgJIsUBCg1TdXJmYWNlRGV0YWlsEiEKBXJvdXRlGAEgASgLMhIuY29tcGFjdGQudjEuUm91dGUSHgoWcmVwbGFjZW1lbnRfZ2VuZXJhdGlvbhgCIAEoAxIaChJjb250ZW50X2dlbmVyYXRpb24YAyABKAMSKAoGYW5jaG9yGAQgASgLMhguY29tcGFjdGQudjEuTWV0ZXJBbmNob3ISKwoIc2hhZG93ZWQYBSADKAsyGS5jb21wYWN0ZC52MS5TaGFkb3dlZE5vZGUqqgEKC01lc3NhZ2VSb2xlEhwKGE1FU1NBR0VfUk9MRV9VTlNQRUNJRklFRBAAEhcKE01FU1NBR0VfUk9MRV9TWVNURU0QARIaChZNRVNTQUdFX1JPTEVfREVWRUxPUEVSEAISFQoRTUVTU0FHRV9ST0xFX1VTRVIQAxIaChZNRVNTQUdFX1JPTEVfQVNTSVNUQU5UEAQSFQoRTUVTU0FHRV9ST0xFX1RPT0wQBTLfBAoOU2Vzc2lvblNlcnZpY2USVgoNQ3JlYXRlU2Vzc2lvbhIhLmNvbXBhY3RkLnYxLkNyZWF0ZVNlc3Npb25SZXF1ZXN0GiIuY29tcGFjdGQudjEuQ3JlYXRlU2Vzc2lvblJlc3BvbnNlElMKDEFwcGVuZEV2ZW50cxIgLmNvbXBhY3RkLnYxLkFwcGVuZEV2ZW50c1JlcXVlc3QaIS5jb21wYWN0ZC52MS5BcHBlbmRFdmVudHNSZXNwb25zZRJPCgpMaXN0RXZlbnRzEh4uY29tcGFjdGQudjEuTGlzdEV2ZW50c1JlcXVlc3QaHy5jb21wYWN0ZC52MS5MaXN0RXZlbnRzUmVzcG9uc2UwARJNCgpHZXRTdXJmYWNlEh4uY29tcGFjdGQudjEuR2V0U3VyZmFjZVJlcXVlc3QaHy5jb21wYWN0ZC52MS5HZXRTdXJmYWNlUmVzcG9uc2USUwoMQnVpbGRSZXF1ZXN0EiAuY29tcGFjdGQudjEuQnVpbGRSZXF1ZXN0UmVxdWVzdBohLmNvbXBhY3RkLnYxLkJ1aWxkUmVxdWVzdFJlc3BvbnNlElMKDExpc3RTZXNzaW9ucxIgLmNvbXBhY3RkLnYxLkxpc3RTZXNzaW9uc1JlcXVlc3QaIS5jb21wYWN0ZC52MS5MaXN0U2Vzc2lvbnNSZXNwb25zZRJWCg1EZWxldGVTZXNzaW9uEiEuY29tcGFjdGQudjEuRGVsZXRlU2Vzc2lvblJlcXVlc3QaIi5jb21wYWN0ZC52MS5EZWxldGVTZXNzaW9uUmVzcG9uc2ViBnByb3RvMw", [file_compactd_v1_events, file_google_protobuf_struct, file_google_protobuf_timestamp]);
 
 /**
  * A session.
@@ -512,6 +512,98 @@ export const BuildRequestResponseSchema: GenMessage<BuildRequestResponse> = /*@_
   messageDesc(file_compactd_v1_session_service, 12);
 
 /**
+ * Request for `ListSessions`.
+ *
+ * @generated from message compactd.v1.ListSessionsRequest
+ */
+export type ListSessionsRequest = Message$1<"compactd.v1.ListSessionsRequest"> & {
+  /**
+   * Most sessions in one page: 0 means 100; values above 1000 are treated as 1000.
+   *
+   * @generated from field: int32 page_size = 1;
+   */
+  pageSize: number;
+
+  /**
+   * `next_page_token` of the previous page; empty for the first page.
+   *
+   * @generated from field: string page_token = 2;
+   */
+  pageToken: string;
+};
+
+/**
+ * Describes the message compactd.v1.ListSessionsRequest.
+ * Use `create(ListSessionsRequestSchema)` to create a new message.
+ */
+export const ListSessionsRequestSchema: GenMessage<ListSessionsRequest> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_session_service, 13);
+
+/**
+ * Response for `ListSessions`.
+ *
+ * @generated from message compactd.v1.ListSessionsResponse
+ */
+export type ListSessionsResponse = Message$1<"compactd.v1.ListSessionsResponse"> & {
+  /**
+   * The page's sessions, in id order.
+   *
+   * @generated from field: repeated compactd.v1.Session sessions = 1;
+   */
+  sessions: Session[];
+
+  /**
+   * Token for the next page; empty on the last page.
+   *
+   * @generated from field: string next_page_token = 2;
+   */
+  nextPageToken: string;
+};
+
+/**
+ * Describes the message compactd.v1.ListSessionsResponse.
+ * Use `create(ListSessionsResponseSchema)` to create a new message.
+ */
+export const ListSessionsResponseSchema: GenMessage<ListSessionsResponse> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_session_service, 14);
+
+/**
+ * Request for `DeleteSession`.
+ *
+ * @generated from message compactd.v1.DeleteSessionRequest
+ */
+export type DeleteSessionRequest = Message$1<"compactd.v1.DeleteSessionRequest"> & {
+  /**
+   * The session.
+   *
+   * @generated from field: string session_id = 1;
+   */
+  sessionId: string;
+};
+
+/**
+ * Describes the message compactd.v1.DeleteSessionRequest.
+ * Use `create(DeleteSessionRequestSchema)` to create a new message.
+ */
+export const DeleteSessionRequestSchema: GenMessage<DeleteSessionRequest> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_session_service, 15);
+
+/**
+ * Response for `DeleteSession`.
+ *
+ * @generated from message compactd.v1.DeleteSessionResponse
+ */
+export type DeleteSessionResponse = Message$1<"compactd.v1.DeleteSessionResponse"> & {
+};
+
+/**
+ * Describes the message compactd.v1.DeleteSessionResponse.
+ * Use `create(DeleteSessionResponseSchema)` to create a new message.
+ */
+export const DeleteSessionResponseSchema: GenMessage<DeleteSessionResponse> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_session_service, 16);
+
+/**
  * Per-session compaction policy overrides: every setting of the service's `[compaction]` table.
  * An absent field inherits (the service's setting for the route, else the default). The spec's
  * camelCase names are these fields' JSON names. Defaults and units are the README's policy table.
@@ -647,7 +739,7 @@ export type CompactionPolicy = Message$1<"compactd.v1.CompactionPolicy"> & {
  * Use `create(CompactionPolicySchema)` to create a new message.
  */
 export const CompactionPolicySchema: GenMessage<CompactionPolicy> = /*@__PURE__*/
-  messageDesc(file_compactd_v1_session_service, 13);
+  messageDesc(file_compactd_v1_session_service, 17);
 
 /**
  * The overrides of one exact provider/model route (`modelPolicies[i]`); absent fields inherit.
@@ -787,7 +879,7 @@ export type ModelCompactionPolicy = Message$1<"compactd.v1.ModelCompactionPolicy
  * Use `create(ModelCompactionPolicySchema)` to create a new message.
  */
 export const ModelCompactionPolicySchema: GenMessage<ModelCompactionPolicy> = /*@__PURE__*/
-  messageDesc(file_compactd_v1_session_service, 14);
+  messageDesc(file_compactd_v1_session_service, 18);
 
 /**
  * The prices of one surface node.
@@ -815,7 +907,7 @@ export type SurfaceNodeDetail = Message$1<"compactd.v1.SurfaceNodeDetail"> & {
  * Use `create(SurfaceNodeDetailSchema)` to create a new message.
  */
 export const SurfaceNodeDetailSchema: GenMessage<SurfaceNodeDetail> = /*@__PURE__*/
-  messageDesc(file_compactd_v1_session_service, 15);
+  messageDesc(file_compactd_v1_session_service, 19);
 
 /**
  * The meter's usage anchor: provider usage prices the envelope up to `seq`.
@@ -850,7 +942,7 @@ export type MeterAnchor = Message$1<"compactd.v1.MeterAnchor"> & {
  * Use `create(MeterAnchorSchema)` to create a new message.
  */
 export const MeterAnchorSchema: GenMessage<MeterAnchor> = /*@__PURE__*/
-  messageDesc(file_compactd_v1_session_service, 16);
+  messageDesc(file_compactd_v1_session_service, 20);
 
 /**
  * A log node no longer on the surface, and the replacement that shadowed it.
@@ -892,7 +984,7 @@ export type ShadowedNode = Message$1<"compactd.v1.ShadowedNode"> & {
  * Use `create(ShadowedNodeSchema)` to create a new message.
  */
 export const ShadowedNodeSchema: GenMessage<ShadowedNode> = /*@__PURE__*/
-  messageDesc(file_compactd_v1_session_service, 17);
+  messageDesc(file_compactd_v1_session_service, 21);
 
 /**
  * Surface-wide detail of `GetSurface`.
@@ -941,7 +1033,7 @@ export type SurfaceDetail = Message$1<"compactd.v1.SurfaceDetail"> & {
  * Use `create(SurfaceDetailSchema)` to create a new message.
  */
 export const SurfaceDetailSchema: GenMessage<SurfaceDetail> = /*@__PURE__*/
-  messageDesc(file_compactd_v1_session_service, 18);
+  messageDesc(file_compactd_v1_session_service, 22);
 
 /**
  * The role of a derived model message.
@@ -999,7 +1091,11 @@ export const MessageRoleSchema: GenEnum<MessageRole> = /*@__PURE__*/
   enumDesc(file_compactd_v1_session_service, 0);
 
 /**
- * Owns session logs. Every RPC answers NOT_FOUND when the named session does not exist, and
+ * Owns session logs. Every session belongs to the tenant that created it (the caller's
+ * authenticated tenant; `default` when authentication is off): ids are unique per tenant, and
+ * a session of another tenant does not exist for the caller. With authentication on, a call
+ * without valid credentials answers UNAUTHENTICATED. Every RPC answers NOT_FOUND when the
+ * named session does not exist, and
  * INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` when the request bytes do not parse (a
  * string field that is not UTF-8, say). A streaming RPC beyond the server's stream limits
  * (`max_streams` in the process, `max_streams_per_session` per session) answers
@@ -1076,6 +1172,30 @@ export const SessionService: GenService<{
     methodKind: "unary";
     input: typeof BuildRequestRequestSchema;
     output: typeof BuildRequestResponseSchema;
+  },
+  /**
+   * Lists the caller's tenant's sessions in id order, a page at a time.
+   * Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` this server did not
+   * issue.
+   *
+   * @generated from rpc compactd.v1.SessionService.ListSessions
+   */
+  listSessions: {
+    methodKind: "unary";
+    input: typeof ListSessionsRequestSchema;
+    output: typeof ListSessionsResponseSchema;
+  },
+  /**
+   * Deletes a session: its log and everything derived from it are removed durably. Followers
+   * of the session (ListEvents with `follow`, WatchPressure) end with NOT_FOUND; afterwards the
+   * id answers NOT_FOUND and may be created again, fresh. Errors: NOT_FOUND.
+   *
+   * @generated from rpc compactd.v1.SessionService.DeleteSession
+   */
+  deleteSession: {
+    methodKind: "unary";
+    input: typeof DeleteSessionRequestSchema;
+    output: typeof DeleteSessionResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_compactd_v1_session_service, 0);
