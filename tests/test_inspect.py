@@ -7,14 +7,25 @@ import io
 import json
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from compactd import inspect
+from compactd.api.auth import hash_token
+from compactd.api.server import create_server
 from compactd.testing.openai_server import OpenAICompatServer
 from tests.builders import compaction_start, turn_start, user
-from tests.compaction_fixtures import Harness, loopback, opening, started, unit, units
+from tests.compaction_fixtures import (
+    Harness,
+    loopback,
+    opening,
+    server_config,
+    started,
+    unit,
+    units,
+)
 
 BIG = "line of build output\n" * 600  # pruned when pressure qualifies
 
@@ -132,3 +143,22 @@ async def test_inspect_follow_streams_new_events_and_pressure(
     lines = out.getvalue().splitlines()
     assert any(line.startswith(f"+ {seq:>6} user/message") for line in lines)
     assert sum(line.startswith("~ pressure ") for line in lines) >= 1
+
+
+async def test_inspect_sends_its_token_to_a_service_that_requires_one(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    token = "inspect-token-0123456789"
+    async with started(tmp_path, loop, kind="extractive") as h:
+        await h.create(*opening(), *units(2))
+    settings = server_config(tmp_path, loop, kind="extractive")
+    settings = replace(settings, auth_tokens={"default": hash_token(token)})
+    running = await create_server(settings)
+    try:
+        refused, out = await _cli(running.address, "s1")
+        assert (refused, "UNAUTHENTICATED" in out) == (1, True)
+        code, out = await _cli(running.address, "s1", "--token", token)
+        assert code == 0, out
+        assert "== brackets" in out
+    finally:
+        await running.stop(0)

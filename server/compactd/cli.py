@@ -86,6 +86,14 @@ def _inspect_command(commands: argparse._SubParsersAction[argparse.ArgumentParse
         default=os.environ.get("COMPACTD_ADDRESS", "127.0.0.1:50051"),
         help="HOST:PORT of the service (also COMPACTD_ADDRESS; default 127.0.0.1:50051)",
     )
+    inspect.add_argument(
+        "--token",
+        default=os.environ.get("COMPACTD_TOKEN", ""),
+        help="bearer token of a service with auth_tokens (also COMPACTD_TOKEN)",
+    )
+    inspect.add_argument(
+        "--tls-ca", metavar="FILE", help="CA certificate (PEM) to verify a TLS listener with"
+    )
     inspect.add_argument("--json", action="store_true", help="print one JSON object instead")
     inspect.add_argument(
         "--follow", action="store_true", help="then stream new events and pressure (Ctrl-C stops)"
@@ -98,11 +106,19 @@ def _inspect_command(commands: argparse._SubParsersAction[argparse.ArgumentParse
 def _inspect(args: argparse.Namespace) -> int:
     from compactd import inspect
 
+    tls_ca = None
+    if args.tls_ca:
+        try:
+            with open(args.tls_ca, "rb") as file:
+                tls_ca = file.read()
+        except OSError as error:
+            print(f"compactd inspect: --tls-ca: {error.strerror}: {args.tls_ca}", file=sys.stderr)
+            return EXIT_CONFIG
     try:
         return asyncio.run(
             inspect.run(
                 args.address, args.session, as_json=args.json, follow=args.follow,
-                mode=args.mode, out=sys.stdout,
+                mode=args.mode, token=args.token, tls_ca=tls_ca, out=sys.stdout,
             )
         )  # fmt: skip
     except KeyboardInterrupt:

@@ -61,12 +61,24 @@ class Snapshot:
     request: spb.BuildRequestResponse
 
 
+def channel(address: str, *, tls_ca: bytes | None = None) -> grpc.aio.Channel:
+    """A channel to the service: TLS verified against ``tls_ca`` when given, else plaintext."""
+    if tls_ca is not None:
+        return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(tls_ca))
+    return grpc.aio.insecure_channel(address)
+
+
 class Inspector:
     """A client of one service for one session (stubs on ``channel``)."""
 
-    def __init__(self, channel: grpc.aio.Channel, session_id: str, *, mode: str = "auto") -> None:
-        self._sessions: Any = session_service_pb2_grpc.SessionServiceStub(channel)
-        self._compaction: Any = compaction_service_pb2_grpc.CompactionServiceStub(channel)
+    def __init__(
+        self, channel: grpc.aio.Channel, session_id: str, *, mode: str = "auto", token: str = ""
+    ) -> None:
+        sessions = session_service_pb2_grpc.SessionServiceStub(channel)
+        compaction = compaction_service_pb2_grpc.CompactionServiceStub(channel)
+        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._sessions: Any = _Authorized(sessions, metadata)
+        self._compaction: Any = _Authorized(compaction, metadata)
         self.session_id = session_id
         self.mode = _MODES[mode]
 
@@ -128,6 +140,21 @@ class Inspector:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Authorized:
+    """A stub whose every call carries ``metadata`` (the bearer token, when there is one)."""
+
+    def __init__(self, stub: object, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._stub, self._metadata = stub, metadata
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self._stub, name)
+
+        def call(request: Message) -> Any:
+            return method(request, metadata=self._metadata)
+
+        return call
 
 
 # ---- JSON -----------------------------------------------------------------------------------
@@ -354,13 +381,15 @@ async def run(
     as_json: bool = False,
     follow: bool = False,
     mode: str = "auto",
+    token: str = "",
+    tls_ca: bytes | None = None,
     out: TextIO,
     until: Callable[[list[str]], bool] | None = None,
 ) -> int:
     """Print the session once, then (``follow``) what comes, until cancelled or ``until``
     holds of the lines followed so far. Returns the exit code (1: the service refused)."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        inspector = Inspector(channel, session_id, mode=mode)
+    async with channel(address, tls_ca=tls_ca) as opened:
+        inspector = Inspector(opened, session_id, mode=mode, token=token)
         try:
             snapshot = await inspector.snapshot()
         except grpc.aio.AioRpcError as error:
