@@ -36,6 +36,7 @@ from typing import Any
 from compactd_client import AsyncCompactdClient, openai
 from compactd_client.v1 import events_pb2
 from compactd_client.v1.events_pb2 import SessionEvent
+from compactd_client.v1.session_service_pb2 import BuildRequestResponse
 
 from compactd import config as settings
 from compactd.errors import ConfigError
@@ -161,6 +162,7 @@ class SessionReplay:
     events: int = 0
     final_tokens: int = 0
     seconds: float = 0.0
+    requests: list[BuildRequestResponse] = field(default_factory=list)  # with keep_requests
 
     @property
     def tokens_sent(self) -> int:
@@ -192,6 +194,7 @@ async def replay(
     policy: Mapping[str, Any] | None = None,
     session_id: str = "",
     on_step: Progress | None = None,
+    keep_requests: bool = False,
 ) -> SessionReplay:
     """Play ``transcript`` as one new session; returns its steps and what the log says.
 
@@ -202,6 +205,7 @@ async def replay(
         policy: The session's compaction policy overrides (``CreateSession``).
         session_id: The session's id (default: ``replay-`` and a random suffix).
         on_step: Called after each step's ``PrepareStep``.
+        keep_requests: Keep each step's rebuilt request (``SessionReplay.requests``).
 
     Raises:
         ValueError: The transcript holds a message the converter does not carry (named).
@@ -223,6 +227,8 @@ async def replay(
             log_length = await _append(client, result.session_id, pending) or log_length
             pending = []
             step = await _prepare(client, result, event.step_start.turn, log_length, answered)
+            if not keep_requests:
+                result.requests.clear()
             if on_step is not None:
                 on_step(step)
         pending.append(event)
@@ -272,6 +278,7 @@ async def _prepare(
         broken_pairs=broken_tool_pairs(body["messages"], answered),
     )
     result.steps.append(step)
+    result.requests.append(prepared.request)
     return step
 
 
@@ -452,6 +459,7 @@ async def replay_all(
     route: tuple[str, str] = DEFAULT_ROUTE,
     policy: Mapping[str, Any] | None = None,
     on_step: Callable[[int, StepRecord], None] | None = None,
+    keep_requests: bool = False,
 ) -> list[SessionReplay]:
     """Replay every transcript against ``address``, one session each, in order.
 
@@ -466,7 +474,14 @@ async def replay_all(
                     on_step(index, record)
 
             results.append(
-                await replay(client, transcript, route=route, policy=policy, on_step=step)
+                await replay(
+                    client,
+                    transcript,
+                    route=route,
+                    policy=policy,
+                    on_step=step,
+                    keep_requests=keep_requests,
+                )
             )
     return results
 
