@@ -252,6 +252,8 @@ class Tally:
     checkpoint: int = 0
     span: int = 0
     worst_share: float = 0.0
+    checkpoints: int = 0
+    over_share: int = 0  # checkpoints above 15% of their span
 
     def probe(self, after: int, retained: probes.Retention) -> None:
         """Record which probes one request kept, ``after`` 1 or 3 compactions."""
@@ -371,6 +373,8 @@ def tally_compactd(
             if record.span_tokens:
                 share = record.checkpoint_tokens / record.span_tokens
                 tally.worst_share = max(tally.worst_share, share)
+                tally.checkpoints += 1
+                tally.over_share += share > 0.15
         _probe(tally, probe_plan(log, result.steps), texts.__getitem__)
     return tally
 
@@ -422,7 +426,10 @@ def _pct(value: float | None) -> str:
 def cost_rows(tallies: dict[str, Tally], reference: Tally) -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = []
     for name, t in tallies.items():
-        checkpoint = f"{t.checkpoint / t.span:.1%} (max {t.worst_share:.0%})" if t.span else "-"
+        checkpoint = "-"
+        if t.span:
+            checkpoint = (f"{t.checkpoint / t.span:.1%} (max {t.worst_share:.0%}, "
+                          f"{t.over_share}/{t.checkpoints} > 15%)")  # fmt: skip
         rows.append((name, f"{t.sent:,}", f"{t.sent / reference.sent:.0%}",
                      f"{t.over_window}/{t.steps}", str(t.broken), str(t.summary_calls),
                      checkpoint))  # fmt: skip

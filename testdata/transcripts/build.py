@@ -55,6 +55,8 @@ CODING_SOURCES = (
     "openhands/tests/unit/resolver/mock_output/output.jsonl#1",
     "spotter/test/fixtures/transcripts/fa812bfe-b295-4cca-9c2f-fdf01028cb46/subagents/agent-a93ccab.jsonl#session",
     "spotter/test/fixtures/transcripts/6c2214d7-b87e-4432-8e41-22ba294ea584/subagents/agent-afc096d.jsonl#session",
+    "spotter/test/fixtures/transcripts/fa812bfe-b295-4cca-9c2f-fdf01028cb46/subagents/agent-aa84377.jsonl#session",
+    "spotter/test/fixtures/transcripts/4d5611e5-241a-462a-8d15-5122611a9569/subagents/agent-a2898e3.jsonl#session",
     "swe-agent/trajectories/demonstrations/replay__marshmallow-code__marshmallow-1867__function_calling__install-1/marshmallow-code__marshmallow-1867.traj#history",
 )
 CLAUDE_CODE_FILES = (
