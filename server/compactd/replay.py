@@ -390,9 +390,10 @@ def _trigger_name(value: events_pb2.CompactionTrigger.ValueType) -> str:
 def window_policy(window: int) -> dict[str, int]:
     """Session policy overrides that suit a ``window``-token route: an output reservation and a
     headroom of a sixteenth each (the defaults, 65,536 headroom, fit only large windows), so the
-    trigger is 80% of the window and the retained budget 16% of what is left."""
+    trigger is 80% of the window and the retained budget 16% of what is left; summaries may take
+    a tenth of the window."""
     share = max(64, window // 16)
-    return {"headroomTokens": share, "maxTokens": share}
+    return {"headroomTokens": share, "maxTokens": max(64, window // 10)}
 
 
 def embedded_config(
