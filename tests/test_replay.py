@@ -8,6 +8,8 @@ repository ships (``testdata/transcripts``).
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -201,3 +203,12 @@ def test_a_missing_transcript_file_exits_2(
 ) -> None:
     assert cli.main(["replay", str(tmp_path / "none.jsonl")]) == 2
     assert "none.jsonl" in capsys.readouterr().err
+
+
+def test_the_server_commands_never_import_the_python_client() -> None:
+    # A server-only install (the Docker image) has no compactd_client: serve must not need it.
+    code = (
+        "import sys; import compactd.cli as cli; cli.build_parser(); "
+        "sys.exit('compactd_client' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

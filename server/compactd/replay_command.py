@@ -1,4 +1,9 @@
-"""The ``compactd replay`` command: arguments, the embedded or target server, the outputs."""
+"""The ``compactd replay`` command: arguments, the embedded or target server, the outputs.
+
+Replay drives compactd through its Python client (``compactd_client``), which a server-only
+install (the Docker image) lacks: it is imported when the command runs, never by ``compactd
+serve``, and its absence is an error that says how to install it.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,14 @@ import argparse
 import asyncio
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from compactd import replay as rp
-from compactd import replay_report as report
 from compactd.errors import ConfigError
+
+if TYPE_CHECKING:
+    from compactd import replay as rp
+
+DEFAULT_ROUTE = "openai/gpt-4o"
 
 
 def add_parser(commands: Any) -> None:
@@ -33,7 +41,7 @@ def add_parser(commands: Any) -> None:
         help="the embedded route's context window in tokens (small: compacts often)",
     )  # fmt: skip
     parser.add_argument(
-        "--route", default="/".join(rp.DEFAULT_ROUTE),
+        "--route", default=DEFAULT_ROUTE,
         help="PROVIDER/MODEL the sessions are routed to (default openai/gpt-4o)",
     )  # fmt: skip
     parser.add_argument(
@@ -50,6 +58,15 @@ def add_parser(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``compactd replay``; returns the exit code (2: bad arguments or input)."""
+    try:
+        from compactd import replay as rp
+        from compactd import replay_report as report
+    except ModuleNotFoundError as err:
+        if err.name != "compactd_client":
+            raise
+        print("compactd replay: needs the Python client: pip install ./clients/python",
+              file=sys.stderr)  # fmt: skip
+        return 2
     try:
         route = rp.parse_route(args.route)
         transcripts = rp.read_transcripts(args.transcripts, match=args.match, limit=args.limit)
@@ -76,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
 async def _replay(
     args: argparse.Namespace, route: tuple[str, str], transcripts: list[rp.Transcript]
 ) -> tuple[list[rp.SessionReplay], str]:
+    from compactd import replay as rp
+    from compactd import replay_report as report
+
     steps = sum(1 for t in transcripts for m in t.messages if m.get("role") == "assistant")
     bar = None if args.no_progress else report.ProgressBar(sys.stderr, steps, len(transcripts))
     on_step = bar.step if bar is not None else None
