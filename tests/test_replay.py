@@ -125,6 +125,11 @@ async def test_the_report_shows_the_log_figures(address: str) -> None:
         cells = f"<td class=n>{row['shadowed']}</td><td class=n>{row['before']:,}</td>"
         assert cells + f"<td class=n>{row['after']:,}</td>" in page
         assert f"<td class=n>{row['chars']:,}</td>" in page
+    rows = [line.split() for line in report.bracket_table([result]).splitlines()[1:]]
+    assert [(r[3], r[4], r[5], r[8]) for r in rows] == [
+        (str(e["shadowed"]), f"{e['before']:,}", f"{e['after']:,}", f"{e['chars']:,}")
+        for e in expected
+    ]
     [line] = [r for r in report.table([result]).splitlines() if r.startswith("…")]
     committed = sum(r["ok"] for r in expected)
     assert f"{result.tokens_sent:,}" in line

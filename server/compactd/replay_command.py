@@ -82,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"compactd replay: {err.message}", file=sys.stderr)
         return 2
     print(report.table(replays))
+    print()
+    print(report.bracket_table(replays))
     settings = f"{len(replays)} conversations of {args.transcripts}, route {args.route}, {where}"
     args.html.write_text(
         report.render_html(replays, title="compactd replay", settings=settings), encoding="utf-8"

@@ -120,13 +120,47 @@ def _short(text: str, width: int) -> str:
 
 def table(replays: Sequence[SessionReplay]) -> str:
     """The terminal table: first column left-aligned, the figures right-aligned."""
-    body = rows(replays)
-    widths = [max(len(cell) for cell in column) for column in zip(COLUMNS, *body, strict=True)]
+    return _aligned((*COLUMNS, ""), [(*row, "") for row in rows(replays)])
+
+
+BRACKET_COLUMNS = ("#", "step", "seqs", "shadowed", "before", "after", "span", "ckpt", "chars",
+                   "ms", "outcome")  # fmt: skip
+
+
+def bracket_table(replays: Sequence[SessionReplay]) -> str:
+    """Every bracket of every conversation, one row each (``#`` is conversation.bracket)."""
+    body = [
+        (
+            f"{number}.{index}",
+            str(c.step),
+            f"{c.start_seq}-{c.end_seq}",
+            str(c.shadowed),
+            f"{c.tokens_before:,}",
+            f"{c.tokens_after:,}",
+            f"{c.span_tokens:,}",
+            f"{c.checkpoint_tokens:,}",
+            f"{c.summary_chars:,}",
+            f"{c.seconds * 1000:,.0f}",
+            c.outcome,
+        )
+        for number, result in enumerate(replays, 1)
+        for index, c in enumerate(result.compactions, 1)
+    ]
+    if not body:
+        return "no compaction brackets"
+    return _aligned(BRACKET_COLUMNS, body)
+
+
+def _aligned(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+    """Columns padded to their widest cell: the first and last left-aligned, figures right."""
+    widths = [max(len(cell) for cell in column) for column in zip(header, *body, strict=True)]
     lines = []
-    for cells in (COLUMNS, *body):
-        first, *rest = cells
-        figures = (cell.rjust(w) for cell, w in zip(rest, widths[1:], strict=True))
-        lines.append("  ".join((first.ljust(widths[0]), *figures)).rstrip())
+    for cells in (header, *body):
+        padded = [
+            cell.ljust(w) if i in (0, len(cells) - 1) else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        lines.append("  ".join(padded).rstrip())
     return "\n".join(lines)
 
 
