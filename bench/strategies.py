@@ -27,7 +27,8 @@ span it shadowed (``core.probes``: the user's requests, file paths, commands and
 the original events) and checks which of them the model-visible request still holds, with the
 gate's own matching: right after that compaction ("after 1") and after two more compactions of the
 same session ("after 3": the span's checkpoint folded into a summary of summaries twice). Every
-strategy is probed with the same facts at the same steps. The checkpoint's share of its span is
+strategy is probed with the same facts at the same steps; a request larger than the window counts
+as showing nothing, since the provider refuses it. The checkpoint's share of its span is
 the committed checkpoints' route tokens over their spans' route tokens.
 
 Token counts are exact and deterministic, not timed, so the machine's load does not move them.
@@ -363,7 +364,8 @@ def tally_compactd(
             tally.steps += 1
             tally.over_window += tokens > step.window
             tally.broken += step.broken_pairs
-            texts[index] = visible_text(messages)
+            # A request over the window is refused by the provider: the model sees nothing.
+            texts[index] = visible_text(messages) if tokens <= step.window else ""
         tally.summary_calls += sum(
             e.HasField("compaction_summary") or e.HasField("compaction_summary_error") for e in log
         )
@@ -396,7 +398,7 @@ def tally_strategy(
             tally.steps += 1
             tally.over_window += tokens > step.window
             tally.broken += rp.broken_tool_pairs(chat(talk, shown), talk.answered)
-            shown_at[index] = shown
+            shown_at[index] = shown if tokens <= step.window else []  # refused: nothing seen
 
         def text(
             index: int, talk: Conversation = talk, shown_at: dict[int, Shown] = shown_at
@@ -487,7 +489,8 @@ async def run(args: argparse.Namespace) -> None:
                    "broken tool pairs", "summary calls", "checkpoint/span"),
           cost_rows(tallies, reference))  # fmt: skip
     kinds = ("P/C/E", "requests", "paths", "commands", "errors")
-    table("Facts of shadowed spans still visible (after 1 compaction | after 3)",
+    table("Facts of shadowed spans the model still sees (after 1 compaction | after 3; a "
+          "request over the window shows nothing)",
           ("strategy", *(f"{k} 1x" for k in kinds), *(f"{k} 3x" for k in kinds)),
           quality_rows(tallies))  # fmt: skip
     extractive = tallies["compactd (extractive)"]
