@@ -217,3 +217,22 @@ def test_the_server_commands_never_import_the_python_client() -> None:
         "sys.exit('compactd_client' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_the_readme_quick_start_prints_what_the_readme_shows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    readme = (TRANSCRIPTS.parents[1] / "README.md").read_text(encoding="utf-8")
+    start = readme.index("## Quick start: replay a recorded session")
+    command, shown = re.findall(r"```(?:sh)?\n(.*?)```", readme[start:], re.DOTALL)[:2]
+    argv = command.split()
+    assert argv[:2] == ["compactd", "replay"]
+    monkeypatch.chdir(TRANSCRIPTS.parents[1])
+    assert cli.main([*argv[1:], "--html", str(tmp_path / "r.html"), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+
+    def figures(text: str) -> list[list[str]]:  # every cell but a bracket's duration (ms)
+        rows = [line.split() for line in text.splitlines() if line and "report:" not in line]
+        return [row[:9] + row[10:] if re.fullmatch(r"\d+\.\d+", row[0]) else row for row in rows]
+
+    assert figures(printed) == figures(shown)
