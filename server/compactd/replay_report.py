@@ -300,8 +300,7 @@ def _axes(
     out = [
         f"<rect x='{left}' y='{top}' width='{plot_w}' height='{plot_h}' fill='none' stroke='#ccc'/>"
     ]
-    for fraction in (0.0, 0.25, 0.5, 0.75, 1.0):
-        tokens = ceiling * fraction
+    for tokens in _ticks(ceiling):
         level = y(tokens)
         out.append(
             f"<line x1='{left}' x2='{left + plot_w}' y1='{level:.1f}' y2='{level:.1f}' "
@@ -315,6 +314,14 @@ def _axes(
         f"text-anchor='end'>step {count}</text>"
     )
     return out
+
+
+def _ticks(ceiling: float) -> list[int]:
+    """Round token levels from 0 up to ``ceiling``, four or five steps (1, 2, 2.5 or 5 x 10^k)."""
+    raw = max(1.0, ceiling / 5)
+    magnitude = 10 ** (len(str(int(raw))) - 1)
+    step = next(s for m in (1, 2, 2.5, 5, 10) if (s := max(1, int(m * magnitude))) >= raw)
+    return list(range(0, int(ceiling) + 1, step))
 
 
 def _legend() -> str:
