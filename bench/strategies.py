@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -310,8 +311,6 @@ async def compactd_runs(
     async with rp.temporary_store() as folder:
         config = rp.embedded_config(None, folder, window=window, environ={})
         if summarizer is not None:
-            import dataclasses
-
             config = dataclasses.replace(
                 config, routes=(*config.routes, summarizer["route"]),
                 summarizer=summarizer["summarizer"],

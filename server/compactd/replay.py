@@ -22,6 +22,7 @@ times. Summaries are extractive unless the configuration (``--config``) says oth
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import json
@@ -163,6 +164,7 @@ class SessionReplay:
     final_tokens: int = 0
     seconds: float = 0.0
     requests: list[BuildRequestResponse] = field(default_factory=list)  # with keep_requests
+    warnings: dict[str, None] = field(default_factory=dict)  # PrepareStep's, each once
 
     @property
     def tokens_sent(self) -> int:
@@ -279,6 +281,7 @@ async def _prepare(
     )
     result.steps.append(step)
     result.requests.append(prepared.request)
+    result.warnings.update(dict.fromkeys(prepared.warnings))
     return step
 
 
@@ -343,12 +346,9 @@ def brackets(
 
 
 def _step_of(starts: Sequence[int], seq: int) -> int:
-    """The number of the step whose ``PrepareStep`` wrote ``seq`` (0: before any step)."""
-    number = 0
-    for index, first in enumerate(starts, 1):
-        if seq >= first:
-            number = index
-    return number
+    """The number of the step whose ``PrepareStep`` wrote ``seq`` (0: before any step);
+    ``starts`` is each step's ``first_seq``, ascending."""
+    return bisect.bisect_right(starts, seq)
 
 
 def _bracket(

@@ -84,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
     print(report.table(replays))
     print()
     print(report.bracket_table(replays))
+    for number, result in enumerate(replays, 1):
+        for warning in result.warnings:  # a route without a window, a bracket that failed, ...
+            print(f"warning ({number}): {warning}", file=sys.stderr)
     settings = f"{len(replays)} conversations of {args.transcripts}, route {args.route}, {where}"
     args.html.write_text(
         report.render_html(replays, title="compactd replay", settings=settings), encoding="utf-8"
