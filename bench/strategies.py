@@ -290,6 +290,8 @@ def probe_plan(log: Sequence[Any], steps: Sequence[rp.StepRecord]) -> list[Probe
              if e.HasField("compaction_summary")}  # fmt: skip
     plan = []
     for number, record in enumerate(committed):
+        if record.step == 0:  # not written by a step's PrepareStep: no request to probe
+            continue
         messages = [
             m
             for seq in spans[record.compaction_id]
