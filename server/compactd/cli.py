@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
         "JetBrains): save it and point the file at it with a `#:schema` first line.",
     )
     _inspect_command(commands)
+    from compactd import replay_command  # issue 14: replay
+
+    replay_command.add_parser(commands)
     return parser
 
 
@@ -138,6 +141,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "inspect":
         return _inspect(args)
+    if args.command == "replay":
+        from compactd import replay_command
+
+        return replay_command.run(args)
     if args.command == "config-schema":
         print(json.dumps(config.json_schema(), indent=2))
         return 0
