@@ -11,6 +11,12 @@
 3. ``StreamLimits``: at most ``max_streams`` response streams at once in the process and
    ``max_streams_per_session`` per session; more answer RESOURCE_EXHAUSTED with reason
    ``TOO_MANY_STREAMS`` (every commit wakes each watcher of its session).
+4. ``TenantQuotas``: the calling tenant's quotas on response streams open at once and on
+   ``AppendEvents`` per second (``compactd.service.quotas``), refused before the handler runs
+   with RESOURCE_EXHAUSTED, reason ``QUOTA_EXCEEDED``, ``QuotaFailure`` and ``RetryInfo``.
+
+Interceptors that bind the caller's tenant (``compactd.tenancy``: authentication) go before the
+limits (``authenticate``), so every limit counts the tenant the call runs as.
 
 Every wrapper keeps its handler's shape: an async-generator handler stays one, a coroutine
 handler (unary, or streaming through ``context.write``) stays a coroutine, because grpc.aio picks
@@ -30,7 +36,8 @@ from opentelemetry import trace
 from opentelemetry.instrumentation.grpc import _aio_server, aio_server_interceptor
 
 from compactd.api import status
-from compactd.errors import InvalidArgument, ResourceExhausted
+from compactd.errors import InvalidArgument, QuotaExceeded, ResourceExhausted
+from compactd.service.quotas import QuotaBook
 
 Behavior = Callable[[Any, Any], Any]
 if TYPE_CHECKING:  # generic only in the type stubs
@@ -44,6 +51,7 @@ else:
 Guard = Callable[[Any, Any], AbstractAsyncContextManager[Any]]
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[Handler]]
 
+APPEND_EVENTS = "/compactd.v1.SessionService/AppendEvents"
 UNDECODABLE_REQUEST = "UNDECODABLE_REQUEST"
 TOO_MANY_STREAMS = "TOO_MANY_STREAMS"
 _SESSION_SERVICES = ("/compactd.v1.SessionService/", "/compactd.v1.CompactionService/")
@@ -55,14 +63,19 @@ def chain(
     max_streams: int,
     max_streams_per_session: int,
     observe: Sequence[Interceptor] = (),
+    authenticate: Sequence[Interceptor] = (),
+    quotas: QuotaBook | None = None,
 ) -> list[Interceptor]:
     """The server's interceptors, outermost first: tracing and the ``observe`` ones (metrics)
-    see every call and every status the others set."""
+    see every call and every status the others set; the ``authenticate`` ones bind the tenant
+    that the limits and ``quotas`` count."""
     return [
         Tracing.for_provider(tracer_provider),
         *observe,
         UndecodableRequests(),
+        *authenticate,
         StreamLimits(max_streams=max_streams, max_streams_per_session=max_streams_per_session),
+        *([TenantQuotas(quotas)] if quotas is not None else []),
     ]
 
 
@@ -280,3 +293,51 @@ class StreamLimits(Interceptor):
                 metadata=metadata,
             ),
         )
+
+
+# ---- 4. tenant quotas -------------------------------------------------------------------------
+
+
+class TenantQuotas(Interceptor):
+    """The calling tenant's stream and append-rate quotas, checked before the handler runs.
+
+    A response stream of compactd's services counts from its start until it ends; an
+    ``AppendEvents`` takes one token of the tenant's bucket, refused or not by the handler
+    afterwards (a flood of bad batches is still a flood). Sessions and bytes are counted where
+    they are known, in ``SessionManager``.
+    """
+
+    def __init__(self, book: QuotaBook) -> None:
+        self.book = book
+
+    async def intercept_service(
+        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> Handler:
+        handler: Handler | None = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not method.startswith(_SESSION_SERVICES):
+            return cast(Handler, handler)
+        if method == APPEND_EVENTS:
+            return rewrapped(handler, lambda behavior: guarded(behavior, self._append_guard))
+        if handler.response_streaming:
+            return rewrapped(handler, lambda behavior: guarded(behavior, self._stream_guard))
+        return handler
+
+    @asynccontextmanager
+    async def _append_guard(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        try:
+            self.book.admit_append()
+        except QuotaExceeded as error:
+            await status.abort(context, error)
+        yield request
+
+    @asynccontextmanager
+    async def _stream_guard(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        try:
+            close = self.book.open_stream()
+        except QuotaExceeded as error:
+            await status.abort(context, error)
+        try:
+            yield request
+        finally:
+            close()

@@ -37,6 +37,7 @@ from compactd.routes import RouteCatalog
 from compactd.service.compaction import CompactionEngine, SummaryErrorRecovery
 from compactd.service.offload import ImageOffloadRecovery
 from compactd.service.pressure import PressureService
+from compactd.service.quotas import QuotaBook, QuotaSettings
 from compactd.service.recovery import RecoveryService
 from compactd.service.sessions import SessionManager
 from compactd.service.summarizers import SummarizerRegistry, SummarizerSettings, named_routes
@@ -74,6 +75,7 @@ class RunningServer:
     prometheus: telemetry.PrometheusEndpoint | None = None
     pressure: PressureService | None = None  # calibration stats for plan/inspect views, metrics
     uninstall_redaction: Callable[[], None] | None = None
+    quotas: QuotaBook | None = None
 
     @property
     def address(self) -> str:
@@ -105,6 +107,7 @@ class Components:
     policy: PressurePolicy
     pruner: PrunerConfig
     summarizer: SummarizerSettings
+    quotas: QuotaSettings
 
 
 def components(config: ServerConfig) -> Components:
@@ -115,6 +118,7 @@ def components(config: ServerConfig) -> Components:
         policy=PressurePolicy.from_settings(config.compaction),
         pruner=PrunerConfig.from_mapping(config.pruner, prefix="pruner"),
         summarizer=SummarizerSettings.from_mapping(config.summarizer),
+        quotas=QuotaSettings.from_mapping(config.quotas),
     )
 
 
@@ -126,6 +130,7 @@ async def create_server(
     summarizer: Summarizer | None = None,
     summary_recoveries: Sequence[SummaryErrorRecovery] = (),
     clock: Callable[[], float] = time.monotonic,
+    authenticate: Sequence[interceptors.Interceptor] = (),
 ) -> RunningServer:
     """Validate the configuration, open the store, build the services and start serving.
 
@@ -135,7 +140,8 @@ async def create_server(
     replaces every route's summarizer (a deployment's own, or a test's); ``summary_recoveries``
     run in the bracket's summary-error step (see ``SummaryErrorRecovery``), before the always-on
     ``ImageOffloadRecovery``. ``clock`` (monotonic seconds) times the failure memory's
-    backoffs.
+    backoffs and the quotas' append buckets. ``authenticate`` interceptors bind the caller's
+    tenant (``compactd.tenancy``) before the limits and quotas count it (a test's own binding).
 
     Raises:
         ConfigError: A setting is invalid (the message names it), or the store's folder is
@@ -161,7 +167,7 @@ async def create_server(
         refused.push_async_callback(store.close)
         running = await _serve_on(
             config, parts, store, provider, owns_provider, owned_meter, prometheus, metrics,
-            summarizer, summary_recoveries, clock,
+            summarizer, summary_recoveries, clock, authenticate,
         )  # fmt: skip
         refused.pop_all()
     return running
@@ -179,9 +185,15 @@ async def _serve_on(
     summarizer: Summarizer | None,
     summary_recoveries: Sequence[SummaryErrorRecovery],
     clock: Callable[[], float],
+    authenticate: Sequence[interceptors.Interceptor],
 ) -> RunningServer:
+    quotas = QuotaBook(parts.quotas, clock=clock)
+    await quotas.load(store)
     manager = SessionManager(
-        store, policy_validator=parts.policy.with_overrides, limits=settings.limits(config)
+        store,
+        policy_validator=parts.policy.with_overrides,
+        limits=settings.limits(config),
+        quotas=quotas,
     )
     metrics.observe_sessions(lambda: manager.resident)
     pressure = PressureService(manager, parts.routes, parts.policy)
@@ -212,6 +224,8 @@ async def _serve_on(
         max_streams=config.max_streams,
         max_streams_per_session=config.max_streams_per_session,
         observe=[metrics.interceptor()],
+        authenticate=authenticate,
+        quotas=quotas,
     )
     server = grpc.aio.server(options=_channel_options(config), interceptors=chain)
     session_service_pb2_grpc.add_SessionServiceServicer_to_server(
@@ -233,7 +247,7 @@ async def _serve_on(
     uninstall = redaction.install(redactor)  # every log line, from here on
     running = RunningServer(
         server, bound, store, manager, health_servicer, config, provider, owns_provider,
-        owned_meter, prometheus, pressure, uninstall,
+        owned_meter, prometheus, pressure, uninstall, quotas,
     )  # fmt: skip
     for message, fields in startup_report(running, parts, summarizers):
         log.info(message, extra=fields)

@@ -28,8 +28,10 @@ from compactd.errors import (
     FieldViolation,
     InvalidArgument,
     NotFound,
+    QuotaExceeded,
     SeqConflict,
 )
+from compactd.service.quotas import QuotaBook, Reservation
 from compactd.store.base import EventStore, SessionRecord
 from compactd.v1 import events_pb2
 
@@ -56,8 +58,10 @@ class SessionHandle:
         store: EventStore,
         fold: SessionFold,
         limits: AppendLimits = DEFAULT_LIMITS,
+        quotas: QuotaBook | None = None,
     ) -> None:
         self.session_id = record.session_id
+        self._quotas = quotas
         self.limits = limits
         self.record = record
         self.fold = fold
@@ -123,7 +127,8 @@ class SessionHandle:
         batch = self.fold.admit(
             events, now=now, origin=origin, max_surface_bytes=self.limits.max_surface_bytes
         )
-        commit = asyncio.ensure_future(self._commit(batch))
+        reservation = self._reserve_bytes(batch, origin)
+        commit = asyncio.ensure_future(self._commit(batch, reservation))
         try:
             return await asyncio.shield(commit)
         except asyncio.CancelledError:
@@ -132,11 +137,24 @@ class SessionHandle:
             await asyncio.wait([commit])
             raise
 
-    async def _commit(self, batch: AdmittedBatch) -> AppendResult:
+    def _reserve_bytes(self, batch: AdmittedBatch, origin: Origin) -> Reservation | None:
+        """Count the batch's bytes against the tenant's quota; only a runtime's is refused."""
+        if self._quotas is None:
+            return None
+        size = sum(event.ByteSize() for event in batch.events)
+        try:
+            return self._quotas.reserve_bytes(size, enforce=origin is Origin.CLIENT)
+        except QuotaExceeded:
+            self.fold.rollback(batch)
+            raise
+
+    async def _commit(self, batch: AdmittedBatch, reservation: Reservation | None) -> AppendResult:
         try:
             await self._store.append(self.session_id, batch.events)
         except BaseException:
             self.fold.rollback(batch)
+            if reservation is not None:
+                reservation.release()
             raise
         self.revision = self.fold.revision
         for observer in self._observers:
@@ -208,9 +226,11 @@ class SessionManager:
         instance_id: str | None = None,
         policy_validator: Callable[[Mapping[str, Any]], object] | None = None,
         limits: AppendLimits = DEFAULT_LIMITS,
+        quotas: QuotaBook | None = None,
     ) -> None:
         self.store = store
         self.limits = limits
+        self.quotas = quotas
         self._policy_validator = policy_validator
         self.instance_id = instance_id or uuid.uuid4().hex[:12]
         self._handles: dict[str, SessionHandle] = {}
@@ -246,12 +266,33 @@ class SessionManager:
         """Create an empty session, idempotently.
 
         A retried create (the same id and the same policy; a reply may have been lost) answers
-        the session as it is now. ``AlreadyExists`` when the id is taken with another policy.
+        the session as it is now. ``AlreadyExists`` when the id is taken with another policy;
+        ``QuotaExceeded`` when the caller's tenant owns its ``max_sessions`` already.
         """
         policy_json = json.dumps(policy, sort_keys=True) if policy else None
+        if self.quotas is None:
+            return await self._create(session_id, policy_json, lambda: None)
+        try:
+            not_created = self.quotas.reserve_session()
+        except QuotaExceeded:
+            # At the quota, a retried create still answers the session it created.
+            existing = await self.store.get_session(session_id)
+            if existing is not None and existing.policy_json == policy_json:
+                return existing
+            raise
+        try:
+            return await self._create(session_id, policy_json, not_created)
+        except BaseException:
+            not_created()
+            raise
+
+    async def _create(
+        self, session_id: str, policy_json: str | None, not_created: Callable[[], None]
+    ) -> SessionRecord:
         try:
             return await self.store.create_session(session_id, policy_json)
         except AlreadyExists:
+            not_created()
             existing = await self.store.get_session(session_id)
             if existing is None or existing.policy_json != policy_json:
                 raise AlreadyExists(
@@ -294,7 +335,7 @@ class SessionManager:
                 chunk = []
         if chunk:
             fold.admit(chunk, check=False)
-        handle = SessionHandle(record, self.store, fold, self.limits)
+        handle = SessionHandle(record, self.store, fold, self.limits, self.quotas)
         if fold.revision:
             # A new lifecycle: brackets opened by an earlier process become stale evidence.
             seed = events_pb2.SessionEvent(

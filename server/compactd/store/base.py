@@ -21,6 +21,7 @@ from types import TracebackType
 from typing import Self
 
 from compactd import errors
+from compactd.tenancy import DEFAULT_TENANT
 from compactd.v1 import events_pb2
 
 Clock = Callable[[], datetime]
@@ -77,6 +78,19 @@ class StoreStats:
             failed_batches=self.failed_batches + failed_batches,
             events=self.events + events,
         )
+
+
+@dataclass(frozen=True)
+class StoreUsage:
+    """What one tenant holds in a store: its sessions and its logs' bytes.
+
+    Attributes:
+        sessions: Sessions owned.
+        bytes: The serialized size of every event of those sessions.
+    """
+
+    sessions: int = 0
+    bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -309,6 +323,21 @@ class EventStore(abc.ABC):
         Raises:
             NotFound: if the session does not exist.
         """
+
+    async def usage(self) -> dict[str, StoreUsage]:
+        """Sessions and stored bytes per tenant id (the quotas start from them at start).
+
+        This default reads every log; a backend overrides it with one query. Sessions are the
+        default tenant's until the store records owners.
+        """
+        sessions, size, after = 0, 0, ""
+        while page := await self.list_sessions(after=after, limit=500):
+            for record in page:
+                sessions += 1
+                async for event in self.read(record.session_id):
+                    size += event.ByteSize()
+            after = page[-1].session_id
+        return {DEFAULT_TENANT.id: StoreUsage(sessions, size)} if sessions else {}
 
     @property
     @abc.abstractmethod

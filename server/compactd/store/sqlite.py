@@ -28,6 +28,7 @@ from typing import Any, Generic, TypeVar
 from compactd import errors
 from compactd.store import base
 from compactd.store.owner import OwnerLock
+from compactd.tenancy import DEFAULT_TENANT
 from compactd.v1 import events_pb2
 
 T = TypeVar("T")
@@ -202,6 +203,9 @@ class SqliteEventStore(base.EventStore):
     async def find_event_ids(self, session_id: str, event_ids: Sequence[str]) -> dict[str, int]:
         wanted = sorted({i for i in event_ids if i})
         return await self._read(functools.partial(_select_event_ids, session_id, wanted))
+
+    async def usage(self) -> dict[str, base.StoreUsage]:
+        return await self._read(_select_usage)
 
     def _take_ownership(self) -> None:
         folder = os.path.dirname(os.path.abspath(self._path))
@@ -457,6 +461,15 @@ def _select_sessions(after: str, limit: int, conn: sqlite3.Connection) -> list[b
         (after, limit),
     ).fetchall()
     return [_session_record(row) for row in rows]
+
+
+def _select_usage(conn: sqlite3.Connection) -> dict[str, base.StoreUsage]:
+    # One scan in C at start (length() of a blob needs no decoding); the quotas count on.
+    sessions = conn.execute("SELECT count(*) FROM sessions").fetchone()[0]
+    size = conn.execute("SELECT coalesce(sum(length(data)), 0) FROM events").fetchone()[0]
+    if not sessions:
+        return {}
+    return {DEFAULT_TENANT.id: base.StoreUsage(int(sessions), int(size))}
 
 
 def _select_range(

@@ -1,0 +1,210 @@
+"""The quota book: per-tenant quotas applied to the running call's tenant.
+
+``QuotaBook`` wraps the pure ``core.quotas.QuotaLedger`` with the clock, the tenant of the call
+(``compactd.tenancy.current_tenant``) and the error a refusal raises: ``QuotaExceeded``,
+RESOURCE_EXHAUSTED with reason ``QUOTA_EXCEEDED``, a ``google.rpc.QuotaFailure`` naming the quota
+and, for the append rate, a ``google.rpc.RetryInfo`` saying when the next call fits.
+
+Who asks it: the ``TenantQuotas`` interceptor (streams, the append rate: refused before the
+handler runs), ``SessionManager.create`` (sessions) and ``SessionHandle`` (bytes, counted after
+the batch is admitted and before it is committed). Held quotas (sessions, bytes) start from the
+store's figures (``EventStore.usage``) when any tenant has one, so a restart forgets nothing.
+
+Settings: the ``[quotas]`` table holds the defaults, ``[quotas.tenants.ID]`` a tenant's overrides
+(only the keys it sets)::
+
+    [quotas]
+    max_streams = 64
+    appends_per_second = 50
+    [quotas.tenants.batch-jobs]
+    appends_per_second = 500
+    max_bytes = 10_000_000_000
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Final
+
+from compactd.core.quotas import Quota, QuotaLedger, QuotaLimits, Refusal, with_overrides
+from compactd.errors import ConfigError, QuotaExceeded, QuotaViolation
+from compactd.store.base import EventStore
+from compactd.tenancy import current_tenant
+
+_KEYS: Final = {f.name: f.type for f in fields(QuotaLimits)}
+_FLOAT_KEYS: Final = {"appends_per_second"}
+
+
+@dataclass(frozen=True)
+class QuotaSettings:
+    """The ``[quotas]`` table: default limits and per-tenant overrides (0: no limit)."""
+
+    default: QuotaLimits = field(default_factory=QuotaLimits)
+    tenants: Mapping[str, QuotaLimits] = field(default_factory=dict)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> QuotaSettings:
+        """Parse and validate (``ConfigError`` names the bad key, e.g. ``quotas.tenants.a.x``)."""
+        table = dict(values)
+        tenants = table.pop("tenants", {})
+        default = _limits(QuotaLimits(), table, "quotas")
+        if not isinstance(tenants, Mapping):
+            raise ConfigError("quotas.tenants: must be a table of tables, one per tenant id")
+        overrides = {
+            str(tenant): _limits(default, _table(table_of, f"quotas.tenants.{tenant}"),
+                                 f"quotas.tenants.{tenant}")
+            for tenant, table_of in tenants.items()
+        }  # fmt: skip
+        return cls(default, overrides)
+
+
+def _table(value: object, path: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{path}: must be a table")
+    return value
+
+
+def _limits(base: QuotaLimits, values: Mapping[str, Any], path: str) -> QuotaLimits:
+    checked: dict[str, float] = {}
+    for key, value in values.items():
+        where = f"{path}.{key}"
+        if key not in _KEYS:
+            raise ConfigError(f"{where}: unknown setting (known: {', '.join(_KEYS)})")
+        numeric = isinstance(value, int | float) and not isinstance(value, bool)
+        if key not in _FLOAT_KEYS and not isinstance(value, int):
+            numeric = False
+        if not numeric or not math.isfinite(value) or value < 0:
+            kind = "a number" if key in _FLOAT_KEYS else "an integer"
+            raise ConfigError(f"{where}: must be {kind} >= 0 (0: no limit), got {value!r}")
+        checked[key] = value
+    return with_overrides(base, checked)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Bytes counted for a batch not yet committed: ``release`` them if it never is."""
+
+    book: QuotaBook
+    tenant: str
+    size: int
+
+    def release(self) -> None:
+        """Give the bytes back (the commit failed)."""
+        self.book.ledger.release_bytes(self.tenant, self.size)
+
+
+class QuotaBook:
+    """Every tenant's quotas and usage, applied to the tenant of the running call.
+
+    Args:
+        settings: The ``[quotas]`` table.
+        clock: Monotonic seconds (the append buckets' time).
+    """
+
+    def __init__(
+        self, settings: QuotaSettings | None = None, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.settings = settings or QuotaSettings()
+        self.ledger = QuotaLedger(self.settings.default, self.settings.tenants)
+        self._clock = clock
+
+    async def load(self, store: EventStore) -> None:
+        """Start the held quotas from the store (only when a sessions or bytes quota is set)."""
+        if not self.ledger.counts_stored:
+            return
+        for tenant, usage in (await store.usage()).items():
+            self.ledger.seed(tenant, sessions=usage.sessions, stored_bytes=usage.bytes)
+
+    def admit_append(self) -> None:
+        """Take one append from the caller's bucket.
+
+        Raises:
+            QuotaExceeded: Over ``appends_per_second``; ``retry_after`` says when one fits.
+        """
+        _raise(self.ledger.take_append(current_tenant().id, self._clock()))
+
+    def open_stream(self) -> Callable[[], None]:
+        """Count an open response stream of the caller; returns the function that closes it.
+
+        Raises:
+            QuotaExceeded: The caller already has ``max_streams`` open.
+        """
+        tenant = current_tenant().id
+        _raise(self.ledger.open_stream(tenant))
+        return _once(lambda: self.ledger.close_stream(tenant))
+
+    def reserve_session(self) -> Callable[[], None]:
+        """Count one more session of the caller; returns the function that gives the count back
+        (call it when no session was created: a failed or retried create).
+
+        Raises:
+            QuotaExceeded: The caller already owns ``max_sessions``.
+        """
+        tenant = current_tenant().id
+        _raise(self.ledger.reserve_session(tenant))
+        return _once(lambda: self.ledger.release_session(tenant))
+
+    def session_removed(self, tenant: str, count: int = 1) -> None:
+        """``count`` sessions of ``tenant`` were deleted."""
+        self.ledger.release_session(tenant, count)
+
+    def reserve_bytes(self, size: int, *, enforce: bool) -> Reservation:
+        """Count ``size`` more stored bytes of the caller (see ``QuotaLedger.reserve_bytes``).
+
+        Raises:
+            QuotaExceeded: ``enforce`` and the bytes would pass ``max_bytes``.
+        """
+        tenant = current_tenant().id
+        _raise(self.ledger.reserve_bytes(tenant, size, enforce=enforce))
+        return Reservation(self, tenant, size)
+
+    def bytes_removed(self, tenant: str, size: int) -> None:
+        """``size`` stored bytes of ``tenant`` were deleted."""
+        self.ledger.release_bytes(tenant, size)
+
+
+def _once(action: Callable[[], None]) -> Callable[[], None]:
+    """``action``, done on the first call only (a count is given back once)."""
+    done = False
+
+    def run() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            action()
+
+    return run
+
+
+_WHAT: Final = {
+    Quota.STREAMS: ("response streams open at once", "close one"),
+    Quota.APPENDS: ("AppendEvents calls per second", "slow down"),
+    Quota.SESSIONS: ("sessions", "delete one"),
+    Quota.BYTES: ("bytes of stored logs", "delete a session"),
+}
+
+
+def _raise(refusal: Refusal | None) -> None:
+    if refusal is None:
+        return
+    what, remedy = _WHAT[refusal.quota]
+    limit = f"{refusal.limit:g}"
+    retry = f", retry in {refusal.retry_after:.3f}s" if refusal.retry_after is not None else ""
+    description = f"at most {limit} {what}"
+    raise QuotaExceeded(
+        f"tenant {refusal.tenant!r} is over its {refusal.quota.value} quota ({description}): "
+        f"{remedy}{retry}",
+        quota_violations=[
+            QuotaViolation(
+                subject=f"tenant:{refusal.tenant}",
+                quota=refusal.quota.value,
+                description=description,
+                limit=refusal.limit,
+            )
+        ],
+        retry_after=refusal.retry_after,
+        metadata={"tenant": refusal.tenant, "quota": refusal.quota.value, "limit": limit},
+    )
