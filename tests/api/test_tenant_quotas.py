@@ -6,12 +6,16 @@ Tenants are bound by the ``MetadataTenants`` fake of the authentication seam.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from compactd import config
 from compactd.api.server import RunningServer, create_server
@@ -207,3 +211,35 @@ async def test_without_quotas_nothing_is_refused(
     sid = await _create(sessions, "a")
     for index in range(50):
         await _append(sessions, "a", sid, f"m{index}")
+
+
+async def test_a_refused_call_is_traced_with_its_status_and_no_exception_event(
+    server_config: config.ServerConfig,
+    provider: TracerProvider,
+    exporter: InMemorySpanExporter,
+) -> None:
+    server = await create_server(
+        dataclasses.replace(server_config, quotas={"appends_per_second": 1}),
+        tracer_provider=provider,
+        authenticate=[MetadataTenants()],
+    )
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            sessions = SessionServiceStub(channel)
+            sid = await _create(sessions, "a")
+            await _append(sessions, "a", sid)
+            await _refusal(_append(sessions, "a", sid))
+            for _ in range(100):  # the span ends just after the reply is sent
+                spans = [s for s in exporter.get_finished_spans() if s.name.endswith("Events")]
+                if len(spans) == 2:
+                    break
+                await asyncio.sleep(0.01)
+    finally:
+        await server.stop(0)
+    (refused,) = [s for s in spans if s.attributes and s.attributes["rpc.grpc.status_code"]]
+    # OpenTelemetry's rule for server spans: a refusal is the client's error, not the span's.
+    assert refused.status.status_code == StatusCode.UNSET
+    assert refused.attributes is not None
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert refused.attributes["rpc.grpc.status_code"] == code
+    assert [event.name for event in refused.events] == []

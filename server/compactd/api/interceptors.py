@@ -26,8 +26,8 @@ how to drive a handler by its shape.
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -132,7 +132,34 @@ class Tracing(_aio_server.OpenTelemetryAioServerInterceptor):
     A response-streaming handler that is not an async generator writes through
     ``context.write`` and returns when done: it is traced like a unary call (awaited inside the
     span), which is what it is to grpc.aio.
+
+    A call that aborts with a status (a refusal: NOT_FOUND, QUOTA_EXCEEDED, ...) gets the status
+    on its span and no ``exception`` event: upstream records grpc's ``AbortError`` twice, each
+    time formatting its traceback, which made a refused call cost more than an admitted one (a
+    flood of refusals is what a throttled tenant sends).
     """
+
+    @contextmanager
+    def _start_span(
+        self,
+        handler_call_details: grpc.HandlerCallDetails,
+        context: Any,
+        set_status_on_exception: bool = False,
+    ) -> Iterator[Any]:
+        manager = super()._start_span(  # type: ignore[no-untyped-call]
+            handler_call_details, context, set_status_on_exception
+        )
+        span = manager.__enter__()
+        try:
+            yield _AbortsUnrecorded(span)
+        except grpc.aio.AbortError:
+            manager.__exit__(None, None, None)  # the status is on the span already
+            raise
+        except BaseException as error:
+            if not manager.__exit__(type(error), error, error.__traceback__):
+                raise
+        else:
+            manager.__exit__(None, None, None)
 
     @classmethod
     def for_provider(cls, tracer_provider: trace.TracerProvider) -> Tracing:
@@ -153,6 +180,20 @@ class Tracing(_aio_server.OpenTelemetryAioServerInterceptor):
                 behavior, handler_call_details
             )
         return traced
+
+
+class _AbortsUnrecorded:
+    """A span whose ``record_exception`` ignores grpc's ``AbortError`` (a status, not a fault)."""
+
+    def __init__(self, span: Any) -> None:
+        self._span = span
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._span, name)
+
+    def record_exception(self, exception: BaseException, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(exception, grpc.aio.AbortError):
+            self._span.record_exception(exception, *args, **kwargs)
 
 
 # ---- 2. undecodable requests ------------------------------------------------------------------
