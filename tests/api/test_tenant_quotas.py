@@ -24,7 +24,7 @@ from compactd.v1 import session_service_pb2 as pb
 from compactd.v1.compaction_service_pb2_grpc import CompactionServiceStub
 from compactd.v1.session_service_pb2_grpc import SessionServiceStub
 from tests.api.rpc import ErrorDetails, details
-from tests.builders import system, user
+from tests.builders import user
 
 Start = Callable[..., Any]
 
@@ -190,18 +190,33 @@ async def test_a_tenant_over_its_bytes_is_refused_and_a_restart_remembers_them(
     server = await start(quotas)
     async with grpc.aio.insecure_channel(server.address) as channel:
         sessions = SessionServiceStub(channel)
-        sid = await _create(sessions, "default")
-        await sessions.AppendEvents(pb.AppendEventsRequest(session_id=sid, events=[system("s")]))
-        await _append(sessions, "default", sid, "x" * 200)
-        got = await _refusal(_append(sessions, "default", sid, "y" * 400))
+        sid = await _create(sessions, "a")
+        await _append(sessions, "a", sid, "x" * 200)
+        await _append(sessions, "a", sid, "x" * 200)
+        got = await _refusal(_append(sessions, "a", sid, "y" * 400))
         assert got.quotas == ["max_bytes"]
+        other = await _create(sessions, "b")
+        await _append(sessions, "b", other, "y" * 400)  # b's bytes are b's
     await server.stop(0)
-    # The store was written as the default tenant (auth off): a new server counts it again.
-    again = await start(quotas)
+    again = await start(quotas)  # the store's figures, per tenant
     async with grpc.aio.insecure_channel(again.address) as channel:
         sessions = SessionServiceStub(channel)
-        await _refusal(_append(sessions, "default", sid, "y" * 400))
-        await _append(sessions, "default", sid, "small")
+        await _refusal(_append(sessions, "a", sid, "y" * 400))
+        await _append(sessions, "a", sid, "small")
+        await _refusal(_append(sessions, "b", other, "y" * 400))
+
+
+async def test_deleting_a_session_gives_back_its_place_and_its_bytes(
+    stubs_of: Callable[[dict[str, Any]], Any],
+) -> None:
+    sessions, _ = await stubs_of({"max_sessions": 1, "max_bytes": 500})
+    sid = await _create(sessions, "a", "a-1")
+    await _append(sessions, "a", sid, "x" * 400)
+    await _refusal(_create(sessions, "a", "a-2"))
+    await _refusal(_append(sessions, "a", sid, "x" * 200))
+    await sessions.DeleteSession(pb.DeleteSessionRequest(session_id=sid), metadata=as_tenant("a"))
+    fresh = await _create(sessions, "a", "a-2")
+    await _append(sessions, "a", fresh, "x" * 400)
 
 
 async def test_without_quotas_nothing_is_refused(

@@ -8,7 +8,8 @@ and, for the append rate, a ``google.rpc.RetryInfo`` saying when the next call f
 Who asks it: the ``TenantQuotas`` interceptor (streams, the append rate: refused before the
 handler runs), ``SessionManager.create`` (sessions) and ``SessionHandle`` (bytes, counted after
 the batch is admitted and before it is committed). Held quotas (sessions, bytes) start from the
-store's figures (``EventStore.usage``) when any tenant has one, so a restart forgets nothing.
+store's figures (``EventStore.usage``) when any tenant has one, so a restart forgets nothing, and
+a tenant's are counted again from the store after one of its sessions is deleted.
 
 Settings: the ``[quotas]`` table holds the defaults, ``[quotas.tenants.ID]`` a tenant's overrides
 (only the keys it sets)::
@@ -112,11 +113,33 @@ class QuotaBook:
         self._clock = clock
 
     async def load(self, store: EventStore) -> None:
-        """Start the held quotas from the store (only when a sessions or bytes quota is set)."""
+        """Start the held quotas from the store (only when a sessions or bytes quota is set).
+
+        Raises:
+            ConfigError: A sessions or bytes quota is set and the store cannot report usage.
+        """
         if not self.ledger.counts_stored:
             return
-        for tenant, usage in (await store.usage()).items():
-            self.ledger.seed(tenant, sessions=usage.sessions, stored_bytes=usage.bytes)
+        try:
+            usage = await store.usage()
+        except NotImplementedError:
+            raise ConfigError(
+                "quotas: max_sessions and max_bytes need a store that reports its usage "
+                f"({type(store).__name__} does not)"
+            ) from None
+        for tenant, held in usage.items():
+            self.ledger.seed(tenant, sessions=held.sessions, stored_bytes=held.bytes)
+
+    async def recount(self, store: EventStore, tenant: str) -> None:
+        """Count ``tenant``'s sessions and bytes again from the store (after a delete)."""
+        if not self.ledger.counts_stored:
+            return
+        held = (await store.usage(tenant=tenant)).get(tenant)
+        self.ledger.seed(
+            tenant,
+            sessions=held.sessions if held else 0,
+            stored_bytes=held.bytes if held else 0,
+        )
 
     def admit_append(self) -> None:
         """Take one append from the caller's bucket.
@@ -136,34 +159,28 @@ class QuotaBook:
         _raise(self.ledger.open_stream(tenant))
         return _once(lambda: self.ledger.close_stream(tenant))
 
-    def reserve_session(self) -> Callable[[], None]:
-        """Count one more session of the caller; returns the function that gives the count back
-        (call it when no session was created: a failed or retried create).
+    def reserve_session(self, tenant: str | None = None) -> Callable[[], None]:
+        """Count one more session of ``tenant`` (the caller's by default); returns the function
+        that gives the count back (call it when no session was created: a failed or retried
+        create).
 
         Raises:
-            QuotaExceeded: The caller already owns ``max_sessions``.
+            QuotaExceeded: The tenant already owns ``max_sessions``.
         """
-        tenant = current_tenant().id
+        tenant = tenant or current_tenant().id
         _raise(self.ledger.reserve_session(tenant))
         return _once(lambda: self.ledger.release_session(tenant))
 
-    def session_removed(self, tenant: str, count: int = 1) -> None:
-        """``count`` sessions of ``tenant`` were deleted."""
-        self.ledger.release_session(tenant, count)
-
-    def reserve_bytes(self, size: int, *, enforce: bool) -> Reservation:
-        """Count ``size`` more stored bytes of the caller (see ``QuotaLedger.reserve_bytes``).
+    def reserve_bytes(self, size: int, *, enforce: bool, tenant: str | None = None) -> Reservation:
+        """Count ``size`` more stored bytes of ``tenant`` (the caller's by default; see
+        ``QuotaLedger.reserve_bytes``).
 
         Raises:
             QuotaExceeded: ``enforce`` and the bytes would pass ``max_bytes``.
         """
-        tenant = current_tenant().id
+        tenant = tenant or current_tenant().id
         _raise(self.ledger.reserve_bytes(tenant, size, enforce=enforce))
         return Reservation(self, tenant, size)
-
-    def bytes_removed(self, tenant: str, size: int) -> None:
-        """``size`` stored bytes of ``tenant`` were deleted."""
-        self.ledger.release_bytes(tenant, size)
 
 
 def _once(action: Callable[[], None]) -> Callable[[], None]:
