@@ -137,7 +137,7 @@ async def run(args: argparse.Namespace) -> None:
     )
     server = await create_server(
         dataclasses.replace(server_config, routes=(ROUTE,), quotas=quotas),
-        authenticate=[MetadataTenants()],
+        tenant_binding=[MetadataTenants()],
     )
     context = multiprocessing.get_context("spawn")
     mode = context.Value("i", PAUSE)

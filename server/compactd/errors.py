@@ -151,6 +151,13 @@ class QuotaExceeded(ResourceExhausted):
         self.retry_after = retry_after
 
 
+class Unauthenticated(CompactdError):
+    """The call carries no credentials, or ones the server does not accept (one fixed message,
+    whatever was wrong)."""
+
+    reason = "CREDENTIALS_INVALID"
+
+
 class Internal(CompactdError):
     """A bug or broken invariant: the details are logged, the caller gets the reason."""
 

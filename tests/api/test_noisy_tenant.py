@@ -37,7 +37,7 @@ QUOTAS = {
 async def server(server_config: config.ServerConfig) -> AsyncIterator[RunningServer]:
     running = await create_server(
         dataclasses.replace(server_config, routes=(ROUTE,), quotas=QUOTAS),
-        authenticate=[MetadataTenants()],
+        tenant_binding=[MetadataTenants()],
     )
     try:
         yield running

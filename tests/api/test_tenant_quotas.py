@@ -55,7 +55,7 @@ async def start(
         server = await create_server(
             dataclasses.replace(server_config, quotas=quotas),
             clock=clock,
-            authenticate=[MetadataTenants()],
+            tenant_binding=[MetadataTenants()],
         )
         running.append(server)
         return server
@@ -236,7 +236,7 @@ async def test_a_refused_call_is_traced_with_its_status_and_no_exception_event(
     server = await create_server(
         dataclasses.replace(server_config, quotas={"appends_per_second": 1}),
         tracer_provider=provider,
-        authenticate=[MetadataTenants()],
+        tenant_binding=[MetadataTenants()],
     )
     try:
         async with grpc.aio.insecure_channel(server.address) as channel:

@@ -38,6 +38,7 @@ from opentelemetry.instrumentation.grpc import _aio_server, aio_server_intercept
 from compactd.api import status
 from compactd.errors import InvalidArgument, QuotaExceeded, ResourceExhausted
 from compactd.service.quotas import QuotaBook
+from compactd.tenancy import current_tenant
 
 Behavior = Callable[[Any, Any], Any]
 if TYPE_CHECKING:  # generic only in the type stubs
@@ -63,17 +64,20 @@ def chain(
     max_streams: int,
     max_streams_per_session: int,
     observe: Sequence[Interceptor] = (),
-    authenticate: Sequence[Interceptor] = (),
+    authentication: Interceptor | None = None,
+    tenant_binding: Sequence[Interceptor] = (),
     quotas: QuotaBook | None = None,
 ) -> list[Interceptor]:
     """The server's interceptors, outermost first: tracing and the ``observe`` ones (metrics)
-    see every call and every status the others set; the ``authenticate`` ones bind the tenant
-    that the limits and ``quotas`` count."""
+    see every call and every status the others set; ``authentication`` (``api.auth``) binds
+    the caller's tenant before anything reads the request (``tenant_binding``: a test's own
+    binding, after it); the limits and ``quotas`` count the tenant bound."""
     return [
         Tracing.for_provider(tracer_provider),
         *observe,
+        *([authentication] if authentication is not None else []),
         UndecodableRequests(),
-        *authenticate,
+        *tenant_binding,
         StreamLimits(max_streams=max_streams, max_streams_per_session=max_streams_per_session),
         *([TenantQuotas(quotas)] if quotas is not None else []),
     ]
@@ -276,7 +280,7 @@ class StreamLimits(Interceptor):
         self.max_streams = max_streams
         self.max_streams_per_session = max_streams_per_session
         self.active = 0
-        self.per_session: dict[str, int] = {}
+        self.per_session: dict[tuple[str, str], int] = {}  # (tenant, session id): streams
 
     async def intercept_service(
         self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
@@ -293,31 +297,33 @@ class StreamLimits(Interceptor):
         @asynccontextmanager
         async def guard(request: Any, context: Any) -> AsyncIterator[Any]:
             session_id = str(getattr(request, "session_id", "")) if per_session else ""
+            # Sessions are (tenant, id): another tenant's watchers of the same id do not count.
+            key = (current_tenant().id, session_id) if session_id else None
             if self.active >= self.max_streams:
                 await self._refuse(context, "process", self.max_streams)
-            if session_id and self.per_session.get(session_id, 0) >= self.max_streams_per_session:
+            if key and self.per_session.get(key, 0) >= self.max_streams_per_session:
                 await self._refuse(context, "session", self.max_streams_per_session, session_id)
-            self._enter(session_id)
+            self._enter(key)
             try:
                 yield request
             finally:
-                self._leave(session_id)
+                self._leave(key)
 
         return guard
 
-    def _enter(self, session_id: str) -> None:
+    def _enter(self, key: tuple[str, str] | None) -> None:
         self.active += 1
-        if session_id:
-            self.per_session[session_id] = self.per_session.get(session_id, 0) + 1
+        if key:
+            self.per_session[key] = self.per_session.get(key, 0) + 1
 
-    def _leave(self, session_id: str) -> None:
+    def _leave(self, key: tuple[str, str] | None) -> None:
         self.active -= 1
-        if session_id:
-            left = self.per_session[session_id] - 1
+        if key:
+            left = self.per_session[key] - 1
             if left:
-                self.per_session[session_id] = left
+                self.per_session[key] = left
             else:
-                del self.per_session[session_id]
+                del self.per_session[key]
 
     async def _refuse(self, context: Any, scope: str, limit: int, session_id: str = "") -> None:
         where = f"session {session_id!r}" if session_id else "this server"

@@ -13,11 +13,13 @@ there (NotFound), so nothing past the manager needs to know tenants exist.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from functools import partial
 from typing import Any
 
@@ -362,11 +364,18 @@ class SessionManager:
         """Up to ``limit`` of the tenant's sessions after the id ``after``, in id order."""
         return await self.store.list_sessions(after=after, limit=limit, tenant=_tenant_id(tenant))
 
-    async def delete(self, session_id: str, *, tenant: Tenant | None = None) -> None:
+    async def delete(
+        self,
+        session_id: str,
+        *,
+        tenant: Tenant | None = None,
+        idle_before: datetime | None = None,
+    ) -> bool:
         """Remove the session, its log and everything derived from it, durably.
 
         In-flight appends finish first (the session's lock is taken); followers' streams end
-        NOT_FOUND; the id may be created again, fresh.
+        NOT_FOUND; the id may be created again, fresh. With ``idle_before`` (the retention
+        sweep), a session active since then is kept: False.
 
         Raises:
             NotFound: No session ``session_id`` of ``tenant`` (the caller's by default).
@@ -376,18 +385,23 @@ class SessionManager:
         if restoring is not None:  # let a restore in flight land, so its handle is retired
             await asyncio.wait([restoring])
         handle = self._handles.get(key)
-        if handle is None:
+        async with handle.lock if handle is not None else contextlib.nullcontext():
+            if idle_before is not None and not await self._idle(key, idle_before):
+                return False
             deleted = await self.store.delete_session(session_id, tenant=key[0])
-        else:
-            async with handle.lock:
-                deleted = await self.store.delete_session(session_id, tenant=key[0])
+            if handle is not None:
                 await handle.mark_deleted()
-            self._handles.pop(key, None)
+                self._handles.pop(key, None)
         if not deleted:
             raise session_not_found(session_id)
         if self.quotas is not None:
             await self.quotas.recount(self.store, key[0])
         log.info("session deleted", extra={"session_id": session_id, "tenant": key[0]})
+        return True
+
+    async def _idle(self, key: _Key, before: datetime) -> bool:
+        record = await self.store.get_session(key[1], tenant=key[0])
+        return record is None or record.last_active < before
 
     async def _restore_once(self, key: _Key) -> SessionHandle:
         handle = await self._restore(*key)

@@ -2,7 +2,7 @@
 
 A first-class fake of the authentication seam for tests and benchmarks of what is counted per
 tenant (quotas, fairness) apart from how a tenant is proven: give it to ``create_server``'s
-``authenticate``. A client chooses its tenant by sending ``x-compactd-test-tenant: ID``; a call
+``tenant_binding``. A client chooses its tenant by sending ``x-compactd-test-tenant: ID``; a call
 without it runs as the default tenant. Never put it in front of a real deployment: anyone could
 claim any tenant.
 """
