@@ -4,19 +4,22 @@
    coroutines writing through ``context.write`` rather than async generators (the health
    service's ``Watch``, an UNIMPLEMENTED stub): upstream wraps every response-streaming handler
    as an async generator and answers such calls UNKNOWN (opentelemetry-python-contrib #3066).
-2. ``UndecodableRequests``: request bytes that do not parse (invalid UTF-8 in a string field, a
+2. ``api.auth.Authentication`` (when given): binds the caller's tenant, or answers
+   UNAUTHENTICATED, before anything reads the request.
+3. ``UndecodableRequests``: request bytes that do not parse (invalid UTF-8 in a string field, a
    truncated varint, nesting past the parser's limit) answer INVALID_ARGUMENT with reason
    ``UNDECODABLE_REQUEST``, for every method, streamed requests included. grpc.aio would raise
    the parser's error out of the handler: UNKNOWN, and a traceback in the log per request.
-3. ``StreamLimits``: at most ``max_streams`` response streams at once in the process and
-   ``max_streams_per_session`` per session; more answer RESOURCE_EXHAUSTED with reason
-   ``TOO_MANY_STREAMS`` (every commit wakes each watcher of its session).
-4. ``TenantQuotas``: the calling tenant's quotas on response streams open at once and on
+4. ``StreamLimits``: at most ``max_streams`` response streams at once in the process and
+   ``max_streams_per_session`` per session (of the caller's tenant); more answer
+   RESOURCE_EXHAUSTED with reason ``TOO_MANY_STREAMS`` (every commit wakes each watcher of its
+   session).
+5. ``TenantQuotas``: the calling tenant's quotas on response streams open at once and on
    ``AppendEvents`` per second (``compactd.service.quotas``), refused before the handler runs
    with RESOURCE_EXHAUSTED, reason ``QUOTA_EXCEEDED``, ``QuotaFailure`` and ``RetryInfo``.
 
-Interceptors that bind the caller's tenant (``compactd.tenancy``: authentication) go before the
-limits (``authenticate``), so every limit counts the tenant the call runs as.
+A test's own tenant binding (``tenant_binding``) goes after authentication and before the limits,
+so every limit counts the tenant the call runs as.
 
 Every wrapper keeps its handler's shape: an async-generator handler stays one, a coroutine
 handler (unary, or streaming through ``context.write``) stays a coroutine, because grpc.aio picks
@@ -342,7 +345,7 @@ class StreamLimits(Interceptor):
         )
 
 
-# ---- 4. tenant quotas -------------------------------------------------------------------------
+# ---- 5. tenant quotas -------------------------------------------------------------------------
 
 
 class TenantQuotas(Interceptor):
