@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
+from compactd_client.errors import QuotaExceededError, from_rpc_error
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
@@ -115,6 +116,14 @@ async def test_appends_over_the_rate_are_refused_with_when_to_retry(
     assert got.retry_delay == pytest.approx(0.1, abs=0.002)
     assert got.metadata == {"tenant": "noisy", "quota": "appends_per_second", "limit": "10"}
     await _append(sessions, "quiet", quiet)  # another tenant has its own bucket
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _append(sessions, "noisy", noisy)
+    typed = from_rpc_error(caught.value)  # what the Python client raises
+    assert isinstance(typed, QuotaExceededError)
+    assert typed.retry_delay == pytest.approx(0.1, abs=0.002)
+    assert [(v.subject, v.quota) for v in typed.quota_violations] == [
+        ("tenant:noisy", "appends_per_second")
+    ]
     clock.now += got.retry_delay
     await _append(sessions, "noisy", noisy)  # waiting as told is enough
 
