@@ -1,12 +1,12 @@
 """A noisy tenant against a quiet one: the quiet tenant's CheckPressure p99 while another floods.
 
-One server (in this process, SQLite in a temporary folder, tenants bound by the
-``MetadataTenants`` fake of the authentication seam) with ``[quotas] appends_per_second`` set for
-every tenant but ``quiet``. A flooder in a second process runs ``--flooders`` concurrent
-``AppendEvents`` loops as fast as the server answers, ignoring ``RetryInfo`` (a hostile or
-broken client), as one of two tenants: ``noisy`` (held to the quota) or ``unlimited`` (no
-quota: what the server would face without one). The quiet tenant times ``CheckPressure`` on its
-own session from this process.
+One server (in this process, SQLite in a temporary folder, each tenant authenticated by its own
+bearer token through the real ``auth_tokens`` setting) with ``[quotas] appends_per_second`` set
+for every tenant but ``quiet`` and ``unlimited``. A flooder in a second process runs
+``--flooders`` concurrent ``AppendEvents`` loops as fast as the server answers, ignoring
+``RetryInfo`` (a hostile or broken client), as one of two tenants: ``noisy`` (held to the quota)
+or ``unlimited`` (no quota: what the server would face without one). The quiet tenant times
+``CheckPressure`` on its own session from this process.
 
 The three phases (idle, noisy flood, unlimited flood) are interleaved batch by batch in one run,
 in an order that rotates each round, so every figure sees the same machine, heap and store. The
@@ -34,8 +34,8 @@ from typing import Any
 import grpc
 
 from compactd import config
+from compactd.api.auth import hash_token
 from compactd.api.server import create_server
-from compactd.testing.tenants import MetadataTenants, as_tenant
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2
 from compactd.v1 import session_service_pb2 as pb
@@ -46,6 +46,16 @@ ROUTE = {"provider": "local", "model": "w128k", "context_window": 128_000}
 PAUSE, NOISY, UNLIMITED, STOP = 0, 1, 2, -1
 PHASES = {"idle": PAUSE, "noisy flood (quota)": NOISY, "unlimited flood (no quota)": UNLIMITED}
 TENANTS = {NOISY: "noisy", UNLIMITED: "unlimited"}
+
+
+def token(tenant: str) -> str:
+    """The bench's bearer token of ``tenant``."""
+    return f"bench-{tenant}-token-5f3e8a1c"
+
+
+def as_tenant(tenant: str) -> tuple[tuple[str, str], ...]:
+    """The call metadata that authenticates as ``tenant``."""
+    return (("authorization", f"Bearer {token(tenant)}"),)
 
 
 def _user(text: str) -> events_pb2.SessionEvent:
@@ -68,15 +78,17 @@ def _setup_events() -> list[events_pb2.SessionEvent]:
 
 
 def flood(address: str, sessions: dict[int, str], mode: Synchronized[int],
-          counts: Any, flooders: int) -> None:  # fmt: skip
+          counts: Any, flooders: int, ready: Any) -> None:  # fmt: skip
     """Run ``flooders`` append loops as the tenant ``mode`` names until ``mode`` is STOP."""
-    asyncio.run(_flood(address, sessions, mode, counts, flooders))
+    asyncio.run(_flood(address, sessions, mode, counts, flooders, ready))
 
 
 async def _flood(address: str, sessions: dict[int, str], mode: Synchronized[int],
-                 counts: Any, flooders: int) -> None:  # fmt: skip
+                 counts: Any, flooders: int, ready: Any) -> None:  # fmt: skip
     async with grpc.aio.insecure_channel(address) as channel:
         stub = SessionServiceStub(channel)
+        await channel.channel_ready()
+        ready.set()  # the phases may start
         await asyncio.gather(*(_loop(stub, sessions, mode, counts) for _ in range(flooders)))
 
 
@@ -135,13 +147,14 @@ async def run(args: argparse.Namespace) -> None:
         environ={},
         overrides={"listen": "127.0.0.1:0", "store": f"sqlite:///{folder / 'bench.db'}"},
     )
+    tokens = {tenant: hash_token(token(tenant)) for tenant in ("quiet", *TENANTS.values())}
     server = await create_server(
-        dataclasses.replace(server_config, routes=(ROUTE,), quotas=quotas),
-        tenant_binding=[MetadataTenants()],
+        dataclasses.replace(server_config, routes=(ROUTE,), quotas=quotas, auth_tokens=tokens)
     )
     context = multiprocessing.get_context("spawn")
     mode = context.Value("i", PAUSE)
-    counts = context.Array("l", 6)
+    counts = context.Array("l", 6)  # admitted and refused, by tenant
+    ready = context.Event()
     try:
         async with grpc.aio.insecure_channel(server.address) as channel:
             sessions, compaction = SessionServiceStub(channel), CompactionServiceStub(channel)
@@ -149,9 +162,11 @@ async def run(args: argparse.Namespace) -> None:
             targets = {NOISY: await _session(sessions, "noisy"),
                        UNLIMITED: await _session(sessions, "unlimited")}  # fmt: skip
             flooder = context.Process(
-                target=flood, args=(server.address, targets, mode, counts, args.flooders)
+                target=flood, args=(server.address, targets, mode, counts, args.flooders, ready)
             )
             flooder.start()
+            # The child imports compactd and connects before the first phase.
+            await asyncio.to_thread(ready.wait, 120)
             samples, seconds = await _interleaved(compaction, quiet, mode, args)
             mode.value = STOP
             await asyncio.to_thread(flooder.join, 30)

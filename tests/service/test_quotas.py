@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from compactd.core.quotas import QuotaLimits
 from compactd.errors import ConfigError, QuotaExceeded
-from compactd.service.quotas import QuotaBook, QuotaSettings
+from compactd.service.quotas import MAX_HELD, MAX_HOLD_S, QuotaBook, QuotaSettings
 from compactd.tenancy import Tenant, bound_tenant
 
 
@@ -85,3 +87,44 @@ def test_a_session_not_created_gives_its_place_back_once() -> None:
     book.reserve_session()
     with pytest.raises(QuotaExceeded):
         book.reserve_session()
+
+
+async def test_a_call_over_the_rate_waits_for_a_token_that_comes_soon() -> None:
+    book = QuotaBook(QuotaSettings(QuotaLimits(appends_per_second=40, append_burst=1)))
+    with bound_tenant(Tenant("a")):
+        await book.admit_append_or_wait()
+        await book.admit_append_or_wait()  # its token comes in 25 ms: it waits, then goes
+
+
+async def test_a_call_whose_token_is_far_is_refused_after_the_longest_wait() -> None:
+    now = [0.0]
+    book = QuotaBook(
+        QuotaSettings(QuotaLimits(appends_per_second=1, append_burst=1)), clock=lambda: now[0]
+    )
+    with bound_tenant(Tenant("a")):
+        await book.admit_append_or_wait()
+        now[0] = MAX_HOLD_S  # the clock as the wait ends
+        with pytest.raises(QuotaExceeded) as caught:
+            await book.admit_append_or_wait()
+    assert caught.value.retry_after == pytest.approx(1 - MAX_HOLD_S)
+
+
+async def test_beyond_the_calls_that_may_wait_a_call_is_refused_at_once() -> None:
+    book = QuotaBook(
+        QuotaSettings(QuotaLimits(appends_per_second=1, append_burst=1)), clock=lambda: 0.0
+    )
+
+    async def call() -> None:
+        with bound_tenant(Tenant("a")):
+            await book.admit_append_or_wait()
+
+    await call()
+    waiting = [asyncio.ensure_future(call()) for _ in range(MAX_HELD)]
+    await asyncio.sleep(0)  # every one of them is waiting now
+    extra = asyncio.ensure_future(call())
+    await asyncio.sleep(0)
+    assert extra.done()
+    assert isinstance(extra.exception(), QuotaExceeded)
+    assert not any(task.done() for task in waiting)
+    results = await asyncio.gather(*waiting, return_exceptions=True)
+    assert all(isinstance(result, QuotaExceeded) for result in results)

@@ -376,7 +376,7 @@ class TenantQuotas(Interceptor):
     @asynccontextmanager
     async def _append_guard(self, request: Any, context: Any) -> AsyncIterator[Any]:
         try:
-            self.book.admit_append()
+            await self.book.admit_append_or_wait()
         except QuotaExceeded as error:
             await status.abort(context, error)
         yield request

@@ -4,7 +4,8 @@ Four quotas, each counted per tenant (``compactd.tenancy``) and each off when it
 
 - ``streams``: response streams open at once (``ListEvents`` follow, ``WatchPressure``, ...);
 - ``appends_per_second``: ``AppendEvents`` calls, by a token bucket that holds at most
-  ``append_burst`` calls and refills at the rate; a refusal says when the next call fits;
+  ``append_burst`` calls and refills at the rate; a refusal says when the next call fits (the
+  shell lets a call wait a little for its token first: ``service.quotas``);
 - ``sessions``: sessions the tenant owns;
 - ``bytes``: bytes of the tenant's logs (each event's serialized size).
 

@@ -5,9 +5,10 @@
 RESOURCE_EXHAUSTED with reason ``QUOTA_EXCEEDED``, a ``google.rpc.QuotaFailure`` naming the quota
 and, for the append rate, a ``google.rpc.RetryInfo`` saying when the next call fits.
 
-Who asks it: the ``TenantQuotas`` interceptor (streams, the append rate: refused before the
-handler runs), ``SessionManager.create`` (sessions) and ``SessionHandle`` (bytes, counted after
-the batch is admitted and before it is committed). Held quotas (sessions, bytes) start from the
+Who asks it: the ``TenantQuotas`` interceptor (streams, and the append rate: a call over it
+waits up to ``MAX_HOLD_S`` for its token, then is refused before the handler runs),
+``SessionManager.create`` (sessions) and ``SessionHandle`` (bytes, counted after the batch is
+admitted and before it is committed). Held quotas (sessions, bytes) start from the
 store's figures (``EventStore.usage``) when any tenant has one, so a restart forgets nothing, and
 a tenant's are counted again from the store after one of its sessions is deleted.
 
@@ -24,6 +25,7 @@ Settings: the ``[quotas]`` table holds the defaults, ``[quotas.tenants.ID]`` a t
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -35,6 +37,12 @@ from compactd.errors import ConfigError, QuotaExceeded, QuotaViolation
 from compactd.store.base import EventStore
 from compactd.tenancy import current_tenant
 
+#: The longest a call over the append rate waits for its token before it is refused.
+MAX_HOLD_S: Final = 0.25
+#: The shortest wait of a call over the rate (a refusal is never answered at once).
+MIN_HOLD_S: Final = 0.02
+#: Calls of one tenant that may wait at once; more are refused without waiting.
+MAX_HELD: Final = 64
 _KEYS: Final = {f.name: f.type for f in fields(QuotaLimits)}
 _FLOAT_KEYS: Final = {"appends_per_second"}
 
@@ -111,6 +119,7 @@ class QuotaBook:
         self.settings = settings or QuotaSettings()
         self.ledger = QuotaLedger(self.settings.default, self.settings.tenants)
         self._clock = clock
+        self._held: dict[str, int] = {}  # calls over the rate waiting, by tenant
 
     async def load(self, store: EventStore) -> None:
         """Start the held quotas from the store (only when a sessions or bytes quota is set).
@@ -148,6 +157,40 @@ class QuotaBook:
             QuotaExceeded: Over ``appends_per_second``; ``retry_after`` says when one fits.
         """
         _raise(self.ledger.take_append(current_tenant().id, self._clock()))
+
+    async def admit_append_or_wait(self) -> None:
+        """Take one append from the caller's bucket, waiting up to ``MAX_HOLD_S`` for it.
+
+        A call over the rate is held for the time its token needs (``MAX_HOLD_S`` at most, and
+        ``MIN_HOLD_S`` at least), then takes the token if it has come, or is refused. So a
+        client that retries at once, ignoring ``RetryInfo``, makes a few calls a second, not
+        thousands: a refusal is cheap, a spinning client's thousands are not, and they would
+        share the server with every other tenant. At most ``MAX_HELD`` calls of a tenant wait
+        at once; more are refused without waiting.
+
+        Raises:
+            QuotaExceeded: Still over ``appends_per_second`` after the wait.
+        """
+        tenant = current_tenant().id
+        refusal = self.ledger.take_append(tenant, self._clock())
+        if refusal is None:
+            return
+        held = self._held.get(tenant, 0)
+        if held < MAX_HELD and refusal.retry_after is not None:
+            self._held[tenant] = held + 1
+            try:
+                await asyncio.sleep(min(MAX_HOLD_S, max(MIN_HOLD_S, refusal.retry_after)))
+            finally:
+                self._release_hold(tenant)
+            refusal = self.ledger.take_append(tenant, self._clock())
+        _raise(refusal)
+
+    def _release_hold(self, tenant: str) -> None:
+        left = self._held[tenant] - 1
+        if left:
+            self._held[tenant] = left
+        else:
+            del self._held[tenant]
 
     def open_stream(self) -> Callable[[], None]:
         """Count an open response stream of the caller; returns the function that closes it.
