@@ -140,6 +140,7 @@ class ServerConfig:
     )
     auth_tokens: Table = field(default_factory=dict)  # tenant = "sha256 hex" or a list of them
     auth_identities: Table = field(default_factory=dict)  # mTLS SAN (SPIFFE ID, DNS) = tenant
+    auth_jwt: Table = field(default_factory=dict)  # issuer, audience, jwks_file, tenant_claim
     session_retention_s: Table = field(default_factory=dict)  # tenant = idle seconds to keep
     compaction: Annotated[Table, CamelCaseKeys] = field(default_factory=dict)
     routes: tuple[Table, ...] = ()

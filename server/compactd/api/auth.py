@@ -1,13 +1,14 @@
 """Who may call: bearer tokens and mutual-TLS client identities mapped to tenants.
 
 ``Credentials`` is the table of what the server accepts: SHA-256 digests of bearer tokens (from
-``auth_tokens`` and the ``auth_tokens_file``; the server never holds a token itself) and client
+``auth_tokens`` and the ``auth_tokens_file``; the server never holds a token itself), client
 certificate identities (a SAN: SPIFFE ID, URI or DNS name, from ``auth_identities``), each naming
-a tenant. ``Authentication`` is the interceptor: with credentials configured, every call of
-compactd's services must carry one that resolves to a tenant, and runs bound to it
-(``compactd.tenancy.bound_tenant``, set inside the handler's own task); health checking and
-reflection stay open. A call without, or with a wrong one, answers UNAUTHENTICATED with one fixed
-message, whatever was wrong: nothing in the answer helps guessing.
+a tenant, and optionally JWTs of an identity provider (``[auth_jwt]``, ``api.jwt_auth``) whose
+tenant claim names the tenant. ``Authentication`` is the interceptor: with credentials
+configured, every call of compactd's services must carry one that resolves to a tenant, and
+runs bound to it (``compactd.tenancy.bound_tenant``, set inside the handler's own task); health
+checking and reflection stay open. A call without, or with a wrong one, answers UNAUTHENTICATED
+with one fixed message, whatever was wrong: nothing in the answer helps guessing.
 
 Rules: a presented token decides (a bad token fails even on a good client certificate, and a
 token and a certificate naming different tenants fail); without a token the certificate's
@@ -31,6 +32,7 @@ import grpc
 
 from compactd.api import status
 from compactd.api.interceptors import Continuation, Handler, Interceptor, guarded, rewrapped
+from compactd.api.jwt_auth import JwtVerifier
 from compactd.config import ServerConfig
 from compactd.errors import ConfigError, Unauthenticated
 from compactd.tenancy import Tenant, bound_tenant
@@ -57,19 +59,22 @@ class Credentials:
 
     token_digests: tuple[tuple[bytes, Tenant], ...] = ()
     identities: Mapping[str, Tenant] = field(default_factory=dict)
+    jwt: JwtVerifier | None = None
 
     @property
     def enabled(self) -> bool:
         """Whether any credential is configured (else authentication is off)."""
-        return bool(self.token_digests or self.identities)
+        return bool(self.token_digests or self.identities or self.jwt)
 
     def tenant_of_token(self, token: str) -> Tenant | None:
-        """The tenant whose token this is, comparing every digest in constant time."""
+        """The tenant whose token (or verified JWT) this is; digests compared in constant time."""
         digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
         found: Tenant | None = None
         for known, tenant in self.token_digests:  # no early exit: time does not tell which
             if hmac.compare_digest(digest, known):
                 found = tenant
+        if found is None and self.jwt is not None and token.count(".") == 2:
+            found = self.jwt.tenant_of(token)
         return found
 
     def tenant_of_identities(self, identities: Iterable[str]) -> Tenant | None:
@@ -86,8 +91,10 @@ class Credentials:
         tokens: Mapping[str, Any],
         tokens_file: str,
         identities: Mapping[str, Any],
+        jwt: Mapping[str, Any] | None = None,
     ) -> Credentials:
-        """Validate the ``auth_tokens`` table, the tokens file and ``auth_identities``.
+        """Validate the ``auth_tokens`` table, the tokens file, ``auth_identities`` and
+        ``auth_jwt`` (reading its key set).
 
         Raises:
             ConfigError: naming the bad entry (never echoing a digest).
@@ -98,7 +105,7 @@ class Credentials:
         mapped: dict[str, Tenant] = {}
         for identity, tenant in identities.items():
             mapped[str(identity)] = _tenant(tenant, f"auth_identities.{identity}")
-        return cls(tuple(digests), mapped)
+        return cls(tuple(digests), mapped, JwtVerifier.from_table(jwt or {}))
 
 
 def hash_token(token: str) -> str:
@@ -227,12 +234,13 @@ def credentials_from(config: ServerConfig) -> Credentials:
         ConfigError: naming the bad entry.
     """
     return Credentials.from_settings(
-        config.auth_tokens, config.auth_tokens_file, config.auth_identities
+        config.auth_tokens, config.auth_tokens_file, config.auth_identities, config.auth_jwt
     )
 
 
 class TokensFileReload:
-    """A ``tls.Reload`` for the tokens file: rebuilds the credentials when its bytes change."""
+    """A ``tls.Reload`` for the tokens file and the JWKS file: rebuilds the credentials when
+    their bytes change."""
 
     def __init__(self, config: ServerConfig, authentication: Authentication) -> None:
         self._config = config
@@ -253,8 +261,18 @@ class TokensFileReload:
         )  # fmt: skip
         return True
 
-    def _bytes(self) -> bytes | None:
-        try:
-            return Path(self._config.auth_tokens_file).read_bytes()
-        except OSError:
-            return None
+    def _bytes(self) -> tuple[bytes | None, ...]:
+        return tuple(_read(path) for path in self.paths(self._config))
+
+    @staticmethod
+    def paths(config: ServerConfig) -> list[str]:
+        """The credential files of ``config`` (the tokens file, the JWKS file)."""
+        jwks = config.auth_jwt.get("jwks_file", "")
+        return [p for p in (config.auth_tokens_file, jwks) if isinstance(p, str) and p]
+
+
+def _read(path: str) -> bytes | None:
+    try:
+        return Path(path).read_bytes()
+    except OSError:
+        return None

@@ -218,7 +218,7 @@ async def _start_trust(
     """Start the reloads and the retention sweep; say how the listener is protected."""
     config = running.config
     reloads: list[Callable[[], bool]] = [] if tls is None else [tls.reload]
-    if config.auth_tokens_file:
+    if auth.TokensFileReload.paths(config):
         reloads.append(auth.TokensFileReload(config, authentication))
     running.reloader = Reloader(reloads, config.tls_reload_interval_s)
     running.reloader.start()
