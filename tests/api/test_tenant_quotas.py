@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -26,6 +27,7 @@ from compactd.v1.compaction_service_pb2_grpc import CompactionServiceStub
 from compactd.v1.session_service_pb2_grpc import SessionServiceStub
 from tests.api.rpc import ErrorDetails, details
 from tests.builders import user
+from tests.test_metrics import labelled, scrape
 
 Start = Callable[..., Any]
 
@@ -267,3 +269,31 @@ async def test_a_refused_call_is_traced_with_its_status_and_no_exception_event(
     code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
     assert refused.attributes["rpc.grpc.status_code"] == code
     assert [event.name for event in refused.events] == []
+
+
+async def test_refusals_are_counted_by_tenant_and_quota_and_the_start_names_the_quotas(
+    server_config: config.ServerConfig, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    quotas = {"appends_per_second": 1, "tenants": {"big": {"appends_per_second": 100}}}
+    server = await create_server(
+        dataclasses.replace(server_config, quotas=quotas, metrics_listen="127.0.0.1:0"),
+        clock=clock,
+        tenant_binding=[MetadataTenants()],
+    )
+    try:
+        assert server.prometheus is not None
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            sessions = SessionServiceStub(channel)
+            sid = await _create(sessions, "a")
+            await _append(sessions, "a", sid)
+            await _refusal(_append(sessions, "a", sid))
+            await _refusal(_append(sessions, "a", sid))
+        samples = scrape(server.prometheus.url)["compactd_quota_refusals"]
+    finally:
+        await server.stop(0)
+    counted = labelled(samples, "_total", tenant="a", quota="appends_per_second")
+    assert [sample.value for sample in counted] == [2]
+    (line,) = [r for r in caplog.records if r.getMessage() == "quotas"]
+    assert line.__dict__["quotas"] == {"appends_per_second": 1}
+    assert line.__dict__["tenants"] == ["big"]

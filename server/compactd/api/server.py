@@ -281,7 +281,7 @@ async def _serve_on(
     trust: _Trust,
     tenant_binding: Sequence[interceptors.Interceptor],
 ) -> RunningServer:
-    quotas = QuotaBook(parts.quotas, clock=clock)
+    quotas = QuotaBook(parts.quotas, clock=clock, metrics=metrics)
     await quotas.load(store)
     manager = SessionManager(
         store,

@@ -34,6 +34,7 @@ from typing import Any, Final
 
 from compactd.core.quotas import Quota, QuotaLedger, QuotaLimits, Refusal, with_overrides
 from compactd.errors import ConfigError, QuotaExceeded, QuotaViolation
+from compactd.metrics import Metrics
 from compactd.store.base import EventStore
 from compactd.tenancy import current_tenant
 
@@ -111,12 +112,18 @@ class QuotaBook:
     Args:
         settings: The ``[quotas]`` table.
         clock: Monotonic seconds (the append buckets' time).
+        metrics: Where refusals are counted (``compactd.quota.refusals``).
     """
 
     def __init__(
-        self, settings: QuotaSettings | None = None, *, clock: Callable[[], float] = time.monotonic
+        self,
+        settings: QuotaSettings | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: Metrics | None = None,
     ) -> None:
         self.settings = settings or QuotaSettings()
+        self._metrics = metrics or Metrics()
         self.ledger = QuotaLedger(self.settings.default, self.settings.tenants)
         self._clock = clock
         self._held: dict[str, int] = {}  # calls over the rate waiting, by tenant
@@ -156,7 +163,7 @@ class QuotaBook:
         Raises:
             QuotaExceeded: Over ``appends_per_second``; ``retry_after`` says when one fits.
         """
-        _raise(self.ledger.take_append(current_tenant().id, self._clock()))
+        self._refuse(self.ledger.take_append(current_tenant().id, self._clock()))
 
     async def admit_append_or_wait(self) -> None:
         """Take one append from the caller's bucket, waiting up to ``MAX_HOLD_S`` for it.
@@ -183,6 +190,12 @@ class QuotaBook:
             finally:
                 self._release_hold(tenant)
             refusal = self.ledger.take_append(tenant, self._clock())
+        self._refuse(refusal)
+
+    def _refuse(self, refusal: Refusal | None) -> None:
+        """Raise ``refusal`` (counted) as ``QuotaExceeded``; nothing when it is None."""
+        if refusal is not None:
+            self._metrics.quota_refused(refusal.tenant, refusal.quota.value)
         _raise(refusal)
 
     def _release_hold(self, tenant: str) -> None:
@@ -199,7 +212,7 @@ class QuotaBook:
             QuotaExceeded: The caller already has ``max_streams`` open.
         """
         tenant = current_tenant().id
-        _raise(self.ledger.open_stream(tenant))
+        self._refuse(self.ledger.open_stream(tenant))
         return _once(lambda: self.ledger.close_stream(tenant))
 
     def reserve_session(self, tenant: str | None = None) -> Callable[[], None]:
@@ -211,7 +224,7 @@ class QuotaBook:
             QuotaExceeded: The tenant already owns ``max_sessions``.
         """
         tenant = tenant or current_tenant().id
-        _raise(self.ledger.reserve_session(tenant))
+        self._refuse(self.ledger.reserve_session(tenant))
         return _once(lambda: self.ledger.release_session(tenant))
 
     def reserve_bytes(self, size: int, *, enforce: bool, tenant: str | None = None) -> Reservation:
@@ -222,7 +235,7 @@ class QuotaBook:
             QuotaExceeded: ``enforce`` and the bytes would pass ``max_bytes``.
         """
         tenant = tenant or current_tenant().id
-        _raise(self.ledger.reserve_bytes(tenant, size, enforce=enforce))
+        self._refuse(self.ledger.reserve_bytes(tenant, size, enforce=enforce))
         return Reservation(self, tenant, size)
 
 
