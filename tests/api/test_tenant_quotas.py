@@ -20,6 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from compactd import config
+from compactd.api.auth import hash_token
 from compactd.api.server import RunningServer, create_server
 from compactd.testing.tenants import MetadataTenants, as_tenant
 from compactd.v1 import session_service_pb2 as pb
@@ -297,3 +298,26 @@ async def test_refusals_are_counted_by_tenant_and_quota_and_the_start_names_the_
     (line,) = [r for r in caplog.records if r.getMessage() == "quotas"]
     assert line.__dict__["quotas"] == {"appends_per_second": 1}
     assert line.__dict__["tenants"] == ["big"]
+
+
+async def test_the_tenant_a_bearer_token_authenticates_is_the_one_held_to_the_quota(
+    server_config: config.ServerConfig, clock: Clock
+) -> None:
+    tokens = {"a": hash_token("token-of-a-0123456789"), "b": hash_token("token-of-b-0123456789")}
+    server = await create_server(
+        dataclasses.replace(server_config, auth_tokens=tokens, quotas={"max_sessions": 1}),
+        clock=clock,
+    )
+    as_a = (("authorization", "Bearer token-of-a-0123456789"),)
+    as_b = (("authorization", "Bearer token-of-b-0123456789"),)
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            sessions = SessionServiceStub(channel)
+            await sessions.CreateSession(pb.CreateSessionRequest(session_id="s"), metadata=as_a)
+            got = await _refusal(
+                sessions.CreateSession(pb.CreateSessionRequest(session_id="t"), metadata=as_a)
+            )
+            assert got.subjects == ["tenant:a"]
+            await sessions.CreateSession(pb.CreateSessionRequest(session_id="s"), metadata=as_b)
+    finally:
+        await server.stop(0)
