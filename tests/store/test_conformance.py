@@ -475,6 +475,9 @@ async def test_usage_counts_each_tenants_sessions_and_serialized_bytes(store: Ev
     assert {t: (u.sessions, u.bytes) for t, u in usage.items()} == {"a": (2, size), "b": (1, 0)}
     only_b = await store.usage(tenant="b")
     assert {t: (u.sessions, u.bytes) for t, u in only_b.items()} == {"b": (1, 0)}
+    one = await store.usage(tenant="a", session_id="s1")
+    assert {t: (u.sessions, u.bytes) for t, u in one.items()} == {"a": (1, size)}
+    assert await store.usage(tenant="a", session_id="nope") == {}
     await store.delete_session("s1", tenant="a")
     after = await store.usage(tenant="a")
     assert {t: (u.sessions, u.bytes) for t, u in after.items()} == {"a": (1, 0)}

@@ -10,7 +10,7 @@ waits up to ``MAX_HOLD_S`` for its token, then is refused before the handler run
 ``SessionManager.create`` (sessions) and ``SessionHandle`` (bytes, counted after the batch is
 admitted and before it is committed). Held quotas (sessions, bytes) start from the
 store's figures (``EventStore.usage``) when any tenant has one, so a restart forgets nothing, and
-a tenant's are counted again from the store after one of its sessions is deleted.
+a deleted session gives back what the store held for it.
 
 Settings: the ``[quotas]`` table holds the defaults, ``[quotas.tenants.ID]`` a tenant's overrides
 (only the keys it sets)::
@@ -35,7 +35,7 @@ from typing import Any, Final
 from compactd.core.quotas import Quota, QuotaLedger, QuotaLimits, Refusal, with_overrides
 from compactd.errors import ConfigError, QuotaExceeded, QuotaViolation
 from compactd.metrics import Metrics
-from compactd.store.base import EventStore
+from compactd.store.base import EventStore, StoreUsage
 from compactd.tenancy import current_tenant
 
 #: The longest a call over the append rate waits for its token before it is refused.
@@ -146,16 +146,10 @@ class QuotaBook:
         for tenant, held in usage.items():
             self.ledger.seed(tenant, sessions=held.sessions, stored_bytes=held.bytes)
 
-    async def recount(self, store: EventStore, tenant: str) -> None:
-        """Count ``tenant``'s sessions and bytes again from the store (after a delete)."""
-        if not self.ledger.counts_stored:
-            return
-        held = (await store.usage(tenant=tenant)).get(tenant)
-        self.ledger.seed(
-            tenant,
-            sessions=held.sessions if held else 0,
-            stored_bytes=held.bytes if held else 0,
-        )
+    def removed(self, tenant: str, held: StoreUsage) -> None:
+        """``tenant`` deleted what ``held`` counts (a session and its log's bytes)."""
+        self.ledger.release_session(tenant, held.sessions)
+        self.ledger.release_bytes(tenant, held.bytes)
 
     def admit_append(self) -> None:
         """Take one append from the caller's bucket.

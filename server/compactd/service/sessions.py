@@ -38,7 +38,7 @@ from compactd.errors import (
     SeqConflict,
 )
 from compactd.service.quotas import QuotaBook, Reservation
-from compactd.store.base import EventStore, SessionRecord, session_not_found
+from compactd.store.base import EventStore, SessionRecord, StoreUsage, session_not_found
 from compactd.tenancy import Tenant, current_tenant
 from compactd.v1 import events_pb2
 
@@ -388,16 +388,24 @@ class SessionManager:
         async with handle.lock if handle is not None else contextlib.nullcontext():
             if idle_before is not None and not await self._idle(key, idle_before):
                 return False
+            held = await self._held_by(key)
             deleted = await self.store.delete_session(session_id, tenant=key[0])
             if handle is not None:
                 await handle.mark_deleted()
                 self._handles.pop(key, None)
         if not deleted:
             raise session_not_found(session_id)
-        if self.quotas is not None:
-            await self.quotas.recount(self.store, key[0])
+        if self.quotas is not None and held is not None:
+            self.quotas.removed(key[0], held)
         log.info("session deleted", extra={"session_id": session_id, "tenant": key[0]})
         return True
+
+    async def _held_by(self, key: _Key) -> StoreUsage | None:
+        """What the session counts towards its tenant's held quotas (None: nothing counted)."""
+        if self.quotas is None or not self.quotas.ledger.counts_stored:
+            return None
+        usage = await self.store.usage(tenant=key[0], session_id=key[1])
+        return usage.get(key[0], StoreUsage())
 
     async def _idle(self, key: _Key, before: datetime) -> bool:
         record = await self.store.get_session(key[1], tenant=key[0])

@@ -367,12 +367,15 @@ class EventStore(abc.ABC):
         Afterwards the id is free: a create makes a new, empty session under it.
         """
 
-    async def usage(self, *, tenant: str | None = None) -> dict[str, StoreUsage]:
+    async def usage(
+        self, *, tenant: str | None = None, session_id: str | None = None
+    ) -> dict[str, StoreUsage]:
         """Sessions and stored bytes (each event's serialized size) by tenant id.
 
-        Every tenant that owns a session, or only ``tenant``. The quotas start from these
-        figures (and count again after a delete). A backend that cannot tell raises
-        ``NotImplementedError``: the server then refuses sessions and bytes quotas at start.
+        Every tenant that owns a session, or only ``tenant``; with ``session_id`` too, only that
+        session (what deleting it gives back). The quotas start from these figures. A backend
+        that cannot tell raises ``NotImplementedError``: the server then refuses sessions and
+        bytes quotas at start.
         """
         raise NotImplementedError(f"{type(self).__name__} does not report usage")
 
