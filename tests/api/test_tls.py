@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -211,3 +212,19 @@ def test_unsafe_or_incomplete_transport_settings_are_refused(
 def test_plaintext_off_loopback_starts_only_when_asked_for() -> None:
     environ = {"COMPACTD_LISTEN": "0.0.0.0:50051", "COMPACTD_INSECURE_PLAINTEXT": "true"}
     assert config.load(None, environ=environ).insecure_plaintext is True
+
+
+async def test_the_start_up_log_says_how_the_listener_is_protected(
+    server_config: config.ServerConfig, served: Pem, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="compactd.api.server")
+    plain = replace(server_config, listen="0.0.0.0:0", insecure_plaintext=True)
+    for settings in (plain, _tls_config(server_config, served)):
+        running = await create_server(settings)
+        await running.stop(0)
+
+    said = [(r.levelno, getattr(r, "transport", None)) for r in caplog.records
+            if getattr(r, "transport", None)]  # fmt: skip
+    assert said == [(logging.WARNING, "plaintext"), (logging.INFO, "TLS")]
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "insecure_plaintext" in warning.getMessage()
