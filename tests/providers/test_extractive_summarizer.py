@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from compactd.core import probes, prompts
@@ -177,6 +177,18 @@ _messages = st.one_of(
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(_messages, max_size=25), st.integers(min_value=120, max_value=2000))
+@example(  # a carriage return is a line break to the bullet: its indentation must be priced
+    span=[
+        user("0000"),
+        user("00000000000\r\U00010000\U00010000\U00010000\U00010000"),
+        developer("00000000000\r\U00010000\U00010000\U00010000\U00010000"),
+        developer("\U00010000"),
+        developer("00000000\x1e\U00010000"),
+        assistant("0", calls=[("c", "bash", "")]),
+        user("000000\U00010000\U00010000\U00010000\U00010000"),
+    ],
+    max_tokens=120,
+)
 async def test_any_span_fits_max_tokens_deterministically(
     span: list[Message], max_tokens: int
 ) -> None:

@@ -557,8 +557,10 @@ def _common_root(paths: Sequence[str]) -> str:
 
 def _shrunk(candidate: _Candidate, room: int) -> _Candidate | None:
     """The candidate clipped so its bullet line takes at most ``room`` units; None if too small."""
-    # A bullet line adds "- " and two spaces of indentation per continuation line.
-    room_for_text = room - 2 - 2 * candidate.text.count("\n")
+    # A bullet line adds "- " and two spaces of indentation per continuation line; lines are
+    # what ``str.splitlines`` cuts (``\r``, ``\x1e``, ... too), as ``_bullet`` does.
+    continuations = max(0, len(candidate.text.splitlines()) - 1)
+    room_for_text = room - 2 - 2 * continuations
     if room_for_text < 24:
         return None
     text = _clip(candidate.text, room_for_text)

@@ -34,9 +34,11 @@ from compactd.errors import (
     FieldViolation,
     InvalidArgument,
     NotFound,
+    QuotaExceeded,
     SeqConflict,
 )
-from compactd.store.base import EventStore, SessionRecord, session_not_found
+from compactd.service.quotas import QuotaBook, Reservation
+from compactd.store.base import EventStore, SessionRecord, StoreUsage, session_not_found
 from compactd.tenancy import Tenant, current_tenant
 from compactd.v1 import events_pb2
 
@@ -64,10 +66,12 @@ class SessionHandle:
         store: EventStore,
         fold: SessionFold,
         limits: AppendLimits = DEFAULT_LIMITS,
+        quotas: QuotaBook | None = None,
     ) -> None:
         self.session_id = record.session_id
         self.tenant = record.tenant
         self.deleted = False  # set (under the lock) by ``SessionManager.delete``
+        self._quotas = quotas
         self.limits = limits
         self.record = record
         self.fold = fold
@@ -135,7 +139,8 @@ class SessionHandle:
         batch = self.fold.admit(
             events, now=now, origin=origin, max_surface_bytes=self.limits.max_surface_bytes
         )
-        commit = asyncio.ensure_future(self._commit(batch))
+        reservation = self._reserve_bytes(batch, origin)
+        commit = asyncio.ensure_future(self._commit(batch, reservation))
         try:
             return await asyncio.shield(commit)
         except asyncio.CancelledError:
@@ -144,11 +149,26 @@ class SessionHandle:
             await asyncio.wait([commit])
             raise
 
-    async def _commit(self, batch: AdmittedBatch) -> AppendResult:
+    def _reserve_bytes(self, batch: AdmittedBatch, origin: Origin) -> Reservation | None:
+        """Count the batch's bytes against the tenant's quota; only a runtime's is refused."""
+        if self._quotas is None:
+            return None
+        size = sum(event.ByteSize() for event in batch.events)
+        try:
+            return self._quotas.reserve_bytes(
+                size, enforce=origin is Origin.CLIENT, tenant=self.tenant
+            )
+        except QuotaExceeded:
+            self.fold.rollback(batch)
+            raise
+
+    async def _commit(self, batch: AdmittedBatch, reservation: Reservation | None) -> AppendResult:
         try:
             await self._store.append(self.session_id, batch.events, tenant=self.tenant)
         except BaseException:
             self.fold.rollback(batch)
+            if reservation is not None:
+                reservation.release()
             raise
         self.revision = self.fold.revision
         for observer in self._observers:
@@ -237,9 +257,11 @@ class SessionManager:
         instance_id: str | None = None,
         policy_validator: Callable[[Mapping[str, Any]], object] | None = None,
         limits: AppendLimits = DEFAULT_LIMITS,
+        quotas: QuotaBook | None = None,
     ) -> None:
         self.store = store
         self.limits = limits
+        self.quotas = quotas
         self._policy_validator = policy_validator
         self.instance_id = instance_id or uuid.uuid4().hex[:12]
         self._handles: dict[_Key, SessionHandle] = {}
@@ -283,13 +305,38 @@ class SessionManager:
         """Create an empty session of ``tenant`` (the caller's by default), idempotently.
 
         A retried create (the same id and the same policy; a reply may have been lost) answers
-        the session as it is now. ``AlreadyExists`` when the id is taken with another policy.
+        the session as it is now. ``AlreadyExists`` when the id is taken with another policy;
+        ``QuotaExceeded`` when the caller's tenant owns its ``max_sessions`` already.
         """
         owner = _tenant_id(tenant)
         policy_json = json.dumps(policy, sort_keys=True) if policy else None
+        if self.quotas is None:
+            return await self._create(owner, session_id, policy_json, lambda: None)
+        try:
+            not_created = self.quotas.reserve_session(owner)
+        except QuotaExceeded:
+            # At the quota, a retried create still answers the session it created.
+            existing = await self.store.get_session(session_id, tenant=owner)
+            if existing is not None and existing.policy_json == policy_json:
+                return existing
+            raise
+        try:
+            return await self._create(owner, session_id, policy_json, not_created)
+        except BaseException:
+            not_created()
+            raise
+
+    async def _create(
+        self,
+        owner: str,
+        session_id: str,
+        policy_json: str | None,
+        not_created: Callable[[], None],
+    ) -> SessionRecord:
         try:
             return await self.store.create_session(session_id, policy_json, tenant=owner)
         except AlreadyExists:
+            not_created()
             existing = await self.store.get_session(session_id, tenant=owner)
             if existing is None or existing.policy_json != policy_json:
                 raise AlreadyExists(
@@ -347,14 +394,24 @@ class SessionManager:
         async with handle.lock if handle is not None else contextlib.nullcontext():
             if idle_before is not None and not await self._idle(key, idle_before):
                 return False
+            held = await self._held_by(key)
             deleted = await self.store.delete_session(session_id, tenant=key[0])
             if handle is not None:
                 await handle.mark_deleted()
                 self._handles.pop(key, None)
         if not deleted:
             raise session_not_found(session_id)
+        if self.quotas is not None and held is not None:
+            self.quotas.removed(key[0], held)
         log.info("session deleted", extra={"session_id": session_id, "tenant": key[0]})
         return True
+
+    async def _held_by(self, key: _Key) -> StoreUsage | None:
+        """What the session counts towards its tenant's held quotas (None: nothing counted)."""
+        if self.quotas is None or not self.quotas.ledger.counts_stored:
+            return None
+        usage = await self.store.usage(tenant=key[0], session_id=key[1])
+        return usage.get(key[0], StoreUsage())
 
     async def _idle(self, key: _Key, before: datetime) -> bool:
         record = await self.store.get_session(key[1], tenant=key[0])
@@ -380,7 +437,7 @@ class SessionManager:
                 chunk = []
         if chunk:
             fold.admit(chunk, check=False)
-        handle = SessionHandle(record, self.store, fold, self.limits)
+        handle = SessionHandle(record, self.store, fold, self.limits, self.quotas)
         if fold.revision:
             # A new lifecycle: brackets opened by an earlier process become stale evidence.
             seed = events_pb2.SessionEvent(
