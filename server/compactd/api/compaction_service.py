@@ -70,7 +70,10 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
         intended = self._destination(request.intended_route, request.HasField("intended_route"))
 
         def run(progress: Progress) -> Awaitable[pb.PrepareStepResult]:
-            return self._switch.prepare_step(request.session_id, request.turn, intended, progress)
+            held = request.held_revision if request.HasField("held_revision") else None
+            return self._switch.prepare_step(
+                request.session_id, request.turn, intended, progress, held
+            )
 
         async for response in _streamed(run, pb.PrepareStepResponse):
             yield response
