@@ -47,7 +47,13 @@ class Surface:
         self._nodes: list[SurfaceNode] = []
         self._position: dict[int, int] = {}  # seq -> position, for current nodes
         self._calls: dict[str, int] = {}  # tool call id -> count of current nodes making it
+        # Kept so selection reads the tail it needs, not the whole surface (``core.selection``):
+        self._call_seq: dict[str, int] = {}  # call id -> seq of a current node making it
+        self._answers: dict[str, int] = {}  # call id -> count of current results naming it
+        self._unanswered: set[str] = set()  # call ids made on the surface and answered by none
+        self._repeated_calls = 0  # call ids more than one current node makes
         self.replacements = 0  # replacement generation: REPLACE events folded so far
+        self.changes = 0  # every apply and undo, never decremented: "has anything changed?"
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -67,6 +73,24 @@ class Surface:
         """The current position of the node created by ``seq``, or None if it is not a node."""
         return self._position.get(seq)
 
+    @property
+    def calls_are_unique(self) -> bool:
+        """Whether every call id on the surface is made by exactly one current node (then each
+        call precedes all its results, and ``call_position`` is exact)."""
+        return self._repeated_calls == 0
+
+    def unanswered_calls(self) -> set[str]:
+        """Call ids current nodes make that no current ``tool/result`` answers."""
+        return set(self._unanswered)
+
+    def call_position(self, call_id: str) -> int | None:
+        """The position of the current node making ``call_id`` (None: no current node does).
+
+        With repeated call ids (``calls_are_unique`` false) it is one of the makers' positions.
+        """
+        seq = self._call_seq.get(call_id)
+        return None if seq is None else self._position.get(seq)
+
     def check(self, event: SessionEvent, seq: int) -> None:
         """Raise ``ReplacementRejected`` or ``CorruptPairing`` if ``event`` may not fold."""
         _check_sources(event, seq)
@@ -77,6 +101,7 @@ class Surface:
 
     def apply(self, event: SessionEvent, seq: int) -> SurfaceChange:
         """Fold one surface event (call ``check`` first). Returns the change, for ``undo``."""
+        self.changes += 1
         node = SurfaceNode(seq, event)
         if not ev.is_replace(event):
             position = len(self._nodes)
@@ -93,6 +118,7 @@ class Surface:
 
     def undo(self, change: SurfaceChange) -> None:
         """Revert ``change``, which must be the most recent change not yet undone."""
+        self.changes += 1
         self._splice(change.position, (change.node,), change.shadowed)
         if change.shadowed:
             self.replacements -= 1
@@ -110,12 +136,38 @@ class Surface:
                 self._position[self._nodes[position].seq] = position
 
     def _track_calls(self, node: SurfaceNode, delta: int) -> None:
+        """Count the calls ``node`` makes and the call its result answers (+1 or -1)."""
         for call_id in ev.tool_call_ids(node.event):
-            count = self._calls.get(call_id, 0) + delta
+            before = self._calls.get(call_id, 0)
+            count = before + delta
+            self._repeated_calls += (count > 1) - (before > 1)
             if count:
                 self._calls[call_id] = count
             else:
                 self._calls.pop(call_id, None)
+            if delta > 0:
+                self._call_seq[call_id] = node.seq
+            elif self._call_seq.get(call_id) == node.seq:
+                self._call_seq.pop(call_id)
+                if count:  # another node still makes it: find it (repeated ids only)
+                    self._call_seq[call_id] = next(
+                        n.seq for n in self._nodes if call_id in ev.tool_call_ids(n.event)
+                    )
+            self._refresh_answer(call_id)
+        if ev.body_name(node.event) == "tool_result":
+            call_id = node.event.tool_result.tool_call_id
+            answers = self._answers.get(call_id, 0) + delta
+            if answers:
+                self._answers[call_id] = answers
+            else:
+                self._answers.pop(call_id, None)
+            self._refresh_answer(call_id)
+
+    def _refresh_answer(self, call_id: str) -> None:
+        if call_id in self._calls and call_id not in self._answers:
+            self._unanswered.add(call_id)
+        else:
+            self._unanswered.discard(call_id)
 
     def _check_result_has_call(self, event: SessionEvent) -> None:
         call_id = event.tool_result.tool_call_id
