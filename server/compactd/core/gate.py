@@ -180,9 +180,15 @@ def echoed_message(summary: str, span: Sequence[Message]) -> int | None:
     if not needle:
         return None
     for index, message in enumerate(span):
-        if needle in _fold(message_text(message)):
+        text = message_text(message)
+        # Folding never lengthens a character more than threefold (casefold's longest
+        # expansion), so a shorter text cannot hold the summary: most are skipped unfolded.
+        if len(needle) <= _CASEFOLD_GROWTH * len(text) and needle in _fold(text):
             return index
     return None
+
+
+_CASEFOLD_GROWTH = 3
 
 
 def minimum_useful_span(skeleton_tokens: int, min_reduction_ratio: float | None) -> int:

@@ -52,8 +52,10 @@ _KNOWN_EXTENSIONS = (
 )
 # A path never crosses a character outside ``[\w:/.~@+-]`` (the classes below and their
 # lookbehinds stay inside it), so the regexes run only on the maximal runs of those characters
-# that hold a slash or a dot: one fast scan of the text, then short tokens.
-_RUN = re.compile(r"[\w:/.~@+-]+")
+# that can hold one: a slash before a name character (``_PATH_TOKEN``) or a dot before a word
+# character (``_BARE_FILE``). One compiled scan of the text finds just those runs; ordinary
+# words never reach Python.
+_RUN = re.compile(r"(?<![\w:/.~@+-])[\w:/.~@+-]*?(?:/[\w.@+-]|\.\w)[\w:/.~@+-]*")
 _PATH_TOKEN = re.compile(r"(?<![\w:/.~@+-])[\w.~@+-]*(?:/[\w.@+-]+)+/?")
 _BARE_FILE = re.compile(rf"(?<![\w/.-])[\w-]+(?:\.[\w-]+)*\.(?:{_KNOWN_EXTENSIONS})\b")
 _ERROR_LINE = re.compile(

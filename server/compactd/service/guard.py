@@ -233,7 +233,6 @@ class CompactionGuard:
         if settings is None or span_tokens is None:
             return Screened(summary, summarizer, target)
         span = _without_head(request.messages)
-        probes = select_probes(span_facts(span))
 
         def verdict_of(text: str) -> gate.Verdict:
             checkpoint = bracket.checkpoint_message(compaction_id, prompts.frame_checkpoint(text))
@@ -248,6 +247,7 @@ class CompactionGuard:
 
         with self._tracer.start_as_current_span("compaction.gate") as trace_span:
             trace_span.set_attribute("compactd.compaction_id", compaction_id)
+            probes = select_probes(span_facts(span))  # the gate's own work, inside its span
             verdict = verdict_of(summary.text)
             report = _report(verdict, settings)
             _gate_attributes(trace_span, verdict)
