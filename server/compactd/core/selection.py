@@ -109,7 +109,7 @@ def select_range(
     """
     surface = fold.surface
     nodes = surface.nodes
-    unanswered = surface.unanswered_calls() if surface.calls_are_unique else open_calls(nodes)
+    unanswered = surface.unanswered_calls()
     if unanswered:
         return Declined(
             DeclineCode.OPEN_TAIL,
@@ -164,23 +164,20 @@ def unit_boundaries(nodes: Sequence[SurfaceNode]) -> list[bool]:
 
 def boundaries_from_end(fold: SessionFold) -> Iterator[tuple[int, bool]]:
     """``(cut, is_unit_boundary)`` for cuts ``len(nodes)`` down to 0, as ``unit_boundaries``
-    decides them, on a surface without unanswered calls; each step reads one node.
+    decides them on a surface without unanswered calls; each step reads one node.
 
-    A cut is blocked when a result at or after it answers a call made before it. Repeated call
-    ids (rare) fall back to ``unit_boundaries``.
+    A cut is blocked when a result at or after it answers a call first made before it (a result
+    before its call's first maker answers nothing, as in ``unit_boundaries``).
     """
     surface = fold.surface
     nodes = surface.nodes
-    if not surface.calls_are_unique:
-        yield from reversed(list(enumerate(unit_boundaries(nodes))))
-        return
-    lowest = len(nodes)  # the earliest call position of the results read so far
+    lowest = len(nodes)  # the earliest first-call position of the results read so far
     yield len(nodes), True
     for position in range(len(nodes) - 1, -1, -1):
         event = nodes[position].event
         if event.HasField("tool_result"):
-            made = surface.call_position(event.tool_result.tool_call_id)
-            if made is not None and made < lowest:
+            made = surface.first_call_position(event.tool_result.tool_call_id)
+            if made is not None and made < min(lowest, position):
                 lowest = made
         yield position, lowest >= position
 
@@ -236,7 +233,7 @@ def drift(
 
 def _edges_are_boundaries(fold: SessionFold, selection: Selection) -> bool:
     nodes = fold.surface.nodes
-    if not fold.surface.calls_are_unique or fold.surface.unanswered_calls():
+    if fold.surface.unanswered_calls():
         bounds = unit_boundaries(nodes)  # an open call blocks every cut after it
         return bounds[selection.start_position] and bounds[selection.end_position + 1]
     start, end = selection.start_position, selection.end_position + 1

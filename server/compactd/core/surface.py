@@ -48,10 +48,11 @@ class Surface:
         self._position: dict[int, int] = {}  # seq -> position, for current nodes
         self._calls: dict[str, int] = {}  # tool call id -> count of current nodes making it
         # Kept so selection reads the tail it needs, not the whole surface (``core.selection``):
-        self._call_seq: dict[str, int] = {}  # call id -> seq of a current node making it
-        self._answers: dict[str, int] = {}  # call id -> count of current results naming it
-        self._unanswered: set[str] = set()  # call ids made on the surface and answered by none
-        self._repeated_calls = 0  # call ids more than one current node makes
+        self._makers: dict[str, set[int]] = {}  # call id -> seqs of current nodes making it
+        self._answers: dict[str, set[int]] = {}  # call id -> seqs of current results naming it
+        self._unanswered: set[str] = set()  # call ids made on the surface, answered by no node
+        self._repeated: set[str] = set()  # call ids more than one current node makes
+        self._unanswered_at: tuple[int, frozenset[str]] = (-1, frozenset())  # (changes, ids)
         self.replacements = 0  # replacement generation: REPLACE events folded so far
         self.changes = 0  # every apply and undo, never decremented: "has anything changed?"
 
@@ -73,23 +74,26 @@ class Surface:
         """The current position of the node created by ``seq``, or None if it is not a node."""
         return self._position.get(seq)
 
-    @property
-    def calls_are_unique(self) -> bool:
-        """Whether every call id on the surface is made by exactly one current node (then each
-        call precedes all its results, and ``call_position`` is exact)."""
-        return self._repeated_calls == 0
-
     def unanswered_calls(self) -> set[str]:
-        """Call ids current nodes make that no current ``tool/result`` answers."""
-        return set(self._unanswered)
+        """Call ids on the surface that no later ``tool/result`` answers (as
+        ``selection.open_calls`` walks them), without walking the surface."""
+        if self._unanswered_at[0] == self.changes:
+            return set(self._unanswered_at[1])
+        found = set(self._unanswered)
+        for call_id in self._repeated:  # rare: only then may every answer precede the first call
+            answers = self._answers.get(call_id)
+            first = self.first_call_position(call_id)
+            if answers and first is not None and all(self._position[s] < first for s in answers):
+                found.add(call_id)
+        self._unanswered_at = (self.changes, frozenset(found))
+        return found
 
-    def call_position(self, call_id: str) -> int | None:
-        """The position of the current node making ``call_id`` (None: no current node does).
-
-        With repeated call ids (``calls_are_unique`` false) it is one of the makers' positions.
-        """
-        seq = self._call_seq.get(call_id)
-        return None if seq is None else self._position.get(seq)
+    def first_call_position(self, call_id: str) -> int | None:
+        """The position of the earliest current node making ``call_id`` (None: none does)."""
+        makers = self._makers.get(call_id)
+        if not makers:
+            return None
+        return min(self._position[seq] for seq in makers)
 
     def check(self, event: SessionEvent, seq: int) -> None:
         """Raise ``ReplacementRejected`` or ``CorruptPairing`` if ``event`` may not fold."""
@@ -138,30 +142,32 @@ class Surface:
     def _track_calls(self, node: SurfaceNode, delta: int) -> None:
         """Count the calls ``node`` makes and the call its result answers (+1 or -1)."""
         for call_id in ev.tool_call_ids(node.event):
-            before = self._calls.get(call_id, 0)
-            count = before + delta
-            self._repeated_calls += (count > 1) - (before > 1)
+            count = self._calls.get(call_id, 0) + delta
             if count:
                 self._calls[call_id] = count
             else:
                 self._calls.pop(call_id, None)
-            if delta > 0:
-                self._call_seq[call_id] = node.seq
-            elif self._call_seq.get(call_id) == node.seq:
-                self._call_seq.pop(call_id)
-                if count:  # another node still makes it: find it (repeated ids only)
-                    self._call_seq[call_id] = next(
-                        n.seq for n in self._nodes if call_id in ev.tool_call_ids(n.event)
-                    )
+            self._index(self._makers, call_id, node.seq, delta)
+            if count > 1:
+                self._repeated.add(call_id)
+            else:
+                self._repeated.discard(call_id)
             self._refresh_answer(call_id)
         if ev.body_name(node.event) == "tool_result":
             call_id = node.event.tool_result.tool_call_id
-            answers = self._answers.get(call_id, 0) + delta
-            if answers:
-                self._answers[call_id] = answers
-            else:
-                self._answers.pop(call_id, None)
+            self._index(self._answers, call_id, node.seq, delta)
             self._refresh_answer(call_id)
+
+    @staticmethod
+    def _index(index: dict[str, set[int]], call_id: str, seq: int, delta: int) -> None:
+        if delta > 0:
+            index.setdefault(call_id, set()).add(seq)
+            return
+        seqs = index.get(call_id)
+        if seqs is not None:
+            seqs.discard(seq)
+            if not seqs:
+                del index[call_id]
 
     def _refresh_answer(self, call_id: str) -> None:
         if call_id in self._calls and call_id not in self._answers:

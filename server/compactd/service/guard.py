@@ -36,6 +36,7 @@ from compactd.core import bracket, gate, prompts
 from compactd.core.attempts import AttemptLedger, Backoff, span_key
 from compactd.core.meter import MeteredRoute, route_price
 from compactd.core.policy import TargetPolicy
+from compactd.core.pricing import PricingProfile, price_node
 from compactd.core.probes import ProbeKind, select_probes, span_facts
 from compactd.core.selection import DeclineCode, Declined, Selection
 from compactd.errors import CompactdError
@@ -115,17 +116,25 @@ class CompactionGuard:
         self._tracer = tracer or trace.get_tracer("compactd")
         self._metrics = metrics or Metrics()
         self._extractive = ExtractiveSummarizer()
+        self._skeletons: dict[PricingProfile, int] = {}
 
     # ---- 1. the minimum useful span -------------------------------------------------------
 
     def min_span_tokens(self, route: MeteredRoute, policy: TargetPolicy) -> int:
         """The smallest span (route tokens) whose checkpoint could relieve anything."""
-        skeleton = bracket.checkpoint_message(
-            "", prompts.frame_checkpoint(prompts.summary_skeleton())
-        )
         settings = policy.gate
         ratio = settings.min_reduction_ratio if settings is not None else None
-        return gate.minimum_useful_span(route_price(skeleton, route), ratio)
+        return gate.minimum_useful_span(self._skeleton_tokens(route.pricing), ratio)
+
+    def _skeleton_tokens(self, pricing: PricingProfile) -> int:
+        """The empty checkpoint's price per pricing profile: priced once, not every bracket."""
+        price = self._skeletons.get(pricing)
+        if price is None:
+            skeleton = bracket.checkpoint_message(
+                "", prompts.frame_checkpoint(prompts.summary_skeleton())
+            )
+            price = self._skeletons[pricing] = price_node(skeleton, pricing).total
+        return price
 
     # ---- 2. failure memory and crossing budgets -------------------------------------------
 
