@@ -102,3 +102,11 @@ def test_a_rolled_back_replacement_restores_the_trust_in_held_requests() -> None
     assert fold.appended_since(3) is None
     fold.rollback(batch)
     assert fold.appended_since(3) == []
+
+
+def test_a_fold_restored_at_a_revision_trusts_no_request_before_it() -> None:
+    fold = SessionFold()
+    fold.revision = 5  # as a snapshot restore sets it, without admitting the log
+    fold.admit([user("a")])
+    assert fold.appended_since(4) is None
+    assert [n.seq for n in fold.appended_since(5) or []] == [5]

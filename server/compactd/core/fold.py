@@ -68,9 +68,11 @@ class SessionFold:
         self.restored_at = -1  # seq of the session/end-seed this process appended, if any
         # Seq of the latest event that changed what an earlier request showed (a surface
         # REPLACE, an image/offload, a request/header): a request built at a later revision is
-        # still the prefix of today's (``appended_since``). A fold built any other way than by
-        # ``admit`` sets it to ``revision - 1``: then no earlier request is trusted.
+        # still the prefix of today's (``appended_since``). Events a fold did not admit itself
+        # (a snapshot restore sets ``revision``) are not seen here: ``appended_since`` then
+        # trusts only revisions from the restored one on.
         self.rewritten_at = -1
+        self._folded = 0  # events this fold admitted itself (a snapshot restore sets revision)
         # What reads of the surface and the header carry, bounded by ``max_surface_bytes``.
         self.surface_bytes = 0
         self._node_bytes: dict[int, int] = {}  # current node seq -> its ``node_bytes``
@@ -171,7 +173,8 @@ class SessionFold:
         changed since: the request built at ``revision`` plus these nodes' messages is the request
         now. None when a replacement, an image offload or a header landed since (or ``revision``
         is not one of this log's). Costs the nodes returned, not the surface."""
-        if not 0 <= revision <= self.revision or self.rewritten_at >= revision:
+        unseen = self.revision - self._folded  # a restored prefix whose rewrites are unknown
+        if not max(0, unseen) <= revision <= self.revision or self.rewritten_at >= revision:
             return None
         nodes = self.surface.nodes
         first = len(nodes)
@@ -181,6 +184,7 @@ class SessionFold:
 
     def _fold(self, event: SessionEvent, seq: int, batch: AdmittedBatch) -> None:
         self.revision += 1
+        self._folded += 1
         batch._undo.append(self._undo_revision)
         if _rewrites(event):
             batch._undo.append(partial(setattr, self, "rewritten_at", self.rewritten_at))
@@ -232,6 +236,7 @@ class SessionFold:
 
     def _undo_revision(self) -> None:
         self.revision -= 1
+        self._folded -= 1
 
     def _forget_event_id(self, event_id: str) -> None:
         self.event_ids.pop(event_id, None)
