@@ -9,10 +9,12 @@ At each size, ``--calls`` rounds run call by call, each round in an order that a
 empty unary RPC (a health check), and ``PrepareStep`` the way a runtime that holds its
 conversation calls it (``held_revision`` set to the revision of the request it holds, so the
 result carries no full request when compactd changed nothing). A third column,
-``PrepareStep`` without ``held_revision`` (an old client: the full request every step), shows
-what the held revision saves. Every call is timed from the client's side, stream drained.
+``PrepareStep`` without ``held_revision`` (an old client: the full request every step, in the
+first ``--full-calls`` rounds only), shows what the held revision saves. A fourth, one empty
+message streamed by a bare grpc.aio server (no interceptors), is the floor of any
+server-streaming call here. Every call is timed from the client's side, its stream drained.
 
-    python -m bench.bench_steps [--sizes 100,1000,10000,100000] [--calls 400]
+    python -m bench.bench_steps [--sizes 100,1000,10000,100000] [--calls 400] [--full-calls 20]
 
 ``rows()`` returns the README rows (goal, measured, reference) for ``python -m bench.readme``.
 """
@@ -25,7 +27,7 @@ import functools
 import itertools
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +75,7 @@ class StepRow:
     empty: tuple[float, float]
     held: tuple[float, float]
     full: tuple[float, float]
+    bare_stream: tuple[float, float]  # one empty message on a bare grpc.aio server
 
     @property
     def ratio(self) -> float:
@@ -91,9 +94,44 @@ async def _timed(call: Callable[[], Awaitable[object]]) -> float:
     return time.perf_counter() - start
 
 
-async def measure(sizes: Sequence[int] = SIZES, calls: int = 400) -> list[StepRow]:
-    """PrepareStep (held revision and full), and an empty RPC, interleaved at each size."""
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+async def _bare_stream_server() -> tuple[grpc.aio.Server, str]:
+    """A grpc.aio server with no interceptors whose one method streams one empty message: the
+    floor of any server-streaming call on this stack (PrepareStep streams its result)."""
+
+    async def one(request: bytes, context: object) -> AsyncIterator[bytes]:
+        yield b""
+
+    server = grpc.aio.server()
+    handler = grpc.unary_stream_rpc_method_handler(
+        one, request_deserializer=_identity, response_serializer=_identity
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("bench.Bare", {"Stream": handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def measure(
+    sizes: Sequence[int] = SIZES, calls: int = 400, full_calls: int = 20
+) -> list[StepRow]:
+    """PrepareStep (held revision and, in the first ``full_calls`` rounds, full), and an empty
+    RPC, interleaved at each size."""
     running = await create_server(config.load(None, environ={}, overrides=OVERRIDES))
+    bare, bare_address = await _bare_stream_server()
+    bare_channel = grpc.aio.insecure_channel(bare_address)
+    bare_call = bare_channel.unary_stream(
+        "/bench.Bare/Stream", request_serializer=_identity, response_deserializer=_identity
+    )
+
+    async def bare_stream() -> object:
+        return [message async for message in bare_call(b"")]
+
     rows: list[StepRow] = []
     try:
         unbounded = [("grpc.max_receive_message_length", -1)]  # the full request at 100k events
@@ -148,14 +186,19 @@ async def measure(sizes: Sequence[int] = SIZES, calls: int = 400) -> list[StepRo
                     empty,
                     functools.partial(step, held),
                     functools.partial(step, None),
+                    bare_stream,
                 ]
-                samples: list[list[float]] = [[], [], []]
+                samples: list[list[float]] = [[], [], [], []]
                 for round_ in range(calls):
-                    order = range(3) if round_ % 2 == 0 else range(2, -1, -1)
+                    order = [0, 1, 2, 3] if round_ % 2 == 0 else [3, 2, 1, 0]
+                    if round_ >= full_calls:  # the full request costs seconds at 100k events
+                        order.remove(2)
                     for kind in order:
                         samples[kind].append(await _timed(kinds[kind]))
                 rows.append(StepRow(size, *(_pcts(s) for s in samples)))
     finally:
+        await bare_channel.close(None)
+        await bare.stop(0)
         await running.stop(0)
     return rows
 
@@ -163,13 +206,17 @@ async def measure(sizes: Sequence[int] = SIZES, calls: int = 400) -> list[StepRo
 def rows(sizes: Sequence[int] = SIZES, calls: int = 400) -> list[tuple[str, str, str]]:
     """README rows (goal, measured, reference), from one run of ``measure``."""
     measured = asyncio.run(measure(sizes, calls))
+    full = ", ".join(f"{row.full[0] / row.empty[0]:.0f}x" for row in measured)
     ratios = ", ".join(f"{row.ratio:.2f}x at {row.events:,}" for row in measured)
     empties = ", ".join(fmt(row.empty[0]).strip() for row in measured)
     return [
         (
             "PrepareStep below pressure ≤ 1.2x an empty RPC, flat from 100 to 100k events",
             f"p50 {ratios} events",
-            f"an empty unary RPC (health check), interleaved call by call: p50 {empties}",
+            f"an empty unary RPC (health check), interleaved call by call: p50 {empties} "
+            f"(without held_revision, the full request every step: {full}); the floor of a "
+            "server-streaming call, one empty message on a bare grpc.aio server: "
+            + ", ".join(f"{row.bare_stream[0] / row.empty[0]:.2f}x" for row in measured),
         )
     ]
 
@@ -180,14 +227,15 @@ def main() -> None:
     )
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="session lengths")
     parser.add_argument("--calls", type=int, default=400, help="rounds per size")
+    parser.add_argument("--full-calls", type=int, default=20, help="rounds with a full request")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     started = time.perf_counter()
-    measured = asyncio.run(measure(sizes, args.calls))
+    measured = asyncio.run(measure(sizes, args.calls, args.full_calls))
     table(
         "PrepareStep below pressure vs an empty RPC, interleaved call by call (p50 / p99)",
         ["events", "empty RPC", "PrepareStep held", "held/empty", "PrepareStep full",
-         "full/empty"],
+         "full/empty", "bare stream", "bare/empty"],
         [
             (
                 f"{row.events:,}",
@@ -196,6 +244,8 @@ def main() -> None:
                 f"{row.ratio:5.2f}x",
                 f"{fmt(row.full[0])} / {fmt(row.full[1])}",
                 f"{row.full[0] / row.empty[0]:6.2f}x",
+                f"{fmt(row.bare_stream[0])} / {fmt(row.bare_stream[1])}",
+                f"{row.bare_stream[0] / row.empty[0]:5.2f}x",
             )
             for row in measured
         ],
