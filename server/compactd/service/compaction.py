@@ -508,7 +508,11 @@ class CompactionEngine:
                     envelope_before=envelope_before,
                     envelope_after=envelope_before
                     - selection.shadowed_price
-                    + route_price(checkpoint, job.route),
+                    + (
+                        checkpoint_route  # the same pricing: one tokenization of the summary
+                        if job.route.pricing == job.shrink_route.pricing
+                        else route_price(checkpoint, job.route)
+                    ),
                     shadowed_tokens=_shadow_price(handle, selection),
                     checkpoint_tokens=heuristic_price(checkpoint),
                     shadowed_route_tokens=shadowed_route,
