@@ -4,16 +4,22 @@ A ``SessionManager`` restores a session from the store on first use (appending
 ``session/end-seed``: a new lifecycle begins, so brackets left open by a dead process become
 stale evidence), then keeps its ``SessionFold`` current as batches commit. Appends to one session
 are serialized by its lock; the store shares commits across sessions (group commit).
+
+Tenancy lives here, as a key: a session is (tenant, id), the tenant being the caller's
+(``compactd.tenancy.current_tenant``) unless one is named. Another tenant's session is simply not
+there (NotFound), so nothing past the manager needs to know tenants exist.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from functools import partial
 from typing import Any
 
@@ -30,12 +36,14 @@ from compactd.errors import (
     NotFound,
     SeqConflict,
 )
-from compactd.store.base import EventStore, SessionRecord
+from compactd.store.base import EventStore, SessionRecord, session_not_found
+from compactd.tenancy import Tenant, current_tenant
 from compactd.v1 import events_pb2
 
 log = logging.getLogger(__name__)
 
 Observer = Callable[[SessionFold, AdmittedBatch], None]
+_Key = tuple[str, str]  # (tenant id, session id)
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,8 @@ class SessionHandle:
         limits: AppendLimits = DEFAULT_LIMITS,
     ) -> None:
         self.session_id = record.session_id
+        self.tenant = record.tenant
+        self.deleted = False  # set (under the lock) by ``SessionManager.delete``
         self.limits = limits
         self.record = record
         self.fold = fold
@@ -106,6 +116,8 @@ class SessionHandle:
         origin: Origin = Origin.SERVER,
     ) -> AppendResult:
         """``append`` for a caller that already holds ``self.lock`` (the compaction engine)."""
+        if self.deleted:  # a caller that got the handle before the delete
+            raise session_not_found(self.session_id)
         replay = await self._replayed(events)
         if replay is not None:
             return replay
@@ -134,7 +146,7 @@ class SessionHandle:
 
     async def _commit(self, batch: AdmittedBatch) -> AppendResult:
         try:
-            await self._store.append(self.session_id, batch.events)
+            await self._store.append(self.session_id, batch.events, tenant=self.tenant)
         except BaseException:
             self.fold.rollback(batch)
             raise
@@ -145,16 +157,33 @@ class SessionHandle:
         return AppendResult([e.seq for e in batch.events], self.fold.revision)
 
     async def revisions(self) -> AsyncIterator[int]:
-        """Yield the committed revision now, then the latest one after each commit (coalesced)."""
+        """Yield the committed revision now, then the latest one after each commit (coalesced).
+
+        Raises:
+            NotFound: once the session is deleted (a follower's stream ends with it).
+        """
         seen = -1
         while True:
             async with self._changed:
                 await self._changed.wait_for(partial(self._moved_past, seen))
+                if self.deleted:
+                    raise session_not_found(self.session_id)
                 seen = self.revision
             yield seen
 
+    def read(
+        self, from_seq: int = 0, to_seq: int | None = None
+    ) -> AsyncIterator[events_pb2.SessionEvent]:
+        """The session's stored events in ``[from_seq, to_seq)`` (see ``EventStore.read``)."""
+        return self._store.read(self.session_id, from_seq, to_seq, tenant=self.tenant)
+
+    async def mark_deleted(self) -> None:
+        """Called by the manager with the lock held: wake every follower to end its stream."""
+        self.deleted = True
+        await self._notify()
+
     def _moved_past(self, seen: int) -> bool:
-        return self.revision != seen
+        return self.deleted or self.revision != seen
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -173,7 +202,7 @@ class SessionHandle:
                 reason="IDEMPOTENCY_MISMATCH",
             )
         seqs = [self.fold.event_ids[i] for i in ids]
-        stored = await self._store.read_seqs(self.session_id, seqs)
+        stored = await self._store.read_seqs(self.session_id, seqs, tenant=self.tenant)
         for index, (sent, kept) in enumerate(zip(events, stored, strict=True)):
             if not _same_content(sent, kept):
                 raise InvalidArgument(
@@ -213,8 +242,8 @@ class SessionManager:
         self.limits = limits
         self._policy_validator = policy_validator
         self.instance_id = instance_id or uuid.uuid4().hex[:12]
-        self._handles: dict[str, SessionHandle] = {}
-        self._loading: dict[str, asyncio.Future[SessionHandle]] = {}
+        self._handles: dict[_Key, SessionHandle] = {}
+        self._loading: dict[_Key, asyncio.Future[SessionHandle]] = {}
         self._on_restore: list[Callable[[SessionHandle], None]] = []
 
     @property
@@ -242,17 +271,20 @@ class SessionManager:
                 reason="POLICY_INVALID",
             ) from error
 
-    async def create(self, session_id: str, policy: dict[str, object] | None) -> SessionRecord:
-        """Create an empty session, idempotently.
+    async def create(
+        self, session_id: str, policy: dict[str, object] | None, *, tenant: Tenant | None = None
+    ) -> SessionRecord:
+        """Create an empty session of ``tenant`` (the caller's by default), idempotently.
 
         A retried create (the same id and the same policy; a reply may have been lost) answers
         the session as it is now. ``AlreadyExists`` when the id is taken with another policy.
         """
+        owner = _tenant_id(tenant)
         policy_json = json.dumps(policy, sort_keys=True) if policy else None
         try:
-            return await self.store.create_session(session_id, policy_json)
+            return await self.store.create_session(session_id, policy_json, tenant=owner)
         except AlreadyExists:
-            existing = await self.store.get_session(session_id)
+            existing = await self.store.get_session(session_id, tenant=owner)
             if existing is None or existing.policy_json != policy_json:
                 raise AlreadyExists(
                     f"session {session_id!r} already exists with a different compaction_policy",
@@ -260,34 +292,82 @@ class SessionManager:
                 ) from None
             return existing
 
-    async def get(self, session_id: str) -> SessionHandle:
-        """The session's handle, restoring it from the log on first use (``NotFound``)."""
-        handle = self._handles.get(session_id)
+    async def get(self, session_id: str, *, tenant: Tenant | None = None) -> SessionHandle:
+        """The session's handle, restoring it from the log on first use.
+
+        Raises:
+            NotFound: No session ``session_id`` of ``tenant`` (the caller's by default).
+        """
+        key = (_tenant_id(tenant), session_id)
+        handle = self._handles.get(key)
         if handle is not None:
             return handle
         # One restore per session however many callers arrive (and none left behind for ids
         # that do not exist); a caller that goes away does not cancel it for the others.
-        restoring = self._loading.get(session_id)
+        restoring = self._loading.get(key)
         if restoring is None:
-            restoring = asyncio.ensure_future(self._restore_once(session_id))
-            self._loading[session_id] = restoring
-            restoring.add_done_callback(lambda _: self._loading.pop(session_id, None))
+            restoring = asyncio.ensure_future(self._restore_once(key))
+            self._loading[key] = restoring
+            restoring.add_done_callback(lambda _: self._loading.pop(key, None))
         return await asyncio.shield(restoring)
 
-    async def _restore_once(self, session_id: str) -> SessionHandle:
-        handle = await self._restore(session_id)
-        self._handles[session_id] = handle
+    async def list(
+        self, *, after: str = "", limit: int = 100, tenant: Tenant | None = None
+    ) -> list[SessionRecord]:
+        """Up to ``limit`` of the tenant's sessions after the id ``after``, in id order."""
+        return await self.store.list_sessions(after=after, limit=limit, tenant=_tenant_id(tenant))
+
+    async def delete(
+        self,
+        session_id: str,
+        *,
+        tenant: Tenant | None = None,
+        idle_before: datetime | None = None,
+    ) -> bool:
+        """Remove the session, its log and everything derived from it, durably.
+
+        In-flight appends finish first (the session's lock is taken); followers' streams end
+        NOT_FOUND; the id may be created again, fresh. With ``idle_before`` (the retention
+        sweep), a session active since then is kept: False.
+
+        Raises:
+            NotFound: No session ``session_id`` of ``tenant`` (the caller's by default).
+        """
+        key = (_tenant_id(tenant), session_id)
+        restoring = self._loading.get(key)
+        if restoring is not None:  # let a restore in flight land, so its handle is retired
+            await asyncio.wait([restoring])
+        handle = self._handles.get(key)
+        async with handle.lock if handle is not None else contextlib.nullcontext():
+            if idle_before is not None and not await self._idle(key, idle_before):
+                return False
+            deleted = await self.store.delete_session(session_id, tenant=key[0])
+            if handle is not None:
+                await handle.mark_deleted()
+                self._handles.pop(key, None)
+        if not deleted:
+            raise session_not_found(session_id)
+        log.info("session deleted", extra={"session_id": session_id, "tenant": key[0]})
+        return True
+
+    async def _idle(self, key: _Key, before: datetime) -> bool:
+        record = await self.store.get_session(key[1], tenant=key[0])
+        return record is None or record.last_active < before
+
+    async def _restore_once(self, key: _Key) -> SessionHandle:
+        handle = await self._restore(*key)
+        self._handles[key] = handle
         return handle
 
-    async def _restore(self, session_id: str) -> SessionHandle:
-        record = await self.store.get_session(session_id)
+    async def _restore(self, tenant: str, session_id: str) -> SessionHandle:
+        record = await self.store.get_session(session_id, tenant=tenant)
         if record is None:
             raise NotFound(
                 f"session {session_id!r} does not exist", metadata={"session_id": session_id}
             )
         fold = SessionFold()
         chunk: list[events_pb2.SessionEvent] = []
-        async for event in self.store.read(session_id):
+        async for event in self.store.read(session_id, tenant=tenant):
             chunk.append(event)
             if len(chunk) >= 512:
                 fold.admit(chunk, check=False)
@@ -314,3 +394,7 @@ class SessionManager:
     async def close(self) -> None:
         """Forget every handle (the store is closed by its owner)."""
         self._handles.clear()
+
+
+def _tenant_id(tenant: Tenant | None) -> str:
+    return (tenant or current_tenant()).id
