@@ -17,7 +17,7 @@ timed call by call, interleaved with an empty unary RPC (a health check).
     python -m bench.bench_compact [--sizes 1000,100000] [--span 300] [--repeat 5]
                                   [--declined-events 10000] [--calls 200]
 
-``rows()`` returns the README rows (goal, measured, reference) for ``python -m bench.readme``.
+``readme_rows()`` returns the README rows (goal, measured, reference): ``python -m bench.readme``.
 """
 
 from __future__ import annotations
@@ -337,7 +337,7 @@ async def measure(
     return engine, declined
 
 
-def rows(sizes: Sequence[int] = SIZES, **options: Any) -> list[tuple[str, str, str]]:
+def readme_rows(sizes: Sequence[int] = SIZES, **options: Any) -> list[tuple[str, str, str]]:
     """README rows (goal, measured, reference), from one run of ``measure``."""
     engine, declined = asyncio.run(measure(sizes, **options))
     first, last = engine[0], engine[-1]

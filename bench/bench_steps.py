@@ -16,7 +16,7 @@ server-streaming call here. Every call is timed from the client's side, its stre
 
     python -m bench.bench_steps [--sizes 100,1000,10000,100000] [--calls 400] [--full-calls 20]
 
-``rows()`` returns the README rows (goal, measured, reference) for ``python -m bench.readme``.
+``readme_rows()`` returns the README rows (goal, measured, reference): ``python -m bench.readme``.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ async def measure(
     return rows
 
 
-def rows(sizes: Sequence[int] = SIZES, calls: int = 400) -> list[tuple[str, str, str]]:
+def readme_rows(sizes: Sequence[int] = SIZES, calls: int = 400) -> list[tuple[str, str, str]]:
     """README rows (goal, measured, reference), from one run of ``measure``."""
     measured = asyncio.run(measure(sizes, calls))
     full = ", ".join(f"{row.full[0] / row.empty[0]:.0f}x" for row in measured)
