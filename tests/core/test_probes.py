@@ -275,3 +275,12 @@ PATHY = st.text(alphabet="ab._/-~:@+ \n,;é1", max_size=60)
                 max_size=8).map(" ".join))  # fmt: skip
 def test_paths_in_finds_what_a_walk_over_every_run_finds(text: str) -> None:
     assert probes.paths_in(text) == reference_paths_in(text)
+
+
+def test_call_facts_without_every_path_names_the_same_paths_and_commands() -> None:
+    arguments = '{"path": "src/a.py", "content": "see lib/b.py", "command": "cat docs/c.md"}'
+    full, probed = call_facts(arguments), call_facts(arguments, every_path=False)
+    assert probed.named_paths == full.named_paths == ("src/a.py", "docs/c.md")
+    assert probed.commands == full.commands
+    assert "lib/b.py" in full.paths
+    assert probed.paths == ("src/a.py",)

@@ -121,12 +121,17 @@ class CallFacts:
     named_paths: tuple[str, ...]
 
 
-def call_facts(arguments_json: str) -> CallFacts:
-    """Commands and paths in a tool call's JSON arguments (path-like tokens when not JSON)."""
+def call_facts(arguments_json: str, *, every_path: bool = True) -> CallFacts:
+    """Commands and paths in a tool call's JSON arguments (path-like tokens when not JSON).
+
+    ``every_path`` False keeps only the path keys' values in ``paths`` (the probes read just
+    ``named_paths``): the scan of every other string, a written file's content included, is
+    skipped.
+    """
     try:
         arguments: Any = json.loads(arguments_json) if arguments_json else {}
     except ValueError:
-        return CallFacts((), tuple(paths_in(arguments_json)), ())
+        return CallFacts((), tuple(paths_in(arguments_json)) if every_path else (), ())
     commands: dict[str, None] = {}
     paths: dict[str, None] = {}
     named: dict[str, None] = {}
@@ -142,8 +147,9 @@ def call_facts(arguments_json: str) -> CallFacts:
             listed = dict.fromkeys(item for item in strings if item)
             paths.update(listed)
             named.update(listed)
-        for item in strings:
-            paths.update(dict.fromkeys(paths_in(item)))
+        if every_path:
+            for item in strings:
+                paths.update(dict.fromkeys(paths_in(item)))
     commands.pop("", None)
     return CallFacts(tuple(commands), tuple(paths), tuple(named))
 
@@ -244,7 +250,7 @@ def span_facts(messages: Iterable[Message], *, bulk: bool = False) -> SpanFacts:
             _mention(facts, paths_in(message_text(message)), bulk)
             for block in message.content:
                 if block.HasField("tool_call"):
-                    found = call_facts(block.tool_call.arguments_json)
+                    found = call_facts(block.tool_call.arguments_json, every_path=bulk)
                     facts.commands += found.commands
                     _count(facts.paths, found.named_paths)
                     if bulk:
