@@ -1,11 +1,12 @@
 """Compaction cost against log length with a fixed span, and a declined Compact, in one run.
 
 **Engine time.** One server (``create_server`` on port 0, memory store, route ``bench/wide``)
-and one session that grows as a long agent session does: batches of the shared transcripts, each
+and sessions that grow as a long agent session does: batches of the shared transcripts, each
 in its own closed turn, each followed by a ``Compact`` that condenses it, so the log grows while
-the surface stays short. At 1,000 and at 100,000 logged events, ``--repeat`` times: the same
-fixed span (``--span`` events of the transcripts, fresh tool-call ids) is appended and condensed
-by ``Compact``. Engine time is the call's whole time seen by the client minus the summarizer's
+the surface stays short: one such session per length (1,000 and 100,000 logged events). Then
+``--repeat`` rounds, each compacting in every session, in a rotating order: the same fixed span
+(``--span`` events of the transcripts, fresh tool-call ids) is appended and condensed by
+``Compact``. Engine time is the call's whole time seen by the client minus the summarizer's
 own time (the default extractive summarizer, timed around its call). Interleaved after each
 compaction, the reference: serializing the summary request that compaction sent, as the OpenAI
 wire sends it (``encode_messages`` + ``encode_request`` + ``dumps``).
@@ -240,37 +241,56 @@ async def measure_engine(
     channel: grpc.aio.Channel, summarizer: TimedSummarizer, spans: InMemorySpanExporter,
     sizes: Sequence[int], span: int, repeat: int,
 ) -> list[EngineRow]:  # fmt: skip
-    session = _Session(channel, "engine")
-    await session.create()
+    """One session per log length, grown first; then ``repeat`` rounds that each compact the
+    same span in every session, in an order that rotates from round to round (so every length
+    sees the same machine load)."""
     source = answered_events()
     template = _balanced(source, span)
-    rows, tags = [], itertools.count()
-    for size in sizes:
+    sessions = []
+    for index, size in enumerate(sizes):
+        session = _Session(channel, f"engine{index}")
+        await session.create()
         await _grow(session, source, size)
-        logged = session.revision
-        engine, gates, summarizing, serializing, nodes = [], [], [], [], []
-        for _ in range(repeat):
-            await session.append(_retagged(template, f".s{next(tags)}"))
-            summarizer.seconds = 0.0
-            spans.clear()
-            started = time.perf_counter()
-            result = await session.compact()
-            elapsed = time.perf_counter() - started
-            gates.append(sum((s.end_time or 0) - (s.start_time or 0)
-                             for s in spans.get_finished_spans()
-                             if s.name == "compaction.gate") / 1e9)  # fmt: skip
-            assert result.HasField("outcome"), result.declined_reason
-            assert summarizer.last is not None
-            engine.append(elapsed - summarizer.seconds)
-            summarizing.append(summarizer.seconds)
-            nodes.append(result.outcome.items_condensed)
-            encode = functools.partial(serialize, summarizer.last)
-            serializing.append(min(_timed_sync(encode) for _ in range(3)))
-        rows.append(EngineRow(logged, int(statistics.median(nodes)),
-                              statistics.median(engine), statistics.median(gates),
-                              statistics.median(summarizing),
+        sessions.append(session)
+    for index, session in enumerate(sessions):  # a round unrecorded: checkpoints reach the cap
+        await _compaction(session, template, f".w{index}", summarizer, spans)
+    logged = [session.revision for session in sessions]
+    samples: list[list[tuple[float, float, float, float, int]]] = [[] for _ in sessions]
+    tags = itertools.count()
+    for round_ in range(repeat):
+        order = list(range(len(sessions)))
+        order = order[round_ % len(order) :] + order[: round_ % len(order)]
+        for index in order:
+            samples[index].append(await _compaction(sessions[index], template, f".s{next(tags)}",
+                                                    summarizer, spans))  # fmt: skip
+    rows = []
+    for events, measured in zip(logged, samples, strict=True):
+        engine, gate, summarizing, serializing, nodes = zip(*measured, strict=True)
+        rows.append(EngineRow(events, int(statistics.median(nodes)), statistics.median(engine),
+                              statistics.median(gate), statistics.median(summarizing),
                               statistics.median(serializing)))  # fmt: skip
     return rows
+
+
+async def _compaction(
+    session: _Session, template: Sequence[SessionEvent], tag: str, summarizer: TimedSummarizer,
+    spans: InMemorySpanExporter,
+) -> tuple[float, float, float, float, int]:  # fmt: skip
+    """Append the span, compact it: (engine, gate, summarizer, serialize seconds, nodes)."""
+    await session.append(_retagged(template, tag))
+    summarizer.seconds = 0.0
+    spans.clear()
+    started = time.perf_counter()
+    result = await session.compact()
+    elapsed = time.perf_counter() - started
+    gate = sum((s.end_time or 0) - (s.start_time or 0) for s in spans.get_finished_spans()
+               if s.name == "compaction.gate") / 1e9  # fmt: skip
+    assert result.HasField("outcome"), result.declined_reason
+    assert summarizer.last is not None
+    encode = functools.partial(serialize, summarizer.last)
+    serializing = min(_timed_sync(encode) for _ in range(3))
+    nodes = result.outcome.items_condensed
+    return elapsed - summarizer.seconds, gate, summarizer.seconds, serializing, nodes
 
 
 def _timed_sync(call: Callable[[], object]) -> float:
