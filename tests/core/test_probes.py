@@ -284,3 +284,17 @@ def test_call_facts_without_every_path_names_the_same_paths_and_commands() -> No
     assert probed.commands == full.commands
     assert "lib/b.py" in full.paths
     assert probed.paths == ("src/a.py",)
+
+
+def test_a_bulk_extraction_gives_the_probes_a_plain_one_gives() -> None:
+    span = [
+        user("Fix src/app/main.py: `pytest -q` fails with KeyError in lib/conf.py\n$ make test"),
+        assistant("Reading src/app/main.py and docs/notes.md first.",
+                  calls=[("c1", "write", '{"path": "out/a.py", "content": "see lib/b.py"}')]),
+        tool_result("c1", "Traceback (most recent call last):\nKeyError: 'x'", is_error=True),
+    ]  # fmt: skip
+    plain, bulk = span_facts(span), span_facts(span, bulk=True)
+    assert select_probes(bulk) == select_probes(plain)
+    assert (bulk.requests, bulk.paths, bulk.commands, bulk.errors) == (
+        plain.requests, plain.paths, plain.commands, plain.errors,
+    )  # fmt: skip

@@ -179,11 +179,15 @@ def echoed_message(summary: str, span: Sequence[Message]) -> int | None:
     needle = _fold(summary)
     if not needle:
         return None
+    # Cheap necessary conditions first, so most messages are never folded: folding never
+    # lengthens a character more than threefold (casefold's longest expansion), and the needle's
+    # longest word, having no whitespace, lies inside one casefolded word of the text.
+    word = max(needle.split(" "), key=len)
     for index, message in enumerate(span):
         text = message_text(message)
-        # Folding never lengthens a character more than threefold (casefold's longest
-        # expansion), so a shorter text cannot hold the summary: most are skipped unfolded.
-        if len(needle) <= _CASEFOLD_GROWTH * len(text) and needle in _fold(text):
+        if len(needle) > _CASEFOLD_GROWTH * len(text) or word not in text.casefold():
+            continue
+        if needle in _fold(text):
             return index
     return None
 

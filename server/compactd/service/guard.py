@@ -256,7 +256,10 @@ class CompactionGuard:
 
         with self._tracer.start_as_current_span("compaction.gate") as trace_span:
             trace_span.set_attribute("compactd.compaction_id", compaction_id)
-            probes = select_probes(span_facts(span))  # the gate's own work, inside its span
+            # The gate's own work, inside its span; a summarizer that extracted the span's
+            # facts already (the extractive one) spares extracting them twice.
+            facts = summary.span_facts if summary.span_facts is not None else span_facts(span)
+            probes = select_probes(facts)
             verdict = verdict_of(summary.text)
             report = _report(verdict, settings)
             _gate_attributes(trace_span, verdict)
