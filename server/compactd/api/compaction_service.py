@@ -73,7 +73,10 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
         intended = self._destination(request.intended_route, request.HasField("intended_route"))
 
         def run(progress: Progress) -> Awaitable[pb.PrepareStepResult]:
-            return self._switch.prepare_step(request.session_id, request.turn, intended, progress)
+            held = request.held_revision if request.HasField("held_revision") else None
+            return self._switch.prepare_step(
+                request.session_id, request.turn, intended, progress, held
+            )
 
         async for response in _streamed(run, pb.PrepareStepResponse):
             yield response
@@ -208,8 +211,15 @@ async def _streamed(
     async def progress(update: pb.CompactionProgress) -> None:
         queue.put_nowait(update)
 
-    task = asyncio.ensure_future(run(progress))
-    task.add_done_callback(lambda _: queue.put_nowait(_DONE))
+    async def operation() -> Result:
+        try:
+            return await run(progress)
+        finally:
+            # Said from inside the task, not by a done callback: the reader wakes one loop
+            # iteration sooner (a below-pressure step is otherwise mostly loop hops).
+            queue.put_nowait(_DONE)
+
+    task = asyncio.ensure_future(operation())
     try:
         while (item := await queue.get()) is not _DONE:
             assert isinstance(item, pb.CompactionProgress)

@@ -51,14 +51,14 @@ from compactd.core.selection import (
     surface_snapshot,
 )
 from compactd.core.surface import SurfaceNode
-from compactd.errors import Busy, CompactdError, FailedPrecondition
+from compactd.errors import Busy, CompactdError, FailedPrecondition, FieldViolation, InvalidArgument
 from compactd.metrics import Metrics
 from compactd.providers.base import Summarizer, SummaryError, SummaryRequest, SummaryResult
 from compactd.redaction import Redactor
 from compactd.routes import Route
 from compactd.service.guard import CompactionGuard, SummaryRejected
 from compactd.service.pressure import PressureService, session_meter
-from compactd.service.requests import build_request
+from compactd.service.requests import appended_messages, build_request
 from compactd.service.sessions import SessionHandle, SessionManager
 from compactd.service.summarizers import SummarizerRegistry
 from compactd.v1 import compaction_service_pb2 as cpb
@@ -212,11 +212,24 @@ class CompactionEngine:
     # ---- PrepareStep ---------------------------------------------------------------------
 
     async def prepare_step(
-        self, session_id: str, turn: int, intended: Route | None, progress: Progress
+        self,
+        session_id: str,
+        turn: int,
+        intended: Route | None,
+        progress: Progress,
+        held_revision: int | None = None,
     ) -> cpb.PrepareStepResult:
-        """The pre-step check (see ``CompactionService.PrepareStep``)."""
+        """The pre-step check (see ``CompactionService.PrepareStep``).
+
+        ``held_revision``: the revision of the request the caller holds; the result then omits
+        the full request when the surface only grew since (``SessionFold.appended_since``).
+
+        Raises:
+            InvalidArgument: ``held_revision`` is negative or beyond the session's revision.
+        """
         handle = await self._manager.get(session_id)
         session_meter(handle)
+        check_held_revision(handle, held_revision)
         if turn not in handle.fold.open_turns:
             raise FailedPrecondition(
                 f"turn {turn} is not open: automatic compaction runs only inside an open turn",
@@ -232,14 +245,14 @@ class CompactionEngine:
             if error.reason not in ("CAPACITY_UNKNOWN", "POLICY_INVALID", "ROUTE_UNKNOWN"):
                 raise
             self._warn_once(handle, _target_key(intended), error.message, outcome)
-            return await self._step_result(handle, None, None, outcome)
+            return await self._step_result(handle, None, None, outcome, held_revision)
         after = before
         policy = self._pressure.target_policy(handle, route)
         if before.state != cpb.PRESSURE_STATE_ABOVE:
             self._guard.end_crossing(handle)
         elif policy.auto:
             after = await self._relieve(handle, route, policy, turn, outcome, progress)
-        return await self._step_result(handle, before, after, outcome)
+        return await self._step_result(handle, before, after, outcome, held_revision)
 
     async def _relieve(
         self,
@@ -525,7 +538,11 @@ class CompactionEngine:
                     envelope_before=envelope_before,
                     envelope_after=envelope_before
                     - selection.shadowed_price
-                    + route_price(checkpoint, job.route),
+                    + (
+                        checkpoint_route  # the same pricing: one tokenization of the summary
+                        if job.route.pricing == job.shrink_route.pricing
+                        else route_price(checkpoint, job.route)
+                    ),
                     shadowed_tokens=_shadow_price(handle, selection),
                     checkpoint_tokens=heuristic_price(checkpoint),
                     shadowed_route_tokens=shadowed_route,
@@ -747,20 +764,38 @@ class CompactionEngine:
         before: cpb.PressureReport | None,
         after: cpb.PressureReport | None,
         outcome: StepOutcome,
+        held_revision: int | None,
     ) -> cpb.PrepareStepResult:
-        async with handle.lock:  # the request shows committed events only
-            request = build_request(handle)
         result = cpb.PrepareStepResult(
-            pruned_count=outcome.pruned,
-            compactions=outcome.compactions,
-            warnings=outcome.warnings,
-            request=request,
+            pruned_count=outcome.pruned, compactions=outcome.compactions, warnings=outcome.warnings
         )
+        async with handle.lock:  # the request shows committed events only
+            fold = handle.fold
+            result.request_revision = fold.revision
+            appended = None if held_revision is None else fold.appended_since(held_revision)
+            if appended is None:
+                result.request.CopyFrom(build_request(handle))
+            else:
+                # Cost follows the step: the nodes appended since the caller's request, not the
+                # whole surface (the caller holds the rest).
+                result.request_unchanged = True
+                result.appended_messages.extend(appended_messages(fold, appended))
         if before is not None:
             result.before.CopyFrom(before)
         if after is not None:
             result.after.CopyFrom(after)
         return result
+
+
+def check_held_revision(handle: SessionHandle, held_revision: int | None) -> None:
+    """Refuse a ``held_revision`` no request of this session was built at."""
+    revision = handle.fold.revision
+    if held_revision is not None and not 0 <= held_revision <= revision:
+        description = f"must be a revision of the session, 0..{revision}; got {held_revision}"
+        raise InvalidArgument(
+            f"held_revision {description}",
+            violations=[FieldViolation("held_revision", description)],
+        )
 
 
 def _still_above(report: cpb.PressureReport, attempts: int, policy: TargetPolicy, why: str) -> str:

@@ -28,7 +28,13 @@ from compactd.core.planner import SHAPES, PlanMode
 from compactd.core.selection import Declined
 from compactd.errors import Busy, CompactdError, FailedPrecondition
 from compactd.routes import Route
-from compactd.service.compaction import Bracket, CompactionEngine, Progress, refuse_live_bracket
+from compactd.service.compaction import (
+    Bracket,
+    CompactionEngine,
+    Progress,
+    check_held_revision,
+    refuse_live_bracket,
+)
 from compactd.service.pressure import PressureService, session_meter
 from compactd.service.recovery import require_open_turn
 from compactd.service.requests import build_request
@@ -92,7 +98,12 @@ class SwitchService:
         return result
 
     async def prepare_step(
-        self, session_id: str, turn: int, intended: Route | None, progress: Progress
+        self,
+        session_id: str,
+        turn: int,
+        intended: Route | None,
+        progress: Progress,
+        held_revision: int | None = None,
     ) -> cpb.PrepareStepResult:
         """PrepareStep: a changed ``intended`` route (with ``auto``) switches first.
 
@@ -103,11 +114,17 @@ class SwitchService:
         handle = await self._manager.get(session_id)
         session_meter(handle)
         if intended is None or not self.is_switch(handle, intended):
-            return await self._engine.prepare_step(session_id, turn, intended, progress)
+            return await self._engine.prepare_step(
+                session_id, turn, intended, progress, held_revision
+            )
+        check_held_revision(handle, held_revision)
         require_open_turn(handle, turn)
         refuse_live_bracket(handle)
         switched = await self._switch(handle, intended, turn, progress)
-        result = await self._engine.prepare_step(session_id, turn, intended, progress)
+        # The switch logged a header: the result carries the full request whatever was held.
+        result = await self._engine.prepare_step(
+            session_id, turn, intended, progress, held_revision
+        )
         result.before.CopyFrom(switched.before)
         result.pruned_count += switched.pruned
         committed = [*switched.compactions, *result.compactions]

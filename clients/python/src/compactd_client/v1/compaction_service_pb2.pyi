@@ -712,10 +712,20 @@ class PrepareStepRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     TURN_FIELD_NUMBER: _builtins.int
     INTENDED_ROUTE_FIELD_NUMBER: _builtins.int
+    HELD_REVISION_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session."""
     turn: _builtins.int
     """The open turn the step belongs to."""
+    held_revision: _builtins.int
+    """The revision (`BuildRequestResponse.revision`, or a previous result's `request_revision`)
+    of the request the caller already holds. When set, and compactd changed nothing that request
+    shows since (no surface replacement, no image offload and no `request/header` at or after
+    `held_revision`: the log only appended surface nodes), the result omits `request`, sets
+    `request_unchanged` and carries just the appended nodes' messages in `appended_messages`.
+    Absent (old clients): the result always carries the full `request`, as before this field
+    existed. INVALID_ARGUMENT when negative or beyond the session's revision.
+    """
     @_builtins.property
     def intended_route(self) -> _events_pb2.Route:
         """The route the step will use; absent uses the latest logged header's route."""
@@ -726,12 +736,15 @@ class PrepareStepRequest(_message.Message):
         session_id: _builtins.str = ...,
         turn: _builtins.int = ...,
         intended_route: _events_pb2.Route | None = ...,
+        held_revision: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["intended_route", b"intended_route"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_held_revision", b"_held_revision", "held_revision", b"held_revision", "intended_route", b"intended_route"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["intended_route", b"intended_route", "session_id", b"session_id", "turn", b"turn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_held_revision", b"_held_revision", "held_revision", b"held_revision", "intended_route", b"intended_route", "session_id", b"session_id", "turn", b"turn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__held_revision: _TypeAlias = _typing.Literal["held_revision"]  # noqa: Y015
+    _WhichOneofArgType__held_revision: _TypeAlias = _typing.Literal["_held_revision", b"_held_revision"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__held_revision) -> _WhichOneofReturnType__held_revision | None: ...
 
 Global___PrepareStepRequest: _TypeAlias = PrepareStepRequest  # noqa: Y015
 
@@ -748,10 +761,22 @@ class PrepareStepResult(_message.Message):
     WARNINGS_FIELD_NUMBER: _builtins.int
     REQUEST_FIELD_NUMBER: _builtins.int
     HEADER_SEQ_FIELD_NUMBER: _builtins.int
+    REQUEST_UNCHANGED_FIELD_NUMBER: _builtins.int
+    APPENDED_MESSAGES_FIELD_NUMBER: _builtins.int
+    REQUEST_REVISION_FIELD_NUMBER: _builtins.int
     pruned_count: _builtins.int
     """`tool/result` nodes pruned."""
     header_seq: _builtins.int
     """Seq of the destination `request/header` appended when `intended_route` changed the route."""
+    request_unchanged: _builtins.bool
+    """True when `held_revision` was given and the held request is still the request's prefix:
+    the request to send is the held one's config, adapter defaults and tools, with its messages
+    followed by `appended_messages`. `request` is then absent. False whenever `request` is set.
+    """
+    request_revision: _builtins.int
+    """The log revision the request to send is built at (`request.revision` when `request` is
+    set): the `held_revision` of the caller's next PrepareStep.
+    """
     @_builtins.property
     def before(self) -> Global___PressureReport:
         """Pressure before anything was done."""
@@ -774,6 +799,12 @@ class PrepareStepResult(_message.Message):
     def request(self) -> _session_service_pb2.BuildRequestResponse:
         """The request to send."""
 
+    @_builtins.property
+    def appended_messages(self) -> _containers.RepeatedCompositeFieldContainer[_session_service_pb2.Message]:
+        """With `request_unchanged`: the messages of the surface nodes appended since
+        `held_revision`, in order (possibly none).
+        """
+
     def __init__(
         self,
         *,
@@ -784,10 +815,13 @@ class PrepareStepResult(_message.Message):
         warnings: _abc.Iterable[_builtins.str] | None = ...,
         request: _session_service_pb2.BuildRequestResponse | None = ...,
         header_seq: _builtins.int | None = ...,
+        request_unchanged: _builtins.bool = ...,
+        appended_messages: _abc.Iterable[_session_service_pb2.Message] | None = ...,
+        request_revision: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_header_seq", b"_header_seq", "after", b"after", "before", b"before", "header_seq", b"header_seq", "request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_header_seq", b"_header_seq", "after", b"after", "before", b"before", "compactions", b"compactions", "header_seq", b"header_seq", "pruned_count", b"pruned_count", "request", b"request", "warnings", b"warnings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_header_seq", b"_header_seq", "after", b"after", "appended_messages", b"appended_messages", "before", b"before", "compactions", b"compactions", "header_seq", b"header_seq", "pruned_count", b"pruned_count", "request", b"request", "request_revision", b"request_revision", "request_unchanged", b"request_unchanged", "warnings", b"warnings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__header_seq: _TypeAlias = _typing.Literal["header_seq"]  # noqa: Y015
     _WhichOneofArgType__header_seq: _TypeAlias = _typing.Literal["_header_seq", b"_header_seq"]  # noqa: Y015
