@@ -272,12 +272,13 @@ class _RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         return unary
 
     def _stream(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
-        if not inspect.isasyncgenfunction(behavior):  # writes with context.write (health Watch)
+        if not inspect.isasyncgenfunction(behavior):  # writes with context.write
 
             async def writer(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
                 started = time.perf_counter()
+                _bind_session(request)
                 try:
-                    await behavior(request, context)
+                    await behavior(request, _ObservedWrites(context, self._observe))
                 finally:
                     self._metrics.rpc(method, _code(context), time.perf_counter() - started)
 
@@ -306,6 +307,24 @@ class _RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             )  # fmt: skip
         if type(response).__name__ == "AppendEventsResponse":
             self._metrics.appended(len(response.seqs))
+
+
+class _ObservedWrites:
+    """A servicer context whose ``write`` observes each response first (a handler that streams
+    through ``context.write``); everything else is the context's own."""
+
+    __slots__ = ("_context", "_observe")
+
+    def __init__(self, context: Any, observe: Callable[[Any], None]) -> None:
+        self._context = context
+        self._observe = observe
+
+    async def write(self, message: Any) -> None:
+        self._observe(message)
+        await self._context.write(message)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
 
 
 def _reports(response: Any) -> Iterator[Any]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -24,7 +22,6 @@ from compactd.v1 import compaction_service_pb2_grpc, events_pb2
 Context = grpc.aio.ServicerContext[Any, Any]
 Result = TypeVar("Result")
 Response = TypeVar("Response")
-_DONE = object()
 #: The longest ``CompactRequest.focus`` (it is added to the summary instruction as written).
 MAX_FOCUS_CHARS = 4096
 
@@ -66,9 +63,9 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
             yield pb.WatchPressureResponse(report=report)
 
     @handle_errors
-    async def PrepareStep(
+    async def PrepareStep(  # type: ignore[override]  # streams through context.write
         self, request: pb.PrepareStepRequest, context: Context
-    ) -> AsyncIterator[pb.PrepareStepResponse]:
+    ) -> None:
         require_session_id(request.session_id)
         intended = self._destination(request.intended_route, request.HasField("intended_route"))
 
@@ -78,13 +75,12 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
                 request.session_id, request.turn, intended, progress, held
             )
 
-        async for response in _streamed(run, pb.PrepareStepResponse):
-            yield response
+        await _streamed(run, pb.PrepareStepResponse, context)
 
     @handle_errors
-    async def Compact(
+    async def Compact(  # type: ignore[override]  # streams through context.write
         self, request: pb.CompactRequest, context: Context
-    ) -> AsyncIterator[pb.CompactResponse]:
+    ) -> None:
         require_session_id(request.session_id)
         if len(request.focus) > MAX_FOCUS_CHARS:
             raise InvalidArgument(
@@ -95,13 +91,12 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
         def run(progress: Progress) -> Awaitable[pb.CompactResult]:
             return self._engine.compact(request.session_id, request.focus or None, progress)
 
-        async for response in _streamed(run, pb.CompactResponse):
-            yield response
+        await _streamed(run, pb.CompactResponse, context)
 
     @handle_errors
-    async def RecoverFromError(
+    async def RecoverFromError(  # type: ignore[override]  # streams through context.write
         self, request: pb.RecoverFromErrorRequest, context: Context
-    ) -> AsyncIterator[pb.RecoverFromErrorResponse]:
+    ) -> None:
         require_session_id(request.session_id)
         _check_recovery(request)
 
@@ -110,13 +105,12 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
                 request.session_id, request.turn, request.error, request.retries_so_far, progress
             )
 
-        async for response in _streamed(run, pb.RecoverFromErrorResponse):
-            yield response
+        await _streamed(run, pb.RecoverFromErrorResponse, context)
 
     @handle_errors
-    async def SwitchModel(
+    async def SwitchModel(  # type: ignore[override]  # streams through context.write
         self, request: pb.SwitchModelRequest, context: Context
-    ) -> AsyncIterator[pb.SwitchModelResponse]:
+    ) -> None:
         require_session_id(request.session_id)
         destination = self._destination(request.destination, True)
         assert destination is not None
@@ -125,8 +119,7 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
         def run(progress: Progress) -> Awaitable[pb.SwitchModelResult]:
             return self._switch.switch_model(request.session_id, destination, turn, progress)
 
-        async for response in _streamed(run, pb.SwitchModelResponse):
-            yield response
+        await _streamed(run, pb.SwitchModelResponse, context)
 
     @handle_errors
     async def ClassifyProviderError(
@@ -198,35 +191,22 @@ def _check_recovery(request: pb.RecoverFromErrorRequest) -> None:
 
 
 async def _streamed(
-    run: Callable[[Progress], Awaitable[Result]], response: Callable[..., Response]
-) -> AsyncIterator[Response]:
-    """Run an engine operation, yielding ``response(progress=...)`` per step, then
+    run: Callable[[Progress], Awaitable[Result]],
+    response: Callable[..., Response],
+    context: Context,
+) -> None:
+    """Run an engine operation, writing ``response(progress=...)`` per step, then
     ``response(result=...)``.
 
-    If the caller goes away, the operation is cancelled and awaited, so a bracket it opened is
-    closed before the handler returns.
+    The handler streams through ``context.write`` rather than being an async generator: the
+    operation runs in the call's own task, so a step with nothing to report costs one write and
+    no task, queue or generator layers (in this handler and in every interceptor around it). If
+    the caller goes away, grpc.aio cancels the call's task: the operation is cancelled where it
+    waits, so a bracket it opened is closed before the handler returns.
     """
-    queue: asyncio.Queue[object] = asyncio.Queue()
 
     async def progress(update: pb.CompactionProgress) -> None:
-        queue.put_nowait(update)
+        await context.write(response(progress=update))
 
-    async def operation() -> Result:
-        try:
-            return await run(progress)
-        finally:
-            # Said from inside the task, not by a done callback: the reader wakes one loop
-            # iteration sooner (a below-pressure step is otherwise mostly loop hops).
-            queue.put_nowait(_DONE)
-
-    task = asyncio.ensure_future(operation())
-    try:
-        while (item := await queue.get()) is not _DONE:
-            assert isinstance(item, pb.CompactionProgress)
-            yield response(progress=item)
-        yield response(result=task.result())
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait([task])
+    result = await run(progress)
+    await context.write(response(result=result))
