@@ -12,7 +12,14 @@ result carries no full request when compactd changed nothing). A third column,
 ``PrepareStep`` without ``held_revision`` (an old client: the full request every step, in the
 first ``--full-calls`` rounds only), shows what the held revision saves. A fourth, one empty
 message streamed by a bare grpc.aio server (no interceptors), is the floor of any
-server-streaming call here. Every call is timed from the client's side, its stream drained.
+server-streaming call here. A fifth, the empty RPC of PrepareStep's own shape: a no-op
+server-streaming method served by the same server behind the same interceptors (it is named
+under ``compactd.v1.CompactionService`` so the per-session stream limit and the tenant's stream
+quota count it as they count PrepareStep; it decodes a ``PrepareStepRequest`` and writes one
+empty ``PrepareStepResponse``). grpc.aio's own floor for a server-streaming call is ~1.4x a
+unary one (two batches on the server, message then status, and a second read on the client),
+so a step is compared with both empty RPCs. Every call is timed from the client's side, its
+stream drained.
 
     python -m bench.bench_steps [--sizes 100,1000,10000,100000] [--calls 400] [--full-calls 20]
 
@@ -76,11 +83,17 @@ class StepRow:
     held: tuple[float, float]
     full: tuple[float, float]
     bare_stream: tuple[float, float]  # one empty message on a bare grpc.aio server
+    empty_stream: tuple[float, float]  # a no-op of PrepareStep's shape behind the interceptors
 
     @property
     def ratio(self) -> float:
         """PrepareStep (held revision) p50 / empty RPC p50."""
         return self.held[0] / self.empty[0]
+
+    @property
+    def stream_ratio(self) -> float:
+        """PrepareStep (held revision) p50 / empty server-streaming RPC p50."""
+        return self.held[0] / self.empty_stream[0]
 
 
 def _pcts(samples: Sequence[float]) -> tuple[float, float]:
@@ -117,12 +130,38 @@ async def _bare_stream_server() -> tuple[grpc.aio.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
+EMPTY_STREAM = "EmptyStep"  # the no-op's method, under compactd.v1.CompactionService
+
+
+def _empty_stream_handlers() -> grpc.GenericRpcHandler[Any, Any]:
+    """A server-streaming no-op of PrepareStep's shape: decodes its request, writes one empty
+    response through ``context.write`` (as PrepareStep does), and returns."""
+
+    async def empty_step(
+        request: compaction_service_pb2.PrepareStepRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
+        await context.write(compaction_service_pb2.PrepareStepResponse())
+
+    handler = grpc.unary_stream_rpc_method_handler(
+        empty_step,
+        request_deserializer=compaction_service_pb2.PrepareStepRequest.FromString,
+        response_serializer=compaction_service_pb2.PrepareStepResponse.SerializeToString,
+    )
+    return grpc.method_handlers_generic_handler(
+        "compactd.v1.CompactionService", {EMPTY_STREAM: handler}
+    )
+
+
 async def measure(
     sizes: Sequence[int] = SIZES, calls: int = 400, full_calls: int = 20
 ) -> list[StepRow]:
-    """PrepareStep (held revision and, in the first ``full_calls`` rounds, full), and an empty
-    RPC, interleaved at each size."""
-    running = await create_server(config.load(None, environ={}, overrides=OVERRIDES))
+    """PrepareStep (held revision and, in the first ``full_calls`` rounds, full), and the empty
+    RPCs, interleaved at each size."""
+    running = await create_server(
+        config.load(None, environ={}, overrides=OVERRIDES),
+        extra_handlers=[_empty_stream_handlers()],
+    )
     bare, bare_address = await _bare_stream_server()
     bare_channel = grpc.aio.insecure_channel(bare_address)
     bare_call = bare_channel.unary_stream(
@@ -170,6 +209,18 @@ async def measure(
             async def empty() -> object:
                 return await health.Check(health_pb2.HealthCheckRequest())
 
+            empty_step = channel.unary_stream(
+                f"/compactd.v1.CompactionService/{EMPTY_STREAM}",
+                request_serializer=compaction_service_pb2.PrepareStepRequest.SerializeToString,
+                response_deserializer=compaction_service_pb2.PrepareStepResponse.FromString,
+            )
+
+            async def empty_stream(held: int) -> object:
+                request = compaction_service_pb2.PrepareStepRequest(
+                    session_id="bench", turn=1, held_revision=held
+                )
+                return [message async for message in empty_step(request)]
+
             source, have = surface_events(conversations()), 2
             for size in sizes:
                 while have < size:
@@ -187,10 +238,11 @@ async def measure(
                     functools.partial(step, held),
                     functools.partial(step, None),
                     bare_stream,
+                    functools.partial(empty_stream, held),
                 ]
-                samples: list[list[float]] = [[], [], [], []]
+                samples: list[list[float]] = [[], [], [], [], []]
                 for round_ in range(calls):
-                    order = [0, 1, 2, 3] if round_ % 2 == 0 else [3, 2, 1, 0]
+                    order = [0, 4, 1, 2, 3] if round_ % 2 == 0 else [3, 2, 1, 4, 0]
                     if round_ >= full_calls:  # the full request costs seconds at 100k events
                         order.remove(2)
                     for kind in order:
@@ -208,14 +260,17 @@ def readme_rows(sizes: Sequence[int] = SIZES, calls: int = 400) -> list[tuple[st
     measured = asyncio.run(measure(sizes, calls))
     full = ", ".join(f"{row.full[0] / row.empty[0]:.0f}x" for row in measured)
     ratios = ", ".join(f"{row.ratio:.2f}x at {row.events:,}" for row in measured)
+    streamed = ", ".join(f"{row.stream_ratio:.2f}x" for row in measured)
     empties = ", ".join(fmt(row.empty[0]).strip() for row in measured)
     return [
         (
             "PrepareStep below pressure ≤ 1.2x an empty RPC, flat from 100 to 100k events",
-            f"p50 {ratios} events",
+            f"p50 {ratios} events; {streamed} an empty RPC of its own shape",
             f"an empty unary RPC (health check), interleaved call by call: p50 {empties} "
-            f"(without held_revision, the full request every step: {full}); the floor of a "
-            "server-streaming call, one empty message on a bare grpc.aio server: "
+            f"(without held_revision, the full request every step: {full}); an empty "
+            "server-streaming RPC (one empty message) behind the same interceptors: "
+            + ", ".join(f"{row.empty_stream[0] / row.empty[0]:.2f}x" for row in measured)
+            + "; on a bare grpc.aio server: "
             + ", ".join(f"{row.bare_stream[0] / row.empty[0]:.2f}x" for row in measured),
         )
     ]
@@ -235,7 +290,7 @@ def main() -> None:
     table(
         "PrepareStep below pressure vs an empty RPC, interleaved call by call (p50 / p99)",
         ["events", "empty RPC", "PrepareStep held", "held/empty", "PrepareStep full",
-         "full/empty", "bare stream", "bare/empty"],
+         "full/empty", "empty stream", "held/empty stream", "bare stream", "bare/empty"],
         [
             (
                 f"{row.events:,}",
@@ -244,6 +299,8 @@ def main() -> None:
                 f"{row.ratio:5.2f}x",
                 f"{fmt(row.full[0])} / {fmt(row.full[1])}",
                 f"{row.full[0] / row.empty[0]:6.2f}x",
+                f"{fmt(row.empty_stream[0])} / {fmt(row.empty_stream[1])}",
+                f"{row.stream_ratio:5.2f}x",
                 f"{fmt(row.bare_stream[0])} / {fmt(row.bare_stream[1])}",
                 f"{row.bare_stream[0] / row.empty[0]:5.2f}x",
             )

@@ -234,6 +234,7 @@ class _RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
+        self._handlers: dict[str, tuple[Any, Any]] = {}
 
     async def intercept_service(
         self,
@@ -244,6 +245,15 @@ class _RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         if handler is None:
             return None
         method = handler_call_details.method
+        # The timed handler is built once per method (grpc.aio asks on every call).
+        cached = self._handlers.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        timed = self._timed(method, handler)
+        self._handlers[method] = (handler, timed)
+        return timed
+
+    def _timed(self, method: str, handler: Any) -> Any:
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self._unary(method, handler.unary_unary),

@@ -31,7 +31,14 @@ from typing import Any, Final, cast
 import grpc
 
 from compactd.api import status
-from compactd.api.interceptors import Continuation, Handler, Interceptor, guarded, rewrapped
+from compactd.api.interceptors import (
+    Continuation,
+    Handler,
+    HandlerCache,
+    Interceptor,
+    guarded,
+    rewrapped,
+)
 from compactd.api.jwt_auth import JwtVerifier
 from compactd.config import ServerConfig
 from compactd.errors import ConfigError, Unauthenticated
@@ -166,6 +173,7 @@ class Authentication(Interceptor):
 
     def __init__(self, credentials: Credentials) -> None:
         self.credentials = credentials
+        self._cache = HandlerCache()
 
     def update(self, credentials: Credentials) -> None:
         """Accept ``credentials`` from the next call on."""
@@ -178,6 +186,9 @@ class Authentication(Interceptor):
         method = handler_call_details.method
         if handler is None or method.startswith(OPEN_SERVICES):
             return cast(Handler, handler)
+        return self._cache.get(method, handler, self._authenticated)
+
+    def _authenticated(self, handler: Handler) -> Handler:
         return rewrapped(handler, lambda behavior: guarded(behavior, self._guard))
 
     @asynccontextmanager

@@ -130,6 +130,28 @@ def rewrapped(
     return rebuilt
 
 
+class HandlerCache:
+    """An interceptor's rewrapped handler per method, built at the method's first call.
+
+    grpc.aio asks the interceptors for a handler on every call; the handler under them is the
+    same object call after call (the servicer's, or the next interceptor's cached one), so what
+    is wrapped around it is decided once per method, not per call. A different handler under
+    the same method (a test's servicer swapped in) is wrapped afresh.
+    """
+
+    def __init__(self) -> None:
+        self._by_method: dict[str, tuple[Handler, Handler]] = {}
+
+    def get(self, method: str, handler: Handler, build: Callable[[Handler], Handler]) -> Handler:
+        """``build(handler)``, built once while ``handler`` is what ``method`` resolves to."""
+        cached = self._by_method.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        built = build(handler)
+        self._by_method[method] = (handler, built)
+        return built
+
+
 # ---- 1. tracing ----------------------------------------------------------------------------
 
 
@@ -216,26 +238,33 @@ class Undecodable:
 class UndecodableRequests(Interceptor):
     """Answers INVALID_ARGUMENT (reason ``UNDECODABLE_REQUEST``) for bytes that do not parse."""
 
+    def __init__(self) -> None:
+        self._cache = HandlerCache()
+
     async def intercept_service(
         self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
     ) -> Handler:
         handler: Handler | None = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return cast(Handler, handler)  # None: an unknown method, answered UNIMPLEMENTED
-        parse = handler.request_deserializer
+        return self._cache.get(handler_call_details.method, handler, _decoding)
 
-        def deserialize(raw: bytes) -> Any:
-            try:
-                return parse(raw)
-            except Exception as error:  # the parser's own error: the caller sent bad bytes
-                return Undecodable(f"{type(error).__name__}: {error}")
 
-        streaming = handler.request_streaming
-        return rewrapped(
-            handler,
-            lambda behavior: guarded(behavior, _decoded_guard(streaming)),
-            request_deserializer=deserialize,
-        )
+def _decoding(handler: Handler) -> Handler:
+    """``handler`` with a deserializer that hands bad bytes to a guard refusing them."""
+    parse = handler.request_deserializer
+    assert parse is not None
+
+    def deserialize(raw: bytes) -> Any:
+        try:
+            return parse(raw)
+        except Exception as error:  # the parser's own error: the caller sent bad bytes
+            return Undecodable(f"{type(error).__name__}: {error}")
+
+    guard = _decoded_guard(handler.request_streaming)
+    return rewrapped(
+        handler, lambda behavior: guarded(behavior, guard), request_deserializer=deserialize
+    )
 
 
 def _decoded_guard(request_streaming: bool) -> Guard:
@@ -284,6 +313,7 @@ class StreamLimits(Interceptor):
         self.max_streams_per_session = max_streams_per_session
         self.active = 0
         self.per_session: dict[tuple[str, str], int] = {}  # (tenant, session id): streams
+        self._cache = HandlerCache()
 
     async def intercept_service(
         self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
@@ -291,10 +321,13 @@ class StreamLimits(Interceptor):
         handler: Handler | None = await continuation(handler_call_details)
         if handler is None or not handler.response_streaming:
             return cast(Handler, handler)
-        per_session = not handler.request_streaming and handler_call_details.method.startswith(
-            _SESSION_SERVICES
-        )
-        return rewrapped(handler, lambda behavior: guarded(behavior, self._guard(per_session)))
+        method = handler_call_details.method
+        return self._cache.get(method, handler, lambda inner: self._limited(method, inner))
+
+    def _limited(self, method: str, handler: Handler) -> Handler:
+        per_session = not handler.request_streaming and method.startswith(_SESSION_SERVICES)
+        guard = self._guard(per_session)
+        return rewrapped(handler, lambda behavior: guarded(behavior, guard))
 
     def _guard(self, per_session: bool) -> Guard:
         @asynccontextmanager
@@ -359,6 +392,7 @@ class TenantQuotas(Interceptor):
 
     def __init__(self, book: QuotaBook) -> None:
         self.book = book
+        self._cache = HandlerCache()
 
     async def intercept_service(
         self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
@@ -368,10 +402,14 @@ class TenantQuotas(Interceptor):
         if handler is None or not method.startswith(_SESSION_SERVICES):
             return cast(Handler, handler)
         if method == APPEND_EVENTS:
-            return rewrapped(handler, lambda behavior: guarded(behavior, self._append_guard))
+            return self._cache.get(method, handler, lambda inner: self._guarded(inner, True))
         if handler.response_streaming:
-            return rewrapped(handler, lambda behavior: guarded(behavior, self._stream_guard))
+            return self._cache.get(method, handler, lambda inner: self._guarded(inner, False))
         return handler
+
+    def _guarded(self, handler: Handler, append: bool) -> Handler:
+        guard = self._append_guard if append else self._stream_guard
+        return rewrapped(handler, lambda behavior: guarded(behavior, guard))
 
     @asynccontextmanager
     async def _append_guard(self, request: Any, context: Any) -> AsyncIterator[Any]:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import grpc
 from grpc_health.v1 import _async as health_aio
@@ -154,6 +155,7 @@ async def create_server(
     clock: Callable[[], float] = time.monotonic,
     wall_clock: Clock = utc_now,
     tenant_binding: Sequence[interceptors.Interceptor] = (),
+    extra_handlers: Sequence[grpc.GenericRpcHandler[Any, Any]] = (),
 ) -> RunningServer:
     """Validate the configuration, open the store, build the services and start serving.
 
@@ -167,6 +169,8 @@ async def create_server(
     last-append times and runs the retention sweep. ``tenant_binding`` interceptors bind the
     caller's tenant (``compactd.tenancy``) after the configured authentication, before the
     limits and quotas count it (a test's own binding: ``testing.tenants.MetadataTenants``).
+    ``extra_handlers`` serve methods of their own behind the same interceptors, after compactd's
+    (a benchmark's no-op references).
 
     Raises:
         ConfigError: A setting is invalid (the message names it), or the store's folder is
@@ -195,6 +199,7 @@ async def create_server(
         running = await _serve_on(
             config, parts, store, provider, owns_provider, owned_meter, prometheus, metrics,
             summarizer, summary_recoveries, clock, _Trust(tls, authentication), tenant_binding,
+            extra_handlers=extra_handlers,
         )  # fmt: skip
         refused.pop_all()
     await _start_trust(running, parts, tls, authentication, wall_clock)
@@ -281,6 +286,8 @@ async def _serve_on(
     clock: Callable[[], float],
     trust: _Trust,
     tenant_binding: Sequence[interceptors.Interceptor],
+    *,
+    extra_handlers: Sequence[grpc.GenericRpcHandler[Any, Any]] = (),
 ) -> RunningServer:
     quotas = QuotaBook(parts.quotas, clock=clock, metrics=metrics)
     await quotas.load(store)
@@ -337,6 +344,7 @@ async def _serve_on(
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection_v1.enable((*SERVICE_NAMES, health.SERVICE_NAME), server)  # v1 and v1alpha
+    server.add_generic_rpc_handlers(tuple(extra_handlers))
     host, port = config.host_port
     bound = _bind(server, host, port, trust.tls)
     await server.start()
