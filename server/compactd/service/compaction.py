@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Protocol
@@ -34,10 +34,10 @@ from compactd.core import bracket, prompts
 from compactd.core import events as ev
 from compactd.core.fold import SessionFold
 from compactd.core.lock import live_bracket
-from compactd.core.meter import route_price
+from compactd.core.meter import SessionMeter, route_price
 from compactd.core.planner import SHAPES, PlanMode, choose_span, node_pricer
 from compactd.core.policy import TargetPolicy
-from compactd.core.pricing import heuristic_price
+from compactd.core.pricing import HEURISTIC, PricingProfile, heuristic_price
 from compactd.core.projection import project
 from compactd.core.pruner import PrunePlan, PrunerConfig, plan_prunes
 from compactd.core.selection import (
@@ -520,7 +520,11 @@ class CompactionEngine:
                 if stale is not None:
                     raise BracketFailed(f"stale summary rejected: {stale}", reason="SPAN_DRIFT")
                 checkpoint = bracket.checkpoint_message(compaction_id, framed)
-                checkpoint_route = route_price(checkpoint, job.shrink_route)
+                checkpoint_route = (
+                    screened.checkpoint_tokens
+                    if screened.checkpoint_tokens is not None
+                    else route_price(checkpoint, job.shrink_route)
+                )
                 shadowed_route = session_meter(handle).route_price_of_nodes(
                     handle.fold, selection.shadowed_seqs, job.shrink_route
                 )
@@ -834,14 +838,32 @@ def _shadow_price_of(handle: SessionHandle) -> Callable[[SurfaceNode], int]:
 shadow_price_of = _shadow_price_of
 
 
+@dataclass(frozen=True)
+class _HeuristicRoute:
+    """The reference heuristic as a metered route: the meter keeps its per-node prices like a
+    route's (priced once per node as it is appended or reprojected, dropped when shadowed)."""
+
+    provider: str = ""
+    model: str = ""
+    pricing: PricingProfile = HEURISTIC
+
+
+_HEURISTIC_ROUTE = _HeuristicRoute()
+
+
+def shadow_price_of_nodes(meter: SessionMeter, fold: SessionFold, seqs: Iterable[int]) -> int:
+    """The heuristic price of the current surface nodes ``seqs`` (``shadowed_tokens``): the sum
+    of the meter's maintained heuristic prices, each what ``shadow_price_of`` gives its node,
+    without re-pricing the span's text at every compaction.
+
+    Raises:
+        ValueError: A seq is not a current surface node.
+    """
+    return meter.route_price_of_nodes(fold, seqs, _HEURISTIC_ROUTE)
+
+
 def _shadow_price(handle: SessionHandle, selection: Selection) -> int:
-    surface, price = handle.fold.surface, _shadow_price_of(handle)
-    total = 0
-    for seq in selection.shadowed_seqs:
-        position = surface.position_of(seq)
-        assert position is not None
-        total += price(surface[position])
-    return total
+    return shadow_price_of_nodes(session_meter(handle), handle.fold, selection.shadowed_seqs)
 
 
 def _span_tokens(handle: SessionHandle, selection: Selection, route: Route) -> int | None:

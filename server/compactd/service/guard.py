@@ -95,6 +95,9 @@ class Screened:
     target: Route
     report: events_pb2.SummaryGateReport | None = None
     fallback: events_pb2.SummaryFallback | None = None
+    #: The route price (on the shrink route) of the framed checkpoint of ``summary``, when the
+    #: gate priced it: the commit reuses it rather than tokenizing the checkpoint again.
+    checkpoint_tokens: int | None = None
 
 
 class CompactionGuard:
@@ -266,7 +269,9 @@ class CompactionGuard:
             if verdict.passed:
                 self._metrics.gate(summarizer, "passed", verdict.retention.ratio)
                 await progress(_gate_step(compaction_id, f"passed: {_figures(verdict)}"))
-                return Screened(summary, summarizer, target, report)
+                return Screened(
+                    summary, summarizer, target, report, checkpoint_tokens=verdict.checkpoint_tokens
+                )
             if policy.extractive_fallback:
                 fallback = await self._extractive.summarize(request)
                 second = verdict_of(fallback.text)
@@ -285,6 +290,7 @@ class CompactionGuard:
                     return Screened(
                         fallback, self._extractive.name, EXTRACTIVE_TARGET,
                         _report(second, settings), rejected,
+                        checkpoint_tokens=second.checkpoint_tokens,
                     )  # fmt: skip
             await progress(_gate_step(compaction_id, f"rejected: {verdict.describe()}"))
             self._metrics.gate(summarizer, "rejected", verdict.retention.ratio)
