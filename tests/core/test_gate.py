@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compactd.core import prompts
 from compactd.core.gate import (
+    FOLDS_TO_ASCII,
     GateCheck,
     GateSettings,
     echoed_message,
+    folded_holds,
     judge,
     minimum_useful_span,
     section_problem,
@@ -151,6 +155,29 @@ def reference_echo(summary: str, span: list[Message]) -> int | None:
 
 
 ECHO_TEXT = st.text(alphabet="aAbBßSs ﬁ\n\t.", max_size=24)
+#: ASCII, characters that casefold to ASCII, and non-ASCII ones that do not (or to themselves).
+HOLD_TEXT = st.text(alphabet="aAbBsSkKiIfl. éÉ中😀ßẞ\u017f\u212aİﬁﬆŉ", max_size=30)
+
+
+def test_the_characters_folding_to_ascii_are_all_listed() -> None:
+    found = {
+        chr(code)
+        for code in range(0x80, sys.maxunicode + 1)
+        if not 0xD800 <= code < 0xE000 and any(c.isascii() for c in chr(code).casefold())
+    }
+    assert found == set(FOLDS_TO_ASCII)
+
+
+@settings(max_examples=600)
+@given(HOLD_TEXT, HOLD_TEXT, st.data())
+def test_folded_holds_is_a_search_of_the_casefolded_text(
+    text: str, other: str, data: st.DataObject
+) -> None:
+    folded = text.casefold()
+    start = data.draw(st.integers(0, len(folded)))
+    inside = folded[start : data.draw(st.integers(start, len(folded)))]
+    for word in (inside, other.casefold()):
+        assert folded_holds(text, word) == (word in folded)
 
 
 @settings(max_examples=400)

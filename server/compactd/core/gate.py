@@ -185,7 +185,7 @@ def echoed_message(summary: str, span: Sequence[Message]) -> int | None:
     word = max(needle.split(" "), key=len)
     for index, message in enumerate(span):
         text = message_text(message)
-        if len(needle) > _CASEFOLD_GROWTH * len(text) or word not in text.casefold():
+        if len(needle) > _CASEFOLD_GROWTH * len(text) or not folded_holds(text, word):
             continue
         if needle in _fold(text):
             return index
@@ -193,6 +193,28 @@ def echoed_message(summary: str, span: Sequence[Message]) -> int | None:
 
 
 _CASEFOLD_GROWTH = 3
+#: The non-ASCII characters whose casefold holds an ASCII character (``ß`` -> ``ss``, the
+#: Kelvin sign -> ``k``, ligatures); ``tests/core/test_gate.py`` proves the list complete.
+FOLDS_TO_ASCII = (  # sharp s, dotted I, long s, ŉ ǰ ẖ ẗ ẘ ẙ ẚ ẞ, Kelvin, ﬀ ﬁ ﬂ ﬃ ﬄ ﬅ ﬆ
+    "\u00df\u0130\u0149\u017f\u01f0\u1e96\u1e97\u1e98\u1e99\u1e9a\u1e9e\u212a\ufb00\ufb01\ufb02\ufb03\ufb04\ufb05\ufb06"
+)
+
+
+def folded_holds(text: str, word: str) -> bool:
+    """``word in text.casefold()``, for a casefolded ``word``, without casefolding the text
+    when an ASCII word cannot need it.
+
+    Casefolding ASCII is lowering it. In a text with none of ``FOLDS_TO_ASCII``, every ASCII
+    character of the casefolded text is one of the text's own, lowered, and every other one is
+    not ASCII: an ASCII word occurs in it exactly where it occurs, ASCII-lowered, in the text's
+    UTF-8 bytes (whose non-ASCII characters are bytes no ASCII word holds). Encoding and
+    lowering bytes costs a fraction of casefolding a non-ASCII string.
+    """
+    if text.isascii():
+        return word in text.lower()
+    if word.isascii() and not any(char in text for char in FOLDS_TO_ASCII):
+        return word.encode() in text.encode().lower()
+    return word in text.casefold()
 
 
 def minimum_useful_span(skeleton_tokens: int, min_reduction_ratio: float | None) -> int:
