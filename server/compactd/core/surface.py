@@ -52,6 +52,7 @@ class Surface:
         self._answers: dict[str, set[int]] = {}  # call id -> seqs of current results naming it
         self._unanswered: set[str] = set()  # call ids made on the surface, answered by no node
         self._repeated: set[str] = set()  # call ids more than one current node makes
+        self._ever_repeated = False  # whether any call id was ever made by two nodes at once
         self._unanswered_at: tuple[int, frozenset[str]] = (-1, frozenset())  # (changes, ids)
         self.replacements = 0  # replacement generation: REPLACE events folded so far
         # Every node a REPLACE shadowed -> (the replacement's seq, the node's type, the
@@ -158,6 +159,7 @@ class Surface:
             self._index(self._makers, call_id, node.seq, delta)
             if count > 1:
                 self._repeated.add(call_id)
+                self._ever_repeated = True
             else:
                 self._repeated.discard(call_id)
             self._refresh_answer(call_id)
@@ -241,14 +243,47 @@ class Surface:
             _reject("body", f"{rule}, replaced by a system/message")
 
     def _check_balanced_span(self, start: int, end: int) -> None:
+        if self._ever_repeated:
+            balanced = self._walked_balance(start, end)
+        else:
+            balanced = not (self._open_at(start) or self._open_at(end + 1))
+        if not balanced or self._orphans_after(start, end):
+            _reject("surface_op", "a replaced span must begin and end at balanced tool-call cuts")
+
+    def _walked_balance(self, start: int, end: int) -> bool:
+        """Both cuts balanced, walking the surface up to the span's end: once a call id was made
+        twice, a replacement may have left one of its results before its only making (which
+        ``pairing`` rejects, and the call indices do not show)."""
         before = [n.event for n in self._nodes[:start]]
         through = [*before, *(n.event for n in self._nodes[start : end + 1])]
         try:
-            balanced = not open_calls_after(before) and not open_calls_after(through)
-        except CorruptPairing:  # pragma: no cover - the fold never admits an orphan result
-            balanced = False
-        if not balanced or self._orphans_after(start, end):
-            _reject("surface_op", "a replaced span must begin and end at balanced tool-call cuts")
+            return not open_calls_after(before) and not open_calls_after(through)
+        except CorruptPairing:
+            return False
+
+    def _open_at(self, cut: int) -> bool:
+        """Whether a call is open at the cut before position ``cut``: ``pairing.open_calls_after``
+        of the nodes before it would not be empty.
+
+        A call is open there when the last node before the cut making its id has no result of
+        it between them. Its id then has no result at all (``_unanswered``) or has one at or
+        after the cut (no id was ever made twice, so a result follows its one making): only
+        those ids are looked at, and only the nodes from the cut on are read (the span and the
+        tail, not the prefix condensed long ago).
+        """
+        candidates = set(self._unanswered)
+        for node in self._nodes[cut:]:
+            if node.type == ev.TOOL_RESULT:
+                candidates.add(node.event.tool_result.tool_call_id)
+        return any(self._open_before(call_id, cut) for call_id in candidates)
+
+    def _open_before(self, call_id: str, cut: int) -> bool:
+        position = self._position
+        makes = [position[seq] for seq in self._makers.get(call_id, ()) if position[seq] < cut]
+        if not makes:
+            return False
+        last = max(makes)
+        return not any(last < position[seq] < cut for seq in self._answers.get(call_id, ()))
 
     def _orphans_after(self, start: int, end: int) -> bool:
         """Whether shadowing ``start..end`` leaves a later result whose call only the span made.
@@ -260,10 +295,12 @@ class Surface:
         for node in self._nodes[start : end + 1]:
             for call_id in ev.tool_call_ids(node.event):
                 in_span[call_id] = in_span.get(call_id, 0) + 1
-        vanishing = {cid for cid, count in in_span.items() if self._calls[cid] == count}
-        return bool(vanishing) and any(
-            ev.body_name(n.event) == "tool_result" and n.event.tool_result.tool_call_id in vanishing
-            for n in self._nodes[end + 1 :]
+        position = self._position
+        return any(
+            position[seq] > end
+            for call_id, count in in_span.items()
+            if self._calls[call_id] == count  # only the span makes it
+            for seq in self._answers.get(call_id, ())
         )
 
 
