@@ -66,8 +66,10 @@ def _optional_listen(value: str) -> str:
 
 
 def _store(value: str) -> str:
-    if not (value.startswith("sqlite:///") or value == "memory://"):
-        raise ValueError("expected sqlite:///PATH or memory://")
+    # postgresql:// (issue 12, replicas): several compactd processes serve one database.
+    postgres = value.startswith(("postgresql://", "postgres://"))
+    if not (value.startswith("sqlite:///") or value == "memory://" or postgres):
+        raise ValueError("expected sqlite:///PATH, postgresql://... or memory://")
     return value
 
 
@@ -91,7 +93,9 @@ class ServerConfig:
     """Everything ``compactd serve`` needs. Defaults are the documented ones."""
 
     listen: Listen = Field("127.0.0.1:50051", description="HOST:PORT to bind; port 0 picks one")
-    store: Store = Field("sqlite:///./compactd.db", description="sqlite:///PATH or memory://")
+    store: Store = Field(
+        "sqlite:///./compactd.db", description="sqlite:///PATH, postgresql://... or memory://"
+    )
     sqlite_synchronous: Annotated[str, _one_of("FULL", "EXTRA", "NORMAL")] = Field(
         "FULL", description="SQLite synchronous mode: FULL, EXTRA or NORMAL"
     )

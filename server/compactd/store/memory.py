@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from compactd.store import base
+from compactd.store.leases import Lease, LeaseOp, ProcessLeases
 from compactd.v1 import events_pb2
 
 
@@ -40,6 +41,7 @@ class MemoryEventStore(base.EventStore):
         self._lock = threading.Lock()
         self._open = False
         self._stats = base.StoreStats()
+        self._leases = ProcessLeases(clock)
 
     async def open(self) -> None:
         self._open = True
@@ -74,13 +76,20 @@ class MemoryEventStore(base.EventStore):
             ids = sorted(i for i in self._sessions if i > after)[:limit]
             return [self._sessions[i].record for i in ids]
 
-    async def append(self, session_id: str, events: Sequence[events_pb2.SessionEvent]) -> int:
+    async def append(
+        self,
+        session_id: str,
+        events: Sequence[events_pb2.SessionEvent],
+        *,
+        lease: LeaseOp | None = None,
+    ) -> int:
         self._check_open()
         rows = base.encode_batch(events)
         with self._lock:
             try:
                 session = self._session(session_id)
                 self._check_continues(session, rows)
+                self._leases.apply(session_id, lease)  # last: nothing below can fail
             except Exception:
                 self._count(batches=1, failed_batches=1)
                 raise
@@ -120,6 +129,14 @@ class MemoryEventStore(base.EventStore):
         with self._lock:
             ids = self._session(session_id).ids
             return {i: ids[i] for i in event_ids if i in ids}
+
+    async def get_lease(self, session_id: str) -> Lease | None:
+        self._check_open()
+        return self._leases.get(session_id)
+
+    async def renew_lease(self, session_id: str, owner: str, token: str, ttl_s: float) -> bool:
+        self._check_open()
+        return self._leases.renew(session_id, owner, token, ttl_s)
 
     def _session(self, session_id: str) -> _Session:
         session = self._sessions.get(session_id)

@@ -27,6 +27,7 @@ from typing import Any, Generic, TypeVar
 
 from compactd import errors
 from compactd.store import base
+from compactd.store.leases import Lease, LeaseOp, ProcessLeases
 from compactd.store.owner import OwnerLock
 from compactd.v1 import events_pb2
 
@@ -107,6 +108,8 @@ class SqliteEventStore(base.EventStore):
         self._lifecycle = asyncio.Lock()  # serializes open() and close()
         self._owner = OwnerLock(path)
         self._last_stats = base.StoreStats()  # what a closed store still reports
+        # One owner per file: bracket leases need not outlive the process (``store.leases``).
+        self._leases = ProcessLeases(clock)
 
     @property
     def path(self) -> str:
@@ -176,10 +179,35 @@ class SqliteEventStore(base.EventStore):
         base.check_limit(limit)
         return await self._read(functools.partial(_select_sessions, after, limit))
 
-    async def append(self, session_id: str, events: Sequence[events_pb2.SessionEvent]) -> int:
+    async def append(
+        self,
+        session_id: str,
+        events: Sequence[events_pb2.SessionEvent],
+        *,
+        lease: LeaseOp | None = None,
+    ) -> int:
         rows = base.encode_batch(events)
         op = functools.partial(_insert_events, session_id, rows)
-        return await self._write(op, events=len(rows))
+        if self._writer is None:
+            raise base.store_closed()
+        # The session service serializes a session's appends, and this process is the store's
+        # only writer: applying the lease before the write and undoing it on failure is atomic.
+        undo = self._leases.apply(session_id, lease)
+        try:
+            return await self._write(op, events=len(rows))
+        except Exception:  # a cancelled caller does not retract the batch (nor its lease)
+            undo()
+            raise
+
+    async def get_lease(self, session_id: str) -> Lease | None:
+        if self._writer is None:
+            raise base.store_closed()
+        return self._leases.get(session_id)
+
+    async def renew_lease(self, session_id: str, owner: str, token: str, ttl_s: float) -> bool:
+        if self._writer is None:
+            raise base.store_closed()
+        return self._leases.renew(session_id, owner, token, ttl_s)
 
     async def read(
         self, session_id: str, from_seq: int = 0, to_seq: int | None = None
