@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import urllib.parse
@@ -78,3 +79,16 @@ def terminate_backends(url: str) -> int:
             (name,),
         ).fetchall()
     return len(rows)
+
+
+@contextlib.contextmanager
+def refusing_connections(url: str) -> Iterator[None]:
+    """While inside: ``url``'s database accepts no new connections (as if it were down)."""
+    name = urllib.parse.urlsplit(url).path.lstrip("/")
+    with _admin() as conn:
+        conn.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+    try:
+        yield
+    finally:
+        with _admin() as conn:
+            conn.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
