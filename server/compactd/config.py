@@ -121,6 +121,17 @@ class ServerConfig:
     metrics_listen: Annotated[str, AfterValidator(_optional_listen)] = Field(
         "", description="HOST:PORT of the Prometheus /metrics endpoint; empty: none"
     )
+    # Replicas and the PostgreSQL store (issue 12): several processes serving one database.
+    store_migrate: bool = Field(
+        False, description="apply pending PostgreSQL schema migrations at start (serve --migrate)"
+    )
+    postgres_pool_max: Positive = Field(8, description="most PostgreSQL connections per replica")
+    postgres_statement_timeout_ms: Positive = Field(
+        5000, description="PostgreSQL statement and lock timeout, in milliseconds"
+    )
+    bracket_lease_s: PositiveSeconds = Field(
+        30.0, description="seconds a replica's compaction bracket lease runs between renewals"
+    )
     compaction: Annotated[Table, CamelCaseKeys] = field(default_factory=dict)
     routes: tuple[Table, ...] = ()
     summarizer: Table = field(default_factory=dict)

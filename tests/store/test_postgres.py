@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 import psycopg
 import pytest
 
-from compactd import errors
+from compactd import cli, errors
 from compactd.store import postgres_schema
 from compactd.store.postgres import PostgresEventStore
 from tests import postgres
@@ -156,3 +156,23 @@ async def test_a_replica_hears_of_another_replicas_appends_but_not_its_own(url: 
             assert heard.empty()
         finally:
             listener.cancel()
+
+
+def _sync_at_version(url: str, version: int) -> None:
+    asyncio.run(_at_version(url, version))
+
+
+def test_serve_refuses_an_older_schema_and_migrate_brings_it_up(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _sync_at_version(url, 1)
+    serve = ["serve", "--store", url, "--listen", "127.0.0.1:0"]
+
+    assert cli.main(serve) == cli.EXIT_STARTUP
+    refused = capsys.readouterr().err
+    assert "schema is at version 1, older than the version 2" in refused
+    assert "compactd migrate" in refused
+
+    assert cli.main(["migrate", "--store", url]) == 0
+    assert capsys.readouterr().out.strip() == f"schema at version {postgres_schema.SCHEMA_VERSION}"
+    assert cli.main(["migrate", "--store", url]) == 0  # idempotent

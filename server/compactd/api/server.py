@@ -42,7 +42,7 @@ from compactd.service.sessions import SessionManager
 from compactd.service.summarizers import SummarizerRegistry, SummarizerSettings, named_routes
 from compactd.service.switch import SwitchService
 from compactd.store.base import EventStore
-from compactd.store.factory import open_store
+from compactd.store.factory import store_for
 from compactd.v1 import (
     compaction_service_pb2,
     compaction_service_pb2_grpc,
@@ -155,7 +155,7 @@ async def create_server(
         readers = [prometheus.reader] if prometheus is not None else []
         meter_provider = owned_meter = telemetry.meter_provider_from_env(readers)
     metrics = Metrics(meter_provider)
-    store = open_store(config.store, synchronous=config.sqlite_synchronous)
+    store = store_for(config)
     await store.open()
     async with contextlib.AsyncExitStack() as refused:  # a start that fails closes the store
         refused.push_async_callback(store.close)

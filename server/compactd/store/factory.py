@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from compactd.errors import ConfigError
 from compactd.store.base import EventStore
+
+if TYPE_CHECKING:
+    from compactd.config import ServerConfig
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 
 
-def open_store(url: str, *, synchronous: str = "FULL", migrate: bool = False) -> EventStore:
+def open_store(
+    url: str,
+    *,
+    synchronous: str = "FULL",
+    migrate: bool = False,
+    pool_max: int = 8,
+    statement_timeout_ms: int = 5000,
+) -> EventStore:
     """An unopened store for ``url`` (call ``await store.open()``).
 
-    ``migrate`` lets a PostgreSQL store apply pending schema migrations when it opens.
+    ``migrate`` lets a PostgreSQL store apply pending schema migrations when it opens;
+    ``pool_max`` and ``statement_timeout_ms`` bound its connections.
     """
     if url.startswith("sqlite:///"):
         from compactd.store.sqlite import SqliteEventStore
@@ -20,11 +33,24 @@ def open_store(url: str, *, synchronous: str = "FULL", migrate: bool = False) ->
     if url.startswith(POSTGRES_SCHEMES):
         from compactd.store.postgres import PostgresEventStore
 
-        return PostgresEventStore(url, migrate=migrate)
+        return PostgresEventStore(
+            url, migrate=migrate, pool_max=pool_max, statement_timeout_ms=statement_timeout_ms
+        )
     if url == "memory://":
         from compactd.store.memory import MemoryEventStore
 
         return MemoryEventStore()
     raise ConfigError(
         f"store: unsupported URL {url!r} (sqlite:///PATH, postgresql://... or memory://)"
+    )
+
+
+def store_for(config: ServerConfig) -> EventStore:
+    """The unopened store a server configuration names."""
+    return open_store(
+        config.store,
+        synchronous=config.sqlite_synchronous,
+        migrate=config.store_migrate,
+        pool_max=config.postgres_pool_max,
+        statement_timeout_ms=config.postgres_statement_timeout_ms,
     )
