@@ -9,6 +9,7 @@ import pytest
 
 from compactd.errors import NotFound, Unavailable
 from compactd.service.sessions import SessionManager
+from compactd.store.leases import LeaseOp
 from compactd.store.memory import MemoryEventStore
 from compactd.v1 import events_pb2
 from tests.builders import user
@@ -23,12 +24,18 @@ class GatedStore(MemoryEventStore):
         self.gate = asyncio.Event()
         self.fail = False
 
-    async def append(self, session_id: str, events: Sequence[events_pb2.SessionEvent]) -> int:
+    async def append(
+        self,
+        session_id: str,
+        events: Sequence[events_pb2.SessionEvent],
+        *,
+        lease: LeaseOp | None = None,
+    ) -> int:
         self.entered.set()
         await self.gate.wait()
         if self.fail:
             raise Unavailable("disk went away")
-        return await super().append(session_id, events)
+        return await super().append(session_id, events, lease=lease)
 
 
 async def _session(store: GatedStore) -> SessionManager:

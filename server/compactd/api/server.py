@@ -181,8 +181,12 @@ async def _serve_on(
     clock: Callable[[], float],
 ) -> RunningServer:
     manager = SessionManager(
-        store, policy_validator=parts.policy.with_overrides, limits=settings.limits(config)
+        store,
+        policy_validator=parts.policy.with_overrides,
+        limits=settings.limits(config),
+        lease_s=config.bracket_lease_s,
     )
+    manager.start()  # replicas: follow other replicas' appends (a shared store only)
     metrics.observe_sessions(lambda: manager.resident)
     pressure = PressureService(manager, parts.routes, parts.policy)
     redactor = redaction.for_routes(parts.routes)

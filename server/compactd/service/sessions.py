@@ -4,6 +4,11 @@ A ``SessionManager`` restores a session from the store on first use (appending
 ``session/end-seed``: a new lifecycle begins, so brackets left open by a dead process become
 stale evidence), then keeps its ``SessionFold`` current as batches commit. Appends to one session
 are serialized by its lock; the store shares commits across sessions (group commit).
+
+On a store several replicas share (PostgreSQL), the fold is a cache of the log that other
+replicas also append to: ``service.replicas`` keeps it current (catch-up under the lock, appends
+retried on a stale fold, bracket leases, change notifications), and a restore appends
+``session/end-seed`` only when the process that owned a live bracket died (its lease expired).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,16 +27,27 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from compactd.core.fold import AdmittedBatch, SessionFold
 from compactd.core.limits import DEFAULT_LIMITS, AppendLimits
+from compactd.core.lock import live_bracket
 from compactd.core.validation import Origin, check_batch
 from compactd.errors import (
     AlreadyExists,
+    Busy,
     ConfigError,
+    Fenced,
     FieldViolation,
     InvalidArgument,
     NotFound,
     SeqConflict,
 )
+from compactd.service.replicas import (
+    MAX_APPEND_ATTEMPTS,
+    CatchUpLock,
+    ChangeListener,
+    LeaseKeeper,
+    lease_for,
+)
 from compactd.store.base import EventStore, SessionRecord
+from compactd.store.leases import LeaseAction, LeaseOp
 from compactd.v1 import events_pb2
 
 log = logging.getLogger(__name__)
@@ -56,6 +73,9 @@ class SessionHandle:
         store: EventStore,
         fold: SessionFold,
         limits: AppendLimits = DEFAULT_LIMITS,
+        *,
+        owner: str = "",
+        lease_s: float = 30.0,
     ) -> None:
         self.session_id = record.session_id
         self.limits = limits
@@ -65,7 +85,11 @@ class SessionHandle:
             json.loads(record.policy_json) if record.policy_json else None
         )
         self.extensions: dict[str, object] = {}
-        self.lock = asyncio.Lock()
+        # Held, the fold is as new as the store's log (``service.replicas``).
+        self.lock = CatchUpLock(self.catch_up_locked)
+        self.owner = owner
+        self.leases = LeaseKeeper(store, record.session_id, owner, lease_s)
+        self._next_lease_check = 0.0  # monotonic time to look at another replica's lease again
         # The committed revision: ``fold.revision`` also counts a batch admitted but not yet
         # durable, which readers that do not hold the lock must never see.
         self.revision = fold.revision
@@ -106,6 +130,26 @@ class SessionHandle:
         origin: Origin = Origin.SERVER,
     ) -> AppendResult:
         """``append`` for a caller that already holds ``self.lock`` (the compaction engine)."""
+        for attempt in range(1, MAX_APPEND_ATTEMPTS + 1):
+            try:
+                return await self._append_once(events, expected_last_seq, origin)
+            except (SeqConflict, InvalidArgument) as error:
+                # The store refused a batch decided on a fold another replica had moved past:
+                # catch up, then decide again (a retry finds its own ids, a conflict shows).
+                if not self._store.shared or not _stale_fold(error):
+                    raise
+                if attempt == MAX_APPEND_ATTEMPTS:
+                    raise
+                await self._catch_up()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _append_once(
+        self,
+        events: Sequence[events_pb2.SessionEvent],
+        expected_last_seq: int | None,
+        origin: Origin,
+        lease: LeaseOp | None = None,
+    ) -> AppendResult:
         replay = await self._replayed(events)
         if replay is not None:
             return replay
@@ -123,7 +167,9 @@ class SessionHandle:
         batch = self.fold.admit(
             events, now=now, origin=origin, max_surface_bytes=self.limits.max_surface_bytes
         )
-        commit = asyncio.ensure_future(self._commit(batch))
+        if lease is None:
+            lease = lease_for(batch.events, self.leases.owned, self.owner, self.leases.ttl_s)
+        commit = asyncio.ensure_future(self._commit(batch, lease))
         try:
             return await asyncio.shield(commit)
         except asyncio.CancelledError:
@@ -132,17 +178,88 @@ class SessionHandle:
             await asyncio.wait([commit])
             raise
 
-    async def _commit(self, batch: AdmittedBatch) -> AppendResult:
+    async def _commit(self, batch: AdmittedBatch, lease: LeaseOp | None = None) -> AppendResult:
         try:
-            await self._store.append(self.session_id, batch.events)
+            if lease is None:
+                await self._store.append(self.session_id, batch.events)
+            else:
+                await self._store.append(self.session_id, batch.events, lease=lease)
+        except Fenced:
+            self.fold.rollback(batch)
+            if lease is not None:
+                self.leases.drop(lease.token)
+            raise
         except BaseException:
             self.fold.rollback(batch)
             raise
+        self.leases.landed(lease)
+        self._folded(batch)
+        await self._notify()
+        return AppendResult([e.seq for e in batch.events], self.fold.revision)
+
+    def _folded(self, batch: AdmittedBatch) -> None:
         self.revision = self.fold.revision
         for observer in self._observers:
             observer(self.fold, batch)
+
+    # --- replicas -------------------------------------------------------------------------------
+
+    async def catch_up_locked(self) -> None:
+        """Fold what other replicas appended, then take over a dead replica's bracket.
+
+        Runs with ``self.lock`` held (entering the lock calls it). One revision read when
+        nothing changed; nothing at all on a store one process owns.
+        """
+        if not self._store.shared:
+            return
+        await self._catch_up()
+        await self._take_over_orphan()
+
+    async def _catch_up(self) -> None:
+        record = await self._store.get_session(self.session_id)
+        if record is None:
+            raise NotFound(
+                f"session {self.session_id!r} does not exist",
+                metadata={"session_id": self.session_id},
+            )
+        if record.revision <= self.fold.revision:
+            return
+        chunk: list[events_pb2.SessionEvent] = []
+        async for event in self._store.read(self.session_id, self.fold.revision, record.revision):
+            chunk.append(event)
+            if len(chunk) >= 512:
+                self._folded(self.fold.admit(chunk, check=False))
+                chunk = []
+        if chunk:
+            self._folded(self.fold.admit(chunk, check=False))
         await self._notify()
-        return AppendResult([e.seq for e in batch.events], self.fold.revision)
+
+    async def _take_over_orphan(self) -> None:
+        """End the lifecycle of a live bracket whose owner died (its lease expired)."""
+        live = live_bracket(self.fold.lock)
+        if live is None or live.compaction_id in self.leases.owned:
+            return
+        if time.monotonic() < self._next_lease_check:
+            return
+        lease = await self._store.get_lease(self.session_id)
+        if lease is not None and not lease.expired:
+            self._next_lease_check = time.monotonic() + lease.remaining_s
+            return
+        seed = events_pb2.SessionEvent(
+            session_end_seed=events_pb2.SessionEndSeed(
+                reason="lease-expired", instance_id=self.owner
+            )
+        )
+        breaking = LeaseOp(LeaseAction.BREAK, self.owner, live.compaction_id)
+        try:
+            await self._append_once([seed], None, Origin.SERVER, lease=breaking)
+        except (Busy, SeqConflict):  # renewed meanwhile, or another replica took it over first
+            self._next_lease_check = 0.0
+            return
+        log.warning(
+            "took over a session whose bracket owner stopped renewing its lease",
+            extra={"session_id": self.session_id, "compaction_id": live.compaction_id},
+        )
 
     async def revisions(self) -> AsyncIterator[int]:
         """Yield the committed revision now, then the latest one after each commit (coalesced)."""
@@ -184,6 +301,13 @@ class SessionHandle:
         return AppendResult(seqs, self.fold.revision, replayed=True)
 
 
+def _stale_fold(error: Exception) -> bool:
+    """Whether the store refused a batch because another replica appended first."""
+    if isinstance(error, SeqConflict):
+        return "first_seq" in error.metadata  # the store's check, not ``expected_last_seq``
+    return getattr(error, "reason", "") == "DUPLICATE_EVENT_ID"
+
+
 def _same_content(sent: events_pb2.SessionEvent, kept: events_pb2.SessionEvent) -> bool:
     a, b = events_pb2.SessionEvent(), events_pb2.SessionEvent()
     a.CopyFrom(sent)
@@ -208,14 +332,21 @@ class SessionManager:
         instance_id: str | None = None,
         policy_validator: Callable[[Mapping[str, Any]], object] | None = None,
         limits: AppendLimits = DEFAULT_LIMITS,
+        lease_s: float = 30.0,
     ) -> None:
         self.store = store
         self.limits = limits
+        self.lease_s = lease_s
         self._policy_validator = policy_validator
         self.instance_id = instance_id or uuid.uuid4().hex[:12]
         self._handles: dict[str, SessionHandle] = {}
         self._loading: dict[str, asyncio.Future[SessionHandle]] = {}
         self._on_restore: list[Callable[[SessionHandle], None]] = []
+        self._listener = ChangeListener(store, lambda: self._handles)
+
+    def start(self) -> None:
+        """Begin following other replicas' appends (a shared store; call on the event loop)."""
+        self._listener.start()
 
     @property
     def resident(self) -> int:
@@ -264,6 +395,9 @@ class SessionManager:
         """The session's handle, restoring it from the log on first use (``NotFound``)."""
         handle = self._handles.get(session_id)
         if handle is not None:
+            if self.store.shared:  # other replicas may have appended: answer from the log
+                async with handle.lock:
+                    pass
             return handle
         # One restore per session however many callers arrive (and none left behind for ids
         # that do not exist); a caller that goes away does not cancel it for the others.
@@ -294,8 +428,15 @@ class SessionManager:
                 chunk = []
         if chunk:
             fold.admit(chunk, check=False)
-        handle = SessionHandle(record, self.store, fold, self.limits)
-        if fold.revision:
+        handle = SessionHandle(
+            record, self.store, fold, self.limits, owner=self.instance_id, lease_s=self.lease_s
+        )
+        if self.store.shared:
+            # Other replicas serve this session too: a restore is no new lifecycle. A bracket
+            # whose owner died is taken over once its lease expired (``catch_up_locked``).
+            async with handle.lock:
+                pass
+        elif fold.revision:
             # A new lifecycle: brackets opened by an earlier process become stale evidence.
             seed = events_pb2.SessionEvent(
                 session_end_seed=events_pb2.SessionEndSeed(
@@ -313,4 +454,7 @@ class SessionManager:
 
     async def close(self) -> None:
         """Forget every handle (the store is closed by its owner)."""
+        await self._listener.stop()
+        for handle in self._handles.values():
+            handle.leases.close()
         self._handles.clear()

@@ -35,6 +35,7 @@ class LeaseAction(Enum):
     HOLD = "hold"  # the batch writes into the bracket: the lease must still be ours; renew it
     RELEASE = "release"  # the batch closes the bracket: the lease must still be ours; drop it
     BREAK = "break"  # the batch ends a dead owner's lifecycle: the lease must have expired
+    CLEAR = "clear"  # a new lifecycle by fiat (a restart's ``session/end-seed``): no lease holds
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,8 @@ def apply(session_id: str, current: Lease | None, op: LeaseOp, now: datetime) ->
         if current is not None and live and current.token != op.token:
             raise _busy(session_id, current, now)
         return _lease(op, now)
+    if op.action is LeaseAction.CLEAR:
+        return None
     if op.action is LeaseAction.BREAK:
         if current is None:
             return None
