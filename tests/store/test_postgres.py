@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import psycopg
 import pytest
@@ -96,8 +96,18 @@ async def test_a_database_that_goes_away_fails_unavailable_then_recovers(
                 await store.get_session("s")
 
         assert raised.value.reason == "STORE_UNAVAILABLE"
-        assert await store.append("s", batch(2, 1)) == 3
+        assert await _eventually(lambda: store.append("s", batch(2, 1))) == 3
         assert [e.seq async for e in store.read("s")] == [0, 1, 2]
+
+
+async def _eventually(call: Callable[[], Awaitable[int]]) -> int:
+    """``call()``'s answer once the pool has reconnected (it backs off between attempts)."""
+    async with asyncio.timeout(20):
+        while True:
+            try:
+                return await call()
+            except errors.StoreUnavailable:
+                await asyncio.sleep(0.1)
 
 
 async def test_a_statement_past_its_timeout_fails_unavailable(url: str) -> None:

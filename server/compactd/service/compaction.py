@@ -472,6 +472,7 @@ class CompactionEngine:
         with self._tracer.start_as_current_span("compaction.summary") as span:
             span.set_attribute("compactd.compaction_id", compaction_id)
             async with handle.lock:
+                handle.check_bracket(compaction_id)  # replicas: not taken over meanwhile
                 scope = revalidation_for(job.trigger)
                 stale = drift(handle.fold, selection, snapshot, scope)
                 if stale is not None:
@@ -585,6 +586,7 @@ class CompactionEngine:
         recovery = next((r for r in self._recoveries if r.wants(error)), None)
         retrying = recovery is not None and failure.attempt < MAX_SUMMARY_ATTEMPTS
         async with handle.lock:
+            handle.check_bracket(failure.compaction_id)
             stale = drift(handle.fold, failure.selection, snapshot, revalidation_for(job.trigger))
             if stale is not None:
                 raise BracketFailed(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
@@ -40,7 +41,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # How many times an append decided on a fold that turned out stale is re-checked and retried.
-MAX_APPEND_ATTEMPTS = 8
+MAX_APPEND_ATTEMPTS = 32
+
+
+async def retry_pause(attempt: int) -> None:
+    """A short random pause before the ``attempt``-th retry (full jitter, at most 50 ms), so
+    replicas appending to one session at once stop colliding instead of colliding in step."""
+    await asyncio.sleep(random.uniform(0, min(0.05, 0.001 * 2**attempt)))
+
 
 _BRACKET_WRITES = ("compaction_summary", "compaction_summary_error", "compaction_end")
 
@@ -87,20 +95,27 @@ def bracket_of(event: events_pb2.SessionEvent) -> str | None:
 
 
 def lease_for(
-    events: Sequence[events_pb2.SessionEvent], owned: set[str], owner: str, ttl_s: float
+    events: Sequence[events_pb2.SessionEvent],
+    owned: set[str],
+    owner: str,
+    ttl_s: float,
+    *,
+    shared: bool = False,
 ) -> LeaseOp | None:
     """The lease action a batch of this replica carries.
 
     A ``compaction/start`` acquires; a ``compaction/end`` of a bracket this replica opened
     releases; any other write into such a bracket holds (and renews) its lease. A
-    ``session/end-seed`` (a restart's new lifecycle) clears whatever lease there was.
+    ``session/end-seed`` (a restart's new lifecycle) clears whatever lease there was. On a
+    shared store every bracket write is fenced, owned or not: a write into a bracket this
+    replica lost must be refused, not let through because it forgot the bracket.
     """
     for event in events:
         if ev.body_name(event) == "compaction_start":
             return LeaseOp(LeaseAction.ACQUIRE, owner, event.compaction_start.compaction_id, ttl_s)
         if ev.body_name(event) == "session_end_seed":
             return LeaseOp(LeaseAction.CLEAR, owner, "")
-    tokens = [t for t in map(bracket_of, events) if t is not None and t in owned]
+    tokens = [t for t in map(bracket_of, events) if t is not None and (shared or t in owned)]
     if not tokens:
         return None
     ends = any(ev.body_name(e) == "compaction_end" for e in events)

@@ -45,9 +45,10 @@ from compactd.service.replicas import (
     ChangeListener,
     LeaseKeeper,
     lease_for,
+    retry_pause,
 )
 from compactd.store.base import EventStore, SessionRecord
-from compactd.store.leases import LeaseAction, LeaseOp
+from compactd.store.leases import LeaseAction, LeaseOp, fenced
 from compactd.v1 import events_pb2
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,7 @@ class SessionHandle:
                     raise
                 if attempt == MAX_APPEND_ATTEMPTS:
                     raise
+                await retry_pause(attempt)
                 await self._catch_up()
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -168,7 +170,13 @@ class SessionHandle:
             events, now=now, origin=origin, max_surface_bytes=self.limits.max_surface_bytes
         )
         if lease is None:
-            lease = lease_for(batch.events, self.leases.owned, self.owner, self.leases.ttl_s)
+            lease = lease_for(
+                batch.events,
+                self.leases.owned,
+                self.owner,
+                self.leases.ttl_s,
+                shared=self._store.shared,
+            )
         commit = asyncio.ensure_future(self._commit(batch, lease))
         try:
             return await asyncio.shield(commit)
@@ -214,6 +222,19 @@ class SessionHandle:
             return
         await self._catch_up()
         await self._take_over_orphan()
+
+    def check_bracket(self, compaction_id: str) -> None:
+        """Refuse to go on with a bracket another replica took over (call with the lock held).
+
+        Raises:
+            Fenced: ``LEASE_LOST``; the bracket's lifecycle ended (``session/end-seed``).
+        """
+        if not self._store.shared:
+            return
+        live = live_bracket(self.fold.lock)
+        if live is None or live.compaction_id != compaction_id:
+            self.leases.drop(compaction_id)
+            raise fenced(self.session_id, compaction_id, None)
 
     async def _catch_up(self) -> None:
         record = await self._store.get_session(self.session_id)
