@@ -544,6 +544,9 @@ class SessionManager:
         handle = self._handles.get(session_id)
         if handle is None or not handle.idle:
             return False
+        running = self._snapshotting.get(session_id)
+        if running is not None:  # it holds the handle: let it finish, then drop both
+            await asyncio.wait([running])
         if handle.snapshot_revision < handle.revision:
             await self.snapshot(handle)
         if not handle.idle or self._handles.get(session_id) is not handle:
