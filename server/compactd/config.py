@@ -109,6 +109,13 @@ class ServerConfig:
         12 << 20, description="largest surface + header of a session"
     )
     max_json_depth: Positive = Field(64, description="deepest tool schema / arguments JSON")
+    # Cost follows the work (issue 11): fold snapshots and the bound on sessions in memory.
+    snapshot_interval_events: Annotated[int, Field(ge=0)] = Field(
+        1000, description="events between a session's fold snapshots; 0: never snapshot"
+    )
+    max_resident_sessions: Annotated[int, Field(ge=0)] = Field(
+        1024, description="sessions kept in memory at most (LRU); 0: no bound"
+    )
     keepalive_time_s: PositiveSeconds = Field(60.0, description="gRPC keepalive ping interval")
     keepalive_timeout_s: PositiveSeconds = Field(20.0, description="keepalive ping timeout")
     shutdown_grace_s: Annotated[float, Field(ge=0)] = Field(

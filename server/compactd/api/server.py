@@ -36,7 +36,7 @@ from compactd.providers.base import Summarizer
 from compactd.routes import RouteCatalog
 from compactd.service.compaction import CompactionEngine, SummaryErrorRecovery
 from compactd.service.offload import ImageOffloadRecovery
-from compactd.service.pressure import PressureService
+from compactd.service.pressure import PressureService, warm_up
 from compactd.service.recovery import RecoveryService
 from compactd.service.sessions import SessionManager
 from compactd.service.summarizers import SummarizerRegistry, SummarizerSettings, named_routes
@@ -185,8 +185,11 @@ async def _serve_on(
         policy_validator=parts.policy.with_overrides,
         limits=settings.limits(config),
         lease_s=config.bracket_lease_s,
+        snapshot_interval=config.snapshot_interval_events,
+        max_resident=config.max_resident_sessions,
     )
     manager.start()  # replicas: follow other replicas' appends (a shared store only)
+    await asyncio.to_thread(warm_up, parts.routes)  # the first pressure check is not a load
     metrics.observe_sessions(lambda: manager.resident)
     pressure = PressureService(manager, parts.routes, parts.policy)
     redactor = redaction.for_routes(parts.routes)

@@ -199,6 +199,15 @@ class SessionFold:
         self._set_node_bytes(seq, size)
         batch._undo.append(partial(self._undo_resize, seq, size, previous))
 
+    def restore_sizes(self) -> None:
+        """Recompute ``surface_bytes`` from the surface, offloads and header (after a snapshot
+        set them directly)."""
+        self._node_bytes = {
+            n.seq: node_bytes(n.event, self.offloads.get(n.seq, frozenset())) for n in self.surface
+        }
+        header = self.header.ByteSize() if self.header is not None else 0
+        self.surface_bytes = sum(self._node_bytes.values()) + header
+
     def _undo_resize(self, seq: int, size: int | None, previous: int | None) -> None:
         self.surface_bytes -= (size or 0) - (previous or 0)
         self._set_node_bytes(seq, previous)

@@ -91,6 +91,16 @@ class Surface:
         self.replacements += 1
         return SurfaceChange(start, node, shadowed)
 
+    def restore(self, nodes: Sequence[SurfaceNode], replacements: int) -> None:
+        """Become the surface of ``nodes`` (in position order) after ``replacements`` REPLACEs:
+        how a snapshot is restored, without replaying the log that made it."""
+        self._nodes = list(nodes)
+        self._position = {node.seq: i for i, node in enumerate(self._nodes)}
+        self._calls = {}
+        for node in self._nodes:
+            self._track_calls(node, +1)
+        self.replacements = replacements
+
     def undo(self, change: SurfaceChange) -> None:
         """Revert ``change``, which must be the most recent change not yet undone."""
         self._splice(change.position, (change.node,), change.shadowed)

@@ -5,6 +5,22 @@ A ``SessionManager`` restores a session from the store on first use (appending
 stale evidence), then keeps its ``SessionFold`` current as batches commit. Appends to one session
 are serialized by its lock; the store shares commits across sessions (group commit).
 
+Cost follows the work (issue 11):
+
+- A batch's prices are made in a worker thread while the store commits it (``add_preparer``;
+  the tokenizers release the GIL), so a large append never holds the event loop; the commit
+  observers then run with those prices, still under the session's lock, before the append
+  answers: a read after the commit sees its prices.
+- Every ``snapshot_interval`` events a fold snapshot (``core.snapshot``: the state, the surface as
+  seqs, the meter's node prices) is written in one store transaction. A restore reads the latest
+  snapshot, the events it names and the log after it, and folds them in worker threads; without a
+  usable snapshot it replays the log, also off the loop.
+- At most ``max_resident`` sessions stay in memory: the least recently used idle one (its lock
+  free, no stream following it, no bracket open) is snapshotted and dropped, and restored on
+  demand. Eviction is not a restart: a session restored after an eviction in the same process
+  gets no ``session/end-seed``. A handle someone still holds stays the session's one handle (a
+  weak reference finds it), so no session ever has two folds.
+
 On a store several replicas share (PostgreSQL), the fold is a cache of the log that other
 replicas also append to: ``service.replicas`` keeps it current (catch-up under the lock, appends
 retried on a stale fold, bracket leases, change notifications), and a restore appends
@@ -18,16 +34,21 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+import weakref
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from compactd.core import snapshot as snapshots
+from compactd.core.events import SessionEvent
 from compactd.core.fold import AdmittedBatch, SessionFold
 from compactd.core.limits import DEFAULT_LIMITS, AppendLimits
 from compactd.core.lock import live_bracket
+from compactd.core.pricing import NodeCost
 from compactd.core.validation import Origin, check_batch
 from compactd.errors import (
     AlreadyExists,
@@ -54,6 +75,31 @@ from compactd.v1 import events_pb2
 log = logging.getLogger(__name__)
 
 Observer = Callable[[SessionFold, AdmittedBatch], None]
+# Batches at least this large (events or serialized bytes) are priced in a worker thread; a
+# smaller one is priced on the loop, where it costs less than the hop to a thread.
+OFFLOAD_EVENTS = 16
+OFFLOAD_BYTES = 16 * 1024
+
+
+class PriceSource(Protocol):
+    """What a snapshot takes from the session's meter (``core.meter.SessionMeter``)."""
+
+    def persisted_prices(self) -> dict[str, dict[int, NodeCost]]:
+        """Node prices per pricing-profile key."""
+        ...
+
+    def anchor_state(self) -> tuple[int, int] | None:
+        """(anchor seq, its header seq), or None."""
+        ...
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a snapshot restore hands the session's meter: the node prices it persisted and its
+    usage anchor (seq, header seq, that header)."""
+
+    prices: dict[str, dict[int, NodeCost]]
+    anchor: tuple[int, int, events_pb2.RequestHeader | None] | None
 
 
 @dataclass(frozen=True)
@@ -96,11 +142,40 @@ class SessionHandle:
         self.revision = fold.revision
         self._store = store
         self._observers: list[Observer] = []
+        self._replaying: list[Observer] = []  # observers that also follow a restore's tail
+        self._preparers: list[Observer] = []
         self._changed = asyncio.Condition()
+        self.followers = 0  # streams following the revisions (``revisions``)
+        self.snapshot_revision = 0  # the revision of the latest snapshot written (or read)
+        self.prices: PriceSource | None = None  # the meter a snapshot takes prices from
+        self.restored: Restored | None = None  # what a snapshot restore left for the meter
 
-    def add_observer(self, observer: Observer) -> None:
-        """Call ``observer(fold, batch)`` after every batch commits (while the lock is held)."""
+    def add_observer(self, observer: Observer, *, replays: bool = False) -> None:
+        """Call ``observer(fold, batch)`` after every batch commits (while the lock is held).
+
+        With ``replays``, also for the events a restore folds after the snapshot it started
+        from (the meter's prices must follow them; a usage sample must not be taken twice)."""
         self._observers.append(observer)
+        if replays:
+            self._replaying.append(observer)
+
+    def add_preparer(self, preparer: Observer) -> None:
+        """Call ``preparer(fold, batch)`` in a worker thread while a large batch commits, before
+        the observers; it may only read (the lock keeps the fold still)."""
+        self._preparers.append(preparer)
+
+    def replay(self, batch: AdmittedBatch) -> None:
+        """Tell the replaying observers about a batch a restore folded (already durable)."""
+        self.revision = self.fold.revision
+        for observer in self._replaying:
+            observer(self.fold, batch)
+
+    @property
+    def idle(self) -> bool:
+        """Whether nothing uses the session now: no lock held, no stream, no open bracket."""
+        return (
+            not self.lock.locked() and not self.followers and live_bracket(self.fold.lock) is None
+        )
 
     async def append(
         self,
@@ -187,6 +262,7 @@ class SessionHandle:
             raise
 
     async def _commit(self, batch: AdmittedBatch, lease: LeaseOp | None = None) -> AppendResult:
+        prepared = self._prepare(batch)
         try:
             if lease is None:
                 await self._store.append(self.session_id, batch.events)
@@ -198,8 +274,12 @@ class SessionHandle:
                 self.leases.drop(lease.token)
             raise
         except BaseException:
+            if prepared is not None:  # the worker reads the fold: let it finish first
+                await asyncio.wait([prepared])
             self.fold.rollback(batch)
             raise
+        if prepared is not None:
+            await prepared
         self.leases.landed(lease)
         self._folded(batch)
         await self._notify()
@@ -282,14 +362,40 @@ class SessionHandle:
             extra={"session_id": self.session_id, "compaction_id": live.compaction_id},
         )
 
+    def _prepare(self, batch: AdmittedBatch) -> asyncio.Future[None] | None:
+        """Start the preparers in a worker thread for a large batch (None: small, or none)."""
+        if not self._preparers or not batch.surface_changes:
+            return None
+        events = batch.events
+        if len(events) < OFFLOAD_EVENTS and sum(e.ByteSize() for e in events) < OFFLOAD_BYTES:
+            return None
+        return asyncio.ensure_future(asyncio.to_thread(self.run_preparers, batch))
+
+    @property
+    def replays(self) -> bool:
+        """Whether an observer follows a restore's tail."""
+        return bool(self._replaying)
+
+    def run_preparers(self, batch: AdmittedBatch) -> None:
+        """Run the preparers on ``batch`` (in a worker thread; see ``add_preparer``)."""
+        for preparer in self._preparers:
+            try:
+                preparer(self.fold, batch)
+            except Exception:  # the observers price on their own: never fail a commit
+                log.exception("pricing a batch ahead of its commit failed")
+
     async def revisions(self) -> AsyncIterator[int]:
         """Yield the committed revision now, then the latest one after each commit (coalesced)."""
         seen = -1
-        while True:
-            async with self._changed:
-                await self._changed.wait_for(partial(self._moved_past, seen))
-                seen = self.revision
-            yield seen
+        self.followers += 1
+        try:
+            while True:
+                async with self._changed:
+                    await self._changed.wait_for(partial(self._moved_past, seen))
+                    seen = self.revision
+                yield seen
+        finally:
+            self.followers -= 1
 
     def _moved_past(self, seen: int) -> bool:
         return self.revision != seen
@@ -344,7 +450,13 @@ def _same_content(sent: events_pb2.SessionEvent, kept: events_pb2.SessionEvent) 
 
 
 class SessionManager:
-    """Creates sessions and restores them from the store, once per process."""
+    """Creates sessions, restores them from the store and keeps at most ``max_resident`` of
+    them in memory (see the module docstring).
+
+    Args:
+        snapshot_interval: Events between fold snapshots (0: never snapshot).
+        max_resident: Sessions held in memory at most (0: no bound).
+    """
 
     def __init__(
         self,
@@ -354,15 +466,25 @@ class SessionManager:
         policy_validator: Callable[[Mapping[str, Any]], object] | None = None,
         limits: AppendLimits = DEFAULT_LIMITS,
         lease_s: float = 30.0,
+        snapshot_interval: int = 0,
+        max_resident: int = 0,
     ) -> None:
         self.store = store
         self.limits = limits
         self.lease_s = lease_s
+        self.snapshot_interval = snapshot_interval
+        self.max_resident = max_resident
         self._policy_validator = policy_validator
         self.instance_id = instance_id or uuid.uuid4().hex[:12]
-        self._handles: dict[str, SessionHandle] = {}
+        self._handles: OrderedDict[str, SessionHandle] = OrderedDict()  # least recent first
+        # Every handle still referenced (a stream, a running call): the one handle of its session.
+        self._alive: weakref.WeakValueDictionary[str, SessionHandle] = weakref.WeakValueDictionary()
+        self._evicted: set[str] = set()  # sessions this process evicted (no new lifecycle)
         self._loading: dict[str, asyncio.Future[SessionHandle]] = {}
-        self._on_restore: list[Callable[[SessionHandle], None]] = []
+        self._on_restore: list[Callable[[SessionHandle], Awaitable[None] | None]] = []
+        self._snapshotting: dict[str, asyncio.Task[None]] = {}
+        self._evicting: asyncio.Task[None] | None = None
+        self.evictions = 0
         self._listener = ChangeListener(store, lambda: self._handles)
 
     def start(self) -> None:
@@ -374,8 +496,9 @@ class SessionManager:
         """How many sessions are held in memory (the live-sessions gauge)."""
         return len(self._handles)
 
-    def on_restore(self, callback: Callable[[SessionHandle], None]) -> None:
-        """Call ``callback(handle)`` for every session restored from now on."""
+    def on_restore(self, callback: Callable[[SessionHandle], Awaitable[None] | None]) -> None:
+        """Call ``callback(handle)`` for every session restored from now on, before the session
+        is used; a callback may be a coroutine function (awaited: e.g. pricing in a thread)."""
         self._on_restore.append(callback)
 
     def validate_policy(self, policy: dict[str, object]) -> None:
@@ -416,6 +539,12 @@ class SessionManager:
         """The session's handle, restoring it from the log on first use (``NotFound``)."""
         handle = self._handles.get(session_id)
         if handle is not None:
+            self._handles.move_to_end(session_id)
+        else:
+            handle = self._alive.get(session_id)
+            if handle is not None:  # evicted while in use: still the session's one handle
+                self._keep(handle)
+        if handle is not None:
             if self.store.shared:  # other replicas may have appended: answer from the log
                 async with handle.lock:
                     pass
@@ -431,8 +560,15 @@ class SessionManager:
 
     async def _restore_once(self, session_id: str) -> SessionHandle:
         handle = await self._restore(session_id)
-        self._handles[session_id] = handle
+        self._keep(handle)
         return handle
+
+    def _keep(self, handle: SessionHandle) -> None:
+        self._handles[handle.session_id] = handle
+        self._alive[handle.session_id] = handle
+        over = bool(self.max_resident) and len(self._handles) > self.max_resident
+        if over and (self._evicting is None or self._evicting.done()):
+            self._evicting = asyncio.ensure_future(self._evict_over())
 
     async def _restore(self, session_id: str) -> SessionHandle:
         record = await self.store.get_session(session_id)
@@ -440,24 +576,25 @@ class SessionManager:
             raise NotFound(
                 f"session {session_id!r} does not exist", metadata={"session_id": session_id}
             )
-        fold = SessionFold()
-        chunk: list[events_pb2.SessionEvent] = []
-        async for event in self.store.read(session_id):
-            chunk.append(event)
-            if len(chunk) >= 512:
-                fold.admit(chunk, check=False)
-                chunk = []
-        if chunk:
-            fold.admit(chunk, check=False)
+        fold, restored, same_lifecycle = await self._from_snapshot(session_id)
         handle = SessionHandle(
             record, self.store, fold, self.limits, owner=self.instance_id, lease_s=self.lease_s
         )
+        handle.restored = restored
+        handle.snapshot_revision = fold.revision if restored is not None else 0
+        handle.add_observer(partial(self._committed, weakref.ref(handle)))
+        same_lifecycle = same_lifecycle or session_id in self._evicted
+        for callback in self._on_restore:
+            pending = callback(handle)
+            if pending is not None:
+                await pending
+        await self._fold_tail(handle)
         if self.store.shared:
             # Other replicas serve this session too: a restore is no new lifecycle. A bracket
             # whose owner died is taken over once its lease expired (``catch_up_locked``).
             async with handle.lock:
                 pass
-        elif fold.revision:
+        elif handle.fold.revision and not same_lifecycle:
             # A new lifecycle: brackets opened by an earlier process become stale evidence.
             seed = events_pb2.SessionEvent(
                 session_end_seed=events_pb2.SessionEndSeed(
@@ -465,17 +602,146 @@ class SessionManager:
                 )
             )
             result = await handle.append([seed])
-            fold.restored_at = result.seqs[0]
+            handle.fold.restored_at = result.seqs[0]
             log.info(
-                "session restored", extra={"session_id": session_id, "revision": fold.revision}
+                "session restored",
+                extra={"session_id": session_id, "revision": handle.fold.revision},
             )
-        for callback in self._on_restore:
-            callback(handle)
         return handle
 
+    async def _from_snapshot(self, session_id: str) -> tuple[SessionFold, Restored | None, bool]:
+        """The fold of the session's latest usable snapshot (an empty fold without one), what
+        it left for the meter, and whether this process wrote it (the same lifecycle)."""
+        kept = await self.store.get_snapshot(session_id)
+        if kept is None:
+            return SessionFold(), None, False
+        try:
+            snap = await asyncio.to_thread(snapshots.decode, kept[1])
+            stored = await self.store.read_seqs(session_id, snap.needed_seqs())
+            fold = await asyncio.to_thread(snapshots.rebuild, snap, {e.seq: e for e in stored})
+        except snapshots.SnapshotInvalid as err:
+            log.warning(
+                "snapshot unusable, replaying the log: %s", err, extra={"session_id": session_id}
+            )
+            return SessionFold(), None, False
+        anchor = None
+        if snap.anchor is not None:
+            seq, header_seq = snap.anchor
+            header = fold.header if header_seq == fold.header_seq else None
+            if header is None and header_seq >= 0:
+                found = [e for e in stored if e.seq == header_seq]
+                header = found[0].request_header if found else None
+            anchor = (seq, header_seq, header)
+        restored = Restored(snap.node_prices(), anchor)
+        return fold, restored, snap.instance_id == self.instance_id
+
+    async def _fold_tail(self, handle: SessionHandle) -> None:
+        """Fold the log after the handle's fold (all of it without a snapshot) in worker
+        threads, telling the replaying observers (the meter) about it."""
+        fold = handle.fold
+        chunk: list[SessionEvent] = []
+        async for event in self.store.read(handle.session_id, fold.revision):
+            chunk.append(event)
+            if len(chunk) >= 4096:
+                await self._fold_chunk(handle, chunk)
+                chunk = []
+        if chunk:
+            await self._fold_chunk(handle, chunk)
+        handle.revision = fold.revision
+
+    async def _fold_chunk(self, handle: SessionHandle, chunk: list[SessionEvent]) -> None:
+        batch = await asyncio.to_thread(partial(handle.fold.admit, chunk, check=False))
+        if handle.replays:
+            await asyncio.to_thread(handle.run_preparers, batch)
+        handle.replay(batch)
+
+    # ---- snapshots and eviction ----------------------------------------------------------
+
+    def _committed(
+        self, ref: weakref.ref[SessionHandle], fold: SessionFold, batch: AdmittedBatch
+    ) -> None:
+        """After a commit: start a snapshot once ``snapshot_interval`` events have passed."""
+        del batch
+        interval = self.snapshot_interval
+        handle = ref()  # a weak reference: the handle's observers must not keep it alive
+        if handle is None or not interval:
+            return
+        if fold.revision - handle.snapshot_revision >= interval:
+            self._start_snapshot(handle)
+
+    def _start_snapshot(self, handle: SessionHandle) -> None:
+        running = self._snapshotting.get(handle.session_id)
+        if running is not None and not running.done():
+            return
+        task = asyncio.ensure_future(self.snapshot(handle))
+        self._snapshotting[handle.session_id] = task
+        task.add_done_callback(partial(self._snapshot_done, handle.session_id))
+
+    def _snapshot_done(self, session_id: str, task: asyncio.Task[None]) -> None:
+        if self._snapshotting.get(session_id) is task:
+            del self._snapshotting[session_id]
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("snapshot failed: %s", task.exception(), extra={"session_id": session_id})
+
+    async def snapshot(self, handle: SessionHandle) -> None:
+        """Write the session's fold snapshot now (built in a worker thread under its lock)."""
+        async with handle.lock:
+            revision = handle.revision
+            if revision == 0:
+                return
+            data = await asyncio.to_thread(self._capture, handle)
+        await self.store.put_snapshot(handle.session_id, revision, data)
+        handle.snapshot_revision = max(handle.snapshot_revision, revision)
+
+    def _capture(self, handle: SessionHandle) -> bytes:
+        source = handle.prices
+        prices = source.persisted_prices() if source is not None else {}
+        anchor = source.anchor_state() if source is not None else None
+        snap = snapshots.capture(handle.fold, self.instance_id, prices, anchor)
+        return snapshots.encode(snap)
+
+    async def evict(self, session_id: str) -> bool:
+        """Snapshot the session and drop it from memory if it is idle (False: in use, or not
+        resident). The next ``get`` restores it, in the same lifecycle."""
+        handle = self._handles.get(session_id)
+        if handle is None or not handle.idle:
+            return False
+        running = self._snapshotting.get(session_id)
+        if running is not None:  # it holds the handle: let it finish, then drop both
+            await asyncio.wait([running])
+        if handle.snapshot_revision < handle.revision:
+            await self.snapshot(handle)
+        if not handle.idle or self._handles.get(session_id) is not handle:
+            return False
+        del self._handles[session_id]
+        self._evicted.add(session_id)
+        self.evictions += 1
+        return True
+
+    async def _evict_over(self) -> None:
+        """Evict least recently used idle sessions until at most ``max_resident`` remain."""
+        while len(self._handles) > self.max_resident:
+            victims = [sid for sid, h in self._handles.items() if h.idle]
+            over = len(self._handles) - self.max_resident
+            if not victims:
+                return  # every session is in use; the next keep tries again
+            for session_id in victims[:over]:
+                try:
+                    await self.evict(session_id)
+                except Exception as err:  # a snapshot that failed: keep the session resident
+                    log.warning("eviction failed: %s", err, extra={"session_id": session_id})
+                    return
+
     async def close(self) -> None:
-        """Forget every handle (the store is closed by its owner)."""
+        """Finish snapshots under way, then forget every handle (the store is closed by its
+        owner)."""
+        if self._evicting is not None:
+            await asyncio.wait([self._evicting])
+        running = list(self._snapshotting.values())
+        if running:
+            await asyncio.wait(running)
         await self._listener.stop()
         for handle in self._handles.values():
             handle.leases.close()
         self._handles.clear()
+        self._alive.clear()

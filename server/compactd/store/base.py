@@ -323,6 +323,28 @@ class EventStore(abc.ABC):
             NotFound: if the session does not exist.
         """
 
+    # ---- fold snapshots (issue 11): optional; a store without them restores by replay ----
+
+    async def put_snapshot(self, session_id: str, revision: int, data: bytes) -> None:
+        """Keeps ``data``, the session's fold snapshot at ``revision``, replacing the one kept.
+
+        Atomic: after a crash at any point, ``get_snapshot`` answers the old snapshot or the new
+        one whole, never a mix. A snapshot never precedes its events: the caller writes it only
+        after ``[0, revision)`` committed. Opaque to the store (``core.snapshot`` writes it). The
+        default keeps nothing, which is always correct (restores replay the whole log).
+
+        Raises:
+            NotFound: if the session does not exist.
+            Unavailable: if the store is closed or the database failed; the old snapshot stays.
+        """
+        del session_id, revision, data
+
+    async def get_snapshot(self, session_id: str) -> tuple[int, bytes] | None:
+        """The kept snapshot as ``(revision, data)``, or None (none kept, or the session does
+        not exist)."""
+        del session_id
+        return None
+
     @property
     @abc.abstractmethod
     def stats(self) -> StoreStats:

@@ -24,6 +24,7 @@ class _Session:
     record: base.SessionRecord
     rows: list[base.EventRow] = field(default_factory=list)
     ids: dict[str, int] = field(default_factory=dict)
+    snapshot: tuple[int, bytes] | None = None
 
 
 class MemoryEventStore(base.EventStore):
@@ -137,6 +138,17 @@ class MemoryEventStore(base.EventStore):
     async def renew_lease(self, session_id: str, owner: str, token: str, ttl_s: float) -> bool:
         self._check_open()
         return self._leases.renew(session_id, owner, token, ttl_s)
+
+    async def put_snapshot(self, session_id: str, revision: int, data: bytes) -> None:
+        self._check_open()
+        with self._lock:
+            self._session(session_id).snapshot = (revision, bytes(data))
+
+    async def get_snapshot(self, session_id: str) -> tuple[int, bytes] | None:
+        self._check_open()
+        with self._lock:
+            session = self._sessions.get(session_id)
+            return None if session is None else session.snapshot
 
     def _session(self, session_id: str) -> _Session:
         session = self._sessions.get(session_id)

@@ -297,6 +297,31 @@ class PostgresEventStore(base.EventStore):
                 await _require_session(conn, session_id)
                 return await _select_event_ids(conn, session_id, wanted)
 
+    # --- fold snapshots (issue 11) ---------------------------------------------------------------
+
+    async def put_snapshot(self, session_id: str, revision: int, data: bytes) -> None:
+        # One statement: atomic. Replicas may race to snapshot a session; the newest revision
+        # wins, so a slow writer never replaces a newer snapshot with an older one.
+        with _db_errors("write a snapshot"):
+            async with self._connection() as conn:
+                await _require_session(conn, session_id)
+                await conn.execute(
+                    "INSERT INTO snapshots (session_id, revision, data) VALUES (%s, %s, %s)"
+                    " ON CONFLICT (session_id) DO UPDATE"
+                    " SET revision = EXCLUDED.revision, data = EXCLUDED.data"
+                    " WHERE snapshots.revision <= EXCLUDED.revision",
+                    (session_id, revision, data),
+                )
+
+    async def get_snapshot(self, session_id: str) -> tuple[int, bytes] | None:
+        with _db_errors("read a snapshot"):
+            async with self._connection() as conn:
+                cursor = await conn.execute(
+                    "SELECT revision, data FROM snapshots WHERE session_id = %s", (session_id,)
+                )
+                row = await cursor.fetchone()
+        return None if row is None else (int(row[0]), bytes(row[1]))
+
     # --- leases and notifications ---------------------------------------------------------------
 
     async def get_lease(self, session_id: str) -> Lease | None:

@@ -51,6 +51,14 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         "ALTER TABLE sessions ADD COLUMN lease_token TEXT",
         "ALTER TABLE sessions ADD COLUMN lease_expires TIMESTAMPTZ",
     ),
+    # 3: fold snapshots (issue 11): the newest one per session, whichever replica wrote it.
+    (
+        """CREATE TABLE snapshots (
+            session_id TEXT COLLATE "C" PRIMARY KEY REFERENCES sessions (session_id),
+            revision   BIGINT NOT NULL,
+            data       BYTEA NOT NULL
+        )""",
+    ),
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)

@@ -53,6 +53,11 @@ CREATE TABLE IF NOT EXISTS events (
 );
 CREATE UNIQUE INDEX IF NOT EXISTS events_event_id
     ON events (session_id, event_id) WHERE event_id IS NOT NULL;
+CREATE TABLE IF NOT EXISTS snapshots (
+    session_id TEXT PRIMARY KEY REFERENCES sessions (session_id),
+    revision   INTEGER NOT NULL,
+    data       BLOB NOT NULL
+);
 """
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -230,6 +235,15 @@ class SqliteEventStore(base.EventStore):
     async def find_event_ids(self, session_id: str, event_ids: Sequence[str]) -> dict[str, int]:
         wanted = sorted({i for i in event_ids if i})
         return await self._read(functools.partial(_select_event_ids, session_id, wanted))
+
+    async def put_snapshot(self, session_id: str, revision: int, data: bytes) -> None:
+        # One job of the writer: its own savepoint inside one committed transaction, so a crash
+        # leaves the old row or the new one (``_replace_snapshot``).
+        op = functools.partial(_replace_snapshot, session_id, revision, data)
+        await self._write(op, events=None)
+
+    async def get_snapshot(self, session_id: str) -> tuple[int, bytes] | None:
+        return await self._read(functools.partial(_select_snapshot, session_id))
 
     def _take_ownership(self) -> None:
         folder = os.path.dirname(os.path.abspath(self._path))
@@ -461,6 +475,30 @@ def _insert_events(session_id: str, rows: list[base.EventRow], conn: sqlite3.Con
 
 
 # --- read queries (run on a pooled read connection, inside one read transaction) ----------------
+
+
+# A test hook: called between the two statements of a snapshot write, to prove a write that dies
+# there leaves the old snapshot whole.
+_between_snapshot_steps: Callable[[], None] = lambda: None  # noqa: E731
+
+
+def _replace_snapshot(
+    session_id: str, revision: int, data: bytes, conn: sqlite3.Connection
+) -> None:
+    _require_revision(session_id, conn)
+    conn.execute("DELETE FROM snapshots WHERE session_id = ?", (session_id,))
+    _between_snapshot_steps()
+    conn.execute(
+        "INSERT INTO snapshots (session_id, revision, data) VALUES (?, ?, ?)",
+        (session_id, revision, data),
+    )
+
+
+def _select_snapshot(session_id: str, conn: sqlite3.Connection) -> tuple[int, bytes] | None:
+    row = conn.execute(
+        "SELECT revision, data FROM snapshots WHERE session_id = ?", (session_id,)
+    ).fetchone()
+    return None if row is None else (int(row[0]), bytes(row[1]))
 
 
 def _require_revision(session_id: str, conn: sqlite3.Connection) -> int:
