@@ -104,6 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = {key: getattr(args, key, None) for key in flags}
     try:
         settings = config.load(args.config, overrides=overrides)
+        if args.command == "migrate":  # needs the store only: no provider keys, no routes
+            print(asyncio.run(_migrate(settings)))
+            return 0
         from compactd.api.server import components, serve
         from compactd.effective import effective_toml
 
@@ -114,10 +117,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"# ignored: {name} is not a compactd setting")
             print(effective_toml(settings, routes=list(parts.routes), summarizer=parts.summarizer,
                                  pruner=parts.pruner), end="")  # fmt: skip
-            return 0
-
-        if args.command == "migrate":
-            print(asyncio.run(_migrate(settings)))
             return 0
 
         logs.configure(settings.log_level, settings.log_format)

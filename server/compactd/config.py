@@ -136,6 +136,9 @@ class ServerConfig:
     postgres_statement_timeout_ms: Positive = Field(
         5000, description="PostgreSQL statement and lock timeout, in milliseconds"
     )
+    postgres_connect_timeout_s: PositiveSeconds = Field(
+        5.0, description="longest a PostgreSQL call waits for a connection before UNAVAILABLE"
+    )
     bracket_lease_s: PositiveSeconds = Field(
         30.0, description="seconds a replica's compaction bracket lease runs between renewals"
     )

@@ -194,3 +194,33 @@ async def test_a_bracket_whose_owner_stops_renewing_is_taken_over_and_its_owner_
         assert kinds[seed + 1 :].count("compaction_end") == 1  # B's bracket, closed
         assert log[seed].session_end_seed.reason == "lease-expired"
         await b.append(turn_start(1))  # the session goes on
+
+
+async def test_a_database_outage_answers_unavailable_then_every_replica_recovers(
+    tmp_path: Path, loop: OpenAICompatServer, database: str
+) -> None:
+    url = postgres.fresh_schema(database)
+    async with replicas(tmp_path, loop, url, postgres_connect_timeout_s=0.5) as (a, b):
+        await a.create(*opening())
+        await b.events()
+
+        with postgres.refusing_connections(database):
+            postgres.terminate_backends(database)
+            for h in (a, b):
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    await h.append(user("while the database is away"))
+                got = details(raised.value)
+                assert (got.code, got.reason) == (grpc.StatusCode.UNAVAILABLE, "STORE_UNAVAILABLE")
+
+        for h in (a, b):
+            for _ in range(100):  # the pools reconnect with a backoff of their own
+                try:
+                    await h.append(user("back"))
+                    break
+                except grpc.aio.AioRpcError as error:
+                    if details(error).reason != "STORE_UNAVAILABLE":
+                        raise
+                await asyncio.sleep(0.1)
+        log = await a.events()
+        assert [body(e) for e in log[-2:]] == ["user_message", "user_message"]
+        assert [e.seq for e in log] == list(range(len(log)))

@@ -20,6 +20,7 @@ def open_store(
     migrate: bool = False,
     pool_max: int = 8,
     statement_timeout_ms: int = 5000,
+    connect_timeout_s: float = 5.0,
 ) -> EventStore:
     """An unopened store for ``url`` (call ``await store.open()``).
 
@@ -34,7 +35,11 @@ def open_store(
         from compactd.store.postgres import PostgresEventStore
 
         return PostgresEventStore(
-            url, migrate=migrate, pool_max=pool_max, statement_timeout_ms=statement_timeout_ms
+            url,
+            migrate=migrate,
+            pool_max=pool_max,
+            statement_timeout_ms=statement_timeout_ms,
+            connect_timeout_s=connect_timeout_s,
         )
     if url == "memory://":
         from compactd.store.memory import MemoryEventStore
@@ -53,4 +58,5 @@ def store_for(config: ServerConfig) -> EventStore:
         migrate=config.store_migrate,
         pool_max=config.postgres_pool_max,
         statement_timeout_ms=config.postgres_statement_timeout_ms,
+        connect_timeout_s=config.postgres_connect_timeout_s,
     )
