@@ -184,12 +184,3 @@ async def _internal(context: grpc.aio.ServicerContext[Any, Any], name: str) -> N
 
 def _is_async_gen(fn: Callable[..., Any]) -> bool:
     return inspect.isasyncgenfunction(fn)
-
-
-def unimplemented(name: str) -> Any:
-    """A handler body for an RPC a later release implements."""
-
-    async def handler(self: Any, request: Any, context: Any) -> None:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{name} is not implemented yet")
-
-    return handler
