@@ -25,7 +25,7 @@ from compactd.v1 import events_pb2
 from compactd.v1 import session_service_pb2 as spb
 from tests import postgres
 from tests.api.rpc import details
-from tests.builders import turn_start, user
+from tests.builders import assistant, step_end, step_start, turn_end, turn_start, user
 from tests.compaction_fixtures import Harness, body, opening, server_config, units
 
 
@@ -88,6 +88,23 @@ async def test_a_read_through_one_replica_shows_what_another_just_appended(
         after = await a.surface()
         assert after.revision == before.revision + 1
         assert len(after.nodes) == len(before.nodes) + 1
+
+
+async def test_a_step_opened_through_one_replica_goes_on_through_another(
+    tmp_path: Path, loop: OpenAICompatServer, database: str
+) -> None:
+    async with replicas(tmp_path, loop, postgres.fresh_schema(database)) as (a, b):
+        await a.create(*opening())
+        await a.append(turn_start(1))  # A caches the session with the turn open, no step yet
+        await b.append(user("go"), step_start(1, 1))
+
+        # A's cached fold has no open step: decided on it, the answer would be STEP_BRACKET.
+        await a.append(assistant("done"), step_end(1, 1), turn_end(1))
+
+        kinds = [body(e) for e in await b.events()][-6:]
+        assert kinds == [
+            "turn_start", "user_message", "step_start", "assistant_message", "step_end", "turn_end"
+        ]  # fmt: skip
 
 
 async def test_expected_last_seq_holds_across_replicas(

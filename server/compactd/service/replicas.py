@@ -26,7 +26,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -67,6 +67,13 @@ class CatchUpLock:
     def locked(self) -> bool:
         """Whether some task holds the lock."""
         return self._lock.locked()
+
+    @contextlib.asynccontextmanager
+    async def as_cached(self) -> AsyncIterator[None]:
+        """Hold the lock without catching up: for a write whose store check proves the fold
+        current (a batch decided on a stale fold is refused, and then decided again)."""
+        async with self._lock:
+            yield
 
     async def __aenter__(self) -> None:
         await self._lock.acquire()

@@ -53,6 +53,7 @@ from compactd.core.validation import Origin, check_batch
 from compactd.errors import (
     AlreadyExists,
     Busy,
+    CompactdError,
     ConfigError,
     Fenced,
     FieldViolation,
@@ -193,9 +194,27 @@ class SessionHandle:
         bounds the batch by ``self.limits`` (blocks, events, the surface).
         """
         check_batch(events, max_events=max_events, origin=origin, limits=self.limits)
+        if self._store.shared and origin is Origin.CLIENT:
+            return await self._append_optimistic(events, expected_last_seq)
         async with self.lock:
             return await self.append_locked(
                 events, expected_last_seq=expected_last_seq, origin=origin
+            )
+
+    async def _append_optimistic(
+        self, events: Sequence[events_pb2.SessionEvent], expected_last_seq: int | None
+    ) -> AppendResult:
+        """A runtime's batch on a shared store: first decided on the cached fold, without a
+        revision read. The store lands it only at the fold's revision, so a batch that lands
+        was decided on the current log; any refusal (a seq conflict, or a check the stale fold
+        failed) is decided again on the caught-up fold, where it stands or falls for real."""
+        async with self.lock.as_cached():
+            try:
+                return await self._append_once(events, expected_last_seq, Origin.CLIENT)
+            except CompactdError:
+                await self._catch_up()
+            return await self.append_locked(
+                events, expected_last_seq=expected_last_seq, origin=Origin.CLIENT
             )
 
     async def append_locked(
@@ -535,8 +554,12 @@ class SessionManager:
                 ) from None
             return existing
 
-    async def get(self, session_id: str) -> SessionHandle:
-        """The session's handle, restoring it from the log on first use (``NotFound``)."""
+    async def get(self, session_id: str, *, fresh: bool = True) -> SessionHandle:
+        """The session's handle, restoring it from the log on first use (``NotFound``).
+
+        On a shared store the fold is caught up first; ``fresh=False`` skips that for a caller
+        that takes the handle's lock next anyway (taking it catches up).
+        """
         handle = self._handles.get(session_id)
         if handle is not None:
             self._handles.move_to_end(session_id)
@@ -545,7 +568,7 @@ class SessionManager:
             if handle is not None:  # evicted while in use: still the session's one handle
                 self._keep(handle)
         if handle is not None:
-            if self.store.shared:  # other replicas may have appended: answer from the log
+            if fresh and self.store.shared:  # other replicas may have appended: read the log
                 async with handle.lock:
                     pass
             return handle
