@@ -241,3 +241,30 @@ async def test_a_database_outage_answers_unavailable_then_every_replica_recovers
         log = await a.events()
         assert [body(e) for e in log[-2:]] == ["user_message", "user_message"]
         assert [e.seq for e in log] == list(range(len(log)))
+
+
+async def test_a_bracket_longer_than_its_lease_keeps_it_by_renewing(
+    tmp_path: Path, loop: OpenAICompatServer, database: str
+) -> None:
+    loop.enqueue(Reply(delay_before=1.5))  # five leases long
+    async with replicas(tmp_path, loop, postgres.fresh_schema(database), bracket_lease_s=0.3) as (
+        a,
+        b,
+    ):
+        await a.create(*opening(), *units(6))
+        running = asyncio.create_task(a.compact())
+        await a.wait_for_log(lambda log: "compaction_start" in map(body, log))
+        refusals = []
+        for _ in range(4):  # B keeps trying while A's summary is written: A's lease holds
+            await asyncio.sleep(0.25)
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await b.compact()
+            refusals.append(details(raised.value).reason)
+
+        done = await running
+
+        assert refusals == ["COMPACTION_BUSY"] * 4
+        assert done.result.outcome.compaction_id
+        kinds = [body(e) for e in await b.events()]
+        assert "session_end_seed" not in kinds
+        assert kinds.count("compaction_end") == 1

@@ -633,6 +633,8 @@ class CompactionEngine:
                         [bracket.end_event(compaction_id, message, reason, gate=gate)]
                     )
             except Exception as close_error:
+                # Replicas: stop renewing, so the orphan's lease lapses and it is taken over.
+                handle.leases.drop(compaction_id)
                 _record_error(span, close_error)
                 log.error(
                     "compaction/end could not be appended; the bracket stays open until the "
