@@ -97,3 +97,15 @@ async def test_a_refused_lease_appends_nothing_and_a_refused_batch_takes_no_leas
 
     assert (await store.get_session("s")).revision == 0  # type: ignore[union-attr]
     assert await store.get_lease("s") is None
+
+
+async def test_a_new_lifecycle_by_fiat_clears_any_lease(store: EventStore) -> None:
+    await _opened(store)
+
+    await store.append("s", batch(1, 1), lease=op(LeaseAction.CLEAR, "restarted", ""))
+
+    assert await store.get_lease("s") is None
+    await store.append("s", batch(2, 1), lease=op(LeaseAction.ACQUIRE, "b", "k2"))
+    lease = await store.get_lease("s")
+    assert lease is not None
+    assert (lease.owner, lease.token) == ("b", "k2")
