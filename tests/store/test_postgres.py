@@ -159,18 +159,18 @@ async def test_replicas_racing_on_one_session_keep_its_seqs_gapless(url: str) ->
 async def test_a_replica_hears_of_another_replicas_appends_but_not_its_own(url: str) -> None:
     async with PostgresEventStore(url) as a, PostgresEventStore(url) as b:
         await a.create_session("s", None)
-        heard: asyncio.Queue[str] = asyncio.Queue()
+        heard: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
 
         async def listen() -> None:
-            async for session_id in a.changes():
-                await heard.put(session_id)
+            async for key in a.changes():
+                await heard.put(key)
 
         listener = asyncio.create_task(listen())
         try:
-            assert await asyncio.wait_for(heard.get(), 5) == ""  # connected: catch up on all
+            assert await asyncio.wait_for(heard.get(), 5) == ("", "")  # connected: catch up
             await a.append("s", batch(0, 1))
             await b.append("s", batch(1, 1))
-            assert await asyncio.wait_for(heard.get(), 5) == "s"
+            assert await asyncio.wait_for(heard.get(), 5) == ("default", "s")
             assert heard.empty()
         finally:
             listener.cancel()

@@ -25,8 +25,7 @@ import asyncio
 import contextlib
 import logging
 import random
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -188,17 +187,22 @@ class LeaseKeeper:
 
 
 class ChangeListener:
-    """Catches resident sessions up when other replicas append to them (store notifications)."""
+    """Catches resident sessions up when other replicas append to them (store notifications).
+
+    ``find(tenant, session_id)`` answers the resident handle (or None); ``resident()`` every one.
+    """
 
     def __init__(
         self,
         store: EventStore,
-        resident: Callable[[], dict[str, SessionHandle]],
+        find: Callable[[str, str], SessionHandle | None],
+        resident: Callable[[], Iterable[SessionHandle]],
     ) -> None:
         self._store = store
+        self._find = find
         self._resident = resident
         self._task: asyncio.Task[None] | None = None
-        self._pending: set[str] = set()
+        self._pending: set[int] = set()  # ids of handles with a refresh in flight
         self._refreshes: set[asyncio.Task[None]] = set()
 
     def start(self) -> None:
@@ -207,7 +211,7 @@ class ChangeListener:
             self._task = asyncio.ensure_future(self._listen())
 
     async def stop(self) -> None:
-        """Stop listening and wait for refreshes in flight."""
+        """Stop listening and the refreshes in flight."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -217,28 +221,27 @@ class ChangeListener:
             refresh.cancel()
 
     async def _listen(self) -> None:
-        async for session_id in self._store.changes():
-            handles = self._resident()
-            targets = list(handles) if session_id == "" else [session_id]
-            for target in targets:
-                handle = handles.get(target)
-                if handle is not None and target not in self._pending:
+        async for tenant, session_id in self._store.changes():
+            if not session_id:
+                targets = list(self._resident())
+            else:
+                found = self._find(tenant, session_id)
+                targets = [] if found is None else [found]
+            for handle in targets:
+                if id(handle) not in self._pending:
                     self._schedule(handle)
 
     def _schedule(self, handle: SessionHandle) -> None:
         # Coalesced: one refresh in flight per session; it reads everything up to the revision.
-        self._pending.add(handle.session_id)
+        self._pending.add(id(handle))
         task = asyncio.ensure_future(self._refresh(handle))
         self._refreshes.add(task)
         task.add_done_callback(self._refreshes.discard)
 
     async def _refresh(self, handle: SessionHandle) -> None:
-        self._pending.discard(handle.session_id)
-        started = time.monotonic()
+        self._pending.discard(id(handle))
         try:
             async with handle.lock:
                 pass
         except Exception as error:  # the next wake-up (or the next call) catches up instead
-            log.warning("catching up after a change notification failed: %s", error)
-            return
-        log.debug("caught up on notification", extra={"seconds": time.monotonic() - started})
+            log.debug("catching up after a change notification failed: %s", error)

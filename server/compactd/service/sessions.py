@@ -504,7 +504,9 @@ class SessionManager:
         self._snapshotting: dict[str, asyncio.Task[None]] = {}
         self._evicting: asyncio.Task[None] | None = None
         self.evictions = 0
-        self._listener = ChangeListener(store, lambda: self._handles)
+        self._listener = ChangeListener(
+            store, lambda _tenant, session_id: self._handles.get(session_id), self._handles.values
+        )
 
     def start(self) -> None:
         """Begin following other replicas' appends (a shared store; call on the event loop)."""

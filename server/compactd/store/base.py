@@ -367,14 +367,15 @@ class EventStore(abc.ABC):
         """Extends the lease for ``ttl_s`` from now if it still names ``owner`` and ``token``;
         False when it was lost (the bracket is fenced)."""
 
-    async def changes(self) -> AsyncIterator[str]:
-        """Ids of sessions whose logs other processes appended to, as they commit.
+    async def changes(self) -> AsyncIterator[tuple[str, str]]:
+        """(tenant, session id) of sessions other processes appended to or deleted, as they
+        commit.
 
-        A wake-up only: the subscriber catches up by seq. ``""`` means "any session may have
-        changed" (after a lost connection). A store one process owns never yields.
+        A wake-up only: the subscriber catches up by seq. ``("", "")`` means "any session may
+        have changed" (after a lost connection). A store one process owns never yields.
         """
         await asyncio.Event().wait()
-        yield ""  # pragma: no cover - unreachable: gives the method its generator type
+        yield "", ""  # pragma: no cover - unreachable: gives the method its generator type
 
     async def __aenter__(self) -> Self:
         await self.open()

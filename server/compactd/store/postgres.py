@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from datetime import UTC, datetime
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import psycopg
 import psycopg.conninfo
@@ -38,12 +39,14 @@ from psycopg.rows import TupleRow
 from compactd import errors
 from compactd.store import base, postgres_schema
 from compactd.store.leases import Lease, LeaseAction, LeaseOp, apply
+from compactd.tenancy import DEFAULT_TENANT
 from compactd.v1 import events_pb2
 
 log = logging.getLogger(__name__)
 
 CHANNEL: Final = "compactd_events"
-_SESSION_COLUMNS = "session_id, create_time, policy_json, revision"
+DEFAULT_TENANT_ID: Final = DEFAULT_TENANT.id
+_SESSION_COLUMNS = "session_id, create_time, policy_json, revision, tenant, update_time"
 
 Conn = psycopg.AsyncConnection[TupleRow]
 
@@ -152,42 +155,62 @@ class PostgresEventStore(base.EventStore):
 
     # --- sessions -------------------------------------------------------------------------------
 
-    async def create_session(self, session_id: str, policy_json: str | None) -> base.SessionRecord:
-        record = base.SessionRecord(session_id, self._clock(), policy_json, 0)
+    async def create_session(
+        self, session_id: str, policy_json: str | None, *, tenant: str = DEFAULT_TENANT_ID
+    ) -> base.SessionRecord:
+        now = self._clock()
+        record = _make_record(session_id, now, policy_json, 0, tenant, now)
         with _db_errors("create a session"):
             async with self._connection() as conn:
                 try:
                     await conn.execute(
-                        "INSERT INTO sessions (session_id, create_time, policy_json, revision)"
-                        " VALUES (%s, %s, %s, 0)",
-                        (session_id, record.create_time, policy_json),
+                        "INSERT INTO sessions (tenant, session_id, create_time, update_time,"
+                        " policy_json, revision) VALUES (%s, %s, %s, %s, %s, 0)",
+                        (tenant, session_id, now, now, policy_json),
                     )
                 except psycopg.errors.UniqueViolation:
                     raise base.session_exists(session_id) from None
         self._stats = self._stats.plus(commits=1)
         return record
 
-    async def get_session(self, session_id: str) -> base.SessionRecord | None:
+    async def get_session(
+        self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID
+    ) -> base.SessionRecord | None:
         with _db_errors("read a session"):
             async with self._connection() as conn:
                 cursor = await conn.execute(
-                    f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE session_id = %s",
-                    (session_id,),
+                    f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE {_WHERE_KEY}",
+                    (tenant, session_id),
                 )
                 row = await cursor.fetchone()
         return None if row is None else _record(row)
 
-    async def list_sessions(self, *, after: str = "", limit: int = 100) -> list[base.SessionRecord]:
+    async def list_sessions(
+        self, *, after: str = "", limit: int = 100, tenant: str = DEFAULT_TENANT_ID
+    ) -> list[base.SessionRecord]:
         base.check_limit(limit)
         with _db_errors("list sessions"):
             async with self._connection() as conn:
                 cursor = await conn.execute(
-                    f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE session_id > %s"
-                    " ORDER BY session_id LIMIT %s",
-                    (after, limit),
+                    f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE tenant = %s"
+                    " AND session_id > %s ORDER BY session_id LIMIT %s",
+                    (tenant, after, limit),
                 )
                 rows = await cursor.fetchall()
         return [_record(row) for row in rows]
+
+    async def delete_session(self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID) -> bool:
+        # One statement: the events and the snapshot go with the row (ON DELETE CASCADE), and
+        # an append racing it either lands first (and is deleted) or finds no session.
+        with _db_errors("delete a session"):
+            async with self._connection() as conn, conn.pipeline(), conn.transaction():
+                cursor = await conn.execute(
+                    f"DELETE FROM sessions WHERE {_WHERE_KEY}", (tenant, session_id)
+                )
+                deleted = cursor.rowcount > 0
+                await self._notify(conn, tenant, session_id)
+        self._stats = self._stats.plus(commits=1)
+        return deleted
 
     # --- appends --------------------------------------------------------------------------------
 
@@ -196,15 +219,17 @@ class PostgresEventStore(base.EventStore):
         session_id: str,
         events: Sequence[events_pb2.SessionEvent],
         *,
+        tenant: str = DEFAULT_TENANT_ID,
         lease: LeaseOp | None = None,
     ) -> int:
         rows = base.encode_batch(events)
+        key = _Key(tenant, session_id)
         try:
             with _db_errors("append"):
                 # Pipeline mode: BEGIN rides with the row lock's SELECT, and the inserts, the
                 # revision, the NOTIFY and COMMIT go in one round trip.
                 async with self._connection() as conn, conn.pipeline(), conn.transaction():
-                    revision = await self._append_locked(conn, session_id, rows, lease)
+                    revision = await self._append_locked(conn, key, rows, lease)
         except Exception:
             self._stats = self._stats.plus(batches=1, failed_batches=1)
             raise
@@ -212,13 +237,14 @@ class PostgresEventStore(base.EventStore):
         return revision
 
     async def _append_locked(
-        self, conn: Conn, session_id: str, rows: list[base.EventRow], lease: LeaseOp | None
+        self, conn: Conn, key: _Key, rows: list[base.EventRow], lease: LeaseOp | None
     ) -> int:
         """The append transaction's body: every check under the session's row lock."""
+        session_id = key.session_id
         cursor = await conn.execute(
             "SELECT revision, lease_owner, lease_token, lease_expires, clock_timestamp()"
-            " FROM sessions WHERE session_id = %s FOR UPDATE",
-            (session_id,),
+            f" FROM sessions WHERE {_WHERE_KEY} FOR UPDATE",
+            key,
         )
         row = await cursor.fetchone()
         if row is None:
@@ -229,127 +255,157 @@ class PostgresEventStore(base.EventStore):
         ids = [r.event_id for r in rows if r.event_id is not None]
         if ids:
             # Race-free: every insert into this session holds the row lock we hold.
-            taken = await _select_event_ids(conn, session_id, ids)
+            taken = await _select_event_ids(conn, key, ids)
             if taken:
                 raise base.duplicate_event_ids(session_id, list(taken))
         if lease is not None:
-            await _apply_lease(conn, session_id, _lease_of(row, now), lease, now)
+            await _apply_lease(conn, key, _lease_of(row, now), lease, now)
         if not rows:
             return revision
         async with conn.cursor() as insert:
             await insert.executemany(
-                "INSERT INTO events (session_id, seq, event_id, type, data)"
-                " VALUES (%s, %s, %s, %s, %s)",
-                [(session_id, r.seq, r.event_id, r.type, r.data) for r in rows],
+                "INSERT INTO events (tenant, session_id, seq, event_id, type, data)"
+                " VALUES (%s, %s, %s, %s, %s, %s)",
+                [(*key, r.seq, r.event_id, r.type, r.data) for r in rows],
             )
         new_revision = revision + len(rows)
         await conn.execute(
-            "UPDATE sessions SET revision = %s WHERE session_id = %s", (new_revision, session_id)
+            f"UPDATE sessions SET revision = %s, update_time = %s WHERE {_WHERE_KEY}",
+            (new_revision, self._clock(), *key),
         )
-        # Delivered at COMMIT, never for a rolled-back batch.
-        await conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"{self.origin}:{session_id}"))
+        await self._notify(conn, *key)
         return new_revision
+
+    async def _notify(self, conn: Conn, tenant: str, session_id: str) -> None:
+        # Delivered at COMMIT, never for a rolled-back transaction.
+        payload = json.dumps([self.origin, tenant, session_id])
+        await conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, payload))
 
     # --- reads ----------------------------------------------------------------------------------
 
     async def read(
-        self, session_id: str, from_seq: int = 0, to_seq: int | None = None
+        self,
+        session_id: str,
+        from_seq: int = 0,
+        to_seq: int | None = None,
+        *,
+        tenant: str = DEFAULT_TENANT_ID,
     ) -> AsyncIterator[events_pb2.SessionEvent]:
         base.check_read_range(from_seq, to_seq)
-        record = await self.get_session(session_id)
+        record = await self.get_session(session_id, tenant=tenant)
         if record is None:
             raise base.session_not_found(session_id)
         end = record.revision if to_seq is None else min(to_seq, record.revision)
+        key = _Key(tenant, session_id)
         for start in range(from_seq, end, self._read_chunk):
             stop = min(start + self._read_chunk, end)
-            for event in await self._select_range(session_id, start, stop):
+            for event in await self._select_range(key, start, stop):
                 yield event
 
     async def _select_range(
-        self, session_id: str, start: int, stop: int
+        self, key: _Key, start: int, stop: int
     ) -> list[events_pb2.SessionEvent]:
         with _db_errors("read events"):
             async with self._connection() as conn:
                 cursor = await conn.execute(
-                    "SELECT data FROM events WHERE session_id = %s AND seq >= %s AND seq < %s"
+                    f"SELECT data FROM events WHERE {_WHERE_KEY} AND seq >= %s AND seq < %s"
                     " ORDER BY seq",
-                    (session_id, start, stop),
+                    (*key, start, stop),
                 )
                 rows = await cursor.fetchall()
         return [base.decode_event(row[0]) for row in rows]
 
     async def read_seqs(
-        self, session_id: str, seqs: Sequence[int]
+        self, session_id: str, seqs: Sequence[int], *, tenant: str = DEFAULT_TENANT_ID
     ) -> list[events_pb2.SessionEvent]:
         wanted = sorted({s for s in seqs if s >= 0})
+        key = _Key(tenant, session_id)
         with _db_errors("read events"):
             async with self._connection() as conn:
-                await _require_session(conn, session_id)
+                await _require_session(conn, key)
                 cursor = await conn.execute(
-                    "SELECT data FROM events WHERE session_id = %s AND seq = ANY(%s) ORDER BY seq",
-                    (session_id, wanted),
+                    f"SELECT data FROM events WHERE {_WHERE_KEY} AND seq = ANY(%s) ORDER BY seq",
+                    (*key, wanted),
                 )
                 rows = await cursor.fetchall()
         return [base.decode_event(row[0]) for row in rows]
 
-    async def find_event_ids(self, session_id: str, event_ids: Sequence[str]) -> dict[str, int]:
+    async def find_event_ids(
+        self, session_id: str, event_ids: Sequence[str], *, tenant: str = DEFAULT_TENANT_ID
+    ) -> dict[str, int]:
         wanted = sorted({i for i in event_ids if i})
+        key = _Key(tenant, session_id)
         with _db_errors("read event ids"):
             async with self._connection() as conn:
-                await _require_session(conn, session_id)
-                return await _select_event_ids(conn, session_id, wanted)
+                await _require_session(conn, key)
+                return await _select_event_ids(conn, key, wanted)
 
     # --- fold snapshots (issue 11) ---------------------------------------------------------------
 
-    async def put_snapshot(self, session_id: str, revision: int, data: bytes) -> None:
+    async def put_snapshot(
+        self, session_id: str, revision: int, data: bytes, *, tenant: str = DEFAULT_TENANT_ID
+    ) -> None:
         # One statement: atomic. Replicas may race to snapshot a session; the newest revision
         # wins, so a slow writer never replaces a newer snapshot with an older one.
+        key = _Key(tenant, session_id)
         with _db_errors("write a snapshot"):
             async with self._connection() as conn:
-                await _require_session(conn, session_id)
+                await _require_session(conn, key)
                 await conn.execute(
-                    "INSERT INTO snapshots (session_id, revision, data) VALUES (%s, %s, %s)"
-                    " ON CONFLICT (session_id) DO UPDATE"
+                    "INSERT INTO snapshots (tenant, session_id, revision, data)"
+                    " VALUES (%s, %s, %s, %s) ON CONFLICT (tenant, session_id) DO UPDATE"
                     " SET revision = EXCLUDED.revision, data = EXCLUDED.data"
                     " WHERE snapshots.revision <= EXCLUDED.revision",
-                    (session_id, revision, data),
+                    (*key, revision, data),
                 )
 
-    async def get_snapshot(self, session_id: str) -> tuple[int, bytes] | None:
+    async def get_snapshot(
+        self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID
+    ) -> tuple[int, bytes] | None:
         with _db_errors("read a snapshot"):
             async with self._connection() as conn:
                 cursor = await conn.execute(
-                    "SELECT revision, data FROM snapshots WHERE session_id = %s", (session_id,)
+                    f"SELECT revision, data FROM snapshots WHERE {_WHERE_KEY}",
+                    (tenant, session_id),
                 )
                 row = await cursor.fetchone()
         return None if row is None else (int(row[0]), bytes(row[1]))
 
     # --- leases and notifications ---------------------------------------------------------------
 
-    async def get_lease(self, session_id: str) -> Lease | None:
+    async def get_lease(self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID) -> Lease | None:
         with _db_errors("read a lease"):
             async with self._connection() as conn:
                 cursor = await conn.execute(
                     "SELECT revision, lease_owner, lease_token, lease_expires, clock_timestamp()"
-                    " FROM sessions WHERE session_id = %s",
-                    (session_id,),
+                    f" FROM sessions WHERE {_WHERE_KEY}",
+                    (tenant, session_id),
                 )
                 row = await cursor.fetchone()
         return None if row is None else _lease_of(row, row[4])
 
-    async def renew_lease(self, session_id: str, owner: str, token: str, ttl_s: float) -> bool:
+    async def renew_lease(
+        self,
+        session_id: str,
+        owner: str,
+        token: str,
+        ttl_s: float,
+        *,
+        tenant: str = DEFAULT_TENANT_ID,
+    ) -> bool:
         with _db_errors("renew a lease"):
             async with self._connection() as conn:
                 cursor = await conn.execute(
                     "UPDATE sessions SET lease_expires = clock_timestamp() + make_interval("
-                    "secs => %s) WHERE session_id = %s AND lease_owner = %s AND lease_token = %s",
-                    (ttl_s, session_id, owner, token),
+                    f"secs => %s) WHERE {_WHERE_KEY} AND lease_owner = %s AND lease_token = %s",
+                    (ttl_s, tenant, session_id, owner, token),
                 )
                 return cursor.rowcount == 1
 
-    async def changes(self) -> AsyncIterator[str]:
-        """Session ids other replicas appended to; ``""`` after each (re)connect (catch up on
-        everything: notifications sent while disconnected are lost)."""
+    async def changes(self) -> AsyncIterator[tuple[str, str]]:
+        """(tenant, session id) of sessions other replicas appended to or deleted;
+        ``("", "")`` after each (re)connect (catch up on everything: notifications sent while
+        disconnected are lost)."""
         backoff = 0.2
         while True:
             try:
@@ -365,11 +421,11 @@ class PostgresEventStore(base.EventStore):
             try:
                 async with conn:
                     await conn.execute(f"LISTEN {CHANNEL}")
-                    yield ""
+                    yield "", ""
                     async for note in conn.notifies():
-                        origin, _, session_id = note.payload.partition(":")
+                        origin, tenant, session_id = json.loads(note.payload)
                         if origin != self.origin:
-                            yield session_id
+                            yield tenant, session_id
             except psycopg.Error as error:
                 log.warning("the change listener lost its connection (reconnecting): %s", error)
 
@@ -384,22 +440,31 @@ class PostgresEventStore(base.EventStore):
             yield conn
 
 
+class _Key(NamedTuple):
+    """A session's primary key."""
+
+    tenant: str
+    session_id: str
+
+
+_WHERE_KEY = "tenant = %s AND session_id = %s"
+
+
 async def _apply_lease(
-    conn: Conn, session_id: str, current: Lease | None, op: LeaseOp, now: datetime
+    conn: Conn, key: _Key, current: Lease | None, op: LeaseOp, now: datetime
 ) -> None:
-    after = apply(session_id, current, op, now)
+    after = apply(key.session_id, current, op, now)
     if after is None:
         await conn.execute(
             "UPDATE sessions SET lease_owner = NULL, lease_token = NULL, lease_expires = NULL"
-            " WHERE session_id = %s",
-            (session_id,),
+            f" WHERE {_WHERE_KEY}",
+            key,
         )
         return
-    del op  # the new lease is what ``apply`` returned
     await conn.execute(
         "UPDATE sessions SET lease_owner = %s, lease_token = %s, lease_expires = %s"
-        " WHERE session_id = %s",
-        (after.owner, after.token, after.expires, session_id),
+        f" WHERE {_WHERE_KEY}",
+        (after.owner, after.token, after.expires, *key),
     )
 
 
@@ -410,27 +475,46 @@ def _lease_of(row: tuple[Any, ...], now: datetime) -> Lease | None:
     return Lease(str(owner), str(token), expires, (expires - now).total_seconds())
 
 
-async def _require_session(conn: Conn, session_id: str) -> None:
-    cursor = await conn.execute("SELECT 1 FROM sessions WHERE session_id = %s", (session_id,))
+async def _require_session(conn: Conn, key: _Key) -> None:
+    cursor = await conn.execute(f"SELECT 1 FROM sessions WHERE {_WHERE_KEY}", key)
     if await cursor.fetchone() is None:
-        raise base.session_not_found(session_id)
+        raise base.session_not_found(key.session_id)
 
 
-async def _select_event_ids(conn: Conn, session_id: str, event_ids: list[str]) -> dict[str, int]:
+async def _select_event_ids(conn: Conn, key: _Key, event_ids: list[str]) -> dict[str, int]:
     if not event_ids:
         return {}
     cursor = await conn.execute(
-        "SELECT event_id, seq FROM events WHERE session_id = %s AND event_id = ANY(%s)",
-        (session_id, event_ids),
+        f"SELECT event_id, seq FROM events WHERE {_WHERE_KEY} AND event_id = ANY(%s)",
+        (*key, event_ids),
     )
     return {str(row[0]): int(row[1]) for row in await cursor.fetchall()}
 
 
 def _record(row: tuple[Any, ...]) -> base.SessionRecord:
-    session_id, create_time, policy_json, revision = row
-    return base.SessionRecord(
-        str(session_id), create_time.astimezone(UTC), policy_json, int(revision)
+    session_id, create_time, policy_json, revision, tenant, update_time = row
+    return _make_record(
+        str(session_id),
+        create_time.astimezone(UTC),
+        policy_json,
+        int(revision),
+        str(tenant),
+        update_time.astimezone(UTC),
     )
+
+
+def _make_record(
+    session_id: str,
+    create_time: datetime,
+    policy_json: str | None,
+    revision: int,
+    tenant: str,
+    update_time: datetime,
+) -> base.SessionRecord:
+    # Until tenancy (issue 10) lands here the record has no tenant fields: the store keys
+    # sessions by tenant already.
+    del tenant, update_time
+    return base.SessionRecord(session_id, create_time, policy_json, revision)
 
 
 @contextlib.contextmanager

@@ -26,24 +26,30 @@ SCHEMA_TOO_NEW: Final = "SCHEMA_TOO_NEW"
 _MIGRATION_LOCK: Final = 0x636F6D70  # "comp"
 
 MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
-    # 1: the log itself.
+    # 1: the log itself, keyed by (tenant, session id).
     (
         """CREATE TABLE sessions (
-            session_id  TEXT COLLATE "C" PRIMARY KEY,
+            tenant      TEXT COLLATE "C" NOT NULL,
+            session_id  TEXT COLLATE "C" NOT NULL,
             create_time TIMESTAMPTZ NOT NULL,
+            update_time TIMESTAMPTZ NOT NULL,
             policy_json TEXT,
-            revision    BIGINT NOT NULL DEFAULT 0
+            revision    BIGINT NOT NULL DEFAULT 0,
+            PRIMARY KEY (tenant, session_id)
         )""",
         """CREATE TABLE events (
-            session_id TEXT COLLATE "C" NOT NULL REFERENCES sessions (session_id),
+            tenant     TEXT COLLATE "C" NOT NULL,
+            session_id TEXT COLLATE "C" NOT NULL,
             seq        BIGINT NOT NULL,
             event_id   TEXT,
             type       TEXT NOT NULL,
             data       BYTEA NOT NULL,
-            PRIMARY KEY (session_id, seq)
+            PRIMARY KEY (tenant, session_id, seq),
+            FOREIGN KEY (tenant, session_id) REFERENCES sessions (tenant, session_id)
+                ON DELETE CASCADE
         )""",
         """CREATE UNIQUE INDEX events_event_id
-            ON events (session_id, event_id) WHERE event_id IS NOT NULL""",
+            ON events (tenant, session_id, event_id) WHERE event_id IS NOT NULL""",
     ),
     # 2: replicas: the bracket lease lives on the session row its appends lock anyway.
     (
@@ -54,9 +60,13 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
     # 3: fold snapshots (issue 11): the newest one per session, whichever replica wrote it.
     (
         """CREATE TABLE snapshots (
-            session_id TEXT COLLATE "C" PRIMARY KEY REFERENCES sessions (session_id),
+            tenant     TEXT COLLATE "C" NOT NULL,
+            session_id TEXT COLLATE "C" NOT NULL,
             revision   BIGINT NOT NULL,
-            data       BYTEA NOT NULL
+            data       BYTEA NOT NULL,
+            PRIMARY KEY (tenant, session_id),
+            FOREIGN KEY (tenant, session_id) REFERENCES sessions (tenant, session_id)
+                ON DELETE CASCADE
         )""",
     ),
 )
