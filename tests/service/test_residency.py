@@ -328,9 +328,22 @@ async def test_restoring_a_large_session_lets_other_sessions_answer_first(
     assert order == ["small", "big"]
 
 
-def test_warm_up_loads_every_routes_tokenizer() -> None:
-    load_tokenizer.cache_clear()
-    warm_up(RouteCatalog())
+def test_warm_up_counts_with_every_routes_pricing_before_any_session_needs_it() -> None:
+    counted: list[str] = []
+
+    class Route:
+        def __init__(self, name: str) -> None:
+            self.pricing = self
+            self.name = name
+
+        def count(self, text: str) -> int:
+            counted.append(self.name)
+            return len(text)
+
+    warm_up([Route("a"), Route("b")])  # type: ignore[arg-type]
+    assert counted == ["a", "b"]
+    routes = RouteCatalog()
+    warm_up(routes)
     assert load_tokenizer.cache_info().currsize >= 2  # cl100k_base and o200k_base at least
 
 

@@ -62,6 +62,9 @@ Observer = Callable[[SessionFold, AdmittedBatch], None]
 # smaller one is priced on the loop, where it costs less than the hop to a thread.
 OFFLOAD_EVENTS = 16
 OFFLOAD_BYTES = 16 * 1024
+# A batch is checked in a worker thread, and admitted in steps of this many events between which
+# other calls run, from this size on.
+ADMIT_STEP = 128
 
 
 class PriceSource(Protocol):
@@ -168,7 +171,14 @@ class SessionHandle:
         ``Origin.CLIENT``, which refuses server-only events, enforces the step brackets and
         bounds the batch by ``self.limits`` (blocks, events, the surface).
         """
-        check_batch(events, max_events=max_events, origin=origin, limits=self.limits)
+        if len(events) >= ADMIT_STEP:  # a large batch's checks run beside the loop
+            await asyncio.to_thread(
+                partial(
+                    check_batch, events, max_events=max_events, origin=origin, limits=self.limits
+                )
+            )
+        else:
+            check_batch(events, max_events=max_events, origin=origin, limits=self.limits)
         async with self.lock:
             return await self.append_locked(
                 events, expected_last_seq=expected_last_seq, origin=origin
@@ -196,9 +206,7 @@ class SessionHandle:
             )
         now = Timestamp()
         now.GetCurrentTime()
-        batch = self.fold.admit(
-            events, now=now, origin=origin, max_surface_bytes=self.limits.max_surface_bytes
-        )
+        batch = await self._admit(events, now, origin)
         commit = asyncio.ensure_future(self._commit(batch))
         try:
             return await asyncio.shield(commit)
@@ -207,6 +215,29 @@ class SessionHandle:
             # (or its rollback) before the lock is released, so the fold never leaves the log.
             await asyncio.wait([commit])
             raise
+
+    async def _admit(
+        self, events: Sequence[events_pb2.SessionEvent], now: Timestamp, origin: Origin
+    ) -> AdmittedBatch:
+        """``fold.admit``, letting the loop run other calls every ``ADMIT_STEP`` events (readers
+        that do not hold the lock read only the committed state)."""
+        steps = self.fold.admit_in_steps(
+            events,
+            now=now,
+            origin=origin,
+            max_surface_bytes=self.limits.max_surface_bytes,
+            step=ADMIT_STEP,
+        )
+        try:
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    batch: AdmittedBatch = done.value
+                    return batch
+                await asyncio.sleep(0)
+        finally:
+            steps.close()  # a cancelled admission rolls back what it admitted
 
     async def _commit(self, batch: AdmittedBatch) -> AppendResult:
         prepared = self._prepare(batch)

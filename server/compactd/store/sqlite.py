@@ -182,9 +182,9 @@ class SqliteEventStore(base.EventStore):
         return await self._read(functools.partial(_select_sessions, after, limit))
 
     async def append(self, session_id: str, events: Sequence[events_pb2.SessionEvent]) -> int:
-        rows = base.encode_batch(events)
-        op = functools.partial(_insert_events, session_id, rows)
-        return await self._write(op, events=len(rows))
+        # Serialized on the writer thread, not the event loop; the caller leaves the events be.
+        op = functools.partial(_encode_and_insert, session_id, list(events))
+        return await self._write(op, events=len(events))
 
     async def read(
         self, session_id: str, from_seq: int = 0, to_seq: int | None = None
@@ -415,6 +415,12 @@ def _insert_session(record: base.SessionRecord, conn: sqlite3.Connection) -> Non
         )
     except sqlite3.IntegrityError:
         raise base.session_exists(record.session_id) from None
+
+
+def _encode_and_insert(
+    session_id: str, events: list[events_pb2.SessionEvent], conn: sqlite3.Connection
+) -> int:
+    return _insert_events(session_id, base.encode_batch(events), conn)
 
 
 def _insert_events(session_id: str, rows: list[base.EventRow], conn: sqlite3.Connection) -> int:
