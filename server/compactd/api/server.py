@@ -189,10 +189,7 @@ async def _serve_on(
         max_resident=config.max_resident_sessions,
     )
     await asyncio.to_thread(warm_up, parts.routes)  # the first pressure check is not a load
-    # Pricing, snapshots and restores run in worker threads; the loop must win the GIL back
-    # within a millisecond (CPython's default lets a thread keep it for 5 ms), or a large append
-    # next door still delays every other call.
-    sys.setswitchinterval(min(sys.getswitchinterval(), 0.001))
+    share_the_gil()
     metrics.observe_sessions(lambda: manager.resident)
     pressure = PressureService(manager, parts.routes, parts.policy)
     redactor = redaction.for_routes(parts.routes)
@@ -248,6 +245,13 @@ async def _serve_on(
     for message, fields in startup_report(running, parts, summarizers):
         log.info(message, extra=fields)
     return running
+
+
+def share_the_gil() -> None:
+    """Let the event loop win the GIL back within a millisecond. Pricing, snapshots and restores
+    run in worker threads; CPython's default lets a thread keep the GIL for 5 ms, so a large
+    append or restore next door would still delay every other call by that much per switch."""
+    sys.setswitchinterval(min(sys.getswitchinterval(), 0.001))
 
 
 def _bind(server: grpc.aio.Server, host: str, port: int) -> int:

@@ -165,8 +165,11 @@ class SessionFold:
         client: bool,
     ) -> None:
         seq = self.revision
-        event = SessionEvent()
-        event.CopyFrom(source)
+        if check:
+            event = SessionEvent()
+            event.CopyFrom(source)
+        else:  # a stored event the restore owns: kept as parsed (a copy would double its RSS)
+            event = source
         if check:
             event.seq = seq
             if now is not None and not event.HasField("time"):
