@@ -1,7 +1,8 @@
 """Appends over gRPC against their physical references, each measured in the same run.
 
-One server (SQLite store, ``synchronous=FULL``, in a temporary folder) on loopback; the clients
-run in this process. Four comparisons, each interleaved round by round with its reference:
+One server (SQLite store, ``synchronous=FULL``, in a temporary folder) on loopback, in a child
+process as in production; the clients and the references run in this process. Four comparisons,
+each interleaved round by round with its reference:
 
 1. Single-event ``AppendEvents``, one client, back to back, against an empty unary RPC (health
    ``Check``) on the same channel. Goal: ≥ 0.8x the empty-RPC rate.
@@ -31,6 +32,7 @@ import itertools
 import os
 import sqlite3
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -42,7 +44,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.corpus import SessionEvent, header, in_steps, surface_events, texts_of, turn_start
 from compactd import config
-from compactd.api.server import RunningServer, create_server
+from compactd.api.server import create_server, settle_interpreter
 from compactd.store.sqlite import SqliteEventStore
 from compactd.tokenizers import load_tokenizer
 from compactd.v1 import (
@@ -54,13 +56,13 @@ from compactd.v1 import (
 
 ROUTES = {"cl100k_base": ("openai", "gpt-4-turbo"), "deepseek-v4": ("deepseek", "deepseek-chat")}
 BATCH = 1000
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Bench:
     """The server, its stubs and a source of transcript events."""
 
-    def __init__(self, running: RunningServer, channel: grpc.aio.Channel, folder: Path) -> None:
-        self.running = running
+    def __init__(self, channel: grpc.aio.Channel, folder: Path) -> None:
         self.folder = folder
         self.sessions = session_service_pb2_grpc.SessionServiceStub(channel)
         self.compaction = compaction_service_pb2_grpc.CompactionServiceStub(channel)
@@ -302,17 +304,19 @@ async def _append_until(bench: Bench, name: str, stop: asyncio.Event) -> None:
 
 async def run(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     with tempfile.TemporaryDirectory(prefix="bench-appends-") as folder:
-        overrides = {
-            "listen": "127.0.0.1:0",
-            "store": f"sqlite:///{folder}/service.db",
-            "log_level": "WARNING",
-            "max_batch_events": 4 * BATCH,  # a batch of BATCH events with its step brackets
-            "max_resident_sessions": 0,
-        }
-        running = await create_server(config.load(None, environ={}, overrides=overrides))
+        # The server runs in its own process, as in production: the clients' gRPC work here
+        # does not share its event loop.
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bench.bench_appends", "--serve", folder,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            cwd=ROOT,
+        )  # fmt: skip
+        assert child.stdout is not None
+        assert child.stdin is not None
+        address = (await child.stdout.readline()).decode().strip()
         try:
-            async with grpc.aio.insecure_channel(running.address) as channel:
-                bench = Bench(running, channel, Path(folder))
+            async with grpc.aio.insecure_channel(address) as channel:
+                bench = Bench(channel, Path(folder))
                 rows = [await single_client(bench, args.rounds, args.singles)]
                 rows.append(await many_clients(bench, args.rounds, args.clients, args.each))
                 for tokenizer in ROUTES:
@@ -320,7 +324,25 @@ async def run(args: argparse.Namespace) -> list[tuple[str, str, str]]:
                 rows.append(await checks_beside_appends(bench, args.rounds, args.checks))
                 return rows
         finally:
-            await running.stop(0)
+            child.stdin.close()
+            await child.wait()
+
+
+async def serve(folder: str) -> None:
+    """The benchmarked server (a child process): prints its address, serves until stdin
+    closes."""
+    overrides = {
+        "listen": "127.0.0.1:0",
+        "store": f"sqlite:///{folder}/service.db",
+        "log_level": "WARNING",
+        "max_batch_events": 4 * BATCH,  # a batch of BATCH events with its step brackets
+        "max_resident_sessions": 0,
+    }
+    running = await create_server(config.load(None, environ={}, overrides=overrides))
+    settle_interpreter()  # as ``compactd serve`` does
+    print(running.address, flush=True)
+    await asyncio.to_thread(sys.stdin.read)
+    await running.stop(0)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -330,6 +352,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--each", type=int, default=20, help="appends per client per round")
     parser.add_argument("--checks", type=int, default=300, help="checks per phase")
+    parser.add_argument("--serve", help=argparse.SUPPRESS)  # the server child: its folder
     return parser.parse_args(argv)
 
 
@@ -345,4 +368,8 @@ def _show(rows: list[tuple[str, str, str]]) -> None:
 
 
 if __name__ == "__main__":
-    _show(asyncio.run(run(parse_args())))
+    arguments = parse_args()
+    if arguments.serve:
+        asyncio.run(serve(arguments.serve))
+    else:
+        _show(asyncio.run(run(arguments)))

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from bench.corpus import SessionEvent, header, summary, surface_events
-from compactd.api.server import share_the_gil
+from compactd.api.server import settle_interpreter
 from compactd.core.policy import PressurePolicy
 from compactd.routes import RouteCatalog
 from compactd.service.pressure import PressureService, warm_up
@@ -267,7 +267,7 @@ def rss_bytes() -> int:
 async def resident(path: Path, sessions: int) -> dict[str, float]:
     """In a fresh interpreter: RSS growth per restored session, its surface and log bytes."""
     warm_up(RouteCatalog())
-    share_the_gil()
+    settle_interpreter()
     store = SqliteEventStore(str(path))
     await store.open()
     manager, service = _services(store)
@@ -313,7 +313,7 @@ def memory(path: Path, sessions: int) -> list[tuple[str, str, str]]:
 
 async def run(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     warm_up(RouteCatalog())
-    share_the_gil()  # as ``compactd serve`` does
+    settle_interpreter()  # as ``compactd serve`` does
     with tempfile.TemporaryDirectory(prefix="bench-restore-") as folder:
         path = Path(folder) / "restore.db"
         print(f"building {args.events:,} events ...", file=sys.stderr, flush=True)
