@@ -217,6 +217,21 @@ async def test_restoring_after_an_eviction_starts_no_new_lifecycle(
     assert after == report
 
 
+async def test_an_evicted_session_keeps_its_in_process_memory(store: MemoryEventStore) -> None:
+    manager, _ = service_over(store)
+    await manager.create("s", None)
+    handle = await manager.get("s")
+    await handle.append([user("hello")])
+    memory = object()
+    handle.extensions["failure_memory"] = memory
+    assert await manager.evict("s")
+    del handle
+    manager._alive.pop("s", None)
+    restored = await manager.get("s")
+    assert restored.extensions["failure_memory"] is memory  # eviction is not a restart
+    assert session_meter(restored) is restored.extensions[pressure.METER_KEY]
+
+
 async def test_a_session_in_use_is_not_evicted(store: MemoryEventStore) -> None:
     manager, _ = service_over(store)
     await manager.create("s", None)

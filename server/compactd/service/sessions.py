@@ -365,6 +365,10 @@ class SessionManager:
         # Every handle still referenced (a stream, a running call): the one handle of its session.
         self._alive: weakref.WeakValueDictionary[str, SessionHandle] = weakref.WeakValueDictionary()
         self._evicted: set[str] = set()  # sessions this process evicted (no new lifecycle)
+        # What an evicted session's extensions held (its failure memory, say), handed to its
+        # next handle; keys in ``_rebuilt`` are rebuilt on restore instead (the meter).
+        self._carried: dict[str, dict[str, object]] = {}
+        self._rebuilt: set[str] = set()
         self._loading: dict[str, asyncio.Future[SessionHandle]] = {}
         self._on_restore: list[Callable[[SessionHandle], Awaitable[None] | None]] = []
         self._snapshotting: dict[str, asyncio.Task[None]] = {}
@@ -375,6 +379,11 @@ class SessionManager:
     def resident(self) -> int:
         """How many sessions are held in memory (the live-sessions gauge)."""
         return len(self._handles)
+
+    def rebuilds(self, *keys: str) -> None:
+        """Extension keys a restore rebuilds (``on_restore``); every other key of an evicted
+        session's ``extensions`` is carried to its next handle, as if it had never left."""
+        self._rebuilt.update(keys)
 
     def on_restore(self, callback: Callable[[SessionHandle], Awaitable[None] | None]) -> None:
         """Call ``callback(handle)`` for every session restored from now on, before the session
@@ -454,6 +463,7 @@ class SessionManager:
             )
         fold, restored, same_lifecycle = await self._from_snapshot(session_id)
         handle = SessionHandle(record, self.store, fold, self.limits)
+        handle.extensions.update(self._carried.pop(session_id, {}))
         handle.restored = restored
         handle.snapshot_revision = fold.revision if restored is not None else 0
         handle.add_observer(partial(self._committed, weakref.ref(handle)))
@@ -584,6 +594,9 @@ class SessionManager:
             return False
         del self._handles[session_id]
         self._evicted.add(session_id)
+        carried = {k: v for k, v in handle.extensions.items() if k not in self._rebuilt}
+        if carried:
+            self._carried[session_id] = carried
         self.evictions += 1
         return True
 
