@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -47,7 +48,9 @@ from tests.builders import (
     user,
 )
 
-TRANSCRIPTS = Path(__file__).resolve().parents[2] / "testdata" / "transcripts" / "openai.jsonl"
+ROOT = Path(__file__).resolve().parents[2]
+TRANSCRIPTS = ROOT / "testdata" / "transcripts" / "openai.jsonl"
+KILLER = Path(__file__).with_name("snapshot_killer.py")
 PROVIDER, MODEL = "openai", "gpt-4-turbo"  # cl100k_base: a tokenizer with a batch API
 
 
@@ -294,6 +297,33 @@ async def test_a_snapshot_write_that_dies_halfway_leaves_the_old_one(tmp_path: P
             "two",
             "three",
         ]
+    finally:
+        await store.close()
+
+
+async def test_a_process_killed_inside_a_snapshot_write_restores_from_the_old_one(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "s.db"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(KILLER), str(path), stdout=asyncio.subprocess.PIPE, cwd=ROOT
+    )
+    out, _ = await proc.communicate()
+    assert proc.returncode == 9
+    assert out.decode().split() == ["snapshotted", "2"]
+    store = SqliteEventStore(str(path))
+    await store.open()
+    try:
+        kept = await store.get_snapshot("s")
+        assert kept is not None
+        assert kept[0] == 2  # the old snapshot, whole
+        again, _ = service_over(store)
+        restored = await again.get("s")  # its snapshot, then the log after it
+        texts = [n.event.user_message.content[0].text.text for n in restored.fold.surface]
+        assert texts == ["one", "two", "three"]
+        replayed = SessionFold()
+        replayed.admit([e async for e in store.read("s")], check=False)
+        assert but_lifecycle(fold_state(restored.fold)) == but_lifecycle(fold_state(replayed))
     finally:
         await store.close()
 
