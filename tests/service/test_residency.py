@@ -209,7 +209,7 @@ async def test_restoring_after_an_eviction_starts_no_new_lifecycle(
     assert await manager.evict("s")
     assert manager.resident == 0
     del handle
-    manager._alive.pop("s", None)  # no finished future may hand the old handle back
+    manager._alive.clear()  # no finished future may hand the old handle back
     restored = await manager.get("s")
     types = [e.WhichOneof("body") async for e in store.read("s")]
     assert "session_end_seed" not in types
@@ -229,10 +229,23 @@ async def test_an_evicted_session_keeps_its_in_process_memory(store: MemoryEvent
     handle.extensions["failure_memory"] = memory
     assert await manager.evict("s")
     del handle
-    manager._alive.pop("s", None)
+    manager._alive.clear()
     restored = await manager.get("s")
     assert restored.extensions["failure_memory"] is memory  # eviction is not a restart
     assert session_meter(restored) is restored.extensions[pressure.METER_KEY]
+
+
+async def test_deleting_a_session_deletes_its_snapshot(store: MemoryEventStore) -> None:
+    manager, _ = service_over(store)
+    await manager.create("s", None)
+    handle = await manager.get("s")
+    await handle.append([user("hello")])
+    await manager.snapshot(handle)
+    assert await manager.evict("s")
+    assert await manager.delete("s")
+    assert await store.get_snapshot("s") is None
+    await manager.create("s", None)
+    assert (await manager.get("s")).revision == 0  # fresh: nothing of the old session
 
 
 async def test_a_session_in_use_is_not_evicted(store: MemoryEventStore) -> None:
@@ -466,7 +479,7 @@ async def _compare(ops: list[tuple[str, int]]) -> None:
                 # Nothing here holds the handle; a finished future the loop has not dropped yet
                 # may, which would hand the same handle back: forget it, so the next get
                 # restores the session from its snapshot.
-                evicting._alive.pop("s", None)
+                evicting._alive.clear()
             continue
         for manager, cursor in ((kept, cursors[0]), (evicting, cursors[1])):
             await _apply(await manager.get("s"), op, arg, cursor)

@@ -36,6 +36,7 @@ _CODES: list[tuple[type[errors.CompactdError], grpc.StatusCode]] = [
     (errors.ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (errors.Internal, grpc.StatusCode.INTERNAL),
 ]
 
@@ -183,12 +184,3 @@ async def _internal(context: grpc.aio.ServicerContext[Any, Any], name: str) -> N
 
 def _is_async_gen(fn: Callable[..., Any]) -> bool:
     return inspect.isasyncgenfunction(fn)
-
-
-def unimplemented(name: str) -> Any:
-    """A handler body for an RPC a later release implements."""
-
-    async def handler(self: Any, request: Any, context: Any) -> None:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{name} is not implemented yet")
-
-    return handler
