@@ -37,8 +37,8 @@ def test_a_kubernetes_example_probes_grpc_health_and_configures_compactd_validly
     assert pod["securityContext"]["runAsUser"] == 10001
     (compactd,) = [c for c in (*pod.get("initContainers", ()), *pod["containers"])
                    if c["name"] == "compactd"]  # fmt: skip
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert compactd[probe]["grpc"]["port"] == 50051
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):  # the health-only port
+        assert compactd[probe]["grpc"]["port"] == 8081
     assert compactd["securityContext"]["readOnlyRootFilesystem"] is True
 
     environ = {e["name"]: e["value"] for e in compactd["env"] if "value" in e}
@@ -49,6 +49,9 @@ def test_a_kubernetes_example_probes_grpc_health_and_configures_compactd_validly
     settings = config.load(file, environ={k: v for k, v in environ.items()
                                           if k.startswith("COMPACTD_")})  # fmt: skip
     assert settings.metrics_listen == "0.0.0.0:9464"
+    assert settings.health_listen == "0.0.0.0:8081"
+    host, _ = settings.host_port
+    assert config.is_loopback(host) or settings.tls_cert_file  # no plaintext beyond the pod
     parts = components(settings)  # routes, policy, summarizer: as `compactd serve` validates them
     assert parts.summarizer.provider  # the summary route is named, so its endpoint may be used
 

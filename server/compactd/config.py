@@ -142,6 +142,31 @@ class ServerConfig:
     bracket_lease_s: PositiveSeconds = Field(
         30.0, description="seconds a replica's compaction bracket lease runs between renewals"
     )
+    # Issue 10: TLS and authentication (checked together by ``check_transport``; the tables are
+    # validated by ``compactd.api.auth`` and ``compactd.service.retention``).
+    tls_cert_file: str = Field(
+        "", description="PEM certificate chain of the listener; with tls_key_file: TLS on"
+    )
+    tls_key_file: str = Field("", description="PEM private key of tls_cert_file")
+    tls_client_ca_file: str = Field(
+        "", description="PEM CA bundle: mutual TLS, every client presents a cert it signed"
+    )
+    tls_reload_interval_s: Annotated[float, Field(ge=0)] = Field(
+        10.0, description="seconds between checks of the TLS and token files (SIGHUP: at once)"
+    )
+    insecure_plaintext: bool = Field(
+        False, description="allow plaintext on a non-loopback listen (a mesh terminates mTLS)"
+    )
+    health_listen: Annotated[str, AfterValidator(_optional_listen)] = Field(
+        "", description="HOST:PORT of a plaintext health-only listener (probes); empty: none"
+    )
+    auth_tokens_file: str = Field(
+        "", description="file of 'TENANT SHA256-HEX' lines: bearer tokens by their hash"
+    )
+    auth_tokens: Table = field(default_factory=dict)  # tenant = "sha256 hex" or a list of them
+    auth_identities: Table = field(default_factory=dict)  # mTLS SAN (SPIFFE ID, DNS) = tenant
+    auth_jwt: Table = field(default_factory=dict)  # issuer, audience, jwks_file, tenant_claim
+    session_retention_s: Table = field(default_factory=dict)  # tenant = idle seconds to keep
     compaction: Annotated[Table, CamelCaseKeys] = field(default_factory=dict)
     routes: tuple[Table, ...] = ()
     summarizer: Table = field(default_factory=dict)
@@ -216,7 +241,41 @@ def load(
     except ValidationError as err:
         raise ConfigError(sources.describe(err.errors()[0])) from None
     check_limits(config)
+    check_transport(config)
     return config
+
+
+_LOOPBACK_HOSTS = frozenset({"localhost", "::1"})
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (of a listen address) is reachable from this machine only."""
+    return host in _LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def check_transport(config: ServerConfig) -> None:
+    """TLS files come in pairs; identities need mutual TLS; plaintext off loopback is asked for.
+
+    Raises:
+        ConfigError: naming the setting to add.
+    """
+    if bool(config.tls_cert_file) != bool(config.tls_key_file):
+        missing = "tls_key_file" if config.tls_cert_file else "tls_cert_file"
+        raise ConfigError(f"{missing}: required with the other of tls_cert_file/tls_key_file")
+    if config.tls_client_ca_file and not config.tls_cert_file:
+        raise ConfigError("tls_client_ca_file: mutual TLS needs tls_cert_file and tls_key_file")
+    if config.auth_identities and not config.tls_client_ca_file:
+        raise ConfigError(
+            "auth_identities: client identities come from client certificates; "
+            "set tls_client_ca_file"
+        )
+    host, _ = config.host_port
+    if not config.tls_cert_file and not config.insecure_plaintext and not is_loopback(host):
+        raise ConfigError(
+            f"listen: {config.listen} is not a loopback address and TLS is off; set "
+            "tls_cert_file and tls_key_file, or insecure_plaintext = true when a mesh sidecar "
+            "terminates mTLS in front of compactd"
+        )
 
 
 def check_limits(config: ServerConfig) -> None:

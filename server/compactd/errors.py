@@ -115,6 +115,13 @@ class ResourceExhausted(CompactdError):
     reason = "RESOURCE_EXHAUSTED"
 
 
+class Unauthenticated(CompactdError):
+    """The call carries no credentials, or ones the server does not accept (one fixed message,
+    whatever was wrong)."""
+
+    reason = "CREDENTIALS_INVALID"
+
+
 class Internal(CompactdError):
     """A bug or broken invariant: the details are logged, the caller gets the reason."""
 

@@ -63,6 +63,7 @@ ROUTE = {"provider": "fz", "model": "w32k", "context_window": 32_000, "max_outpu
 POLICY = {"thresholdRatio": 0.5, "headroomTokens": 1000, "retainTokens": 800, "maxTokens": 600}
 FORBIDDEN = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
 APPEND = "/compactd.v1.SessionService/AppendEvents"
+DELETE = "/compactd.v1.SessionService/DeleteSession"
 SCALE = float(os.environ.get("FUZZ_SCALE", "1"))
 
 
@@ -468,6 +469,14 @@ class Fuzzer:
                 assert appended or replayed, "an append wrote other seqs than it answered"
             else:
                 assert after == before, "a refused append changed the log"
+        if call.method.path == DELETE and code == grpc.StatusCode.OK:
+            await self._reseed_if_pooled(call.requests[0])
+
+    async def _reseed_if_pooled(self, raw: bytes) -> None:
+        """A deleted pool session is made again: the later calls and the restart need it."""
+        deleted = session_service_pb2.DeleteSessionRequest.FromString(raw).session_id
+        if deleted in POOL:
+            await self._seed(deleted)
 
     async def _call(self, call: Call) -> tuple[grpc.StatusCode, list[bytes]]:
         assert self.channel is not None

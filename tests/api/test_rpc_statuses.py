@@ -53,6 +53,15 @@ async def build_request(sessions: Any, compaction: Any, sid: str) -> None:
     await sessions.BuildRequest(spb.BuildRequestRequest(session_id=sid))
 
 
+async def list_sessions(sessions: Any, compaction: Any, sid: str) -> None:
+    token = "" if sid == SID else "forged"
+    await sessions.ListSessions(spb.ListSessionsRequest(page_token=token))
+
+
+async def delete_session(sessions: Any, compaction: Any, sid: str) -> None:
+    await sessions.DeleteSession(spb.DeleteSessionRequest(session_id=sid))
+
+
 async def check_pressure(sessions: Any, compaction: Any, sid: str) -> None:
     await compaction.CheckPressure(cpb.CheckPressureRequest(session_id=sid))
 
@@ -94,6 +103,8 @@ CASES: dict[str, tuple[Call, str, Code, Code]] = {
     "SessionService.ListEvents": (list_events, "nope", Code.NOT_FOUND, Code.OK),
     "SessionService.GetSurface": (get_surface, "nope", Code.NOT_FOUND, Code.OK),
     "SessionService.BuildRequest": (build_request, "nope", Code.NOT_FOUND, Code.OK),
+    "SessionService.ListSessions": (list_sessions, "", Code.INVALID_ARGUMENT, Code.OK),
+    "SessionService.DeleteSession": (delete_session, "nope", Code.NOT_FOUND, Code.OK),
     "CompactionService.CheckPressure": (check_pressure, "nope", Code.NOT_FOUND, Code.OK),
     "CompactionService.WatchPressure": (watch_pressure, "nope", Code.NOT_FOUND, Code.OK),
     "CompactionService.PrepareStep": (prepare_step, "nope", Code.NOT_FOUND, Code.OK),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import grpc
 import pytest
 from compactd_client import (
@@ -11,6 +13,7 @@ from compactd_client import (
     NotFoundError,
     SeqConflictError,
 )
+from compactd_client.errors import UnauthenticatedError
 from compactd_client.events import (
     assistant_message,
     step_end,
@@ -22,7 +25,9 @@ from compactd_client.events import (
 )
 from compactd_client.v1 import events_pb2 as client_events
 
-from compactd.api.server import RunningServer
+from compactd import config
+from compactd.api.auth import hash_token
+from compactd.api.server import RunningServer, create_server
 from compactd.v1 import events_pb2 as server_events
 
 
@@ -80,3 +85,27 @@ async def test_unknown_session_is_not_found(server: RunningServer) -> None:
     async with AsyncCompactdClient(server.address) as client:
         with pytest.raises(NotFoundError):
             await client.get_surface("no-such-session")
+
+
+async def test_the_client_passes_a_token_and_lists_and_deletes_its_tenants_sessions(
+    server_config: config.ServerConfig,
+) -> None:
+    tokens = {"a": hash_token("token-a"), "b": hash_token("token-b")}
+    running = await create_server(replace(server_config, auth_tokens=tokens))
+    try:
+        async with (
+            AsyncCompactdClient(running.address, token="token-a") as a,
+            AsyncCompactdClient(running.address, token="token-b") as b,
+            AsyncCompactdClient(running.address) as anonymous,
+        ):
+            await a.create_session("mine")
+            with pytest.raises(UnauthenticatedError):
+                await anonymous.list_sessions()
+            with pytest.raises(NotFoundError):
+                await b.get_surface("mine")
+            assert [s.session_id for s in (await a.list_sessions()).sessions] == ["mine"]
+            assert (await b.list_sessions()).sessions == []
+            await a.delete_session("mine")
+            assert (await a.list_sessions()).sessions == []
+    finally:
+        await running.stop(0)

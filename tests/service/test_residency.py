@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -47,7 +48,9 @@ from tests.builders import (
     user,
 )
 
-TRANSCRIPTS = Path(__file__).resolve().parents[2] / "testdata" / "transcripts" / "openai.jsonl"
+ROOT = Path(__file__).resolve().parents[2]
+TRANSCRIPTS = ROOT / "testdata" / "transcripts" / "openai.jsonl"
+KILLER = Path(__file__).with_name("snapshot_killer.py")
 PROVIDER, MODEL = "openai", "gpt-4-turbo"  # cl100k_base: a tokenizer with a batch API
 
 
@@ -206,7 +209,7 @@ async def test_restoring_after_an_eviction_starts_no_new_lifecycle(
     assert await manager.evict("s")
     assert manager.resident == 0
     del handle
-    manager._alive.pop("s", None)  # no finished future may hand the old handle back
+    manager._alive.clear()  # no finished future may hand the old handle back
     restored = await manager.get("s")
     types = [e.WhichOneof("body") async for e in store.read("s")]
     assert "session_end_seed" not in types
@@ -215,6 +218,34 @@ async def test_restoring_after_an_eviction_starts_no_new_lifecycle(
     for one in (report, after):
         one.breakdown.ClearField("anchor_age_seconds")
     assert after == report
+
+
+async def test_an_evicted_session_keeps_its_in_process_memory(store: MemoryEventStore) -> None:
+    manager, _ = service_over(store)
+    await manager.create("s", None)
+    handle = await manager.get("s")
+    await handle.append([user("hello")])
+    memory = object()
+    handle.extensions["failure_memory"] = memory
+    assert await manager.evict("s")
+    del handle
+    manager._alive.clear()
+    restored = await manager.get("s")
+    assert restored.extensions["failure_memory"] is memory  # eviction is not a restart
+    assert session_meter(restored) is restored.extensions[pressure.METER_KEY]
+
+
+async def test_deleting_a_session_deletes_its_snapshot(store: MemoryEventStore) -> None:
+    manager, _ = service_over(store)
+    await manager.create("s", None)
+    handle = await manager.get("s")
+    await handle.append([user("hello")])
+    await manager.snapshot(handle)
+    assert await manager.evict("s")
+    assert await manager.delete("s")
+    assert await store.get_snapshot("s") is None
+    await manager.create("s", None)
+    assert (await manager.get("s")).revision == 0  # fresh: nothing of the old session
 
 
 async def test_a_session_in_use_is_not_evicted(store: MemoryEventStore) -> None:
@@ -283,6 +314,33 @@ async def test_a_snapshot_write_that_dies_halfway_leaves_the_old_one(tmp_path: P
         await store.close()
 
 
+async def test_a_process_killed_inside_a_snapshot_write_restores_from_the_old_one(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "s.db"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(KILLER), str(path), stdout=asyncio.subprocess.PIPE, cwd=ROOT
+    )
+    out, _ = await proc.communicate()
+    assert proc.returncode == 9
+    assert out.decode().split() == ["snapshotted", "2"]
+    store = SqliteEventStore(str(path))
+    await store.open()
+    try:
+        kept = await store.get_snapshot("s")
+        assert kept is not None
+        assert kept[0] == 2  # the old snapshot, whole
+        again, _ = service_over(store)
+        restored = await again.get("s")  # its snapshot, then the log after it
+        texts = [n.event.user_message.content[0].text.text for n in restored.fold.surface]
+        assert texts == ["one", "two", "three"]
+        replayed = SessionFold()
+        replayed.admit([e async for e in store.read("s")], check=False)
+        assert but_lifecycle(fold_state(restored.fold)) == but_lifecycle(fold_state(replayed))
+    finally:
+        await store.close()
+
+
 async def test_an_unusable_snapshot_is_ignored_and_the_log_replayed(
     store: MemoryEventStore,
 ) -> None:
@@ -328,9 +386,22 @@ async def test_restoring_a_large_session_lets_other_sessions_answer_first(
     assert order == ["small", "big"]
 
 
-def test_warm_up_loads_every_routes_tokenizer() -> None:
-    load_tokenizer.cache_clear()
-    warm_up(RouteCatalog())
+def test_warm_up_counts_with_every_routes_pricing_before_any_session_needs_it() -> None:
+    counted: list[str] = []
+
+    class Route:
+        def __init__(self, name: str) -> None:
+            self.pricing = self
+            self.name = name
+
+        def count(self, text: str) -> int:
+            counted.append(self.name)
+            return len(text)
+
+    warm_up([Route("a"), Route("b")])  # type: ignore[arg-type]
+    assert counted == ["a", "b"]
+    routes = RouteCatalog()
+    warm_up(routes)
     assert load_tokenizer.cache_info().currsize >= 2  # cl100k_base and o200k_base at least
 
 
@@ -408,7 +479,7 @@ async def _compare(ops: list[tuple[str, int]]) -> None:
                 # Nothing here holds the handle; a finished future the loop has not dropped yet
                 # may, which would hand the same handle back: forget it, so the next get
                 # restores the session from its snapshot.
-                evicting._alive.pop("s", None)
+                evicting._alive.clear()
             continue
         for manager, cursor in ((kept, cursors[0]), (evicting, cursors[1])):
             await _apply(await manager.get("s"), op, arg, cursor)

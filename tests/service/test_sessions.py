@@ -11,6 +11,7 @@ from compactd.errors import NotFound, Unavailable
 from compactd.service.sessions import SessionManager
 from compactd.store.leases import LeaseOp
 from compactd.store.memory import MemoryEventStore
+from compactd.tenancy import Tenant, bound_tenant
 from compactd.v1 import events_pb2
 from tests.builders import user
 
@@ -29,13 +30,14 @@ class GatedStore(MemoryEventStore):
         session_id: str,
         events: Sequence[events_pb2.SessionEvent],
         *,
+        tenant: str = "default",
         lease: LeaseOp | None = None,
     ) -> int:
         self.entered.set()
         await self.gate.wait()
         if self.fail:
             raise Unavailable("disk went away")
-        return await super().append(session_id, events, lease=lease)
+        return await super().append(session_id, events, tenant=tenant, lease=lease)
 
 
 async def _session(store: GatedStore) -> SessionManager:
@@ -107,3 +109,50 @@ async def test_unknown_session_ids_leave_nothing_behind() -> None:
         with pytest.raises(NotFound):
             await manager.get(f"missing-{n}")
     assert manager._loading == {}
+
+
+# ---- tenants and deletion --------------------------------------------------------------------
+
+
+async def test_the_callers_tenant_keys_its_sessions() -> None:
+    store = MemoryEventStore()
+    await store.open()
+    manager = SessionManager(store)
+    with bound_tenant(Tenant("a")):
+        await manager.create("s", None)
+        handle_a = await manager.get("s")
+    with bound_tenant(Tenant("b")), pytest.raises(NotFound):
+        await manager.get("s")
+    await manager.create("s", None, tenant=Tenant("b"))
+
+    handle_b = await manager.get("s", tenant=Tenant("b"))
+
+    assert handle_a is not handle_b
+    assert (handle_a.tenant, handle_b.tenant) == ("a", "b")
+    assert [r.session_id for r in await manager.list(tenant=Tenant("b"))] == ["s"]
+    assert await manager.list() == []
+
+
+async def test_delete_ends_followers_and_frees_the_id() -> None:
+    store = MemoryEventStore()
+    await store.open()
+    manager = SessionManager(store)
+    await manager.create("s", None)
+    handle = await manager.get("s")
+    revisions = handle.revisions()
+    assert await anext(revisions) == 0
+    waiting = asyncio.ensure_future(anext(revisions))
+    await asyncio.sleep(0)
+
+    await manager.delete("s")
+
+    with pytest.raises(NotFound):
+        await waiting
+    with pytest.raises(NotFound):
+        await handle.append([user("hi")])  # a handle taken before the delete
+    with pytest.raises(NotFound):
+        await manager.get("s")
+    with pytest.raises(NotFound):
+        await manager.delete("s")
+    await manager.create("s", None)
+    assert (await manager.get("s")).revision == 0

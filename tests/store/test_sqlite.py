@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from compactd import errors
-from compactd.store import SessionRecord, SqliteEventStore
+from compactd.store import SqliteEventStore
 
 from .builders import batch, user_event, wire
 
@@ -118,9 +118,13 @@ async def test_reopening_the_file_reads_everything_back(tmp_path: Path) -> None:
         await store.append("b", batch(0, 1))
 
     async with SqliteEventStore(path) as reopened:
-        assert await reopened.get_session("a") == SessionRecord(
-            "a", created.create_time, '{"retainRatio": 0.3}', 42
+        record = await reopened.get_session("a")
+        assert record is not None
+        assert (record.create_time, record.policy_json) == (
+            created.create_time,
+            '{"retainRatio": 0.3}',
         )
+        assert (record.revision, record.tenant) == (42, "default")
         assert [r.session_id for r in await reopened.list_sessions()] == ["a", "b"]
         assert wire([e async for e in reopened.read("a")]) == wire(batch(0, 42, "a-"))
         assert await reopened.find_event_ids("a", ["a-41"]) == {"a-41": 41}
@@ -208,3 +212,62 @@ async def test_a_database_failure_fails_the_whole_group_and_the_store_recovers(
         assert [e async for e in store.read("s")] == []
         assert await store.append("s", batch(0, 2)) == 2
         assert store.stats.failed_batches == 2
+
+
+_SCHEMA_V1 = """
+CREATE TABLE sessions (
+    session_id     TEXT PRIMARY KEY,
+    create_time_us INTEGER NOT NULL,
+    policy_json    TEXT,
+    revision       INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE events (
+    session_id TEXT NOT NULL REFERENCES sessions (session_id),
+    seq        INTEGER NOT NULL,
+    event_id   TEXT,
+    type       TEXT NOT NULL,
+    data       BLOB NOT NULL,
+    PRIMARY KEY (session_id, seq)
+);
+CREATE UNIQUE INDEX events_event_id ON events (session_id, event_id) WHERE event_id IS NOT NULL;
+PRAGMA user_version = 1;
+"""
+
+
+def _old_database(path: Path) -> list[bytes]:
+    """A database as the version-1 schema (before tenants) wrote it; returns its log's bytes."""
+    events = batch(0, 3, "old-")
+    conn = sqlite3.connect(path)
+    conn.executescript(_SCHEMA_V1)
+    conn.execute("INSERT INTO sessions VALUES ('legacy', 1700000000000000, '{\"x\": 1}', 3)")
+    conn.executemany(
+        "INSERT INTO events VALUES ('legacy', ?, ?, 'user/message', ?)",
+        [(e.seq, e.event_id, e.SerializeToString(deterministic=True)) for e in events],
+    )
+    conn.commit()
+    conn.close()
+    return wire(events)
+
+
+async def test_a_version_1_database_migrates_its_sessions_to_the_default_tenant(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "old.db"
+    log = _old_database(path)
+
+    async with SqliteEventStore(str(path)) as store:
+        record = await store.get_session("legacy")
+        assert record is not None
+        assert (record.tenant, record.revision, record.policy_json) == ("default", 3, '{"x": 1}')
+        assert record.last_active == record.create_time
+        assert wire([e async for e in store.read("legacy")]) == log
+        assert await store.find_event_ids("legacy", ["old-2"]) == {"old-2": 2}
+        assert await store.get_session("legacy", tenant="other") is None
+        assert await store.append("legacy", batch(3, 1, "old-")) == 4
+
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
+    tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert tables == {"sessions", "events", "snapshots"}  # snapshots: issue 11
+    assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
+    conn.close()

@@ -45,6 +45,14 @@ type SessionServiceClient interface {
 	// from the latest `request/header`, registered projections (image offload) applied.
 	// Errors: NOT_FOUND.
 	BuildRequest(ctx context.Context, in *BuildRequestRequest, opts ...grpc.CallOption) (*BuildRequestResponse, error)
+	// Lists the caller's tenant's sessions in id order, a page at a time.
+	// Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` this server did not
+	// issue.
+	ListSessions(ctx context.Context, in *ListSessionsRequest, opts ...grpc.CallOption) (*ListSessionsResponse, error)
+	// Deletes a session: its log and everything derived from it are removed durably. Followers
+	// of the session (ListEvents with `follow`, WatchPressure) end with NOT_FOUND; afterwards the
+	// id answers NOT_FOUND and may be created again, fresh. Errors: NOT_FOUND.
+	DeleteSession(ctx context.Context, in *DeleteSessionRequest, opts ...grpc.CallOption) (*DeleteSessionResponse, error)
 }
 
 type sessionServiceClient struct {
@@ -123,6 +131,24 @@ func (c *sessionServiceClient) BuildRequest(ctx context.Context, in *BuildReques
 	return out, nil
 }
 
+func (c *sessionServiceClient) ListSessions(ctx context.Context, in *ListSessionsRequest, opts ...grpc.CallOption) (*ListSessionsResponse, error) {
+	out := new(ListSessionsResponse)
+	err := c.cc.Invoke(ctx, "/compactd.v1.SessionService/ListSessions", in, out, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *sessionServiceClient) DeleteSession(ctx context.Context, in *DeleteSessionRequest, opts ...grpc.CallOption) (*DeleteSessionResponse, error) {
+	out := new(DeleteSessionResponse)
+	err := c.cc.Invoke(ctx, "/compactd.v1.SessionService/DeleteSession", in, out, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // SessionServiceServer is the server API for SessionService service.
 // All implementations must embed UnimplementedSessionServiceServer
 // for forward compatibility
@@ -155,6 +181,14 @@ type SessionServiceServer interface {
 	// from the latest `request/header`, registered projections (image offload) applied.
 	// Errors: NOT_FOUND.
 	BuildRequest(context.Context, *BuildRequestRequest) (*BuildRequestResponse, error)
+	// Lists the caller's tenant's sessions in id order, a page at a time.
+	// Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` this server did not
+	// issue.
+	ListSessions(context.Context, *ListSessionsRequest) (*ListSessionsResponse, error)
+	// Deletes a session: its log and everything derived from it are removed durably. Followers
+	// of the session (ListEvents with `follow`, WatchPressure) end with NOT_FOUND; afterwards the
+	// id answers NOT_FOUND and may be created again, fresh. Errors: NOT_FOUND.
+	DeleteSession(context.Context, *DeleteSessionRequest) (*DeleteSessionResponse, error)
 	mustEmbedUnimplementedSessionServiceServer()
 }
 
@@ -176,6 +210,12 @@ func (UnimplementedSessionServiceServer) GetSurface(context.Context, *GetSurface
 }
 func (UnimplementedSessionServiceServer) BuildRequest(context.Context, *BuildRequestRequest) (*BuildRequestResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method BuildRequest not implemented")
+}
+func (UnimplementedSessionServiceServer) ListSessions(context.Context, *ListSessionsRequest) (*ListSessionsResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method ListSessions not implemented")
+}
+func (UnimplementedSessionServiceServer) DeleteSession(context.Context, *DeleteSessionRequest) (*DeleteSessionResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method DeleteSession not implemented")
 }
 func (UnimplementedSessionServiceServer) mustEmbedUnimplementedSessionServiceServer() {}
 
@@ -283,6 +323,42 @@ func _SessionService_BuildRequest_Handler(srv interface{}, ctx context.Context, 
 	return interceptor(ctx, in, info, handler)
 }
 
+func _SessionService_ListSessions_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListSessionsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(SessionServiceServer).ListSessions(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: "/compactd.v1.SessionService/ListSessions",
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(SessionServiceServer).ListSessions(ctx, req.(*ListSessionsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _SessionService_DeleteSession_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(DeleteSessionRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(SessionServiceServer).DeleteSession(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: "/compactd.v1.SessionService/DeleteSession",
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(SessionServiceServer).DeleteSession(ctx, req.(*DeleteSessionRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 var _SessionService_serviceDesc = grpc.ServiceDesc{
 	ServiceName: "compactd.v1.SessionService",
 	HandlerType: (*SessionServiceServer)(nil),
@@ -302,6 +378,14 @@ var _SessionService_serviceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "BuildRequest",
 			Handler:    _SessionService_BuildRequest_Handler,
+		},
+		{
+			MethodName: "ListSessions",
+			Handler:    _SessionService_ListSessions_Handler,
+		},
+		{
+			MethodName: "DeleteSession",
+			Handler:    _SessionService_DeleteSession_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

@@ -1,6 +1,7 @@
 // A thin typed client over both compactd services, speaking the gRPC protocol over HTTP/2
 // (connect-node's gRPC transport). Every method throws a CompactdError subclass on failure.
 
+import type * as http2 from "node:http2";
 import type { JsonObject } from "@bufbuild/protobuf";
 import { type CallOptions, type Client, Code, ConnectError, createClient, type Interceptor } from "@connectrpc/connect";
 import { createGrpcTransport, Http2SessionManager } from "@connectrpc/connect-node";
@@ -52,6 +53,10 @@ export interface ClientOptions {
   streamTimeoutMs?: number;
   /** Headers sent with every call (e.g. authorization). */
   headers?: Record<string, string>;
+  /** Bearer token naming the caller's tenant (sent as `authorization: Bearer ...`); use over TLS. */
+  token?: string;
+  /** TLS options of an "https://" target: `ca`, and `cert`/`key` for mutual TLS. */
+  tls?: http2.SecureClientSessionOptions;
   /** Retry policy of idempotent unary calls; null disables retries. */
   retry?: RetryPolicy | null;
   /** More interceptors, run inside the retry interceptor. */
@@ -136,13 +141,13 @@ export class CompactdClient {
     const baseUrl = /^https?:\/\//.test(opts.target) ? opts.target : `http://${opts.target}`;
     const retry = opts.retry === undefined ? DEFAULT_RETRY : opts.retry;
     const interceptors = [...(retry ? [retryInterceptor(retry)] : []), ...(opts.interceptors ?? [])];
-    this.connection = new Http2SessionManager(baseUrl);
+    this.connection = new Http2SessionManager(baseUrl, undefined, opts.tls);
     const transport = createGrpcTransport({ baseUrl, interceptors, sessionManager: this.connection });
     this.sessions = createClient(SessionService, transport);
     this.compaction = createClient(CompactionService, transport);
     this.timeoutMs = opts.timeoutMs ?? 30_000;
     this.streamTimeoutMs = opts.streamTimeoutMs;
-    this.headers = opts.headers ?? {};
+    this.headers = { ...(opts.headers ?? {}), ...(opts.token ? { authorization: `Bearer ${opts.token}` } : {}) };
   }
 
   private unaryOptions(opts: CallOpts = {}): CallOptions {

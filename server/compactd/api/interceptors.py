@@ -4,13 +4,16 @@
    coroutines writing through ``context.write`` rather than async generators (the health
    service's ``Watch``, an UNIMPLEMENTED stub): upstream wraps every response-streaming handler
    as an async generator and answers such calls UNKNOWN (opentelemetry-python-contrib #3066).
-2. ``UndecodableRequests``: request bytes that do not parse (invalid UTF-8 in a string field, a
+2. ``api.auth.Authentication`` (when given): binds the caller's tenant, or answers
+   UNAUTHENTICATED, before anything reads the request.
+3. ``UndecodableRequests``: request bytes that do not parse (invalid UTF-8 in a string field, a
    truncated varint, nesting past the parser's limit) answer INVALID_ARGUMENT with reason
    ``UNDECODABLE_REQUEST``, for every method, streamed requests included. grpc.aio would raise
    the parser's error out of the handler: UNKNOWN, and a traceback in the log per request.
-3. ``StreamLimits``: at most ``max_streams`` response streams at once in the process and
-   ``max_streams_per_session`` per session; more answer RESOURCE_EXHAUSTED with reason
-   ``TOO_MANY_STREAMS`` (every commit wakes each watcher of its session).
+4. ``StreamLimits``: at most ``max_streams`` response streams at once in the process and
+   ``max_streams_per_session`` per session (of the caller's tenant); more answer
+   RESOURCE_EXHAUSTED with reason ``TOO_MANY_STREAMS`` (every commit wakes each watcher of its
+   session).
 
 Every wrapper keeps its handler's shape: an async-generator handler stays one, a coroutine
 handler (unary, or streaming through ``context.write``) stays a coroutine, because grpc.aio picks
@@ -31,6 +34,7 @@ from opentelemetry.instrumentation.grpc import _aio_server, aio_server_intercept
 
 from compactd.api import status
 from compactd.errors import InvalidArgument, ResourceExhausted
+from compactd.tenancy import current_tenant
 
 Behavior = Callable[[Any, Any], Any]
 if TYPE_CHECKING:  # generic only in the type stubs
@@ -55,12 +59,15 @@ def chain(
     max_streams: int,
     max_streams_per_session: int,
     observe: Sequence[Interceptor] = (),
+    authentication: Interceptor | None = None,
 ) -> list[Interceptor]:
     """The server's interceptors, outermost first: tracing and the ``observe`` ones (metrics)
-    see every call and every status the others set."""
+    see every call and every status the others set; ``authentication`` (``api.auth``) binds
+    the caller's tenant before anything reads the request."""
     return [
         Tracing.for_provider(tracer_provider),
         *observe,
+        *([authentication] if authentication is not None else []),
         UndecodableRequests(),
         StreamLimits(max_streams=max_streams, max_streams_per_session=max_streams_per_session),
     ]
@@ -222,7 +229,7 @@ class StreamLimits(Interceptor):
         self.max_streams = max_streams
         self.max_streams_per_session = max_streams_per_session
         self.active = 0
-        self.per_session: dict[str, int] = {}
+        self.per_session: dict[tuple[str, str], int] = {}  # (tenant, session id): streams
 
     async def intercept_service(
         self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
@@ -239,31 +246,33 @@ class StreamLimits(Interceptor):
         @asynccontextmanager
         async def guard(request: Any, context: Any) -> AsyncIterator[Any]:
             session_id = str(getattr(request, "session_id", "")) if per_session else ""
+            # Sessions are (tenant, id): another tenant's watchers of the same id do not count.
+            key = (current_tenant().id, session_id) if session_id else None
             if self.active >= self.max_streams:
                 await self._refuse(context, "process", self.max_streams)
-            if session_id and self.per_session.get(session_id, 0) >= self.max_streams_per_session:
+            if key and self.per_session.get(key, 0) >= self.max_streams_per_session:
                 await self._refuse(context, "session", self.max_streams_per_session, session_id)
-            self._enter(session_id)
+            self._enter(key)
             try:
                 yield request
             finally:
-                self._leave(session_id)
+                self._leave(key)
 
         return guard
 
-    def _enter(self, session_id: str) -> None:
+    def _enter(self, key: tuple[str, str] | None) -> None:
         self.active += 1
-        if session_id:
-            self.per_session[session_id] = self.per_session.get(session_id, 0) + 1
+        if key:
+            self.per_session[key] = self.per_session.get(key, 0) + 1
 
-    def _leave(self, session_id: str) -> None:
+    def _leave(self, key: tuple[str, str] | None) -> None:
         self.active -= 1
-        if session_id:
-            left = self.per_session[session_id] - 1
+        if key:
+            left = self.per_session[key] - 1
             if left:
-                self.per_session[session_id] = left
+                self.per_session[key] = left
             else:
-                del self.per_session[session_id]
+                del self.per_session[key]
 
     async def _refuse(self, context: Any, scope: str, limit: int, session_id: str = "") -> None:
         where = f"session {session_id!r}" if session_id else "this server"

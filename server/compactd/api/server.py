@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
+import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
 
 import grpc
 from grpc_health.v1 import _async as health_aio
@@ -22,10 +25,11 @@ from opentelemetry.metrics import MeterProvider
 
 from compactd import config as settings
 from compactd import redaction, telemetry
-from compactd.api import interceptors, reflection_v1
+from compactd.api import auth, interceptors, reflection_v1
 from compactd.api.compaction_service import CompactionServicer
 from compactd.api.health import HealthServicer
 from compactd.api.session_service import SessionServicer
+from compactd.api.tls import Reloader, ServerTls
 from compactd.config import ServerConfig
 from compactd.core.policy import PressurePolicy
 from compactd.core.pruner import PrunerConfig
@@ -38,11 +42,13 @@ from compactd.service.compaction import CompactionEngine, SummaryErrorRecovery
 from compactd.service.offload import ImageOffloadRecovery
 from compactd.service.pressure import PressureService, warm_up
 from compactd.service.recovery import RecoveryService
+from compactd.service.retention import RetentionSweeper, periods_from
 from compactd.service.sessions import SessionManager
 from compactd.service.summarizers import SummarizerRegistry, SummarizerSettings, named_routes
 from compactd.service.switch import SwitchService
-from compactd.store.base import EventStore
+from compactd.store.base import Clock, EventStore, utc_now
 from compactd.store.factory import store_for
+from compactd.tenancy import Tenant
 from compactd.v1 import (
     compaction_service_pb2,
     compaction_service_pb2_grpc,
@@ -74,6 +80,15 @@ class RunningServer:
     prometheus: telemetry.PrometheusEndpoint | None = None
     pressure: PressureService | None = None  # calibration stats for plan/inspect views, metrics
     uninstall_redaction: Callable[[], None] | None = None
+    # Issue 10: TLS and authentication
+    reloader: Reloader | None = None  # TLS and tokens files: SIGHUP and polling
+    retention: RetentionSweeper | None = None
+    health_server: grpc.aio.Server | None = None  # the plaintext health-only listener
+    health_port: int = 0
+
+    async def reload(self) -> bool:
+        """Re-read the TLS and tokens files now (what SIGHUP does); True if any changed."""
+        return False if self.reloader is None else await self.reloader.reload_now()
 
     @property
     def address(self) -> str:
@@ -84,7 +99,12 @@ class RunningServer:
     async def stop(self, grace: float | None = None) -> None:
         """Graceful stop: NOT_SERVING, refuse new calls, finish in-flight ones, close the store."""
         await self.health.enter_graceful_shutdown()
+        for background in (self.reloader, self.retention):
+            if background is not None:
+                await background.stop()
         await self.server.stop(self.config.shutdown_grace_s if grace is None else grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         await self.manager.close()
         await self.store.close()
         if self.prometheus is not None:
@@ -105,16 +125,19 @@ class Components:
     policy: PressurePolicy
     pruner: PrunerConfig
     summarizer: SummarizerSettings
+    retention: Mapping[Tenant, timedelta] = field(default_factory=dict)
 
 
 def components(config: ServerConfig) -> Components:
     """Validate the owned sections of ``config`` (``ConfigError`` names the bad key)."""
     settings.check_limits(config)  # a config built without ``load`` is checked here too
+    settings.check_transport(config)
     return Components(
         routes=RouteCatalog.from_config(config.routes),
         policy=PressurePolicy.from_settings(config.compaction),
         pruner=PrunerConfig.from_mapping(config.pruner, prefix="pruner"),
         summarizer=SummarizerSettings.from_mapping(config.summarizer),
+        retention=periods_from(config.session_retention_s),
     )
 
 
@@ -126,6 +149,7 @@ async def create_server(
     summarizer: Summarizer | None = None,
     summary_recoveries: Sequence[SummaryErrorRecovery] = (),
     clock: Callable[[], float] = time.monotonic,
+    wall_clock: Clock = utc_now,
 ) -> RunningServer:
     """Validate the configuration, open the store, build the services and start serving.
 
@@ -135,7 +159,8 @@ async def create_server(
     replaces every route's summarizer (a deployment's own, or a test's); ``summary_recoveries``
     run in the bracket's summary-error step (see ``SummaryErrorRecovery``), before the always-on
     ``ImageOffloadRecovery``. ``clock`` (monotonic seconds) times the failure memory's
-    backoffs.
+    backoffs; ``wall_clock`` stamps sessions' create and last-append times and runs the
+    retention sweep.
 
     Raises:
         ConfigError: A setting is invalid (the message names it), or the store's folder is
@@ -155,16 +180,85 @@ async def create_server(
         readers = [prometheus.reader] if prometheus is not None else []
         meter_provider = owned_meter = telemetry.meter_provider_from_env(readers)
     metrics = Metrics(meter_provider)
-    store = store_for(config)
+    tls = ServerTls.from_config(config)  # ConfigError for a missing or non-PEM file
+    authentication = auth.Authentication(auth.credentials_from(config))
+    store = store_for(config, clock=wall_clock)
     await store.open()
     async with contextlib.AsyncExitStack() as refused:  # a start that fails closes the store
         refused.push_async_callback(store.close)
         running = await _serve_on(
             config, parts, store, provider, owns_provider, owned_meter, prometheus, metrics,
-            summarizer, summary_recoveries, clock,
+            summarizer, summary_recoveries, clock, _Trust(tls, authentication),
         )  # fmt: skip
         refused.pop_all()
+    await _start_trust(running, parts, tls, authentication, wall_clock)
     return running
+
+
+@dataclass(frozen=True)
+class _Trust:
+    """Issue 10's parts of the listener: its TLS (None: plaintext) and the authentication."""
+
+    tls: ServerTls | None
+    authentication: auth.Authentication
+
+
+async def _start_trust(
+    running: RunningServer,
+    parts: Components,
+    tls: ServerTls | None,
+    authentication: auth.Authentication,
+    wall_clock: Clock,
+) -> None:
+    """Start the reloads and the retention sweep; say how the listener is protected."""
+    config = running.config
+    reloads: list[Callable[[], bool]] = [] if tls is None else [tls.reload]
+    if auth.TokensFileReload.paths(config):
+        reloads.append(auth.TokensFileReload(config, authentication))
+    running.reloader = Reloader(reloads, config.tls_reload_interval_s)
+    running.reloader.start()
+    if parts.retention:
+        running.retention = RetentionSweeper(running.manager, parts.retention, clock=wall_clock)
+        running.retention.start()
+    if config.health_listen:
+        running.health_server, running.health_port = await _health_only(
+            config.health_listen, running.health
+        )
+    _log_transport(config, tls, authentication.credentials)
+
+
+def _log_transport(
+    config: ServerConfig, tls: ServerTls | None, credentials: auth.Credentials
+) -> None:
+    transport = "plaintext" if tls is None else ("mutual TLS" if tls.mutual else "TLS")
+    fields = {
+        "listen": config.listen,
+        "transport": transport,
+        "authentication": "on" if credentials.enabled else "off",
+        "tokens": len(credentials.token_digests),
+        "identities": len(credentials.identities),
+    }
+    host, _ = config.host_port
+    if tls is None and not settings.is_loopback(host):
+        log.warning(
+            "serving plaintext on a non-loopback address (insecure_plaintext = true): only "
+            "behind a mesh sidecar that terminates mutual TLS",
+            extra=fields,
+        )
+    else:
+        log.info("listener security", extra=fields)
+
+
+async def _health_only(
+    listen: str, servicer: health_aio.HealthServicer
+) -> tuple[grpc.aio.Server, int]:
+    """A plaintext listener serving only grpc.health.v1 (probes cannot speak TLS or tokens)."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    host, _, port = listen.rpartition(":")
+    bound = _bind(server, host.strip("[]"), int(port), None)
+    await server.start()
+    return server, bound
 
 
 async def _serve_on(
@@ -179,6 +273,7 @@ async def _serve_on(
     summarizer: Summarizer | None,
     summary_recoveries: Sequence[SummaryErrorRecovery],
     clock: Callable[[], float],
+    trust: _Trust,
 ) -> RunningServer:
     manager = SessionManager(
         store,
@@ -219,6 +314,7 @@ async def _serve_on(
         max_streams=config.max_streams,
         max_streams_per_session=config.max_streams_per_session,
         observe=[metrics.interceptor()],
+        authentication=trust.authentication,
     )
     server = grpc.aio.server(options=_channel_options(config), interceptors=chain)
     session_service_pb2_grpc.add_SessionServiceServicer_to_server(
@@ -231,7 +327,7 @@ async def _serve_on(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection_v1.enable((*SERVICE_NAMES, health.SERVICE_NAME), server)  # v1 and v1alpha
     host, port = config.host_port
-    bound = _bind(server, host, port)
+    bound = _bind(server, host, port, trust.tls)
     await server.start()
     if prometheus is not None:
         prometheus.start()
@@ -247,11 +343,30 @@ async def _serve_on(
     return running
 
 
-def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Listen on ``host:port`` (the bound port: port 0 picks one) or raise ``StartupError``."""
+def settle_interpreter() -> None:
+    """Tune CPython for calls that must not wait on other work (once the server is built).
+
+    - Let the event loop win the GIL back within a millisecond: pricing, snapshots and restores
+      run in worker threads, and CPython's default lets a thread keep the GIL for 5 ms, so a
+      large append or restore next door would delay every other call by that much per switch.
+    - Move everything start-up allocated (modules, routes, tokenizers, templates) out of the
+      collector's sight (``gc.freeze``): a full collection otherwise walks it all again and
+      again, a pause of tens of milliseconds on the loop.
+    """
+    sys.setswitchinterval(min(sys.getswitchinterval(), 0.001))
+    gc.collect()
+    gc.freeze()
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int, tls: ServerTls | None) -> int:
+    """Listen on ``host:port`` (the bound port: port 0 picks one), with ``tls`` unless None,
+    or raise ``StartupError``."""
     address = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        if tls is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, tls.credentials())
     except RuntimeError:
         bound = 0  # grpcio raises where older releases answered 0
     if not bound:
@@ -285,6 +400,9 @@ async def serve(config: ServerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     running = await create_server(config)
+    settle_interpreter()
+    if running.reloader is not None:  # certificate and token rotation without a restart
+        loop.add_signal_handler(signal.SIGHUP, running.reloader.trigger)
     print(f"compactd listening on {running.address}", flush=True)
     await stop.wait()
     log.info("shutting down", extra={"grace_s": config.shutdown_grace_s})

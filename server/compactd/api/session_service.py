@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import re
 import uuid
 from collections.abc import AsyncIterator
@@ -72,7 +73,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         handle = await self._handle(request.session_id)
         next_seq = request.from_seq
         end = handle.revision
-        async for event in self._manager.store.read(handle.session_id, next_seq, end):
+        async for event in handle.read(next_seq, end):
             yield pb.ListEventsResponse(event=event)
             next_seq = event.seq + 1
         if not request.follow:
@@ -80,7 +81,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         async for revision in handle.revisions():
             if revision <= next_seq:
                 continue
-            async for event in self._manager.store.read(handle.session_id, next_seq, revision):
+            async for event in handle.read(next_seq, revision):
                 yield pb.ListEventsResponse(event=event)
                 next_seq = event.seq + 1
 
@@ -100,6 +101,32 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         async with handle.lock:
             return build_request(handle)
 
+    @handle_errors
+    async def ListSessions(
+        self, request: pb.ListSessionsRequest, context: Context
+    ) -> pb.ListSessionsResponse:
+        if request.page_size < 0:
+            raise InvalidArgument(
+                "page_size must be >= 0", violations=[FieldViolation("page_size", "must be >= 0")]
+            )
+        size = min(request.page_size or _DEFAULT_PAGE, _MAX_PAGE)
+        after = _after(request.page_token)
+        records = await self._manager.list(after=after, limit=size + 1)
+        page = records[:size]
+        more = len(records) > size
+        return pb.ListSessionsResponse(
+            sessions=[_session(record, record.revision) for record in page],
+            next_page_token=_page_token(page[-1].session_id) if more else "",
+        )
+
+    @handle_errors
+    async def DeleteSession(
+        self, request: pb.DeleteSessionRequest, context: Context
+    ) -> pb.DeleteSessionResponse:
+        require_session_id(request.session_id)
+        await self._manager.delete(request.session_id)
+        return pb.DeleteSessionResponse()
+
     async def _handle(self, session_id: str, *, fresh: bool = True) -> SessionHandle:
         require_session_id(session_id)
         return await self._manager.get(session_id, fresh=fresh)
@@ -111,6 +138,32 @@ def require_session_id(session_id: str) -> None:
         raise InvalidArgument(
             "session_id is required", violations=[FieldViolation("session_id", "required")]
         )
+
+
+_DEFAULT_PAGE, _MAX_PAGE = 100, 1000
+_TOKEN_PREFIX = "after:"
+
+
+def _page_token(last_id: str) -> str:
+    """An opaque token for the page after ``last_id`` (scoped by the listing: the caller's
+    tenant, so another tenant's token lists only its own sessions)."""
+    return base64.urlsafe_b64encode((_TOKEN_PREFIX + last_id).encode()).decode()
+
+
+def _after(page_token: str) -> str:
+    """The id a page token resumes after ("" for no token); INVALID_ARGUMENT for a bad one."""
+    if not page_token:
+        return ""
+    try:
+        text = base64.urlsafe_b64decode(page_token.encode("ascii")).decode()
+    except (ValueError, UnicodeError):
+        text = ""
+    if not text.startswith(_TOKEN_PREFIX):
+        raise InvalidArgument(
+            "page_token is not a token this server issued",
+            violations=[FieldViolation("page_token", "not issued by ListSessions")],
+        )
+    return text[len(_TOKEN_PREFIX) :]
 
 
 def _policy(struct: struct_pb2.Struct) -> dict[str, object]:

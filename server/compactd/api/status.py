@@ -37,6 +37,7 @@ _CODES: list[tuple[type[errors.CompactdError], grpc.StatusCode]] = [
     (errors.ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (errors.Internal, grpc.StatusCode.INTERNAL),
 ]
 

@@ -341,8 +341,10 @@ class SessionMeter:
     def persisted_prices(self) -> dict[str, dict[int, NodeCost]]:
         """Every node price the meter keeps, per ``PricingProfile.key``: what a snapshot
         persists (read only)."""
-        found = {key: dict(costs) for key, costs in self._persisted.items()}
-        for pricing, ledger in self._ledgers.items():
+        # ``list(...)`` first: a ledger may be installed on the loop meanwhile (one C call each,
+        # so the GIL keeps them whole), and a Python loop over a changing dict would fail.
+        found = {key: dict(costs) for key, costs in list(self._persisted.items())}
+        for pricing, ledger in list(self._ledgers.items()):
             found[pricing.key] = dict(ledger.costs)
         return found
 

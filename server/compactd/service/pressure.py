@@ -104,6 +104,7 @@ class PressureService:
         self.policy = service_policy
         self.calibration = UsageCalibration(routes)
         manager.on_restore(self._attach)
+        manager.rebuilds(METER_KEY, _POLICY_KEY, _CALIBRATION_KEY)
         self.fallbacks = route_fallbacks(routes)
         if self.fallbacks:
             log.warning(

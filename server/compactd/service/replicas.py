@@ -132,9 +132,12 @@ def lease_for(
 class LeaseKeeper:
     """Renews the leases of the brackets this replica opened, while they run."""
 
-    def __init__(self, store: EventStore, session_id: str, owner: str, ttl_s: float) -> None:
+    def __init__(
+        self, store: EventStore, session_id: str, owner: str, ttl_s: float, *, tenant: str
+    ) -> None:
         self._store = store
         self._session_id = session_id
+        self._tenant = tenant
         self._owner = owner
         self.ttl_s = ttl_s
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -172,7 +175,7 @@ class LeaseKeeper:
             await asyncio.sleep(self.ttl_s / 3)
             try:
                 kept = await self._store.renew_lease(
-                    self._session_id, self._owner, token, self.ttl_s
+                    self._session_id, self._owner, token, self.ttl_s, tenant=self._tenant
                 )
             except Exception as error:  # the database is away: try again, the lease may hold
                 log.warning("bracket lease renewal failed: %s", error)

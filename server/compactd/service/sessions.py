@@ -25,11 +25,15 @@ On a store several replicas share (PostgreSQL), the fold is a cache of the log t
 replicas also append to: ``service.replicas`` keeps it current (catch-up under the lock, appends
 retried on a stale fold, bracket leases, change notifications), and a restore appends
 ``session/end-seed`` only when the process that owned a live bracket died (its lease expired).
+Tenancy lives here, as a key: a session is (tenant, id), the tenant being the caller's
+(``compactd.tenancy.current_tenant``) unless one is named. Another tenant's session is simply not
+there (NotFound), so nothing past the manager needs to know tenants exist.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -38,6 +42,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from functools import partial
 from typing import Any, Protocol
 
@@ -69,17 +74,22 @@ from compactd.service.replicas import (
     lease_for,
     retry_pause,
 )
-from compactd.store.base import EventStore, SessionRecord
+from compactd.store.base import EventStore, SessionRecord, session_not_found
 from compactd.store.leases import LeaseAction, LeaseOp, fenced
+from compactd.tenancy import Tenant, current_tenant
 from compactd.v1 import events_pb2
 
 log = logging.getLogger(__name__)
 
 Observer = Callable[[SessionFold, AdmittedBatch], None]
+_Key = tuple[str, str]  # (tenant id, session id)
 # Batches at least this large (events or serialized bytes) are priced in a worker thread; a
 # smaller one is priced on the loop, where it costs less than the hop to a thread.
 OFFLOAD_EVENTS = 16
 OFFLOAD_BYTES = 16 * 1024
+# A batch is checked in a worker thread, and admitted in steps of this many events between which
+# other calls run, from this size on.
+ADMIT_STEP = 128
 
 
 class PriceSource(Protocol):
@@ -126,6 +136,9 @@ class SessionHandle:
         lease_s: float = 30.0,
     ) -> None:
         self.session_id = record.session_id
+        self.tenant = record.tenant
+        self.key: _Key = (record.tenant, record.session_id)
+        self.deleted = False  # set (under the lock) by ``SessionManager.delete``
         self.limits = limits
         self.record = record
         self.fold = fold
@@ -136,7 +149,7 @@ class SessionHandle:
         # Held, the fold is as new as the store's log (``service.replicas``).
         self.lock = CatchUpLock(self.catch_up_locked)
         self.owner = owner
-        self.leases = LeaseKeeper(store, record.session_id, owner, lease_s)
+        self.leases = LeaseKeeper(store, record.session_id, owner, lease_s, tenant=record.tenant)
         self._next_lease_check = 0.0  # monotonic time to look at another replica's lease again
         # The committed revision: ``fold.revision`` also counts a batch admitted but not yet
         # durable, which readers that do not hold the lock must never see.
@@ -193,7 +206,14 @@ class SessionHandle:
         ``Origin.CLIENT``, which refuses server-only events, enforces the step brackets and
         bounds the batch by ``self.limits`` (blocks, events, the surface).
         """
-        check_batch(events, max_events=max_events, origin=origin, limits=self.limits)
+        if len(events) >= ADMIT_STEP:  # a large batch's checks run beside the loop
+            await asyncio.to_thread(
+                partial(
+                    check_batch, events, max_events=max_events, origin=origin, limits=self.limits
+                )
+            )
+        else:
+            check_batch(events, max_events=max_events, origin=origin, limits=self.limits)
         if self._store.shared and origin is Origin.CLIENT:
             return await self._append_optimistic(events, expected_last_seq)
         async with self.lock:
@@ -246,6 +266,8 @@ class SessionHandle:
         origin: Origin,
         lease: LeaseOp | None = None,
     ) -> AppendResult:
+        if self.deleted:  # a caller that got the handle before the delete
+            raise session_not_found(self.session_id)
         replay = await self._replayed(events)
         if replay is not None:
             return replay
@@ -260,9 +282,7 @@ class SessionHandle:
             )
         now = Timestamp()
         now.GetCurrentTime()
-        batch = self.fold.admit(
-            events, now=now, origin=origin, max_surface_bytes=self.limits.max_surface_bytes
-        )
+        batch = await self._admit(events, now, origin)
         if lease is None:
             lease = lease_for(
                 batch.events,
@@ -280,13 +300,33 @@ class SessionHandle:
             await asyncio.wait([commit])
             raise
 
+    async def _admit(
+        self, events: Sequence[events_pb2.SessionEvent], now: Timestamp, origin: Origin
+    ) -> AdmittedBatch:
+        """``fold.admit``, letting the loop run other calls every ``ADMIT_STEP`` events (readers
+        that do not hold the lock read only the committed state)."""
+        steps = self.fold.admit_in_steps(
+            events,
+            now=now,
+            origin=origin,
+            max_surface_bytes=self.limits.max_surface_bytes,
+            step=ADMIT_STEP,
+        )
+        try:
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    batch: AdmittedBatch = done.value
+                    return batch
+                await asyncio.sleep(0)
+        finally:
+            steps.close()  # a cancelled admission rolls back what it admitted
+
     async def _commit(self, batch: AdmittedBatch, lease: LeaseOp | None = None) -> AppendResult:
         prepared = self._prepare(batch)
         try:
-            if lease is None:
-                await self._store.append(self.session_id, batch.events)
-            else:
-                await self._store.append(self.session_id, batch.events, lease=lease)
+            await self._store.append(self.session_id, batch.events, tenant=self.tenant, lease=lease)
         except Fenced:
             self.fold.rollback(batch)
             if lease is not None:
@@ -336,16 +376,16 @@ class SessionHandle:
             raise fenced(self.session_id, compaction_id, None)
 
     async def _catch_up(self) -> None:
-        record = await self._store.get_session(self.session_id)
-        if record is None:
-            raise NotFound(
-                f"session {self.session_id!r} does not exist",
-                metadata={"session_id": self.session_id},
-            )
+        record = await self._store.get_session(self.session_id, tenant=self.tenant)
+        if record is None or record.create_time != self.record.create_time:
+            # Another replica deleted the session (and perhaps created a new one of that id):
+            # this fold is of a log that is gone. Its followers end; the manager drops it.
+            await self.mark_deleted()
+            raise session_not_found(self.session_id)
         if record.revision <= self.fold.revision:
             return
         chunk: list[events_pb2.SessionEvent] = []
-        async for event in self._store.read(self.session_id, self.fold.revision, record.revision):
+        async for event in self.read(self.fold.revision, record.revision):
             chunk.append(event)
             if len(chunk) >= 512:
                 self._folded(self.fold.admit(chunk, check=False))
@@ -361,7 +401,7 @@ class SessionHandle:
             return
         if time.monotonic() < self._next_lease_check:
             return
-        lease = await self._store.get_lease(self.session_id)
+        lease = await self._store.get_lease(self.session_id, tenant=self.tenant)
         if lease is not None and not lease.expired:
             self._next_lease_check = time.monotonic() + lease.remaining_s
             return
@@ -404,20 +444,37 @@ class SessionHandle:
                 log.exception("pricing a batch ahead of its commit failed")
 
     async def revisions(self) -> AsyncIterator[int]:
-        """Yield the committed revision now, then the latest one after each commit (coalesced)."""
+        """Yield the committed revision now, then the latest one after each commit (coalesced).
+
+        Raises:
+            NotFound: once the session is deleted (a follower's stream ends with it).
+        """
         seen = -1
         self.followers += 1
         try:
             while True:
                 async with self._changed:
                     await self._changed.wait_for(partial(self._moved_past, seen))
+                    if self.deleted:
+                        raise session_not_found(self.session_id)
                     seen = self.revision
                 yield seen
         finally:
             self.followers -= 1
 
+    def read(
+        self, from_seq: int = 0, to_seq: int | None = None
+    ) -> AsyncIterator[events_pb2.SessionEvent]:
+        """The session's stored events in ``[from_seq, to_seq)`` (see ``EventStore.read``)."""
+        return self._store.read(self.session_id, from_seq, to_seq, tenant=self.tenant)
+
+    async def mark_deleted(self) -> None:
+        """Called by the manager with the lock held: wake every follower to end its stream."""
+        self.deleted = True
+        await self._notify()
+
     def _moved_past(self, seen: int) -> bool:
-        return self.revision != seen
+        return self.deleted or self.revision != seen
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -436,7 +493,7 @@ class SessionHandle:
                 reason="IDEMPOTENCY_MISMATCH",
             )
         seqs = [self.fold.event_ids[i] for i in ids]
-        stored = await self._store.read_seqs(self.session_id, seqs)
+        stored = await self._store.read_seqs(self.session_id, seqs, tenant=self.tenant)
         for index, (sent, kept) in enumerate(zip(events, stored, strict=True)):
             if not _same_content(sent, kept):
                 raise InvalidArgument(
@@ -495,17 +552,25 @@ class SessionManager:
         self.max_resident = max_resident
         self._policy_validator = policy_validator
         self.instance_id = instance_id or uuid.uuid4().hex[:12]
-        self._handles: OrderedDict[str, SessionHandle] = OrderedDict()  # least recent first
+        self._handles: OrderedDict[_Key, SessionHandle] = OrderedDict()  # least recent first
         # Every handle still referenced (a stream, a running call): the one handle of its session.
-        self._alive: weakref.WeakValueDictionary[str, SessionHandle] = weakref.WeakValueDictionary()
-        self._evicted: set[str] = set()  # sessions this process evicted (no new lifecycle)
-        self._loading: dict[str, asyncio.Future[SessionHandle]] = {}
+        self._alive: weakref.WeakValueDictionary[_Key, SessionHandle] = (
+            weakref.WeakValueDictionary()
+        )
+        self._evicted: set[_Key] = set()  # sessions this process evicted (no new lifecycle)
+        # What an evicted session's extensions held (its failure memory, say), handed to its
+        # next handle; keys in ``_rebuilt`` are rebuilt on restore instead (the meter).
+        self._carried: dict[_Key, dict[str, object]] = {}
+        self._rebuilt: set[str] = set()
+        self._loading: dict[_Key, asyncio.Future[SessionHandle]] = {}
         self._on_restore: list[Callable[[SessionHandle], Awaitable[None] | None]] = []
-        self._snapshotting: dict[str, asyncio.Task[None]] = {}
+        self._snapshotting: dict[_Key, asyncio.Task[None]] = {}
         self._evicting: asyncio.Task[None] | None = None
         self.evictions = 0
         self._listener = ChangeListener(
-            store, lambda _tenant, session_id: self._handles.get(session_id), self._handles.values
+            store,
+            lambda tenant, session_id: self._handles.get((tenant, session_id)),
+            self._handles.values,
         )
 
     def start(self) -> None:
@@ -516,6 +581,11 @@ class SessionManager:
     def resident(self) -> int:
         """How many sessions are held in memory (the live-sessions gauge)."""
         return len(self._handles)
+
+    def rebuilds(self, *keys: str) -> None:
+        """Extension keys a restore rebuilds (``on_restore``); every other key of an evicted
+        session's ``extensions`` is carried to its next handle, as if it had never left."""
+        self._rebuilt.update(keys)
 
     def on_restore(self, callback: Callable[[SessionHandle], Awaitable[None] | None]) -> None:
         """Call ``callback(handle)`` for every session restored from now on, before the session
@@ -538,17 +608,20 @@ class SessionManager:
                 reason="POLICY_INVALID",
             ) from error
 
-    async def create(self, session_id: str, policy: dict[str, object] | None) -> SessionRecord:
-        """Create an empty session, idempotently.
+    async def create(
+        self, session_id: str, policy: dict[str, object] | None, *, tenant: Tenant | None = None
+    ) -> SessionRecord:
+        """Create an empty session of ``tenant`` (the caller's by default), idempotently.
 
         A retried create (the same id and the same policy; a reply may have been lost) answers
         the session as it is now. ``AlreadyExists`` when the id is taken with another policy.
         """
+        owner = _tenant_id(tenant)
         policy_json = json.dumps(policy, sort_keys=True) if policy else None
         try:
-            return await self.store.create_session(session_id, policy_json)
+            return await self.store.create_session(session_id, policy_json, tenant=owner)
         except AlreadyExists:
-            existing = await self.store.get_session(session_id)
+            existing = await self.store.get_session(session_id, tenant=owner)
             if existing is None or existing.policy_json != policy_json:
                 raise AlreadyExists(
                     f"session {session_id!r} already exists with a different compaction_policy",
@@ -556,59 +629,131 @@ class SessionManager:
                 ) from None
             return existing
 
-    async def get(self, session_id: str, *, fresh: bool = True) -> SessionHandle:
-        """The session's handle, restoring it from the log on first use (``NotFound``).
+    async def get(
+        self, session_id: str, *, tenant: Tenant | None = None, fresh: bool = True
+    ) -> SessionHandle:
+        """The session's handle, restoring it from the log on first use.
 
         On a shared store the fold is caught up first; ``fresh=False`` skips that for a caller
         that takes the handle's lock next anyway (taking it catches up).
+
+        Raises:
+            NotFound: No session ``session_id`` of ``tenant`` (the caller's by default).
         """
-        handle = self._handles.get(session_id)
+        key = (_tenant_id(tenant), session_id)
+        handle = self._handles.get(key)
         if handle is not None:
-            self._handles.move_to_end(session_id)
+            self._handles.move_to_end(key)
         else:
-            handle = self._alive.get(session_id)
-            if handle is not None:  # evicted while in use: still the session's one handle
+            handle = self._alive.get(key)
+            if handle is not None and not handle.deleted:  # evicted while in use: still its handle
                 self._keep(handle)
+            else:
+                handle = None
+        if handle is not None and fresh and self.store.shared:
+            handle = await self._caught_up(key, handle)  # other replicas may have appended
         if handle is not None:
-            if fresh and self.store.shared:  # other replicas may have appended: read the log
-                async with handle.lock:
-                    pass
             return handle
         # One restore per session however many callers arrive (and none left behind for ids
         # that do not exist); a caller that goes away does not cancel it for the others.
-        restoring = self._loading.get(session_id)
+        restoring = self._loading.get(key)
         if restoring is None:
-            restoring = asyncio.ensure_future(self._restore_once(session_id))
-            self._loading[session_id] = restoring
-            restoring.add_done_callback(lambda _: self._loading.pop(session_id, None))
+            restoring = asyncio.ensure_future(self._restore_once(key))
+            self._loading[key] = restoring
+            restoring.add_done_callback(lambda _: self._loading.pop(key, None))
         return await asyncio.shield(restoring)
 
-    async def _restore_once(self, session_id: str) -> SessionHandle:
-        handle = await self._restore(session_id)
+    async def _caught_up(self, key: _Key, handle: SessionHandle) -> SessionHandle | None:
+        """The handle with its fold caught up; None when another replica deleted its session
+        (the handle is dropped, so a session created anew under the id is restored fresh)."""
+        try:
+            async with handle.lock:
+                pass
+        except NotFound:
+            if not handle.deleted:
+                raise
+            if self._handles.get(key) is handle:
+                del self._handles[key]
+            return None
+        return handle
+
+    async def list(
+        self, *, after: str = "", limit: int = 100, tenant: Tenant | None = None
+    ) -> list[SessionRecord]:
+        """Up to ``limit`` of the tenant's sessions after the id ``after``, in id order."""
+        return await self.store.list_sessions(after=after, limit=limit, tenant=_tenant_id(tenant))
+
+    async def delete(
+        self,
+        session_id: str,
+        *,
+        tenant: Tenant | None = None,
+        idle_before: datetime | None = None,
+    ) -> bool:
+        """Remove the session, its log and everything derived from it, durably.
+
+        In-flight appends finish first (the session's lock is taken); followers' streams end
+        NOT_FOUND; the id may be created again, fresh. With ``idle_before`` (the retention
+        sweep), a session active since then is kept: False.
+
+        Raises:
+            NotFound: No session ``session_id`` of ``tenant`` (the caller's by default).
+        """
+        key = (_tenant_id(tenant), session_id)
+        restoring = self._loading.get(key)
+        if restoring is not None:  # let a restore in flight land, so its handle is retired
+            await asyncio.wait([restoring])
+        handle = self._handles.get(key) or self._alive.get(key)
+        async with handle.lock if handle is not None else contextlib.nullcontext():
+            if idle_before is not None and not await self._idle(key, idle_before):
+                return False
+            deleted = await self.store.delete_session(session_id, tenant=key[0])
+            if handle is not None:
+                await handle.mark_deleted()
+                self._handles.pop(key, None)
+            self._forget(key)
+        if not deleted:
+            raise session_not_found(session_id)
+        log.info("session deleted", extra={"session_id": session_id, "tenant": key[0]})
+        return True
+
+    async def _idle(self, key: _Key, before: datetime) -> bool:
+        record = await self.store.get_session(key[1], tenant=key[0])
+        return record is None or record.last_active < before
+
+    def _forget(self, key: _Key) -> None:
+        """Drop what the manager keeps of a deleted session besides its handle."""
+        self._alive.pop(key, None)
+        self._evicted.discard(key)
+        self._carried.pop(key, None)
+
+    async def _restore_once(self, key: _Key) -> SessionHandle:
+        handle = await self._restore(*key)
         self._keep(handle)
         return handle
 
     def _keep(self, handle: SessionHandle) -> None:
-        self._handles[handle.session_id] = handle
-        self._alive[handle.session_id] = handle
+        self._handles[handle.key] = handle
+        self._alive[handle.key] = handle
         over = bool(self.max_resident) and len(self._handles) > self.max_resident
         if over and (self._evicting is None or self._evicting.done()):
             self._evicting = asyncio.ensure_future(self._evict_over())
 
-    async def _restore(self, session_id: str) -> SessionHandle:
-        record = await self.store.get_session(session_id)
+    async def _restore(self, tenant: str, session_id: str) -> SessionHandle:
+        record = await self.store.get_session(session_id, tenant=tenant)
         if record is None:
             raise NotFound(
                 f"session {session_id!r} does not exist", metadata={"session_id": session_id}
             )
-        fold, restored, same_lifecycle = await self._from_snapshot(session_id)
+        fold, restored, same_lifecycle = await self._from_snapshot(record)
         handle = SessionHandle(
             record, self.store, fold, self.limits, owner=self.instance_id, lease_s=self.lease_s
         )
+        handle.extensions.update(self._carried.pop(handle.key, {}))
         handle.restored = restored
         handle.snapshot_revision = fold.revision if restored is not None else 0
         handle.add_observer(partial(self._committed, weakref.ref(handle)))
-        same_lifecycle = same_lifecycle or session_id in self._evicted
+        same_lifecycle = same_lifecycle or handle.key in self._evicted
         for callback in self._on_restore:
             pending = callback(handle)
             if pending is not None:
@@ -634,15 +779,22 @@ class SessionManager:
             )
         return handle
 
-    async def _from_snapshot(self, session_id: str) -> tuple[SessionFold, Restored | None, bool]:
+    async def _from_snapshot(
+        self, record: SessionRecord
+    ) -> tuple[SessionFold, Restored | None, bool]:
         """The fold of the session's latest usable snapshot (an empty fold without one), what
         it left for the meter, and whether this process wrote it (the same lifecycle)."""
-        kept = await self.store.get_snapshot(session_id)
+        session_id, tenant = record.session_id, record.tenant
+        kept = await self.store.get_snapshot(session_id, tenant=tenant)
         if kept is None:
             return SessionFold(), None, False
         try:
             snap = await asyncio.to_thread(snapshots.decode, kept[1])
-            stored = await self.store.read_seqs(session_id, snap.needed_seqs())
+            if snap.revision != kept[0] or snap.revision > record.revision:
+                raise snapshots.SnapshotInvalid(
+                    f"snapshot at revision {snap.revision} for a log of {record.revision} events"
+                )
+            stored = await self.store.read_seqs(session_id, snap.needed_seqs(), tenant=tenant)
             fold = await asyncio.to_thread(snapshots.rebuild, snap, {e.seq: e for e in stored})
         except snapshots.SnapshotInvalid as err:
             log.warning(
@@ -665,7 +817,7 @@ class SessionManager:
         threads, telling the replaying observers (the meter) about it."""
         fold = handle.fold
         chunk: list[SessionEvent] = []
-        async for event in self.store.read(handle.session_id, fold.revision):
+        async for event in handle.read(fold.revision):
             chunk.append(event)
             if len(chunk) >= 4096:
                 await self._fold_chunk(handle, chunk)
@@ -674,7 +826,7 @@ class SessionManager:
             await self._fold_chunk(handle, chunk)
         handle.revision = fold.revision
 
-    async def _fold_chunk(self, handle: SessionHandle, chunk: list[SessionEvent]) -> None:
+    async def _fold_chunk(self, handle: SessionHandle, chunk: Sequence[SessionEvent]) -> None:
         batch = await asyncio.to_thread(partial(handle.fold.admit, chunk, check=False))
         if handle.replays:
             await asyncio.to_thread(handle.run_preparers, batch)
@@ -695,27 +847,28 @@ class SessionManager:
             self._start_snapshot(handle)
 
     def _start_snapshot(self, handle: SessionHandle) -> None:
-        running = self._snapshotting.get(handle.session_id)
+        running = self._snapshotting.get(handle.key)
         if running is not None and not running.done():
             return
         task = asyncio.ensure_future(self.snapshot(handle))
-        self._snapshotting[handle.session_id] = task
-        task.add_done_callback(partial(self._snapshot_done, handle.session_id))
+        self._snapshotting[handle.key] = task
+        task.add_done_callback(partial(self._snapshot_done, handle.key))
 
-    def _snapshot_done(self, session_id: str, task: asyncio.Task[None]) -> None:
-        if self._snapshotting.get(session_id) is task:
-            del self._snapshotting[session_id]
+    def _snapshot_done(self, key: _Key, task: asyncio.Task[None]) -> None:
+        if self._snapshotting.get(key) is task:
+            del self._snapshotting[key]
         if not task.cancelled() and task.exception() is not None:
-            log.warning("snapshot failed: %s", task.exception(), extra={"session_id": session_id})
+            log.warning("snapshot failed: %s", task.exception(), extra={"session_id": key[1]})
 
     async def snapshot(self, handle: SessionHandle) -> None:
-        """Write the session's fold snapshot now (built in a worker thread under its lock)."""
+        """Write the session's fold snapshot now: built in a worker thread and written while
+        its lock is held (so no delete, and no re-created session, comes between)."""
         async with handle.lock:
             revision = handle.revision
-            if revision == 0:
+            if revision == 0 or handle.deleted:
                 return
             data = await asyncio.to_thread(self._capture, handle)
-        await self.store.put_snapshot(handle.session_id, revision, data)
+            await self.store.put_snapshot(handle.session_id, revision, data, tenant=handle.tenant)
         handle.snapshot_revision = max(handle.snapshot_revision, revision)
 
     def _capture(self, handle: SessionHandle) -> bytes:
@@ -725,36 +878,42 @@ class SessionManager:
         snap = snapshots.capture(handle.fold, self.instance_id, prices, anchor)
         return snapshots.encode(snap)
 
-    async def evict(self, session_id: str) -> bool:
+    async def evict(self, session_id: str, *, tenant: Tenant | None = None) -> bool:
         """Snapshot the session and drop it from memory if it is idle (False: in use, or not
         resident). The next ``get`` restores it, in the same lifecycle."""
-        handle = self._handles.get(session_id)
+        return await self._evict((_tenant_id(tenant), session_id))
+
+    async def _evict(self, key: _Key) -> bool:
+        handle = self._handles.get(key)
         if handle is None or not handle.idle:
             return False
-        running = self._snapshotting.get(session_id)
+        running = self._snapshotting.get(key)
         if running is not None:  # it holds the handle: let it finish, then drop both
             await asyncio.wait([running])
         if handle.snapshot_revision < handle.revision:
             await self.snapshot(handle)
-        if not handle.idle or self._handles.get(session_id) is not handle:
+        if not handle.idle or self._handles.get(key) is not handle:
             return False
-        del self._handles[session_id]
-        self._evicted.add(session_id)
+        del self._handles[key]
+        self._evicted.add(key)
+        carried = {k: v for k, v in handle.extensions.items() if k not in self._rebuilt}
+        if carried:
+            self._carried[key] = carried
         self.evictions += 1
         return True
 
     async def _evict_over(self) -> None:
         """Evict least recently used idle sessions until at most ``max_resident`` remain."""
         while len(self._handles) > self.max_resident:
-            victims = [sid for sid, h in self._handles.items() if h.idle]
+            victims = [key for key, h in self._handles.items() if h.idle]
             over = len(self._handles) - self.max_resident
             if not victims:
                 return  # every session is in use; the next keep tries again
-            for session_id in victims[:over]:
+            for key in victims[:over]:
                 try:
-                    await self.evict(session_id)
+                    await self._evict(key)
                 except Exception as err:  # a snapshot that failed: keep the session resident
-                    log.warning("eviction failed: %s", err, extra={"session_id": session_id})
+                    log.warning("eviction failed: %s", err, extra={"session_id": key[1]})
                     return
 
     async def close(self) -> None:
@@ -770,3 +929,7 @@ class SessionManager:
             handle.leases.close()
         self._handles.clear()
         self._alive.clear()
+
+
+def _tenant_id(tenant: Tenant | None) -> str:
+    return (tenant or current_tenant()).id

@@ -23,7 +23,11 @@ from typing import Self
 
 from compactd import errors
 from compactd.store.leases import Lease, LeaseOp
+from compactd.tenancy import DEFAULT_TENANT
 from compactd.v1 import events_pb2
+
+#: The tenant a store call names when it names none: the owner of data written before tenancy.
+DEFAULT_TENANT_ID = DEFAULT_TENANT.id
 
 Clock = Callable[[], datetime]
 """Returns the current time as an aware UTC ``datetime``; injected so tests can pin it."""
@@ -43,12 +47,22 @@ class SessionRecord:
         create_time: When the session was created (aware, UTC, microsecond precision).
         policy_json: Per-session compaction policy overrides as JSON text, opaque to the store.
         revision: Number of events in the log, which is also the next event's seq.
+        tenant: The tenant that owns the session; ids are unique per tenant.
+        update_time: When the last batch landed (the create time before any): what a
+            retention period counts idleness from.
     """
 
     session_id: str
     create_time: datetime
     policy_json: str | None
     revision: int
+    tenant: str = DEFAULT_TENANT_ID
+    update_time: datetime | None = None
+
+    @property
+    def last_active(self) -> datetime:
+        """When the session last changed (its last append, else its creation)."""
+        return self.update_time or self.create_time
 
 
 @dataclass(frozen=True)
@@ -221,6 +235,10 @@ def _bad_field(field: str, description: str) -> errors.InvalidArgument:
 class EventStore(abc.ABC):
     """The durable home of session logs.
 
+    Sessions are keyed by (tenant, session id): every method takes the owning ``tenant``
+    (keyword, ``DEFAULT_TENANT_ID`` when omitted), and a session of one tenant is invisible to
+    every other (NotFound, absent from listings), whatever its id.
+
     Lifecycle: ``await open()`` before use, ``await close()`` when done (or ``async with``).
     Operations on a store that is not open raise ``errors.Unavailable``. Every method is safe to
     call from many tasks of one event loop at once.
@@ -235,7 +253,9 @@ class EventStore(abc.ABC):
         """Finishes queued writes, then releases every resource. Idempotent."""
 
     @abc.abstractmethod
-    async def create_session(self, session_id: str, policy_json: str | None) -> SessionRecord:
+    async def create_session(
+        self, session_id: str, policy_json: str | None, *, tenant: str = DEFAULT_TENANT_ID
+    ) -> SessionRecord:
         """Creates an empty session (revision 0), durably.
 
         Raises:
@@ -243,12 +263,16 @@ class EventStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def get_session(self, session_id: str) -> SessionRecord | None:
+    async def get_session(
+        self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID
+    ) -> SessionRecord | None:
         """The session, or None if it does not exist."""
 
     @abc.abstractmethod
-    async def list_sessions(self, *, after: str = "", limit: int = 100) -> list[SessionRecord]:
-        """Up to ``limit`` sessions whose ids sort after ``after``, in id order.
+    async def list_sessions(
+        self, *, after: str = "", limit: int = 100, tenant: str = DEFAULT_TENANT_ID
+    ) -> list[SessionRecord]:
+        """Up to ``limit`` of the tenant's sessions whose ids sort after ``after``, in id order.
 
         Pass the last id of one page as ``after`` to get the next.
 
@@ -262,6 +286,7 @@ class EventStore(abc.ABC):
         session_id: str,
         events: Sequence[events_pb2.SessionEvent],
         *,
+        tenant: str = DEFAULT_TENANT_ID,
         lease: LeaseOp | None = None,
     ) -> int:
         """Appends a batch atomically and durably; returns the new revision.
@@ -289,7 +314,12 @@ class EventStore(abc.ABC):
 
     @abc.abstractmethod
     def read(
-        self, session_id: str, from_seq: int = 0, to_seq: int | None = None
+        self,
+        session_id: str,
+        from_seq: int = 0,
+        to_seq: int | None = None,
+        *,
+        tenant: str = DEFAULT_TENANT_ID,
     ) -> AsyncIterator[events_pb2.SessionEvent]:
         """Streams events with ``from_seq <= seq < to_seq`` in seq order, in chunks.
 
@@ -303,7 +333,7 @@ class EventStore(abc.ABC):
 
     @abc.abstractmethod
     async def read_seqs(
-        self, session_id: str, seqs: Sequence[int]
+        self, session_id: str, seqs: Sequence[int], *, tenant: str = DEFAULT_TENANT_ID
     ) -> list[events_pb2.SessionEvent]:
         """The events at the given seqs, in ascending seq order, each once.
 
@@ -314,7 +344,9 @@ class EventStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def find_event_ids(self, session_id: str, event_ids: Sequence[str]) -> dict[str, int]:
+    async def find_event_ids(
+        self, session_id: str, event_ids: Sequence[str], *, tenant: str = DEFAULT_TENANT_ID
+    ) -> dict[str, int]:
         """Maps each given event id that exists in the session to its seq.
 
         Ids not in the log (and empty ids) are absent from the result.
@@ -323,26 +355,38 @@ class EventStore(abc.ABC):
             NotFound: if the session does not exist.
         """
 
+    @abc.abstractmethod
+    async def delete_session(self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID) -> bool:
+        """Removes the session and its whole log, durably; True if it existed.
+
+        Afterwards the id is free: a create makes a new, empty session under it.
+        """
+
     # ---- fold snapshots (issue 11): optional; a store without them restores by replay ----
 
-    async def put_snapshot(self, session_id: str, revision: int, data: bytes) -> None:
+    async def put_snapshot(
+        self, session_id: str, revision: int, data: bytes, *, tenant: str = DEFAULT_TENANT_ID
+    ) -> None:
         """Keeps ``data``, the session's fold snapshot at ``revision``, replacing the one kept.
 
         Atomic: after a crash at any point, ``get_snapshot`` answers the old snapshot or the new
         one whole, never a mix. A snapshot never precedes its events: the caller writes it only
         after ``[0, revision)`` committed. Opaque to the store (``core.snapshot`` writes it). The
         default keeps nothing, which is always correct (restores replay the whole log).
+        ``delete_session`` removes the snapshot with the log.
 
         Raises:
             NotFound: if the session does not exist.
             Unavailable: if the store is closed or the database failed; the old snapshot stays.
         """
-        del session_id, revision, data
+        del session_id, revision, data, tenant
 
-    async def get_snapshot(self, session_id: str) -> tuple[int, bytes] | None:
+    async def get_snapshot(
+        self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID
+    ) -> tuple[int, bytes] | None:
         """The kept snapshot as ``(revision, data)``, or None (none kept, or the session does
         not exist)."""
-        del session_id
+        del session_id, tenant
         return None
 
     @property
@@ -359,11 +403,19 @@ class EventStore(abc.ABC):
         return False
 
     @abc.abstractmethod
-    async def get_lease(self, session_id: str) -> Lease | None:
+    async def get_lease(self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID) -> Lease | None:
         """The session's bracket lease, with its remaining time by the store's clock."""
 
     @abc.abstractmethod
-    async def renew_lease(self, session_id: str, owner: str, token: str, ttl_s: float) -> bool:
+    async def renew_lease(
+        self,
+        session_id: str,
+        owner: str,
+        token: str,
+        ttl_s: float,
+        *,
+        tenant: str = DEFAULT_TENANT_ID,
+    ) -> bool:
         """Extends the lease for ``ttl_s`` from now if it still names ``owner`` and ``token``;
         False when it was lost (the bracket is fenced)."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from compactd.errors import ConfigError
-from compactd.store.base import EventStore
+from compactd.store.base import Clock, EventStore, utc_now
 
 if TYPE_CHECKING:
     from compactd.config import ServerConfig
@@ -21,16 +21,18 @@ def open_store(
     pool_max: int = 8,
     statement_timeout_ms: int = 5000,
     connect_timeout_s: float = 5.0,
+    clock: Clock = utc_now,
 ) -> EventStore:
-    """An unopened store for ``url`` (call ``await store.open()``).
+    """An unopened store for ``url`` (call ``await store.open()``); ``clock`` stamps sessions'
+    create and last-append times.
 
     ``migrate`` lets a PostgreSQL store apply pending schema migrations when it opens;
-    ``pool_max`` and ``statement_timeout_ms`` bound its connections.
+    ``pool_max``, ``statement_timeout_ms`` and ``connect_timeout_s`` bound its connections.
     """
     if url.startswith("sqlite:///"):
         from compactd.store.sqlite import SqliteEventStore
 
-        return SqliteEventStore(url[len("sqlite:///") :], synchronous=synchronous)
+        return SqliteEventStore(url[len("sqlite:///") :], synchronous=synchronous, clock=clock)
     if url.startswith(POSTGRES_SCHEMES):
         from compactd.store.postgres import PostgresEventStore
 
@@ -40,17 +42,18 @@ def open_store(
             pool_max=pool_max,
             statement_timeout_ms=statement_timeout_ms,
             connect_timeout_s=connect_timeout_s,
+            clock=clock,
         )
     if url == "memory://":
         from compactd.store.memory import MemoryEventStore
 
-        return MemoryEventStore()
+        return MemoryEventStore(clock=clock)
     raise ConfigError(
         f"store: unsupported URL {url!r} (sqlite:///PATH, postgresql://... or memory://)"
     )
 
 
-def store_for(config: ServerConfig) -> EventStore:
+def store_for(config: ServerConfig, *, clock: Clock = utc_now) -> EventStore:
     """The unopened store a server configuration names."""
     return open_store(
         config.store,
@@ -59,4 +62,5 @@ def store_for(config: ServerConfig) -> EventStore:
         pool_max=config.postgres_pool_max,
         statement_timeout_ms=config.postgres_statement_timeout_ms,
         connect_timeout_s=config.postgres_connect_timeout_s,
+        clock=clock,
     )

@@ -27,6 +27,9 @@ from compactd.errors import Busy, Fenced
 
 LEASE_LOST: Final = "LEASE_LOST"
 
+Key = tuple[str, str]
+"""A session's key in the in-process lease table: (tenant, session id)."""
+
 
 class LeaseAction(Enum):
     """What a batch does to its session's lease."""
@@ -137,51 +140,51 @@ class ProcessLeases:
 
     def __init__(self, clock: Callable[[], datetime]) -> None:
         self._clock = clock
-        self._leases: dict[str, Lease] = {}
+        self._leases: dict[Key, Lease] = {}
         self._lock = threading.Lock()
 
-    def get(self, session_id: str) -> Lease | None:
+    def get(self, key: Key) -> Lease | None:
         """The session's lease with its remaining time now."""
         with self._lock:
-            lease = self._leases.get(session_id)
+            lease = self._leases.get(key)
         if lease is None:
             return None
         remaining = (lease.expires - self._clock()).total_seconds()
         return Lease(lease.owner, lease.token, lease.expires, remaining)
 
-    def apply(self, session_id: str, op: LeaseOp | None) -> Callable[[], None]:
+    def apply(self, key: Key, op: LeaseOp | None) -> Callable[[], None]:
         """Apply ``op`` now; returns the undo for a batch that then fails to land."""
         if op is None:
             return _nothing
         with self._lock:
-            before = self._leases.get(session_id)
-            after = apply(session_id, before, op, self._clock())
-            self._set(session_id, after)
+            before = self._leases.get(key)
+            after = apply(key[1], before, op, self._clock())
+            self._set(key, after)
 
         def undo() -> None:
             with self._lock:
-                self._set(session_id, before)
+                self._set(key, before)
 
         return undo
 
-    def renew(self, session_id: str, owner: str, token: str, ttl_s: float) -> bool:
+    def renew(self, key: Key, owner: str, token: str, ttl_s: float) -> bool:
         """Extend the lease if it still names ``owner`` and ``token``."""
         try:
-            self.apply(session_id, LeaseOp(LeaseAction.HOLD, owner, token, ttl_s))
+            self.apply(key, LeaseOp(LeaseAction.HOLD, owner, token, ttl_s))
         except Fenced:
             return False
         return True
 
-    def forget(self, session_id: str) -> None:
+    def forget(self, key: Key) -> None:
         """Drop a deleted session's lease."""
         with self._lock:
-            self._leases.pop(session_id, None)
+            self._leases.pop(key, None)
 
-    def _set(self, session_id: str, lease: Lease | None) -> None:
+    def _set(self, key: Key, lease: Lease | None) -> None:
         if lease is None:
-            self._leases.pop(session_id, None)
+            self._leases.pop(key, None)
         else:
-            self._leases[session_id] = lease
+            self._leases[key] = lease
 
 
 def _nothing() -> None:

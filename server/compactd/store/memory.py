@@ -15,8 +15,11 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from compactd.store import base
+from compactd.store.base import DEFAULT_TENANT_ID
 from compactd.store.leases import Lease, LeaseOp, ProcessLeases
 from compactd.v1 import events_pb2
+
+_Key = tuple[str, str]  # (tenant, session id)
 
 
 @dataclass
@@ -38,7 +41,7 @@ class MemoryEventStore(base.EventStore):
     def __init__(self, *, clock: base.Clock = base.utc_now, read_chunk: int = 256) -> None:
         self._clock = clock
         self._read_chunk = read_chunk
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[_Key, _Session] = {}
         self._lock = threading.Lock()
         self._open = False
         self._stats = base.StoreStats()
@@ -54,43 +57,60 @@ class MemoryEventStore(base.EventStore):
     def stats(self) -> base.StoreStats:
         return self._stats
 
-    async def create_session(self, session_id: str, policy_json: str | None) -> base.SessionRecord:
+    async def create_session(
+        self, session_id: str, policy_json: str | None, *, tenant: str = DEFAULT_TENANT_ID
+    ) -> base.SessionRecord:
         self._check_open()
         with self._lock:
-            if session_id in self._sessions:
+            if (tenant, session_id) in self._sessions:
                 raise base.session_exists(session_id)
-            record = base.SessionRecord(session_id, self._clock(), policy_json, 0)
-            self._sessions[session_id] = _Session(record)
+            now = self._clock()
+            record = base.SessionRecord(session_id, now, policy_json, 0, tenant, now)
+            self._sessions[tenant, session_id] = _Session(record)
             self._count(commits=1)
         return record
 
-    async def get_session(self, session_id: str) -> base.SessionRecord | None:
+    async def get_session(
+        self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID
+    ) -> base.SessionRecord | None:
         self._check_open()
         with self._lock:
-            session = self._sessions.get(session_id)
+            session = self._sessions.get((tenant, session_id))
             return None if session is None else session.record
 
-    async def list_sessions(self, *, after: str = "", limit: int = 100) -> list[base.SessionRecord]:
+    async def list_sessions(
+        self, *, after: str = "", limit: int = 100, tenant: str = DEFAULT_TENANT_ID
+    ) -> list[base.SessionRecord]:
         self._check_open()
         base.check_limit(limit)
         with self._lock:
-            ids = sorted(i for i in self._sessions if i > after)[:limit]
-            return [self._sessions[i].record for i in ids]
+            ids = sorted(i for t, i in self._sessions if t == tenant and i > after)[:limit]
+            return [self._sessions[tenant, i].record for i in ids]
+
+    async def delete_session(self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID) -> bool:
+        self._check_open()
+        with self._lock:
+            gone = self._sessions.pop((tenant, session_id), None)
+            self._leases.forget((tenant, session_id))
+            if gone is not None:
+                self._count(commits=1)
+            return gone is not None
 
     async def append(
         self,
         session_id: str,
         events: Sequence[events_pb2.SessionEvent],
         *,
+        tenant: str = DEFAULT_TENANT_ID,
         lease: LeaseOp | None = None,
     ) -> int:
         self._check_open()
         rows = base.encode_batch(events)
         with self._lock:
             try:
-                session = self._session(session_id)
+                session = self._session(tenant, session_id)
                 self._check_continues(session, rows)
-                self._leases.apply(session_id, lease)  # last: nothing below can fail
+                self._leases.apply((tenant, session_id), lease)  # last: nothing below can fail
             except Exception:
                 self._count(batches=1, failed_batches=1)
                 raise
@@ -98,17 +118,26 @@ class MemoryEventStore(base.EventStore):
                 session.rows.append(row)
                 if row.event_id is not None:
                     session.ids[row.event_id] = row.seq
-            session.record = dataclasses.replace(session.record, revision=len(session.rows))
+            session.record = dataclasses.replace(
+                session.record,
+                revision=len(session.rows),
+                update_time=self._clock() if rows else session.record.update_time,
+            )
             self._count(commits=1, batches=1, events=len(rows))
             return len(session.rows)
 
     async def read(
-        self, session_id: str, from_seq: int = 0, to_seq: int | None = None
+        self,
+        session_id: str,
+        from_seq: int = 0,
+        to_seq: int | None = None,
+        *,
+        tenant: str = DEFAULT_TENANT_ID,
     ) -> AsyncIterator[events_pb2.SessionEvent]:
         self._check_open()
         base.check_read_range(from_seq, to_seq)
         with self._lock:
-            rows = self._session(session_id).rows
+            rows = self._session(tenant, session_id).rows
             end = len(rows) if to_seq is None else min(to_seq, len(rows))
         for start in range(from_seq, end, self._read_chunk):
             # Rows are only ever appended, so indexes below `end` are stable without the lock.
@@ -117,41 +146,55 @@ class MemoryEventStore(base.EventStore):
             await asyncio.sleep(0)
 
     async def read_seqs(
-        self, session_id: str, seqs: Sequence[int]
+        self, session_id: str, seqs: Sequence[int], *, tenant: str = DEFAULT_TENANT_ID
     ) -> list[events_pb2.SessionEvent]:
         self._check_open()
         with self._lock:
-            rows = self._session(session_id).rows
+            rows = self._session(tenant, session_id).rows
             wanted = sorted({s for s in seqs if 0 <= s < len(rows)})
             return [base.decode_event(rows[s].data) for s in wanted]
 
-    async def find_event_ids(self, session_id: str, event_ids: Sequence[str]) -> dict[str, int]:
+    async def find_event_ids(
+        self, session_id: str, event_ids: Sequence[str], *, tenant: str = DEFAULT_TENANT_ID
+    ) -> dict[str, int]:
         self._check_open()
         with self._lock:
-            ids = self._session(session_id).ids
+            ids = self._session(tenant, session_id).ids
             return {i: ids[i] for i in event_ids if i in ids}
 
-    async def get_lease(self, session_id: str) -> Lease | None:
+    async def get_lease(self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID) -> Lease | None:
         self._check_open()
-        return self._leases.get(session_id)
+        return self._leases.get((tenant, session_id))
 
-    async def renew_lease(self, session_id: str, owner: str, token: str, ttl_s: float) -> bool:
+    async def renew_lease(
+        self,
+        session_id: str,
+        owner: str,
+        token: str,
+        ttl_s: float,
+        *,
+        tenant: str = DEFAULT_TENANT_ID,
+    ) -> bool:
         self._check_open()
-        return self._leases.renew(session_id, owner, token, ttl_s)
+        return self._leases.renew((tenant, session_id), owner, token, ttl_s)
 
-    async def put_snapshot(self, session_id: str, revision: int, data: bytes) -> None:
+    async def put_snapshot(
+        self, session_id: str, revision: int, data: bytes, *, tenant: str = DEFAULT_TENANT_ID
+    ) -> None:
         self._check_open()
         with self._lock:
-            self._session(session_id).snapshot = (revision, bytes(data))
+            self._session(tenant, session_id).snapshot = (revision, bytes(data))
 
-    async def get_snapshot(self, session_id: str) -> tuple[int, bytes] | None:
+    async def get_snapshot(
+        self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID
+    ) -> tuple[int, bytes] | None:
         self._check_open()
         with self._lock:
-            session = self._sessions.get(session_id)
+            session = self._sessions.get((tenant, session_id))
             return None if session is None else session.snapshot
 
-    def _session(self, session_id: str) -> _Session:
-        session = self._sessions.get(session_id)
+    def _session(self, tenant: str, session_id: str) -> _Session:
+        session = self._sessions.get((tenant, session_id))
         if session is None:
             raise base.session_not_found(session_id)
         return session

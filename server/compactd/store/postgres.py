@@ -38,14 +38,13 @@ from psycopg.rows import TupleRow
 
 from compactd import errors
 from compactd.store import base, postgres_schema
+from compactd.store.base import DEFAULT_TENANT_ID
 from compactd.store.leases import Lease, LeaseAction, LeaseOp, apply
-from compactd.tenancy import DEFAULT_TENANT
 from compactd.v1 import events_pb2
 
 log = logging.getLogger(__name__)
 
 CHANNEL: Final = "compactd_events"
-DEFAULT_TENANT_ID: Final = DEFAULT_TENANT.id
 _SESSION_COLUMNS = "session_id, create_time, policy_json, revision, tenant, update_time"
 
 Conn = psycopg.AsyncConnection[TupleRow]
@@ -203,7 +202,7 @@ class PostgresEventStore(base.EventStore):
         # One statement: the events and the snapshot go with the row (ON DELETE CASCADE), and
         # an append racing it either lands first (and is deleted) or finds no session.
         with _db_errors("delete a session"):
-            async with self._connection() as conn, conn.pipeline(), conn.transaction():
+            async with self._connection() as conn, conn.transaction():
                 cursor = await conn.execute(
                     f"DELETE FROM sessions WHERE {_WHERE_KEY}", (tenant, session_id)
                 )
@@ -511,10 +510,7 @@ def _make_record(
     tenant: str,
     update_time: datetime,
 ) -> base.SessionRecord:
-    # Until tenancy (issue 10) lands here the record has no tenant fields: the store keys
-    # sessions by tenant already.
-    del tenant, update_time
-    return base.SessionRecord(session_id, create_time, policy_json, revision)
+    return base.SessionRecord(session_id, create_time, policy_json, revision, tenant, update_time)
 
 
 @contextlib.contextmanager

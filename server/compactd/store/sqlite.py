@@ -23,41 +23,67 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from compactd import errors
 from compactd.store import base
+from compactd.store.base import DEFAULT_TENANT_ID
 from compactd.store.leases import Lease, LeaseOp, ProcessLeases
 from compactd.store.owner import OwnerLock
 from compactd.v1 import events_pb2
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SYNCHRONOUS_LEVELS = ("NORMAL", "FULL", "EXTRA")
 
+# Version 2 keys sessions by (tenant, session_id) and records when each last changed.
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
-    session_id     TEXT PRIMARY KEY,
+    tenant         TEXT NOT NULL,
+    session_id     TEXT NOT NULL,
     create_time_us INTEGER NOT NULL,
     policy_json    TEXT,
-    revision       INTEGER NOT NULL DEFAULT 0
+    revision       INTEGER NOT NULL DEFAULT 0,
+    update_time_us INTEGER NOT NULL,
+    PRIMARY KEY (tenant, session_id)
 );
 CREATE TABLE IF NOT EXISTS events (
-    session_id TEXT NOT NULL REFERENCES sessions (session_id),
+    tenant     TEXT NOT NULL,
+    session_id TEXT NOT NULL,
     seq        INTEGER NOT NULL,
     event_id   TEXT,
     type       TEXT NOT NULL,
     data       BLOB NOT NULL,
-    PRIMARY KEY (session_id, seq)
+    PRIMARY KEY (tenant, session_id, seq),
+    FOREIGN KEY (tenant, session_id) REFERENCES sessions (tenant, session_id)
 );
 CREATE UNIQUE INDEX IF NOT EXISTS events_event_id
-    ON events (session_id, event_id) WHERE event_id IS NOT NULL;
+    ON events (tenant, session_id, event_id) WHERE event_id IS NOT NULL;
 CREATE TABLE IF NOT EXISTS snapshots (
-    session_id TEXT PRIMARY KEY REFERENCES sessions (session_id),
+    tenant     TEXT NOT NULL,
+    session_id TEXT NOT NULL,
     revision   INTEGER NOT NULL,
-    data       BLOB NOT NULL
+    data       BLOB NOT NULL,
+    PRIMARY KEY (tenant, session_id),
+    FOREIGN KEY (tenant, session_id) REFERENCES sessions (tenant, session_id)
 );
+"""
+
+# Version 1 (no tenants) to 2: the old tables are renamed aside, copied under the default
+# tenant, then dropped, all inside the migration's transaction.
+_FROM_V1 = """
+ALTER TABLE events RENAME TO events_v1;
+ALTER TABLE sessions RENAME TO sessions_v1;
+DROP INDEX IF EXISTS events_event_id;
+{schema};
+INSERT INTO sessions (tenant, session_id, create_time_us, policy_json, revision, update_time_us)
+    SELECT :tenant, session_id, create_time_us, policy_json, revision, create_time_us
+    FROM sessions_v1;
+INSERT INTO events (tenant, session_id, seq, event_id, type, data)
+    SELECT :tenant, session_id, seq, event_id, type, data FROM events_v1;
+DROP TABLE events_v1;
+DROP TABLE sessions_v1
 """
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -66,7 +92,7 @@ _SAVEPOINT = "job"
 _MAX_GROUP = 512
 # Bound parameters per IN (...) query, well under SQLite's variable limit.
 _IN_CHUNK = 500
-_SESSION_COLUMNS = "session_id, create_time_us, policy_json, revision"
+_SESSION_COLUMNS = "session_id, create_time_us, policy_json, revision, tenant, update_time_us"
 
 
 class SqliteEventStore(base.EventStore):
@@ -172,78 +198,115 @@ class SqliteEventStore(base.EventStore):
             self._readers.close()
             self._owner.release()
 
-    async def create_session(self, session_id: str, policy_json: str | None) -> base.SessionRecord:
-        record = base.SessionRecord(session_id, self._clock(), policy_json, 0)
+    async def create_session(
+        self, session_id: str, policy_json: str | None, *, tenant: str = DEFAULT_TENANT_ID
+    ) -> base.SessionRecord:
+        now = self._clock()
+        record = base.SessionRecord(session_id, now, policy_json, 0, tenant, now)
         await self._write(functools.partial(_insert_session, record), events=None)
         return record
 
-    async def get_session(self, session_id: str) -> base.SessionRecord | None:
-        return await self._read(functools.partial(_select_session, session_id))
+    async def get_session(
+        self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID
+    ) -> base.SessionRecord | None:
+        return await self._read(functools.partial(_select_session, _Key(tenant, session_id)))
 
-    async def list_sessions(self, *, after: str = "", limit: int = 100) -> list[base.SessionRecord]:
+    async def list_sessions(
+        self, *, after: str = "", limit: int = 100, tenant: str = DEFAULT_TENANT_ID
+    ) -> list[base.SessionRecord]:
         base.check_limit(limit)
-        return await self._read(functools.partial(_select_sessions, after, limit))
+        return await self._read(functools.partial(_select_sessions, tenant, after, limit))
+
+    async def delete_session(self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID) -> bool:
+        op = functools.partial(_delete_session, _Key(tenant, session_id))
+        deleted = await self._write(op, events=None)
+        self._leases.forget((tenant, session_id))
+        return deleted
 
     async def append(
         self,
         session_id: str,
         events: Sequence[events_pb2.SessionEvent],
         *,
+        tenant: str = DEFAULT_TENANT_ID,
         lease: LeaseOp | None = None,
     ) -> int:
-        rows = base.encode_batch(events)
-        op = functools.partial(_insert_events, session_id, rows)
+        # Serialized on the writer thread, not the event loop; the caller leaves the events be.
+        op = functools.partial(
+            _encode_and_insert, _Key(tenant, session_id), list(events), self._clock()
+        )
         if self._writer is None:
             raise base.store_closed()
         # The session service serializes a session's appends, and this process is the store's
         # only writer: applying the lease before the write and undoing it on failure is atomic.
-        undo = self._leases.apply(session_id, lease)
+        undo = self._leases.apply((tenant, session_id), lease)
         try:
-            return await self._write(op, events=len(rows))
+            return await self._write(op, events=len(events))
         except Exception:  # a cancelled caller does not retract the batch (nor its lease)
             undo()
             raise
 
-    async def get_lease(self, session_id: str) -> Lease | None:
+    async def get_lease(self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID) -> Lease | None:
         if self._writer is None:
             raise base.store_closed()
-        return self._leases.get(session_id)
+        return self._leases.get((tenant, session_id))
 
-    async def renew_lease(self, session_id: str, owner: str, token: str, ttl_s: float) -> bool:
+    async def renew_lease(
+        self,
+        session_id: str,
+        owner: str,
+        token: str,
+        ttl_s: float,
+        *,
+        tenant: str = DEFAULT_TENANT_ID,
+    ) -> bool:
         if self._writer is None:
             raise base.store_closed()
-        return self._leases.renew(session_id, owner, token, ttl_s)
+        return self._leases.renew((tenant, session_id), owner, token, ttl_s)
 
     async def read(
-        self, session_id: str, from_seq: int = 0, to_seq: int | None = None
+        self,
+        session_id: str,
+        from_seq: int = 0,
+        to_seq: int | None = None,
+        *,
+        tenant: str = DEFAULT_TENANT_ID,
     ) -> AsyncIterator[events_pb2.SessionEvent]:
         base.check_read_range(from_seq, to_seq)
-        revision = await self._read(functools.partial(_require_revision, session_id))
+        key = _Key(tenant, session_id)
+        revision = await self._read(functools.partial(_require_revision, key))
         end = revision if to_seq is None else min(to_seq, revision)
         for start in range(from_seq, end, self._read_chunk):
             stop = min(start + self._read_chunk, end)
-            chunk = await self._read(functools.partial(_select_range, session_id, start, stop))
+            chunk = await self._read(functools.partial(_select_range, key, start, stop))
             for event in chunk:
                 yield event
 
     async def read_seqs(
-        self, session_id: str, seqs: Sequence[int]
+        self, session_id: str, seqs: Sequence[int], *, tenant: str = DEFAULT_TENANT_ID
     ) -> list[events_pb2.SessionEvent]:
         wanted = sorted({s for s in seqs if s >= 0})
-        return await self._read(functools.partial(_select_seqs, session_id, wanted))
+        return await self._read(functools.partial(_select_seqs, _Key(tenant, session_id), wanted))
 
-    async def find_event_ids(self, session_id: str, event_ids: Sequence[str]) -> dict[str, int]:
+    async def find_event_ids(
+        self, session_id: str, event_ids: Sequence[str], *, tenant: str = DEFAULT_TENANT_ID
+    ) -> dict[str, int]:
         wanted = sorted({i for i in event_ids if i})
-        return await self._read(functools.partial(_select_event_ids, session_id, wanted))
+        key = _Key(tenant, session_id)
+        return await self._read(functools.partial(_select_event_ids, key, wanted))
 
-    async def put_snapshot(self, session_id: str, revision: int, data: bytes) -> None:
+    async def put_snapshot(
+        self, session_id: str, revision: int, data: bytes, *, tenant: str = DEFAULT_TENANT_ID
+    ) -> None:
         # One job of the writer: its own savepoint inside one committed transaction, so a crash
         # leaves the old row or the new one (``_replace_snapshot``).
-        op = functools.partial(_replace_snapshot, session_id, revision, data)
+        op = functools.partial(_replace_snapshot, _Key(tenant, session_id), revision, data)
         await self._write(op, events=None)
 
-    async def get_snapshot(self, session_id: str) -> tuple[int, bytes] | None:
-        return await self._read(functools.partial(_select_snapshot, session_id))
+    async def get_snapshot(
+        self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID
+    ) -> tuple[int, bytes] | None:
+        return await self._read(functools.partial(_select_snapshot, _Key(tenant, session_id)))
 
     def _take_ownership(self) -> None:
         folder = os.path.dirname(os.path.abspath(self._path))
@@ -434,34 +497,66 @@ def _write_failed(exc: Exception) -> errors.CompactdError:
 # --- write operations (run on the writer thread, inside a savepoint) ----------------------------
 
 
+class _Key(NamedTuple):
+    """A session's primary key."""
+
+    tenant: str
+    session_id: str
+
+
+_WHERE_KEY = "tenant = ? AND session_id = ?"
+
+
 def _insert_session(record: base.SessionRecord, conn: sqlite3.Connection) -> None:
     try:
         conn.execute(
-            "INSERT INTO sessions (session_id, create_time_us, policy_json, revision)"
-            " VALUES (?, ?, ?, 0)",
-            (record.session_id, _to_us(record.create_time), record.policy_json),
+            "INSERT INTO sessions (tenant, session_id, create_time_us, policy_json, revision,"
+            " update_time_us) VALUES (?, ?, ?, ?, 0, ?)",
+            (
+                record.tenant,
+                record.session_id,
+                _to_us(record.create_time),
+                record.policy_json,
+                _to_us(record.last_active),
+            ),
         )
     except sqlite3.IntegrityError:
         raise base.session_exists(record.session_id) from None
 
 
-def _insert_events(session_id: str, rows: list[base.EventRow], conn: sqlite3.Connection) -> int:
-    revision = _require_revision(session_id, conn)
+def _delete_session(key: _Key, conn: sqlite3.Connection) -> bool:
+    conn.execute(f"DELETE FROM snapshots WHERE {_WHERE_KEY}", key)
+    conn.execute(f"DELETE FROM events WHERE {_WHERE_KEY}", key)
+    return conn.execute(f"DELETE FROM sessions WHERE {_WHERE_KEY}", key).rowcount > 0
+
+
+def _encode_and_insert(
+    key: _Key, events: list[events_pb2.SessionEvent], now: datetime, conn: sqlite3.Connection
+) -> int:
+    return _insert_events(key, base.encode_batch(events), now, conn)
+
+
+def _insert_events(
+    key: _Key, rows: list[base.EventRow], now: datetime, conn: sqlite3.Connection
+) -> int:
+    session_id = key.session_id
+    revision = _require_revision(key, conn)
     if not rows:
         return revision
     if rows[0].seq != revision:
         raise base.seq_conflict(session_id, rows[0].seq, revision)
     try:
         conn.executemany(
-            "INSERT INTO events (session_id, seq, event_id, type, data) VALUES (?, ?, ?, ?, ?)",
-            [(session_id, r.seq, r.event_id, r.type, r.data) for r in rows],
+            "INSERT INTO events (tenant, session_id, seq, event_id, type, data)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            [(*key, r.seq, r.event_id, r.type, r.data) for r in rows],
         )
     except sqlite3.IntegrityError as exc:
         # The unique index refused an id. Undo this batch's own rows before asking which ids
         # were taken, so they are not mistaken for earlier ones.
         conn.execute(f"ROLLBACK TO {_SAVEPOINT}")
         ids = [r.event_id for r in rows if r.event_id is not None]
-        taken = _select_event_ids(session_id, ids, conn)
+        taken = _select_event_ids(key, ids, conn)
         if not taken:  # the primary key refused a seq: the revision column lies
             raise errors.Internal(
                 f"session {session_id!r}: seqs from {revision} already exist"
@@ -469,7 +564,8 @@ def _insert_events(session_id: str, rows: list[base.EventRow], conn: sqlite3.Con
         raise base.duplicate_event_ids(session_id, list(taken)) from None
     new_revision = revision + len(rows)
     conn.execute(
-        "UPDATE sessions SET revision = ? WHERE session_id = ?", (new_revision, session_id)
+        f"UPDATE sessions SET revision = ?, update_time_us = ? WHERE {_WHERE_KEY}",
+        (new_revision, _to_us(now), *key),
     )
     return new_revision
 
@@ -482,84 +578,78 @@ def _insert_events(session_id: str, rows: list[base.EventRow], conn: sqlite3.Con
 _between_snapshot_steps: Callable[[], None] = lambda: None  # noqa: E731
 
 
-def _replace_snapshot(
-    session_id: str, revision: int, data: bytes, conn: sqlite3.Connection
-) -> None:
-    _require_revision(session_id, conn)
-    conn.execute("DELETE FROM snapshots WHERE session_id = ?", (session_id,))
+def _replace_snapshot(key: _Key, revision: int, data: bytes, conn: sqlite3.Connection) -> None:
+    _require_revision(key, conn)
+    conn.execute(f"DELETE FROM snapshots WHERE {_WHERE_KEY}", key)
     _between_snapshot_steps()
     conn.execute(
-        "INSERT INTO snapshots (session_id, revision, data) VALUES (?, ?, ?)",
-        (session_id, revision, data),
+        "INSERT INTO snapshots (tenant, session_id, revision, data) VALUES (?, ?, ?, ?)",
+        (*key, revision, data),
     )
 
 
-def _select_snapshot(session_id: str, conn: sqlite3.Connection) -> tuple[int, bytes] | None:
-    row = conn.execute(
-        "SELECT revision, data FROM snapshots WHERE session_id = ?", (session_id,)
-    ).fetchone()
+def _select_snapshot(key: _Key, conn: sqlite3.Connection) -> tuple[int, bytes] | None:
+    row = conn.execute(f"SELECT revision, data FROM snapshots WHERE {_WHERE_KEY}", key).fetchone()
     return None if row is None else (int(row[0]), bytes(row[1]))
 
 
-def _require_revision(session_id: str, conn: sqlite3.Connection) -> int:
-    row = conn.execute(
-        "SELECT revision FROM sessions WHERE session_id = ?", (session_id,)
-    ).fetchone()
+def _require_revision(key: _Key, conn: sqlite3.Connection) -> int:
+    row = conn.execute(f"SELECT revision FROM sessions WHERE {_WHERE_KEY}", key).fetchone()
     if row is None:
-        raise base.session_not_found(session_id)
+        raise base.session_not_found(key.session_id)
     return int(row[0])
 
 
-def _select_session(session_id: str, conn: sqlite3.Connection) -> base.SessionRecord | None:
+def _select_session(key: _Key, conn: sqlite3.Connection) -> base.SessionRecord | None:
     row = conn.execute(
-        f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE session_id = ?", (session_id,)
+        f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE {_WHERE_KEY}", key
     ).fetchone()
     return None if row is None else _session_record(row)
 
 
-def _select_sessions(after: str, limit: int, conn: sqlite3.Connection) -> list[base.SessionRecord]:
+def _select_sessions(
+    tenant: str, after: str, limit: int, conn: sqlite3.Connection
+) -> list[base.SessionRecord]:
     rows = conn.execute(
-        f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE session_id > ? ORDER BY session_id LIMIT ?",
-        (after, limit),
+        f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE tenant = ? AND session_id > ?"
+        " ORDER BY session_id LIMIT ?",
+        (tenant, after, limit),
     ).fetchall()
     return [_session_record(row) for row in rows]
 
 
 def _select_range(
-    session_id: str, start: int, stop: int, conn: sqlite3.Connection
+    key: _Key, start: int, stop: int, conn: sqlite3.Connection
 ) -> list[events_pb2.SessionEvent]:
     rows = conn.execute(
-        "SELECT data FROM events WHERE session_id = ? AND seq >= ? AND seq < ? ORDER BY seq",
-        (session_id, start, stop),
+        f"SELECT data FROM events WHERE {_WHERE_KEY} AND seq >= ? AND seq < ? ORDER BY seq",
+        (*key, start, stop),
     ).fetchall()
     return [base.decode_event(row[0]) for row in rows]
 
 
 def _select_seqs(
-    session_id: str, seqs: list[int], conn: sqlite3.Connection
+    key: _Key, seqs: list[int], conn: sqlite3.Connection
 ) -> list[events_pb2.SessionEvent]:
-    _require_revision(session_id, conn)
+    _require_revision(key, conn)
     found: list[events_pb2.SessionEvent] = []
     for chunk in _chunks(seqs):
         rows = conn.execute(
-            f"SELECT data FROM events WHERE session_id = ? AND seq IN ({_marks(chunk)})"
-            " ORDER BY seq",
-            (session_id, *chunk),
+            f"SELECT data FROM events WHERE {_WHERE_KEY} AND seq IN ({_marks(chunk)}) ORDER BY seq",
+            (*key, *chunk),
         ).fetchall()
         found.extend(base.decode_event(row[0]) for row in rows)
     return found
 
 
-def _select_event_ids(
-    session_id: str, event_ids: list[str], conn: sqlite3.Connection
-) -> dict[str, int]:
-    _require_revision(session_id, conn)
+def _select_event_ids(key: _Key, event_ids: list[str], conn: sqlite3.Connection) -> dict[str, int]:
+    _require_revision(key, conn)
     found: dict[str, int] = {}
     for chunk in _chunks(event_ids):
         rows = conn.execute(
             "SELECT event_id, seq FROM events"
-            f" WHERE session_id = ? AND event_id IN ({_marks(chunk)})",
-            (session_id, *chunk),
+            f" WHERE {_WHERE_KEY} AND event_id IN ({_marks(chunk)})",
+            (*key, *chunk),
         ).fetchall()
         found.update((str(row[0]), int(row[1])) for row in rows)
     return found
@@ -624,7 +714,8 @@ class _ReadPool:
 
 
 def _migrate(conn: sqlite3.Connection, path: str) -> None:
-    """Creates the schema in a fresh file; refuses a file written by a newer version."""
+    """Creates the schema in a fresh file, upgrades an older one (version 1's sessions go to the
+    default tenant); refuses a file written by a newer version."""
     version = int(conn.execute("PRAGMA user_version").fetchone()[0])
     if version > SCHEMA_VERSION:
         raise errors.Unavailable(
@@ -632,6 +723,8 @@ def _migrate(conn: sqlite3.Connection, path: str) -> None:
         )
     conn.execute("BEGIN IMMEDIATE")
     try:
+        if version == 1:
+            _run_script(conn, _FROM_V1.format(schema=_SCHEMA.strip().rstrip(";")))
         _run_script(conn, _SCHEMA)
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         conn.execute("COMMIT")
@@ -644,7 +737,8 @@ def _run_script(conn: sqlite3.Connection, script: str) -> None:
     # executescript() would COMMIT first; run statement by statement inside our transaction.
     for statement in script.split(";"):
         if statement.strip():
-            conn.execute(statement)
+            named = {"tenant": DEFAULT_TENANT_ID} if ":tenant" in statement else {}
+            conn.execute(statement, named)
 
 
 def _read_pragmas(conn: sqlite3.Connection) -> dict[str, str | int]:
@@ -662,8 +756,15 @@ def _read_pragmas(conn: sqlite3.Connection) -> dict[str, str | int]:
 
 
 def _session_record(row: tuple[Any, ...]) -> base.SessionRecord:
-    session_id, create_time_us, policy_json, revision = row
-    return base.SessionRecord(str(session_id), _from_us(create_time_us), policy_json, int(revision))
+    session_id, create_time_us, policy_json, revision, tenant, update_time_us = row
+    return base.SessionRecord(
+        str(session_id),
+        _from_us(create_time_us),
+        policy_json,
+        int(revision),
+        str(tenant),
+        _from_us(update_time_us),
+    )
 
 
 def _to_us(moment: datetime) -> int:

@@ -27,7 +27,9 @@ if _version_not_supported:
 
 class CompactionServiceStub:
     """Prices sessions and compacts them. Every RPC answers NOT_FOUND when the session does not
-    exist. Failures carry a google.rpc.ErrorInfo whose `reason` names the cause. As for
+    exist, or belongs to another tenant (as for SessionService: UNAUTHENTICATED without valid
+    credentials when authentication is on). A stream of a session that is deleted meanwhile
+    (WatchPressure) ends with NOT_FOUND. Failures carry a google.rpc.ErrorInfo whose `reason` names the cause. As for
     SessionService: INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` for request bytes that do
     not parse; RESOURCE_EXHAUSTED with reason `TOO_MANY_STREAMS` beyond the stream limits.
     """
@@ -77,7 +79,9 @@ class CompactionServiceStub:
 
 class CompactionServiceServicer:
     """Prices sessions and compacts them. Every RPC answers NOT_FOUND when the session does not
-    exist. Failures carry a google.rpc.ErrorInfo whose `reason` names the cause. As for
+    exist, or belongs to another tenant (as for SessionService: UNAUTHENTICATED without valid
+    credentials when authentication is on). A stream of a session that is deleted meanwhile
+    (WatchPressure) ends with NOT_FOUND. Failures carry a google.rpc.ErrorInfo whose `reason` names the cause. As for
     SessionService: INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` for request bytes that do
     not parse; RESOURCE_EXHAUSTED with reason `TOO_MANY_STREAMS` beyond the stream limits.
     """
@@ -240,7 +244,9 @@ def add_CompactionServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class CompactionService:
     """Prices sessions and compacts them. Every RPC answers NOT_FOUND when the session does not
-    exist. Failures carry a google.rpc.ErrorInfo whose `reason` names the cause. As for
+    exist, or belongs to another tenant (as for SessionService: UNAUTHENTICATED without valid
+    credentials when authentication is on). A stream of a session that is deleted meanwhile
+    (WatchPressure) ends with NOT_FOUND. Failures carry a google.rpc.ErrorInfo whose `reason` names the cause. As for
     SessionService: INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` for request bytes that do
     not parse; RESOURCE_EXHAUSTED with reason `TOO_MANY_STREAMS` beyond the stream limits.
     """

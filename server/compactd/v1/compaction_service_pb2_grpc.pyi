@@ -28,7 +28,9 @@ GRPC_VERSION: str
 
 class CompactionServiceStub:
     """Prices sessions and compacts them. Every RPC answers NOT_FOUND when the session does not
-    exist. Failures carry a google.rpc.ErrorInfo whose `reason` names the cause. As for
+    exist, or belongs to another tenant (as for SessionService: UNAUTHENTICATED without valid
+    credentials when authentication is on). A stream of a session that is deleted meanwhile
+    (WatchPressure) ends with NOT_FOUND. Failures carry a google.rpc.ErrorInfo whose `reason` names the cause. As for
     SessionService: INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` for request bytes that do
     not parse; RESOURCE_EXHAUSTED with reason `TOO_MANY_STREAMS` beyond the stream limits.
     """
@@ -123,7 +125,9 @@ class CompactionServiceStub:
 @_typing.type_check_only
 class CompactionServiceAsyncStub(CompactionServiceStub):
     """Prices sessions and compacts them. Every RPC answers NOT_FOUND when the session does not
-    exist. Failures carry a google.rpc.ErrorInfo whose `reason` names the cause. As for
+    exist, or belongs to another tenant (as for SessionService: UNAUTHENTICATED without valid
+    credentials when authentication is on). A stream of a session that is deleted meanwhile
+    (WatchPressure) ends with NOT_FOUND. Failures carry a google.rpc.ErrorInfo whose `reason` names the cause. As for
     SessionService: INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` for request bytes that do
     not parse; RESOURCE_EXHAUSTED with reason `TOO_MANY_STREAMS` beyond the stream limits.
     """
@@ -214,7 +218,9 @@ class CompactionServiceAsyncStub(CompactionServiceStub):
 
 class CompactionServiceServicer(metaclass=_abc_1.ABCMeta):
     """Prices sessions and compacts them. Every RPC answers NOT_FOUND when the session does not
-    exist. Failures carry a google.rpc.ErrorInfo whose `reason` names the cause. As for
+    exist, or belongs to another tenant (as for SessionService: UNAUTHENTICATED without valid
+    credentials when authentication is on). A stream of a session that is deleted meanwhile
+    (WatchPressure) ends with NOT_FOUND. Failures carry a google.rpc.ErrorInfo whose `reason` names the cause. As for
     SessionService: INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` for request bytes that do
     not parse; RESOURCE_EXHAUSTED with reason `TOO_MANY_STREAMS` beyond the stream limits.
     """

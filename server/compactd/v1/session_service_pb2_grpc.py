@@ -26,7 +26,11 @@ if _version_not_supported:
 
 
 class SessionServiceStub:
-    """Owns session logs. Every RPC answers NOT_FOUND when the named session does not exist, and
+    """Owns session logs. Every session belongs to the tenant that created it (the caller's
+    authenticated tenant; `default` when authentication is off): ids are unique per tenant, and
+    a session of another tenant does not exist for the caller. With authentication on, a call
+    without valid credentials answers UNAUTHENTICATED. Every RPC answers NOT_FOUND when the
+    named session does not exist, and
     INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` when the request bytes do not parse (a
     string field that is not UTF-8, say). A streaming RPC beyond the server's stream limits
     (`max_streams` in the process, `max_streams_per_session` per session) answers
@@ -64,10 +68,24 @@ class SessionServiceStub:
                 request_serializer=compactd_dot_v1_dot_session__service__pb2.BuildRequestRequest.SerializeToString,
                 response_deserializer=compactd_dot_v1_dot_session__service__pb2.BuildRequestResponse.FromString,
                 _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/compactd.v1.SessionService/ListSessions',
+                request_serializer=compactd_dot_v1_dot_session__service__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=compactd_dot_v1_dot_session__service__pb2.ListSessionsResponse.FromString,
+                _registered_method=True)
+        self.DeleteSession = channel.unary_unary(
+                '/compactd.v1.SessionService/DeleteSession',
+                request_serializer=compactd_dot_v1_dot_session__service__pb2.DeleteSessionRequest.SerializeToString,
+                response_deserializer=compactd_dot_v1_dot_session__service__pb2.DeleteSessionResponse.FromString,
+                _registered_method=True)
 
 
 class SessionServiceServicer:
-    """Owns session logs. Every RPC answers NOT_FOUND when the named session does not exist, and
+    """Owns session logs. Every session belongs to the tenant that created it (the caller's
+    authenticated tenant; `default` when authentication is off): ids are unique per tenant, and
+    a session of another tenant does not exist for the caller. With authentication on, a call
+    without valid credentials answers UNAUTHENTICATED. Every RPC answers NOT_FOUND when the
+    named session does not exist, and
     INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` when the request bytes do not parse (a
     string field that is not UTF-8, say). A streaming RPC beyond the server's stream limits
     (`max_streams` in the process, `max_streams_per_session` per session) answers
@@ -127,6 +145,24 @@ class SessionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListSessions(self, request, context):
+        """Lists the caller's tenant's sessions in id order, a page at a time.
+        Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` this server did not
+        issue.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteSession(self, request, context):
+        """Deletes a session: its log and everything derived from it are removed durably. Followers
+        of the session (ListEvents with `follow`, WatchPressure) end with NOT_FOUND; afterwards the
+        id answers NOT_FOUND and may be created again, fresh. Errors: NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SessionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -155,6 +191,16 @@ def add_SessionServiceServicer_to_server(servicer, server):
                     request_deserializer=compactd_dot_v1_dot_session__service__pb2.BuildRequestRequest.FromString,
                     response_serializer=compactd_dot_v1_dot_session__service__pb2.BuildRequestResponse.SerializeToString,
             ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=compactd_dot_v1_dot_session__service__pb2.ListSessionsRequest.FromString,
+                    response_serializer=compactd_dot_v1_dot_session__service__pb2.ListSessionsResponse.SerializeToString,
+            ),
+            'DeleteSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteSession,
+                    request_deserializer=compactd_dot_v1_dot_session__service__pb2.DeleteSessionRequest.FromString,
+                    response_serializer=compactd_dot_v1_dot_session__service__pb2.DeleteSessionResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'compactd.v1.SessionService', rpc_method_handlers)
@@ -164,7 +210,11 @@ def add_SessionServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class SessionService:
-    """Owns session logs. Every RPC answers NOT_FOUND when the named session does not exist, and
+    """Owns session logs. Every session belongs to the tenant that created it (the caller's
+    authenticated tenant; `default` when authentication is off): ids are unique per tenant, and
+    a session of another tenant does not exist for the caller. With authentication on, a call
+    without valid credentials answers UNAUTHENTICATED. Every RPC answers NOT_FOUND when the
+    named session does not exist, and
     INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` when the request bytes do not parse (a
     string field that is not UTF-8, say). A streaming RPC beyond the server's stream limits
     (`max_streams` in the process, `max_streams_per_session` per session) answers
@@ -296,6 +346,60 @@ class SessionService:
             '/compactd.v1.SessionService/BuildRequest',
             compactd_dot_v1_dot_session__service__pb2.BuildRequestRequest.SerializeToString,
             compactd_dot_v1_dot_session__service__pb2.BuildRequestResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/compactd.v1.SessionService/ListSessions',
+            compactd_dot_v1_dot_session__service__pb2.ListSessionsRequest.SerializeToString,
+            compactd_dot_v1_dot_session__service__pb2.ListSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/compactd.v1.SessionService/DeleteSession',
+            compactd_dot_v1_dot_session__service__pb2.DeleteSessionRequest.SerializeToString,
+            compactd_dot_v1_dot_session__service__pb2.DeleteSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

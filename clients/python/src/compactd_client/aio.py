@@ -20,7 +20,7 @@ import grpc.aio
 
 from compactd_client import _requests as rq
 from compactd_client._requests import UNSET, Timeout, resolve_timeout
-from compactd_client.config import DEFAULT_RETRY, RetryPolicy, channel_options
+from compactd_client.config import DEFAULT_RETRY, RetryPolicy, auth_metadata, channel_options
 from compactd_client.errors import from_rpc_error
 from compactd_client.streams import AsyncCompactionStream, AsyncServerStream
 from compactd_client.v1.compaction_service_pb2 import (
@@ -37,9 +37,12 @@ from compactd_client.v1.session_service_pb2 import (
     AppendEventsResponse,
     BuildRequestRequest,
     BuildRequestResponse,
+    DeleteSessionRequest,
     GetSurfaceRequest,
     GetSurfaceResponse,
     ListEventsRequest,
+    ListSessionsRequest,
+    ListSessionsResponse,
     Session,
 )
 from compactd_client.v1.session_service_pb2_grpc import SessionServiceStub
@@ -59,7 +62,10 @@ class AsyncCompactdClient:
 
     Args:
         target: ``host:port`` of the server.
-        credentials: TLS credentials; None for a plaintext channel.
+        credentials: TLS credentials (``grpc.ssl_channel_credentials``, with a client key and
+            certificate for mutual TLS); None for a plaintext channel.
+        token: A bearer token naming the caller's tenant, sent as ``authorization: Bearer``
+            with every call; use it over TLS (or on loopback): it is a password.
         timeout: Default deadline of unary calls, in seconds (None: no deadline).
         stream_timeout: Default deadline of streaming calls (None: no deadline, the default,
             since watches stay open and summaries take a model call).
@@ -73,6 +79,7 @@ class AsyncCompactdClient:
         target: str,
         *,
         credentials: grpc.ChannelCredentials | None = None,
+        token: str | None = None,
         timeout: float | None = 30.0,
         stream_timeout: float | None = None,
         retry: RetryPolicy | None = DEFAULT_RETRY,
@@ -87,7 +94,7 @@ class AsyncCompactdClient:
         self._channel = channel
         self._timeout = timeout
         self._stream_timeout = stream_timeout
-        self._metadata = tuple(metadata)
+        self._metadata = auth_metadata(token, metadata)
         self._sessions = SessionServiceStub(channel)
         self._compaction = CompactionServiceStub(channel)
 
@@ -195,6 +202,23 @@ class AsyncCompactdClient:
         request = ListEventsRequest(session_id=session_id, from_seq=from_seq, follow=follow)
         call = self._stream(self._sessions.ListEvents, request, timeout)
         return AsyncServerStream(call, lambda m: m.event)
+
+    async def list_sessions(
+        self, *, page_size: int = 0, page_token: str = "", timeout: Timeout = UNSET
+    ) -> ListSessionsResponse:
+        """One page of the caller's tenant's sessions, in id order (``next_page_token``: "" at
+        the end)."""
+        request = ListSessionsRequest(page_size=page_size, page_token=page_token)
+        return await self._unary(self._sessions.ListSessions, request, timeout)
+
+    async def delete_session(self, session_id: str, *, timeout: Timeout = UNSET) -> None:
+        """Deletes the session and its log, durably.
+
+        Raises:
+            NotFoundError: no such session (of the caller's tenant).
+        """
+        request = DeleteSessionRequest(session_id=session_id)
+        await self._unary(self._sessions.DeleteSession, request, timeout)
 
     async def get_surface(self, session_id: str, *, timeout: Timeout = UNSET) -> GetSurfaceResponse:
         """Returns the current surface (nodes in position order, with projected messages)."""

@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_RETRY",
     "IDEMPOTENT_METHODS",
     "RetryPolicy",
+    "auth_metadata",
     "channel_options",
     "service_config",
 ]
@@ -107,3 +108,12 @@ def channel_options(
     ]
     options.extend(extra)
     return options
+
+
+def auth_metadata(
+    token: str | None, metadata: Sequence[tuple[str, str]] = ()
+) -> tuple[tuple[str, str], ...]:
+    """``metadata`` plus ``authorization: Bearer <token>`` when a token is given."""
+    if token is None:
+        return tuple(metadata)
+    return (*metadata, ("authorization", f"Bearer {token}"))

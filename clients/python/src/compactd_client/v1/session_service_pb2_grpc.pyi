@@ -27,7 +27,11 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class SessionServiceStub:
-    """Owns session logs. Every RPC answers NOT_FOUND when the named session does not exist, and
+    """Owns session logs. Every session belongs to the tenant that created it (the caller's
+    authenticated tenant; `default` when authentication is off): ids are unique per tenant, and
+    a session of another tenant does not exist for the caller. With authentication on, a call
+    without valid credentials answers UNAUTHENTICATED. Every RPC answers NOT_FOUND when the
+    named session does not exist, and
     INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` when the request bytes do not parse (a
     string field that is not UTF-8, say). A streaming RPC beyond the server's stream limits
     (`max_streams` in the process, `max_streams_per_session` per session) answers
@@ -71,10 +75,24 @@ class SessionServiceStub:
     from the latest `request/header`, registered projections (image offload) applied.
     Errors: NOT_FOUND.
     """
+    ListSessions: _grpc.UnaryUnaryMultiCallable[_session_service_pb2.ListSessionsRequest, _session_service_pb2.ListSessionsResponse]
+    """Lists the caller's tenant's sessions in id order, a page at a time.
+    Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` this server did not
+    issue.
+    """
+    DeleteSession: _grpc.UnaryUnaryMultiCallable[_session_service_pb2.DeleteSessionRequest, _session_service_pb2.DeleteSessionResponse]
+    """Deletes a session: its log and everything derived from it are removed durably. Followers
+    of the session (ListEvents with `follow`, WatchPressure) end with NOT_FOUND; afterwards the
+    id answers NOT_FOUND and may be created again, fresh. Errors: NOT_FOUND.
+    """
 
 @_typing.type_check_only
 class SessionServiceAsyncStub(SessionServiceStub):
-    """Owns session logs. Every RPC answers NOT_FOUND when the named session does not exist, and
+    """Owns session logs. Every session belongs to the tenant that created it (the caller's
+    authenticated tenant; `default` when authentication is off): ids are unique per tenant, and
+    a session of another tenant does not exist for the caller. With authentication on, a call
+    without valid credentials answers UNAUTHENTICATED. Every RPC answers NOT_FOUND when the
+    named session does not exist, and
     INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` when the request bytes do not parse (a
     string field that is not UTF-8, say). A streaming RPC beyond the server's stream limits
     (`max_streams` in the process, `max_streams_per_session` per session) answers
@@ -115,9 +133,23 @@ class SessionServiceAsyncStub(SessionServiceStub):
     from the latest `request/header`, registered projections (image offload) applied.
     Errors: NOT_FOUND.
     """
+    ListSessions: _aio.UnaryUnaryMultiCallable[_session_service_pb2.ListSessionsRequest, _session_service_pb2.ListSessionsResponse]  # type: ignore[assignment]
+    """Lists the caller's tenant's sessions in id order, a page at a time.
+    Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` this server did not
+    issue.
+    """
+    DeleteSession: _aio.UnaryUnaryMultiCallable[_session_service_pb2.DeleteSessionRequest, _session_service_pb2.DeleteSessionResponse]  # type: ignore[assignment]
+    """Deletes a session: its log and everything derived from it are removed durably. Followers
+    of the session (ListEvents with `follow`, WatchPressure) end with NOT_FOUND; afterwards the
+    id answers NOT_FOUND and may be created again, fresh. Errors: NOT_FOUND.
+    """
 
 class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
-    """Owns session logs. Every RPC answers NOT_FOUND when the named session does not exist, and
+    """Owns session logs. Every session belongs to the tenant that created it (the caller's
+    authenticated tenant; `default` when authentication is off): ids are unique per tenant, and
+    a session of another tenant does not exist for the caller. With authentication on, a call
+    without valid credentials answers UNAUTHENTICATED. Every RPC answers NOT_FOUND when the
+    named session does not exist, and
     INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` when the request bytes do not parse (a
     string field that is not UTF-8, say). A streaming RPC beyond the server's stream limits
     (`max_streams` in the process, `max_streams_per_session` per session) answers
@@ -185,6 +217,28 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
         """Reconstructs the model request: messages derived from the surface, config and tools folded
         from the latest `request/header`, registered projections (image offload) applied.
         Errors: NOT_FOUND.
+        """
+
+    @_abc_1.abstractmethod
+    def ListSessions(
+        self,
+        request: _session_service_pb2.ListSessionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_session_service_pb2.ListSessionsResponse, _abc.Awaitable[_session_service_pb2.ListSessionsResponse]]:
+        """Lists the caller's tenant's sessions in id order, a page at a time.
+        Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` this server did not
+        issue.
+        """
+
+    @_abc_1.abstractmethod
+    def DeleteSession(
+        self,
+        request: _session_service_pb2.DeleteSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_session_service_pb2.DeleteSessionResponse, _abc.Awaitable[_session_service_pb2.DeleteSessionResponse]]:
+        """Deletes a session: its log and everything derived from it are removed durably. Followers
+        of the session (ListEvents with `follow`, WatchPressure) end with NOT_FOUND; afterwards the
+        id answers NOT_FOUND and may be created again, fresh. Errors: NOT_FOUND.
         """
 
 def add_SessionServiceServicer_to_server(servicer: SessionServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1598,7 +1598,9 @@ export const RecoveryDeclineSchema: GenEnum<RecoveryDecline> = /*@__PURE__*/
 
 /**
  * Prices sessions and compacts them. Every RPC answers NOT_FOUND when the session does not
- * exist. Failures carry a google.rpc.ErrorInfo whose `reason` names the cause. As for
+ * exist, or belongs to another tenant (as for SessionService: UNAUTHENTICATED without valid
+ * credentials when authentication is on). A stream of a session that is deleted meanwhile
+ * (WatchPressure) ends with NOT_FOUND. Failures carry a google.rpc.ErrorInfo whose `reason` names the cause. As for
  * SessionService: INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` for request bytes that do
  * not parse; RESOURCE_EXHAUSTED with reason `TOO_MANY_STREAMS` beyond the stream limits.
  *

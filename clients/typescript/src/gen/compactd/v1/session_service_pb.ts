@@ -16,7 +16,7 @@ import type { JsonObject, Message as Message$1 } from "@bufbuild/protobuf";
  * Describes the file compactd/v1/session_service.proto.
  */
 export const file_compactd_v1_session_service: GenFile = /*@__PURE__*/
-  fileDesc("CiFjb21wYWN0ZC92MS9zZXNzaW9uX3NlcnZpY2UucHJvdG8SC2NvbXBhY3RkLnYxIpQBCgdTZXNzaW9uEhIKCnNlc3Npb25faWQYASABKAkSEAoIcmV2aXNpb24YAiABKAMSLwoLY3JlYXRlX3RpbWUYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEjIKEWNvbXBhY3Rpb25fcG9saWN5GAQgASgLMhcuZ29vZ2xlLnByb3RvYnVmLlN0cnVjdCJeChRDcmVhdGVTZXNzaW9uUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEjIKEWNvbXBhY3Rpb25fcG9saWN5GAIgASgLMhcuZ29vZ2xlLnByb3RvYnVmLlN0cnVjdCI+ChVDcmVhdGVTZXNzaW9uUmVzcG9uc2USJQoHc2Vzc2lvbhgBIAEoCzIULmNvbXBhY3RkLnYxLlNlc3Npb24iigEKE0FwcGVuZEV2ZW50c1JlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRIpCgZldmVudHMYAiADKAsyGS5jb21wYWN0ZC52MS5TZXNzaW9uRXZlbnQSHgoRZXhwZWN0ZWRfbGFzdF9zZXEYAyABKANIAIgBAUIUChJfZXhwZWN0ZWRfbGFzdF9zZXEiNgoUQXBwZW5kRXZlbnRzUmVzcG9uc2USDAoEc2VxcxgBIAMoAxIQCghyZXZpc2lvbhgCIAEoAyJJChFMaXN0RXZlbnRzUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEhAKCGZyb21fc2VxGAIgASgDEg4KBmZvbGxvdxgDIAEoCCI+ChJMaXN0RXZlbnRzUmVzcG9uc2USKAoFZXZlbnQYASABKAsyGS5jb21wYWN0ZC52MS5TZXNzaW9uRXZlbnQiJwoRR2V0U3VyZmFjZVJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCSKTAQoHTWVzc2FnZRImCgRyb2xlGAEgASgOMhguY29tcGFjdGQudjEuTWVzc2FnZVJvbGUSKgoHY29udGVudBgCIAMoCzIZLmNvbXBhY3RkLnYxLkNvbnRlbnRCbG9jaxIUCgx0b29sX2NhbGxfaWQYAyABKAkSEAoIaXNfZXJyb3IYBCABKAgSDAoEbmFtZRgFIAEoCSKTAQoLU3VyZmFjZU5vZGUSEAoIcG9zaXRpb24YASABKAMSCwoDc2VxGAIgASgDEgwKBHR5cGUYAyABKAkSJQoHbWVzc2FnZRgEIAEoCzIULmNvbXBhY3RkLnYxLk1lc3NhZ2USGQoRc291cmNlX2V2ZW50X3NlcXMYBSADKAMSFQoNY29tcGFjdGlvbl9pZBgGIAEoCSJPChJHZXRTdXJmYWNlUmVzcG9uc2USEAoIcmV2aXNpb24YASABKAMSJwoFbm9kZXMYAiADKAsyGC5jb21wYWN0ZC52MS5TdXJmYWNlTm9kZSIpChNCdWlsZFJlcXVlc3RSZXF1ZXN0EhIKCnNlc3Npb25faWQYASABKAki8AEKFEJ1aWxkUmVxdWVzdFJlc3BvbnNlEhAKCHJldmlzaW9uGAEgASgDEiYKCG1lc3NhZ2VzGAIgAygLMhQuY29tcGFjdGQudjEuTWVzc2FnZRIqCgZjb25maWcYAyABKAsyGi5jb21wYWN0ZC52MS5SZXF1ZXN0Q29uZmlnEjEKEGFkYXB0ZXJfZGVmYXVsdHMYBCABKAsyFy5nb29nbGUucHJvdG9idWYuU3RydWN0EisKBXRvb2xzGAUgAygLMhwuY29tcGFjdGQudjEuVG9vbERlY2xhcmF0aW9uEhIKCmhlYWRlcl9zZXEYBiABKAMqqgEKC01lc3NhZ2VSb2xlEhwKGE1FU1NBR0VfUk9MRV9VTlNQRUNJRklFRBAAEhcKE01FU1NBR0VfUk9MRV9TWVNURU0QARIaChZNRVNTQUdFX1JPTEVfREVWRUxPUEVSEAISFQoRTUVTU0FHRV9ST0xFX1VTRVIQAxIaChZNRVNTQUdFX1JPTEVfQVNTSVNUQU5UEAQSFQoRTUVTU0FHRV9ST0xFX1RPT0wQBTKyAwoOU2Vzc2lvblNlcnZpY2USVgoNQ3JlYXRlU2Vzc2lvbhIhLmNvbXBhY3RkLnYxLkNyZWF0ZVNlc3Npb25SZXF1ZXN0GiIuY29tcGFjdGQudjEuQ3JlYXRlU2Vzc2lvblJlc3BvbnNlElMKDEFwcGVuZEV2ZW50cxIgLmNvbXBhY3RkLnYxLkFwcGVuZEV2ZW50c1JlcXVlc3QaIS5jb21wYWN0ZC52MS5BcHBlbmRFdmVudHNSZXNwb25zZRJPCgpMaXN0RXZlbnRzEh4uY29tcGFjdGQudjEuTGlzdEV2ZW50c1JlcXVlc3QaHy5jb21wYWN0ZC52MS5MaXN0RXZlbnRzUmVzcG9uc2UwARJNCgpHZXRTdXJmYWNlEh4uY29tcGFjdGQudjEuR2V0U3VyZmFjZVJlcXVlc3QaHy5jb21wYWN0ZC52MS5HZXRTdXJmYWNlUmVzcG9uc2USUwoMQnVpbGRSZXF1ZXN0EiAuY29tcGFjdGQudjEuQnVpbGRSZXF1ZXN0UmVxdWVzdBohLmNvbXBhY3RkLnYxLkJ1aWxkUmVxdWVzdFJlc3BvbnNlYgZwcm90bzM", [file_compactd_v1_events, file_google_protobuf_struct, file_google_protobuf_timestamp]);
+  fileDesc("CiFjb21wYWN0ZC92MS9zZXNzaW9uX3NlcnZpY2UucHJvdG8SC2NvbXBhY3RkLnYxIpQBCgdTZXNzaW9uEhIKCnNlc3Npb25faWQYASABKAkSEAoIcmV2aXNpb24YAiABKAMSLwoLY3JlYXRlX3RpbWUYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEjIKEWNvbXBhY3Rpb25fcG9saWN5GAQgASgLMhcuZ29vZ2xlLnByb3RvYnVmLlN0cnVjdCJeChRDcmVhdGVTZXNzaW9uUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEjIKEWNvbXBhY3Rpb25fcG9saWN5GAIgASgLMhcuZ29vZ2xlLnByb3RvYnVmLlN0cnVjdCI+ChVDcmVhdGVTZXNzaW9uUmVzcG9uc2USJQoHc2Vzc2lvbhgBIAEoCzIULmNvbXBhY3RkLnYxLlNlc3Npb24iigEKE0FwcGVuZEV2ZW50c1JlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRIpCgZldmVudHMYAiADKAsyGS5jb21wYWN0ZC52MS5TZXNzaW9uRXZlbnQSHgoRZXhwZWN0ZWRfbGFzdF9zZXEYAyABKANIAIgBAUIUChJfZXhwZWN0ZWRfbGFzdF9zZXEiNgoUQXBwZW5kRXZlbnRzUmVzcG9uc2USDAoEc2VxcxgBIAMoAxIQCghyZXZpc2lvbhgCIAEoAyJJChFMaXN0RXZlbnRzUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEhAKCGZyb21fc2VxGAIgASgDEg4KBmZvbGxvdxgDIAEoCCI+ChJMaXN0RXZlbnRzUmVzcG9uc2USKAoFZXZlbnQYASABKAsyGS5jb21wYWN0ZC52MS5TZXNzaW9uRXZlbnQiJwoRR2V0U3VyZmFjZVJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCSKTAQoHTWVzc2FnZRImCgRyb2xlGAEgASgOMhguY29tcGFjdGQudjEuTWVzc2FnZVJvbGUSKgoHY29udGVudBgCIAMoCzIZLmNvbXBhY3RkLnYxLkNvbnRlbnRCbG9jaxIUCgx0b29sX2NhbGxfaWQYAyABKAkSEAoIaXNfZXJyb3IYBCABKAgSDAoEbmFtZRgFIAEoCSKTAQoLU3VyZmFjZU5vZGUSEAoIcG9zaXRpb24YASABKAMSCwoDc2VxGAIgASgDEgwKBHR5cGUYAyABKAkSJQoHbWVzc2FnZRgEIAEoCzIULmNvbXBhY3RkLnYxLk1lc3NhZ2USGQoRc291cmNlX2V2ZW50X3NlcXMYBSADKAMSFQoNY29tcGFjdGlvbl9pZBgGIAEoCSJPChJHZXRTdXJmYWNlUmVzcG9uc2USEAoIcmV2aXNpb24YASABKAMSJwoFbm9kZXMYAiADKAsyGC5jb21wYWN0ZC52MS5TdXJmYWNlTm9kZSIpChNCdWlsZFJlcXVlc3RSZXF1ZXN0EhIKCnNlc3Npb25faWQYASABKAki8AEKFEJ1aWxkUmVxdWVzdFJlc3BvbnNlEhAKCHJldmlzaW9uGAEgASgDEiYKCG1lc3NhZ2VzGAIgAygLMhQuY29tcGFjdGQudjEuTWVzc2FnZRIqCgZjb25maWcYAyABKAsyGi5jb21wYWN0ZC52MS5SZXF1ZXN0Q29uZmlnEjEKEGFkYXB0ZXJfZGVmYXVsdHMYBCABKAsyFy5nb29nbGUucHJvdG9idWYuU3RydWN0EisKBXRvb2xzGAUgAygLMhwuY29tcGFjdGQudjEuVG9vbERlY2xhcmF0aW9uEhIKCmhlYWRlcl9zZXEYBiABKAMiPAoTTGlzdFNlc3Npb25zUmVxdWVzdBIRCglwYWdlX3NpemUYASABKAUSEgoKcGFnZV90b2tlbhgCIAEoCSJXChRMaXN0U2Vzc2lvbnNSZXNwb25zZRImCghzZXNzaW9ucxgBIAMoCzIULmNvbXBhY3RkLnYxLlNlc3Npb24SFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIioKFERlbGV0ZVNlc3Npb25SZXF1ZXN0EhIKCnNlc3Npb25faWQYASABKAkiFwoVRGVsZXRlU2Vzc2lvblJlc3BvbnNlKqoBCgtNZXNzYWdlUm9sZRIcChhNRVNTQUdFX1JPTEVfVU5TUEVDSUZJRUQQABIXChNNRVNTQUdFX1JPTEVfU1lTVEVNEAESGgoWTUVTU0FHRV9ST0xFX0RFVkVMT1BFUhACEhUKEU1FU1NBR0VfUk9MRV9VU0VSEAMSGgoWTUVTU0FHRV9ST0xFX0FTU0lTVEFOVBAEEhUKEU1FU1NBR0VfUk9MRV9UT09MEAUy3wQKDlNlc3Npb25TZXJ2aWNlElYKDUNyZWF0ZVNlc3Npb24SIS5jb21wYWN0ZC52MS5DcmVhdGVTZXNzaW9uUmVxdWVzdBoiLmNvbXBhY3RkLnYxLkNyZWF0ZVNlc3Npb25SZXNwb25zZRJTCgxBcHBlbmRFdmVudHMSIC5jb21wYWN0ZC52MS5BcHBlbmRFdmVudHNSZXF1ZXN0GiEuY29tcGFjdGQudjEuQXBwZW5kRXZlbnRzUmVzcG9uc2USTwoKTGlzdEV2ZW50cxIeLmNvbXBhY3RkLnYxLkxpc3RFdmVudHNSZXF1ZXN0Gh8uY29tcGFjdGQudjEuTGlzdEV2ZW50c1Jlc3BvbnNlMAESTQoKR2V0U3VyZmFjZRIeLmNvbXBhY3RkLnYxLkdldFN1cmZhY2VSZXF1ZXN0Gh8uY29tcGFjdGQudjEuR2V0U3VyZmFjZVJlc3BvbnNlElMKDEJ1aWxkUmVxdWVzdBIgLmNvbXBhY3RkLnYxLkJ1aWxkUmVxdWVzdFJlcXVlc3QaIS5jb21wYWN0ZC52MS5CdWlsZFJlcXVlc3RSZXNwb25zZRJTCgxMaXN0U2Vzc2lvbnMSIC5jb21wYWN0ZC52MS5MaXN0U2Vzc2lvbnNSZXF1ZXN0GiEuY29tcGFjdGQudjEuTGlzdFNlc3Npb25zUmVzcG9uc2USVgoNRGVsZXRlU2Vzc2lvbhIhLmNvbXBhY3RkLnYxLkRlbGV0ZVNlc3Npb25SZXF1ZXN0GiIuY29tcGFjdGQudjEuRGVsZXRlU2Vzc2lvblJlc3BvbnNlYgZwcm90bzM", [file_compactd_v1_events, file_google_protobuf_struct, file_google_protobuf_timestamp]);
 
 /**
  * A session.
@@ -463,6 +463,98 @@ export const BuildRequestResponseSchema: GenMessage<BuildRequestResponse> = /*@_
   messageDesc(file_compactd_v1_session_service, 12);
 
 /**
+ * Request for `ListSessions`.
+ *
+ * @generated from message compactd.v1.ListSessionsRequest
+ */
+export type ListSessionsRequest = Message$1<"compactd.v1.ListSessionsRequest"> & {
+  /**
+   * Most sessions in one page: 0 means 100; values above 1000 are treated as 1000.
+   *
+   * @generated from field: int32 page_size = 1;
+   */
+  pageSize: number;
+
+  /**
+   * `next_page_token` of the previous page; empty for the first page.
+   *
+   * @generated from field: string page_token = 2;
+   */
+  pageToken: string;
+};
+
+/**
+ * Describes the message compactd.v1.ListSessionsRequest.
+ * Use `create(ListSessionsRequestSchema)` to create a new message.
+ */
+export const ListSessionsRequestSchema: GenMessage<ListSessionsRequest> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_session_service, 13);
+
+/**
+ * Response for `ListSessions`.
+ *
+ * @generated from message compactd.v1.ListSessionsResponse
+ */
+export type ListSessionsResponse = Message$1<"compactd.v1.ListSessionsResponse"> & {
+  /**
+   * The page's sessions, in id order.
+   *
+   * @generated from field: repeated compactd.v1.Session sessions = 1;
+   */
+  sessions: Session[];
+
+  /**
+   * Token for the next page; empty on the last page.
+   *
+   * @generated from field: string next_page_token = 2;
+   */
+  nextPageToken: string;
+};
+
+/**
+ * Describes the message compactd.v1.ListSessionsResponse.
+ * Use `create(ListSessionsResponseSchema)` to create a new message.
+ */
+export const ListSessionsResponseSchema: GenMessage<ListSessionsResponse> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_session_service, 14);
+
+/**
+ * Request for `DeleteSession`.
+ *
+ * @generated from message compactd.v1.DeleteSessionRequest
+ */
+export type DeleteSessionRequest = Message$1<"compactd.v1.DeleteSessionRequest"> & {
+  /**
+   * The session.
+   *
+   * @generated from field: string session_id = 1;
+   */
+  sessionId: string;
+};
+
+/**
+ * Describes the message compactd.v1.DeleteSessionRequest.
+ * Use `create(DeleteSessionRequestSchema)` to create a new message.
+ */
+export const DeleteSessionRequestSchema: GenMessage<DeleteSessionRequest> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_session_service, 15);
+
+/**
+ * Response for `DeleteSession`.
+ *
+ * @generated from message compactd.v1.DeleteSessionResponse
+ */
+export type DeleteSessionResponse = Message$1<"compactd.v1.DeleteSessionResponse"> & {
+};
+
+/**
+ * Describes the message compactd.v1.DeleteSessionResponse.
+ * Use `create(DeleteSessionResponseSchema)` to create a new message.
+ */
+export const DeleteSessionResponseSchema: GenMessage<DeleteSessionResponse> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_session_service, 16);
+
+/**
  * The role of a derived model message.
  *
  * @generated from enum compactd.v1.MessageRole
@@ -518,7 +610,11 @@ export const MessageRoleSchema: GenEnum<MessageRole> = /*@__PURE__*/
   enumDesc(file_compactd_v1_session_service, 0);
 
 /**
- * Owns session logs. Every RPC answers NOT_FOUND when the named session does not exist, and
+ * Owns session logs. Every session belongs to the tenant that created it (the caller's
+ * authenticated tenant; `default` when authentication is off): ids are unique per tenant, and
+ * a session of another tenant does not exist for the caller. With authentication on, a call
+ * without valid credentials answers UNAUTHENTICATED. Every RPC answers NOT_FOUND when the
+ * named session does not exist, and
  * INVALID_ARGUMENT with reason `UNDECODABLE_REQUEST` when the request bytes do not parse (a
  * string field that is not UTF-8, say). A streaming RPC beyond the server's stream limits
  * (`max_streams` in the process, `max_streams_per_session` per session) answers
@@ -594,6 +690,30 @@ export const SessionService: GenService<{
     methodKind: "unary";
     input: typeof BuildRequestRequestSchema;
     output: typeof BuildRequestResponseSchema;
+  },
+  /**
+   * Lists the caller's tenant's sessions in id order, a page at a time.
+   * Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` this server did not
+   * issue.
+   *
+   * @generated from rpc compactd.v1.SessionService.ListSessions
+   */
+  listSessions: {
+    methodKind: "unary";
+    input: typeof ListSessionsRequestSchema;
+    output: typeof ListSessionsResponseSchema;
+  },
+  /**
+   * Deletes a session: its log and everything derived from it are removed durably. Followers
+   * of the session (ListEvents with `follow`, WatchPressure) end with NOT_FOUND; afterwards the
+   * id answers NOT_FOUND and may be created again, fresh. Errors: NOT_FOUND.
+   *
+   * @generated from rpc compactd.v1.SessionService.DeleteSession
+   */
+  deleteSession: {
+    methodKind: "unary";
+    input: typeof DeleteSessionRequestSchema;
+    output: typeof DeleteSessionResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_compactd_v1_session_service, 0);
