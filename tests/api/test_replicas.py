@@ -268,3 +268,25 @@ async def test_a_bracket_longer_than_its_lease_keeps_it_by_renewing(
         kinds = [body(e) for e in await b.events()]
         assert "session_end_seed" not in kinds
         assert kinds.count("compaction_end") == 1
+
+
+async def test_a_session_deleted_through_one_replica_is_gone_from_the_other(
+    tmp_path: Path, loop: OpenAICompatServer, database: str
+) -> None:
+    async with replicas(tmp_path, loop, postgres.fresh_schema(database)) as (a, b):
+        await a.create(*opening())
+        follow = a.sessions.ListEvents(
+            spb.ListEventsRequest(session_id=a.session_id, from_seq=len(opening()), follow=True)
+        )
+        await a.surface()  # A has it cached
+
+        await b.sessions.DeleteSession(spb.DeleteSessionRequest(session_id=b.session_id))
+
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await asyncio.wait_for(follow.read(), 10)
+        assert ended.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.aio.AioRpcError) as gone:
+            await a.surface()
+        assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+        await b.create(user("a new session under the old id"))
+        assert [body(e) for e in await a.events()] == ["user_message"]
