@@ -56,9 +56,11 @@ from compactd.errors import (
     FieldViolation,
     InvalidArgument,
     NotFound,
+    QuotaExceeded,
     SeqConflict,
 )
-from compactd.store.base import EventStore, SessionRecord, session_not_found
+from compactd.service.quotas import QuotaBook, Reservation
+from compactd.store.base import EventStore, SessionRecord, StoreUsage, session_not_found
 from compactd.tenancy import Tenant, current_tenant
 from compactd.v1 import events_pb2
 
@@ -114,11 +116,13 @@ class SessionHandle:
         store: EventStore,
         fold: SessionFold,
         limits: AppendLimits = DEFAULT_LIMITS,
+        quotas: QuotaBook | None = None,
     ) -> None:
         self.session_id = record.session_id
         self.tenant = record.tenant
         self.key: _Key = (record.tenant, record.session_id)
         self.deleted = False  # set (under the lock) by ``SessionManager.delete``
+        self._quotas = quotas
         self.limits = limits
         self.record = record
         self.fold = fold
@@ -220,7 +224,8 @@ class SessionHandle:
         now = Timestamp()
         now.GetCurrentTime()
         batch = await self._admit(events, now, origin)
-        commit = asyncio.ensure_future(self._commit(batch))
+        reservation = self._reserve_bytes(batch, origin)
+        commit = asyncio.ensure_future(self._commit(batch, reservation))
         try:
             return await asyncio.shield(commit)
         except asyncio.CancelledError:
@@ -252,7 +257,20 @@ class SessionHandle:
         finally:
             steps.close()  # a cancelled admission rolls back what it admitted
 
-    async def _commit(self, batch: AdmittedBatch) -> AppendResult:
+    def _reserve_bytes(self, batch: AdmittedBatch, origin: Origin) -> Reservation | None:
+        """Count the batch's bytes against the tenant's quota; only a runtime's is refused."""
+        if self._quotas is None:
+            return None
+        size = sum(event.ByteSize() for event in batch.events)
+        try:
+            return self._quotas.reserve_bytes(
+                size, enforce=origin is Origin.CLIENT, tenant=self.tenant
+            )
+        except QuotaExceeded:
+            self.fold.rollback(batch)
+            raise
+
+    async def _commit(self, batch: AdmittedBatch, reservation: Reservation | None) -> AppendResult:
         prepared = self._prepare(batch)
         try:
             await self._store.append(self.session_id, batch.events, tenant=self.tenant)
@@ -260,6 +278,8 @@ class SessionHandle:
             if prepared is not None:  # the worker reads the fold: let it finish first
                 await asyncio.wait([prepared])
             self.fold.rollback(batch)
+            if reservation is not None:
+                reservation.release()
             raise
         if prepared is not None:
             await prepared
@@ -384,11 +404,13 @@ class SessionManager:
         limits: AppendLimits = DEFAULT_LIMITS,
         snapshot_interval: int = 0,
         max_resident: int = 0,
+        quotas: QuotaBook | None = None,
     ) -> None:
         self.store = store
         self.limits = limits
         self.snapshot_interval = snapshot_interval
         self.max_resident = max_resident
+        self.quotas = quotas
         self._policy_validator = policy_validator
         self.instance_id = instance_id or uuid.uuid4().hex[:12]
         self._handles: OrderedDict[_Key, SessionHandle] = OrderedDict()  # least recent first
@@ -444,13 +466,38 @@ class SessionManager:
         """Create an empty session of ``tenant`` (the caller's by default), idempotently.
 
         A retried create (the same id and the same policy; a reply may have been lost) answers
-        the session as it is now. ``AlreadyExists`` when the id is taken with another policy.
+        the session as it is now. ``AlreadyExists`` when the id is taken with another policy;
+        ``QuotaExceeded`` when the caller's tenant owns its ``max_sessions`` already.
         """
         owner = _tenant_id(tenant)
         policy_json = json.dumps(policy, sort_keys=True) if policy else None
+        if self.quotas is None:
+            return await self._create(owner, session_id, policy_json, lambda: None)
+        try:
+            not_created = self.quotas.reserve_session(owner)
+        except QuotaExceeded:
+            # At the quota, a retried create still answers the session it created.
+            existing = await self.store.get_session(session_id, tenant=owner)
+            if existing is not None and existing.policy_json == policy_json:
+                return existing
+            raise
+        try:
+            return await self._create(owner, session_id, policy_json, not_created)
+        except BaseException:
+            not_created()
+            raise
+
+    async def _create(
+        self,
+        owner: str,
+        session_id: str,
+        policy_json: str | None,
+        not_created: Callable[[], None],
+    ) -> SessionRecord:
         try:
             return await self.store.create_session(session_id, policy_json, tenant=owner)
         except AlreadyExists:
+            not_created()
             existing = await self.store.get_session(session_id, tenant=owner)
             if existing is None or existing.policy_json != policy_json:
                 raise AlreadyExists(
@@ -513,6 +560,7 @@ class SessionManager:
         async with handle.lock if handle is not None else contextlib.nullcontext():
             if idle_before is not None and not await self._idle(key, idle_before):
                 return False
+            held = await self._held_by(key)
             deleted = await self.store.delete_session(session_id, tenant=key[0])
             if handle is not None:
                 await handle.mark_deleted()
@@ -520,8 +568,17 @@ class SessionManager:
             self._forget(key)
         if not deleted:
             raise session_not_found(session_id)
+        if self.quotas is not None and held is not None:
+            self.quotas.removed(key[0], held)
         log.info("session deleted", extra={"session_id": session_id, "tenant": key[0]})
         return True
+
+    async def _held_by(self, key: _Key) -> StoreUsage | None:
+        """What the session counts towards its tenant's held quotas (None: nothing counted)."""
+        if self.quotas is None or not self.quotas.ledger.counts_stored:
+            return None
+        usage = await self.store.usage(tenant=key[0], session_id=key[1])
+        return usage.get(key[0], StoreUsage())
 
     async def _idle(self, key: _Key, before: datetime) -> bool:
         record = await self.store.get_session(key[1], tenant=key[0])
@@ -552,7 +609,7 @@ class SessionManager:
                 f"session {session_id!r} does not exist", metadata={"session_id": session_id}
             )
         fold, restored, same_lifecycle = await self._from_snapshot(record)
-        handle = SessionHandle(record, self.store, fold, self.limits)
+        handle = SessionHandle(record, self.store, fold, self.limits, self.quotas)
         handle.extensions.update(self._carried.pop(handle.key, {}))
         handle.restored = restored
         handle.snapshot_revision = fold.revision if restored is not None else 0
