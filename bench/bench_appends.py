@@ -295,8 +295,13 @@ async def _checks(bench: Bench, name: str, times: int) -> list[float]:
 
 
 async def _append_until(bench: Bench, name: str, stop: asyncio.Event) -> None:
+    appended = 0
     while not stop.is_set():
         await bench.append(name, bench.batch(name, BATCH))
+        appended += 1
+        if appended % 5 == 0:  # a fresh session A before the surface reaches its byte limit
+            name = await bench.session(ROUTES["cl100k_base"])
+            await bench.check(name)
 
 
 # ---- running ----------------------------------------------------------------------------------

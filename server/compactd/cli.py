@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print the JSON Schema of compactd.toml, for editors (taplo, VS Code, "
         "JetBrains): save it and point the file at it with a `#:schema` first line.",
     )
+    from compactd import replay_command  # issue 14: replay
+
+    replay_command.add_parser(commands)
     return parser
 
 
@@ -97,6 +100,10 @@ def _config_option(parser: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     args = build_parser().parse_args(argv)
+    if args.command == "replay":
+        from compactd import replay_command
+
+        return replay_command.run(args)
     if args.command == "config-schema":
         print(json.dumps(config.json_schema(), indent=2))
         return 0

@@ -171,6 +171,9 @@ class ServerConfig:
     routes: tuple[Table, ...] = ()
     summarizer: Table = field(default_factory=dict)
     pruner: Table = field(default_factory=dict)
+    # Issue 10: tenant quotas. [quotas] defaults and [quotas.tenants.ID] overrides, validated by
+    # compactd.service.quotas.QuotaSettings (COMPACTD_QUOTAS__APPENDS_PER_SECOND=50).
+    quotas: Table = field(default_factory=dict)
 
     @property
     def host_port(self) -> tuple[str, int]:

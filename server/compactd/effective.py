@@ -81,8 +81,8 @@ def startup_report(running: Any, parts: Any, summarizers: Any) -> list[tuple[str
 
     ``compactd serving`` (listen address, store, tracing and metrics targets), one line about the
     summaries (the summarizer kind and every endpoint a conversation may be sent to, or that
-    summaries are extractive because none is configured), and one line per route (its tokenizer,
-    window and whether summaries may use its endpoint).
+    summaries are extractive because none is configured), one about the tenant quotas, and one
+    line per route (its tokenizer, window and whether summaries may use its endpoint).
     """
     from compactd import telemetry
 
@@ -117,6 +117,7 @@ def startup_report(running: Any, parts: Any, summarizers: Any) -> list[tuple[str
             "provider/model or compaction.summarizationProvider/summarizationModel"
         )
     lines.append((message, {"summarizer": kind, "endpoints": endpoints}))
+    lines.append(_quotas_line(parts.quotas))
     for route in parts.routes:
         fields: dict[str, Any] = {"route": route.name, "tokenizer": route.tokenizer,
                                   "context_window": route.context_window}  # fmt: skip
@@ -124,3 +125,12 @@ def startup_report(running: Any, parts: Any, summarizers: Any) -> list[tuple[str
             fields["summary_endpoint"] = route.base_url
         lines.append(("route", fields))
     return lines
+
+
+def _quotas_line(settings: Any) -> tuple[str, dict[str, Any]]:
+    """The quotas every tenant is held to (the limits set) and the tenants with their own."""
+    default = {k: v for k, v in dataclasses.asdict(settings.default).items() if v}
+    tenants = sorted(settings.tenants)
+    if not default and not tenants:
+        return "quotas: none (no tenant is limited)", {"quotas": {}, "tenants": []}
+    return "quotas", {"quotas": default, "tenants": tenants}

@@ -115,6 +115,42 @@ class ResourceExhausted(CompactdError):
     reason = "RESOURCE_EXHAUSTED"
 
 
+@dataclass(frozen=True)
+class QuotaViolation:
+    """One quota a call went over (``google.rpc.QuotaFailure.Violation``).
+
+    Attributes:
+        subject: Who is held to it: ``tenant:ID``.
+        quota: The quota's setting name (``appends_per_second``, ``max_bytes``, ...).
+        description: What was exceeded, in words.
+        limit: The quota's value for the subject.
+    """
+
+    subject: str
+    quota: str
+    description: str
+    limit: float
+
+
+class QuotaExceeded(ResourceExhausted):
+    """A tenant went over one of its quotas; ``retry_after`` (seconds) is set for a rate."""
+
+    reason = "QUOTA_EXCEEDED"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        quota_violations: Sequence[QuotaViolation],
+        retry_after: float | None = None,
+        reason: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message, reason=reason, metadata=metadata)
+        self.quota_violations = tuple(quota_violations)
+        self.retry_after = retry_after
+
+
 class Unauthenticated(CompactdError):
     """The call carries no credentials, or ones the server does not accept (one fixed message,
     whatever was wrong)."""

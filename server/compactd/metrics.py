@@ -28,6 +28,8 @@ Instruments (attribute keys in brackets):
 ``gen_ai.client.token.usage``          histogram    tokens per model call [gen_ai.token.type]
 ``compactd.events.appended``           counter      events appended by clients
 ``compactd.sessions.live``             gauge        sessions resident in memory
+``compactd.quota.refusals``            counter      calls refused over a tenant quota [tenant,
+                                                    quota]
 ``rpc.server.call.duration``           histogram    seconds per RPC [rpc.method, status code]
 =====================================  ===========  ===============================================
 """
@@ -108,6 +110,10 @@ class Metrics:
         self._appended = meter.create_counter(
             "compactd.events.appended", unit="{event}", description="Events appended by clients"
         )
+        self._quota_refusals = meter.create_counter(
+            "compactd.quota.refusals", unit="{call}",
+            description="Calls refused over a tenant quota, by tenant and quota",
+        )  # fmt: skip
         self._rpcs = meter.create_histogram(
             rpc_metrics.RPC_SERVER_CALL_DURATION, unit="s",
             explicit_bucket_boundaries_advisory=_SECONDS, description="Duration of each RPC",
@@ -165,6 +171,10 @@ class Metrics:
     def appended(self, events: int) -> None:
         """A client append committed ``events`` events."""
         self._appended.add(events)
+
+    def quota_refused(self, tenant: str, quota: str) -> None:
+        """A call of ``tenant`` was refused over its ``quota`` (a setting name)."""
+        self._quota_refusals.add(1, {"tenant": tenant, "quota": quota})
 
     def observe_sessions(self, resident: Callable[[], int]) -> None:
         """Report ``resident()`` as the live-sessions gauge at every collection."""

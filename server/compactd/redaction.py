@@ -1,10 +1,11 @@
 """Credentials out of every text compactd logs, stores, traces or returns.
 
-A provider's error text can echo what it was sent: an ``Authorization`` header, the key itself,
-a key put in the route's ``base_url``. ``Redactor`` replaces, in any text:
+A provider's error text (or its answer) can echo what it was sent: an ``Authorization`` header,
+the key itself, a key put in the route's ``base_url``. ``Redactor`` replaces, in any text:
 
-- the values of the API-key variables the routes name (read when redacting, so a rotated key is
-  covered) and any literal secret it was given, such as a ``base_url``'s password;
+- the values of the API-key variables and the contents of the API-key files the routes name
+  (read when redacting, so a rotated key is covered) and any literal secret it was given, such
+  as a ``base_url``'s password;
 - ``Authorization`` / ``Proxy-Authorization`` values and ``Bearer`` / ``Basic`` credentials;
 - ``api_key``-like assignments (``api-key: ...``, ``"x-api-key":"..."``, ``?key=...``,
   ``access_token=...``, ``password=...``);
@@ -13,8 +14,10 @@ a key put in the route's ``base_url``. ``Redactor`` replaces, in any text:
 - the user information of URLs (``https://user:secret@host`` becomes ``https://[REDACTED]@host``).
 
 The compaction engine redacts a failed summary's error before it reaches the log, the
-``compaction/summary-error`` and ``compaction/end`` events, the span or the caller;
-``RedactingFilter`` does the same for every log record a handler emits.
+``compaction/summary-error`` and ``compaction/end`` events, the span or the caller, and removes
+the literal secrets (``Redactor.literals``: the keys themselves, not the patterns, which would
+also cut ordinary text a summary must keep) from a summary before it is stored;
+``RedactingFilter`` does the same as ``Redactor`` for every log record a handler emits.
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ class Redactor:
             ``MIN_SECRET_LENGTH`` characters: ignored).
         env_names: Names of variables whose current values are secrets (API-key variables).
         environ: Where to read them; defaults to ``os.environ``.
+        files: Files whose contents (stripped) are secrets (API-key files); read again when
+            they change, a missing or unreadable one holds nothing.
     """
 
     def __init__(
@@ -78,20 +83,27 @@ class Redactor:
         *,
         env_names: Iterable[str] = (),
         environ: Mapping[str, str] | None = None,
+        files: Iterable[str] = (),
     ) -> None:
         self._secrets = frozenset(s for s in secrets if len(s) >= MIN_SECRET_LENGTH)
         self._env_names = tuple(dict.fromkeys(n for n in env_names if n))
         self._environ = environ if environ is not None else os.environ
+        self._files = {path: _SecretFile(path) for path in dict.fromkeys(f for f in files if f)}
 
     def __call__(self, text: str) -> str:
         """``text`` with every credential replaced by ``[REDACTED]``."""
         if not text:
             return text
+        text = self.literals(text)
+        for pattern, replacement in _PATTERNS:
+            text = pattern.sub(replacement, text)
+        return text
+
+    def literals(self, text: str) -> str:
+        """``text`` with the literal secrets (the keys themselves) replaced, and nothing else."""
         # Longest first, so a secret that contains another is removed whole.
         for secret in sorted(self._literals(), key=len, reverse=True):
             text = text.replace(secret, REDACTED)
-        for pattern, replacement in _PATTERNS:
-            text = pattern.sub(replacement, text)
         return text
 
     def _literals(self) -> set[str]:
@@ -100,7 +112,35 @@ class Redactor:
             value = self._environ.get(name, "")
             if len(value) >= MIN_SECRET_LENGTH:
                 found.add(value)
+        for secret_file in self._files.values():
+            value = secret_file.read()
+            if len(value) >= MIN_SECRET_LENGTH:
+                found.add(value)
         return found
+
+
+class _SecretFile:
+    """A key file's current text, read again only when its size or modification time moves."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._seen: tuple[int, int] | None = None
+        self._text = ""
+
+    def read(self) -> str:
+        try:
+            stat = os.stat(self.path)
+        except OSError:
+            return ""
+        seen = (stat.st_mtime_ns, stat.st_size)
+        if seen != self._seen:
+            try:
+                with open(self.path, encoding="utf-8") as handle:
+                    self._text = handle.read().strip()
+            except (OSError, UnicodeDecodeError):
+                self._text = ""
+            self._seen = seen
+        return self._text
 
 
 def url_secrets(url: str) -> list[str]:
@@ -119,14 +159,17 @@ def url_secrets(url: str) -> list[str]:
 def for_routes(routes: Iterable[object], *, environ: Mapping[str, str] | None = None) -> Redactor:
     """A redactor for a route catalog: its API-key variables and its URLs' user information.
 
-    ``routes`` are ``compactd.routes.Route``s (anything with ``api_key_env`` and ``base_url``).
+    ``routes`` are ``compactd.routes.Route``s (anything with ``api_key_env``, ``api_key_file``
+    and ``base_url``).
     """
     names: list[str] = []
+    files: list[str] = []
     secrets: list[str] = []
     for route in routes:
         names.append(str(getattr(route, "api_key_env", "") or ""))
+        files.append(str(getattr(route, "api_key_file", "") or ""))
         secrets += url_secrets(str(getattr(route, "base_url", "") or ""))
-    return Redactor(secrets, env_names=names, environ=environ)
+    return Redactor(secrets, env_names=names, environ=environ, files=files)
 
 
 _STANDARD_RECORD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message"}

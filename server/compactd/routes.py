@@ -49,6 +49,10 @@ class Route:
         protocol: Wire protocol of the provider's adapter (``openai``).
         base_url: Provider endpoint.
         api_key_env: Name of the environment variable holding the API key.
+        api_key_file: A file holding the API key (its whole text, surrounding whitespace
+            stripped; read at each call, so a rotated key needs no restart). Set at most one of
+            ``api_key_env`` and ``api_key_file``: a route's table that sets the file clears the
+            catalog's variable.
         tokenizer_file: An open model's ``tokenizer.json`` (a path or ``package:NAME/path``):
             the route is priced through its chat template (``chat_template``, default: the
             ``tokenizer_config.json`` beside it).
@@ -69,6 +73,7 @@ class Route:
     protocol: str = "openai"
     base_url: str = ""
     api_key_env: str = ""
+    api_key_file: str = ""
     tokenizer_file: str = ""
     chat_template: str = ""
     estimate: str = ""
@@ -249,8 +254,8 @@ class RouteCatalog:
         Keys: ``provider``, ``model`` (required), ``context_window``, ``max_output_tokens``,
         ``tokenizer``, ``message_overhead``, ``tool_overhead``, ``image_tokens`` (flat per image)
         or ``image_pricing`` (``{per_image, per_tile, tile_side, max_side, short_side}``),
-        ``sends_reasoning``, ``protocol``, ``base_url``, ``api_key_env``, ``tokenizer_file``,
-        ``chat_template``.
+        ``sends_reasoning``, ``protocol``, ``base_url``, ``api_key_env`` or ``api_key_file``,
+        ``tokenizer_file``, ``chat_template``.
 
         Raises:
             ConfigError: A table is malformed; the message names ``routes[i].key``.
@@ -288,7 +293,14 @@ _INT_KEYS: Final = {
     "message_overhead": ("message_overhead", 0),
     "tool_overhead": ("tool_overhead", 0),
 }
-_STR_KEYS: Final = {"protocol", "base_url", "api_key_env", "tokenizer_file", "chat_template"}
+_STR_KEYS: Final = {
+    "protocol",
+    "base_url",
+    "api_key_env",
+    "api_key_file",
+    "tokenizer_file",
+    "chat_template",
+}
 _IMAGE_KEYS: Final = {f.name for f in fields(ImagePricing)}
 
 
@@ -321,6 +333,10 @@ def _parse_route(table: Mapping[str, Any], path: str, base: RouteCatalog) -> Rou
             values["image_pricing"] = _image_pricing(key, value, where)
         else:
             _bad(where, "unknown route setting")
+    if values.get("api_key_env") and values.get("api_key_file"):
+        _bad(f"{path}.api_key_file", "set api_key_env or api_key_file, not both")
+    if values.get("api_key_file"):
+        values.setdefault("api_key_env", "")  # the file replaces the catalog's variable
     declared = base.get(provider, model) or Route(provider, model)
     return replace(declared, **values)
 

@@ -4,6 +4,10 @@
 ``openai.jsonl``: a subset of ``conversations.jsonl`` (OpenAI chat messages), copied unchanged,
 one conversation per line (``{"source", "messages"}``).
 
+``coding.jsonl``: longer coding-agent sessions of ``conversations.jsonl`` (paths, commands, error
+output), copied unchanged the same way: what ``compactd replay`` and ``bench/strategies.py`` play
+with a small window so that each compacts several times.
+
 ``anthropic.jsonl``: Anthropic Messages built from the original Claude Code transcript lines of
 the ``spotter`` source: the lines of one API message (same ``message.id``) are merged, consecutive
 user lines become one user message, sidechain and non-message lines are skipped, and three
@@ -45,6 +49,16 @@ OPENAI_SOURCES = (
     "tau-bench/historical_trajectories/gpt-4o-airline.json#task2-trial0",
     "tau-bench/historical_trajectories/gpt-4o-airline.json#task3-trial0",
 )
+CODING_SOURCES = (
+    "openhands/evaluation/benchmarks/multi_swe_bench/examples/output.jsonl#ponylang__ponyc-4593",
+    "openhands/evaluation/benchmarks/multi_swe_bench/examples/output.jsonl#ponylang__ponyc-4588",
+    "openhands/tests/unit/resolver/mock_output/output.jsonl#1",
+    "spotter/test/fixtures/transcripts/fa812bfe-b295-4cca-9c2f-fdf01028cb46/subagents/agent-a93ccab.jsonl#session",
+    "spotter/test/fixtures/transcripts/6c2214d7-b87e-4432-8e41-22ba294ea584/subagents/agent-afc096d.jsonl#session",
+    "spotter/test/fixtures/transcripts/fa812bfe-b295-4cca-9c2f-fdf01028cb46/subagents/agent-aa84377.jsonl#session",
+    "spotter/test/fixtures/transcripts/4d5611e5-241a-462a-8d15-5122611a9569/subagents/agent-a2898e3.jsonl#session",
+    "swe-agent/trajectories/demonstrations/replay__marshmallow-code__marshmallow-1867__function_calling__install-1/marshmallow-code__marshmallow-1867.traj#history",
+)
 CLAUDE_CODE_FILES = (
     "spotter/test/fixtures/transcripts/short.jsonl",
     "spotter/test/fixtures/transcripts/tool_heavy.jsonl",
@@ -53,8 +67,8 @@ CLAUDE_CODE_FILES = (
 )
 
 
-def openai_subset(shared: Path) -> list[dict[str, Any]]:
-    wanted = {source: None for source in OPENAI_SOURCES}
+def openai_subset(shared: Path, sources: tuple[str, ...] = OPENAI_SOURCES) -> list[dict[str, Any]]:
+    wanted = {source: None for source in sources}
     with (shared / "conversations.jsonl").open(encoding="utf-8") as lines:
         for line in lines:
             record = json.loads(line)
@@ -108,6 +122,9 @@ def main(argv: list[str]) -> int:
     shared = Path(argv[0]) if argv else DEFAULT_SHARED
     with (HERE / "openai.jsonl").open("w", encoding="utf-8") as out:
         for record in openai_subset(shared):
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    with (HERE / "coding.jsonl").open("w", encoding="utf-8") as out:
+        for record in openai_subset(shared, CODING_SOURCES):
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
     with (HERE / "anthropic.jsonl").open("w", encoding="utf-8") as out:
         for name in CLAUDE_CODE_FILES:

@@ -6,13 +6,14 @@ import math
 from collections.abc import Sequence
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from compactd.core import prompts
+from compactd.core import probes, prompts
+from compactd.core.pricing import heuristic_price
 from compactd.providers import base
 from compactd.providers.base import SummaryError, SummaryRequest
-from compactd.providers.extractive import ExtractiveSummarizer
+from compactd.providers.extractive import ExtractiveSummarizer, _FileGroups
 from compactd.testing.messages import assistant, developer, system, tool_result, user
 from compactd.v1 import events_pb2
 from compactd.v1.session_service_pb2 import Message
@@ -176,6 +177,18 @@ _messages = st.one_of(
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(_messages, max_size=25), st.integers(min_value=120, max_value=2000))
+@example(  # a carriage return is a line break to the bullet: its indentation must be priced
+    span=[
+        user("0000"),
+        user("00000000000\r\U00010000\U00010000\U00010000\U00010000"),
+        developer("00000000000\r\U00010000\U00010000\U00010000\U00010000"),
+        developer("\U00010000"),
+        developer("00000000\x1e\U00010000"),
+        assistant("0", calls=[("c", "bash", "")]),
+        user("000000\U00010000\U00010000\U00010000\U00010000"),
+    ],
+    max_tokens=120,
+)
 async def test_any_span_fits_max_tokens_deterministically(
     span: list[Message], max_tokens: int
 ) -> None:
@@ -238,3 +251,70 @@ async def test_no_request_is_lost_when_a_checkpoint_folds_again(span: list[Messa
             continue  # requests are quoted up to 800 code units, then clipped by design
         for line in text.splitlines():  # a bullet renders each line of a request on its own
             assert line.strip() in again
+
+
+# ---- dense files, the span share, facts that survive folding (issue 14) -----------------------
+
+ROOT = "/home/dev/projects/shop-service"
+
+
+def _reading(index: int, path: str) -> list[Message]:
+    """One step that reads ``path`` and a bulky result (about 700 heuristic tokens)."""
+    call = (f"r{index}", "read_file", f'{{"path": "{path}"}}')
+    return [
+        assistant(f"Reading {path}.", calls=[call]),
+        tool_result(f"r{index}", f"contents of {path}\n" + "line of code\n" * 230, name="read"),
+    ]
+
+
+def _long_span(
+    paths: Sequence[str], request: str = "Find why checkout totals are off."
+) -> list[Message]:
+    span = [user(request)]
+    for index, path in enumerate(paths):
+        span += _reading(index, path)
+    return span
+
+
+async def test_paths_of_a_project_share_their_directory_lines() -> None:
+    paths = [f"{ROOT}/src/cart/total.py", f"{ROOT}/src/cart/tax.py", f"{ROOT}/tests/test_cart.py"]
+    files = _sections(await _summary(_long_span(paths)))["Files Touched"]
+
+    # The deepest directory most paths are under is written once; each path keeps its last two
+    # segments on the line.
+    assert files.splitlines() == [
+        f"- {ROOT}/src/: cart/total.py, cart/tax.py",
+        f"- {ROOT}/: tests/test_cart.py",
+    ]
+
+
+async def test_a_long_span_summary_stays_within_its_share_and_keeps_the_probes() -> None:
+    paths = [f"{ROOT}/src/module_{i}/file_{i}.py" for i in range(12)]
+    span = _long_span(paths)
+    text = await _summary(span, max_tokens=20_000)
+
+    span_tokens = sum(heuristic_price(m) for m in span)
+    assert _tokens(prompts.frame_checkpoint(text)) <= 0.15 * span_tokens
+    kept = probes.retention(probes.select_probes(probes.span_facts(span)), text)
+    assert kept.ratio == 1.0
+
+
+async def test_a_prior_checkpoints_paths_survive_the_next_fold() -> None:
+    first_paths = [f"{ROOT}/src/cart/total.py", f"{ROOT}/src/cart/tax.py"]
+    first = _long_span(first_paths)
+    checkpoint = await _summary(first, max_tokens=20_000)
+    later = [user(prompts.frame_checkpoint(checkpoint)), *_long_span(
+        [f"{ROOT}/src/pay/card.py", f"{ROOT}/src/pay/refund.py"], "Now check refunds too."
+    )]  # fmt: skip
+    again = await _summary(later, max_tokens=20_000)
+
+    earlier = probes.select_probes(probes.span_facts(first))
+    assert probes.retention(earlier, again).ratio == 1.0
+
+
+def test_a_grouped_files_line_reads_back_as_its_paths() -> None:
+    line = f"{ROOT}/: src/cart/total.py, tests/test_cart.py"
+    assert _FileGroups.paths_of(line) == [f"{ROOT}/src/cart/total.py", f"{ROOT}/tests/test_cart.py"]
+    assert _FileGroups.paths_of("Edited the cart module: totals") == [
+        "Edited the cart module: totals"
+    ]

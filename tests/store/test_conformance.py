@@ -468,3 +468,31 @@ async def test_a_snapshot_is_kept_whole_and_replaced_by_the_next(store: EventSto
 
     assert await store.get_snapshot("s1") == (4, b"at four")
     assert await store.get_snapshot("nope") is None
+
+
+# --- usage (what the quotas count) ----------------------------------------------------------------
+
+
+async def test_usage_counts_each_tenants_sessions_and_serialized_bytes(store: EventStore) -> None:
+    try:
+        assert await store.usage() == {}
+    except NotImplementedError:
+        pytest.skip("this backend does not report usage (sessions and bytes quotas are refused)")
+    events = batch(0, 3)
+    await store.create_session("s1", None, tenant="a")
+    await store.create_session("s2", None, tenant="a")
+    await store.create_session("s1", None, tenant="b")
+    await store.append("s1", events, tenant="a")
+    size = sum(len(data) for data in wire(events))
+
+    usage = await store.usage()
+
+    assert {t: (u.sessions, u.bytes) for t, u in usage.items()} == {"a": (2, size), "b": (1, 0)}
+    only_b = await store.usage(tenant="b")
+    assert {t: (u.sessions, u.bytes) for t, u in only_b.items()} == {"b": (1, 0)}
+    one = await store.usage(tenant="a", session_id="s1")
+    assert {t: (u.sessions, u.bytes) for t, u in one.items()} == {"a": (1, size)}
+    assert await store.usage(tenant="a", session_id="nope") == {}
+    await store.delete_session("s1", tenant="a")
+    after = await store.usage(tenant="a")
+    assert {t: (u.sessions, u.bytes) for t, u in after.items()} == {"a": (1, 0)}

@@ -14,6 +14,12 @@
    ``max_streams_per_session`` per session (of the caller's tenant); more answer
    RESOURCE_EXHAUSTED with reason ``TOO_MANY_STREAMS`` (every commit wakes each watcher of its
    session).
+5. ``TenantQuotas``: the calling tenant's quotas on response streams open at once and on
+   ``AppendEvents`` per second (``compactd.service.quotas``), refused before the handler runs
+   with RESOURCE_EXHAUSTED, reason ``QUOTA_EXCEEDED``, ``QuotaFailure`` and ``RetryInfo``.
+
+A test's own tenant binding (``tenant_binding``) goes after authentication and before the limits,
+so every limit counts the tenant the call runs as.
 
 Every wrapper keeps its handler's shape: an async-generator handler stays one, a coroutine
 handler (unary, or streaming through ``context.write``) stays a coroutine, because grpc.aio picks
@@ -23,8 +29,8 @@ how to drive a handler by its shape.
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -33,7 +39,8 @@ from opentelemetry import trace
 from opentelemetry.instrumentation.grpc import _aio_server, aio_server_interceptor
 
 from compactd.api import status
-from compactd.errors import InvalidArgument, ResourceExhausted
+from compactd.errors import InvalidArgument, QuotaExceeded, ResourceExhausted
+from compactd.service.quotas import QuotaBook
 from compactd.tenancy import current_tenant
 
 Behavior = Callable[[Any, Any], Any]
@@ -48,6 +55,7 @@ else:
 Guard = Callable[[Any, Any], AbstractAsyncContextManager[Any]]
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[Handler]]
 
+APPEND_EVENTS = "/compactd.v1.SessionService/AppendEvents"
 UNDECODABLE_REQUEST = "UNDECODABLE_REQUEST"
 TOO_MANY_STREAMS = "TOO_MANY_STREAMS"
 _SESSION_SERVICES = ("/compactd.v1.SessionService/", "/compactd.v1.CompactionService/")
@@ -60,16 +68,21 @@ def chain(
     max_streams_per_session: int,
     observe: Sequence[Interceptor] = (),
     authentication: Interceptor | None = None,
+    tenant_binding: Sequence[Interceptor] = (),
+    quotas: QuotaBook | None = None,
 ) -> list[Interceptor]:
     """The server's interceptors, outermost first: tracing and the ``observe`` ones (metrics)
     see every call and every status the others set; ``authentication`` (``api.auth``) binds
-    the caller's tenant before anything reads the request."""
+    the caller's tenant before anything reads the request (``tenant_binding``: a test's own
+    binding, after it); the limits and ``quotas`` count the tenant bound."""
     return [
         Tracing.for_provider(tracer_provider),
         *observe,
         *([authentication] if authentication is not None else []),
         UndecodableRequests(),
+        *tenant_binding,
         StreamLimits(max_streams=max_streams, max_streams_per_session=max_streams_per_session),
+        *([TenantQuotas(quotas)] if quotas is not None else []),
     ]
 
 
@@ -126,7 +139,34 @@ class Tracing(_aio_server.OpenTelemetryAioServerInterceptor):
     A response-streaming handler that is not an async generator writes through
     ``context.write`` and returns when done: it is traced like a unary call (awaited inside the
     span), which is what it is to grpc.aio.
+
+    A call that aborts with a status (a refusal: NOT_FOUND, QUOTA_EXCEEDED, ...) gets the status
+    on its span and no ``exception`` event: upstream records grpc's ``AbortError`` twice, each
+    time formatting its traceback, which made a refused call cost more than an admitted one (a
+    flood of refusals is what a throttled tenant sends).
     """
+
+    @contextmanager
+    def _start_span(
+        self,
+        handler_call_details: grpc.HandlerCallDetails,
+        context: Any,
+        set_status_on_exception: bool = False,
+    ) -> Iterator[Any]:
+        manager = super()._start_span(  # type: ignore[no-untyped-call]
+            handler_call_details, context, set_status_on_exception
+        )
+        span = manager.__enter__()
+        try:
+            yield _AbortsUnrecorded(span)
+        except grpc.aio.AbortError:
+            manager.__exit__(None, None, None)  # the status is on the span already
+            raise
+        except BaseException as error:
+            if not manager.__exit__(type(error), error, error.__traceback__):
+                raise
+        else:
+            manager.__exit__(None, None, None)
 
     @classmethod
     def for_provider(cls, tracer_provider: trace.TracerProvider) -> Tracing:
@@ -147,6 +187,20 @@ class Tracing(_aio_server.OpenTelemetryAioServerInterceptor):
                 behavior, handler_call_details
             )
         return traced
+
+
+class _AbortsUnrecorded:
+    """A span whose ``record_exception`` ignores grpc's ``AbortError`` (a status, not a fault)."""
+
+    def __init__(self, span: Any) -> None:
+        self._span = span
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._span, name)
+
+    def record_exception(self, exception: BaseException, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(exception, grpc.aio.AbortError):
+            self._span.record_exception(exception, *args, **kwargs)
 
 
 # ---- 2. undecodable requests ------------------------------------------------------------------
@@ -289,3 +343,51 @@ class StreamLimits(Interceptor):
                 metadata=metadata,
             ),
         )
+
+
+# ---- 5. tenant quotas -------------------------------------------------------------------------
+
+
+class TenantQuotas(Interceptor):
+    """The calling tenant's stream and append-rate quotas, checked before the handler runs.
+
+    A response stream of compactd's services counts from its start until it ends; an
+    ``AppendEvents`` takes one token of the tenant's bucket, refused or not by the handler
+    afterwards (a flood of bad batches is still a flood). Sessions and bytes are counted where
+    they are known, in ``SessionManager``.
+    """
+
+    def __init__(self, book: QuotaBook) -> None:
+        self.book = book
+
+    async def intercept_service(
+        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> Handler:
+        handler: Handler | None = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not method.startswith(_SESSION_SERVICES):
+            return cast(Handler, handler)
+        if method == APPEND_EVENTS:
+            return rewrapped(handler, lambda behavior: guarded(behavior, self._append_guard))
+        if handler.response_streaming:
+            return rewrapped(handler, lambda behavior: guarded(behavior, self._stream_guard))
+        return handler
+
+    @asynccontextmanager
+    async def _append_guard(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        try:
+            await self.book.admit_append_or_wait()
+        except QuotaExceeded as error:
+            await status.abort(context, error)
+        yield request
+
+    @asynccontextmanager
+    async def _stream_guard(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        try:
+            close = self.book.open_stream()
+        except QuotaExceeded as error:
+            await status.abort(context, error)
+        try:
+            yield request
+        finally:
+            close()

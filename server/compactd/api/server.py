@@ -41,6 +41,7 @@ from compactd.routes import RouteCatalog
 from compactd.service.compaction import CompactionEngine, SummaryErrorRecovery
 from compactd.service.offload import ImageOffloadRecovery
 from compactd.service.pressure import PressureService, warm_up
+from compactd.service.quotas import QuotaBook, QuotaSettings
 from compactd.service.recovery import RecoveryService
 from compactd.service.retention import RetentionSweeper, periods_from
 from compactd.service.sessions import SessionManager
@@ -85,6 +86,7 @@ class RunningServer:
     retention: RetentionSweeper | None = None
     health_server: grpc.aio.Server | None = None  # the plaintext health-only listener
     health_port: int = 0
+    quotas: QuotaBook | None = None  # issue 10: tenant quotas
 
     async def reload(self) -> bool:
         """Re-read the TLS and tokens files now (what SIGHUP does); True if any changed."""
@@ -125,6 +127,7 @@ class Components:
     policy: PressurePolicy
     pruner: PrunerConfig
     summarizer: SummarizerSettings
+    quotas: QuotaSettings
     retention: Mapping[Tenant, timedelta] = field(default_factory=dict)
 
 
@@ -137,6 +140,7 @@ def components(config: ServerConfig) -> Components:
         policy=PressurePolicy.from_settings(config.compaction),
         pruner=PrunerConfig.from_mapping(config.pruner, prefix="pruner"),
         summarizer=SummarizerSettings.from_mapping(config.summarizer),
+        quotas=QuotaSettings.from_mapping(config.quotas),
         retention=periods_from(config.session_retention_s),
     )
 
@@ -150,6 +154,7 @@ async def create_server(
     summary_recoveries: Sequence[SummaryErrorRecovery] = (),
     clock: Callable[[], float] = time.monotonic,
     wall_clock: Clock = utc_now,
+    tenant_binding: Sequence[interceptors.Interceptor] = (),
 ) -> RunningServer:
     """Validate the configuration, open the store, build the services and start serving.
 
@@ -159,8 +164,10 @@ async def create_server(
     replaces every route's summarizer (a deployment's own, or a test's); ``summary_recoveries``
     run in the bracket's summary-error step (see ``SummaryErrorRecovery``), before the always-on
     ``ImageOffloadRecovery``. ``clock`` (monotonic seconds) times the failure memory's
-    backoffs; ``wall_clock`` stamps sessions' create and last-append times and runs the
-    retention sweep.
+    backoffs and the quotas' append buckets; ``wall_clock`` stamps sessions' create and
+    last-append times and runs the retention sweep. ``tenant_binding`` interceptors bind the
+    caller's tenant (``compactd.tenancy``) after the configured authentication, before the
+    limits and quotas count it (a test's own binding: ``testing.tenants.MetadataTenants``).
 
     Raises:
         ConfigError: A setting is invalid (the message names it), or the store's folder is
@@ -188,7 +195,7 @@ async def create_server(
         refused.push_async_callback(store.close)
         running = await _serve_on(
             config, parts, store, provider, owns_provider, owned_meter, prometheus, metrics,
-            summarizer, summary_recoveries, clock, _Trust(tls, authentication),
+            summarizer, summary_recoveries, clock, _Trust(tls, authentication), tenant_binding,
         )  # fmt: skip
         refused.pop_all()
     await _start_trust(running, parts, tls, authentication, wall_clock)
@@ -274,7 +281,10 @@ async def _serve_on(
     summary_recoveries: Sequence[SummaryErrorRecovery],
     clock: Callable[[], float],
     trust: _Trust,
+    tenant_binding: Sequence[interceptors.Interceptor],
 ) -> RunningServer:
+    quotas = QuotaBook(parts.quotas, clock=clock, metrics=metrics)
+    await quotas.load(store)
     manager = SessionManager(
         store,
         policy_validator=parts.policy.with_overrides,
@@ -282,6 +292,7 @@ async def _serve_on(
         lease_s=config.bracket_lease_s,
         snapshot_interval=config.snapshot_interval_events,
         max_resident=config.max_resident_sessions,
+        quotas=quotas,
     )
     manager.start()  # replicas: follow other replicas' appends (a shared store only)
     await asyncio.to_thread(warm_up, parts.routes)  # the first pressure check is not a load
@@ -315,6 +326,8 @@ async def _serve_on(
         max_streams_per_session=config.max_streams_per_session,
         observe=[metrics.interceptor()],
         authentication=trust.authentication,
+        tenant_binding=tenant_binding,
+        quotas=quotas,
     )
     server = grpc.aio.server(options=_channel_options(config), interceptors=chain)
     session_service_pb2_grpc.add_SessionServiceServicer_to_server(
@@ -336,7 +349,7 @@ async def _serve_on(
     uninstall = redaction.install(redactor)  # every log line, from here on
     running = RunningServer(
         server, bound, store, manager, health_servicer, config, provider, owns_provider,
-        owned_meter, prometheus, pressure, uninstall,
+        owned_meter, prometheus, pressure, uninstall, quotas=quotas,
     )  # fmt: skip
     for message, fields in startup_report(running, parts, summarizers):
         log.info(message, extra=fields)

@@ -2,8 +2,9 @@
 
 Each failure carries a ``google.rpc.Status`` with exactly one ``ErrorInfo`` (its ``reason`` is the
 error's AIP-193 reason, its metadata the error's) plus ``BadRequest`` field violations for
-invalid arguments. Handlers are wrapped by ``handle_errors``: a domain error aborts with its
-status; anything else is logged with its traceback and answers INTERNAL without one.
+invalid arguments, and ``QuotaFailure`` (with ``RetryInfo`` for a rate) for a tenant over
+quota. Handlers are wrapped by ``handle_errors``: a domain error aborts with its status;
+anything else is logged with its traceback and answers INTERNAL without one.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections.abc import AsyncIterator, Callable
+import math
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import grpc
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, duration_pb2, message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -83,15 +85,16 @@ def to_status(error: errors.CompactdError) -> grpc.Status:
     violations = list(getattr(error, "violations", ()))
     message = error.message
     kept = violations[:MAX_VIOLATIONS]
+    extra = _quota_details(error)
     while True:
-        status = _status(code, clip(message, MAX_MESSAGE_BYTES), info, kept)
+        status = _status(code, clip(message, MAX_MESSAGE_BYTES), info, kept, extra)
         if status.ByteSize() <= MAX_DETAILS_BYTES or not kept:
             break
         kept = kept[:-1]
     if len(kept) < len(violations):
         more = f" ({len(violations) - len(kept)} more violation(s) not shown)"
         message = clip(message, MAX_MESSAGE_BYTES - len(more)) + more
-        status = _status(code, message, info, kept)
+        status = _status(code, message, info, kept, extra)
     result: grpc.Status = rpc_status.to_status(status)
     return result
 
@@ -101,8 +104,9 @@ def _status(
     message: str,
     info: error_details_pb2.ErrorInfo,
     violations: list[errors.FieldViolation],
+    extra: Sequence[message.Message] = (),
 ) -> status_pb2.Status:
-    packed: list[Any] = [info]
+    packed: list[Any] = [info, *extra]
     if violations:
         packed.append(
             error_details_pb2.BadRequest(
@@ -121,6 +125,30 @@ def _status(
         holder.Pack(detail)
         status.details.append(holder)
     return status
+
+
+def _quota_details(error: errors.CompactdError) -> list[message.Message]:
+    """``QuotaFailure`` (and ``RetryInfo`` for a rate) of a ``QuotaExceeded``; else nothing."""
+    if not isinstance(error, errors.QuotaExceeded):
+        return []
+    failure = error_details_pb2.QuotaFailure(
+        violations=[
+            error_details_pb2.QuotaFailure.Violation(
+                subject=clip(v.subject, MAX_FIELD_BYTES),
+                description=clip(v.description, MAX_DESCRIPTION_BYTES),
+                quota_id=v.quota,
+                quota_value=int(v.limit) if float(v.limit).is_integer() else 0,
+            )
+            for v in error.quota_violations[:MAX_VIOLATIONS]
+        ]
+    )
+    details: list[message.Message] = [failure]
+    if error.retry_after is not None:
+        delay = duration_pb2.Duration()
+        # Rounded up to the millisecond: a client that waits exactly this long must fit.
+        delay.FromMilliseconds(max(1, math.ceil(error.retry_after * 1000)))
+        details.append(error_details_pb2.RetryInfo(retry_delay=delay))
+    return details
 
 
 def clip(text: str, max_bytes: int) -> str:

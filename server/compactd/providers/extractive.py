@@ -13,16 +13,22 @@ Progress" and "Immediate Next Step"), never copied as a nested block.
 
 The output fits ``max_tokens`` under the reference heuristic (4 UTF-16 code units per token):
 when everything does not fit, the most useful facts are kept first (the current state, the first
-and latest requests, then errors, paths, older requests, commands, ...). Same input, same bytes.
+and latest requests, the gate's probes, a prior checkpoint's paths and commands, then paths,
+older requests, commands, ...). Same input, same bytes.
+
+A checkpoint should cost a small share of what it replaces: for a span of ``MIN_CAPPED_SPAN``
+heuristic tokens or more, everything after the gate's probes also fits ``SPAN_SHARE`` of the span.
+Paths are dense: "Files Touched" writes one line per directory (``DIR/: a/b.py, c/d.py``, each
+path keeping its last two segments), which a later fold reads back as paths.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from compactd.core import probes, prompts
-from compactd.core.pricing import utf16_length
+from compactd.core.pricing import heuristic_price, utf16_length
 from compactd.providers import base
 from compactd.providers.base import SummaryError, SummaryRequest, SummaryResult
 from compactd.v1 import session_service_pb2
@@ -33,6 +39,13 @@ _ROLE = session_service_pb2
 # Section indexes into prompts.SUMMARY_SECTIONS.
 _GOALS, _TECH, _FILES, _ERRORS, _OUTSTANDING, _PROGRESS, _NEXT, _ESSENTIAL = range(8)
 _UNITS_PER_TOKEN = 4
+#: The largest share of its span a checkpoint takes (below the 15% the summary-quality goal
+#: allows: route tokenizers count a little differently from the heuristic this is measured in).
+SPAN_SHARE = 0.135
+_FRAME_UNITS = utf16_length(prompts.frame_checkpoint(""))
+MIN_CAPPED_SPAN = 3000
+#: The tier of a prior checkpoint's paths and commands; from it on, bullets fit the span share.
+_PRIOR = 2
 _ELLIPSIS = "…"
 
 # A prior checkpoint is exactly ``prompts.frame_checkpoint(summary)``; see ``_checkpoint_summary``.
@@ -44,6 +57,7 @@ _CHECKPOINT_TAIL = f"\n{prompts.SUMMARY_CLOSE_TAG}"
 class _Limits:
     request_units: int = 800
     item_units: int = 240
+    command_units: int = 80
     max_paths: int = 60
     max_commands: int = 30
     max_errors: int = 30
@@ -115,9 +129,25 @@ class ExtractiveSummarizer:
         span = _span(messages)
         found = probes.span_facts(span, bulk=True)
         facts = _extract(span, found, self._limits)
-        ranking = _candidates(facts, self._limits)
-        _promote_probes(ranking, found, self._limits)
-        return _fit(ranking.candidates, budget)
+        limits = self._limits
+        capped = _share_budget(span) if facts.has_new else None  # a lone checkpoint: as it was
+        share = budget if capped is None else min(budget, capped)
+        if share < budget:
+            # A long task statement quoted whole would crowd out the other facts of the span.
+            limits = replace(limits, request_units=min(limits.request_units, share // 5))
+        ranking = _candidates(facts, limits)
+        _promote_probes(ranking, found, limits)
+        return _fit(ranking.candidates, budget, share)
+
+
+def _share_budget(span: Sequence[Message]) -> int | None:
+    """Code units the summary may take so that its framed checkpoint stays within
+    ``SPAN_SHARE`` of a span of ``MIN_CAPPED_SPAN`` heuristic tokens or more; None for a shorter
+    span (that share would leave a summary of a few lines, of no use)."""
+    tokens = sum(heuristic_price(message) for message in span)
+    if tokens < MIN_CAPPED_SPAN:
+        return None
+    return int(tokens * _UNITS_PER_TOKEN * SPAN_SHARE) - _FRAME_UNITS
 
 
 # --- extraction ------------------------------------------------------------------------------
@@ -159,7 +189,7 @@ def _add_user(facts: _Facts, message: Message) -> None:
     text = _text(message)
     folded = _checkpoint_summary(text)
     if folded is not None:
-        _merge_prior(facts.prior, _parse_sections(folded))
+        _merge_prior(facts.prior, _expand_files(_parse_sections(folded)))
         return
     facts.has_new = True
     if text.strip():
@@ -255,6 +285,15 @@ def _parse_sections(summary: str) -> dict[int, list[str]]:
     }
 
 
+def _expand_files(sections: dict[int, list[str]]) -> dict[int, list[str]]:
+    """A prior summary's grouped "Files Touched" lines (``DIR/: a/b.py, c/d.py``) as one path
+    each, so they group again with the span's own paths."""
+    files = sections.get(_FILES)
+    if files:
+        sections[_FILES] = [path for line in files for path in _FileGroups.paths_of(line)]
+    return sections
+
+
 def _section_index(title: str) -> int:
     lowered = title.lower()
     for index, known in enumerate(prompts.SUMMARY_SECTIONS):
@@ -310,31 +349,51 @@ class _Ranking:
 
 def _candidates(facts: _Facts, limits: _Limits) -> _Ranking:
     """Every possible bullet, ranked: tier 0 (state, first and latest request, next step) is kept
-    first, then errors and prior goals, paths and older requests, commands and tools, then paths
-    seen only in tool output."""
+    first, then the gate's probes and prior goals (tier 1, ``_promote_probes``), a prior
+    checkpoint's paths and commands (``_PRIOR``), paths and older requests, commands, tools and
+    other error lines, then paths seen only in tool output."""
     ranking = _Ranking()
     item, request = limits.item_units, limits.request_units
     for section, items in sorted(facts.prior.items()):
         if section not in (_PROGRESS, _NEXT):
-            tier = 1 if section in (_GOALS, _OUTSTANDING) else 3
-            ranking.add(tier, section, items, request, newest_first=False)
+            # A prior checkpoint's paths and commands were chosen once already (the earlier
+            # span's probes among them): they rank right after this span's probes, so a fact
+            # survives being summarized again; the rest ranks as the span's own would.
+            for tier, ranked in _prior_tiers(section, items):
+                ranking.add(tier, section, ranked, request, newest_first=False)
     progress = facts.progress if facts.has_new else facts.prior.get(_PROGRESS, [])
-    ranking.add(0, _PROGRESS, progress[-3:], item, newest_first=False)
+    ranking.add(0, _PROGRESS, progress[-3:], limits.command_units, newest_first=False)
     next_step = [facts.next_step] if facts.has_new else facts.prior.get(_NEXT, [])
     ranking.add(0, _NEXT, [step for step in next_step if step][:1], item, newest_first=False)
     _rank_requests(ranking, facts.requests, request)
-    ranking.add(1, _ERRORS, list(facts.errors)[-limits.max_errors :], item, newest_first=True)
-    ranking.add(2, _FILES, list(facts.paths)[: limits.max_paths], item, newest_first=False)
+    # Lines that only mention an error (source code, logs) rank low; the errors a line states
+    # are the gate's probes, promoted below.
+    ranking.add(4, _ERRORS, list(facts.errors)[-limits.max_errors :], item, newest_first=True)
+    # A one-segment "/word" in prose (an HTML closing tag, a URL route) is no file worth a place.
+    paths = [path for path in facts.paths if _FileGroups.is_file(path)]
+    ranking.add(3, _FILES, paths[: limits.max_paths], item, newest_first=False)
     spare = max(0, limits.max_paths - len(facts.paths))
     seen_in_output = [path for path in facts.result_paths if path not in facts.paths][:spare]
-    ranking.add(4, _FILES, seen_in_output, item, newest_first=False)
+    ranking.add(5, _FILES, seen_in_output, item, newest_first=False)
     commands = [f"Ran: {command}" for command in list(facts.commands)[-limits.max_commands :]]
-    ranking.add(3, _TECH, commands, item, newest_first=True)
+    ranking.add(4, _TECH, commands, limits.command_units, newest_first=True)
     tools = [f"Tool {name} called {count}x" for name, count in facts.tools.items()]
-    ranking.add(3, _TECH, tools, item, newest_first=False)
+    ranking.add(4, _TECH, tools, item, newest_first=False)
     updates = [f"Instruction update: {text}" for text in facts.updates]
-    ranking.add(3, _ESSENTIAL, updates, request, newest_first=True)
+    ranking.add(4, _ESSENTIAL, updates, request, newest_first=True)
     return ranking
+
+
+def _prior_tiers(section: int, items: Sequence[str]) -> list[tuple[int, list[str]]]:
+    """A prior checkpoint's bullets of ``section`` by the tier they rank at."""
+    if section in (_GOALS, _OUTSTANDING):
+        return [(1, list(items))]
+    if section == _FILES:
+        return [(_PRIOR, list(items))]
+    if section == _TECH:
+        commands = [item for item in items if item.startswith("Ran: ")]
+        return [(_PRIOR, commands), (4, [item for item in items if item not in commands])]
+    return [(3 if section == _ERRORS else 4, list(items))]
 
 
 def _promote_probes(ranking: _Ranking, span: probes.SpanFacts, limits: _Limits) -> None:
@@ -348,30 +407,42 @@ def _promote_probes(ranking: _Ranking, span: probes.SpanFacts, limits: _Limits) 
     ranking.add(1, _GOALS, by_kind[kinds.REQUEST], request, newest_first=False, promote=True)
     ranking.add(1, _FILES, by_kind[kinds.PATH], item, newest_first=False, promote=True)
     commands = [f"Ran: {command}" for command in by_kind[kinds.COMMAND]]
-    ranking.add(1, _TECH, commands, item, newest_first=False, promote=True)
+    ranking.add(1, _TECH, commands, limits.command_units, newest_first=False, promote=True)
     errors = [f"{span.errors[line]}: {line}" for line in by_kind[kinds.ERROR]]
     ranking.add(1, _ERRORS, errors, item, newest_first=False, promote=True)
 
 
 def _rank_requests(ranking: _Ranking, requests: Sequence[str], cap: int) -> None:
-    """The first and latest requests are tier 0; the ones between are tier 2, newest first."""
+    """The first and latest requests are tier 0; the ones between are tier 3, newest first."""
     if not requests:
         return
     ranking.add(0, _GOALS, requests[:1], cap, newest_first=False)
-    ranking.add(2, _GOALS, requests[1:-1], cap, newest_first=True)
+    ranking.add(3, _GOALS, requests[1:-1], cap, newest_first=True)
     if len(requests) > 1:
         ranking.add(0, _GOALS, requests[-1:], cap, newest_first=False)
 
 
-def _fit(candidates: Sequence[_Candidate], budget: int) -> str:
-    """Render the highest-ranked candidates that fit in ``budget`` code units."""
+def _fit(candidates: Sequence[_Candidate], budget: int, share: int) -> str:
+    """Render the highest-ranked candidates that fit in ``budget`` code units; from tier
+    ``_PRIOR`` on, only those that also fit in ``share`` (the gate's probes never wait on it)."""
     chosen: dict[int, list[_Candidate]] = {}
+    files = _FileGroups(
+        [c.text for c in candidates if c.section == _FILES and _FileGroups.is_path(c.text)]
+    )
     used = utf16_length(_render({}))
     for candidate in sorted(candidates, key=lambda c: (c.rank, c.order)):
         # The first bullet of a section replaces its "(none)" line; later ones add a newline.
         first = candidate.section not in chosen
         credit = utf16_length(_bullet(prompts.EMPTY_SECTION)) if first else -1
-        room = budget - used + credit
+        room = (budget if candidate.rank[0] < _PRIOR else share) - used + credit
+        if candidate.section == _FILES and _FileGroups.is_path(candidate.text):
+            cost = files.cost(candidate.text)
+            if cost > room:
+                continue
+            files.add(candidate.text)
+            chosen.setdefault(_FILES, [])
+            used += cost - credit
+            continue
         fitted = (
             candidate if utf16_length(_bullet(candidate.text)) <= room else _shrunk(candidate, room)
         )
@@ -383,13 +454,113 @@ def _fit(candidates: Sequence[_Candidate], budget: int) -> str:
         index: [c.text for c in sorted(items, key=lambda c: c.order)]
         for index, items in chosen.items()
     }
+    if _FILES in by_section:
+        by_section[_FILES] = [*files.lines(), *by_section[_FILES]]
     return _render(by_section)
+
+
+class _FileGroups:
+    """The "Files Touched" paths, written one line per directory: ``DIR/: a/b.py, c/d.py``.
+
+    Each path keeps its last two segments on the line (what identifies a file, and what the
+    quality gate's path probes look for) and the rest is written once per line, so a session's
+    long absolute paths cost a fraction of one bullet each. The full path is the line's prefix
+    followed by the item.
+    """
+
+    _SEPARATOR = ", "
+    MIN_PREFIX = 16  # a shorter directory is written out in each path
+
+    def __init__(self, paths: Sequence[str]) -> None:
+        """Group under the deepest directory most of ``paths`` share (a session's project root),
+        else under each path's own directory."""
+        self._groups: dict[str, list[str]] = {}
+        self._root = _common_root(paths)
+
+    @staticmethod
+    def is_path(text: str) -> bool:
+        """Whether a Files bullet is a bare path (groupable) rather than prose."""
+        return bool(text) and not any(c.isspace() for c in text) and "," not in text
+
+    @staticmethod
+    def is_file(path: str) -> bool:
+        """Whether ``path`` names a file or a nested directory: an extension, or a slash inside."""
+        name = path.rstrip("/").rpartition("/")[2]
+        return "/" in path.strip("/") or "." in name[1:]
+
+    @staticmethod
+    def split(path: str) -> tuple[str, str]:
+        """``(directory prefix, last two segments)`` of ``path``."""
+        parts = path.rstrip("/").split("/")
+        prefix = "/".join(parts[:-2]) + "/"
+        if len(parts) <= 2 or len(prefix) < _FileGroups.MIN_PREFIX:  # nothing worth sharing
+            return "", path
+        return prefix, "/".join(parts[-2:]) + ("/" if path.endswith("/") else "")
+
+    @classmethod
+    def paths_of(cls, line: str) -> list[str]:
+        """The paths a rendered line stands for (the line itself when it is not a group)."""
+        prefix, colon, items = line.partition(": ")
+        if colon and cls.is_path(prefix) and prefix.endswith("/"):
+            return [prefix + item for item in items.split(cls._SEPARATOR) if item]
+        if colon or "," not in line:
+            return [line]
+        return [item for item in line.split(cls._SEPARATOR) if item]
+
+    def _key(self, path: str) -> tuple[str, str]:
+        if self._root and path.startswith(self._root):
+            rest = path[len(self._root) :]
+            if rest.rstrip("/").count("/") >= 1:
+                return self._root, rest
+        return self.split(path)
+
+    def cost(self, path: str) -> int:
+        """Code units adding ``path`` takes: an item on its line, or a new line."""
+        prefix, item = self._key(path)
+        if prefix in self._groups:
+            if item.rstrip("/") in (known.rstrip("/") for known in self._groups[prefix]):
+                return 0
+            return utf16_length(self._SEPARATOR + item)
+        head = f"{prefix}: " if prefix else ""
+        return utf16_length(_bullet(head + item)) + 1
+
+    def add(self, path: str) -> None:
+        """Add ``path`` to its directory's line."""
+        prefix, item = self._key(path)
+        items = self._groups.setdefault(prefix, [])
+        if item.rstrip("/") not in (known.rstrip("/") for known in items):
+            items.append(item)
+
+    def lines(self) -> list[str]:
+        """One line per directory, in first-seen order."""
+        return [
+            (f"{prefix}: " if prefix else "") + self._SEPARATOR.join(items)
+            for prefix, items in self._groups.items()
+        ]
+
+
+def _common_root(paths: Sequence[str]) -> str:
+    """The deepest directory (``/a/b/``), two levels deep or more, at least half of the absolute
+    ``paths`` are under with two segments to spare; "" when there is none."""
+    absolute = [p for p in paths if p.startswith("/")]
+    if len(absolute) < 2:
+        return ""
+    counts: dict[str, int] = {}
+    for path in absolute:
+        parts = path.rstrip("/").split("/")[1:-2]  # each path keeps two segments below it
+        for depth in range(2, len(parts) + 1):
+            root = "/" + "/".join(parts[:depth]) + "/"
+            counts[root] = counts.get(root, 0) + 1
+    shared = [root for root, n in counts.items() if 2 * n >= len(absolute) and n >= 2]
+    return max(shared, key=len, default="")
 
 
 def _shrunk(candidate: _Candidate, room: int) -> _Candidate | None:
     """The candidate clipped so its bullet line takes at most ``room`` units; None if too small."""
-    # A bullet line adds "- " and two spaces of indentation per continuation line.
-    room_for_text = room - 2 - 2 * candidate.text.count("\n")
+    # A bullet line adds "- " and two spaces of indentation per continuation line; lines are
+    # what ``str.splitlines`` cuts (``\r``, ``\x1e``, ... too), as ``_bullet`` does.
+    continuations = max(0, len(candidate.text.splitlines()) - 1)
+    room_for_text = room - 2 - 2 * continuations
     if room_for_text < 24:
         return None
     text = _clip(candidate.text, room_for_text)

@@ -20,6 +20,7 @@ import random
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -82,6 +83,7 @@ class OpenAISummarizer:
         *,
         base_url: str,
         api_key_env: str | None = None,
+        api_key_file: str | None = None,
         provider: str | None = None,
         timeouts: Timeouts | None = None,
         retry: RetryPolicy | None = None,
@@ -104,6 +106,8 @@ class OpenAISummarizer:
             base_url: Endpoint root including the version, e.g. ``https://api.deepseek.com/v1``.
             api_key_env: NAME of the environment variable holding the API key (read at each
                 call); None sends no ``Authorization`` header (local servers).
+            api_key_file: A file holding the API key instead (read at each call, whitespace
+                around it stripped), so rotating the key is rewriting the file.
             provider: Provider name reported in results; defaults to the request's.
             timeouts: Per-attempt time limits.
             retry: Retry policy for transient failures.
@@ -125,6 +129,7 @@ class OpenAISummarizer:
         """
         self._url = base_url.rstrip("/") + "/chat/completions"
         self._api_key_env = api_key_env or None
+        self._api_key_file = api_key_file or None
         self._provider = provider
         self._timeouts = timeouts or Timeouts()
         self._retry = retry or RetryPolicy()
@@ -191,17 +196,42 @@ class OpenAISummarizer:
             "User-Agent": f"compactd/{compactd.__version__}",
             PURPOSE_HEADER: PURPOSE,
         }
-        if self._api_key_env is not None:
-            key = self._environ.get(self._api_key_env, "")
-            if not key:
-                raise SummaryError(
-                    f"the API key variable {self._api_key_env} named by the summary route is not "
-                    "set in the environment",
-                    reason=base.SUMMARIZER_MISCONFIGURED,
-                )
+        key = self._api_key()
+        if key is not None:
             headers["Authorization"] = f"Bearer {key}"
         headers.update(self._extra_headers)
         return headers
+
+    def _api_key(self) -> str | None:
+        """The key as it is now (from the file or the variable); None when the route has none.
+
+        The errors name where the key should be, never a byte of what was found there.
+        """
+        if self._api_key_file is not None:
+            try:
+                key = Path(self._api_key_file).read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise SummaryError(
+                    f"cannot read the API key file {self._api_key_file} named by the summary "
+                    f"route ({type(exc).__name__})",
+                    reason=base.SUMMARIZER_MISCONFIGURED,
+                ) from None
+            if not key:
+                raise SummaryError(
+                    f"the API key file {self._api_key_file} named by the summary route is empty",
+                    reason=base.SUMMARIZER_MISCONFIGURED,
+                )
+            return key
+        if self._api_key_env is None:
+            return None
+        key = self._environ.get(self._api_key_env, "")
+        if not key:
+            raise SummaryError(
+                f"the API key variable {self._api_key_env} named by the summary route is not "
+                "set in the environment",
+                reason=base.SUMMARIZER_MISCONFIGURED,
+            )
+        return key
 
     def _client(self) -> httpx.AsyncClient:
         limits = self._timeouts

@@ -168,6 +168,11 @@ class CompactionEngine:
         self._manager = manager
         #: Applied to provider error text before it is logged, stored, traced or returned.
         self.redact: Callable[[str], str] = redact or Redactor()
+        #: Applied to a summary before it is screened and stored: the keys only (a provider may
+        #: echo them in its answer), not the patterns, which would cut what a summary must keep.
+        self.redact_summary: Callable[[str], str] = (
+            self.redact.literals if isinstance(self.redact, Redactor) else self.redact
+        )
         self._recoveries = tuple(recoveries)
         self._pressure = pressure
         self._summarizers = summarizers
@@ -566,6 +571,7 @@ class CompactionEngine:
                     call.failed(error)
                     raise
                 call.answered(summary)
+        summary = replace(summary, text=self.redact_summary(summary.text))
         await progress(
             _step(cpb.COMPACTION_STEP_SUMMARIZE, compaction_id, -1, f"{len(summary.text)} chars")
         )

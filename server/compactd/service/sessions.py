@@ -64,8 +64,10 @@ from compactd.errors import (
     FieldViolation,
     InvalidArgument,
     NotFound,
+    QuotaExceeded,
     SeqConflict,
 )
+from compactd.service.quotas import QuotaBook, Reservation
 from compactd.service.replicas import (
     MAX_APPEND_ATTEMPTS,
     CatchUpLock,
@@ -74,7 +76,7 @@ from compactd.service.replicas import (
     lease_for,
     retry_pause,
 )
-from compactd.store.base import EventStore, SessionRecord, session_not_found
+from compactd.store.base import EventStore, SessionRecord, StoreUsage, session_not_found
 from compactd.store.leases import LeaseAction, LeaseOp, fenced
 from compactd.tenancy import Tenant, current_tenant
 from compactd.v1 import events_pb2
@@ -131,6 +133,7 @@ class SessionHandle:
         store: EventStore,
         fold: SessionFold,
         limits: AppendLimits = DEFAULT_LIMITS,
+        quotas: QuotaBook | None = None,
         *,
         owner: str = "",
         lease_s: float = 30.0,
@@ -139,6 +142,7 @@ class SessionHandle:
         self.tenant = record.tenant
         self.key: _Key = (record.tenant, record.session_id)
         self.deleted = False  # set (under the lock) by ``SessionManager.delete``
+        self._quotas = quotas
         self.limits = limits
         self.record = record
         self.fold = fold
@@ -283,6 +287,7 @@ class SessionHandle:
         now = Timestamp()
         now.GetCurrentTime()
         batch = await self._admit(events, now, origin)
+        reservation = self._reserve_bytes(batch, origin)
         if lease is None:
             lease = lease_for(
                 batch.events,
@@ -291,7 +296,7 @@ class SessionHandle:
                 self.leases.ttl_s,
                 shared=self._store.shared,
             )
-        commit = asyncio.ensure_future(self._commit(batch, lease))
+        commit = asyncio.ensure_future(self._commit(batch, reservation, lease))
         try:
             return await asyncio.shield(commit)
         except asyncio.CancelledError:
@@ -323,19 +328,33 @@ class SessionHandle:
         finally:
             steps.close()  # a cancelled admission rolls back what it admitted
 
-    async def _commit(self, batch: AdmittedBatch, lease: LeaseOp | None = None) -> AppendResult:
+    def _reserve_bytes(self, batch: AdmittedBatch, origin: Origin) -> Reservation | None:
+        """Count the batch's bytes against the tenant's quota; only a runtime's is refused."""
+        if self._quotas is None:
+            return None
+        size = sum(event.ByteSize() for event in batch.events)
+        try:
+            return self._quotas.reserve_bytes(
+                size, enforce=origin is Origin.CLIENT, tenant=self.tenant
+            )
+        except QuotaExceeded:
+            self.fold.rollback(batch)
+            raise
+
+    async def _commit(
+        self, batch: AdmittedBatch, reservation: Reservation | None, lease: LeaseOp | None = None
+    ) -> AppendResult:
         prepared = self._prepare(batch)
         try:
             await self._store.append(self.session_id, batch.events, tenant=self.tenant, lease=lease)
-        except Fenced:
-            self.fold.rollback(batch)
-            if lease is not None:
-                self.leases.drop(lease.token)
-            raise
-        except BaseException:
+        except BaseException as error:
             if prepared is not None:  # the worker reads the fold: let it finish first
                 await asyncio.wait([prepared])
             self.fold.rollback(batch)
+            if reservation is not None:
+                reservation.release()
+            if isinstance(error, Fenced) and lease is not None:
+                self.leases.drop(lease.token)  # another replica took the bracket over
             raise
         if prepared is not None:
             await prepared
@@ -544,12 +563,14 @@ class SessionManager:
         lease_s: float = 30.0,
         snapshot_interval: int = 0,
         max_resident: int = 0,
+        quotas: QuotaBook | None = None,
     ) -> None:
         self.store = store
         self.limits = limits
         self.lease_s = lease_s
         self.snapshot_interval = snapshot_interval
         self.max_resident = max_resident
+        self.quotas = quotas
         self._policy_validator = policy_validator
         self.instance_id = instance_id or uuid.uuid4().hex[:12]
         self._handles: OrderedDict[_Key, SessionHandle] = OrderedDict()  # least recent first
@@ -614,13 +635,38 @@ class SessionManager:
         """Create an empty session of ``tenant`` (the caller's by default), idempotently.
 
         A retried create (the same id and the same policy; a reply may have been lost) answers
-        the session as it is now. ``AlreadyExists`` when the id is taken with another policy.
+        the session as it is now. ``AlreadyExists`` when the id is taken with another policy;
+        ``QuotaExceeded`` when the caller's tenant owns its ``max_sessions`` already.
         """
         owner = _tenant_id(tenant)
         policy_json = json.dumps(policy, sort_keys=True) if policy else None
+        if self.quotas is None:
+            return await self._create(owner, session_id, policy_json, lambda: None)
+        try:
+            not_created = self.quotas.reserve_session(owner)
+        except QuotaExceeded:
+            # At the quota, a retried create still answers the session it created.
+            existing = await self.store.get_session(session_id, tenant=owner)
+            if existing is not None and existing.policy_json == policy_json:
+                return existing
+            raise
+        try:
+            return await self._create(owner, session_id, policy_json, not_created)
+        except BaseException:
+            not_created()
+            raise
+
+    async def _create(
+        self,
+        owner: str,
+        session_id: str,
+        policy_json: str | None,
+        not_created: Callable[[], None],
+    ) -> SessionRecord:
         try:
             return await self.store.create_session(session_id, policy_json, tenant=owner)
         except AlreadyExists:
+            not_created()
             existing = await self.store.get_session(session_id, tenant=owner)
             if existing is None or existing.policy_json != policy_json:
                 raise AlreadyExists(
@@ -707,6 +753,7 @@ class SessionManager:
         async with handle.lock if handle is not None else contextlib.nullcontext():
             if idle_before is not None and not await self._idle(key, idle_before):
                 return False
+            held = await self._held_by(key)
             deleted = await self.store.delete_session(session_id, tenant=key[0])
             if handle is not None:
                 await handle.mark_deleted()
@@ -714,8 +761,17 @@ class SessionManager:
             self._forget(key)
         if not deleted:
             raise session_not_found(session_id)
+        if self.quotas is not None and held is not None:
+            self.quotas.removed(key[0], held)
         log.info("session deleted", extra={"session_id": session_id, "tenant": key[0]})
         return True
+
+    async def _held_by(self, key: _Key) -> StoreUsage | None:
+        """What the session counts towards its tenant's held quotas (None: nothing counted)."""
+        if self.quotas is None or not self.quotas.ledger.counts_stored:
+            return None
+        usage = await self.store.usage(tenant=key[0], session_id=key[1])
+        return usage.get(key[0], StoreUsage())
 
     async def _idle(self, key: _Key, before: datetime) -> bool:
         record = await self.store.get_session(key[1], tenant=key[0])
@@ -747,7 +803,13 @@ class SessionManager:
             )
         fold, restored, same_lifecycle = await self._from_snapshot(record)
         handle = SessionHandle(
-            record, self.store, fold, self.limits, owner=self.instance_id, lease_s=self.lease_s
+            record,
+            self.store,
+            fold,
+            self.limits,
+            self.quotas,
+            owner=self.instance_id,
+            lease_s=self.lease_s,
         )
         handle.extensions.update(self._carried.pop(handle.key, {}))
         handle.restored = restored

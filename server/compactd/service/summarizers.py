@@ -179,6 +179,7 @@ class SummarizerRegistry:
         model: Summarizer = OpenAISummarizer(
             base_url=route.base_url,
             api_key_env=route.api_key_env or None,
+            api_key_file=route.api_key_file or None,
             provider=route.provider,
             include_reasoning=route.sends_reasoning,
             timeouts=Timeouts(read=self.settings.timeout_s, total=self.settings.timeout_s),

@@ -96,6 +96,19 @@ class StoreStats:
 
 
 @dataclass(frozen=True)
+class StoreUsage:
+    """What one tenant holds in a store: its sessions and its logs' bytes.
+
+    Attributes:
+        sessions: Sessions owned.
+        bytes: The serialized size of every event of those sessions.
+    """
+
+    sessions: int = 0
+    bytes: int = 0
+
+
+@dataclass(frozen=True)
 class EventRow:
     """One event ready to store: its indexed columns and its serialized bytes."""
 
@@ -361,6 +374,18 @@ class EventStore(abc.ABC):
 
         Afterwards the id is free: a create makes a new, empty session under it.
         """
+
+    async def usage(
+        self, *, tenant: str | None = None, session_id: str | None = None
+    ) -> dict[str, StoreUsage]:
+        """Sessions and stored bytes (each event's serialized size) by tenant id.
+
+        Every tenant that owns a session, or only ``tenant``; with ``session_id`` too, only that
+        session (what deleting it gives back). The quotas start from these figures. A backend
+        that cannot tell raises ``NotImplementedError``: the server then refuses sessions and
+        bytes quotas at start.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not report usage")
 
     # ---- fold snapshots (issue 11): optional; a store without them restores by replay ----
 

@@ -96,6 +96,22 @@ class MemoryEventStore(base.EventStore):
                 self._count(commits=1)
             return gone is not None
 
+    async def usage(
+        self, *, tenant: str | None = None, session_id: str | None = None
+    ) -> dict[str, base.StoreUsage]:
+        self._check_open()
+        found: dict[str, base.StoreUsage] = {}
+        with self._lock:
+            for (owner, sid), session in self._sessions.items():
+                if (tenant is not None and owner != tenant) or (
+                    session_id is not None and sid != session_id
+                ):
+                    continue
+                held = found.get(owner, base.StoreUsage())
+                size = sum(len(row.data) for row in session.rows)
+                found[owner] = base.StoreUsage(held.sessions + 1, held.bytes + size)
+        return found
+
     async def append(
         self,
         session_id: str,

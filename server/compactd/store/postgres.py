@@ -339,6 +339,23 @@ class PostgresEventStore(base.EventStore):
                 await _require_session(conn, key)
                 return await _select_event_ids(conn, key, wanted)
 
+    async def usage(
+        self, *, tenant: str | None = None, session_id: str | None = None
+    ) -> dict[str, base.StoreUsage]:
+        with _db_errors("count usage"):
+            async with self._connection() as conn:
+                cursor = await conn.execute(
+                    "SELECT s.tenant, count(*), coalesce(sum(e.bytes), 0) FROM sessions s"
+                    " LEFT JOIN (SELECT tenant, session_id, sum(octet_length(data)) AS bytes"
+                    " FROM events GROUP BY tenant, session_id) e USING (tenant, session_id)"
+                    " WHERE (%(tenant)s::text IS NULL OR s.tenant = %(tenant)s)"
+                    " AND (%(session)s::text IS NULL OR s.session_id = %(session)s)"
+                    " GROUP BY s.tenant",
+                    {"tenant": tenant, "session": session_id},
+                )
+                rows = await cursor.fetchall()
+        return {str(t): base.StoreUsage(int(n), int(b)) for t, n, b in rows}
+
     # --- fold snapshots (issue 11) ---------------------------------------------------------------
 
     async def put_snapshot(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import collections
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -75,7 +76,8 @@ class Reply:
         finish_reason: Stop reason; default ``tool_calls`` when there are calls, else ``stop``.
         status: HTTP status; 400 and above answers ``error`` as a JSON body.
         error: The ``error`` object of an HTTP error body; ``{authorization}`` in its message is
-            replaced by the request's ``Authorization`` header, as a provider echoing it would.
+            replaced by the request's ``Authorization`` header and ``{api_key}`` by its bearer
+            token, as a provider echoing them would.
         body: An HTTP error's whole JSON body, sent as is instead of ``{"error": error}`` (for
             providers whose errors have another shape: see ``testing.provider_errors``).
         headers: Extra response headers (e.g. ``Retry-After``).
@@ -85,6 +87,8 @@ class Reply:
         usage: Replace the computed usage object.
         stream_error: An ``error`` object sent inside a 200 stream after the text.
         cut_stream: End the stream after the text, without stop reason or ``[DONE]``.
+        echo_key: Append the request's bearer token to the text (a careless provider echoing
+            the key in its answer).
     """
 
     text: str | None = None
@@ -102,6 +106,7 @@ class Reply:
     usage: Mapping[str, Any] | None = None
     stream_error: Mapping[str, Any] | None = None
     cut_stream: bool = False
+    echo_key: bool = False
 
     @classmethod
     def http_error(
@@ -527,12 +532,17 @@ class _Handler(BaseHTTPRequestHandler):
             fields = dict(reply.error or {})
             if isinstance(fields.get("message"), str):  # a careless provider echoes credentials
                 authorization = headers.get("authorization", "")
-                fields["message"] = fields["message"].replace("{authorization}", authorization)
+                message = fields["message"].replace("{authorization}", authorization)
+                fields["message"] = message.replace("{api_key}", _bearer(headers))
             error: Any = {"error": fields}
             self._send_json(reply.status, error, reply.headers, raw=reply.body)
             return
         compaction = headers.get(_PURPOSE_HEADER) == "compaction"
         answer = _Answer.build(number, reply, body, compaction)
+        if reply.echo_key:
+            answer = dataclasses.replace(
+                answer, text=f"{answer.text}\n(sent with {_bearer(headers)})"
+            )
         usage = (
             dict(reply.usage)
             if reply.usage is not None
@@ -704,6 +714,12 @@ class _Answer:
             "choices": [choice],
             "usage": usage,
         }
+
+
+def _bearer(headers: Mapping[str, str]) -> str:
+    """The bearer token of a request's ``Authorization`` header (empty without one)."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return token if scheme.lower() == "bearer" else ""
 
 
 def _image_part() -> JSONObject:

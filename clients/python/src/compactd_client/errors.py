@@ -3,9 +3,10 @@
 compactd reports every failure as a gRPC status whose ``grpc-status-details-bin`` trailer holds a
 ``google.rpc.Status`` with exactly one ``google.rpc.ErrorInfo`` (its ``reason`` is a stable
 UPPER_SNAKE identifier such as ``SEQ_CONFLICT``) and, for malformed input, a
-``google.rpc.BadRequest``. :func:`from_rpc_error` turns such a status into the most specific
-class below: first by reason, then by status code, so callers can ``except SeqConflictError`` or
-switch on ``err.reason``.
+``google.rpc.BadRequest``; a tenant over a quota also gets a ``google.rpc.QuotaFailure`` and,
+for a rate, a ``google.rpc.RetryInfo`` (``retry_delay``). :func:`from_rpc_error` turns such a
+status into the most specific class below: first by reason, then by status code, so callers can
+``except SeqConflictError`` or switch on ``err.reason``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ __all__ = [
     "InvalidArgumentError",
     "NotFoundError",
     "PermissionDeniedError",
+    "QuotaExceededError",
+    "QuotaViolation",
     "ResourceExhaustedError",
     "SeqConflictError",
     "UnauthenticatedError",
@@ -50,6 +53,15 @@ class FieldViolation:
     description: str
 
 
+@dataclass(frozen=True)
+class QuotaViolation:
+    """One quota a call went over, from ``google.rpc.QuotaFailure.Violation``."""
+
+    subject: str
+    quota: str
+    description: str
+
+
 class CompactdError(Exception):
     """Root of every error the client raises for a failed call.
 
@@ -61,6 +73,8 @@ class CompactdError(Exception):
         domain: ``ErrorInfo.domain``, empty when absent.
         metadata: ``ErrorInfo.metadata`` (string to string).
         violations: The ``BadRequest`` field violations, if any.
+        quota_violations: The ``QuotaFailure`` violations, if any.
+        retry_delay: Seconds to wait before retrying (``RetryInfo``); None when not sent.
     """
 
     def __init__(
@@ -72,6 +86,8 @@ class CompactdError(Exception):
         domain: str = "",
         metadata: Mapping[str, str] | None = None,
         violations: tuple[FieldViolation, ...] = (),
+        quota_violations: tuple[QuotaViolation, ...] = (),
+        retry_delay: float | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -80,6 +96,8 @@ class CompactdError(Exception):
         self.domain = domain
         self.metadata: dict[str, str] = dict(metadata or {})
         self.violations = violations
+        self.quota_violations = quota_violations
+        self.retry_delay = retry_delay
 
     def __str__(self) -> str:
         return f"{self.code.name} ({self.reason}): {self.message}"
@@ -115,6 +133,11 @@ class UnauthenticatedError(CompactdError):
 
 class ResourceExhaustedError(CompactdError):
     """RESOURCE_EXHAUSTED: a limit (batch size, message size, rate) was exceeded."""
+
+
+class QuotaExceededError(ResourceExhaustedError):
+    """RESOURCE_EXHAUSTED with reason ``QUOTA_EXCEEDED``: the caller's tenant is over a quota
+    (``quota_violations`` name it; for the append rate, wait ``retry_delay`` seconds)."""
 
 
 class FailedPreconditionError(CompactdError):
@@ -157,6 +180,7 @@ _BY_REASON: dict[str, type[CompactdError]] = {
     "SEQ_CONFLICT": SeqConflictError,
     "COMPACTION_BUSY": CompactionBusyError,
     "CAPACITY_UNKNOWN": CapacityUnknownError,
+    "QUOTA_EXCEEDED": QuotaExceededError,
 }
 
 _BY_CODE: dict[grpc.StatusCode, type[CompactdError]] = {
@@ -214,6 +238,7 @@ def from_rpc_error(err: grpc.RpcError) -> CompactdError:
     message = call.details() or ""
     rich = _rich_status(call)
     info, violations = _details(rich) if rich is not None else (None, ())
+    quotas, retry_delay = _quota_details(rich) if rich is not None else ((), None)
     reason = info.reason if info is not None else ""
     return error_class(code, reason)(
         message,
@@ -222,6 +247,8 @@ def from_rpc_error(err: grpc.RpcError) -> CompactdError:
         domain=info.domain if info is not None else "",
         metadata=dict(info.metadata) if info is not None else None,
         violations=violations,
+        quota_violations=quotas,
+        retry_delay=retry_delay,
     )
 
 
@@ -252,3 +279,24 @@ def _details(
                 for v in bad.field_violations
             )
     return info, tuple(violations)
+
+
+def _quota_details(
+    status: status_pb2.Status,
+) -> tuple[tuple[QuotaViolation, ...], float | None]:
+    """Unpacks every QuotaFailure violation and the RetryInfo delay (seconds) of a status."""
+    quotas: list[QuotaViolation] = []
+    delay: float | None = None
+    for detail in status.details:
+        if detail.Is(error_details_pb2.QuotaFailure.DESCRIPTOR):
+            failure = error_details_pb2.QuotaFailure()
+            detail.Unpack(failure)
+            quotas.extend(
+                QuotaViolation(subject=v.subject, quota=v.quota_id, description=v.description)
+                for v in failure.violations
+            )
+        elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            retry = error_details_pb2.RetryInfo()
+            detail.Unpack(retry)
+            delay = retry.retry_delay.ToTimedelta().total_seconds()
+    return tuple(quotas), delay

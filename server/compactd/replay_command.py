@@ -1,0 +1,123 @@
+"""The ``compactd replay`` command: arguments, the embedded or target server, the outputs.
+
+Replay drives compactd through its Python client (``compactd_client``), which a server-only
+install (the Docker image) lacks: it is imported when the command runs, never by ``compactd
+serve``, and its absence is an error that says how to install it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from compactd.errors import ConfigError
+
+if TYPE_CHECKING:
+    from compactd import replay as rp
+
+DEFAULT_ROUTE = "openai/gpt-4o"
+
+
+def add_parser(commands: Any) -> None:
+    """Add the ``replay`` subcommand to ``commands`` (an argparse subparsers object)."""
+    parser: argparse.ArgumentParser = commands.add_parser(
+        "replay",
+        help="play recorded conversations through compactd and report what it did",
+        description='Play recorded conversations (JSONL, one {"messages": [...]} chat '
+        "transcript a line) through compactd as an agent runtime would: typed events, turns "
+        "and steps, PrepareStep before every model step, the rebuilt request encoded as what "
+        "would be sent (the recorded reply stands in for the model). Against --target, or by "
+        "default an embedded server on a temporary store with extractive summaries (or the "
+        "summarizer --config names). Prints a table (progress on stderr) and writes one "
+        "self-contained HTML report.",
+    )
+    parser.add_argument("transcripts", type=Path, help="JSONL file of chat transcripts")
+    parser.add_argument("--target", help="HOST:PORT of a running compactd (default: embedded)")
+    parser.add_argument(
+        "--window", type=int,
+        help="the embedded route's context window in tokens (small: compacts often)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--route", default=DEFAULT_ROUTE,
+        help="PROVIDER/MODEL the sessions are routed to (default openai/gpt-4o)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--config", help="TOML configuration of the embedded server (routes, summarizer)"
+    )
+    parser.add_argument("--match", default="", help="only conversations whose source has this")
+    parser.add_argument("--limit", type=int, help="at most this many conversations")
+    parser.add_argument(
+        "--html", type=Path, default=Path("replay-report.html"),
+        help="where the HTML report goes (default replay-report.html)",
+    )  # fmt: skip
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``compactd replay``; returns the exit code (2: bad arguments or input)."""
+    try:
+        from compactd import replay as rp
+        from compactd import replay_report as report
+    except ModuleNotFoundError as err:
+        if err.name != "compactd_client":
+            raise
+        print("compactd replay: needs the Python client: pip install ./clients/python",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        route = rp.parse_route(args.route)
+        transcripts = rp.read_transcripts(args.transcripts, match=args.match, limit=args.limit)
+        if not transcripts:
+            raise ConfigError(f"{args.transcripts}: no conversation matches")
+        if args.target and (args.window is not None or args.config):
+            raise ConfigError(
+                "--window and --config configure the embedded server; a running server's "
+                "routes and summarizer are its own configuration"
+            )
+        replays, where = asyncio.run(_replay(args, route, transcripts))
+    except ConfigError as err:
+        print(f"compactd replay: {err.message}", file=sys.stderr)
+        return 2
+    print(report.table(replays))
+    print()
+    print(report.bracket_table(replays))
+    for number, result in enumerate(replays, 1):
+        for warning in result.warnings:  # a route without a window, a bracket that failed, ...
+            print(f"warning ({number}): {warning}", file=sys.stderr)
+    settings = f"{len(replays)} conversations of {args.transcripts}, route {args.route}, {where}"
+    args.html.write_text(
+        report.render_html(replays, title="compactd replay", settings=settings), encoding="utf-8"
+    )
+    print(f"report: {args.html}")
+    return 0
+
+
+async def _replay(
+    args: argparse.Namespace, route: tuple[str, str], transcripts: list[rp.Transcript]
+) -> tuple[list[rp.SessionReplay], str]:
+    from compactd import replay as rp
+    from compactd import replay_report as report
+
+    steps = sum(1 for t in transcripts for m in t.messages if m.get("role") == "assistant")
+    bar = None if args.no_progress else report.ProgressBar(sys.stderr, steps, len(transcripts))
+    on_step = bar.step if bar is not None else None
+    policy = rp.window_policy(args.window) if args.window is not None else None
+    try:
+        if args.target:
+            results = await rp.replay_all(args.target, transcripts, route=route, on_step=on_step)
+            return results, f"server {args.target}"
+        async with rp.temporary_store() as folder:
+            config = rp.embedded_config(args.config, folder, route=route, window=args.window)
+            async with rp.embedded_server(config) as address:
+                results = await rp.replay_all(
+                    address, transcripts, route=route, policy=policy, on_step=on_step
+                )
+        window = f"window {args.window:,}" if args.window else "the route's window"
+        summarizer = config.summarizer.get("kind", "extractive")
+        return results, f"embedded server ({window}, {summarizer} summaries)"
+    finally:
+        if bar is not None:
+            bar.close()

@@ -1,0 +1,238 @@
+"""``compactd replay``: transcripts played through an embedded server, and what the report says.
+
+The report's figures are checked against the session's log read back with ``ListEvents`` and
+recomputed here, by their own walk of the events; and replay runs on every transcript the
+repository ships (``testdata/transcripts``).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from compactd import cli
+from compactd import replay as rp
+from compactd import replay_report as report
+from compactd.v1 import events_pb2
+from compactd.v1 import session_service_pb2 as spb
+from compactd.v1 import session_service_pb2_grpc as sgrpc
+
+TRANSCRIPTS = Path(__file__).resolve().parents[1] / "testdata" / "transcripts"
+SHIPPED = [
+    *rp.read_transcripts(TRANSCRIPTS / "openai.jsonl"),
+    *rp.read_transcripts(TRANSCRIPTS / "coding.jsonl"),
+]
+WINDOW = 8000
+#: A short coding session that compacts four times at ``WINDOW`` and prunes no result.
+SHORT = "mock_output/output.jsonl#1"
+
+
+@pytest.fixture
+async def address(tmp_path: Path) -> AsyncIterator[str]:
+    """An embedded replay server whose default route has an ``WINDOW``-token window."""
+    config = rp.embedded_config(None, tmp_path, window=WINDOW, environ={})
+    async with rp.embedded_server(config) as served:
+        yield served
+
+
+async def _replayed(address: str, transcript: rp.Transcript) -> rp.SessionReplay:
+    [result] = await rp.replay_all(address, [transcript], policy=rp.window_policy(WINDOW))
+    return result
+
+
+async def _log(address: str, session_id: str) -> list[events_pb2.SessionEvent]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = sgrpc.SessionServiceStub(channel)
+        request = spb.ListEventsRequest(session_id=session_id)
+        return [response.event async for response in stub.ListEvents(request)]
+
+
+def _brackets_of(log: list[events_pb2.SessionEvent]) -> list[dict[str, Any]]:
+    """Each bracket's figures, walked from the log without the replay module."""
+    rows: dict[str, dict[str, Any]] = {}
+    for event in log:
+        if event.HasField("compaction_start"):
+            start = event.compaction_start
+            rows[start.compaction_id] = {
+                "shadowed": len(start.shadowed_seqs),
+                "span": (start.range.start_seq, start.range.end_seq),
+                "opened": event.time.ToNanoseconds(),
+            }
+        elif event.HasField("compaction_summary"):
+            summary = event.compaction_summary
+            rows[summary.compaction_id].update(
+                before=summary.tokens.envelope_before,
+                after=summary.tokens.envelope_after,
+                chars=len(summary.summary),
+                checkpoint=summary.tokens.checkpoint_route_tokens,
+            )
+        elif event.HasField("compaction_end"):
+            row = rows[event.compaction_end.compaction_id]
+            row["ms"] = (event.time.ToNanoseconds() - row.pop("opened")) / 1e6
+            row["ok"] = not event.compaction_end.error_reason
+    return list(rows.values())
+
+
+async def test_a_replay_reports_the_brackets_and_prunes_its_log_holds(address: str) -> None:
+    [transcript] = [t for t in SHIPPED if SHORT in t.source]
+    result = await _replayed(address, transcript)
+    log = await _log(address, result.session_id)
+    expected = _brackets_of(log)
+    assert len(expected) >= 3, "the window makes the short transcript compact several times"
+    assert [
+        {
+            "shadowed": c.shadowed,
+            "span": (c.start_seq, c.end_seq),
+            "before": c.tokens_before,
+            "after": c.tokens_after,
+            "chars": c.summary_chars,
+            "checkpoint": c.checkpoint_tokens,
+            "ms": pytest.approx(c.seconds * 1000, abs=0.01),
+            "ok": c.committed,
+        }
+        for c in result.compactions
+    ] == expected
+    assert len(result.prunes) == sum(e.HasField("compaction_prune") for e in log)
+    assert result.events == len(log)
+    steps = [e for e in log if e.HasField("step_start")]
+    assigned = [e for e in log if e.HasField("assistant_message")]
+    assert len(result.steps) == len(steps) == len(assigned)
+    assert sum(step.compactions for step in result.steps) == sum(r["ok"] for r in expected)
+    # Each bracket is tied to the step whose PrepareStep wrote it: it opens after the events
+    # appended before that call and before that step's step/start.
+    opened = {
+        e.compaction_start.compaction_id: e.seq for e in log if e.HasField("compaction_start")
+    }
+    for record in result.compactions:
+        seq = opened[record.compaction_id]
+        assert result.steps[record.step - 1].first_seq <= seq < steps[record.step - 1].seq
+
+
+async def test_the_report_shows_the_log_figures(address: str) -> None:
+    [transcript] = [t for t in SHIPPED if SHORT in t.source]
+    result = await _replayed(address, transcript)
+    expected = _brackets_of(await _log(address, result.session_id))
+    page = report.render_html([result], title="t", settings="s")
+    for row in expected:
+        cells = f"<td class=n>{row['shadowed']}</td><td class=n>{row['before']:,}</td>"
+        assert cells + f"<td class=n>{row['after']:,}</td>" in page
+        assert f"<td class=n>{row['chars']:,}</td>" in page
+    rows = [line.split() for line in report.bracket_table([result]).splitlines()[1:]]
+    assert [(r[3], r[4], r[5], r[8]) for r in rows] == [
+        (str(e["shadowed"]), f"{e['before']:,}", f"{e['after']:,}", f"{e['chars']:,}")
+        for e in expected
+    ]
+    [line] = [r for r in report.table([result]).splitlines() if r.startswith("…")]
+    committed = sum(r["ok"] for r in expected)
+    assert f"{result.tokens_sent:,}" in line
+    assert re.search(rf"\s{committed}\s+{sum(r['shadowed'] for r in expected)}\s", line)
+
+
+async def test_the_html_report_is_self_contained(address: str) -> None:
+    [transcript] = [t for t in SHIPPED if SHORT in t.source]
+    page = report.render_html([await _replayed(address, transcript)], title="t", settings="s")
+    assert "<script" not in page
+    assert "<link" not in page
+    assert re.findall(r"https?://[^'\"\s]+", page) == ["http://www.w3.org/2000/svg"]
+    [svg] = re.findall(r"<svg.*?</svg>", page, re.DOTALL)
+    drawing = ET.fromstring(svg)  # well-formed: every attribute quoted
+    lines = drawing.findall("{http://www.w3.org/2000/svg}line")
+    titles = [line.findtext("{http://www.w3.org/2000/svg}title") or "" for line in lines]
+    assert sum("compaction" in title for title in titles) >= 3
+
+
+def test_broken_tool_pairs_counts_orphan_results_and_unanswered_calls() -> None:
+    call = {"role": "assistant", "tool_calls": [{"id": "a"}, {"id": "b"}, {"id": "never"}]}
+    answers = [{"role": "tool", "tool_call_id": "a"}, {"role": "tool", "tool_call_id": "b"}]
+    answered = {"a", "b"}
+    assert rp.broken_tool_pairs([call, *answers], answered) == 0
+    assert rp.broken_tool_pairs(answers, answered) == 2  # results without their call
+    assert rp.broken_tool_pairs([call, answers[0]], answered) == 1  # b's result cut away
+
+
+@pytest.mark.timeout(240)  # all shipped transcripts in one embedded server: about 3 s here
+@pytest.mark.parametrize("transcript", SHIPPED, ids=[t.source[-36:] for t in SHIPPED])
+async def test_replay_runs_on_every_shipped_transcript(
+    address: str, transcript: rp.Transcript
+) -> None:
+    result = await _replayed(address, transcript)
+    assistants = sum(1 for m in transcript.messages if m.get("role") == "assistant")
+    assert len(result.steps) == assistants
+    for record in result.committed:
+        assert record.tokens_after < record.tokens_before
+    assert all(step.sent_tokens <= step.before_tokens for step in result.steps)
+    assert [step.broken_pairs for step in result.steps] == [0] * len(result.steps)
+
+
+def test_the_command_prints_the_table_and_writes_the_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    page = tmp_path / "report.html"
+    argv = ["replay", str(TRANSCRIPTS / "coding.jsonl"), "--match", SHORT, "--window",
+            str(WINDOW), "--html", str(page), "--no-progress"]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split()[:3] == ["conversation", "msgs", "steps"]
+    assert f"report: {page}" in out
+    assert "<svg" in page.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--target", "127.0.0.1:1", "--window", "4000"], "configure the embedded server"),
+        (["--route", "gpt-4o"], "expected PROVIDER/MODEL"),
+        (["--match", "no such conversation"], "no conversation matches"),
+        (["--window", "10"], "--window: expected at least 256"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_the_problem(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    argv = ["replay", str(TRANSCRIPTS / "coding.jsonl"), "--html", str(tmp_path / "r.html"),
+            "--no-progress", *extra]  # fmt: skip
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_missing_transcript_file_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["replay", str(tmp_path / "none.jsonl")]) == 2
+    assert "none.jsonl" in capsys.readouterr().err
+
+
+def test_the_server_commands_never_import_the_python_client() -> None:
+    # A server-only install (the Docker image) has no compactd_client: serve must not need it.
+    code = (
+        "import sys; import compactd.cli as cli; cli.build_parser(); "
+        "sys.exit('compactd_client' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_the_readme_quick_start_prints_what_the_readme_shows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    readme = (TRANSCRIPTS.parents[1] / "README.md").read_text(encoding="utf-8")
+    start = readme.index("## Quick start: replay a recorded session")
+    command, shown = re.findall(r"```(?:sh)?\n(.*?)```", readme[start:], re.DOTALL)[:2]
+    argv = command.split()
+    assert argv[:2] == ["compactd", "replay"]
+    monkeypatch.chdir(TRANSCRIPTS.parents[1])
+    assert cli.main([*argv[1:], "--html", str(tmp_path / "r.html"), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+
+    def figures(text: str) -> list[list[str]]:  # every cell but a bracket's duration (ms)
+        rows = [line.split() for line in text.splitlines() if line and "report:" not in line]
+        return [row[:9] + row[10:] if re.fullmatch(r"\d+\.\d+", row[0]) else row for row in rows]
+
+    assert figures(printed) == figures(shown)
