@@ -444,19 +444,25 @@ class SessionManager:
         is used; a callback may be a coroutine function (awaited: e.g. pricing in a thread)."""
         self._on_restore.append(callback)
 
-    def validate_policy(self, policy: dict[str, object]) -> None:
-        """Reject per-session policy overrides the service-wide validator rejects."""
+    def validate_policy(
+        self, policy: dict[str, object], *, field: Callable[[str], str] | None = None
+    ) -> None:
+        """Reject per-session policy overrides the service-wide validator rejects.
+
+        ``field`` turns the settings path of the bad setting (``modelPolicies[0].retainRatio``)
+        into the request's field path (default: under ``compaction_policy``).
+        """
         if self._policy_validator is None:
             return
         try:
             self._policy_validator(policy)
         except ConfigError as error:
-            field = error.metadata.get("field", "")
+            setting = error.metadata.get("field", "")
+            path = field(setting) if field is not None else f"compaction_policy.{setting}"
+            path = path.rstrip(".")
             raise InvalidArgument(
-                f"compaction_policy: {error.message}",
-                violations=[
-                    FieldViolation(f"compaction_policy.{field}".rstrip("."), error.message)
-                ],
+                f"{path.split('.')[0]}: {error.message}",
+                violations=[FieldViolation(path, error.message)],
                 reason="POLICY_INVALID",
             ) from error
 
