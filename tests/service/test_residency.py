@@ -101,6 +101,10 @@ def fold_state(fold: SessionFold) -> tuple[object, ...]:
         sorted(fold.compaction_ids),
         (fold.lock.last_end_seed, dict(fold.lock.open_starts)),
         fold.restored_at,
+        fold.offload_generation,
+        fold.rewritten_at,
+        dict(fold.surface.shadowed_by),
+        sorted(fold.surface.unanswered_calls()),
         fold.surface_bytes,
     )
 

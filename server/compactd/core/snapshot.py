@@ -2,10 +2,11 @@
 
 A snapshot is what the fold derived from the log that the log's surface events alone do not say
 (open turns and step, the lock, the header's seq, offloads, event ids, compaction ids, the
-lifecycle boundary) plus the surface as a list of node seqs and the meter's node prices per
-pricing profile (``PricingProfile.key``), aligned with those nodes. It holds no event bodies: the
-nodes are the stored events at those seqs (the store keeps the exact bytes the fold admitted), so
-a snapshot stays small however large the surface is.
+lifecycle boundary, which nodes REPLACEs shadowed, the rewrite and offload counters) plus the
+surface as a list of node seqs and the meter's node prices per pricing profile
+(``PricingProfile.key``), aligned with those nodes. It holds no event bodies: the nodes are the
+stored events at those seqs (the store keeps the exact bytes the fold admitted), so a snapshot
+stays small however large the surface is.
 
 ``encode`` and ``decode`` are pure (JSON text, versioned); ``rebuild`` makes a ``SessionFold``
 from a decoded snapshot and the events it names. A snapshot that does not decode, or names an
@@ -27,7 +28,7 @@ from compactd.core.lock import LockState
 from compactd.core.pricing import NodeCost
 from compactd.core.surface import SurfaceNode
 
-VERSION: Final = 1
+VERSION: Final = 2
 
 
 class SnapshotInvalid(ValueError):
@@ -64,6 +65,9 @@ class FoldSnapshot:
     restored_at: int
     prices: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     anchor: tuple[int, int] | None = None
+    offload_generation: int = 0
+    rewritten_at: int = -1
+    shadowed_by: dict[int, tuple[int, str, str]] = field(default_factory=dict)
 
     def needed_seqs(self) -> list[int]:
         """The seqs of the stored events ``rebuild`` needs: the nodes, the header and the
@@ -113,6 +117,9 @@ def capture(
             if all(seq in costs for seq in surface)
         },
         anchor=anchor,
+        offload_generation=fold.offload_generation,
+        rewritten_at=fold.rewritten_at,
+        shadowed_by=dict(fold.surface.shadowed_by),
     )
 
 
@@ -138,6 +145,9 @@ def encode(snapshot: FoldSnapshot) -> bytes:
             key: [c for pair in pairs for c in pair] for key, pairs in snapshot.prices.items()
         },
         "anchor": list(snapshot.anchor) if snapshot.anchor is not None else None,
+        "offload_generation": snapshot.offload_generation,
+        "rewritten_at": snapshot.rewritten_at,
+        "shadowed_by": [[seq, *by] for seq, by in snapshot.shadowed_by.items()],
     }
     return json.dumps(data, separators=(",", ":")).encode("utf-8")
 
@@ -177,6 +187,12 @@ def decode(data: bytes) -> FoldSnapshot:
             restored_at=int(raw["restored_at"]),
             prices=prices,
             anchor=(int(anchor[0]), int(anchor[1])) if anchor is not None else None,
+            offload_generation=int(raw["offload_generation"]),
+            rewritten_at=int(raw["rewritten_at"]),
+            shadowed_by={
+                int(seq): (int(by), str(kind), str(cid))
+                for seq, by, kind, cid in raw["shadowed_by"]
+            },
         )
     except SnapshotInvalid:
         raise
@@ -197,7 +213,7 @@ def rebuild(snapshot: FoldSnapshot, events: Mapping[int, SessionEvent]) -> Sessi
     fold.revision = snapshot.revision
     offloads = {seq: frozenset(idx) for seq, idx in snapshot.offloads.items()}
     nodes = [SurfaceNode(seq, events[seq]) for seq in snapshot.surface]
-    fold.surface.restore(nodes, snapshot.replacements)
+    fold.surface.restore(nodes, snapshot.replacements, snapshot.shadowed_by)
     if snapshot.header_seq >= 0:
         stored = events[snapshot.header_seq]
         if not stored.HasField("request_header"):
@@ -212,5 +228,7 @@ def rebuild(snapshot: FoldSnapshot, events: Mapping[int, SessionEvent]) -> Sessi
     fold.compaction_ids = set(snapshot.compaction_ids)
     fold.lock = LockState(snapshot.last_end_seed, dict(snapshot.open_starts))
     fold.restored_at = snapshot.restored_at
+    fold.offload_generation = snapshot.offload_generation
+    fold.rewritten_at = snapshot.rewritten_at
     fold.restore_sizes()
     return fold
