@@ -387,13 +387,22 @@ def _trigger_name(value: events_pb2.CompactionTrigger.ValueType) -> str:
 # ---- the embedded server -------------------------------------------------------------------------
 
 
-def window_policy(window: int) -> dict[str, int]:
+#: Replay's checkpoints replace their span with at most 15% of it (the summary-quality goal).
+CHECKPOINT_REDUCTION = 0.85
+
+
+def window_policy(window: int) -> dict[str, int | float]:
     """Session policy overrides that suit a ``window``-token route: an output reservation and a
     headroom of a sixteenth each (the defaults, 65,536 headroom, fit only large windows), so the
     trigger is 80% of the window and the retained budget 16% of what is left; summaries may take
-    a tenth of the window."""
+    a tenth of the window, and a checkpoint at most 15% of its span (``minReductionRatio``: the
+    quality gate rejects a larger one, and selection declines a span too small for that)."""
     share = max(64, window // 16)
-    return {"headroomTokens": share, "maxTokens": max(64, window // 10)}
+    return {
+        "headroomTokens": share,
+        "maxTokens": max(64, window // 10),
+        "minReductionRatio": CHECKPOINT_REDUCTION,
+    }
 
 
 def embedded_config(

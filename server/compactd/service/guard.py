@@ -41,7 +41,7 @@ from compactd.core.selection import DeclineCode, Declined, Selection
 from compactd.errors import CompactdError
 from compactd.metrics import Metrics
 from compactd.providers.base import SummaryRequest, SummaryResult
-from compactd.providers.extractive import ExtractiveSummarizer
+from compactd.providers.extractive import ExtractiveSummarizer, minimum_span_tokens
 from compactd.routes import Route
 from compactd.service.sessions import SessionHandle
 from compactd.service.summarizers import EXTRACTIVE_TARGET
@@ -125,7 +125,9 @@ class CompactionGuard:
         )
         settings = policy.gate
         ratio = settings.min_reduction_ratio if settings is not None else None
-        return gate.minimum_useful_span(route_price(skeleton, route), ratio)
+        # A ratio above a half also asks the extractive checkpoint (the fallback) to fit.
+        extractive = minimum_span_tokens(ratio)
+        return max(gate.minimum_useful_span(route_price(skeleton, route), ratio), extractive)
 
     # ---- 2. failure memory and crossing budgets -------------------------------------------
 
