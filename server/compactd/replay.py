@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 from compactd_client import AsyncCompactdClient, openai
 from compactd_client.v1 import events_pb2
 from compactd_client.v1.events_pb2 import SessionEvent
@@ -470,13 +471,18 @@ async def replay_all(
     policy: Mapping[str, Any] | None = None,
     on_step: Callable[[int, StepRecord], None] | None = None,
     keep_requests: bool = False,
+    credentials: grpc.ChannelCredentials | None = None,
+    token: str | None = None,
 ) -> list[SessionReplay]:
     """Replay every transcript against ``address``, one session each, in order.
 
-    ``on_step(conversation index, step)`` is called after each step's ``PrepareStep``.
+    ``on_step(conversation index, step)`` is called after each step's ``PrepareStep``;
+    ``credentials`` (TLS, a client certificate for mutual TLS) and ``token`` (a bearer token) are
+    the client's (``AsyncCompactdClient``).
     """
     results = []
-    async with AsyncCompactdClient(address, timeout=120.0) as client:
+    client = AsyncCompactdClient(address, timeout=120.0, credentials=credentials, token=token)
+    async with client:
         for index, transcript in enumerate(transcripts):
 
             def step(record: StepRecord, index: int = index) -> None:
