@@ -256,11 +256,15 @@ class Harness:
         call = stub.Compact(cpb.CompactRequest(session_id=self.session_id, focus=focus))
         return await _collect(call)
 
-    async def prepare(self, turn: int, route: events_pb2.Route | None = None) -> Run:
-        """Run PrepareStep to its end."""
+    async def prepare(
+        self, turn: int, route: events_pb2.Route | None = None, *, held: int | None = None
+    ) -> Run:
+        """Run PrepareStep to its end (``held``: the revision of the request the caller holds)."""
         request = cpb.PrepareStepRequest(session_id=self.session_id, turn=turn)
         if route is not None:
             request.intended_route.CopyFrom(route)
+        if held is not None:
+            request.held_revision = held
         return await _collect(self.compaction.PrepareStep(request))
 
     async def wait_for_log(

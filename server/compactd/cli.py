@@ -65,10 +65,67 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print the JSON Schema of compactd.toml, for editors (taplo, VS Code, "
         "JetBrains): save it and point the file at it with a `#:schema` first line.",
     )
+    _inspect_command(commands)
     from compactd import replay_command  # issue 14: replay
 
     replay_command.add_parser(commands)
     return parser
+
+
+def _inspect_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from compactd.inspect import MODES
+
+    inspect = commands.add_parser(
+        "inspect",
+        help="show a session of a running service: log, surface, brackets, pressure, plan",
+        description="Show one session of a running compactd: the log beside the surface (seq, "
+        "position, type, price, shadowed-by), each bracket as one row, the current pressure, "
+        "the plan of the next compaction (nothing is appended) and the rebuilt request. Exits "
+        "1 when the service refuses (an unknown session, say).",
+    )
+    inspect.add_argument("session", metavar="SESSION", help="the session id")
+    inspect.add_argument(
+        "--address",
+        default=os.environ.get("COMPACTD_ADDRESS", "127.0.0.1:50051"),
+        help="HOST:PORT of the service (also COMPACTD_ADDRESS; default 127.0.0.1:50051)",
+    )
+    inspect.add_argument(
+        "--token",
+        default=os.environ.get("COMPACTD_TOKEN", ""),
+        help="bearer token of a service with auth_tokens (also COMPACTD_TOKEN)",
+    )
+    inspect.add_argument(
+        "--tls-ca", metavar="FILE", help="CA certificate (PEM) to verify a TLS listener with"
+    )
+    inspect.add_argument("--json", action="store_true", help="print one JSON object instead")
+    inspect.add_argument(
+        "--follow", action="store_true", help="then stream new events and pressure (Ctrl-C stops)"
+    )
+    inspect.add_argument(
+        "--mode", choices=MODES, default="auto", help="the compaction to plan (default auto)"
+    )
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from compactd import inspect
+
+    tls_ca = None
+    if args.tls_ca:
+        try:
+            with open(args.tls_ca, "rb") as file:
+                tls_ca = file.read()
+        except OSError as error:
+            print(f"compactd inspect: --tls-ca: {error.strerror}: {args.tls_ca}", file=sys.stderr)
+            return EXIT_CONFIG
+    try:
+        return asyncio.run(
+            inspect.run(
+                args.address, args.session, as_json=args.json, follow=args.follow,
+                mode=args.mode, token=args.token, tls_ca=tls_ca, out=sys.stdout,
+            )
+        )  # fmt: skip
+    except KeyboardInterrupt:
+        return 0
 
 
 def _config_option(parser: argparse.ArgumentParser) -> None:
@@ -82,6 +139,8 @@ def _config_option(parser: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     args = build_parser().parse_args(argv)
+    if args.command == "inspect":
+        return _inspect(args)
     if args.command == "replay":
         from compactd import replay_command
 

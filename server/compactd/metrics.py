@@ -314,9 +314,12 @@ def _reports(response: Any) -> Iterator[Any]:
         yield response.report
     result = response.result if _has(response, "result") else None
     if result is not None and type(result).__name__ == "PrepareStepResult":
-        for name in ("before", "after"):
-            if _has(result, name):
-                yield getattr(result, name)
+        if _has(result, "before"):
+            yield result.before
+        # A step that changed nothing measured once: its ``after`` is its ``before``.
+        changed = result.pruned_count or result.compactions or _has(result, "header_seq")
+        if changed and _has(result, "after"):
+            yield result.after
 
 
 def _has(message: Any, name: str) -> bool:

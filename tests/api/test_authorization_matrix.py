@@ -98,7 +98,7 @@ RPCS: dict[str, Call] = {
         first_only=True,
     ),
     "SessionService.GetSurface": lambda s: _unary(
-        s.sessions.GetSurface(spb.GetSurfaceRequest(session_id=SID))
+        s.sessions.GetSurface(spb.GetSurfaceRequest(session_id=SID, detail=True))
     ),
     "SessionService.BuildRequest": lambda s: _unary(
         s.sessions.BuildRequest(spb.BuildRequestRequest(session_id=SID))
@@ -135,6 +135,12 @@ RPCS: dict[str, Call] = {
                 raw=cpb.RawProviderError(http_status=429, body=b'{"error":{"message":"slow"}}')
             )
         )
+    ),
+    "CompactionService.PlanCompaction": lambda s: _unary(
+        s.compaction.PlanCompaction(cpb.PlanCompactionRequest(session_id=SID))
+    ),
+    "CompactionService.ListBrackets": lambda s: _unary(
+        s.compaction.ListBrackets(cpb.ListBracketsRequest(session_id=SID))
     ),
 }
 

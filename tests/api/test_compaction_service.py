@@ -285,6 +285,64 @@ async def test_prepare_step_streams_each_step_then_the_rebuilt_request(
         assert result.request == await h.build()
 
 
+async def test_a_held_request_comes_back_as_the_messages_appended_since(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    async with started(tmp_path, loop, policy=RELAXED) as h:
+        await h.create(*opening(), *units(2), turn_start(1))
+        first = (await h.prepare(1)).result  # an old client: no held revision, the full request
+        built = await h.build()
+        assert first.request == built
+        assert not first.request_unchanged
+        assert first.request_revision == built.revision
+
+        same = (await h.prepare(1, held=built.revision)).result
+        assert same.request_unchanged
+        assert not same.HasField("request")
+        assert list(same.appended_messages) == []
+        assert same.request_revision == built.revision
+        assert same.before.state == BELOW
+
+        await h.append(*in_step(1, 1, assistant("Looking at src/mod1.py now.")))
+        grown = (await h.prepare(1, held=built.revision)).result
+        now = await h.build()
+        assert grown.request_unchanged
+        assert [*built.messages, *grown.appended_messages] == list(now.messages)
+        assert grown.request_revision == now.revision
+
+        await h.append(header(PROVIDER, "other"))  # the request's config changed: all of it back
+        changed = (await h.prepare(1, held=now.revision)).result
+        assert not changed.request_unchanged
+        assert changed.request == await h.build()
+
+
+async def test_a_step_that_compacts_returns_the_full_request_whatever_was_held(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    async with started(tmp_path, loop) as h:
+        await h.create(*opening(), *units(18), turn_start(1))
+        held = (await h.build()).revision
+        result = (await h.prepare(1, held=held)).result
+        assert len(result.compactions) == 1
+        assert not result.request_unchanged
+        assert result.request == await h.build()
+        assert result.request_revision == result.request.revision
+
+
+async def test_a_held_revision_outside_the_log_is_invalid(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    async with started(tmp_path, loop, policy=RELAXED) as h:
+        await h.create(*opening(), *units(1), turn_start(1))
+        revision = (await h.build()).revision
+        for held in (-1, revision + 1):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await h.prepare(1, held=held)
+            got = details(caught.value)
+            assert got.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert got.fields == ["held_revision"]
+
+
 # ---- errors and cancellation ---------------------------------------------------------------------
 
 

@@ -94,6 +94,14 @@ async def classify_provider_error(sessions: Any, compaction: Any, sid: str) -> N
     await compaction.ClassifyProviderError(cpb.ClassifyProviderErrorRequest(raw=raw))
 
 
+async def plan_compaction(sessions: Any, compaction: Any, sid: str) -> None:
+    await compaction.PlanCompaction(cpb.PlanCompactionRequest(session_id=sid))
+
+
+async def list_brackets(sessions: Any, compaction: Any, sid: str) -> None:
+    await compaction.ListBrackets(cpb.ListBracketsRequest(session_id=sid))
+
+
 # RPC -> (its call; another request: "nope" names a session that does not exist, "" leaves the
 # request empty; that request's code; the code for the live session below: a system prompt, a
 # routed header, an open turn).
@@ -117,6 +125,8 @@ CASES: dict[str, tuple[Call, str, Code, Code]] = {
         Code.INVALID_ARGUMENT,
         Code.OK,
     ),
+    "CompactionService.PlanCompaction": (plan_compaction, "nope", Code.NOT_FOUND, Code.OK),
+    "CompactionService.ListBrackets": (list_brackets, "nope", Code.NOT_FOUND, Code.OK),
 }
 
 

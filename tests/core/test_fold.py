@@ -57,6 +57,8 @@ def snapshot(fold: SessionFold) -> tuple[Any, ...]:
         [fold.surface.position_of(seq) for seq in range(fold.revision + 1)],
         dict(fold.surface._calls),  # the incremental call index must match a refold's
         fold.surface.replacements,
+        dict(fold.surface.shadowed_by),
+        fold.offload_generation,
         None if fold.header is None else fold.header.SerializeToString(deterministic=True),
         fold.header_seq,
         fold.replacements_at_header,

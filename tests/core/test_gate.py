@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from compactd.core import prompts
 from compactd.core.gate import (
@@ -13,7 +15,7 @@ from compactd.core.gate import (
     minimum_useful_span,
     section_problem,
 )
-from compactd.core.probes import Probe, ProbeKind
+from compactd.core.probes import Message, Probe, ProbeKind, message_text
 from compactd.testing.messages import assistant, user
 
 SPAN = [user("Please fix the bug in lib/app/mod.py now."), assistant("Done: lib/app/mod.py fixed.")]
@@ -135,3 +137,26 @@ def test_the_minimum_useful_span_prices_the_skeleton_and_the_reduction() -> None
     assert minimum_useful_span(90, 0.1) == 100
     assert minimum_useful_span(90, 0.0) == 91
     assert minimum_useful_span(90, None) == 91
+
+
+def reference_echo(summary: str, span: list[Message]) -> int | None:
+    """``echoed_message`` without its shortcuts: fold everything, compare."""
+    needle = " ".join(summary.split()).casefold()
+    if not needle:
+        return None
+    for index, message in enumerate(span):
+        if needle in " ".join(message_text(message).split()).casefold():
+            return index
+    return None
+
+
+ECHO_TEXT = st.text(alphabet="aAbBßSs ﬁ\n\t.", max_size=24)
+
+
+@settings(max_examples=400)
+@given(ECHO_TEXT, st.lists(ECHO_TEXT, max_size=4))
+def test_the_echo_check_finds_what_folding_every_message_finds(
+    summary: str, texts: list[str]
+) -> None:
+    span = [user(text) for text in texts]
+    assert echoed_message(summary, span) == reference_echo(summary, span)

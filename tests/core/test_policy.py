@@ -382,3 +382,66 @@ def test_gate_and_memory_settings_resolve_per_route() -> None:
     assert big.remembers_failures
     assert small.gate is None
     assert not small.remembers_failures
+
+
+# ---- explaining a resolution -------------------------------------------------------------------
+
+_LAYER_VALUES: dict[str, list[Any]] = {
+    "thresholdRatio": [0.7, 0.9],
+    "headroomTokens": [1000, 2000],
+    "retainRatio": [0.1, 0.2],
+    "retainTokens": [100, 300],
+    "maxTokens": [10, 20],
+    "compactionRetries": [0, 3],
+    "auto": [True, False],
+    "minProbeRetention": [0.3, 0.6],
+}
+
+
+@st.composite
+def _layer(draw: st.DrawFn) -> dict[str, Any]:
+    names = draw(st.sets(st.sampled_from(sorted(_LAYER_VALUES))))
+    layer = {name: draw(st.sampled_from(_LAYER_VALUES[name])) for name in names}
+    if "retainRatio" in layer and "retainTokens" in layer:
+        del layer[draw(st.sampled_from(["retainRatio", "retainTokens"]))]
+    return layer
+
+
+def _with_route(base: dict[str, Any], route: dict[str, Any]) -> dict[str, Any]:
+    return {**base, "modelPolicies": [{"provider": "p", "model": "m", **route}]}
+
+
+@given(_layer(), _layer(), _layer(), _layer())
+def test_each_resolved_setting_has_the_value_of_the_layer_its_origin_names(
+    service_base: dict[str, Any],
+    service_route: dict[str, Any],
+    session_base: dict[str, Any],
+    session_route: dict[str, Any],
+) -> None:
+    from compactd.core.policy import resolved_settings, setting_origins
+
+    service_settings = _with_route(service_base, service_route)
+    session = _with_route(session_base, session_route)
+    try:
+        service = PressurePolicy.from_settings(service_settings)
+        resolved = service.with_overrides(session).for_target("p", "m")
+    except ConfigError:
+        return  # an invalid combination is refused before anything resolves it
+    layers = {
+        "SERVICE": service_base, "SERVICE_ROUTE": service_route,
+        "SESSION": session_base, "SESSION_ROUTE": session_route,
+    }  # fmt: skip
+    origins = setting_origins(service, session, "p", "m")
+    values = resolved_settings(resolved)
+    assert origins.keys() == values.keys()
+    for name, origin in origins.items():
+        if origin == "DEFAULT":
+            assert name not in {k for layer in layers.values() for k in layer} or name in (
+                "retainRatio", "retainTokens",
+            )  # fmt: skip
+            continue
+        layer = layers[origin]
+        if name in ("retainRatio", "retainTokens"):
+            assert layer.get(name) == values[name]  # the layer's form, the other one unset
+        else:
+            assert layer[name] == values[name]

@@ -3,11 +3,13 @@ kept them."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compactd.core import prompts
+from compactd.core import probes, prompts
 from compactd.core.probes import (
     Probe,
     ProbeKind,
@@ -257,3 +259,56 @@ def test_an_extractive_summary_with_room_keeps_every_probe(span: list) -> None: 
     summary = ExtractiveSummarizer(span_share=None).summary_text(span, 20_000)
 
     assert retention(probes_of(span), summary).missed == ()
+
+
+# --- property: the one-scan path finder finds what scanning every run finds -----------------
+
+_EVERY_RUN = re.compile(r"[\w:/.~@+-]+")
+
+
+def reference_paths_in(text: str) -> list[str]:
+    """``paths_in`` as a walk over every maximal run of path characters (the slow reference)."""
+    slashed: dict[str, None] = {}
+    bare: dict[str, None] = {}
+    for run in _EVERY_RUN.findall(text):
+        if "/" in run:
+            for match in probes._PATH_TOKEN.finditer(run):
+                token = match.group(0).rstrip(".,:;")
+                if probes._looks_like_path(token):
+                    slashed[token] = None
+        if "." in run.rstrip(".,:;"):
+            bare.update(dict.fromkeys(m.group(0) for m in probes._BARE_FILE.finditer(run)))
+    return [*slashed, *(name for name in bare if name not in slashed)]
+
+
+PATHY = st.text(alphabet="ab._/-~:@+ \n,;é1", max_size=60)
+
+
+@settings(max_examples=500)
+@given(st.lists(st.one_of(PATHY, st.sampled_from(["src/a.py", "./x", "~/y.md", "a.b.c"])),
+                max_size=8).map(" ".join))  # fmt: skip
+def test_paths_in_finds_what_a_walk_over_every_run_finds(text: str) -> None:
+    assert probes.paths_in(text) == reference_paths_in(text)
+
+
+def test_call_facts_without_every_path_names_the_same_paths_and_commands() -> None:
+    arguments = '{"path": "src/a.py", "content": "see lib/b.py", "command": "cat docs/c.md"}'
+    full, probed = call_facts(arguments), call_facts(arguments, every_path=False)
+    assert probed.named_paths == full.named_paths == ("src/a.py", "docs/c.md")
+    assert probed.commands == full.commands
+    assert "lib/b.py" in full.paths
+    assert probed.paths == ("src/a.py",)
+
+
+def test_a_bulk_extraction_gives_the_probes_a_plain_one_gives() -> None:
+    span = [
+        user("Fix src/app/main.py: `pytest -q` fails with KeyError in lib/conf.py\n$ make test"),
+        assistant("Reading src/app/main.py and docs/notes.md first.",
+                  calls=[("c1", "write", '{"path": "out/a.py", "content": "see lib/b.py"}')]),
+        tool_result("c1", "Traceback (most recent call last):\nKeyError: 'x'", is_error=True),
+    ]  # fmt: skip
+    plain, bulk = span_facts(span), span_facts(span, bulk=True)
+    assert select_probes(bulk) == select_probes(plain)
+    assert (bulk.requests, bulk.paths, bulk.commands, bulk.errors) == (
+        plain.requests, plain.paths, plain.commands, plain.errors,
+    )  # fmt: skip

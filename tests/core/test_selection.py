@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from compactd.core import events as ev
 from compactd.core.bracket import checkpoint_event, end_event, start_event, summary_event
 from compactd.core.events import SessionEvent
 from compactd.core.fold import SessionFold
@@ -18,6 +19,7 @@ from compactd.core.selection import (
     Selection,
     SelectionMode,
     head_length,
+    open_calls,
     revalidation_for,
     select_range,
     still_valid,
@@ -25,6 +27,7 @@ from compactd.core.selection import (
     unit_boundaries,
 )
 from compactd.core.surface import SurfaceNode
+from compactd.errors import ReplacementRejected
 from compactd.v1 import events_pb2
 from tests.builders import (
     assistant,
@@ -263,8 +266,9 @@ WORDS = st.text(alphabet="abcdef ", min_size=1, max_size=30)
 
 
 @st.composite
-def conversations(draw: st.DrawFn) -> list[SessionEvent]:
-    """Users, systems, assistants with 0-3 calls, results in any order (some repeated)."""
+def conversations(draw: st.DrawFn, *, reused_ids: bool = False) -> list[SessionEvent]:
+    """Users, systems, assistants with 0-3 calls, results in any order (some repeated); with
+    ``reused_ids``, some assistants make a call id an earlier call used."""
     events: list[SessionEvent] = [system("sys")] if draw(st.booleans()) else []
     pending: list[str] = []
     answered: list[str] = []
@@ -272,6 +276,8 @@ def conversations(draw: st.DrawFn) -> list[SessionEvent]:
         kind = draw(st.sampled_from(["user", "system", "assistant", "result", "result", "again"]))
         if kind == "assistant":
             calls = [(f"c{index}.{k}", "tool", "{}") for k in range(draw(st.integers(0, 3)))]
+            if reused_ids and answered and draw(st.integers(0, 4)) == 0:
+                calls.append((draw(st.sampled_from(answered)), "tool", "{}"))
             events.append(assistant(draw(WORDS), calls=calls))
             pending.extend(call for call, _, _ in calls)
         elif kind == "result" and pending:
@@ -335,3 +341,95 @@ def test_a_span_below_the_minimum_useful_checkpoint_is_declined_with_its_figures
         "checkpoint (21 tokens)"
     )
     assert isinstance(select_range(fold, ten, mode=MAXIMAL, min_span_tokens=20), Selection)
+
+
+# --- property: the tail-only selection chooses exactly what a whole-surface walk chooses -------
+
+
+def reference_select(
+    fold: SessionFold, price: Callable[[SurfaceNode], int], mode: SelectionMode, budget: int
+) -> tuple[int, int] | str:
+    """The selection rules as a walk over the whole surface: ``(start, end)`` positions of the
+    span (end exclusive), or the decline code."""
+    nodes = list(fold.surface)
+    first_call: dict[str, int] = {}
+    last_result: dict[str, int | None] = {}
+    for position, node in enumerate(nodes):
+        for call in ev.tool_call_ids(node.event):
+            first_call.setdefault(call, position)
+            last_result.setdefault(call, None)
+        if node.event.HasField("tool_result"):
+            call = node.event.tool_result.tool_call_id
+            if call in first_call:
+                last_result[call] = position
+    if any(last is None for last in last_result.values()):
+        return DeclineCode.OPEN_TAIL
+    bounds = [
+        not any(first_call[c] < cut <= (last or 0) for c, last in last_result.items())
+        for cut in range(len(nodes) + 1)
+    ]
+    start = 1 if nodes and nodes[0].type == ev.SYSTEM_MESSAGE else 0
+    limit = max((cut for cut in range(len(nodes)) if bounds[cut]), default=0)
+    if mode is SelectionMode.PRESSURE:
+        tail_start, kept = -1, 0
+        for position in range(len(nodes), -1, -1):
+            if kept >= budget:
+                tail_start = position
+                break
+            kept += price(nodes[position - 1]) if position else 0
+        limit = min(limit, tail_start)
+    end = max((cut for cut in range(start, limit + 1) if bounds[cut]), default=start)
+    if end <= start or (end - start == 1 and ev.checkpoint_compaction_id(nodes[start].event)):
+        return DeclineCode.NOTHING_SELECTABLE
+    return start, end
+
+
+@settings(deadline=None, max_examples=300)
+@given(
+    conversations(reused_ids=True),
+    st.sampled_from(list(SelectionMode)),
+    st.integers(0, 200),
+    st.data(),
+)
+def test_selection_from_the_tail_matches_a_whole_surface_walk(
+    events: list[SessionEvent], mode: SelectionMode, budget: int, data: st.DataObject
+) -> None:
+    fold = fold_of(*events)
+    for round_ in range(4):  # later rounds select over checkpoints and new nodes
+        expected = reference_select(fold, text_price, mode, budget)
+        result = select_range(fold, text_price, mode=mode, retained_budget=budget)
+        if isinstance(result, Declined):
+            assert result.code == expected
+            return
+        assert (result.start_position, result.end_position + 1) == expected
+        nodes = list(fold.surface)[result.start_position : result.end_position + 1]
+        assert result.shadowed_price == sum(text_price(n) for n in nodes)
+        try:
+            commit(fold, result, f"k{round_}")
+        except ReplacementRejected:  # a reused call id: the surface's pairing check is stricter
+            assert any(len(ids) > 1 for ids in fold.surface._makers.values())
+            return
+        for _ in range(data.draw(st.integers(0, 3))):
+            fold.admit([user(data.draw(WORDS))])
+
+
+@settings(deadline=None, max_examples=200)
+@given(conversations(reused_ids=True), st.data())
+def test_the_surface_keeps_its_unanswered_calls_through_replacements_and_undo(
+    events: list[SessionEvent], data: st.DataObject
+) -> None:
+    fold = fold_of(*events)
+    assert fold.surface.unanswered_calls() == open_calls(list(fold.surface))
+    result = select_range(fold, ten, mode=MAXIMAL)
+    if isinstance(result, Selection):
+        snapshot = surface_snapshot(fold)
+        try:
+            batch = fold.admit([replace(user("x"), result.start_seq, result.end_seq,
+                                        result.shadowed_seqs)])  # fmt: skip
+        except ReplacementRejected:  # a reused call id (see the test above)
+            return
+        assert fold.surface.unanswered_calls() == open_calls(list(fold.surface))
+        if data.draw(st.booleans()):
+            fold.rollback(batch)
+            assert fold.surface.unanswered_calls() == open_calls(list(fold.surface))
+        assert not still_valid(fold, result, snapshot, Revalidation.WHOLE_SURFACE)

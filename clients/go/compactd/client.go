@@ -13,6 +13,7 @@ import (
 
 	v1 "compactd.dev/client/compactdv1"
 	"google.golang.org/grpc"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/structpb"
 )
 
@@ -24,8 +25,12 @@ const ServiceConfig = `{"methodConfig": [{
     {"service": "compactd.v1.SessionService", "method": "ListEvents"},
     {"service": "compactd.v1.SessionService", "method": "GetSurface"},
     {"service": "compactd.v1.SessionService", "method": "BuildRequest"},
+    {"service": "compactd.v1.SessionService", "method": "ListSessions"},
     {"service": "compactd.v1.CompactionService", "method": "CheckPressure"},
-    {"service": "compactd.v1.CompactionService", "method": "WatchPressure"}
+    {"service": "compactd.v1.CompactionService", "method": "WatchPressure"},
+    {"service": "compactd.v1.CompactionService", "method": "ClassifyProviderError"},
+    {"service": "compactd.v1.CompactionService", "method": "PlanCompaction"},
+    {"service": "compactd.v1.CompactionService", "method": "ListBrackets"}
   ],
   "retryPolicy": {
     "maxAttempts": 4, "initialBackoff": "0.1s", "maxBackoff": "2s",
@@ -222,7 +227,34 @@ func newStream[M update[R], R comparable](recv func() (M, error), err error) (*C
 
 // PrepareStep runs the pre-step check for an open turn; the result carries the request to send.
 func (c *Client) PrepareStep(ctx context.Context, sessionID string, turn int64, intended *v1.Route) (*CompactionStream[*v1.PrepareStepResponse, *v1.PrepareStepResult], error) {
-	s, err := c.Compaction.PrepareStep(ctx, &v1.PrepareStepRequest{SessionId: sessionID, Turn: turn, IntendedRoute: intended})
+	return c.prepareStep(ctx, &v1.PrepareStepRequest{SessionId: sessionID, Turn: turn, IntendedRoute: intended})
+}
+
+// PrepareStepHeld is PrepareStep for a runtime that holds the request built at heldRevision:
+// the result omits the full request while compactd changed none of it (StepRequest gives the
+// request to send either way).
+func (c *Client) PrepareStepHeld(ctx context.Context, sessionID string, turn int64, intended *v1.Route, heldRevision int64) (*CompactionStream[*v1.PrepareStepResponse, *v1.PrepareStepResult], error) {
+	return c.prepareStep(ctx, &v1.PrepareStepRequest{SessionId: sessionID, Turn: turn, IntendedRoute: intended, HeldRevision: &heldRevision})
+}
+
+// StepRequest is the request a step sends: the result's full request or, when the result says
+// RequestUnchanged, held with the messages appended since. Its Revision is the next step's
+// heldRevision. held may be nil only when the result carries the full request.
+func StepRequest(held *v1.BuildRequestResponse, result *v1.PrepareStepResult) (*v1.BuildRequestResponse, error) {
+	if !result.GetRequestUnchanged() {
+		return result.GetRequest(), nil
+	}
+	if held == nil {
+		return nil, fmt.Errorf("the PrepareStep result omits the request: pass the request heldRevision named")
+	}
+	request := proto.Clone(held).(*v1.BuildRequestResponse)
+	request.Messages = append(request.Messages, result.GetAppendedMessages()...)
+	request.Revision = result.GetRequestRevision()
+	return request, nil
+}
+
+func (c *Client) prepareStep(ctx context.Context, request *v1.PrepareStepRequest) (*CompactionStream[*v1.PrepareStepResponse, *v1.PrepareStepResult], error) {
+	s, err := c.Compaction.PrepareStep(ctx, request)
 	if err != nil {
 		return newStream[*v1.PrepareStepResponse, *v1.PrepareStepResult](nil, err)
 	}

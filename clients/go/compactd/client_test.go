@@ -199,3 +199,22 @@ func TestWatchEndsWhenItsContextIsCancelled(t *testing.T) {
 		t.Fatalf("revisions %v", revisions)
 	}
 }
+
+func TestStepRequestExtendsTheHeldRequestOnlyWhenUnchanged(t *testing.T) {
+	held := &v1.BuildRequestResponse{Revision: 7, Messages: []*v1.Message{{Name: "a"}}}
+	unchanged := &v1.PrepareStepResult{RequestUnchanged: true, AppendedMessages: []*v1.Message{{Name: "b"}}, RequestRevision: 9}
+	request, err := compactd.StepRequest(held, unchanged)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(request.GetMessages()) != 2 || request.GetMessages()[1].GetName() != "b" || request.GetRevision() != 9 || len(held.GetMessages()) != 1 {
+		t.Fatalf("request %v held %v", request, held)
+	}
+	full := &v1.BuildRequestResponse{Revision: 9}
+	if got, err := compactd.StepRequest(held, &v1.PrepareStepResult{Request: full}); err != nil || got != full {
+		t.Fatalf("full request: %v %v", got, err)
+	}
+	if _, err := compactd.StepRequest(nil, unchanged); err == nil {
+		t.Fatal("an omitted request without the held one must fail")
+	}
+}

@@ -92,6 +92,20 @@ type CompactionServiceClient interface {
 	// limits; authentication; unavailability). Needs no session. Errors: INVALID_ARGUMENT when
 	// neither a status nor a body is given.
 	ClassifyProviderError(ctx context.Context, in *ClassifyProviderErrorRequest, opts ...grpc.CallOption) (*ClassifyProviderErrorResponse, error)
+	// A dry run: what a compaction in `mode` would do now, decided by the same code the real
+	// path runs, without appending anything. The resolved policy with each setting's origin, the
+	// measured envelope, the prunes the pruner would make, the span selection would choose (or
+	// why it declines, with the reasons the real path reports) and the expected tokens after.
+	// It plans the next bracket only; convergence retries are not planned. Errors: NOT_FOUND;
+	// INVALID_ARGUMENT when `mode` is SWITCH without a `route`, or a route lacks provider or
+	// model. Conditions the real path refuses (a live bracket, an open turn for MANUAL, below
+	// the trigger, no capacity) are a `blocked` reason in the plan, not errors.
+	PlanCompaction(ctx context.Context, in *PlanCompactionRequest, opts ...grpc.CallOption) (*PlanCompactionResponse, error)
+	// Every bracket of the session's log, oldest first, with its steps, timings, outcome, span,
+	// tokens and summarizer, and the prunes; brackets without a `compaction/end` are LIVE (after
+	// the newest `session/end-seed`: the lock of this lifecycle) or STALE (before it: evidence of
+	// a process that died, no longer blocking). Errors: NOT_FOUND.
+	ListBrackets(ctx context.Context, in *ListBracketsRequest, opts ...grpc.CallOption) (*ListBracketsResponse, error)
 }
 
 type compactionServiceClient struct {
@@ -280,6 +294,24 @@ func (c *compactionServiceClient) ClassifyProviderError(ctx context.Context, in 
 	return out, nil
 }
 
+func (c *compactionServiceClient) PlanCompaction(ctx context.Context, in *PlanCompactionRequest, opts ...grpc.CallOption) (*PlanCompactionResponse, error) {
+	out := new(PlanCompactionResponse)
+	err := c.cc.Invoke(ctx, "/compactd.v1.CompactionService/PlanCompaction", in, out, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *compactionServiceClient) ListBrackets(ctx context.Context, in *ListBracketsRequest, opts ...grpc.CallOption) (*ListBracketsResponse, error) {
+	out := new(ListBracketsResponse)
+	err := c.cc.Invoke(ctx, "/compactd.v1.CompactionService/ListBrackets", in, out, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // CompactionServiceServer is the server API for CompactionService service.
 // All implementations must embed UnimplementedCompactionServiceServer
 // for forward compatibility
@@ -359,6 +391,20 @@ type CompactionServiceServer interface {
 	// limits; authentication; unavailability). Needs no session. Errors: INVALID_ARGUMENT when
 	// neither a status nor a body is given.
 	ClassifyProviderError(context.Context, *ClassifyProviderErrorRequest) (*ClassifyProviderErrorResponse, error)
+	// A dry run: what a compaction in `mode` would do now, decided by the same code the real
+	// path runs, without appending anything. The resolved policy with each setting's origin, the
+	// measured envelope, the prunes the pruner would make, the span selection would choose (or
+	// why it declines, with the reasons the real path reports) and the expected tokens after.
+	// It plans the next bracket only; convergence retries are not planned. Errors: NOT_FOUND;
+	// INVALID_ARGUMENT when `mode` is SWITCH without a `route`, or a route lacks provider or
+	// model. Conditions the real path refuses (a live bracket, an open turn for MANUAL, below
+	// the trigger, no capacity) are a `blocked` reason in the plan, not errors.
+	PlanCompaction(context.Context, *PlanCompactionRequest) (*PlanCompactionResponse, error)
+	// Every bracket of the session's log, oldest first, with its steps, timings, outcome, span,
+	// tokens and summarizer, and the prunes; brackets without a `compaction/end` are LIVE (after
+	// the newest `session/end-seed`: the lock of this lifecycle) or STALE (before it: evidence of
+	// a process that died, no longer blocking). Errors: NOT_FOUND.
+	ListBrackets(context.Context, *ListBracketsRequest) (*ListBracketsResponse, error)
 	mustEmbedUnimplementedCompactionServiceServer()
 }
 
@@ -386,6 +432,12 @@ func (UnimplementedCompactionServiceServer) SwitchModel(*SwitchModelRequest, Com
 }
 func (UnimplementedCompactionServiceServer) ClassifyProviderError(context.Context, *ClassifyProviderErrorRequest) (*ClassifyProviderErrorResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method ClassifyProviderError not implemented")
+}
+func (UnimplementedCompactionServiceServer) PlanCompaction(context.Context, *PlanCompactionRequest) (*PlanCompactionResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method PlanCompaction not implemented")
+}
+func (UnimplementedCompactionServiceServer) ListBrackets(context.Context, *ListBracketsRequest) (*ListBracketsResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method ListBrackets not implemented")
 }
 func (UnimplementedCompactionServiceServer) mustEmbedUnimplementedCompactionServiceServer() {}
 
@@ -541,6 +593,42 @@ func _CompactionService_ClassifyProviderError_Handler(srv interface{}, ctx conte
 	return interceptor(ctx, in, info, handler)
 }
 
+func _CompactionService_PlanCompaction_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(PlanCompactionRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(CompactionServiceServer).PlanCompaction(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: "/compactd.v1.CompactionService/PlanCompaction",
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(CompactionServiceServer).PlanCompaction(ctx, req.(*PlanCompactionRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _CompactionService_ListBrackets_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListBracketsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(CompactionServiceServer).ListBrackets(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: "/compactd.v1.CompactionService/ListBrackets",
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(CompactionServiceServer).ListBrackets(ctx, req.(*ListBracketsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 var _CompactionService_serviceDesc = grpc.ServiceDesc{
 	ServiceName: "compactd.v1.CompactionService",
 	HandlerType: (*CompactionServiceServer)(nil),
@@ -552,6 +640,14 @@ var _CompactionService_serviceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ClassifyProviderError",
 			Handler:    _CompactionService_ClassifyProviderError_Handler,
+		},
+		{
+			MethodName: "PlanCompaction",
+			Handler:    _CompactionService_PlanCompaction_Handler,
+		},
+		{
+			MethodName: "ListBrackets",
+			Handler:    _CompactionService_ListBrackets_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

@@ -38,8 +38,9 @@ type SessionServiceClient interface {
 	// Streams the log from `from_seq`, one event per message, in seq order.
 	// Errors: NOT_FOUND; INVALID_ARGUMENT for a negative `from_seq`.
 	ListEvents(ctx context.Context, in *ListEventsRequest, opts ...grpc.CallOption) (SessionService_ListEventsClient, error)
-	// Returns the current surface: ordered nodes with their projected messages.
-	// Errors: NOT_FOUND.
+	// Returns the current surface: ordered nodes with their projected messages; with `detail`,
+	// also each node's prices, the generations, the meter's anchor and the shadowed nodes.
+	// Errors: NOT_FOUND; INVALID_ARGUMENT when `route` lacks its provider or model.
 	GetSurface(ctx context.Context, in *GetSurfaceRequest, opts ...grpc.CallOption) (*GetSurfaceResponse, error)
 	// Reconstructs the model request: messages derived from the surface, config and tools folded
 	// from the latest `request/header`, registered projections (image offload) applied.
@@ -174,8 +175,9 @@ type SessionServiceServer interface {
 	// Streams the log from `from_seq`, one event per message, in seq order.
 	// Errors: NOT_FOUND; INVALID_ARGUMENT for a negative `from_seq`.
 	ListEvents(*ListEventsRequest, SessionService_ListEventsServer) error
-	// Returns the current surface: ordered nodes with their projected messages.
-	// Errors: NOT_FOUND.
+	// Returns the current surface: ordered nodes with their projected messages; with `detail`,
+	// also each node's prices, the generations, the meter's anchor and the shadowed nodes.
+	// Errors: NOT_FOUND; INVALID_ARGUMENT when `route` lacks its provider or model.
 	GetSurface(context.Context, *GetSurfaceRequest) (*GetSurfaceResponse, error)
 	// Reconstructs the model request: messages derived from the surface, config and tools folded
 	// from the latest `request/header`, registered projections (image offload) applied.

@@ -2,7 +2,7 @@
 // (connect-node's gRPC transport). Every method throws a CompactdError subclass on failure.
 
 import type * as http2 from "node:http2";
-import type { JsonObject } from "@bufbuild/protobuf";
+import { clone, type JsonObject } from "@bufbuild/protobuf";
 import { type CallOptions, type Client, Code, ConnectError, createClient, type Interceptor } from "@connectrpc/connect";
 import { createGrpcTransport, Http2SessionManager } from "@connectrpc/connect-node";
 import {
@@ -19,6 +19,7 @@ import type { Route, SessionEvent } from "./gen/compactd/v1/events_pb.js";
 import {
   type AppendEventsResponse,
   type BuildRequestResponse,
+  BuildRequestResponseSchema,
   type GetSurfaceResponse,
   type Session,
   SessionService,
@@ -42,7 +43,15 @@ export const DEFAULT_RETRY: RetryPolicy = {
 };
 
 /** Unary RPCs whose retry cannot change the outcome (reads). */
-export const IDEMPOTENT_METHODS: ReadonlySet<string> = new Set(["GetSurface", "BuildRequest", "CheckPressure"]);
+export const IDEMPOTENT_METHODS: ReadonlySet<string> = new Set([
+  "GetSurface",
+  "BuildRequest",
+  "ListSessions",
+  "CheckPressure",
+  "ClassifyProviderError",
+  "PlanCompaction",
+  "ListBrackets",
+]);
 
 export interface ClientOptions {
   /** Server address: "host:port" or a URL such as "http://127.0.0.1:50051". */
@@ -235,16 +244,21 @@ export class CompactdClient {
     return project(responses, (m) => m.report, opts?.signal);
   }
 
-  /** The pre-step check; the result carries the request to send. */
+  /**
+   * The pre-step check; the result carries the request to send. With `heldRevision` (the
+   * revision of the request the runtime holds) the result omits the full request while compactd
+   * changed none of it: `stepRequest` gives the request to send either way.
+   */
   prepareStep(
     sessionId: string,
     turn: number | bigint,
-    init: { intendedRoute?: Route } = {},
+    init: { intendedRoute?: Route; heldRevision?: number | bigint } = {},
     opts?: CallOpts,
   ): CompactionStream<PrepareStepResult> {
+    const heldRevision = init.heldRevision === undefined ? undefined : BigInt(init.heldRevision);
     return new CompactionStream(
       this.compaction.prepareStep(
-        { sessionId, turn: BigInt(turn), intendedRoute: init.intendedRoute },
+        { sessionId, turn: BigInt(turn), intendedRoute: init.intendedRoute, heldRevision },
         this.streamOptions(opts),
       ),
     );
@@ -352,4 +366,21 @@ function sleep(ms: number, signal: AbortSignal): Promise<void> {
       { once: true },
     );
   });
+}
+
+/**
+ * The request a step sends: the result's full request, or (`requestUnchanged`) the held request
+ * with the messages appended since. Its `revision` is the next step's `heldRevision`. Throws when
+ * the result omits the request and no held request is given.
+ */
+export function stepRequest(held: BuildRequestResponse | undefined, result: PrepareStepResult): BuildRequestResponse {
+  if (!result.requestUnchanged) {
+    if (result.request === undefined) throw new Error("the PrepareStep result carries no request");
+    return result.request;
+  }
+  if (held === undefined) throw new Error("the result omits the request: pass the request heldRevision named");
+  const request = clone(BuildRequestResponseSchema, held);
+  request.messages.push(...result.appendedMessages);
+  request.revision = result.requestRevision;
+  return request;
 }

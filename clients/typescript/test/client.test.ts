@@ -7,6 +7,7 @@ import { create } from "@bufbuild/protobuf";
 import { Code, ConnectError } from "@connectrpc/connect";
 import {
   AppendEventsResponseSchema,
+  BuildRequestResponseSchema,
   CompactdClient,
   CompactionBusyError,
   CompactionStep,
@@ -16,8 +17,11 @@ import {
   GetSurfaceResponseSchema,
   IncompleteStreamError,
   InvalidArgumentError,
+  MessageSchema,
   NotFoundError,
+  PrepareStepResultSchema,
   SeqConflictError,
+  stepRequest,
   UnavailableError,
   userMessage,
   WatchPressureResponseSchema,
@@ -212,5 +216,29 @@ describe("streams", () => {
     } finally {
       await missing.close();
     }
+  });
+});
+
+describe("stepRequest", () => {
+  const held = create(BuildRequestResponseSchema, { revision: 7n, messages: [create(MessageSchema, {})] });
+
+  test("an unchanged request is the held one with the appended messages", () => {
+    const appended = create(MessageSchema, { toolCallId: "t" });
+    const result = create(PrepareStepResultSchema, {
+      requestUnchanged: true,
+      appendedMessages: [appended],
+      requestRevision: 9n,
+    });
+    const request = stepRequest(held, result);
+    assert.equal(request.messages.length, 2);
+    assert.equal(request.messages[1]?.toolCallId, "t");
+    assert.equal(request.revision, 9n);
+    assert.equal(held.messages.length, 1);
+  });
+
+  test("a full request replaces the held one; an omitted one needs it", () => {
+    const full = create(BuildRequestResponseSchema, { revision: 9n });
+    assert.equal(stepRequest(held, create(PrepareStepResultSchema, { request: full })), full);
+    assert.throws(() => stepRequest(undefined, create(PrepareStepResultSchema, { requestUnchanged: true })));
   });
 });

@@ -14,6 +14,7 @@ from compactd.api.status import handle_errors
 from compactd.errors import FieldViolation, InvalidArgument
 from compactd.routes import Route
 from compactd.service.compaction import CompactionEngine, Progress
+from compactd.service.inspection import MODES, InspectionService
 from compactd.service.pressure import PressureService
 from compactd.service.recovery import RecoveryService, classification, classify_raw
 from compactd.service.switch import SwitchService
@@ -38,7 +39,9 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
         engine: CompactionEngine,
         recovery: RecoveryService,
         switch: SwitchService,
+        inspection: InspectionService | None = None,
     ) -> None:
+        self._inspection = inspection or InspectionService(engine, recovery, switch)
         self._pressure = pressure
         self._engine = engine
         self._recovery = recovery
@@ -70,7 +73,10 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
         intended = self._destination(request.intended_route, request.HasField("intended_route"))
 
         def run(progress: Progress) -> Awaitable[pb.PrepareStepResult]:
-            return self._switch.prepare_step(request.session_id, request.turn, intended, progress)
+            held = request.held_revision if request.HasField("held_revision") else None
+            return self._switch.prepare_step(
+                request.session_id, request.turn, intended, progress, held
+            )
 
         async for response in _streamed(run, pb.PrepareStepResponse):
             yield response
@@ -135,13 +141,37 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
         failure = classify_raw(raw, redact=self._engine.redact)
         return pb.ClassifyProviderErrorResponse(classification=classification(failure))
 
-    def _destination(self, route: events_pb2.Route, present: bool) -> Route | None:
+    @handle_errors
+    async def PlanCompaction(
+        self, request: pb.PlanCompactionRequest, context: Context
+    ) -> pb.PlanCompactionResponse:
+        require_session_id(request.session_id)
+        route = self._destination(request.route, request.HasField("route"), "route")
+        mode = MODES.get(request.mode)
+        if mode is None:
+            raise InvalidArgument(
+                f"unknown plan mode {request.mode}",
+                violations=[FieldViolation("mode", "AUTO, MANUAL, OVERFLOW or SWITCH")],
+            )
+        plan = await self._inspection.plan(request.session_id, mode, route)
+        return pb.PlanCompactionResponse(plan=plan)
+
+    @handle_errors
+    async def ListBrackets(
+        self, request: pb.ListBracketsRequest, context: Context
+    ) -> pb.ListBracketsResponse:
+        require_session_id(request.session_id)
+        return await self._inspection.brackets(request.session_id)
+
+    def _destination(
+        self, route: events_pb2.Route, present: bool, field: str = "destination"
+    ) -> Route | None:
         if not present:
             return None
         if not (route.provider and route.model):
             raise InvalidArgument(
                 "a route names both provider and model",
-                violations=[FieldViolation("destination", "provider and model are required")],
+                violations=[FieldViolation(field, "provider and model are required")],
             )
         return self._pressure.route_for(route.provider, route.model)
 
@@ -181,8 +211,15 @@ async def _streamed(
     async def progress(update: pb.CompactionProgress) -> None:
         queue.put_nowait(update)
 
-    task = asyncio.ensure_future(run(progress))
-    task.add_done_callback(lambda _: queue.put_nowait(_DONE))
+    async def operation() -> Result:
+        try:
+            return await run(progress)
+        finally:
+            # Said from inside the task, not by a done callback: the reader wakes one loop
+            # iteration sooner (a below-pressure step is otherwise mostly loop hops).
+            queue.put_nowait(_DONE)
+
+    task = asyncio.ensure_future(operation())
     try:
         while (item := await queue.get()) is not _DONE:
             assert isinstance(item, pb.CompactionProgress)

@@ -37,6 +37,7 @@ from compactd.metrics import Metrics
 from compactd.providers.base import Summarizer
 from compactd.routes import RouteCatalog
 from compactd.service.compaction import CompactionEngine, SummaryErrorRecovery
+from compactd.service.inspection import InspectionService
 from compactd.service.offload import ImageOffloadRecovery
 from compactd.service.pressure import PressureService
 from compactd.service.quotas import QuotaBook, QuotaSettings
@@ -323,11 +324,15 @@ async def _serve_on(
         quotas=quotas,
     )
     server = grpc.aio.server(options=_channel_options(config), interceptors=chain)
+    inspection = InspectionService(
+        engine, recovery, switch
+    )  # plans, surface detail, bracket history
     session_service_pb2_grpc.add_SessionServiceServicer_to_server(
-        SessionServicer(manager, max_batch_events=config.max_batch_events), server
+        SessionServicer(manager, max_batch_events=config.max_batch_events, inspection=inspection),
+        server,
     )
     compaction_service_pb2_grpc.add_CompactionServiceServicer_to_server(
-        CompactionServicer(pressure, engine, recovery, switch), server
+        CompactionServicer(pressure, engine, recovery, switch, inspection), server
     )
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

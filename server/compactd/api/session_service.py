@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import re
 import uuid
 from collections.abc import AsyncIterator
@@ -14,6 +15,8 @@ from google.protobuf import json_format, struct_pb2
 from compactd.api.status import handle_errors
 from compactd.core.validation import Origin, non_finite_paths
 from compactd.errors import FieldViolation, InvalidArgument
+from compactd.service.inspection import InspectionService
+from compactd.service.policy_message import field_path, policy_of, settings_of
 from compactd.service.requests import build_request, surface_response
 from compactd.service.sessions import SessionHandle, SessionManager
 from compactd.store.base import SessionRecord
@@ -27,9 +30,16 @@ _SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
     """Thin adapter from the wire to ``SessionManager``."""
 
-    def __init__(self, manager: SessionManager, *, max_batch_events: int) -> None:
+    def __init__(
+        self,
+        manager: SessionManager,
+        *,
+        max_batch_events: int,
+        inspection: InspectionService | None = None,
+    ) -> None:
         self._manager = manager
         self._max_batch_events = max_batch_events
+        self._inspection = inspection  # GetSurface's detail (None: detail is not served)
 
     @handle_errors
     async def CreateSession(
@@ -41,10 +51,11 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
                 "session_id must be 1-128 characters of [A-Za-z0-9._:-]",
                 violations=[FieldViolation("session_id", "1-128 of [A-Za-z0-9._:-]")],
             )
-        policy = None
-        if request.HasField("compaction_policy"):
-            policy = _policy(request.compaction_policy)
-            self._manager.validate_policy(policy)
+        policy = _requested_policy(request)
+        if policy is not None:
+            typed = request.HasField("policy")
+            # Errors name the field in the form the caller sent.
+            self._manager.validate_policy(policy, field=field_path if typed else _struct_path)
         record = await self._manager.create(session_id, policy)
         return pb.CreateSessionResponse(session=_session(record, record.revision))
 
@@ -90,6 +101,9 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         self, request: pb.GetSurfaceRequest, context: Context
     ) -> pb.GetSurfaceResponse:
         handle = await self._handle(request.session_id)
+        if request.detail and self._inspection is not None:
+            route = request.route if request.HasField("route") else None
+            return await self._inspection.surface(handle.session_id, route)
         async with handle.lock:  # never show a batch that is admitted but not yet durable
             return surface_response(handle)
 
@@ -140,6 +154,26 @@ def require_session_id(session_id: str) -> None:
         )
 
 
+def _requested_policy(request: pb.CreateSessionRequest) -> dict[str, object] | None:
+    """The request's policy settings, from whichever form it sent (both: INVALID_ARGUMENT)."""
+    typed, legacy = request.HasField("policy"), request.HasField("compaction_policy")
+    if typed and legacy:
+        raise InvalidArgument(
+            "set policy or the deprecated compaction_policy, not both",
+            violations=[FieldViolation("policy", "set either policy or compaction_policy")],
+            reason="POLICY_INVALID",
+        )
+    if typed:
+        return settings_of(request.policy)
+    if legacy:
+        return _policy(request.compaction_policy)
+    return None
+
+
+def _struct_path(setting_path: str) -> str:
+    return f"compaction_policy.{setting_path}".rstrip(".")
+
+
 _DEFAULT_PAGE, _MAX_PAGE = 100, 1000
 _TOKEN_PREFIX = "after:"
 
@@ -186,4 +220,5 @@ def _session(record: SessionRecord, revision: int) -> pb.Session:
         policy = struct_pb2.Struct()
         json_format.Parse(record.policy_json, policy)
         session.compaction_policy.CopyFrom(policy)
+        session.policy.CopyFrom(policy_of(json.loads(record.policy_json)))
     return session

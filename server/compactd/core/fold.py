@@ -29,7 +29,7 @@ from compactd.core.limits import node_bytes
 from compactd.core.lock import LockState, live_bracket
 from compactd.core.offload import INPUT_KINDS, image_count
 from compactd.core.projection import Message, derive_messages
-from compactd.core.surface import Surface, SurfaceChange
+from compactd.core.surface import Surface, SurfaceChange, SurfaceNode
 from compactd.core.validation import Origin, check_origin
 from compactd.errors import Busy, FieldViolation, InvalidArgument, ResourceExhausted
 from compactd.v1 import events_pb2
@@ -63,9 +63,17 @@ class SessionFold:
         self.open_turns: set[int] = set()
         self.open_step: tuple[int, int] | None = None  # (turn, step) between step/start and /end
         self.offloads: dict[int, frozenset[int]] = {}  # node seq -> offloaded image indexes
+        self.offload_generation = 0  # image/offload events folded (they change what nodes send)
         self.event_ids: dict[str, int] = {}
         self.compaction_ids: set[str] = set()  # every bracket ever opened in this log
         self.restored_at = -1  # seq of the session/end-seed this process appended, if any
+        # Seq of the latest event that changed what an earlier request showed (a surface
+        # REPLACE, an image/offload, a request/header): a request built at a later revision is
+        # still the prefix of today's (``appended_since``). Events a fold did not admit itself
+        # (a snapshot restore sets ``revision``) are not seen here: ``appended_since`` then
+        # trusts only revisions from the restored one on.
+        self.rewritten_at = -1
+        self._folded = 0  # events this fold admitted itself (a snapshot restore sets revision)
         # What reads of the surface and the header carry, bounded by ``max_surface_bytes``.
         self.surface_bytes = 0
         self._node_bytes: dict[int, int] = {}  # current node seq -> its ``node_bytes``
@@ -161,9 +169,27 @@ class SessionFold:
         self._fold(event, seq, batch)
         batch.events.append(event)
 
+    def appended_since(self, revision: int) -> list[SurfaceNode] | None:
+        """The surface nodes appended at or after ``revision``, in order, when that is all that
+        changed since: the request built at ``revision`` plus these nodes' messages is the request
+        now. None when a replacement, an image offload or a header landed since (or ``revision``
+        is not one of this log's). Costs the nodes returned, not the surface."""
+        unseen = self.revision - self._folded  # a restored prefix whose rewrites are unknown
+        if not max(0, unseen) <= revision <= self.revision or self.rewritten_at >= revision:
+            return None
+        nodes = self.surface.nodes
+        first = len(nodes)
+        while first > 0 and nodes[first - 1].seq >= revision:
+            first -= 1
+        return list(nodes[first:])
+
     def _fold(self, event: SessionEvent, seq: int, batch: AdmittedBatch) -> None:
         self.revision += 1
+        self._folded += 1
         batch._undo.append(self._undo_revision)
+        if _rewrites(event):
+            batch._undo.append(partial(setattr, self, "rewritten_at", self.rewritten_at))
+            self.rewritten_at = seq
         if event.event_id:
             self.event_ids[event.event_id] = seq
             batch._undo.append(lambda: self._forget_event_id(event.event_id))
@@ -211,6 +237,7 @@ class SessionFold:
 
     def _undo_revision(self) -> None:
         self.revision -= 1
+        self._folded -= 1
 
     def _forget_event_id(self, event_id: str) -> None:
         self.event_ids.pop(event_id, None)
@@ -293,6 +320,9 @@ class SessionFold:
             )
 
     def _fold_offload(self, event: SessionEvent, batch: AdmittedBatch) -> None:
+        self.offload_generation += 1
+        undo = partial(setattr, self, "offload_generation", self.offload_generation - 1)
+        batch._undo.append(undo)
         for target in event.image_offload.targets:
             previous = self.offloads.get(target.seq)
             self.offloads[target.seq] = (previous or frozenset()) | frozenset(target.image_indexes)
@@ -359,6 +389,13 @@ class SessionFold:
                 )
             if any(a >= b for a, b in pairwise(indexes)):
                 _invalid(f"{field_name}.image_indexes", "indexes must be strictly increasing")
+
+
+def _rewrites(event: SessionEvent) -> bool:
+    """Whether ``event`` changes what a request built before it showed (not just appends)."""
+    if ev.is_surface(event):
+        return ev.is_replace(event)
+    return ev.body_name(event) in ("image_offload", "request_header")
 
 
 def _invalid(field_name: str, description: str) -> NoReturn:

@@ -179,10 +179,20 @@ def echoed_message(summary: str, span: Sequence[Message]) -> int | None:
     needle = _fold(summary)
     if not needle:
         return None
+    # Cheap necessary conditions first, so most messages are never folded: folding never
+    # lengthens a character more than threefold (casefold's longest expansion), and the needle's
+    # longest word, having no whitespace, lies inside one casefolded word of the text.
+    word = max(needle.split(" "), key=len)
     for index, message in enumerate(span):
-        if needle in _fold(message_text(message)):
+        text = message_text(message)
+        if len(needle) > _CASEFOLD_GROWTH * len(text) or word not in text.casefold():
+            continue
+        if needle in _fold(text):
             return index
     return None
+
+
+_CASEFOLD_GROWTH = 3
 
 
 def minimum_useful_span(skeleton_tokens: int, min_reduction_ratio: float | None) -> int:

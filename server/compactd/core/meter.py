@@ -390,6 +390,13 @@ class SessionMeter:
         gap = self._anchor.usage - covered
         return _replace_anchored(estimate, gap, self._anchor.seq)
 
+    def anchor_of(self, route: MeteredRoute) -> tuple[int, int, int] | None:
+        """``(seq, usage, delta)`` of the usage anchor when it anchors ``route``'s measurement:
+        the anchoring message, its usage, and the route tokens of the nodes after it."""
+        if self._anchor is None or self.measure(self._fold, route).anchor_seq is None:
+            return None
+        return self._anchor.seq, self._anchor.usage, self._ledger(route.pricing).delta
+
     def route_price_of_nodes(
         self, fold: SessionFold, seqs: Iterable[int], route: MeteredRoute
     ) -> int:

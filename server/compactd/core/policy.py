@@ -475,3 +475,52 @@ _VALIDATORS: Final[dict[str, _Validator]] = {
 def _bad(path: str, description: str) -> NoReturn:
     name = path or "policy"
     raise ConfigError(f"{name}: {description}", metadata={"field": name})
+
+
+# ---- explaining a resolution ------------------------------------------------------------------
+
+#: Where a resolved setting came from, highest precedence first after the default.
+ORIGIN_DEFAULT: Final = "DEFAULT"
+ORIGIN_SERVICE: Final = "SERVICE"
+ORIGIN_SESSION: Final = "SESSION"
+ORIGIN_SERVICE_ROUTE: Final = "SERVICE_ROUTE"
+ORIGIN_SESSION_ROUTE: Final = "SESSION_ROUTE"
+_RETENTION: Final = ("retain_ratio", "retain_tokens")
+
+
+def resolved_settings(policy: TargetPolicy) -> dict[str, object]:
+    """Every setting of a resolved policy by its camelCase name, in the table's order."""
+    return {name: getattr(policy, attribute) for name, attribute in _SETTINGS.items()}
+
+
+def setting_origins(
+    service: PressurePolicy, session: Mapping[str, Any] | None, provider: str, model: str
+) -> dict[str, str]:
+    """Which layer each setting of ``provider``/``model``'s resolved policy came from.
+
+    The precedence is ``with_overrides`` then ``for_target``'s: the session's override for the
+    route, the service's override for it, the session's settings, the service's, the default.
+    The two retention forms come together from the first layer that sets either. ``session``
+    must be valid (it was validated when the session was created).
+    """
+    session_base, session_models = _parse(session or {})
+    key = (provider, model)
+    layers = (
+        (ORIGIN_SESSION_ROUTE, session_models.get(key)),
+        (ORIGIN_SERVICE_ROUTE, service.models.get(key)),
+        (ORIGIN_SESSION, session_base),
+        (ORIGIN_SERVICE, service.base),
+    )
+    origins = {}
+    for name, attribute in _SETTINGS.items():
+        origins[name] = next(
+            (origin for origin, layer in layers if layer is not None and _sets(layer, attribute)),
+            ORIGIN_DEFAULT,
+        )
+    return origins
+
+
+def _sets(layer: PolicyLayer, attribute: str) -> bool:
+    if attribute in _RETENTION:
+        return any(getattr(layer, name) is not None for name in _RETENTION)
+    return getattr(layer, attribute) is not None

@@ -52,8 +52,10 @@ _KNOWN_EXTENSIONS = (
 )
 # A path never crosses a character outside ``[\w:/.~@+-]`` (the classes below and their
 # lookbehinds stay inside it), so the regexes run only on the maximal runs of those characters
-# that hold a slash or a dot: one fast scan of the text, then short tokens.
-_RUN = re.compile(r"[\w:/.~@+-]+")
+# that can hold one: a slash before a name character (``_PATH_TOKEN``) or a dot before a word
+# character (``_BARE_FILE``). One compiled scan of the text finds just those runs; ordinary
+# words never reach Python.
+_RUN = re.compile(r"(?<![\w:/.~@+-])[\w:/.~@+-]*?(?:/[\w.@+-]|\.\w)[\w:/.~@+-]*")
 _PATH_TOKEN = re.compile(r"(?<![\w:/.~@+-])[\w.~@+-]*(?:/[\w.@+-]+)+/?")
 _BARE_FILE = re.compile(rf"(?<![\w/.-])[\w-]+(?:\.[\w-]+)*\.(?:{_KNOWN_EXTENSIONS})\b")
 _ERROR_LINE = re.compile(
@@ -130,12 +132,17 @@ class CallFacts:
     named_paths: tuple[str, ...]
 
 
-def call_facts(arguments_json: str) -> CallFacts:
-    """Commands and paths in a tool call's JSON arguments (path-like tokens when not JSON)."""
+def call_facts(arguments_json: str, *, every_path: bool = True) -> CallFacts:
+    """Commands and paths in a tool call's JSON arguments (path-like tokens when not JSON).
+
+    ``every_path`` False keeps only the path keys' values in ``paths`` (the probes read just
+    ``named_paths``): the scan of every other string, a written file's content included, is
+    skipped.
+    """
     try:
         arguments: Any = json.loads(arguments_json) if arguments_json else {}
     except ValueError:
-        return CallFacts((), tuple(paths_in(arguments_json)), ())
+        return CallFacts((), tuple(paths_in(arguments_json)) if every_path else (), ())
     commands: dict[str, None] = {}
     paths: dict[str, None] = {}
     named: dict[str, None] = {}
@@ -151,8 +158,9 @@ def call_facts(arguments_json: str) -> CallFacts:
             listed = dict.fromkeys(item for item in strings if item)
             paths.update(listed)
             named.update(listed)
-        for item in strings:
-            paths.update(dict.fromkeys(paths_in(item)))
+        if every_path:
+            for item in strings:
+                paths.update(dict.fromkeys(paths_in(item)))
     commands.pop("", None)
     return CallFacts(tuple(commands), tuple(paths), tuple(named))
 
@@ -253,7 +261,7 @@ def span_facts(messages: Iterable[Message], *, bulk: bool = False) -> SpanFacts:
             _mention(facts, paths_in(message_text(message)), bulk)
             for block in message.content:
                 if block.HasField("tool_call"):
-                    found = call_facts(block.tool_call.arguments_json)
+                    found = call_facts(block.tool_call.arguments_json, every_path=bulk)
                     facts.commands += found.commands
                     _count(facts.paths, found.named_paths)
                     if bulk:

@@ -23,7 +23,7 @@ Selection never raises for "nothing to do": it returns ``Declined`` with a code 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from compactd.core import events as ev
@@ -80,11 +80,11 @@ class Declined:
     reason: str
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True)
 class SurfaceSnapshot:
-    """The surface when a bracket started; ``drift`` compares its nodes by identity."""
+    """The surface when a bracket started: ``drift`` compares its change count."""
 
-    nodes: tuple[SurfaceNode, ...]
+    changes: int
 
 
 def select_range(
@@ -107,19 +107,22 @@ def select_range(
     Returns:
         The span, or ``Declined`` when there is an open tail or nothing worth selecting.
     """
-    nodes = fold.surface.nodes
-    bounds = unit_boundaries(nodes)
-    unanswered = open_calls(nodes)
+    surface = fold.surface
+    nodes = surface.nodes
+    unanswered = surface.unanswered_calls()
     if unanswered:
         return Declined(
             DeclineCode.OPEN_TAIL,
             f"tool call(s) {', '.join(sorted(unanswered))} still wait for results",
         )
     start = head_length(nodes)
-    limit = _last_unit_start(bounds)
+    # Cuts are read from the end back to the span's end only: the cost is the retained tail and
+    # the last unit, not the surface (whose head was condensed long ago).
+    cuts = boundaries_from_end(fold)
+    limit = next((cut for cut, bound in cuts if bound and cut < len(nodes)), 0)
     if mode is SelectionMode.PRESSURE:
         limit = min(limit, _retained_tail_start(nodes, price, retained_budget))
-    end = max((cut for cut in range(start, limit + 1) if bounds[cut]), default=start)
+    end = _last_boundary_at_or_before(boundaries_from_end(fold), limit, start)
     if end <= start:
         reason = _nothing_reason(mode, retained_budget, empty=start >= len(nodes))
         return Declined(DeclineCode.NOTHING_SELECTABLE, reason)
@@ -159,14 +162,45 @@ def unit_boundaries(nodes: Sequence[SurfaceNode]) -> list[bool]:
     return bounds
 
 
+def boundaries_from_end(fold: SessionFold) -> Iterator[tuple[int, bool]]:
+    """``(cut, is_unit_boundary)`` for cuts ``len(nodes)`` down to 0, as ``unit_boundaries``
+    decides them on a surface without unanswered calls; each step reads one node.
+
+    A cut is blocked when a result at or after it answers a call first made before it (a result
+    before its call's first maker answers nothing, as in ``unit_boundaries``).
+    """
+    surface = fold.surface
+    nodes = surface.nodes
+    lowest = len(nodes)  # the earliest first-call position of the results read so far
+    yield len(nodes), True
+    for position in range(len(nodes) - 1, -1, -1):
+        event = nodes[position].event
+        if event.HasField("tool_result"):
+            made = surface.first_call_position(event.tool_result.tool_call_id)
+            if made is not None and made < min(lowest, position):
+                lowest = made
+        yield position, lowest >= position
+
+
+def _last_boundary_at_or_before(cuts: Iterator[tuple[int, bool]], limit: int, start: int) -> int:
+    """The largest boundary cut in ``start..limit`` (``start`` when there is none)."""
+    for cut, bound in cuts:
+        if cut < start:
+            break
+        if cut <= limit and bound:
+            return cut
+    return start
+
+
 def open_calls(nodes: Sequence[SurfaceNode]) -> set[str]:
     """Call ids on the surface that no later result answers yet."""
     return {call for call, (_, last) in _call_spans(nodes).items() if last is None}
 
 
 def surface_snapshot(fold: SessionFold) -> SurfaceSnapshot:
-    """The current surface, for ``still_valid`` with ``Revalidation.WHOLE_SURFACE``."""
-    return SurfaceSnapshot(tuple(fold.surface.nodes))
+    """The current surface, for ``still_valid`` with ``Revalidation.WHOLE_SURFACE``: its change
+    count (every apply and undo counts), so taking and comparing it costs nothing."""
+    return SurfaceSnapshot(fold.surface.changes)
 
 
 def revalidation_for(trigger: events_pb2.CompactionTrigger.ValueType) -> Revalidation:
@@ -186,19 +220,29 @@ def drift(
     not drift. SELECTED_SPAN: the span's seqs must still occupy the same contiguous positions,
     with unit boundaries at both ends; appends after the span are allowed.
     """
-    nodes = fold.surface.nodes
     if scope is Revalidation.WHOLE_SURFACE:
-        same = len(nodes) == len(snapshot.nodes) and all(
-            a is b for a, b in zip(nodes, snapshot.nodes, strict=True)
-        )
+        same = fold.surface.changes == snapshot.changes
         return None if same else "the surface changed while the summary was written"
     for offset, seq in enumerate(selection.shadowed_seqs):
         if fold.surface.position_of(seq) != selection.start_position + offset:
             return f"node {seq} no longer sits at position {selection.start_position + offset}"
-    bounds = unit_boundaries(nodes)
-    if not (bounds[selection.start_position] and bounds[selection.end_position + 1]):
+    if not _edges_are_boundaries(fold, selection):
         return "a tool call and its results now cross the span's edge"
     return None
+
+
+def _edges_are_boundaries(fold: SessionFold, selection: Selection) -> bool:
+    nodes = fold.surface.nodes
+    if fold.surface.unanswered_calls():
+        bounds = unit_boundaries(nodes)  # an open call blocks every cut after it
+        return bounds[selection.start_position] and bounds[selection.end_position + 1]
+    start, end = selection.start_position, selection.end_position + 1
+    for cut, bound in boundaries_from_end(fold):  # from the end back to the span's start only
+        if cut in (start, end) and not bound:
+            return False
+        if cut <= start:
+            break
+    return True
 
 
 def still_valid(
@@ -219,12 +263,6 @@ def _call_spans(nodes: Sequence[SurfaceNode]) -> dict[str, tuple[int, int | None
             if call in spans:
                 spans[call] = (spans[call][0], position)
     return spans
-
-
-def _last_unit_start(bounds: Sequence[bool]) -> int:
-    """The cut before the last unit (0 for an empty surface)."""
-    last = len(bounds) - 1
-    return max((cut for cut in range(last) if bounds[cut]), default=0)
 
 
 def _retained_tail_start(

@@ -47,7 +47,17 @@ class Surface:
         self._nodes: list[SurfaceNode] = []
         self._position: dict[int, int] = {}  # seq -> position, for current nodes
         self._calls: dict[str, int] = {}  # tool call id -> count of current nodes making it
+        # Kept so selection reads the tail it needs, not the whole surface (``core.selection``):
+        self._makers: dict[str, set[int]] = {}  # call id -> seqs of current nodes making it
+        self._answers: dict[str, set[int]] = {}  # call id -> seqs of current results naming it
+        self._unanswered: set[str] = set()  # call ids made on the surface, answered by no node
+        self._repeated: set[str] = set()  # call ids more than one current node makes
+        self._unanswered_at: tuple[int, frozenset[str]] = (-1, frozenset())  # (changes, ids)
         self.replacements = 0  # replacement generation: REPLACE events folded so far
+        # Every node a REPLACE shadowed -> (the replacement's seq, the node's type, the
+        # replacement's compaction id if it is a checkpoint): for inspection, a few ints each.
+        self.shadowed_by: dict[int, tuple[int, str, str]] = {}
+        self.changes = 0  # every apply and undo, never decremented: "has anything changed?"
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -67,6 +77,27 @@ class Surface:
         """The current position of the node created by ``seq``, or None if it is not a node."""
         return self._position.get(seq)
 
+    def unanswered_calls(self) -> set[str]:
+        """Call ids on the surface that no later ``tool/result`` answers (as
+        ``selection.open_calls`` walks them), without walking the surface."""
+        if self._unanswered_at[0] == self.changes:
+            return set(self._unanswered_at[1])
+        found = set(self._unanswered)
+        for call_id in self._repeated:  # rare: only then may every answer precede the first call
+            answers = self._answers.get(call_id)
+            first = self.first_call_position(call_id)
+            if answers and first is not None and all(self._position[s] < first for s in answers):
+                found.add(call_id)
+        self._unanswered_at = (self.changes, frozenset(found))
+        return found
+
+    def first_call_position(self, call_id: str) -> int | None:
+        """The position of the earliest current node making ``call_id`` (None: none does)."""
+        makers = self._makers.get(call_id)
+        if not makers:
+            return None
+        return min(self._position[seq] for seq in makers)
+
     def check(self, event: SessionEvent, seq: int) -> None:
         """Raise ``ReplacementRejected`` or ``CorruptPairing`` if ``event`` may not fold."""
         _check_sources(event, seq)
@@ -77,6 +108,7 @@ class Surface:
 
     def apply(self, event: SessionEvent, seq: int) -> SurfaceChange:
         """Fold one surface event (call ``check`` first). Returns the change, for ``undo``."""
+        self.changes += 1
         node = SurfaceNode(seq, event)
         if not ev.is_replace(event):
             position = len(self._nodes)
@@ -89,13 +121,19 @@ class Surface:
         shadowed = tuple(self._nodes[start : end + 1])
         self._splice(start, shadowed, (node,))
         self.replacements += 1
+        checkpoint = ev.checkpoint_compaction_id(event)
+        for old in shadowed:
+            self.shadowed_by[old.seq] = (seq, old.type, checkpoint)
         return SurfaceChange(start, node, shadowed)
 
     def undo(self, change: SurfaceChange) -> None:
         """Revert ``change``, which must be the most recent change not yet undone."""
+        self.changes += 1
         self._splice(change.position, (change.node,), change.shadowed)
         if change.shadowed:
             self.replacements -= 1
+            for old in change.shadowed:
+                self.shadowed_by.pop(old.seq, None)
 
     def _splice(self, start: int, old: Sequence[SurfaceNode], new: Sequence[SurfaceNode]) -> None:
         self._nodes[start : start + len(old)] = new
@@ -110,12 +148,40 @@ class Surface:
                 self._position[self._nodes[position].seq] = position
 
     def _track_calls(self, node: SurfaceNode, delta: int) -> None:
+        """Count the calls ``node`` makes and the call its result answers (+1 or -1)."""
         for call_id in ev.tool_call_ids(node.event):
             count = self._calls.get(call_id, 0) + delta
             if count:
                 self._calls[call_id] = count
             else:
                 self._calls.pop(call_id, None)
+            self._index(self._makers, call_id, node.seq, delta)
+            if count > 1:
+                self._repeated.add(call_id)
+            else:
+                self._repeated.discard(call_id)
+            self._refresh_answer(call_id)
+        if ev.body_name(node.event) == "tool_result":
+            call_id = node.event.tool_result.tool_call_id
+            self._index(self._answers, call_id, node.seq, delta)
+            self._refresh_answer(call_id)
+
+    @staticmethod
+    def _index(index: dict[str, set[int]], call_id: str, seq: int, delta: int) -> None:
+        if delta > 0:
+            index.setdefault(call_id, set()).add(seq)
+            return
+        seqs = index.get(call_id)
+        if seqs is not None:
+            seqs.discard(seq)
+            if not seqs:
+                del index[call_id]
+
+    def _refresh_answer(self, call_id: str) -> None:
+        if call_id in self._calls and call_id not in self._answers:
+            self._unanswered.add(call_id)
+        else:
+            self._unanswered.discard(call_id)
 
     def _check_result_has_call(self, event: SessionEvent) -> None:
         call_id = event.tool_result.tool_call_id

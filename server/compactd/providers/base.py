@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from compactd.core.probes import SpanFacts
 from compactd.errors import CompactdError
 from compactd.v1 import events_pb2, session_service_pb2
 
@@ -63,6 +64,9 @@ class SummaryResult:
         provider: Provider that wrote the summary.
         model: Model that wrote the summary (as reported by the provider when it says).
         finish_reason: The provider's stop reason for the final call, e.g. ``stop``.
+        span_facts: The facts of the span (``probes.span_facts`` of ``request.messages`` without
+            the system head) when the summarizer extracted them anyway: the quality gate then
+            reuses them instead of extracting them again. None otherwise.
     """
 
     text: str
@@ -70,6 +74,7 @@ class SummaryResult:
     provider: str
     model: str
     finish_reason: str
+    span_facts: SpanFacts | None = None
 
 
 @runtime_checkable

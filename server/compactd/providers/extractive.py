@@ -136,13 +136,20 @@ class ExtractiveSummarizer:
         Raises:
             SummaryError: ``max_tokens`` cannot hold even the eight empty sections.
         """
-        text = self.summary_text(request.messages, request.max_tokens)
+        text, found = self._summary(request.messages, request.max_tokens)
         return SummaryResult(
-            text=text, usage=None, provider="compactd", model=self.name, finish_reason="stop"
-        )
+            text=text, usage=None, provider="compactd", model=self.name, finish_reason="stop",
+            span_facts=found,
+        )  # fmt: skip
 
     def summary_text(self, messages: Sequence[Message], max_tokens: int) -> str:
         """The summary of ``messages`` (a leading system message is the head and is skipped)."""
+        return self._summary(messages, max_tokens)[0]
+
+    def _summary(
+        self, messages: Sequence[Message], max_tokens: int
+    ) -> tuple[str, probes.SpanFacts]:
+        """The summary and the span facts it was written from."""
         budget = max_tokens * _UNITS_PER_TOKEN
         skeleton = _render({})
         if utf16_length(skeleton) > budget:
@@ -167,7 +174,7 @@ class ExtractiveSummarizer:
             limits = _tightened(limits, share - utf16_length(skeleton))
         ranking = _candidates(facts, limits)
         _promote_probes(ranking, found, limits)
-        return _fit_share(ranking.candidates, share, allowed)
+        return _fit_share(ranking.candidates, share, allowed), found
 
 
 def allowed_tokens(span_tokens: float, share: float = SPAN_SHARE) -> float:

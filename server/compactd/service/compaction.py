@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Protocol
 
 from opentelemetry import trace
@@ -34,6 +35,7 @@ from compactd.core import events as ev
 from compactd.core.fold import SessionFold
 from compactd.core.lock import live_bracket
 from compactd.core.meter import route_price
+from compactd.core.planner import SHAPES, PlanMode, choose_span, node_pricer
 from compactd.core.policy import TargetPolicy
 from compactd.core.pricing import heuristic_price
 from compactd.core.projection import project
@@ -46,18 +48,17 @@ from compactd.core.selection import (
     SurfaceSnapshot,
     drift,
     revalidation_for,
-    select_range,
     surface_snapshot,
 )
 from compactd.core.surface import SurfaceNode
-from compactd.errors import Busy, CompactdError, FailedPrecondition
+from compactd.errors import Busy, CompactdError, FailedPrecondition, FieldViolation, InvalidArgument
 from compactd.metrics import Metrics
 from compactd.providers.base import Summarizer, SummaryError, SummaryRequest, SummaryResult
 from compactd.redaction import Redactor
 from compactd.routes import Route
 from compactd.service.guard import CompactionGuard, SummaryRejected
 from compactd.service.pressure import PressureService, session_meter
-from compactd.service.requests import build_request
+from compactd.service.requests import appended_messages, build_request
 from compactd.service.sessions import SessionHandle, SessionManager
 from compactd.service.summarizers import SummarizerRegistry
 from compactd.v1 import compaction_service_pb2 as cpb
@@ -67,8 +68,8 @@ log = logging.getLogger(__name__)
 
 Progress = Callable[[cpb.CompactionProgress], Awaitable[None]]
 Planner = Callable[[SessionFold, Callable[[SurfaceNode], int]], list[PrunePlan]]
-PRESSURE = events_pb2.COMPACTION_TRIGGER_PRESSURE
-MANUAL = events_pb2.COMPACTION_TRIGGER_MANUAL
+AUTO = SHAPES[PlanMode.AUTO]
+MANUAL = SHAPES[PlanMode.MANUAL]
 _WARNED_KEY = "warned_targets"
 
 
@@ -181,14 +182,54 @@ class CompactionEngine:
         self._tracer = self._metrics.timed(tracer)  # each compaction.<step> span is timed
         self._guard = CompactionGuard(clock=clock, tracer=self._tracer, metrics=self._metrics)
 
+    # The parts a dry run (``service.inspection``) decides with: the same ones the brackets use.
+
+    @property
+    def manager(self) -> SessionManager:
+        """Where sessions live."""
+        return self._manager
+
+    @property
+    def pressure(self) -> PressureService:
+        """Routes, policies and meters."""
+        return self._pressure
+
+    @property
+    def summarizers(self) -> SummarizerRegistry:
+        """Summary targets and their summarizers."""
+        return self._summarizers
+
+    @property
+    def pruner(self) -> PrunerConfig:
+        """The ``[pruner]`` thresholds."""
+        return self._pruner
+
+    @property
+    def guard(self) -> CompactionGuard:
+        """Minimum spans, failure memory and crossing budgets."""
+        return self._guard
+
     # ---- PrepareStep ---------------------------------------------------------------------
 
     async def prepare_step(
-        self, session_id: str, turn: int, intended: Route | None, progress: Progress
+        self,
+        session_id: str,
+        turn: int,
+        intended: Route | None,
+        progress: Progress,
+        held_revision: int | None = None,
     ) -> cpb.PrepareStepResult:
-        """The pre-step check (see ``CompactionService.PrepareStep``)."""
+        """The pre-step check (see ``CompactionService.PrepareStep``).
+
+        ``held_revision``: the revision of the request the caller holds; the result then omits
+        the full request when the surface only grew since (``SessionFold.appended_since``).
+
+        Raises:
+            InvalidArgument: ``held_revision`` is negative or beyond the session's revision.
+        """
         handle = await self._manager.get(session_id)
         session_meter(handle)
+        check_held_revision(handle, held_revision)
         if turn not in handle.fold.open_turns:
             raise FailedPrecondition(
                 f"turn {turn} is not open: automatic compaction runs only inside an open turn",
@@ -204,14 +245,14 @@ class CompactionEngine:
             if error.reason not in ("CAPACITY_UNKNOWN", "POLICY_INVALID", "ROUTE_UNKNOWN"):
                 raise
             self._warn_once(handle, _target_key(intended), error.message, outcome)
-            return await self._step_result(handle, None, None, outcome)
+            return await self._step_result(handle, None, None, outcome, held_revision)
         after = before
         policy = self._pressure.target_policy(handle, route)
         if before.state != cpb.PRESSURE_STATE_ABOVE:
             self._guard.end_crossing(handle)
         elif policy.auto:
             after = await self._relieve(handle, route, policy, turn, outcome, progress)
-        return await self._step_result(handle, before, after, outcome)
+        return await self._step_result(handle, before, after, outcome, held_revision)
 
     async def _relieve(
         self,
@@ -247,7 +288,7 @@ class CompactionEngine:
             # Every compaction of the crossing keeps the retained budget, retries included: a
             # retry never reaches into the recent tail, so on an unchanged tail it declines.
             job = _Bracket(
-                handle, PRESSURE, SelectionMode.PRESSURE, route,
+                handle, AUTO.trigger, AUTO.selection_for(attempts), route,
                 self._shrink_route(handle, route), policy, spec.retained_budget, turn,
                 min_span_tokens=self._guard.min_span_tokens(route, policy), guarded=True,
             )  # fmt: skip
@@ -295,7 +336,7 @@ class CompactionEngine:
         route = self._pressure.logged_route_or_heuristic(handle)
         policy = self._pressure.target_policy(handle, route)
         job = _Bracket(
-            handle, MANUAL, SelectionMode.MAXIMAL, route, route, policy, focus=focus,
+            handle, MANUAL.trigger, MANUAL.selection, route, route, policy, focus=focus,
             min_span_tokens=self._guard.min_span_tokens(route, policy),
         )  # fmt: skip
         committed = await self.run_bracket(job, progress)
@@ -420,16 +461,13 @@ class CompactionEngine:
             async with handle.lock:
                 _refuse_live_bracket(handle)
                 meter = session_meter(handle)
-                price = _node_price(handle, job.route)
-                chosen = select_range(
-                    handle.fold, price, mode=job.mode, retained_budget=job.retained_budget,
-                    min_span_tokens=job.min_span_tokens,
+                chosen = choose_span(
+                    handle.fold, node_pricer(meter, handle.fold, job.route),
+                    selection=job.mode, retained_budget=job.retained_budget,
+                    min_span_tokens=job.min_span_tokens, hold=partial(self._held, job),
                 )  # fmt: skip
                 if isinstance(chosen, Declined):
                     return chosen
-                held = self._held(job, chosen)
-                if held is not None:
-                    return held
                 snapshot = surface_snapshot(handle.fold)
                 envelope_before = meter.measure(handle.fold, job.route).total
                 start = bracket.start_event(compaction_id, job.trigger, chosen, job.turn)
@@ -500,7 +538,11 @@ class CompactionEngine:
                     envelope_before=envelope_before,
                     envelope_after=envelope_before
                     - selection.shadowed_price
-                    + route_price(checkpoint, job.route),
+                    + (
+                        checkpoint_route  # the same pricing: one tokenization of the summary
+                        if job.route.pricing == job.shrink_route.pricing
+                        else route_price(checkpoint, job.route)
+                    ),
                     shadowed_tokens=_shadow_price(handle, selection),
                     checkpoint_tokens=heuristic_price(checkpoint),
                     shadowed_route_tokens=shadowed_route,
@@ -722,20 +764,38 @@ class CompactionEngine:
         before: cpb.PressureReport | None,
         after: cpb.PressureReport | None,
         outcome: StepOutcome,
+        held_revision: int | None,
     ) -> cpb.PrepareStepResult:
-        async with handle.lock:  # the request shows committed events only
-            request = build_request(handle)
         result = cpb.PrepareStepResult(
-            pruned_count=outcome.pruned,
-            compactions=outcome.compactions,
-            warnings=outcome.warnings,
-            request=request,
+            pruned_count=outcome.pruned, compactions=outcome.compactions, warnings=outcome.warnings
         )
+        async with handle.lock:  # the request shows committed events only
+            fold = handle.fold
+            result.request_revision = fold.revision
+            appended = None if held_revision is None else fold.appended_since(held_revision)
+            if appended is None:
+                result.request.CopyFrom(build_request(handle))
+            else:
+                # Cost follows the step: the nodes appended since the caller's request, not the
+                # whole surface (the caller holds the rest).
+                result.request_unchanged = True
+                result.appended_messages.extend(appended_messages(fold, appended))
         if before is not None:
             result.before.CopyFrom(before)
         if after is not None:
             result.after.CopyFrom(after)
         return result
+
+
+def check_held_revision(handle: SessionHandle, held_revision: int | None) -> None:
+    """Refuse a ``held_revision`` no request of this session was built at."""
+    revision = handle.fold.revision
+    if held_revision is not None and not 0 <= held_revision <= revision:
+        description = f"must be a revision of the session, 0..{revision}; got {held_revision}"
+        raise InvalidArgument(
+            f"held_revision {description}",
+            violations=[FieldViolation("held_revision", description)],
+        )
 
 
 def _still_above(report: cpb.PressureReport, attempts: int, policy: TargetPolicy, why: str) -> str:
@@ -760,16 +820,6 @@ def _refuse_live_bracket(handle: SessionHandle) -> None:
 refuse_live_bracket = _refuse_live_bracket
 
 
-def _node_price(handle: SessionHandle, route: Route) -> Callable[[SurfaceNode], int]:
-    meter = session_meter(handle)
-    fold = handle.fold
-
-    def price(node: SurfaceNode) -> int:
-        return meter.route_price_of_nodes(fold, (node.seq,), route)
-
-    return price
-
-
 def _shadow_price_of(handle: SessionHandle) -> Callable[[SurfaceNode], int]:
     """The fixed heuristic price of a current node, as logged (projection applied)."""
     offloads = handle.fold.offloads
@@ -778,6 +828,10 @@ def _shadow_price_of(handle: SessionHandle) -> Callable[[SurfaceNode], int]:
         return heuristic_price(node.event, offloads.get(node.seq, frozenset()))
 
     return price
+
+
+#: For the dry run (``service.inspection``).
+shadow_price_of = _shadow_price_of
 
 
 def _shadow_price(handle: SessionHandle, selection: Selection) -> int:

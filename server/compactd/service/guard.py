@@ -36,6 +36,7 @@ from compactd.core import bracket, gate, prompts
 from compactd.core.attempts import AttemptLedger, Backoff, span_key
 from compactd.core.meter import MeteredRoute, route_price
 from compactd.core.policy import TargetPolicy
+from compactd.core.pricing import PricingProfile, price_node
 from compactd.core.probes import ProbeKind, select_probes, span_facts
 from compactd.core.selection import DeclineCode, Declined, Selection
 from compactd.errors import CompactdError
@@ -115,19 +116,27 @@ class CompactionGuard:
         self._tracer = tracer or trace.get_tracer("compactd")
         self._metrics = metrics or Metrics()
         self._extractive = ExtractiveSummarizer()
+        self._skeletons: dict[PricingProfile, int] = {}
 
     # ---- 1. the minimum useful span -------------------------------------------------------
 
     def min_span_tokens(self, route: MeteredRoute, policy: TargetPolicy) -> int:
         """The smallest span (route tokens) whose checkpoint could relieve anything."""
-        skeleton = bracket.checkpoint_message(
-            "", prompts.frame_checkpoint(prompts.summary_skeleton())
-        )
         settings = policy.gate
         ratio = settings.min_reduction_ratio if settings is not None else None
         # A ratio above a half also asks the extractive checkpoint (the fallback) to fit.
-        extractive = minimum_span_tokens(ratio)
-        return max(gate.minimum_useful_span(route_price(skeleton, route), ratio), extractive)
+        skeleton = self._skeleton_tokens(route.pricing)
+        return max(gate.minimum_useful_span(skeleton, ratio), minimum_span_tokens(ratio))
+
+    def _skeleton_tokens(self, pricing: PricingProfile) -> int:
+        """The empty checkpoint's price per pricing profile: priced once, not every bracket."""
+        price = self._skeletons.get(pricing)
+        if price is None:
+            skeleton = bracket.checkpoint_message(
+                "", prompts.frame_checkpoint(prompts.summary_skeleton())
+            )
+            price = self._skeletons[pricing] = price_node(skeleton, pricing).total
+        return price
 
     # ---- 2. failure memory and crossing budgets -------------------------------------------
 
@@ -235,7 +244,6 @@ class CompactionGuard:
         if settings is None or span_tokens is None:
             return Screened(summary, summarizer, target)
         span = _without_head(request.messages)
-        probes = select_probes(span_facts(span))
 
         def verdict_of(text: str) -> gate.Verdict:
             checkpoint = bracket.checkpoint_message(compaction_id, prompts.frame_checkpoint(text))
@@ -250,6 +258,10 @@ class CompactionGuard:
 
         with self._tracer.start_as_current_span("compaction.gate") as trace_span:
             trace_span.set_attribute("compactd.compaction_id", compaction_id)
+            # The gate's own work, inside its span; a summarizer that extracted the span's
+            # facts already (the extractive one) spares extracting them twice.
+            facts = summary.span_facts if summary.span_facts is not None else span_facts(span)
+            probes = select_probes(facts)
             verdict = verdict_of(summary.text)
             report = _report(verdict, settings)
             _gate_attributes(trace_span, verdict)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncGenerator
+from typing import Any
 
 from compactd.core.calibration import CalibrationStats
 from compactd.core.meter import Measurement, Method, SessionMeter
@@ -42,6 +43,7 @@ _METHODS = {
     Method.TOKENIZER: compaction_service_pb2.MEASUREMENT_METHOD_TOKENIZER,
 }
 _CALIBRATION_KEY = "calibration"
+_RESOLVED_CACHE = 1024  # resolved policies and specs kept (cleared when full)
 
 
 def session_meter(handle: SessionHandle) -> SessionMeter:
@@ -75,6 +77,9 @@ class PressureService:
         self.routes = routes
         self.policy = service_policy
         self.calibration = UsageCalibration(routes)
+        # Resolved once per policy and route (per step they cost more than the measurement).
+        self._targets: dict[tuple[int, str, str], tuple[PressurePolicy, TargetPolicy]] = {}
+        self._specs: dict[tuple[int, str, int | None, int], tuple[TargetPolicy, CompactSpec]] = {}
         manager.on_restore(self._attach)
         self.fallbacks = route_fallbacks(routes)
         if self.fallbacks:
@@ -136,8 +141,11 @@ class PressureService:
         """The pressure report of ``handle``'s last committed revision (synchronous)."""
         meter = session_meter(handle)
         route = destination or self._logged_route(meter)
+        return self.report_of(handle, route, meter.measure(handle.fold, route))
+
+    def report_of(self, handle: SessionHandle, route: Route, raw: Measurement) -> PressureReport:
+        """The report of measurement ``raw`` (the meter's, or a planned one) against ``route``."""
         spec = self.spec(handle, route)
-        raw = meter.measure(handle.fold, route)
         stats = self.calibration.stats(route)
         measurement = estimated(route, raw, stats)
         report = _report(route, spec, measurement)
@@ -154,13 +162,19 @@ class PressureService:
     def spec(self, handle: SessionHandle, route: Route) -> CompactSpec:
         """Trigger and retained budget of ``route`` for this session (errors as ``check``)."""
         meter = session_meter(handle)
-        target = self._session_policy(handle).for_target(route.provider, route.model)
+        target = self.target_policy(handle, route)
         reservation = output_reservation(
             _envelope_max_output(meter.header, route), route.default_output_tokens
         )
-        return compact_spec(
+        key = (id(target), route.name, route.context_window, reservation)
+        cached = self._specs.get(key)
+        if cached is not None and cached[0] is target:
+            return cached[1]
+        spec = compact_spec(
             target, route=route.name, window=route.context_window, output_reservation=reservation
         )
+        self._remember(self._specs, key, (target, spec))
+        return spec
 
     def logged_route(self, handle: SessionHandle) -> Route:
         """The route of the latest logged header (``ROUTE_UNKNOWN`` when none names one)."""
@@ -175,7 +189,22 @@ class PressureService:
 
     def target_policy(self, handle: SessionHandle, route: Route) -> TargetPolicy:
         """The session's resolved policy for ``route`` (service policy + session overrides)."""
-        return self._session_policy(handle).for_target(route.provider, route.model)
+        policy = self._session_policy(handle)
+        key = (id(policy), route.provider, route.model)
+        cached = self._targets.get(key)
+        if cached is not None and cached[0] is policy:
+            return cached[1]
+        target = policy.for_target(route.provider, route.model)
+        self._remember(self._targets, key, (policy, target))
+        return target
+
+    @staticmethod
+    def _remember(cache: dict[Any, Any], key: object, value: object) -> None:
+        """Policies and specs resolve the same way every step: resolve each once. Entries hold
+        the object their key's ``id`` names, so an id reused later never matches."""
+        if len(cache) >= _RESOLVED_CACHE:
+            cache.clear()
+        cache[key] = value
 
     def _logged_route(self, meter: SessionMeter) -> Route:
         header = meter.header

@@ -31,12 +31,12 @@ from compactd.core.events import SessionEvent
 from compactd.core.fold import SessionFold
 from compactd.core.meter import route_price
 from compactd.core.offload import offloadable
+from compactd.core.planner import SHAPES, PlanMode
 from compactd.core.policy import output_reservation
 from compactd.core.pruner import PrunePlan, PrunerConfig, plan_window_prunes
 from compactd.core.selection import (
     DeclineCode,
     Declined,
-    SelectionMode,
     head_length,
     unit_boundaries,
 )
@@ -254,7 +254,7 @@ class RecoveryService:
                 f"made for this step (maxOverflowRetries={policy.max_overflow_retries})",
             )
             return
-        window = self._window(handle, route, error)
+        window = self.window_of(handle, route, error)
         if window.window and window.room <= 0:
             result.figures.CopyFrom(window.figures)
             _decline(result, Decline.RECOVERY_DECLINE_ENVELOPE_ONLY, _envelope_only(window))
@@ -263,9 +263,10 @@ class RecoveryService:
         result.pruned_count = await self._engine.prune(handle, progress)
         if window.window:
             result.pruned_count += await self._engine.prune(
-                handle, progress, planner=self._window_planner(route, window.room)
+                handle, progress, planner=self.window_planner(route, window.room)
             )
-        job = Bracket(handle, OVERFLOW, SelectionMode.MAXIMAL, route, route, policy, 0, turn)
+        shape = SHAPES[PlanMode.OVERFLOW]
+        job = Bracket(handle, shape.trigger, shape.selection, route, route, policy, 0, turn)
         try:
             committed = await self._engine.run_bracket(job, progress)
         except Busy:
@@ -290,7 +291,7 @@ class RecoveryService:
         assert isinstance(committed, Declined)
         self._declined(handle, route, window, committed, result)
 
-    def _window(self, handle: SessionHandle, route: Route, error: cpb.ProviderError) -> _Window:
+    def window_of(self, handle: SessionHandle, route: Route, error: cpb.ProviderError) -> _Window:
         """The window to recover against (the provider's statement wins) and today's figures."""
         header = handle.fold.header
         max_output = (
@@ -319,7 +320,7 @@ class RecoveryService:
         )
         return _Window(figures)
 
-    def _window_planner(self, route: Route, room: int) -> Planner:
+    def window_planner(self, route: Route, room: int) -> Planner:
         """Plans of the tool results whose route price alone exceeds ``room``."""
         config = self._pruner
 
@@ -385,6 +386,10 @@ def _envelope_only(window: _Window) -> str:
         f"{f.context_window - f.output_reservation}; no compaction reduces the system prompt or "
         "the tools"
     )
+
+
+#: For the dry run (``service.inspection``).
+envelope_only = _envelope_only
 
 
 def _indivisible(figures: cpb.OverflowFigures) -> str:

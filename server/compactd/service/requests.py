@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from compactd.core import events as ev
-from compactd.core.projection import project
+from compactd.core.fold import SessionFold
+from compactd.core.projection import Message, derive_messages, project
+from compactd.core.surface import SurfaceNode
 from compactd.service.sessions import SessionHandle
 from compactd.v1 import session_service_pb2 as pb
 
@@ -40,3 +44,8 @@ def build_request(handle: SessionHandle) -> pb.BuildRequestResponse:
             response.adapter_defaults.CopyFrom(fold.header.adapter_defaults)
         response.tools.extend(fold.header.tools)
     return response
+
+
+def appended_messages(fold: SessionFold, nodes: Iterable[SurfaceNode]) -> list[Message]:
+    """The messages ``nodes`` (appended surface nodes, in order) add to a request."""
+    return derive_messages(((n.seq, n.event) for n in nodes), fold.offloads)

@@ -277,19 +277,25 @@ class SessionManager:
         """Call ``callback(handle)`` for every session restored from now on."""
         self._on_restore.append(callback)
 
-    def validate_policy(self, policy: dict[str, object]) -> None:
-        """Reject per-session policy overrides the service-wide validator rejects."""
+    def validate_policy(
+        self, policy: dict[str, object], *, field: Callable[[str], str] | None = None
+    ) -> None:
+        """Reject per-session policy overrides the service-wide validator rejects.
+
+        ``field`` turns the settings path of the bad setting (``modelPolicies[0].retainRatio``)
+        into the request's field path (default: under ``compaction_policy``).
+        """
         if self._policy_validator is None:
             return
         try:
             self._policy_validator(policy)
         except ConfigError as error:
-            field = error.metadata.get("field", "")
+            setting = error.metadata.get("field", "")
+            path = field(setting) if field is not None else f"compaction_policy.{setting}"
+            path = path.rstrip(".")
             raise InvalidArgument(
-                f"compaction_policy: {error.message}",
-                violations=[
-                    FieldViolation(f"compaction_policy.{field}".rstrip("."), error.message)
-                ],
+                f"{path.split('.')[0]}: {error.message}",
+                violations=[FieldViolation(path, error.message)],
                 reason="POLICY_INVALID",
             ) from error
 

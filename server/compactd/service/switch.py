@@ -24,10 +24,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from compactd.core.selection import Declined, SelectionMode
+from compactd.core.planner import SHAPES, PlanMode
+from compactd.core.selection import Declined
 from compactd.errors import Busy, CompactdError, FailedPrecondition
 from compactd.routes import Route
-from compactd.service.compaction import Bracket, CompactionEngine, Progress, refuse_live_bracket
+from compactd.service.compaction import (
+    Bracket,
+    CompactionEngine,
+    Progress,
+    check_held_revision,
+    refuse_live_bracket,
+)
 from compactd.service.pressure import PressureService, session_meter
 from compactd.service.recovery import require_open_turn
 from compactd.service.requests import build_request
@@ -35,7 +42,7 @@ from compactd.service.sessions import SessionHandle, SessionManager
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2
 
-MODEL_SWITCH = events_pb2.COMPACTION_TRIGGER_MODEL_SWITCH
+SWITCH = SHAPES[PlanMode.SWITCH]
 SWITCH_FAILED = "MODEL_SWITCH_COMPACTION_FAILED"
 ABOVE = cpb.PRESSURE_STATE_ABOVE
 
@@ -91,7 +98,12 @@ class SwitchService:
         return result
 
     async def prepare_step(
-        self, session_id: str, turn: int, intended: Route | None, progress: Progress
+        self,
+        session_id: str,
+        turn: int,
+        intended: Route | None,
+        progress: Progress,
+        held_revision: int | None = None,
     ) -> cpb.PrepareStepResult:
         """PrepareStep: a changed ``intended`` route (with ``auto``) switches first.
 
@@ -101,12 +113,18 @@ class SwitchService:
         """
         handle = await self._manager.get(session_id)
         session_meter(handle)
-        if intended is None or not self._is_switch(handle, intended):
-            return await self._engine.prepare_step(session_id, turn, intended, progress)
+        if intended is None or not self.is_switch(handle, intended):
+            return await self._engine.prepare_step(
+                session_id, turn, intended, progress, held_revision
+            )
+        check_held_revision(handle, held_revision)
         require_open_turn(handle, turn)
         refuse_live_bracket(handle)
         switched = await self._switch(handle, intended, turn, progress)
-        result = await self._engine.prepare_step(session_id, turn, intended, progress)
+        # The switch logged a header: the result carries the full request whatever was held.
+        result = await self._engine.prepare_step(
+            session_id, turn, intended, progress, held_revision
+        )
         result.before.CopyFrom(switched.before)
         result.pruned_count += switched.pruned
         committed = [*switched.compactions, *result.compactions]
@@ -116,7 +134,7 @@ class SwitchService:
             result.header_seq = switched.header_seq
         return result
 
-    def _is_switch(self, handle: SessionHandle, intended: Route) -> bool:
+    def is_switch(self, handle: SessionHandle, intended: Route) -> bool:
         """Whether a step to ``intended`` changes the logged route (and ``auto`` checks it)."""
         header = handle.fold.header
         if header is None or not (header.config.provider and header.config.model):
@@ -165,11 +183,11 @@ class SwitchService:
                     f"{report.measured_tokens} >= trigger {report.trigger_tokens} "
                     f"(compactionRetries={policy.compaction_retries})",
                 )
-            # As in PrepareStep: a convergence retry reaches into the retained tail.
-            mode = SelectionMode.PRESSURE if attempts == 0 else SelectionMode.MAXIMAL
+            # Unlike PrepareStep (see core.planner.SHAPES), a retry reaches into the retained tail.
             job = Bracket(
-                handle, MODEL_SWITCH, mode, destination, shrink, writer_policy, retained, turn
-            )
+                handle, SWITCH.trigger, SWITCH.selection_for(attempts), destination, shrink,
+                writer_policy, retained, turn,
+            )  # fmt: skip
             try:
                 committed = await self._engine.run_bracket(job, progress)
             except Busy:

@@ -121,6 +121,22 @@ class CompactionServiceStub:
     limits; authentication; unavailability). Needs no session. Errors: INVALID_ARGUMENT when
     neither a status nor a body is given.
     """
+    PlanCompaction: _grpc.UnaryUnaryMultiCallable[_compaction_service_pb2.PlanCompactionRequest, _compaction_service_pb2.PlanCompactionResponse]
+    """A dry run: what a compaction in `mode` would do now, decided by the same code the real
+    path runs, without appending anything. The resolved policy with each setting's origin, the
+    measured envelope, the prunes the pruner would make, the span selection would choose (or
+    why it declines, with the reasons the real path reports) and the expected tokens after.
+    It plans the next bracket only; convergence retries are not planned. Errors: NOT_FOUND;
+    INVALID_ARGUMENT when `mode` is SWITCH without a `route`, or a route lacks provider or
+    model. Conditions the real path refuses (a live bracket, an open turn for MANUAL, below
+    the trigger, no capacity) are a `blocked` reason in the plan, not errors.
+    """
+    ListBrackets: _grpc.UnaryUnaryMultiCallable[_compaction_service_pb2.ListBracketsRequest, _compaction_service_pb2.ListBracketsResponse]
+    """Every bracket of the session's log, oldest first, with its steps, timings, outcome, span,
+    tokens and summarizer, and the prunes; brackets without a `compaction/end` are LIVE (after
+    the newest `session/end-seed`: the lock of this lifecycle) or STALE (before it: evidence of
+    a process that died, no longer blocking). Errors: NOT_FOUND.
+    """
 
 @_typing.type_check_only
 class CompactionServiceAsyncStub(CompactionServiceStub):
@@ -214,6 +230,22 @@ class CompactionServiceAsyncStub(CompactionServiceStub):
     (OpenAI, DeepSeek, vLLM, llama.cpp, Anthropic, Gemini overflow bodies; image budgets; rate
     limits; authentication; unavailability). Needs no session. Errors: INVALID_ARGUMENT when
     neither a status nor a body is given.
+    """
+    PlanCompaction: _aio.UnaryUnaryMultiCallable[_compaction_service_pb2.PlanCompactionRequest, _compaction_service_pb2.PlanCompactionResponse]  # type: ignore[assignment]
+    """A dry run: what a compaction in `mode` would do now, decided by the same code the real
+    path runs, without appending anything. The resolved policy with each setting's origin, the
+    measured envelope, the prunes the pruner would make, the span selection would choose (or
+    why it declines, with the reasons the real path reports) and the expected tokens after.
+    It plans the next bracket only; convergence retries are not planned. Errors: NOT_FOUND;
+    INVALID_ARGUMENT when `mode` is SWITCH without a `route`, or a route lacks provider or
+    model. Conditions the real path refuses (a live bracket, an open turn for MANUAL, below
+    the trigger, no capacity) are a `blocked` reason in the plan, not errors.
+    """
+    ListBrackets: _aio.UnaryUnaryMultiCallable[_compaction_service_pb2.ListBracketsRequest, _compaction_service_pb2.ListBracketsResponse]  # type: ignore[assignment]
+    """Every bracket of the session's log, oldest first, with its steps, timings, outcome, span,
+    tokens and summarizer, and the prunes; brackets without a `compaction/end` are LIVE (after
+    the newest `session/end-seed`: the lock of this lifecycle) or STALE (before it: evidence of
+    a process that died, no longer blocking). Errors: NOT_FOUND.
     """
 
 class CompactionServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -347,6 +379,34 @@ class CompactionServiceServicer(metaclass=_abc_1.ABCMeta):
         (OpenAI, DeepSeek, vLLM, llama.cpp, Anthropic, Gemini overflow bodies; image budgets; rate
         limits; authentication; unavailability). Needs no session. Errors: INVALID_ARGUMENT when
         neither a status nor a body is given.
+        """
+
+    @_abc_1.abstractmethod
+    def PlanCompaction(
+        self,
+        request: _compaction_service_pb2.PlanCompactionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_compaction_service_pb2.PlanCompactionResponse, _abc.Awaitable[_compaction_service_pb2.PlanCompactionResponse]]:
+        """A dry run: what a compaction in `mode` would do now, decided by the same code the real
+        path runs, without appending anything. The resolved policy with each setting's origin, the
+        measured envelope, the prunes the pruner would make, the span selection would choose (or
+        why it declines, with the reasons the real path reports) and the expected tokens after.
+        It plans the next bracket only; convergence retries are not planned. Errors: NOT_FOUND;
+        INVALID_ARGUMENT when `mode` is SWITCH without a `route`, or a route lacks provider or
+        model. Conditions the real path refuses (a live bracket, an open turn for MANUAL, below
+        the trigger, no capacity) are a `blocked` reason in the plan, not errors.
+        """
+
+    @_abc_1.abstractmethod
+    def ListBrackets(
+        self,
+        request: _compaction_service_pb2.ListBracketsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_compaction_service_pb2.ListBracketsResponse, _abc.Awaitable[_compaction_service_pb2.ListBracketsResponse]]:
+        """Every bracket of the session's log, oldest first, with its steps, timings, outcome, span,
+        tokens and summarizer, and the prunes; brackets without a `compaction/end` are LIVE (after
+        the newest `session/end-seed`: the lock of this lifecycle) or STALE (before it: evidence of
+        a process that died, no longer blocking). Errors: NOT_FOUND.
         """
 
 def add_CompactionServiceServicer_to_server(servicer: CompactionServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -20,6 +20,11 @@ if sys.version_info >= (3, 11):
 else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
+if sys.version_info >= (3, 13):
+    from warnings import deprecated as _deprecated
+else:
+    from typing_extensions import deprecated as _deprecated
+
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class _MessageRole:
@@ -68,6 +73,7 @@ class Session(_message.Message):
     REVISION_FIELD_NUMBER: _builtins.int
     CREATE_TIME_FIELD_NUMBER: _builtins.int
     COMPACTION_POLICY_FIELD_NUMBER: _builtins.int
+    POLICY_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session id."""
     revision: _builtins.int
@@ -80,6 +86,10 @@ class Session(_message.Message):
     def compaction_policy(self) -> _struct_pb2.Struct:
         """Per-session compaction policy overrides (the spec's camelCase keys), if any."""
 
+    @_builtins.property
+    def policy(self) -> Global___CompactionPolicy:
+        """The same overrides, typed (absent when the session has none)."""
+
     def __init__(
         self,
         *,
@@ -87,10 +97,11 @@ class Session(_message.Message):
         revision: _builtins.int = ...,
         create_time: _timestamp_pb2.Timestamp | None = ...,
         compaction_policy: _struct_pb2.Struct | None = ...,
+        policy: Global___CompactionPolicy | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["compaction_policy", b"compaction_policy", "create_time", b"create_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["compaction_policy", b"compaction_policy", "create_time", b"create_time", "policy", b"policy"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_policy", b"compaction_policy", "create_time", b"create_time", "revision", b"revision", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_policy", b"compaction_policy", "create_time", b"create_time", "policy", b"policy", "revision", b"revision", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -104,14 +115,25 @@ class CreateSessionRequest(_message.Message):
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     COMPACTION_POLICY_FIELD_NUMBER: _builtins.int
+    POLICY_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """Optional client-chosen id: 1-128 characters of `[A-Za-z0-9._:-]`. Empty lets the server
     choose one.
     """
     @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
     def compaction_policy(self) -> _struct_pb2.Struct:
-        """Optional per-session compaction policy overrides, with the spec's keys (`thresholdRatio`,
-        `retainRatio`, `modelPolicies`, ...); validated like the service-wide policy.
+        """Deprecated: use `policy`. Optional per-session compaction policy overrides, with the spec's
+        keys (`thresholdRatio`, `retainRatio`, `modelPolicies`, ...); validated like the
+        service-wide policy. Setting both this and `policy` is INVALID_ARGUMENT (field `policy`).
+        """
+
+    @_builtins.property
+    def policy(self) -> Global___CompactionPolicy:
+        """Optional per-session compaction policy overrides, typed: validated exactly as
+        `compaction_policy` is (INVALID_ARGUMENT with reason `POLICY_INVALID` naming the field, e.g.
+        `policy.model_policies[0].retain_ratio`). Stored as the same overrides, so a retried create
+        with either form of the same policy is idempotent.
         """
 
     def __init__(
@@ -119,10 +141,11 @@ class CreateSessionRequest(_message.Message):
         *,
         session_id: _builtins.str = ...,
         compaction_policy: _struct_pb2.Struct | None = ...,
+        policy: Global___CompactionPolicy | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["compaction_policy", b"compaction_policy"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["compaction_policy", b"compaction_policy", "policy", b"policy"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_policy", b"compaction_policy", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_policy", b"compaction_policy", "policy", b"policy", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -277,16 +300,29 @@ class GetSurfaceRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    ROUTE_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session."""
+    detail: _builtins.bool
+    """Also answer each node's prices and the surface's generations and meter anchor
+    (`SurfaceNode.detail`, `GetSurfaceResponse.detail`), priced for `route` (default: the latest
+    logged route, else the heuristic).
+    """
+    @_builtins.property
+    def route(self) -> _events_pb2.Route:
+        """With `detail`: price nodes for this route instead."""
+
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
+        detail: _builtins.bool = ...,
+        route: _events_pb2.Route | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["route", b"route"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "route", b"route", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -344,6 +380,7 @@ class SurfaceNode(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     SOURCE_EVENT_SEQS_FIELD_NUMBER: _builtins.int
     COMPACTION_ID_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
     position: _builtins.int
     """Position on the surface, from 0."""
     seq: _builtins.int
@@ -360,6 +397,10 @@ class SurfaceNode(_message.Message):
     def source_event_seqs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The event's `source_event_seqs` (set for replacement nodes)."""
 
+    @_builtins.property
+    def detail(self) -> Global___SurfaceNodeDetail:
+        """Prices of the node; set when `GetSurfaceRequest.detail` was."""
+
     def __init__(
         self,
         *,
@@ -369,10 +410,11 @@ class SurfaceNode(_message.Message):
         message: Global___Message | None = ...,
         source_event_seqs: _abc.Iterable[_builtins.int] | None = ...,
         compaction_id: _builtins.str = ...,
+        detail: Global___SurfaceNodeDetail | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "message", b"message"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "message", b"message", "position", b"position", "seq", b"seq", "source_event_seqs", b"source_event_seqs", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "detail", b"detail", "message", b"message", "position", b"position", "seq", b"seq", "source_event_seqs", b"source_event_seqs", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -386,21 +428,27 @@ class GetSurfaceResponse(_message.Message):
 
     REVISION_FIELD_NUMBER: _builtins.int
     NODES_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     """The log revision the surface was folded at."""
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___SurfaceNode]:
         """Nodes in position order."""
 
+    @_builtins.property
+    def detail(self) -> Global___SurfaceDetail:
+        """Generations, anchor and shadowed nodes; set when `GetSurfaceRequest.detail` was."""
+
     def __init__(
         self,
         *,
         revision: _builtins.int = ...,
         nodes: _abc.Iterable[Global___SurfaceNode] | None = ...,
+        detail: Global___SurfaceDetail | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["nodes", b"nodes", "revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "nodes", b"nodes", "revision", b"revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -570,3 +618,450 @@ class DeleteSessionResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeleteSessionResponse: _TypeAlias = DeleteSessionResponse  # noqa: Y015
+
+@_typing.final
+class CompactionPolicy(_message.Message):
+    """Per-session compaction policy overrides: every setting of the service's `[compaction]` table.
+    An absent field inherits (the service's setting for the route, else the default). The spec's
+    camelCase names are these fields' JSON names. Defaults and units are the README's policy table.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    THRESHOLD_RATIO_FIELD_NUMBER: _builtins.int
+    HEADROOM_TOKENS_FIELD_NUMBER: _builtins.int
+    RETAIN_RATIO_FIELD_NUMBER: _builtins.int
+    RETAIN_TOKENS_FIELD_NUMBER: _builtins.int
+    SUMMARIZATION_PROVIDER_FIELD_NUMBER: _builtins.int
+    SUMMARIZATION_MODEL_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    COMPACTION_RETRIES_FIELD_NUMBER: _builtins.int
+    MAX_OVERFLOW_RETRIES_FIELD_NUMBER: _builtins.int
+    AUTO_FIELD_NUMBER: _builtins.int
+    SUMMARY_GATE_FIELD_NUMBER: _builtins.int
+    MIN_REDUCTION_RATIO_FIELD_NUMBER: _builtins.int
+    MIN_PROBE_RETENTION_FIELD_NUMBER: _builtins.int
+    EXTRACTIVE_FALLBACK_FIELD_NUMBER: _builtins.int
+    FAILURE_BACKOFF_SECONDS_FIELD_NUMBER: _builtins.int
+    FAILURE_BACKOFF_MAX_SECONDS_FIELD_NUMBER: _builtins.int
+    MODEL_POLICIES_FIELD_NUMBER: _builtins.int
+    threshold_ratio: _builtins.float
+    """`thresholdRatio`, in (0, 1]: trigger = floor(min(W * thresholdRatio, W - O - B)). Default 0.8."""
+    headroom_tokens: _builtins.int
+    """`headroomTokens` B, >= 0: headroom beyond the output reservation. Default 65536."""
+    retain_ratio: _builtins.float
+    """`retainRatio`, in [0, 1), below `threshold_ratio`: retained budget = floor(retainRatio *
+    (W - O)). Default 0.16. Excludes `retain_tokens` (setting one replaces the other).
+    """
+    retain_tokens: _builtins.int
+    """`retainTokens`, >= 0: an absolute retained budget instead of `retain_ratio`."""
+    summarization_provider: _builtins.str
+    """`summarizationProvider`: the provider that writes summaries; set with `summarization_model`."""
+    summarization_model: _builtins.str
+    """`summarizationModel`: the model that writes summaries; set with `summarization_provider`."""
+    max_tokens: _builtins.int
+    """`maxTokens`, > 0: the summary's output cap. Default: `headroom_tokens`."""
+    compaction_retries: _builtins.int
+    """`compactionRetries`, >= 0: extra compactions while pressure stays above. Default 1."""
+    max_overflow_retries: _builtins.int
+    """`maxOverflowRetries`, >= 0: recoveries after a provider-confirmed overflow (0 disables).
+    Default 1.
+    """
+    auto: _builtins.bool
+    """`auto`: automatic compaction and overflow recovery. Default true."""
+    summary_gate: _builtins.bool
+    """`summaryGate`: check every summary before it may replace history. Default true."""
+    min_reduction_ratio: _builtins.float
+    """`minReductionRatio`, in [0, 1): how much smaller the checkpoint must be. Default 0.1."""
+    min_probe_retention: _builtins.float
+    """`minProbeRetention`, in [0, 1]: the share of the span's probes a summary keeps. Default 0.5."""
+    extractive_fallback: _builtins.bool
+    """`extractiveFallback`: a rejected summary is replaced by the extractive one. Default false."""
+    failure_backoff_seconds: _builtins.float
+    """`failureBackoffSeconds`, >= 0: the first wait before a failed span is sent again (0: no
+    failure memory and no per-crossing budget). Default 300.
+    """
+    failure_backoff_max_seconds: _builtins.float
+    """`failureBackoffMaxSeconds`, >= `failure_backoff_seconds`: the longest wait. Default 3600."""
+    @_builtins.property
+    def model_policies(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelCompactionPolicy]:
+        """`modelPolicies`: overrides for exact provider/model routes, layered over the settings above."""
+
+    def __init__(
+        self,
+        *,
+        threshold_ratio: _builtins.float | None = ...,
+        headroom_tokens: _builtins.int | None = ...,
+        retain_ratio: _builtins.float | None = ...,
+        retain_tokens: _builtins.int | None = ...,
+        summarization_provider: _builtins.str | None = ...,
+        summarization_model: _builtins.str | None = ...,
+        max_tokens: _builtins.int | None = ...,
+        compaction_retries: _builtins.int | None = ...,
+        max_overflow_retries: _builtins.int | None = ...,
+        auto: _builtins.bool | None = ...,
+        summary_gate: _builtins.bool | None = ...,
+        min_reduction_ratio: _builtins.float | None = ...,
+        min_probe_retention: _builtins.float | None = ...,
+        extractive_fallback: _builtins.bool | None = ...,
+        failure_backoff_seconds: _builtins.float | None = ...,
+        failure_backoff_max_seconds: _builtins.float | None = ...,
+        model_policies: _abc.Iterable[Global___ModelCompactionPolicy] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "model_policies", b"model_policies", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__auto: _TypeAlias = _typing.Literal["auto"]  # noqa: Y015
+    _WhichOneofArgType__auto: _TypeAlias = _typing.Literal["_auto", b"_auto"]  # noqa: Y015
+    _WhichOneofReturnType__compaction_retries: _TypeAlias = _typing.Literal["compaction_retries"]  # noqa: Y015
+    _WhichOneofArgType__compaction_retries: _TypeAlias = _typing.Literal["_compaction_retries", b"_compaction_retries"]  # noqa: Y015
+    _WhichOneofReturnType__extractive_fallback: _TypeAlias = _typing.Literal["extractive_fallback"]  # noqa: Y015
+    _WhichOneofArgType__extractive_fallback: _TypeAlias = _typing.Literal["_extractive_fallback", b"_extractive_fallback"]  # noqa: Y015
+    _WhichOneofReturnType__failure_backoff_max_seconds: _TypeAlias = _typing.Literal["failure_backoff_max_seconds"]  # noqa: Y015
+    _WhichOneofArgType__failure_backoff_max_seconds: _TypeAlias = _typing.Literal["_failure_backoff_max_seconds", b"_failure_backoff_max_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__failure_backoff_seconds: _TypeAlias = _typing.Literal["failure_backoff_seconds"]  # noqa: Y015
+    _WhichOneofArgType__failure_backoff_seconds: _TypeAlias = _typing.Literal["_failure_backoff_seconds", b"_failure_backoff_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__headroom_tokens: _TypeAlias = _typing.Literal["headroom_tokens"]  # noqa: Y015
+    _WhichOneofArgType__headroom_tokens: _TypeAlias = _typing.Literal["_headroom_tokens", b"_headroom_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__max_overflow_retries: _TypeAlias = _typing.Literal["max_overflow_retries"]  # noqa: Y015
+    _WhichOneofArgType__max_overflow_retries: _TypeAlias = _typing.Literal["_max_overflow_retries", b"_max_overflow_retries"]  # noqa: Y015
+    _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
+    _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__min_probe_retention: _TypeAlias = _typing.Literal["min_probe_retention"]  # noqa: Y015
+    _WhichOneofArgType__min_probe_retention: _TypeAlias = _typing.Literal["_min_probe_retention", b"_min_probe_retention"]  # noqa: Y015
+    _WhichOneofReturnType__min_reduction_ratio: _TypeAlias = _typing.Literal["min_reduction_ratio"]  # noqa: Y015
+    _WhichOneofArgType__min_reduction_ratio: _TypeAlias = _typing.Literal["_min_reduction_ratio", b"_min_reduction_ratio"]  # noqa: Y015
+    _WhichOneofReturnType__retain_ratio: _TypeAlias = _typing.Literal["retain_ratio"]  # noqa: Y015
+    _WhichOneofArgType__retain_ratio: _TypeAlias = _typing.Literal["_retain_ratio", b"_retain_ratio"]  # noqa: Y015
+    _WhichOneofReturnType__retain_tokens: _TypeAlias = _typing.Literal["retain_tokens"]  # noqa: Y015
+    _WhichOneofArgType__retain_tokens: _TypeAlias = _typing.Literal["_retain_tokens", b"_retain_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__summarization_model: _TypeAlias = _typing.Literal["summarization_model"]  # noqa: Y015
+    _WhichOneofArgType__summarization_model: _TypeAlias = _typing.Literal["_summarization_model", b"_summarization_model"]  # noqa: Y015
+    _WhichOneofReturnType__summarization_provider: _TypeAlias = _typing.Literal["summarization_provider"]  # noqa: Y015
+    _WhichOneofArgType__summarization_provider: _TypeAlias = _typing.Literal["_summarization_provider", b"_summarization_provider"]  # noqa: Y015
+    _WhichOneofReturnType__summary_gate: _TypeAlias = _typing.Literal["summary_gate"]  # noqa: Y015
+    _WhichOneofArgType__summary_gate: _TypeAlias = _typing.Literal["_summary_gate", b"_summary_gate"]  # noqa: Y015
+    _WhichOneofReturnType__threshold_ratio: _TypeAlias = _typing.Literal["threshold_ratio"]  # noqa: Y015
+    _WhichOneofArgType__threshold_ratio: _TypeAlias = _typing.Literal["_threshold_ratio", b"_threshold_ratio"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__auto) -> _WhichOneofReturnType__auto | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__compaction_retries) -> _WhichOneofReturnType__compaction_retries | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__extractive_fallback) -> _WhichOneofReturnType__extractive_fallback | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__failure_backoff_max_seconds) -> _WhichOneofReturnType__failure_backoff_max_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__failure_backoff_seconds) -> _WhichOneofReturnType__failure_backoff_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__headroom_tokens) -> _WhichOneofReturnType__headroom_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_overflow_retries) -> _WhichOneofReturnType__max_overflow_retries | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_probe_retention) -> _WhichOneofReturnType__min_probe_retention | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_reduction_ratio) -> _WhichOneofReturnType__min_reduction_ratio | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__retain_ratio) -> _WhichOneofReturnType__retain_ratio | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__retain_tokens) -> _WhichOneofReturnType__retain_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__summarization_model) -> _WhichOneofReturnType__summarization_model | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__summarization_provider) -> _WhichOneofReturnType__summarization_provider | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__summary_gate) -> _WhichOneofReturnType__summary_gate | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__threshold_ratio) -> _WhichOneofReturnType__threshold_ratio | None: ...
+
+Global___CompactionPolicy: _TypeAlias = CompactionPolicy  # noqa: Y015
+
+@_typing.final
+class ModelCompactionPolicy(_message.Message):
+    """The overrides of one exact provider/model route (`modelPolicies[i]`); absent fields inherit."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROVIDER_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    THRESHOLD_RATIO_FIELD_NUMBER: _builtins.int
+    HEADROOM_TOKENS_FIELD_NUMBER: _builtins.int
+    RETAIN_RATIO_FIELD_NUMBER: _builtins.int
+    RETAIN_TOKENS_FIELD_NUMBER: _builtins.int
+    SUMMARIZATION_PROVIDER_FIELD_NUMBER: _builtins.int
+    SUMMARIZATION_MODEL_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    COMPACTION_RETRIES_FIELD_NUMBER: _builtins.int
+    MAX_OVERFLOW_RETRIES_FIELD_NUMBER: _builtins.int
+    AUTO_FIELD_NUMBER: _builtins.int
+    SUMMARY_GATE_FIELD_NUMBER: _builtins.int
+    MIN_REDUCTION_RATIO_FIELD_NUMBER: _builtins.int
+    MIN_PROBE_RETENTION_FIELD_NUMBER: _builtins.int
+    EXTRACTIVE_FALLBACK_FIELD_NUMBER: _builtins.int
+    FAILURE_BACKOFF_SECONDS_FIELD_NUMBER: _builtins.int
+    FAILURE_BACKOFF_MAX_SECONDS_FIELD_NUMBER: _builtins.int
+    provider: _builtins.str
+    """The route's provider (required)."""
+    model: _builtins.str
+    """The route's model (required)."""
+    threshold_ratio: _builtins.float
+    """As `CompactionPolicy.threshold_ratio`."""
+    headroom_tokens: _builtins.int
+    """As `CompactionPolicy.headroom_tokens`."""
+    retain_ratio: _builtins.float
+    """As `CompactionPolicy.retain_ratio`."""
+    retain_tokens: _builtins.int
+    """As `CompactionPolicy.retain_tokens`."""
+    summarization_provider: _builtins.str
+    """As `CompactionPolicy.summarization_provider`."""
+    summarization_model: _builtins.str
+    """As `CompactionPolicy.summarization_model`."""
+    max_tokens: _builtins.int
+    """As `CompactionPolicy.max_tokens`."""
+    compaction_retries: _builtins.int
+    """As `CompactionPolicy.compaction_retries`."""
+    max_overflow_retries: _builtins.int
+    """As `CompactionPolicy.max_overflow_retries`."""
+    auto: _builtins.bool
+    """As `CompactionPolicy.auto`."""
+    summary_gate: _builtins.bool
+    """As `CompactionPolicy.summary_gate`."""
+    min_reduction_ratio: _builtins.float
+    """As `CompactionPolicy.min_reduction_ratio`."""
+    min_probe_retention: _builtins.float
+    """As `CompactionPolicy.min_probe_retention`."""
+    extractive_fallback: _builtins.bool
+    """As `CompactionPolicy.extractive_fallback`."""
+    failure_backoff_seconds: _builtins.float
+    """As `CompactionPolicy.failure_backoff_seconds`."""
+    failure_backoff_max_seconds: _builtins.float
+    """As `CompactionPolicy.failure_backoff_max_seconds`."""
+    def __init__(
+        self,
+        *,
+        provider: _builtins.str = ...,
+        model: _builtins.str = ...,
+        threshold_ratio: _builtins.float | None = ...,
+        headroom_tokens: _builtins.int | None = ...,
+        retain_ratio: _builtins.float | None = ...,
+        retain_tokens: _builtins.int | None = ...,
+        summarization_provider: _builtins.str | None = ...,
+        summarization_model: _builtins.str | None = ...,
+        max_tokens: _builtins.int | None = ...,
+        compaction_retries: _builtins.int | None = ...,
+        max_overflow_retries: _builtins.int | None = ...,
+        auto: _builtins.bool | None = ...,
+        summary_gate: _builtins.bool | None = ...,
+        min_reduction_ratio: _builtins.float | None = ...,
+        min_probe_retention: _builtins.float | None = ...,
+        extractive_fallback: _builtins.bool | None = ...,
+        failure_backoff_seconds: _builtins.float | None = ...,
+        failure_backoff_max_seconds: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "model", b"model", "provider", b"provider", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__auto: _TypeAlias = _typing.Literal["auto"]  # noqa: Y015
+    _WhichOneofArgType__auto: _TypeAlias = _typing.Literal["_auto", b"_auto"]  # noqa: Y015
+    _WhichOneofReturnType__compaction_retries: _TypeAlias = _typing.Literal["compaction_retries"]  # noqa: Y015
+    _WhichOneofArgType__compaction_retries: _TypeAlias = _typing.Literal["_compaction_retries", b"_compaction_retries"]  # noqa: Y015
+    _WhichOneofReturnType__extractive_fallback: _TypeAlias = _typing.Literal["extractive_fallback"]  # noqa: Y015
+    _WhichOneofArgType__extractive_fallback: _TypeAlias = _typing.Literal["_extractive_fallback", b"_extractive_fallback"]  # noqa: Y015
+    _WhichOneofReturnType__failure_backoff_max_seconds: _TypeAlias = _typing.Literal["failure_backoff_max_seconds"]  # noqa: Y015
+    _WhichOneofArgType__failure_backoff_max_seconds: _TypeAlias = _typing.Literal["_failure_backoff_max_seconds", b"_failure_backoff_max_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__failure_backoff_seconds: _TypeAlias = _typing.Literal["failure_backoff_seconds"]  # noqa: Y015
+    _WhichOneofArgType__failure_backoff_seconds: _TypeAlias = _typing.Literal["_failure_backoff_seconds", b"_failure_backoff_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__headroom_tokens: _TypeAlias = _typing.Literal["headroom_tokens"]  # noqa: Y015
+    _WhichOneofArgType__headroom_tokens: _TypeAlias = _typing.Literal["_headroom_tokens", b"_headroom_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__max_overflow_retries: _TypeAlias = _typing.Literal["max_overflow_retries"]  # noqa: Y015
+    _WhichOneofArgType__max_overflow_retries: _TypeAlias = _typing.Literal["_max_overflow_retries", b"_max_overflow_retries"]  # noqa: Y015
+    _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
+    _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__min_probe_retention: _TypeAlias = _typing.Literal["min_probe_retention"]  # noqa: Y015
+    _WhichOneofArgType__min_probe_retention: _TypeAlias = _typing.Literal["_min_probe_retention", b"_min_probe_retention"]  # noqa: Y015
+    _WhichOneofReturnType__min_reduction_ratio: _TypeAlias = _typing.Literal["min_reduction_ratio"]  # noqa: Y015
+    _WhichOneofArgType__min_reduction_ratio: _TypeAlias = _typing.Literal["_min_reduction_ratio", b"_min_reduction_ratio"]  # noqa: Y015
+    _WhichOneofReturnType__retain_ratio: _TypeAlias = _typing.Literal["retain_ratio"]  # noqa: Y015
+    _WhichOneofArgType__retain_ratio: _TypeAlias = _typing.Literal["_retain_ratio", b"_retain_ratio"]  # noqa: Y015
+    _WhichOneofReturnType__retain_tokens: _TypeAlias = _typing.Literal["retain_tokens"]  # noqa: Y015
+    _WhichOneofArgType__retain_tokens: _TypeAlias = _typing.Literal["_retain_tokens", b"_retain_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__summarization_model: _TypeAlias = _typing.Literal["summarization_model"]  # noqa: Y015
+    _WhichOneofArgType__summarization_model: _TypeAlias = _typing.Literal["_summarization_model", b"_summarization_model"]  # noqa: Y015
+    _WhichOneofReturnType__summarization_provider: _TypeAlias = _typing.Literal["summarization_provider"]  # noqa: Y015
+    _WhichOneofArgType__summarization_provider: _TypeAlias = _typing.Literal["_summarization_provider", b"_summarization_provider"]  # noqa: Y015
+    _WhichOneofReturnType__summary_gate: _TypeAlias = _typing.Literal["summary_gate"]  # noqa: Y015
+    _WhichOneofArgType__summary_gate: _TypeAlias = _typing.Literal["_summary_gate", b"_summary_gate"]  # noqa: Y015
+    _WhichOneofReturnType__threshold_ratio: _TypeAlias = _typing.Literal["threshold_ratio"]  # noqa: Y015
+    _WhichOneofArgType__threshold_ratio: _TypeAlias = _typing.Literal["_threshold_ratio", b"_threshold_ratio"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__auto) -> _WhichOneofReturnType__auto | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__compaction_retries) -> _WhichOneofReturnType__compaction_retries | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__extractive_fallback) -> _WhichOneofReturnType__extractive_fallback | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__failure_backoff_max_seconds) -> _WhichOneofReturnType__failure_backoff_max_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__failure_backoff_seconds) -> _WhichOneofReturnType__failure_backoff_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__headroom_tokens) -> _WhichOneofReturnType__headroom_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_overflow_retries) -> _WhichOneofReturnType__max_overflow_retries | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_probe_retention) -> _WhichOneofReturnType__min_probe_retention | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_reduction_ratio) -> _WhichOneofReturnType__min_reduction_ratio | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__retain_ratio) -> _WhichOneofReturnType__retain_ratio | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__retain_tokens) -> _WhichOneofReturnType__retain_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__summarization_model) -> _WhichOneofReturnType__summarization_model | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__summarization_provider) -> _WhichOneofReturnType__summarization_provider | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__summary_gate) -> _WhichOneofReturnType__summary_gate | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__threshold_ratio) -> _WhichOneofReturnType__threshold_ratio | None: ...
+
+Global___ModelCompactionPolicy: _TypeAlias = ModelCompactionPolicy  # noqa: Y015
+
+@_typing.final
+class SurfaceNodeDetail(_message.Message):
+    """The prices of one surface node."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUTE_TOKENS_FIELD_NUMBER: _builtins.int
+    SHADOW_TOKENS_FIELD_NUMBER: _builtins.int
+    route_tokens: _builtins.int
+    """The node's route price (tokens), for `SurfaceDetail.route`."""
+    shadow_tokens: _builtins.int
+    """The fixed heuristic price a replacement of this node logs as its shadow price."""
+    def __init__(
+        self,
+        *,
+        route_tokens: _builtins.int = ...,
+        shadow_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["route_tokens", b"route_tokens", "shadow_tokens", b"shadow_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SurfaceNodeDetail: _TypeAlias = SurfaceNodeDetail  # noqa: Y015
+
+@_typing.final
+class MeterAnchor(_message.Message):
+    """The meter's usage anchor: provider usage prices the envelope up to `seq`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    USAGE_TOKENS_FIELD_NUMBER: _builtins.int
+    DELTA_TOKENS_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    """Seq of the `assistant/message` whose usage anchors the total."""
+    usage_tokens: _builtins.int
+    """The usage: input + cache read + cache write + output tokens."""
+    delta_tokens: _builtins.int
+    """Route tokens of the nodes after the anchor (what the meter adds to the usage)."""
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+        usage_tokens: _builtins.int = ...,
+        delta_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta_tokens", b"delta_tokens", "seq", b"seq", "usage_tokens", b"usage_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MeterAnchor: _TypeAlias = MeterAnchor  # noqa: Y015
+
+@_typing.final
+class ShadowedNode(_message.Message):
+    """A log node no longer on the surface, and the replacement that shadowed it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    SHADOWED_BY_SEQ_FIELD_NUMBER: _builtins.int
+    COMPACTION_ID_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    """Seq of the shadowed node's event."""
+    type: _builtins.str
+    """Its event type, e.g. `tool/result`."""
+    shadowed_by_seq: _builtins.int
+    """Seq of the REPLACE event that shadowed it (a checkpoint, a pruned result, ...)."""
+    compaction_id: _builtins.str
+    """For a checkpoint replacement: its compaction id."""
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+        type: _builtins.str = ...,
+        shadowed_by_seq: _builtins.int = ...,
+        compaction_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "seq", b"seq", "shadowed_by_seq", b"shadowed_by_seq", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShadowedNode: _TypeAlias = ShadowedNode  # noqa: Y015
+
+@_typing.final
+class SurfaceDetail(_message.Message):
+    """Surface-wide detail of `GetSurface`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUTE_FIELD_NUMBER: _builtins.int
+    REPLACEMENT_GENERATION_FIELD_NUMBER: _builtins.int
+    CONTENT_GENERATION_FIELD_NUMBER: _builtins.int
+    ANCHOR_FIELD_NUMBER: _builtins.int
+    SHADOWED_FIELD_NUMBER: _builtins.int
+    replacement_generation: _builtins.int
+    """Replacement generation: REPLACE events folded so far."""
+    content_generation: _builtins.int
+    """Content generation: changes to what existing nodes send (replacements plus image offloads)."""
+    @_builtins.property
+    def route(self) -> _events_pb2.Route:
+        """The route the nodes are priced for (empty provider and model: the heuristic)."""
+
+    @_builtins.property
+    def anchor(self) -> Global___MeterAnchor:
+        """The meter's anchor for `route`, when provider usage anchors its measurement."""
+
+    @_builtins.property
+    def shadowed(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShadowedNode]:
+        """Every node the log shadowed, in seq order, with its replacement."""
+
+    def __init__(
+        self,
+        *,
+        route: _events_pb2.Route | None = ...,
+        replacement_generation: _builtins.int = ...,
+        content_generation: _builtins.int = ...,
+        anchor: Global___MeterAnchor | None = ...,
+        shadowed: _abc.Iterable[Global___ShadowedNode] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["anchor", b"anchor", "route", b"route"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["anchor", b"anchor", "content_generation", b"content_generation", "replacement_generation", b"replacement_generation", "route", b"route", "shadowed", b"shadowed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SurfaceDetail: _TypeAlias = SurfaceDetail  # noqa: Y015

@@ -129,8 +129,9 @@ class SessionServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetSurface(self, request, context):
-        """Returns the current surface: ordered nodes with their projected messages.
-        Errors: NOT_FOUND.
+        """Returns the current surface: ordered nodes with their projected messages; with `detail`,
+        also each node's prices, the generations, the meter's anchor and the shadowed nodes.
+        Errors: NOT_FOUND; INVALID_ARGUMENT when `route` lacks its provider or model.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -67,8 +67,9 @@ class SessionServiceStub:
     Errors: NOT_FOUND; INVALID_ARGUMENT for a negative `from_seq`.
     """
     GetSurface: _grpc.UnaryUnaryMultiCallable[_session_service_pb2.GetSurfaceRequest, _session_service_pb2.GetSurfaceResponse]
-    """Returns the current surface: ordered nodes with their projected messages.
-    Errors: NOT_FOUND.
+    """Returns the current surface: ordered nodes with their projected messages; with `detail`,
+    also each node's prices, the generations, the meter's anchor and the shadowed nodes.
+    Errors: NOT_FOUND; INVALID_ARGUMENT when `route` lacks its provider or model.
     """
     BuildRequest: _grpc.UnaryUnaryMultiCallable[_session_service_pb2.BuildRequestRequest, _session_service_pb2.BuildRequestResponse]
     """Reconstructs the model request: messages derived from the surface, config and tools folded
@@ -125,8 +126,9 @@ class SessionServiceAsyncStub(SessionServiceStub):
     Errors: NOT_FOUND; INVALID_ARGUMENT for a negative `from_seq`.
     """
     GetSurface: _aio.UnaryUnaryMultiCallable[_session_service_pb2.GetSurfaceRequest, _session_service_pb2.GetSurfaceResponse]  # type: ignore[assignment]
-    """Returns the current surface: ordered nodes with their projected messages.
-    Errors: NOT_FOUND.
+    """Returns the current surface: ordered nodes with their projected messages; with `detail`,
+    also each node's prices, the generations, the meter's anchor and the shadowed nodes.
+    Errors: NOT_FOUND; INVALID_ARGUMENT when `route` lacks its provider or model.
     """
     BuildRequest: _aio.UnaryUnaryMultiCallable[_session_service_pb2.BuildRequestRequest, _session_service_pb2.BuildRequestResponse]  # type: ignore[assignment]
     """Reconstructs the model request: messages derived from the surface, config and tools folded
@@ -204,8 +206,9 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _session_service_pb2.GetSurfaceRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_session_service_pb2.GetSurfaceResponse, _abc.Awaitable[_session_service_pb2.GetSurfaceResponse]]:
-        """Returns the current surface: ordered nodes with their projected messages.
-        Errors: NOT_FOUND.
+        """Returns the current surface: ordered nodes with their projected messages; with `detail`,
+        also each node's prices, the generations, the meter's anchor and the shadowed nodes.
+        Errors: NOT_FOUND; INVALID_ARGUMENT when `route` lacks its provider or model.
         """
 
     @_abc_1.abstractmethod

@@ -2,10 +2,11 @@
 
 ``CompactdClient`` (blocking) and ``AsyncCompactdClient`` (asyncio) wrap both gRPC services over
 one channel; :mod:`compactd_client.events` builds the events to append;
-:mod:`compactd_client.errors` holds the typed exceptions; :mod:`compactd_client.openai` and
-:mod:`compactd_client.anthropic` convert OpenAI chat and Anthropic messages to events and
-``BuildRequest`` answers to ready request bodies; :mod:`compactd_client.v1` re-exports the
-generated messages.
+:mod:`compactd_client.errors` holds the typed exceptions; ``step_request``
+(:mod:`compactd_client.steps`) gives the request a step sends from a ``prepare_step`` result;
+:mod:`compactd_client.openai` and :mod:`compactd_client.anthropic` convert OpenAI chat and
+Anthropic messages to events and ``BuildRequest`` answers to ready request bodies;
+:mod:`compactd_client.v1` re-exports the generated messages.
 """
 
 from compactd_client.aio import AsyncCompactdClient
@@ -26,6 +27,7 @@ from compactd_client.errors import (
     UnavailableError,
     UnimplementedError,
 )
+from compactd_client.steps import step_request
 from compactd_client.streams import (
     AsyncCompactionStream,
     AsyncServerStream,
@@ -54,4 +56,5 @@ __all__ = [
     "ServerStream",
     "UnavailableError",
     "UnimplementedError",
+    "step_request",
 ]

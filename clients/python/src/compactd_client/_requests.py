@@ -78,8 +78,13 @@ def watch_pressure(session_id: str, destination: Route | None) -> WatchPressureR
     return WatchPressureRequest(session_id=session_id, destination=destination)
 
 
-def prepare_step(session_id: str, turn: int, intended_route: Route | None) -> PrepareStepRequest:
-    return PrepareStepRequest(session_id=session_id, turn=turn, intended_route=intended_route)
+def prepare_step(
+    session_id: str, turn: int, intended_route: Route | None, held_revision: int | None
+) -> PrepareStepRequest:
+    request = PrepareStepRequest(session_id=session_id, turn=turn, intended_route=intended_route)
+    if held_revision is not None:
+        request.held_revision = held_revision
+    return request
 
 
 def compact(session_id: str, focus: str) -> CompactRequest:

@@ -259,11 +259,16 @@ class CompactdClient:
         turn: int,
         *,
         intended_route: Route | None = None,
+        held_revision: int | None = None,
         timeout: Timeout = UNSET,
     ) -> CompactionStream[PrepareStepResult]:
         """The pre-step check: prunes and compacts when above pressure; the result carries the
-        request to send. Raises ``CompactionBusyError`` while a bracket is live."""
-        request = rq.prepare_step(session_id, turn, intended_route)
+        request to send. Raises ``CompactionBusyError`` while a bracket is live.
+
+        ``held_revision``: the revision of the request the runtime holds; the result then omits
+        the full request while compactd changed none of it (``steps.step_request`` rebuilds the
+        request to send either way)."""
+        request = rq.prepare_step(session_id, turn, intended_route, held_revision)
         call = self._stream(self._compaction.PrepareStep, request, timeout)
         return CompactionStream(call, rq.split_prepare_step)
 

@@ -8,6 +8,7 @@ from compactd_client.v1 import events_pb2 as _events_pb2
 from compactd_client.v1 import session_service_pb2 as _session_service_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
@@ -248,6 +249,124 @@ RECOVERY_DECLINE_OFFLOAD_COUNT_UNKNOWN: RecoveryDecline.ValueType  # 9
 RECOVERY_DECLINE_NOT_RECOVERABLE: RecoveryDecline.ValueType  # 10
 """The raw error is not one compactd recovers from (a rate limit, say: see `classification`)."""
 Global___RecoveryDecline: _TypeAlias = RecoveryDecline  # noqa: Y015
+
+class _PlanMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PlanModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PlanMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PLAN_MODE_UNSPECIFIED: _PlanMode.ValueType  # 0
+    """Not set: AUTO."""
+    PLAN_MODE_AUTO: _PlanMode.ValueType  # 1
+    """`PrepareStep` above pressure: prune, re-measure, then a bracket keeping the retained
+    budget (failure memory and the crossing budget apply).
+    """
+    PLAN_MODE_MANUAL: _PlanMode.ValueType  # 2
+    """`Compact`: no pruning, everything selectable but the last unit."""
+    PLAN_MODE_OVERFLOW: _PlanMode.ValueType  # 3
+    """`RecoverFromError` for CONTEXT_WINDOW_EXCEEDED: prune (also window-sized), then one
+    maximal reduction with no minimum span. Planned against the route's declared window (the
+    plan cannot know a window a provider's error would state) and no retries made so far.
+    """
+    PLAN_MODE_SWITCH: _PlanMode.ValueType  # 4
+    """`SwitchModel` to `route`: prune, then a bracket keeping the destination's retained budget."""
+
+class PlanMode(_PlanMode, metaclass=_PlanModeEnumTypeWrapper):
+    """What kind of compaction to plan."""
+
+PLAN_MODE_UNSPECIFIED: PlanMode.ValueType  # 0
+"""Not set: AUTO."""
+PLAN_MODE_AUTO: PlanMode.ValueType  # 1
+"""`PrepareStep` above pressure: prune, re-measure, then a bracket keeping the retained
+budget (failure memory and the crossing budget apply).
+"""
+PLAN_MODE_MANUAL: PlanMode.ValueType  # 2
+"""`Compact`: no pruning, everything selectable but the last unit."""
+PLAN_MODE_OVERFLOW: PlanMode.ValueType  # 3
+"""`RecoverFromError` for CONTEXT_WINDOW_EXCEEDED: prune (also window-sized), then one
+maximal reduction with no minimum span. Planned against the route's declared window (the
+plan cannot know a window a provider's error would state) and no retries made so far.
+"""
+PLAN_MODE_SWITCH: PlanMode.ValueType  # 4
+"""`SwitchModel` to `route`: prune, then a bracket keeping the destination's retained budget."""
+Global___PlanMode: _TypeAlias = PlanMode  # noqa: Y015
+
+class _PolicyOrigin:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PolicyOriginEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PolicyOrigin.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    POLICY_ORIGIN_UNSPECIFIED: _PolicyOrigin.ValueType  # 0
+    """Not set."""
+    POLICY_ORIGIN_DEFAULT: _PolicyOrigin.ValueType  # 1
+    """The built-in default."""
+    POLICY_ORIGIN_SERVICE: _PolicyOrigin.ValueType  # 2
+    """The service's `[compaction]` table."""
+    POLICY_ORIGIN_SESSION: _PolicyOrigin.ValueType  # 3
+    """The session's own overrides."""
+    POLICY_ORIGIN_SERVICE_ROUTE: _PolicyOrigin.ValueType  # 4
+    """The service's `modelPolicies` entry for the route."""
+    POLICY_ORIGIN_SESSION_ROUTE: _PolicyOrigin.ValueType  # 5
+    """The session's `modelPolicies` entry for the route."""
+
+class PolicyOrigin(_PolicyOrigin, metaclass=_PolicyOriginEnumTypeWrapper):
+    """Where a resolved policy setting's value came from."""
+
+POLICY_ORIGIN_UNSPECIFIED: PolicyOrigin.ValueType  # 0
+"""Not set."""
+POLICY_ORIGIN_DEFAULT: PolicyOrigin.ValueType  # 1
+"""The built-in default."""
+POLICY_ORIGIN_SERVICE: PolicyOrigin.ValueType  # 2
+"""The service's `[compaction]` table."""
+POLICY_ORIGIN_SESSION: PolicyOrigin.ValueType  # 3
+"""The session's own overrides."""
+POLICY_ORIGIN_SERVICE_ROUTE: PolicyOrigin.ValueType  # 4
+"""The service's `modelPolicies` entry for the route."""
+POLICY_ORIGIN_SESSION_ROUTE: PolicyOrigin.ValueType  # 5
+"""The session's `modelPolicies` entry for the route."""
+Global___PolicyOrigin: _TypeAlias = PolicyOrigin  # noqa: Y015
+
+class _BracketOutcome:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _BracketOutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BracketOutcome.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    BRACKET_OUTCOME_UNSPECIFIED: _BracketOutcome.ValueType  # 0
+    """Not set."""
+    BRACKET_OUTCOME_COMMITTED: _BracketOutcome.ValueType  # 1
+    """The checkpoint replaced the span."""
+    BRACKET_OUTCOME_FAILED: _BracketOutcome.ValueType  # 2
+    """`compaction/end` closed it without a commit (`error_reason` says why)."""
+    BRACKET_OUTCOME_LIVE: _BracketOutcome.ValueType  # 3
+    """No `compaction/end`, started after the newest `session/end-seed`: it holds the lock (running,
+    or an orphan of a failed close).
+    """
+    BRACKET_OUTCOME_STALE: _BracketOutcome.ValueType  # 4
+    """No `compaction/end`, started before the newest `session/end-seed`: a stale start from a
+    process that died; it does not block.
+    """
+
+class BracketOutcome(_BracketOutcome, metaclass=_BracketOutcomeEnumTypeWrapper):
+    """How a bracket ended."""
+
+BRACKET_OUTCOME_UNSPECIFIED: BracketOutcome.ValueType  # 0
+"""Not set."""
+BRACKET_OUTCOME_COMMITTED: BracketOutcome.ValueType  # 1
+"""The checkpoint replaced the span."""
+BRACKET_OUTCOME_FAILED: BracketOutcome.ValueType  # 2
+"""`compaction/end` closed it without a commit (`error_reason` says why)."""
+BRACKET_OUTCOME_LIVE: BracketOutcome.ValueType  # 3
+"""No `compaction/end`, started after the newest `session/end-seed`: it holds the lock (running,
+or an orphan of a failed close).
+"""
+BRACKET_OUTCOME_STALE: BracketOutcome.ValueType  # 4
+"""No `compaction/end`, started before the newest `session/end-seed`: a stale start from a
+process that died; it does not block.
+"""
+Global___BracketOutcome: _TypeAlias = BracketOutcome  # noqa: Y015
 
 @_typing.final
 class PressureBreakdown(_message.Message):
@@ -593,10 +712,20 @@ class PrepareStepRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     TURN_FIELD_NUMBER: _builtins.int
     INTENDED_ROUTE_FIELD_NUMBER: _builtins.int
+    HELD_REVISION_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session."""
     turn: _builtins.int
     """The open turn the step belongs to."""
+    held_revision: _builtins.int
+    """The revision (`BuildRequestResponse.revision`, or a previous result's `request_revision`)
+    of the request the caller already holds. When set, and compactd changed nothing that request
+    shows since (no surface replacement, no image offload and no `request/header` at or after
+    `held_revision`: the log only appended surface nodes), the result omits `request`, sets
+    `request_unchanged` and carries just the appended nodes' messages in `appended_messages`.
+    Absent (old clients): the result always carries the full `request`, as before this field
+    existed. INVALID_ARGUMENT when negative or beyond the session's revision.
+    """
     @_builtins.property
     def intended_route(self) -> _events_pb2.Route:
         """The route the step will use; absent uses the latest logged header's route."""
@@ -607,12 +736,15 @@ class PrepareStepRequest(_message.Message):
         session_id: _builtins.str = ...,
         turn: _builtins.int = ...,
         intended_route: _events_pb2.Route | None = ...,
+        held_revision: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["intended_route", b"intended_route"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_held_revision", b"_held_revision", "held_revision", b"held_revision", "intended_route", b"intended_route"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["intended_route", b"intended_route", "session_id", b"session_id", "turn", b"turn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_held_revision", b"_held_revision", "held_revision", b"held_revision", "intended_route", b"intended_route", "session_id", b"session_id", "turn", b"turn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__held_revision: _TypeAlias = _typing.Literal["held_revision"]  # noqa: Y015
+    _WhichOneofArgType__held_revision: _TypeAlias = _typing.Literal["_held_revision", b"_held_revision"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__held_revision) -> _WhichOneofReturnType__held_revision | None: ...
 
 Global___PrepareStepRequest: _TypeAlias = PrepareStepRequest  # noqa: Y015
 
@@ -629,10 +761,22 @@ class PrepareStepResult(_message.Message):
     WARNINGS_FIELD_NUMBER: _builtins.int
     REQUEST_FIELD_NUMBER: _builtins.int
     HEADER_SEQ_FIELD_NUMBER: _builtins.int
+    REQUEST_UNCHANGED_FIELD_NUMBER: _builtins.int
+    APPENDED_MESSAGES_FIELD_NUMBER: _builtins.int
+    REQUEST_REVISION_FIELD_NUMBER: _builtins.int
     pruned_count: _builtins.int
     """`tool/result` nodes pruned."""
     header_seq: _builtins.int
     """Seq of the destination `request/header` appended when `intended_route` changed the route."""
+    request_unchanged: _builtins.bool
+    """True when `held_revision` was given and the held request is still the request's prefix:
+    the request to send is the held one's config, adapter defaults and tools, with its messages
+    followed by `appended_messages`. `request` is then absent. False whenever `request` is set.
+    """
+    request_revision: _builtins.int
+    """The log revision the request to send is built at (`request.revision` when `request` is
+    set): the `held_revision` of the caller's next PrepareStep.
+    """
     @_builtins.property
     def before(self) -> Global___PressureReport:
         """Pressure before anything was done."""
@@ -655,6 +799,12 @@ class PrepareStepResult(_message.Message):
     def request(self) -> _session_service_pb2.BuildRequestResponse:
         """The request to send."""
 
+    @_builtins.property
+    def appended_messages(self) -> _containers.RepeatedCompositeFieldContainer[_session_service_pb2.Message]:
+        """With `request_unchanged`: the messages of the surface nodes appended since
+        `held_revision`, in order (possibly none).
+        """
+
     def __init__(
         self,
         *,
@@ -665,10 +815,13 @@ class PrepareStepResult(_message.Message):
         warnings: _abc.Iterable[_builtins.str] | None = ...,
         request: _session_service_pb2.BuildRequestResponse | None = ...,
         header_seq: _builtins.int | None = ...,
+        request_unchanged: _builtins.bool = ...,
+        appended_messages: _abc.Iterable[_session_service_pb2.Message] | None = ...,
+        request_revision: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_header_seq", b"_header_seq", "after", b"after", "before", b"before", "header_seq", b"header_seq", "request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_header_seq", b"_header_seq", "after", b"after", "before", b"before", "compactions", b"compactions", "header_seq", b"header_seq", "pruned_count", b"pruned_count", "request", b"request", "warnings", b"warnings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_header_seq", b"_header_seq", "after", b"after", "appended_messages", b"appended_messages", "before", b"before", "compactions", b"compactions", "header_seq", b"header_seq", "pruned_count", b"pruned_count", "request", b"request", "request_revision", b"request_revision", "request_unchanged", b"request_unchanged", "warnings", b"warnings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__header_seq: _TypeAlias = _typing.Literal["header_seq"]  # noqa: Y015
     _WhichOneofArgType__header_seq: _TypeAlias = _typing.Literal["_header_seq", b"_header_seq"]  # noqa: Y015
@@ -1344,3 +1497,527 @@ class SwitchModelResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_update) -> _WhichOneofReturnType_update | None: ...
 
 Global___SwitchModelResponse: _TypeAlias = SwitchModelResponse  # noqa: Y015
+
+@_typing.final
+class PlanCompactionRequest(_message.Message):
+    """Request for `PlanCompaction`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    ROUTE_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    mode: Global___PlanMode.ValueType
+    """The mode (UNSPECIFIED: AUTO)."""
+    @_builtins.property
+    def route(self) -> _events_pb2.Route:
+        """The route to plan for: AUTO, the step's intended route (one other than the logged route
+        plans the switch PrepareStep would make, as SWITCH); SWITCH, the destination (required).
+        MANUAL and OVERFLOW, like Compact and RecoverFromError, use the latest logged route.
+        Absent: the latest logged route (the heuristic when none is logged).
+        """
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        route: _events_pb2.Route | None = ...,
+        mode: Global___PlanMode.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["route", b"route"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "route", b"route", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlanCompactionRequest: _TypeAlias = PlanCompactionRequest  # noqa: Y015
+
+@_typing.final
+class PolicySetting(_message.Message):
+    """One resolved setting."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    ORIGIN_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The spec's name, e.g. `thresholdRatio`."""
+    value: _builtins.str
+    """Its value as JSON (`0.8`, `true`, `"openai"`; `null` when unset, e.g. `retainTokens` when
+    the ratio applies).
+    """
+    origin: Global___PolicyOrigin.ValueType
+    """Where the value came from."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        value: _builtins.str = ...,
+        origin: Global___PolicyOrigin.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "origin", b"origin", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PolicySetting: _TypeAlias = PolicySetting  # noqa: Y015
+
+@_typing.final
+class PlannedPrune(_message.Message):
+    """One prune the pruner would make."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    ORIGINAL_CODE_POINTS_FIELD_NUMBER: _builtins.int
+    RETAINED_CODE_POINTS_FIELD_NUMBER: _builtins.int
+    TOKENS_BEFORE_FIELD_NUMBER: _builtins.int
+    TOKENS_AFTER_FIELD_NUMBER: _builtins.int
+    REPLACEMENT_SEQ_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    """Seq of the `tool/result` that would be replaced."""
+    position: _builtins.int
+    """Its surface position."""
+    original_code_points: _builtins.int
+    """Text code points before pruning."""
+    retained_code_points: _builtins.int
+    """Text code points kept (head + tail, without the marker)."""
+    tokens_before: _builtins.int
+    """Route tokens of the result before."""
+    tokens_after: _builtins.int
+    """Route tokens of the pruned result."""
+    replacement_seq: _builtins.int
+    """Seq the replacement would get."""
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+        position: _builtins.int = ...,
+        original_code_points: _builtins.int = ...,
+        retained_code_points: _builtins.int = ...,
+        tokens_before: _builtins.int = ...,
+        tokens_after: _builtins.int = ...,
+        replacement_seq: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["original_code_points", b"original_code_points", "position", b"position", "replacement_seq", b"replacement_seq", "retained_code_points", b"retained_code_points", "seq", b"seq", "tokens_after", b"tokens_after", "tokens_before", b"tokens_before"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlannedPrune: _TypeAlias = PlannedPrune  # noqa: Y015
+
+@_typing.final
+class PlannedSpan(_message.Message):
+    """The span selection would choose."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANGE_FIELD_NUMBER: _builtins.int
+    SHADOWED_SEQS_FIELD_NUMBER: _builtins.int
+    SHADOWED_COUNT_FIELD_NUMBER: _builtins.int
+    PRICED_TOKENS_FIELD_NUMBER: _builtins.int
+    SHADOW_TOKENS_FIELD_NUMBER: _builtins.int
+    shadowed_count: _builtins.int
+    """How many nodes."""
+    priced_tokens: _builtins.int
+    """Its route price (tokens), as selection priced it."""
+    shadow_tokens: _builtins.int
+    """The heuristic shadow price the summary would log."""
+    @_builtins.property
+    def range(self) -> _events_pb2.SurfaceRange:
+        """The span (positions after the planned prunes; seqs include planned replacement seqs)."""
+
+    @_builtins.property
+    def shadowed_seqs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Seqs of the nodes it covers, in surface order."""
+
+    def __init__(
+        self,
+        *,
+        range: _events_pb2.SurfaceRange | None = ...,
+        shadowed_seqs: _abc.Iterable[_builtins.int] | None = ...,
+        shadowed_count: _builtins.int = ...,
+        priced_tokens: _builtins.int = ...,
+        shadow_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["range", b"range"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["priced_tokens", b"priced_tokens", "range", b"range", "shadow_tokens", b"shadow_tokens", "shadowed_count", b"shadowed_count", "shadowed_seqs", b"shadowed_seqs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlannedSpan: _TypeAlias = PlannedSpan  # noqa: Y015
+
+@_typing.final
+class CompactionPlan(_message.Message):
+    """The plan of the next compaction."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REVISION_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    TRIGGER_FIELD_NUMBER: _builtins.int
+    ROUTE_FIELD_NUMBER: _builtins.int
+    POLICY_FIELD_NUMBER: _builtins.int
+    SETTINGS_FIELD_NUMBER: _builtins.int
+    PRESSURE_FIELD_NUMBER: _builtins.int
+    BLOCKED_FIELD_NUMBER: _builtins.int
+    PRUNES_FIELD_NUMBER: _builtins.int
+    TOKENS_AFTER_PRUNE_FIELD_NUMBER: _builtins.int
+    SPAN_FIELD_NUMBER: _builtins.int
+    DECLINE_CODE_FIELD_NUMBER: _builtins.int
+    DECLINE_REASON_FIELD_NUMBER: _builtins.int
+    EXPECTED_TOKENS_AFTER_FIELD_NUMBER: _builtins.int
+    EXPECTED_TOKENS_AFTER_MAX_FIELD_NUMBER: _builtins.int
+    MIN_SPAN_TOKENS_FIELD_NUMBER: _builtins.int
+    SUMMARY_TARGET_FIELD_NUMBER: _builtins.int
+    WARNINGS_FIELD_NUMBER: _builtins.int
+    BLOCKED_CODE_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    """The log revision planned at."""
+    mode: Global___PlanMode.ValueType
+    """The mode planned."""
+    trigger: _events_pb2.CompactionTrigger.ValueType
+    """The trigger the bracket would record."""
+    blocked: _builtins.str
+    """Why the real path would not run now, in words (empty when it would); `blocked_code` names
+    the cause. The prunes and span below are what it would do if it ran.
+    """
+    tokens_after_prune: _builtins.int
+    """The envelope after those prunes (route tokens, as the pressure report would measure it)."""
+    decline_code: _builtins.str
+    """Why selection declines: `OPEN_TAIL`, `NOTHING_SELECTABLE`, `SPAN_TOO_SMALL`,
+    `KNOWN_FAILURE` (empty when a span is chosen).
+    """
+    decline_reason: _builtins.str
+    """The decline's reason, as the real path reports it."""
+    expected_tokens_after: _builtins.int
+    """Expected envelope after the bracket with the smallest useful checkpoint (best case)."""
+    expected_tokens_after_max: _builtins.int
+    """Expected envelope after the bracket with a checkpoint at the summary cap (`maxTokens`),
+    never above the span it replaces (worst case the shrink check admits).
+    """
+    min_span_tokens: _builtins.int
+    """The smallest span selection accepts (route tokens; 0 for OVERFLOW)."""
+    blocked_code: _builtins.str
+    """Why the real path would not run now (empty when it would): `COMPACTION_BUSY` (a live
+    bracket; for MANUAL also an open turn), `AUTO_DISABLED`, `RETRIES_EXHAUSTED` (OVERFLOW with
+    `maxOverflowRetries` 0), `ENVELOPE_ONLY` (OVERFLOW: system, tools and framing alone do not
+    fit the window), `CAPACITY_UNKNOWN`, `POLICY_INVALID` or `ROUTE_UNKNOWN` (no pressure
+    report for the route), `BELOW_TRIGGER`, `BUDGET_SPENT` (the threshold crossing's brackets
+    are spent), `RELIEVED_BY_PRUNING` (the prunes alone bring the envelope below the trigger).
+    """
+    @_builtins.property
+    def route(self) -> _events_pb2.Route:
+        """The route selection prices with (empty: the heuristic, no route logged)."""
+
+    @_builtins.property
+    def policy(self) -> _session_service_pb2.CompactionPolicy:
+        """The resolved policy for `route`, every setting present (`retain_ratio` absent when
+        `retain_tokens` applies).
+        """
+
+    @_builtins.property
+    def settings(self) -> _containers.RepeatedCompositeFieldContainer[Global___PolicySetting]:
+        """Each setting's value and origin, in the policy table's order."""
+
+    @_builtins.property
+    def pressure(self) -> Global___PressureReport:
+        """The measured envelope and its breakdown (absent when the route has no usable capacity:
+        see `warnings`).
+        """
+
+    @_builtins.property
+    def prunes(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlannedPrune]:
+        """The prunes, in surface order."""
+
+    @_builtins.property
+    def span(self) -> Global___PlannedSpan:
+        """The span selection would choose; absent when it declines."""
+
+    @_builtins.property
+    def summary_target(self) -> _events_pb2.Route:
+        """Who would write the summary (empty provider and model: the extractive summarizer)."""
+
+    @_builtins.property
+    def warnings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """What the plan cannot vouch for (e.g. no open turn for AUTO or OVERFLOW, whose RPCs need one)."""
+
+    def __init__(
+        self,
+        *,
+        revision: _builtins.int = ...,
+        mode: Global___PlanMode.ValueType = ...,
+        trigger: _events_pb2.CompactionTrigger.ValueType = ...,
+        route: _events_pb2.Route | None = ...,
+        policy: _session_service_pb2.CompactionPolicy | None = ...,
+        settings: _abc.Iterable[Global___PolicySetting] | None = ...,
+        pressure: Global___PressureReport | None = ...,
+        blocked: _builtins.str = ...,
+        prunes: _abc.Iterable[Global___PlannedPrune] | None = ...,
+        tokens_after_prune: _builtins.int = ...,
+        span: Global___PlannedSpan | None = ...,
+        decline_code: _builtins.str = ...,
+        decline_reason: _builtins.str = ...,
+        expected_tokens_after: _builtins.int = ...,
+        expected_tokens_after_max: _builtins.int = ...,
+        min_span_tokens: _builtins.int = ...,
+        summary_target: _events_pb2.Route | None = ...,
+        warnings: _abc.Iterable[_builtins.str] | None = ...,
+        blocked_code: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["policy", b"policy", "pressure", b"pressure", "route", b"route", "span", b"span", "summary_target", b"summary_target"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocked", b"blocked", "blocked_code", b"blocked_code", "decline_code", b"decline_code", "decline_reason", b"decline_reason", "expected_tokens_after", b"expected_tokens_after", "expected_tokens_after_max", b"expected_tokens_after_max", "min_span_tokens", b"min_span_tokens", "mode", b"mode", "policy", b"policy", "pressure", b"pressure", "prunes", b"prunes", "revision", b"revision", "route", b"route", "settings", b"settings", "span", b"span", "summary_target", b"summary_target", "tokens_after_prune", b"tokens_after_prune", "trigger", b"trigger", "warnings", b"warnings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompactionPlan: _TypeAlias = CompactionPlan  # noqa: Y015
+
+@_typing.final
+class PlanCompactionResponse(_message.Message):
+    """Response for `PlanCompaction`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PLAN_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def plan(self) -> Global___CompactionPlan:
+        """The plan."""
+
+    def __init__(
+        self,
+        *,
+        plan: Global___CompactionPlan | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlanCompactionResponse: _TypeAlias = PlanCompactionResponse  # noqa: Y015
+
+@_typing.final
+class ListBracketsRequest(_message.Message):
+    """Request for `ListBrackets`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListBracketsRequest: _TypeAlias = ListBracketsRequest  # noqa: Y015
+
+@_typing.final
+class BracketStep(_message.Message):
+    """One logged step of a bracket."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    TIME_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    step: Global___CompactionStep.ValueType
+    """The step (START, SUMMARIZE for a `compaction/summary-error`, SUMMARY, REPLACE, END, PRUNE)."""
+    seq: _builtins.int
+    """Seq of the step's event."""
+    detail: _builtins.str
+    """What happened (an error, a retry)."""
+    @_builtins.property
+    def time(self) -> _timestamp_pb2.Timestamp:
+        """Commit time of the event."""
+
+    def __init__(
+        self,
+        *,
+        step: Global___CompactionStep.ValueType = ...,
+        seq: _builtins.int = ...,
+        time: _timestamp_pb2.Timestamp | None = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "seq", b"seq", "step", b"step", "time", b"time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BracketStep: _TypeAlias = BracketStep  # noqa: Y015
+
+@_typing.final
+class BracketRecord(_message.Message):
+    """One bracket as the log records it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMPACTION_ID_FIELD_NUMBER: _builtins.int
+    TRIGGER_FIELD_NUMBER: _builtins.int
+    TURN_FIELD_NUMBER: _builtins.int
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    RANGE_FIELD_NUMBER: _builtins.int
+    SHADOWED_COUNT_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
+    START_SEQ_FIELD_NUMBER: _builtins.int
+    END_SEQ_FIELD_NUMBER: _builtins.int
+    START_TIME_FIELD_NUMBER: _builtins.int
+    END_TIME_FIELD_NUMBER: _builtins.int
+    DURATION_SECONDS_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    SUMMARY_TARGET_FIELD_NUMBER: _builtins.int
+    SUMMARIZER_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_SEQ_FIELD_NUMBER: _builtins.int
+    ERROR_REASON_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    GATE_FIELD_NUMBER: _builtins.int
+    SUMMARY_ERRORS_FIELD_NUMBER: _builtins.int
+    compaction_id: _builtins.str
+    """The bracket id."""
+    trigger: _events_pb2.CompactionTrigger.ValueType
+    """What started it."""
+    turn: _builtins.int
+    """The owning open turn (automatic brackets)."""
+    outcome: Global___BracketOutcome.ValueType
+    """How it ended."""
+    shadowed_count: _builtins.int
+    """Nodes the span covers."""
+    start_seq: _builtins.int
+    """Seq of `compaction/start`."""
+    end_seq: _builtins.int
+    """Seq of `compaction/end` (-1: none)."""
+    duration_seconds: _builtins.float
+    """Seconds from start to end (0 without an end)."""
+    summarizer: _builtins.str
+    """The summarizer's name."""
+    checkpoint_seq: _builtins.int
+    """Seq of the checkpoint `user/message` (-1: none)."""
+    error_reason: _builtins.str
+    """The failure's reason, e.g. `SUMMARY_REJECTED`, `SPAN_DRIFT`."""
+    error: _builtins.str
+    """The failure's text."""
+    summary_errors: _builtins.int
+    """Failed summary attempts (`compaction/summary-error` events)."""
+    @_builtins.property
+    def range(self) -> _events_pb2.SurfaceRange:
+        """The selected span."""
+
+    @_builtins.property
+    def steps(self) -> _containers.RepeatedCompositeFieldContainer[Global___BracketStep]:
+        """Its steps, in log order."""
+
+    @_builtins.property
+    def start_time(self) -> _timestamp_pb2.Timestamp:
+        """Commit time of `compaction/start`."""
+
+    @_builtins.property
+    def end_time(self) -> _timestamp_pb2.Timestamp:
+        """Commit time of `compaction/end`, when there is one."""
+
+    @_builtins.property
+    def tokens(self) -> _events_pb2.TokenMeasurement:
+        """Token figures of the summary (committed brackets)."""
+
+    @_builtins.property
+    def summary_target(self) -> _events_pb2.Route:
+        """The route that wrote the summary."""
+
+    @_builtins.property
+    def usage(self) -> _events_pb2.Usage:
+        """Provider usage of the summary call(s)."""
+
+    @_builtins.property
+    def gate(self) -> _events_pb2.SummaryGateReport:
+        """The quality gate's report (from the summary, or the end of a rejected one)."""
+
+    def __init__(
+        self,
+        *,
+        compaction_id: _builtins.str = ...,
+        trigger: _events_pb2.CompactionTrigger.ValueType = ...,
+        turn: _builtins.int | None = ...,
+        outcome: Global___BracketOutcome.ValueType = ...,
+        range: _events_pb2.SurfaceRange | None = ...,
+        shadowed_count: _builtins.int = ...,
+        steps: _abc.Iterable[Global___BracketStep] | None = ...,
+        start_seq: _builtins.int = ...,
+        end_seq: _builtins.int = ...,
+        start_time: _timestamp_pb2.Timestamp | None = ...,
+        end_time: _timestamp_pb2.Timestamp | None = ...,
+        duration_seconds: _builtins.float = ...,
+        tokens: _events_pb2.TokenMeasurement | None = ...,
+        summary_target: _events_pb2.Route | None = ...,
+        summarizer: _builtins.str = ...,
+        usage: _events_pb2.Usage | None = ...,
+        checkpoint_seq: _builtins.int = ...,
+        error_reason: _builtins.str = ...,
+        error: _builtins.str = ...,
+        gate: _events_pb2.SummaryGateReport | None = ...,
+        summary_errors: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_turn", b"_turn", "end_time", b"end_time", "gate", b"gate", "range", b"range", "start_time", b"start_time", "summary_target", b"summary_target", "tokens", b"tokens", "turn", b"turn", "usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_turn", b"_turn", "checkpoint_seq", b"checkpoint_seq", "compaction_id", b"compaction_id", "duration_seconds", b"duration_seconds", "end_seq", b"end_seq", "end_time", b"end_time", "error", b"error", "error_reason", b"error_reason", "gate", b"gate", "outcome", b"outcome", "range", b"range", "shadowed_count", b"shadowed_count", "start_seq", b"start_seq", "start_time", b"start_time", "steps", b"steps", "summarizer", b"summarizer", "summary_errors", b"summary_errors", "summary_target", b"summary_target", "tokens", b"tokens", "trigger", b"trigger", "turn", b"turn", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__turn: _TypeAlias = _typing.Literal["turn"]  # noqa: Y015
+    _WhichOneofArgType__turn: _TypeAlias = _typing.Literal["_turn", b"_turn"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__turn) -> _WhichOneofReturnType__turn | None: ...
+
+Global___BracketRecord: _TypeAlias = BracketRecord  # noqa: Y015
+
+@_typing.final
+class ListBracketsResponse(_message.Message):
+    """Response for `ListBrackets`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BRACKETS_FIELD_NUMBER: _builtins.int
+    PRUNES_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    LAST_END_SEED_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    """The log revision read."""
+    last_end_seed: _builtins.int
+    """Seq of the newest `session/end-seed` (-1: none): the end-seed rule's boundary."""
+    @_builtins.property
+    def brackets(self) -> _containers.RepeatedCompositeFieldContainer[Global___BracketRecord]:
+        """Brackets in start order."""
+
+    @_builtins.property
+    def prunes(self) -> _containers.RepeatedCompositeFieldContainer[Global___BracketStep]:
+        """Prunes outside brackets (`compaction/prune`), in log order (step PRUNE; detail names the
+        shadowed seq and code points).
+        """
+
+    def __init__(
+        self,
+        *,
+        brackets: _abc.Iterable[Global___BracketRecord] | None = ...,
+        prunes: _abc.Iterable[Global___BracketStep] | None = ...,
+        revision: _builtins.int = ...,
+        last_end_seed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["brackets", b"brackets", "last_end_seed", b"last_end_seed", "prunes", b"prunes", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListBracketsResponse: _TypeAlias = ListBracketsResponse  # noqa: Y015

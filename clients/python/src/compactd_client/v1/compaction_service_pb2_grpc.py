@@ -75,6 +75,16 @@ class CompactionServiceStub:
                 request_serializer=compactd_dot_v1_dot_compaction__service__pb2.ClassifyProviderErrorRequest.SerializeToString,
                 response_deserializer=compactd_dot_v1_dot_compaction__service__pb2.ClassifyProviderErrorResponse.FromString,
                 _registered_method=True)
+        self.PlanCompaction = channel.unary_unary(
+                '/compactd.v1.CompactionService/PlanCompaction',
+                request_serializer=compactd_dot_v1_dot_compaction__service__pb2.PlanCompactionRequest.SerializeToString,
+                response_deserializer=compactd_dot_v1_dot_compaction__service__pb2.PlanCompactionResponse.FromString,
+                _registered_method=True)
+        self.ListBrackets = channel.unary_unary(
+                '/compactd.v1.CompactionService/ListBrackets',
+                request_serializer=compactd_dot_v1_dot_compaction__service__pb2.ListBracketsRequest.SerializeToString,
+                response_deserializer=compactd_dot_v1_dot_compaction__service__pb2.ListBracketsResponse.FromString,
+                _registered_method=True)
 
 
 class CompactionServiceServicer:
@@ -196,6 +206,30 @@ class CompactionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PlanCompaction(self, request, context):
+        """A dry run: what a compaction in `mode` would do now, decided by the same code the real
+        path runs, without appending anything. The resolved policy with each setting's origin, the
+        measured envelope, the prunes the pruner would make, the span selection would choose (or
+        why it declines, with the reasons the real path reports) and the expected tokens after.
+        It plans the next bracket only; convergence retries are not planned. Errors: NOT_FOUND;
+        INVALID_ARGUMENT when `mode` is SWITCH without a `route`, or a route lacks provider or
+        model. Conditions the real path refuses (a live bracket, an open turn for MANUAL, below
+        the trigger, no capacity) are a `blocked` reason in the plan, not errors.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListBrackets(self, request, context):
+        """Every bracket of the session's log, oldest first, with its steps, timings, outcome, span,
+        tokens and summarizer, and the prunes; brackets without a `compaction/end` are LIVE (after
+        the newest `session/end-seed`: the lock of this lifecycle) or STALE (before it: evidence of
+        a process that died, no longer blocking). Errors: NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CompactionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -233,6 +267,16 @@ def add_CompactionServiceServicer_to_server(servicer, server):
                     servicer.ClassifyProviderError,
                     request_deserializer=compactd_dot_v1_dot_compaction__service__pb2.ClassifyProviderErrorRequest.FromString,
                     response_serializer=compactd_dot_v1_dot_compaction__service__pb2.ClassifyProviderErrorResponse.SerializeToString,
+            ),
+            'PlanCompaction': grpc.unary_unary_rpc_method_handler(
+                    servicer.PlanCompaction,
+                    request_deserializer=compactd_dot_v1_dot_compaction__service__pb2.PlanCompactionRequest.FromString,
+                    response_serializer=compactd_dot_v1_dot_compaction__service__pb2.PlanCompactionResponse.SerializeToString,
+            ),
+            'ListBrackets': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListBrackets,
+                    request_deserializer=compactd_dot_v1_dot_compaction__service__pb2.ListBracketsRequest.FromString,
+                    response_serializer=compactd_dot_v1_dot_compaction__service__pb2.ListBracketsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +474,60 @@ class CompactionService:
             '/compactd.v1.CompactionService/ClassifyProviderError',
             compactd_dot_v1_dot_compaction__service__pb2.ClassifyProviderErrorRequest.SerializeToString,
             compactd_dot_v1_dot_compaction__service__pb2.ClassifyProviderErrorResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlanCompaction(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/compactd.v1.CompactionService/PlanCompaction',
+            compactd_dot_v1_dot_compaction__service__pb2.PlanCompactionRequest.SerializeToString,
+            compactd_dot_v1_dot_compaction__service__pb2.PlanCompactionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListBrackets(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/compactd.v1.CompactionService/ListBrackets',
+            compactd_dot_v1_dot_compaction__service__pb2.ListBracketsRequest.SerializeToString,
+            compactd_dot_v1_dot_compaction__service__pb2.ListBracketsResponse.FromString,
             options,
             channel_credentials,
             insecure,

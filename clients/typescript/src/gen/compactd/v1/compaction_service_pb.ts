@@ -6,17 +6,19 @@
 
 import type { GenEnum, GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
 import { enumDesc, fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
-import type { Route, SurfaceRange } from "./events_pb.js";
+import type { CompactionTrigger, Route, SummaryGateReport, SurfaceRange, TokenMeasurement, Usage } from "./events_pb.js";
 import { file_compactd_v1_events } from "./events_pb.js";
-import type { BuildRequestResponse } from "./session_service_pb.js";
+import type { BuildRequestResponse, CompactionPolicy, Message as Message$1 } from "./session_service_pb.js";
 import { file_compactd_v1_session_service } from "./session_service_pb.js";
+import type { Timestamp } from "@bufbuild/protobuf/wkt";
+import { file_google_protobuf_timestamp } from "@bufbuild/protobuf/wkt";
 import type { Message } from "@bufbuild/protobuf";
 
 /**
  * Describes the file compactd/v1/compaction_service.proto.
  */
 export const file_compactd_v1_compaction_service: GenFile = /*@__PURE__*/
-  fileDesc("CiRjb21wYWN0ZC92MS9jb21wYWN0aW9uX3NlcnZpY2UucHJvdG8SC2NvbXBhY3RkLnYxIqIDChFQcmVzc3VyZUJyZWFrZG93bhIVCg1zeXN0ZW1fdG9rZW5zGAEgASgDEhQKDHRvb2xzX3Rva2VucxgCIAEoAxIXCg9tZXNzYWdlc190b2tlbnMYAyABKAMSFQoNaW1hZ2VzX3Rva2VucxgEIAEoAxIVCg1jb25maWdfdG9rZW5zGAUgASgDEi4KBm1ldGhvZBgGIAEoDjIeLmNvbXBhY3RkLnYxLk1lYXN1cmVtZW50TWV0aG9kEhEKCXRva2VuaXplchgHIAEoCRISCgphbmNob3Jfc2VxGAggASgDEhgKC2Vycm9yX2JvdW5kGDwgASgBSACIAQESGQoRYW5jaG9yX2FnZV9ldmVudHMYPSABKAMSGgoSYW5jaG9yX2FnZV9zZWNvbmRzGD4gASgBEhAKCHdhcm5pbmdzGD8gAygJEhkKEWNhbGlicmF0aW9uX3JhdGlvGEAgASgBEhsKE2NhbGlicmF0aW9uX3NhbXBsZXMYQSABKAMSFwoPdW5zY2FsZWRfdG9rZW5zGEIgASgDQg4KDF9lcnJvcl9ib3VuZCK6AgoOUHJlc3N1cmVSZXBvcnQSEAoIcmV2aXNpb24YASABKAMSIQoFcm91dGUYAiABKAsyEi5jb21wYWN0ZC52MS5Sb3V0ZRIXCg9tZWFzdXJlZF90b2tlbnMYAyABKAMSFgoOY29udGV4dF93aW5kb3cYBCABKAMSGgoSb3V0cHV0X3Jlc2VydmF0aW9uGAUgASgDEhcKD2hlYWRyb29tX3Rva2VucxgGIAEoAxIWCg50cmlnZ2VyX3Rva2VucxgHIAEoAxIXCg9yZXRhaW5lZF9idWRnZXQYCCABKAMSKQoFc3RhdGUYCSABKA4yGi5jb21wYWN0ZC52MS5QcmVzc3VyZVN0YXRlEjEKCWJyZWFrZG93bhgKIAEoCzIeLmNvbXBhY3RkLnYxLlByZXNzdXJlQnJlYWtkb3duIlMKFENoZWNrUHJlc3N1cmVSZXF1ZXN0EhIKCnNlc3Npb25faWQYASABKAkSJwoLZGVzdGluYXRpb24YAiABKAsyEi5jb21wYWN0ZC52MS5Sb3V0ZSJEChVDaGVja1ByZXNzdXJlUmVzcG9uc2USKwoGcmVwb3J0GAEgASgLMhsuY29tcGFjdGQudjEuUHJlc3N1cmVSZXBvcnQiUwoUV2F0Y2hQcmVzc3VyZVJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRInCgtkZXN0aW5hdGlvbhgCIAEoCzISLmNvbXBhY3RkLnYxLlJvdXRlIkQKFVdhdGNoUHJlc3N1cmVSZXNwb25zZRIrCgZyZXBvcnQYASABKAsyGy5jb21wYWN0ZC52MS5QcmVzc3VyZVJlcG9ydCKMAQoSQ29tcGFjdGlvblByb2dyZXNzEikKBHN0ZXAYASABKA4yGy5jb21wYWN0ZC52MS5Db21wYWN0aW9uU3RlcBIVCg1jb21wYWN0aW9uX2lkGAIgASgJEgsKA3NlcRgDIAEoAxIXCg9tZWFzdXJlZF90b2tlbnMYBCABKAMSDgoGZGV0YWlsGAUgASgJIpsBChFDb21wYWN0aW9uT3V0Y29tZRIVCg1jb21wYWN0aW9uX2lkGAEgASgJEhcKD2l0ZW1zX2NvbmRlbnNlZBgCIAEoAxIUCgx0b2tlbnNfZnJlZWQYAyABKAMSKAoFcmFuZ2UYBCABKAsyGS5jb21wYWN0ZC52MS5TdXJmYWNlUmFuZ2USFgoOY2hlY2twb2ludF9zZXEYBSABKAMiYgoSUHJlcGFyZVN0ZXBSZXF1ZXN0EhIKCnNlc3Npb25faWQYASABKAkSDAoEdHVybhgCIAEoAxIqCg5pbnRlbmRlZF9yb3V0ZRgDIAEoCzISLmNvbXBhY3RkLnYxLlJvdXRlIqUCChFQcmVwYXJlU3RlcFJlc3VsdBIrCgZiZWZvcmUYASABKAsyGy5jb21wYWN0ZC52MS5QcmVzc3VyZVJlcG9ydBIqCgVhZnRlchgCIAEoCzIbLmNvbXBhY3RkLnYxLlByZXNzdXJlUmVwb3J0EhQKDHBydW5lZF9jb3VudBgDIAEoAxIzCgtjb21wYWN0aW9ucxgEIAMoCzIeLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25PdXRjb21lEhAKCHdhcm5pbmdzGAUgAygJEjIKB3JlcXVlc3QYBiABKAsyIS5jb21wYWN0ZC52MS5CdWlsZFJlcXVlc3RSZXNwb25zZRIXCgpoZWFkZXJfc2VxGBQgASgDSACIAQFCDQoLX2hlYWRlcl9zZXEihgEKE1ByZXBhcmVTdGVwUmVzcG9uc2USMwoIcHJvZ3Jlc3MYASABKAsyHy5jb21wYWN0ZC52MS5Db21wYWN0aW9uUHJvZ3Jlc3NIABIwCgZyZXN1bHQYAiABKAsyHi5jb21wYWN0ZC52MS5QcmVwYXJlU3RlcFJlc3VsdEgAQggKBnVwZGF0ZSIzCg5Db21wYWN0UmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEg0KBWZvY3VzGAIgASgJIoUBCg1Db21wYWN0UmVzdWx0Ei8KB291dGNvbWUYASABKAsyHi5jb21wYWN0ZC52MS5Db21wYWN0aW9uT3V0Y29tZRIXCg9kZWNsaW5lZF9yZWFzb24YAiABKAkSKgoFYWZ0ZXIYAyABKAsyGy5jb21wYWN0ZC52MS5QcmVzc3VyZVJlcG9ydCJ+Cg9Db21wYWN0UmVzcG9uc2USMwoIcHJvZ3Jlc3MYASABKAsyHy5jb21wYWN0ZC52MS5Db21wYWN0aW9uUHJvZ3Jlc3NIABIsCgZyZXN1bHQYAiABKAsyGi5jb21wYWN0ZC52MS5Db21wYWN0UmVzdWx0SABCCAoGdXBkYXRlIsEBCg1Qcm92aWRlckVycm9yEiwKBGtpbmQYASABKA4yHi5jb21wYWN0ZC52MS5Qcm92aWRlckVycm9yS2luZBIWCg5vZmZsb2FkX2ltYWdlcxgCIAEoBRIPCgdtZXNzYWdlGAMgASgJEhYKDmNvbnRleHRfd2luZG93GBQgASgDEhUKDXByb21wdF90b2tlbnMYFSABKAMSKgoDcmF3GBYgASgLMh0uY29tcGFjdGQudjEuUmF3UHJvdmlkZXJFcnJvciLSAQoQUmF3UHJvdmlkZXJFcnJvchITCgtodHRwX3N0YXR1cxgBIAEoBRIMCgRib2R5GAIgASgMEjsKB2hlYWRlcnMYAyADKAsyKi5jb21wYWN0ZC52MS5SYXdQcm92aWRlckVycm9yLkhlYWRlcnNFbnRyeRIbCg5yZXF1ZXN0X2ltYWdlcxgEIAEoBUgAiAEBGi4KDEhlYWRlcnNFbnRyeRILCgNrZXkYASABKAkSDQoFdmFsdWUYAiABKAk6AjgBQhEKD19yZXF1ZXN0X2ltYWdlcyK5AgobUHJvdmlkZXJFcnJvckNsYXNzaWZpY2F0aW9uEg4KBnJlYXNvbhgBIAEoCRIsCgRraW5kGAIgASgOMh4uY29tcGFjdGQudjEuUHJvdmlkZXJFcnJvcktpbmQSEQoJcmV0cnlhYmxlGAMgASgIEiAKE3JldHJ5X2FmdGVyX3NlY29uZHMYBCABKAFIAIgBARIWCg5vZmZsb2FkX2ltYWdlcxgFIAEoBRIWCg5jb250ZXh0X3dpbmRvdxgGIAEoAxIVCg1wcm9tcHRfdG9rZW5zGAcgASgDEg8KB21lc3NhZ2UYCCABKAkSDAoEcnVsZRgJIAEoCRIpCgVlcnJvchgKIAEoCzIaLmNvbXBhY3RkLnYxLlByb3ZpZGVyRXJyb3JCFgoUX3JldHJ5X2FmdGVyX3NlY29uZHMiSgocQ2xhc3NpZnlQcm92aWRlckVycm9yUmVxdWVzdBIqCgNyYXcYASABKAsyHS5jb21wYWN0ZC52MS5SYXdQcm92aWRlckVycm9yImEKHUNsYXNzaWZ5UHJvdmlkZXJFcnJvclJlc3BvbnNlEkAKDmNsYXNzaWZpY2F0aW9uGAEgASgLMiguY29tcGFjdGQudjEuUHJvdmlkZXJFcnJvckNsYXNzaWZpY2F0aW9uIq0CCg9PdmVyZmxvd0ZpZ3VyZXMSFgoOY29udGV4dF93aW5kb3cYASABKAMSFQoNd2luZG93X3NvdXJjZRgCIAEoCRIaChJvdXRwdXRfcmVzZXJ2YXRpb24YAyABKAMSFQoNc3lzdGVtX3Rva2VucxgEIAEoAxIUCgx0b29sc190b2tlbnMYBSABKAMSFQoNY29uZmlnX3Rva2VucxgGIAEoAxIXCg9lbnZlbG9wZV90b2tlbnMYByABKAMSEwoLdW5pdF90b2tlbnMYCCABKAMSLQoKdW5pdF9yYW5nZRgJIAEoCzIZLmNvbXBhY3RkLnYxLlN1cmZhY2VSYW5nZRIXCg9tZWFzdXJlZF90b2tlbnMYCiABKAMSFQoNcHJvbXB0X3Rva2VucxgLIAEoAyJ+ChdSZWNvdmVyRnJvbUVycm9yUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEgwKBHR1cm4YAiABKAMSKQoFZXJyb3IYAyABKAsyGi5jb21wYWN0ZC52MS5Qcm92aWRlckVycm9yEhYKDnJldHJpZXNfc29fZmFyGAQgASgFIq0DChZSZWNvdmVyRnJvbUVycm9yUmVzdWx0Eg0KBXJldHJ5GAEgASgIEjMKC2NvbXBhY3Rpb25zGAIgAygLMh4uY29tcGFjdGQudjEuQ29tcGFjdGlvbk91dGNvbWUSFAoMcHJ1bmVkX2NvdW50GAMgASgDEhgKEG9mZmxvYWRlZF9pbWFnZXMYBCABKAMSDgoGcmVhc29uGAUgASgJEjIKB3JlcXVlc3QYBiABKAsyIS5jb21wYWN0ZC52MS5CdWlsZFJlcXVlc3RSZXNwb25zZRItCgdkZWNsaW5lGBQgASgOMhwuY29tcGFjdGQudjEuUmVjb3ZlcnlEZWNsaW5lEi0KB2ZpZ3VyZXMYFSABKAsyHC5jb21wYWN0ZC52MS5PdmVyZmxvd0ZpZ3VyZXMSQAoOY2xhc3NpZmljYXRpb24YFiABKAsyKC5jb21wYWN0ZC52MS5Qcm92aWRlckVycm9yQ2xhc3NpZmljYXRpb24SDQoFY2F1c2UYFyABKAkSLAoEa2luZBgYIAEoDjIeLmNvbXBhY3RkLnYxLlByb3ZpZGVyRXJyb3JLaW5kIpABChhSZWNvdmVyRnJvbUVycm9yUmVzcG9uc2USMwoIcHJvZ3Jlc3MYASABKAsyHy5jb21wYWN0ZC52MS5Db21wYWN0aW9uUHJvZ3Jlc3NIABI1CgZyZXN1bHQYAiABKAsyIy5jb21wYWN0ZC52MS5SZWNvdmVyRnJvbUVycm9yUmVzdWx0SABCCAoGdXBkYXRlIm0KElN3aXRjaE1vZGVsUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEicKC2Rlc3RpbmF0aW9uGAIgASgLMhIuY29tcGFjdGQudjEuUm91dGUSEQoEdHVybhgDIAEoA0gAiAEBQgcKBV90dXJuIpMCChFTd2l0Y2hNb2RlbFJlc3VsdBIrCgZiZWZvcmUYASABKAsyGy5jb21wYWN0ZC52MS5QcmVzc3VyZVJlcG9ydBIqCgVhZnRlchgCIAEoCzIbLmNvbXBhY3RkLnYxLlByZXNzdXJlUmVwb3J0EjMKC2NvbXBhY3Rpb25zGAMgAygLMh4uY29tcGFjdGQudjEuQ29tcGFjdGlvbk91dGNvbWUSFAoMcHJ1bmVkX2NvdW50GAQgASgDEhcKCmhlYWRlcl9zZXEYFCABKANIAIgBARIyCgdyZXF1ZXN0GBUgASgLMiEuY29tcGFjdGQudjEuQnVpbGRSZXF1ZXN0UmVzcG9uc2VCDQoLX2hlYWRlcl9zZXEihgEKE1N3aXRjaE1vZGVsUmVzcG9uc2USMwoIcHJvZ3Jlc3MYASABKAsyHy5jb21wYWN0ZC52MS5Db21wYWN0aW9uUHJvZ3Jlc3NIABIwCgZyZXN1bHQYAiABKAsyHi5jb21wYWN0ZC52MS5Td2l0Y2hNb2RlbFJlc3VsdEgAQggKBnVwZGF0ZSpjCg1QcmVzc3VyZVN0YXRlEh4KGlBSRVNTVVJFX1NUQVRFX1VOU1BFQ0lGSUVEEAASGAoUUFJFU1NVUkVfU1RBVEVfQkVMT1cQARIYChRQUkVTU1VSRV9TVEFURV9BQk9WRRACKtwBChFNZWFzdXJlbWVudE1ldGhvZBIiCh5NRUFTVVJFTUVOVF9NRVRIT0RfVU5TUEVDSUZJRUQQABIcChhNRUFTVVJFTUVOVF9NRVRIT0RfRVhBQ1QQARIfChtNRUFTVVJFTUVOVF9NRVRIT0RfQU5DSE9SRUQQAhIgChxNRUFTVVJFTUVOVF9NRVRIT0RfSEVVUklTVElDEAMSIAocTUVBU1VSRU1FTlRfTUVUSE9EX0VTVElNQVRFRBAEEiAKHE1FQVNVUkVNRU5UX01FVEhPRF9UT0tFTklaRVIQBSrjAgoOQ29tcGFjdGlvblN0ZXASHwobQ09NUEFDVElPTl9TVEVQX1VOU1BFQ0lGSUVEEAASGQoVQ09NUEFDVElPTl9TVEVQX1BSVU5FEAESGQoVQ09NUEFDVElPTl9TVEVQX1NUQVJUEAISHQoZQ09NUEFDVElPTl9TVEVQX1NVTU1BUklaRRADEhsKF0NPTVBBQ1RJT05fU1RFUF9TVU1NQVJZEAQSGwoXQ09NUEFDVElPTl9TVEVQX1JFUExBQ0UQBRIXChNDT01QQUNUSU9OX1NURVBfRU5EEAYSGwoXQ09NUEFDVElPTl9TVEVQX01FQVNVUkUQBxIbChdDT01QQUNUSU9OX1NURVBfT0ZGTE9BRBAIEhoKFkNPTVBBQ1RJT05fU1RFUF9IRUFERVIQCRIYChRDT01QQUNUSU9OX1NURVBfR0FURRAKEhgKFENPTVBBQ1RJT05fU1RFUF9TS0lQEAsqmQEKEVByb3ZpZGVyRXJyb3JLaW5kEiMKH1BST1ZJREVSX0VSUk9SX0tJTkRfVU5TUEVDSUZJRUQQABIvCitQUk9WSURFUl9FUlJPUl9LSU5EX0NPTlRFWFRfV0lORE9XX0VYQ0VFREVEEAESLgoqUFJPVklERVJfRVJST1JfS0lORF9JTUFHRV9PRkZMT0FEX1JFUVVJUkVEEAIqrQMKD1JlY292ZXJ5RGVjbGluZRIgChxSRUNPVkVSWV9ERUNMSU5FX1VOU1BFQ0lGSUVEEAASJgoiUkVDT1ZFUllfREVDTElORV9SRVRSSUVTX0VYSEFVU1RFRBABEiIKHlJFQ09WRVJZX0RFQ0xJTkVfQVVUT19ESVNBQkxFRBACEiIKHlJFQ09WRVJZX0RFQ0xJTkVfRU5WRUxPUEVfT05MWRADEiUKIVJFQ09WRVJZX0RFQ0xJTkVfSU5ESVZJU0lCTEVfVU5JVBAEEicKI1JFQ09WRVJZX0RFQ0xJTkVfTk9USElOR19TRUxFQ1RBQkxFEAUSHgoaUkVDT1ZFUllfREVDTElORV9PUEVOX1RBSUwQBhImCiJSRUNPVkVSWV9ERUNMSU5FX0NPTVBBQ1RJT05fRkFJTEVEEAcSHgoaUkVDT1ZFUllfREVDTElORV9OT19JTUFHRVMQCBIqCiZSRUNPVkVSWV9ERUNMSU5FX09GRkxPQURfQ09VTlRfVU5LTk9XThAJEiQKIFJFQ09WRVJZX0RFQ0xJTkVfTk9UX1JFQ09WRVJBQkxFEAoyiAUKEUNvbXBhY3Rpb25TZXJ2aWNlElYKDUNoZWNrUHJlc3N1cmUSIS5jb21wYWN0ZC52MS5DaGVja1ByZXNzdXJlUmVxdWVzdBoiLmNvbXBhY3RkLnYxLkNoZWNrUHJlc3N1cmVSZXNwb25zZRJYCg1XYXRjaFByZXNzdXJlEiEuY29tcGFjdGQudjEuV2F0Y2hQcmVzc3VyZVJlcXVlc3QaIi5jb21wYWN0ZC52MS5XYXRjaFByZXNzdXJlUmVzcG9uc2UwARJSCgtQcmVwYXJlU3RlcBIfLmNvbXBhY3RkLnYxLlByZXBhcmVTdGVwUmVxdWVzdBogLmNvbXBhY3RkLnYxLlByZXBhcmVTdGVwUmVzcG9uc2UwARJGCgdDb21wYWN0EhsuY29tcGFjdGQudjEuQ29tcGFjdFJlcXVlc3QaHC5jb21wYWN0ZC52MS5Db21wYWN0UmVzcG9uc2UwARJhChBSZWNvdmVyRnJvbUVycm9yEiQuY29tcGFjdGQudjEuUmVjb3ZlckZyb21FcnJvclJlcXVlc3QaJS5jb21wYWN0ZC52MS5SZWNvdmVyRnJvbUVycm9yUmVzcG9uc2UwARJSCgtTd2l0Y2hNb2RlbBIfLmNvbXBhY3RkLnYxLlN3aXRjaE1vZGVsUmVxdWVzdBogLmNvbXBhY3RkLnYxLlN3aXRjaE1vZGVsUmVzcG9uc2UwARJuChVDbGFzc2lmeVByb3ZpZGVyRXJyb3ISKS5jb21wYWN0ZC52MS5DbGFzc2lmeVByb3ZpZGVyRXJyb3JSZXF1ZXN0GiouY29tcGFjdGQudjEuQ2xhc3NpZnlQcm92aWRlckVycm9yUmVzcG9uc2ViBnByb3RvMw", [file_compactd_v1_events, file_compactd_v1_session_service]);
+  fileDesc("CiRjb21wYWN0ZC92MS9jb21wYWN0aW9uX3NlcnZpY2UucHJvdG8SC2NvbXBhY3RkLnYxIqIDChFQcmVzc3VyZUJyZWFrZG93bhIVCg1zeXN0ZW1fdG9rZW5zGAEgASgDEhQKDHRvb2xzX3Rva2VucxgCIAEoAxIXCg9tZXNzYWdlc190b2tlbnMYAyABKAMSFQoNaW1hZ2VzX3Rva2VucxgEIAEoAxIVCg1jb25maWdfdG9rZW5zGAUgASgDEi4KBm1ldGhvZBgGIAEoDjIeLmNvbXBhY3RkLnYxLk1lYXN1cmVtZW50TWV0aG9kEhEKCXRva2VuaXplchgHIAEoCRISCgphbmNob3Jfc2VxGAggASgDEhgKC2Vycm9yX2JvdW5kGDwgASgBSACIAQESGQoRYW5jaG9yX2FnZV9ldmVudHMYPSABKAMSGgoSYW5jaG9yX2FnZV9zZWNvbmRzGD4gASgBEhAKCHdhcm5pbmdzGD8gAygJEhkKEWNhbGlicmF0aW9uX3JhdGlvGEAgASgBEhsKE2NhbGlicmF0aW9uX3NhbXBsZXMYQSABKAMSFwoPdW5zY2FsZWRfdG9rZW5zGEIgASgDQg4KDF9lcnJvcl9ib3VuZCK6AgoOUHJlc3N1cmVSZXBvcnQSEAoIcmV2aXNpb24YASABKAMSIQoFcm91dGUYAiABKAsyEi5jb21wYWN0ZC52MS5Sb3V0ZRIXCg9tZWFzdXJlZF90b2tlbnMYAyABKAMSFgoOY29udGV4dF93aW5kb3cYBCABKAMSGgoSb3V0cHV0X3Jlc2VydmF0aW9uGAUgASgDEhcKD2hlYWRyb29tX3Rva2VucxgGIAEoAxIWCg50cmlnZ2VyX3Rva2VucxgHIAEoAxIXCg9yZXRhaW5lZF9idWRnZXQYCCABKAMSKQoFc3RhdGUYCSABKA4yGi5jb21wYWN0ZC52MS5QcmVzc3VyZVN0YXRlEjEKCWJyZWFrZG93bhgKIAEoCzIeLmNvbXBhY3RkLnYxLlByZXNzdXJlQnJlYWtkb3duIlMKFENoZWNrUHJlc3N1cmVSZXF1ZXN0EhIKCnNlc3Npb25faWQYASABKAkSJwoLZGVzdGluYXRpb24YAiABKAsyEi5jb21wYWN0ZC52MS5Sb3V0ZSJEChVDaGVja1ByZXNzdXJlUmVzcG9uc2USKwoGcmVwb3J0GAEgASgLMhsuY29tcGFjdGQudjEuUHJlc3N1cmVSZXBvcnQiUwoUV2F0Y2hQcmVzc3VyZVJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRInCgtkZXN0aW5hdGlvbhgCIAEoCzISLmNvbXBhY3RkLnYxLlJvdXRlIkQKFVdhdGNoUHJlc3N1cmVSZXNwb25zZRIrCgZyZXBvcnQYASABKAsyGy5jb21wYWN0ZC52MS5QcmVzc3VyZVJlcG9ydCKMAQoSQ29tcGFjdGlvblByb2dyZXNzEikKBHN0ZXAYASABKA4yGy5jb21wYWN0ZC52MS5Db21wYWN0aW9uU3RlcBIVCg1jb21wYWN0aW9uX2lkGAIgASgJEgsKA3NlcRgDIAEoAxIXCg9tZWFzdXJlZF90b2tlbnMYBCABKAMSDgoGZGV0YWlsGAUgASgJIpsBChFDb21wYWN0aW9uT3V0Y29tZRIVCg1jb21wYWN0aW9uX2lkGAEgASgJEhcKD2l0ZW1zX2NvbmRlbnNlZBgCIAEoAxIUCgx0b2tlbnNfZnJlZWQYAyABKAMSKAoFcmFuZ2UYBCABKAsyGS5jb21wYWN0ZC52MS5TdXJmYWNlUmFuZ2USFgoOY2hlY2twb2ludF9zZXEYBSABKAMikAEKElByZXBhcmVTdGVwUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEgwKBHR1cm4YAiABKAMSKgoOaW50ZW5kZWRfcm91dGUYAyABKAsyEi5jb21wYWN0ZC52MS5Sb3V0ZRIaCg1oZWxkX3JldmlzaW9uGCggASgDSACIAQFCEAoOX2hlbGRfcmV2aXNpb24iiwMKEVByZXBhcmVTdGVwUmVzdWx0EisKBmJlZm9yZRgBIAEoCzIbLmNvbXBhY3RkLnYxLlByZXNzdXJlUmVwb3J0EioKBWFmdGVyGAIgASgLMhsuY29tcGFjdGQudjEuUHJlc3N1cmVSZXBvcnQSFAoMcHJ1bmVkX2NvdW50GAMgASgDEjMKC2NvbXBhY3Rpb25zGAQgAygLMh4uY29tcGFjdGQudjEuQ29tcGFjdGlvbk91dGNvbWUSEAoId2FybmluZ3MYBSADKAkSMgoHcmVxdWVzdBgGIAEoCzIhLmNvbXBhY3RkLnYxLkJ1aWxkUmVxdWVzdFJlc3BvbnNlEhcKCmhlYWRlcl9zZXEYFCABKANIAIgBARIZChFyZXF1ZXN0X3VuY2hhbmdlZBgoIAEoCBIvChFhcHBlbmRlZF9tZXNzYWdlcxgpIAMoCzIULmNvbXBhY3RkLnYxLk1lc3NhZ2USGAoQcmVxdWVzdF9yZXZpc2lvbhgqIAEoA0INCgtfaGVhZGVyX3NlcSKGAQoTUHJlcGFyZVN0ZXBSZXNwb25zZRIzCghwcm9ncmVzcxgBIAEoCzIfLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25Qcm9ncmVzc0gAEjAKBnJlc3VsdBgCIAEoCzIeLmNvbXBhY3RkLnYxLlByZXBhcmVTdGVwUmVzdWx0SABCCAoGdXBkYXRlIjMKDkNvbXBhY3RSZXF1ZXN0EhIKCnNlc3Npb25faWQYASABKAkSDQoFZm9jdXMYAiABKAkihQEKDUNvbXBhY3RSZXN1bHQSLwoHb3V0Y29tZRgBIAEoCzIeLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25PdXRjb21lEhcKD2RlY2xpbmVkX3JlYXNvbhgCIAEoCRIqCgVhZnRlchgDIAEoCzIbLmNvbXBhY3RkLnYxLlByZXNzdXJlUmVwb3J0In4KD0NvbXBhY3RSZXNwb25zZRIzCghwcm9ncmVzcxgBIAEoCzIfLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25Qcm9ncmVzc0gAEiwKBnJlc3VsdBgCIAEoCzIaLmNvbXBhY3RkLnYxLkNvbXBhY3RSZXN1bHRIAEIICgZ1cGRhdGUiwQEKDVByb3ZpZGVyRXJyb3ISLAoEa2luZBgBIAEoDjIeLmNvbXBhY3RkLnYxLlByb3ZpZGVyRXJyb3JLaW5kEhYKDm9mZmxvYWRfaW1hZ2VzGAIgASgFEg8KB21lc3NhZ2UYAyABKAkSFgoOY29udGV4dF93aW5kb3cYFCABKAMSFQoNcHJvbXB0X3Rva2VucxgVIAEoAxIqCgNyYXcYFiABKAsyHS5jb21wYWN0ZC52MS5SYXdQcm92aWRlckVycm9yItIBChBSYXdQcm92aWRlckVycm9yEhMKC2h0dHBfc3RhdHVzGAEgASgFEgwKBGJvZHkYAiABKAwSOwoHaGVhZGVycxgDIAMoCzIqLmNvbXBhY3RkLnYxLlJhd1Byb3ZpZGVyRXJyb3IuSGVhZGVyc0VudHJ5EhsKDnJlcXVlc3RfaW1hZ2VzGAQgASgFSACIAQEaLgoMSGVhZGVyc0VudHJ5EgsKA2tleRgBIAEoCRINCgV2YWx1ZRgCIAEoCToCOAFCEQoPX3JlcXVlc3RfaW1hZ2VzIrkCChtQcm92aWRlckVycm9yQ2xhc3NpZmljYXRpb24SDgoGcmVhc29uGAEgASgJEiwKBGtpbmQYAiABKA4yHi5jb21wYWN0ZC52MS5Qcm92aWRlckVycm9yS2luZBIRCglyZXRyeWFibGUYAyABKAgSIAoTcmV0cnlfYWZ0ZXJfc2Vjb25kcxgEIAEoAUgAiAEBEhYKDm9mZmxvYWRfaW1hZ2VzGAUgASgFEhYKDmNvbnRleHRfd2luZG93GAYgASgDEhUKDXByb21wdF90b2tlbnMYByABKAMSDwoHbWVzc2FnZRgIIAEoCRIMCgRydWxlGAkgASgJEikKBWVycm9yGAogASgLMhouY29tcGFjdGQudjEuUHJvdmlkZXJFcnJvckIWChRfcmV0cnlfYWZ0ZXJfc2Vjb25kcyJKChxDbGFzc2lmeVByb3ZpZGVyRXJyb3JSZXF1ZXN0EioKA3JhdxgBIAEoCzIdLmNvbXBhY3RkLnYxLlJhd1Byb3ZpZGVyRXJyb3IiYQodQ2xhc3NpZnlQcm92aWRlckVycm9yUmVzcG9uc2USQAoOY2xhc3NpZmljYXRpb24YASABKAsyKC5jb21wYWN0ZC52MS5Qcm92aWRlckVycm9yQ2xhc3NpZmljYXRpb24irQIKD092ZXJmbG93RmlndXJlcxIWCg5jb250ZXh0X3dpbmRvdxgBIAEoAxIVCg13aW5kb3dfc291cmNlGAIgASgJEhoKEm91dHB1dF9yZXNlcnZhdGlvbhgDIAEoAxIVCg1zeXN0ZW1fdG9rZW5zGAQgASgDEhQKDHRvb2xzX3Rva2VucxgFIAEoAxIVCg1jb25maWdfdG9rZW5zGAYgASgDEhcKD2VudmVsb3BlX3Rva2VucxgHIAEoAxITCgt1bml0X3Rva2VucxgIIAEoAxItCgp1bml0X3JhbmdlGAkgASgLMhkuY29tcGFjdGQudjEuU3VyZmFjZVJhbmdlEhcKD21lYXN1cmVkX3Rva2VucxgKIAEoAxIVCg1wcm9tcHRfdG9rZW5zGAsgASgDIn4KF1JlY292ZXJGcm9tRXJyb3JSZXF1ZXN0EhIKCnNlc3Npb25faWQYASABKAkSDAoEdHVybhgCIAEoAxIpCgVlcnJvchgDIAEoCzIaLmNvbXBhY3RkLnYxLlByb3ZpZGVyRXJyb3ISFgoOcmV0cmllc19zb19mYXIYBCABKAUirQMKFlJlY292ZXJGcm9tRXJyb3JSZXN1bHQSDQoFcmV0cnkYASABKAgSMwoLY29tcGFjdGlvbnMYAiADKAsyHi5jb21wYWN0ZC52MS5Db21wYWN0aW9uT3V0Y29tZRIUCgxwcnVuZWRfY291bnQYAyABKAMSGAoQb2ZmbG9hZGVkX2ltYWdlcxgEIAEoAxIOCgZyZWFzb24YBSABKAkSMgoHcmVxdWVzdBgGIAEoCzIhLmNvbXBhY3RkLnYxLkJ1aWxkUmVxdWVzdFJlc3BvbnNlEi0KB2RlY2xpbmUYFCABKA4yHC5jb21wYWN0ZC52MS5SZWNvdmVyeURlY2xpbmUSLQoHZmlndXJlcxgVIAEoCzIcLmNvbXBhY3RkLnYxLk92ZXJmbG93RmlndXJlcxJACg5jbGFzc2lmaWNhdGlvbhgWIAEoCzIoLmNvbXBhY3RkLnYxLlByb3ZpZGVyRXJyb3JDbGFzc2lmaWNhdGlvbhINCgVjYXVzZRgXIAEoCRIsCgRraW5kGBggASgOMh4uY29tcGFjdGQudjEuUHJvdmlkZXJFcnJvcktpbmQikAEKGFJlY292ZXJGcm9tRXJyb3JSZXNwb25zZRIzCghwcm9ncmVzcxgBIAEoCzIfLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25Qcm9ncmVzc0gAEjUKBnJlc3VsdBgCIAEoCzIjLmNvbXBhY3RkLnYxLlJlY292ZXJGcm9tRXJyb3JSZXN1bHRIAEIICgZ1cGRhdGUibQoSU3dpdGNoTW9kZWxSZXF1ZXN0EhIKCnNlc3Npb25faWQYASABKAkSJwoLZGVzdGluYXRpb24YAiABKAsyEi5jb21wYWN0ZC52MS5Sb3V0ZRIRCgR0dXJuGAMgASgDSACIAQFCBwoFX3R1cm4ikwIKEVN3aXRjaE1vZGVsUmVzdWx0EisKBmJlZm9yZRgBIAEoCzIbLmNvbXBhY3RkLnYxLlByZXNzdXJlUmVwb3J0EioKBWFmdGVyGAIgASgLMhsuY29tcGFjdGQudjEuUHJlc3N1cmVSZXBvcnQSMwoLY29tcGFjdGlvbnMYAyADKAsyHi5jb21wYWN0ZC52MS5Db21wYWN0aW9uT3V0Y29tZRIUCgxwcnVuZWRfY291bnQYBCABKAMSFwoKaGVhZGVyX3NlcRgUIAEoA0gAiAEBEjIKB3JlcXVlc3QYFSABKAsyIS5jb21wYWN0ZC52MS5CdWlsZFJlcXVlc3RSZXNwb25zZUINCgtfaGVhZGVyX3NlcSKGAQoTU3dpdGNoTW9kZWxSZXNwb25zZRIzCghwcm9ncmVzcxgBIAEoCzIfLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25Qcm9ncmVzc0gAEjAKBnJlc3VsdBgCIAEoCzIeLmNvbXBhY3RkLnYxLlN3aXRjaE1vZGVsUmVzdWx0SABCCAoGdXBkYXRlInMKFVBsYW5Db21wYWN0aW9uUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEiEKBXJvdXRlGAIgASgLMhIuY29tcGFjdGQudjEuUm91dGUSIwoEbW9kZRgDIAEoDjIVLmNvbXBhY3RkLnYxLlBsYW5Nb2RlIlcKDVBvbGljeVNldHRpbmcSDAoEbmFtZRgBIAEoCRINCgV2YWx1ZRgCIAEoCRIpCgZvcmlnaW4YAyABKA4yGS5jb21wYWN0ZC52MS5Qb2xpY3lPcmlnaW4irwEKDFBsYW5uZWRQcnVuZRILCgNzZXEYASABKAMSEAoIcG9zaXRpb24YAiABKAMSHAoUb3JpZ2luYWxfY29kZV9wb2ludHMYAyABKAMSHAoUcmV0YWluZWRfY29kZV9wb2ludHMYBCABKAMSFQoNdG9rZW5zX2JlZm9yZRgFIAEoAxIUCgx0b2tlbnNfYWZ0ZXIYBiABKAMSFwoPcmVwbGFjZW1lbnRfc2VxGAcgASgDIpQBCgtQbGFubmVkU3BhbhIoCgVyYW5nZRgBIAEoCzIZLmNvbXBhY3RkLnYxLlN1cmZhY2VSYW5nZRIVCg1zaGFkb3dlZF9zZXFzGAIgAygDEhYKDnNoYWRvd2VkX2NvdW50GAMgASgDEhUKDXByaWNlZF90b2tlbnMYBCABKAMSFQoNc2hhZG93X3Rva2VucxgFIAEoAyKEBQoOQ29tcGFjdGlvblBsYW4SEAoIcmV2aXNpb24YASABKAMSIwoEbW9kZRgCIAEoDjIVLmNvbXBhY3RkLnYxLlBsYW5Nb2RlEi8KB3RyaWdnZXIYAyABKA4yHi5jb21wYWN0ZC52MS5Db21wYWN0aW9uVHJpZ2dlchIhCgVyb3V0ZRgEIAEoCzISLmNvbXBhY3RkLnYxLlJvdXRlEi0KBnBvbGljeRgFIAEoCzIdLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25Qb2xpY3kSLAoIc2V0dGluZ3MYBiADKAsyGi5jb21wYWN0ZC52MS5Qb2xpY3lTZXR0aW5nEi0KCHByZXNzdXJlGAcgASgLMhsuY29tcGFjdGQudjEuUHJlc3N1cmVSZXBvcnQSDwoHYmxvY2tlZBgIIAEoCRIpCgZwcnVuZXMYCSADKAsyGS5jb21wYWN0ZC52MS5QbGFubmVkUHJ1bmUSGgoSdG9rZW5zX2FmdGVyX3BydW5lGAogASgDEiYKBHNwYW4YCyABKAsyGC5jb21wYWN0ZC52MS5QbGFubmVkU3BhbhIUCgxkZWNsaW5lX2NvZGUYDCABKAkSFgoOZGVjbGluZV9yZWFzb24YDSABKAkSHQoVZXhwZWN0ZWRfdG9rZW5zX2FmdGVyGA4gASgDEiEKGWV4cGVjdGVkX3Rva2Vuc19hZnRlcl9tYXgYDyABKAMSFwoPbWluX3NwYW5fdG9rZW5zGBAgASgDEioKDnN1bW1hcnlfdGFyZ2V0GBEgASgLMhIuY29tcGFjdGQudjEuUm91dGUSEAoId2FybmluZ3MYEiADKAkSFAoMYmxvY2tlZF9jb2RlGBMgASgJIkMKFlBsYW5Db21wYWN0aW9uUmVzcG9uc2USKQoEcGxhbhgBIAEoCzIbLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25QbGFuIikKE0xpc3RCcmFja2V0c1JlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCSJ/CgtCcmFja2V0U3RlcBIpCgRzdGVwGAEgASgOMhsuY29tcGFjdGQudjEuQ29tcGFjdGlvblN0ZXASCwoDc2VxGAIgASgDEigKBHRpbWUYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEg4KBmRldGFpbBgEIAEoCSK9BQoNQnJhY2tldFJlY29yZBIVCg1jb21wYWN0aW9uX2lkGAEgASgJEi8KB3RyaWdnZXIYAiABKA4yHi5jb21wYWN0ZC52MS5Db21wYWN0aW9uVHJpZ2dlchIRCgR0dXJuGAMgASgDSACIAQESLAoHb3V0Y29tZRgEIAEoDjIbLmNvbXBhY3RkLnYxLkJyYWNrZXRPdXRjb21lEigKBXJhbmdlGAUgASgLMhkuY29tcGFjdGQudjEuU3VyZmFjZVJhbmdlEhYKDnNoYWRvd2VkX2NvdW50GAYgASgDEicKBXN0ZXBzGAcgAygLMhguY29tcGFjdGQudjEuQnJhY2tldFN0ZXASEQoJc3RhcnRfc2VxGAggASgDEg8KB2VuZF9zZXEYCSABKAMSLgoKc3RhcnRfdGltZRgKIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLAoIZW5kX3RpbWUYCyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhgKEGR1cmF0aW9uX3NlY29uZHMYDCABKAESLQoGdG9rZW5zGA0gASgLMh0uY29tcGFjdGQudjEuVG9rZW5NZWFzdXJlbWVudBIqCg5zdW1tYXJ5X3RhcmdldBgOIAEoCzISLmNvbXBhY3RkLnYxLlJvdXRlEhIKCnN1bW1hcml6ZXIYDyABKAkSIQoFdXNhZ2UYECABKAsyEi5jb21wYWN0ZC52MS5Vc2FnZRIWCg5jaGVja3BvaW50X3NlcRgRIAEoAxIUCgxlcnJvcl9yZWFzb24YEiABKAkSDQoFZXJyb3IYEyABKAkSLAoEZ2F0ZRgUIAEoCzIeLmNvbXBhY3RkLnYxLlN1bW1hcnlHYXRlUmVwb3J0EhYKDnN1bW1hcnlfZXJyb3JzGBUgASgFQgcKBV90dXJuIpcBChRMaXN0QnJhY2tldHNSZXNwb25zZRIsCghicmFja2V0cxgBIAMoCzIaLmNvbXBhY3RkLnYxLkJyYWNrZXRSZWNvcmQSKAoGcHJ1bmVzGAIgAygLMhguY29tcGFjdGQudjEuQnJhY2tldFN0ZXASEAoIcmV2aXNpb24YAyABKAMSFQoNbGFzdF9lbmRfc2VlZBgEIAEoAypjCg1QcmVzc3VyZVN0YXRlEh4KGlBSRVNTVVJFX1NUQVRFX1VOU1BFQ0lGSUVEEAASGAoUUFJFU1NVUkVfU1RBVEVfQkVMT1cQARIYChRQUkVTU1VSRV9TVEFURV9BQk9WRRACKtwBChFNZWFzdXJlbWVudE1ldGhvZBIiCh5NRUFTVVJFTUVOVF9NRVRIT0RfVU5TUEVDSUZJRUQQABIcChhNRUFTVVJFTUVOVF9NRVRIT0RfRVhBQ1QQARIfChtNRUFTVVJFTUVOVF9NRVRIT0RfQU5DSE9SRUQQAhIgChxNRUFTVVJFTUVOVF9NRVRIT0RfSEVVUklTVElDEAMSIAocTUVBU1VSRU1FTlRfTUVUSE9EX0VTVElNQVRFRBAEEiAKHE1FQVNVUkVNRU5UX01FVEhPRF9UT0tFTklaRVIQBSrjAgoOQ29tcGFjdGlvblN0ZXASHwobQ09NUEFDVElPTl9TVEVQX1VOU1BFQ0lGSUVEEAASGQoVQ09NUEFDVElPTl9TVEVQX1BSVU5FEAESGQoVQ09NUEFDVElPTl9TVEVQX1NUQVJUEAISHQoZQ09NUEFDVElPTl9TVEVQX1NVTU1BUklaRRADEhsKF0NPTVBBQ1RJT05fU1RFUF9TVU1NQVJZEAQSGwoXQ09NUEFDVElPTl9TVEVQX1JFUExBQ0UQBRIXChNDT01QQUNUSU9OX1NURVBfRU5EEAYSGwoXQ09NUEFDVElPTl9TVEVQX01FQVNVUkUQBxIbChdDT01QQUNUSU9OX1NURVBfT0ZGTE9BRBAIEhoKFkNPTVBBQ1RJT05fU1RFUF9IRUFERVIQCRIYChRDT01QQUNUSU9OX1NURVBfR0FURRAKEhgKFENPTVBBQ1RJT05fU1RFUF9TS0lQEAsqmQEKEVByb3ZpZGVyRXJyb3JLaW5kEiMKH1BST1ZJREVSX0VSUk9SX0tJTkRfVU5TUEVDSUZJRUQQABIvCitQUk9WSURFUl9FUlJPUl9LSU5EX0NPTlRFWFRfV0lORE9XX0VYQ0VFREVEEAESLgoqUFJPVklERVJfRVJST1JfS0lORF9JTUFHRV9PRkZMT0FEX1JFUVVJUkVEEAIqrQMKD1JlY292ZXJ5RGVjbGluZRIgChxSRUNPVkVSWV9ERUNMSU5FX1VOU1BFQ0lGSUVEEAASJgoiUkVDT1ZFUllfREVDTElORV9SRVRSSUVTX0VYSEFVU1RFRBABEiIKHlJFQ09WRVJZX0RFQ0xJTkVfQVVUT19ESVNBQkxFRBACEiIKHlJFQ09WRVJZX0RFQ0xJTkVfRU5WRUxPUEVfT05MWRADEiUKIVJFQ09WRVJZX0RFQ0xJTkVfSU5ESVZJU0lCTEVfVU5JVBAEEicKI1JFQ09WRVJZX0RFQ0xJTkVfTk9USElOR19TRUxFQ1RBQkxFEAUSHgoaUkVDT1ZFUllfREVDTElORV9PUEVOX1RBSUwQBhImCiJSRUNPVkVSWV9ERUNMSU5FX0NPTVBBQ1RJT05fRkFJTEVEEAcSHgoaUkVDT1ZFUllfREVDTElORV9OT19JTUFHRVMQCBIqCiZSRUNPVkVSWV9ERUNMSU5FX09GRkxPQURfQ09VTlRfVU5LTk9XThAJEiQKIFJFQ09WRVJZX0RFQ0xJTkVfTk9UX1JFQ09WRVJBQkxFEAoqfQoIUGxhbk1vZGUSGQoVUExBTl9NT0RFX1VOU1BFQ0lGSUVEEAASEgoOUExBTl9NT0RFX0FVVE8QARIUChBQTEFOX01PREVfTUFOVUFMEAISFgoSUExBTl9NT0RFX09WRVJGTE9XEAMSFAoQUExBTl9NT0RFX1NXSVRDSBAEKsABCgxQb2xpY3lPcmlnaW4SHQoZUE9MSUNZX09SSUdJTl9VTlNQRUNJRklFRBAAEhkKFVBPTElDWV9PUklHSU5fREVGQVVMVBABEhkKFVBPTElDWV9PUklHSU5fU0VSVklDRRACEhkKFVBPTElDWV9PUklHSU5fU0VTU0lPThADEh8KG1BPTElDWV9PUklHSU5fU0VSVklDRV9ST1VURRAEEh8KG1BPTElDWV9PUklHSU5fU0VTU0lPTl9ST1VURRAFKqEBCg5CcmFja2V0T3V0Y29tZRIfChtCUkFDS0VUX09VVENPTUVfVU5TUEVDSUZJRUQQABIdChlCUkFDS0VUX09VVENPTUVfQ09NTUlUVEVEEAESGgoWQlJBQ0tFVF9PVVRDT01FX0ZBSUxFRBACEhgKFEJSQUNLRVRfT1VUQ09NRV9MSVZFEAMSGQoVQlJBQ0tFVF9PVVRDT01FX1NUQUxFEAQyuAYKEUNvbXBhY3Rpb25TZXJ2aWNlElYKDUNoZWNrUHJlc3N1cmUSIS5jb21wYWN0ZC52MS5DaGVja1ByZXNzdXJlUmVxdWVzdBoiLmNvbXBhY3RkLnYxLkNoZWNrUHJlc3N1cmVSZXNwb25zZRJYCg1XYXRjaFByZXNzdXJlEiEuY29tcGFjdGQudjEuV2F0Y2hQcmVzc3VyZVJlcXVlc3QaIi5jb21wYWN0ZC52MS5XYXRjaFByZXNzdXJlUmVzcG9uc2UwARJSCgtQcmVwYXJlU3RlcBIfLmNvbXBhY3RkLnYxLlByZXBhcmVTdGVwUmVxdWVzdBogLmNvbXBhY3RkLnYxLlByZXBhcmVTdGVwUmVzcG9uc2UwARJGCgdDb21wYWN0EhsuY29tcGFjdGQudjEuQ29tcGFjdFJlcXVlc3QaHC5jb21wYWN0ZC52MS5Db21wYWN0UmVzcG9uc2UwARJhChBSZWNvdmVyRnJvbUVycm9yEiQuY29tcGFjdGQudjEuUmVjb3ZlckZyb21FcnJvclJlcXVlc3QaJS5jb21wYWN0ZC52MS5SZWNvdmVyRnJvbUVycm9yUmVzcG9uc2UwARJSCgtTd2l0Y2hNb2RlbBIfLmNvbXBhY3RkLnYxLlN3aXRjaE1vZGVsUmVxdWVzdBogLmNvbXBhY3RkLnYxLlN3aXRjaE1vZGVsUmVzcG9uc2UwARJuChVDbGFzc2lmeVByb3ZpZGVyRXJyb3ISKS5jb21wYWN0ZC52MS5DbGFzc2lmeVByb3ZpZGVyRXJyb3JSZXF1ZXN0GiouY29tcGFjdGQudjEuQ2xhc3NpZnlQcm92aWRlckVycm9yUmVzcG9uc2USWQoOUGxhbkNvbXBhY3Rpb24SIi5jb21wYWN0ZC52MS5QbGFuQ29tcGFjdGlvblJlcXVlc3QaIy5jb21wYWN0ZC52MS5QbGFuQ29tcGFjdGlvblJlc3BvbnNlElMKDExpc3RCcmFja2V0cxIgLmNvbXBhY3RkLnYxLkxpc3RCcmFja2V0c1JlcXVlc3QaIS5jb21wYWN0ZC52MS5MaXN0QnJhY2tldHNSZXNwb25zZWIGcHJvdG8z", [file_compactd_v1_events, file_compactd_v1_session_service, file_google_protobuf_timestamp]);
 
 /**
  * Where the measured tokens are.
@@ -448,6 +450,19 @@ export type PrepareStepRequest = Message<"compactd.v1.PrepareStepRequest"> & {
    * @generated from field: compactd.v1.Route intended_route = 3;
    */
   intendedRoute?: Route | undefined;
+
+  /**
+   * The revision (`BuildRequestResponse.revision`, or a previous result's `request_revision`)
+   * of the request the caller already holds. When set, and compactd changed nothing that request
+   * shows since (no surface replacement, no image offload and no `request/header` at or after
+   * `held_revision`: the log only appended surface nodes), the result omits `request`, sets
+   * `request_unchanged` and carries just the appended nodes' messages in `appended_messages`.
+   * Absent (old clients): the result always carries the full `request`, as before this field
+   * existed. INVALID_ARGUMENT when negative or beyond the session's revision.
+   *
+   * @generated from field: optional int64 held_revision = 40;
+   */
+  heldRevision?: bigint | undefined;
 };
 
 /**
@@ -512,6 +527,31 @@ export type PrepareStepResult = Message<"compactd.v1.PrepareStepResult"> & {
    * @generated from field: optional int64 header_seq = 20;
    */
   headerSeq?: bigint | undefined;
+
+  /**
+   * True when `held_revision` was given and the held request is still the request's prefix:
+   * the request to send is the held one's config, adapter defaults and tools, with its messages
+   * followed by `appended_messages`. `request` is then absent. False whenever `request` is set.
+   *
+   * @generated from field: bool request_unchanged = 40;
+   */
+  requestUnchanged: boolean;
+
+  /**
+   * With `request_unchanged`: the messages of the surface nodes appended since
+   * `held_revision`, in order (possibly none).
+   *
+   * @generated from field: repeated compactd.v1.Message appended_messages = 41;
+   */
+  appendedMessages: Message$1[];
+
+  /**
+   * The log revision the request to send is built at (`request.revision` when `request` is
+   * set): the `held_revision` of the caller's next PrepareStep.
+   *
+   * @generated from field: int64 request_revision = 42;
+   */
+  requestRevision: bigint;
 };
 
 /**
@@ -1279,6 +1319,637 @@ export const SwitchModelResponseSchema: GenMessage<SwitchModelResponse> = /*@__P
   messageDesc(file_compactd_v1_compaction_service, 25);
 
 /**
+ * Request for `PlanCompaction`.
+ *
+ * @generated from message compactd.v1.PlanCompactionRequest
+ */
+export type PlanCompactionRequest = Message<"compactd.v1.PlanCompactionRequest"> & {
+  /**
+   * The session.
+   *
+   * @generated from field: string session_id = 1;
+   */
+  sessionId: string;
+
+  /**
+   * The route to plan for: AUTO, the step's intended route (one other than the logged route
+   * plans the switch PrepareStep would make, as SWITCH); SWITCH, the destination (required).
+   * MANUAL and OVERFLOW, like Compact and RecoverFromError, use the latest logged route.
+   * Absent: the latest logged route (the heuristic when none is logged).
+   *
+   * @generated from field: compactd.v1.Route route = 2;
+   */
+  route?: Route | undefined;
+
+  /**
+   * The mode (UNSPECIFIED: AUTO).
+   *
+   * @generated from field: compactd.v1.PlanMode mode = 3;
+   */
+  mode: PlanMode;
+};
+
+/**
+ * Describes the message compactd.v1.PlanCompactionRequest.
+ * Use `create(PlanCompactionRequestSchema)` to create a new message.
+ */
+export const PlanCompactionRequestSchema: GenMessage<PlanCompactionRequest> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_compaction_service, 26);
+
+/**
+ * One resolved setting.
+ *
+ * @generated from message compactd.v1.PolicySetting
+ */
+export type PolicySetting = Message<"compactd.v1.PolicySetting"> & {
+  /**
+   * The spec's name, e.g. `thresholdRatio`.
+   *
+   * @generated from field: string name = 1;
+   */
+  name: string;
+
+  /**
+   * Its value as JSON (`0.8`, `true`, `"openai"`; `null` when unset, e.g. `retainTokens` when
+   * the ratio applies).
+   *
+   * @generated from field: string value = 2;
+   */
+  value: string;
+
+  /**
+   * Where the value came from.
+   *
+   * @generated from field: compactd.v1.PolicyOrigin origin = 3;
+   */
+  origin: PolicyOrigin;
+};
+
+/**
+ * Describes the message compactd.v1.PolicySetting.
+ * Use `create(PolicySettingSchema)` to create a new message.
+ */
+export const PolicySettingSchema: GenMessage<PolicySetting> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_compaction_service, 27);
+
+/**
+ * One prune the pruner would make.
+ *
+ * @generated from message compactd.v1.PlannedPrune
+ */
+export type PlannedPrune = Message<"compactd.v1.PlannedPrune"> & {
+  /**
+   * Seq of the `tool/result` that would be replaced.
+   *
+   * @generated from field: int64 seq = 1;
+   */
+  seq: bigint;
+
+  /**
+   * Its surface position.
+   *
+   * @generated from field: int64 position = 2;
+   */
+  position: bigint;
+
+  /**
+   * Text code points before pruning.
+   *
+   * @generated from field: int64 original_code_points = 3;
+   */
+  originalCodePoints: bigint;
+
+  /**
+   * Text code points kept (head + tail, without the marker).
+   *
+   * @generated from field: int64 retained_code_points = 4;
+   */
+  retainedCodePoints: bigint;
+
+  /**
+   * Route tokens of the result before.
+   *
+   * @generated from field: int64 tokens_before = 5;
+   */
+  tokensBefore: bigint;
+
+  /**
+   * Route tokens of the pruned result.
+   *
+   * @generated from field: int64 tokens_after = 6;
+   */
+  tokensAfter: bigint;
+
+  /**
+   * Seq the replacement would get.
+   *
+   * @generated from field: int64 replacement_seq = 7;
+   */
+  replacementSeq: bigint;
+};
+
+/**
+ * Describes the message compactd.v1.PlannedPrune.
+ * Use `create(PlannedPruneSchema)` to create a new message.
+ */
+export const PlannedPruneSchema: GenMessage<PlannedPrune> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_compaction_service, 28);
+
+/**
+ * The span selection would choose.
+ *
+ * @generated from message compactd.v1.PlannedSpan
+ */
+export type PlannedSpan = Message<"compactd.v1.PlannedSpan"> & {
+  /**
+   * The span (positions after the planned prunes; seqs include planned replacement seqs).
+   *
+   * @generated from field: compactd.v1.SurfaceRange range = 1;
+   */
+  range?: SurfaceRange | undefined;
+
+  /**
+   * Seqs of the nodes it covers, in surface order.
+   *
+   * @generated from field: repeated int64 shadowed_seqs = 2;
+   */
+  shadowedSeqs: bigint[];
+
+  /**
+   * How many nodes.
+   *
+   * @generated from field: int64 shadowed_count = 3;
+   */
+  shadowedCount: bigint;
+
+  /**
+   * Its route price (tokens), as selection priced it.
+   *
+   * @generated from field: int64 priced_tokens = 4;
+   */
+  pricedTokens: bigint;
+
+  /**
+   * The heuristic shadow price the summary would log.
+   *
+   * @generated from field: int64 shadow_tokens = 5;
+   */
+  shadowTokens: bigint;
+};
+
+/**
+ * Describes the message compactd.v1.PlannedSpan.
+ * Use `create(PlannedSpanSchema)` to create a new message.
+ */
+export const PlannedSpanSchema: GenMessage<PlannedSpan> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_compaction_service, 29);
+
+/**
+ * The plan of the next compaction.
+ *
+ * @generated from message compactd.v1.CompactionPlan
+ */
+export type CompactionPlan = Message<"compactd.v1.CompactionPlan"> & {
+  /**
+   * The log revision planned at.
+   *
+   * @generated from field: int64 revision = 1;
+   */
+  revision: bigint;
+
+  /**
+   * The mode planned.
+   *
+   * @generated from field: compactd.v1.PlanMode mode = 2;
+   */
+  mode: PlanMode;
+
+  /**
+   * The trigger the bracket would record.
+   *
+   * @generated from field: compactd.v1.CompactionTrigger trigger = 3;
+   */
+  trigger: CompactionTrigger;
+
+  /**
+   * The route selection prices with (empty: the heuristic, no route logged).
+   *
+   * @generated from field: compactd.v1.Route route = 4;
+   */
+  route?: Route | undefined;
+
+  /**
+   * The resolved policy for `route`, every setting present (`retain_ratio` absent when
+   * `retain_tokens` applies).
+   *
+   * @generated from field: compactd.v1.CompactionPolicy policy = 5;
+   */
+  policy?: CompactionPolicy | undefined;
+
+  /**
+   * Each setting's value and origin, in the policy table's order.
+   *
+   * @generated from field: repeated compactd.v1.PolicySetting settings = 6;
+   */
+  settings: PolicySetting[];
+
+  /**
+   * The measured envelope and its breakdown (absent when the route has no usable capacity:
+   * see `warnings`).
+   *
+   * @generated from field: compactd.v1.PressureReport pressure = 7;
+   */
+  pressure?: PressureReport | undefined;
+
+  /**
+   * Why the real path would not run now, in words (empty when it would); `blocked_code` names
+   * the cause. The prunes and span below are what it would do if it ran.
+   *
+   * @generated from field: string blocked = 8;
+   */
+  blocked: string;
+
+  /**
+   * The prunes, in surface order.
+   *
+   * @generated from field: repeated compactd.v1.PlannedPrune prunes = 9;
+   */
+  prunes: PlannedPrune[];
+
+  /**
+   * The envelope after those prunes (route tokens, as the pressure report would measure it).
+   *
+   * @generated from field: int64 tokens_after_prune = 10;
+   */
+  tokensAfterPrune: bigint;
+
+  /**
+   * The span selection would choose; absent when it declines.
+   *
+   * @generated from field: compactd.v1.PlannedSpan span = 11;
+   */
+  span?: PlannedSpan | undefined;
+
+  /**
+   * Why selection declines: `OPEN_TAIL`, `NOTHING_SELECTABLE`, `SPAN_TOO_SMALL`,
+   * `KNOWN_FAILURE` (empty when a span is chosen).
+   *
+   * @generated from field: string decline_code = 12;
+   */
+  declineCode: string;
+
+  /**
+   * The decline's reason, as the real path reports it.
+   *
+   * @generated from field: string decline_reason = 13;
+   */
+  declineReason: string;
+
+  /**
+   * Expected envelope after the bracket with the smallest useful checkpoint (best case).
+   *
+   * @generated from field: int64 expected_tokens_after = 14;
+   */
+  expectedTokensAfter: bigint;
+
+  /**
+   * Expected envelope after the bracket with a checkpoint at the summary cap (`maxTokens`),
+   * never above the span it replaces (worst case the shrink check admits).
+   *
+   * @generated from field: int64 expected_tokens_after_max = 15;
+   */
+  expectedTokensAfterMax: bigint;
+
+  /**
+   * The smallest span selection accepts (route tokens; 0 for OVERFLOW).
+   *
+   * @generated from field: int64 min_span_tokens = 16;
+   */
+  minSpanTokens: bigint;
+
+  /**
+   * Who would write the summary (empty provider and model: the extractive summarizer).
+   *
+   * @generated from field: compactd.v1.Route summary_target = 17;
+   */
+  summaryTarget?: Route | undefined;
+
+  /**
+   * What the plan cannot vouch for (e.g. no open turn for AUTO or OVERFLOW, whose RPCs need one).
+   *
+   * @generated from field: repeated string warnings = 18;
+   */
+  warnings: string[];
+
+  /**
+   * Why the real path would not run now (empty when it would): `COMPACTION_BUSY` (a live
+   * bracket; for MANUAL also an open turn), `AUTO_DISABLED`, `RETRIES_EXHAUSTED` (OVERFLOW with
+   * `maxOverflowRetries` 0), `ENVELOPE_ONLY` (OVERFLOW: system, tools and framing alone do not
+   * fit the window), `CAPACITY_UNKNOWN`, `POLICY_INVALID` or `ROUTE_UNKNOWN` (no pressure
+   * report for the route), `BELOW_TRIGGER`, `BUDGET_SPENT` (the threshold crossing's brackets
+   * are spent), `RELIEVED_BY_PRUNING` (the prunes alone bring the envelope below the trigger).
+   *
+   * @generated from field: string blocked_code = 19;
+   */
+  blockedCode: string;
+};
+
+/**
+ * Describes the message compactd.v1.CompactionPlan.
+ * Use `create(CompactionPlanSchema)` to create a new message.
+ */
+export const CompactionPlanSchema: GenMessage<CompactionPlan> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_compaction_service, 30);
+
+/**
+ * Response for `PlanCompaction`.
+ *
+ * @generated from message compactd.v1.PlanCompactionResponse
+ */
+export type PlanCompactionResponse = Message<"compactd.v1.PlanCompactionResponse"> & {
+  /**
+   * The plan.
+   *
+   * @generated from field: compactd.v1.CompactionPlan plan = 1;
+   */
+  plan?: CompactionPlan | undefined;
+};
+
+/**
+ * Describes the message compactd.v1.PlanCompactionResponse.
+ * Use `create(PlanCompactionResponseSchema)` to create a new message.
+ */
+export const PlanCompactionResponseSchema: GenMessage<PlanCompactionResponse> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_compaction_service, 31);
+
+/**
+ * Request for `ListBrackets`.
+ *
+ * @generated from message compactd.v1.ListBracketsRequest
+ */
+export type ListBracketsRequest = Message<"compactd.v1.ListBracketsRequest"> & {
+  /**
+   * The session.
+   *
+   * @generated from field: string session_id = 1;
+   */
+  sessionId: string;
+};
+
+/**
+ * Describes the message compactd.v1.ListBracketsRequest.
+ * Use `create(ListBracketsRequestSchema)` to create a new message.
+ */
+export const ListBracketsRequestSchema: GenMessage<ListBracketsRequest> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_compaction_service, 32);
+
+/**
+ * One logged step of a bracket.
+ *
+ * @generated from message compactd.v1.BracketStep
+ */
+export type BracketStep = Message<"compactd.v1.BracketStep"> & {
+  /**
+   * The step (START, SUMMARIZE for a `compaction/summary-error`, SUMMARY, REPLACE, END, PRUNE).
+   *
+   * @generated from field: compactd.v1.CompactionStep step = 1;
+   */
+  step: CompactionStep;
+
+  /**
+   * Seq of the step's event.
+   *
+   * @generated from field: int64 seq = 2;
+   */
+  seq: bigint;
+
+  /**
+   * Commit time of the event.
+   *
+   * @generated from field: google.protobuf.Timestamp time = 3;
+   */
+  time?: Timestamp | undefined;
+
+  /**
+   * What happened (an error, a retry).
+   *
+   * @generated from field: string detail = 4;
+   */
+  detail: string;
+};
+
+/**
+ * Describes the message compactd.v1.BracketStep.
+ * Use `create(BracketStepSchema)` to create a new message.
+ */
+export const BracketStepSchema: GenMessage<BracketStep> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_compaction_service, 33);
+
+/**
+ * One bracket as the log records it.
+ *
+ * @generated from message compactd.v1.BracketRecord
+ */
+export type BracketRecord = Message<"compactd.v1.BracketRecord"> & {
+  /**
+   * The bracket id.
+   *
+   * @generated from field: string compaction_id = 1;
+   */
+  compactionId: string;
+
+  /**
+   * What started it.
+   *
+   * @generated from field: compactd.v1.CompactionTrigger trigger = 2;
+   */
+  trigger: CompactionTrigger;
+
+  /**
+   * The owning open turn (automatic brackets).
+   *
+   * @generated from field: optional int64 turn = 3;
+   */
+  turn?: bigint | undefined;
+
+  /**
+   * How it ended.
+   *
+   * @generated from field: compactd.v1.BracketOutcome outcome = 4;
+   */
+  outcome: BracketOutcome;
+
+  /**
+   * The selected span.
+   *
+   * @generated from field: compactd.v1.SurfaceRange range = 5;
+   */
+  range?: SurfaceRange | undefined;
+
+  /**
+   * Nodes the span covers.
+   *
+   * @generated from field: int64 shadowed_count = 6;
+   */
+  shadowedCount: bigint;
+
+  /**
+   * Its steps, in log order.
+   *
+   * @generated from field: repeated compactd.v1.BracketStep steps = 7;
+   */
+  steps: BracketStep[];
+
+  /**
+   * Seq of `compaction/start`.
+   *
+   * @generated from field: int64 start_seq = 8;
+   */
+  startSeq: bigint;
+
+  /**
+   * Seq of `compaction/end` (-1: none).
+   *
+   * @generated from field: int64 end_seq = 9;
+   */
+  endSeq: bigint;
+
+  /**
+   * Commit time of `compaction/start`.
+   *
+   * @generated from field: google.protobuf.Timestamp start_time = 10;
+   */
+  startTime?: Timestamp | undefined;
+
+  /**
+   * Commit time of `compaction/end`, when there is one.
+   *
+   * @generated from field: google.protobuf.Timestamp end_time = 11;
+   */
+  endTime?: Timestamp | undefined;
+
+  /**
+   * Seconds from start to end (0 without an end).
+   *
+   * @generated from field: double duration_seconds = 12;
+   */
+  durationSeconds: number;
+
+  /**
+   * Token figures of the summary (committed brackets).
+   *
+   * @generated from field: compactd.v1.TokenMeasurement tokens = 13;
+   */
+  tokens?: TokenMeasurement | undefined;
+
+  /**
+   * The route that wrote the summary.
+   *
+   * @generated from field: compactd.v1.Route summary_target = 14;
+   */
+  summaryTarget?: Route | undefined;
+
+  /**
+   * The summarizer's name.
+   *
+   * @generated from field: string summarizer = 15;
+   */
+  summarizer: string;
+
+  /**
+   * Provider usage of the summary call(s).
+   *
+   * @generated from field: compactd.v1.Usage usage = 16;
+   */
+  usage?: Usage | undefined;
+
+  /**
+   * Seq of the checkpoint `user/message` (-1: none).
+   *
+   * @generated from field: int64 checkpoint_seq = 17;
+   */
+  checkpointSeq: bigint;
+
+  /**
+   * The failure's reason, e.g. `SUMMARY_REJECTED`, `SPAN_DRIFT`.
+   *
+   * @generated from field: string error_reason = 18;
+   */
+  errorReason: string;
+
+  /**
+   * The failure's text.
+   *
+   * @generated from field: string error = 19;
+   */
+  error: string;
+
+  /**
+   * The quality gate's report (from the summary, or the end of a rejected one).
+   *
+   * @generated from field: compactd.v1.SummaryGateReport gate = 20;
+   */
+  gate?: SummaryGateReport | undefined;
+
+  /**
+   * Failed summary attempts (`compaction/summary-error` events).
+   *
+   * @generated from field: int32 summary_errors = 21;
+   */
+  summaryErrors: number;
+};
+
+/**
+ * Describes the message compactd.v1.BracketRecord.
+ * Use `create(BracketRecordSchema)` to create a new message.
+ */
+export const BracketRecordSchema: GenMessage<BracketRecord> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_compaction_service, 34);
+
+/**
+ * Response for `ListBrackets`.
+ *
+ * @generated from message compactd.v1.ListBracketsResponse
+ */
+export type ListBracketsResponse = Message<"compactd.v1.ListBracketsResponse"> & {
+  /**
+   * Brackets in start order.
+   *
+   * @generated from field: repeated compactd.v1.BracketRecord brackets = 1;
+   */
+  brackets: BracketRecord[];
+
+  /**
+   * Prunes outside brackets (`compaction/prune`), in log order (step PRUNE; detail names the
+   * shadowed seq and code points).
+   *
+   * @generated from field: repeated compactd.v1.BracketStep prunes = 2;
+   */
+  prunes: BracketStep[];
+
+  /**
+   * The log revision read.
+   *
+   * @generated from field: int64 revision = 3;
+   */
+  revision: bigint;
+
+  /**
+   * Seq of the newest `session/end-seed` (-1: none): the end-seed rule's boundary.
+   *
+   * @generated from field: int64 last_end_seed = 4;
+   */
+  lastEndSeed: bigint;
+};
+
+/**
+ * Describes the message compactd.v1.ListBracketsResponse.
+ * Use `create(ListBracketsResponseSchema)` to create a new message.
+ */
+export const ListBracketsResponseSchema: GenMessage<ListBracketsResponse> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_compaction_service, 35);
+
+/**
  * Whether the envelope is at or over the trigger.
  *
  * @generated from enum compactd.v1.PressureState
@@ -1597,6 +2268,162 @@ export const RecoveryDeclineSchema: GenEnum<RecoveryDecline> = /*@__PURE__*/
   enumDesc(file_compactd_v1_compaction_service, 4);
 
 /**
+ * What kind of compaction to plan.
+ *
+ * @generated from enum compactd.v1.PlanMode
+ */
+export enum PlanMode {
+  /**
+   * Not set: AUTO.
+   *
+   * @generated from enum value: PLAN_MODE_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * `PrepareStep` above pressure: prune, re-measure, then a bracket keeping the retained
+   * budget (failure memory and the crossing budget apply).
+   *
+   * @generated from enum value: PLAN_MODE_AUTO = 1;
+   */
+  AUTO = 1,
+
+  /**
+   * `Compact`: no pruning, everything selectable but the last unit.
+   *
+   * @generated from enum value: PLAN_MODE_MANUAL = 2;
+   */
+  MANUAL = 2,
+
+  /**
+   * `RecoverFromError` for CONTEXT_WINDOW_EXCEEDED: prune (also window-sized), then one
+   * maximal reduction with no minimum span. Planned against the route's declared window (the
+   * plan cannot know a window a provider's error would state) and no retries made so far.
+   *
+   * @generated from enum value: PLAN_MODE_OVERFLOW = 3;
+   */
+  OVERFLOW = 3,
+
+  /**
+   * `SwitchModel` to `route`: prune, then a bracket keeping the destination's retained budget.
+   *
+   * @generated from enum value: PLAN_MODE_SWITCH = 4;
+   */
+  SWITCH = 4,
+}
+
+/**
+ * Describes the enum compactd.v1.PlanMode.
+ */
+export const PlanModeSchema: GenEnum<PlanMode> = /*@__PURE__*/
+  enumDesc(file_compactd_v1_compaction_service, 5);
+
+/**
+ * Where a resolved policy setting's value came from.
+ *
+ * @generated from enum compactd.v1.PolicyOrigin
+ */
+export enum PolicyOrigin {
+  /**
+   * Not set.
+   *
+   * @generated from enum value: POLICY_ORIGIN_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * The built-in default.
+   *
+   * @generated from enum value: POLICY_ORIGIN_DEFAULT = 1;
+   */
+  DEFAULT = 1,
+
+  /**
+   * The service's `[compaction]` table.
+   *
+   * @generated from enum value: POLICY_ORIGIN_SERVICE = 2;
+   */
+  SERVICE = 2,
+
+  /**
+   * The session's own overrides.
+   *
+   * @generated from enum value: POLICY_ORIGIN_SESSION = 3;
+   */
+  SESSION = 3,
+
+  /**
+   * The service's `modelPolicies` entry for the route.
+   *
+   * @generated from enum value: POLICY_ORIGIN_SERVICE_ROUTE = 4;
+   */
+  SERVICE_ROUTE = 4,
+
+  /**
+   * The session's `modelPolicies` entry for the route.
+   *
+   * @generated from enum value: POLICY_ORIGIN_SESSION_ROUTE = 5;
+   */
+  SESSION_ROUTE = 5,
+}
+
+/**
+ * Describes the enum compactd.v1.PolicyOrigin.
+ */
+export const PolicyOriginSchema: GenEnum<PolicyOrigin> = /*@__PURE__*/
+  enumDesc(file_compactd_v1_compaction_service, 6);
+
+/**
+ * How a bracket ended.
+ *
+ * @generated from enum compactd.v1.BracketOutcome
+ */
+export enum BracketOutcome {
+  /**
+   * Not set.
+   *
+   * @generated from enum value: BRACKET_OUTCOME_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * The checkpoint replaced the span.
+   *
+   * @generated from enum value: BRACKET_OUTCOME_COMMITTED = 1;
+   */
+  COMMITTED = 1,
+
+  /**
+   * `compaction/end` closed it without a commit (`error_reason` says why).
+   *
+   * @generated from enum value: BRACKET_OUTCOME_FAILED = 2;
+   */
+  FAILED = 2,
+
+  /**
+   * No `compaction/end`, started after the newest `session/end-seed`: it holds the lock (running,
+   * or an orphan of a failed close).
+   *
+   * @generated from enum value: BRACKET_OUTCOME_LIVE = 3;
+   */
+  LIVE = 3,
+
+  /**
+   * No `compaction/end`, started before the newest `session/end-seed`: a stale start from a
+   * process that died; it does not block.
+   *
+   * @generated from enum value: BRACKET_OUTCOME_STALE = 4;
+   */
+  STALE = 4,
+}
+
+/**
+ * Describes the enum compactd.v1.BracketOutcome.
+ */
+export const BracketOutcomeSchema: GenEnum<BracketOutcome> = /*@__PURE__*/
+  enumDesc(file_compactd_v1_compaction_service, 7);
+
+/**
  * Prices sessions and compacts them. Every RPC answers NOT_FOUND when the session does not
  * exist, or belongs to another tenant (as for SessionService: UNAUTHENTICATED without valid
  * credentials when authentication is on). A stream of a session that is deleted meanwhile
@@ -1737,6 +2564,36 @@ export const CompactionService: GenService<{
     methodKind: "unary";
     input: typeof ClassifyProviderErrorRequestSchema;
     output: typeof ClassifyProviderErrorResponseSchema;
+  },
+  /**
+   * A dry run: what a compaction in `mode` would do now, decided by the same code the real
+   * path runs, without appending anything. The resolved policy with each setting's origin, the
+   * measured envelope, the prunes the pruner would make, the span selection would choose (or
+   * why it declines, with the reasons the real path reports) and the expected tokens after.
+   * It plans the next bracket only; convergence retries are not planned. Errors: NOT_FOUND;
+   * INVALID_ARGUMENT when `mode` is SWITCH without a `route`, or a route lacks provider or
+   * model. Conditions the real path refuses (a live bracket, an open turn for MANUAL, below
+   * the trigger, no capacity) are a `blocked` reason in the plan, not errors.
+   *
+   * @generated from rpc compactd.v1.CompactionService.PlanCompaction
+   */
+  planCompaction: {
+    methodKind: "unary";
+    input: typeof PlanCompactionRequestSchema;
+    output: typeof PlanCompactionResponseSchema;
+  },
+  /**
+   * Every bracket of the session's log, oldest first, with its steps, timings, outcome, span,
+   * tokens and summarizer, and the prunes; brackets without a `compaction/end` are LIVE (after
+   * the newest `session/end-seed`: the lock of this lifecycle) or STALE (before it: evidence of
+   * a process that died, no longer blocking). Errors: NOT_FOUND.
+   *
+   * @generated from rpc compactd.v1.CompactionService.ListBrackets
+   */
+  listBrackets: {
+    methodKind: "unary";
+    input: typeof ListBracketsRequestSchema;
+    output: typeof ListBracketsResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_compactd_v1_compaction_service, 0);

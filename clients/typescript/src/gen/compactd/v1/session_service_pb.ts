@@ -6,7 +6,7 @@
 
 import type { GenEnum, GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
 import { enumDesc, fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
-import type { ContentBlock, RequestConfig, SessionEvent, ToolDeclaration } from "./events_pb.js";
+import type { ContentBlock, RequestConfig, Route, SessionEvent, ToolDeclaration } from "./events_pb.js";
 import { file_compactd_v1_events } from "./events_pb.js";
 import type { Timestamp } from "@bufbuild/protobuf/wkt";
 import { file_google_protobuf_struct, file_google_protobuf_timestamp } from "@bufbuild/protobuf/wkt";
@@ -16,7 +16,7 @@ import type { JsonObject, Message as Message$1 } from "@bufbuild/protobuf";
  * Describes the file compactd/v1/session_service.proto.
  */
 export const file_compactd_v1_session_service: GenFile = /*@__PURE__*/
-  fileDesc("CiFjb21wYWN0ZC92MS9zZXNzaW9uX3NlcnZpY2UucHJvdG8SC2NvbXBhY3RkLnYxIpQBCgdTZXNzaW9uEhIKCnNlc3Npb25faWQYASABKAkSEAoIcmV2aXNpb24YAiABKAMSLwoLY3JlYXRlX3RpbWUYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEjIKEWNvbXBhY3Rpb25fcG9saWN5GAQgASgLMhcuZ29vZ2xlLnByb3RvYnVmLlN0cnVjdCJeChRDcmVhdGVTZXNzaW9uUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEjIKEWNvbXBhY3Rpb25fcG9saWN5GAIgASgLMhcuZ29vZ2xlLnByb3RvYnVmLlN0cnVjdCI+ChVDcmVhdGVTZXNzaW9uUmVzcG9uc2USJQoHc2Vzc2lvbhgBIAEoCzIULmNvbXBhY3RkLnYxLlNlc3Npb24iigEKE0FwcGVuZEV2ZW50c1JlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRIpCgZldmVudHMYAiADKAsyGS5jb21wYWN0ZC52MS5TZXNzaW9uRXZlbnQSHgoRZXhwZWN0ZWRfbGFzdF9zZXEYAyABKANIAIgBAUIUChJfZXhwZWN0ZWRfbGFzdF9zZXEiNgoUQXBwZW5kRXZlbnRzUmVzcG9uc2USDAoEc2VxcxgBIAMoAxIQCghyZXZpc2lvbhgCIAEoAyJJChFMaXN0RXZlbnRzUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEhAKCGZyb21fc2VxGAIgASgDEg4KBmZvbGxvdxgDIAEoCCI+ChJMaXN0RXZlbnRzUmVzcG9uc2USKAoFZXZlbnQYASABKAsyGS5jb21wYWN0ZC52MS5TZXNzaW9uRXZlbnQiJwoRR2V0U3VyZmFjZVJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCSKTAQoHTWVzc2FnZRImCgRyb2xlGAEgASgOMhguY29tcGFjdGQudjEuTWVzc2FnZVJvbGUSKgoHY29udGVudBgCIAMoCzIZLmNvbXBhY3RkLnYxLkNvbnRlbnRCbG9jaxIUCgx0b29sX2NhbGxfaWQYAyABKAkSEAoIaXNfZXJyb3IYBCABKAgSDAoEbmFtZRgFIAEoCSKTAQoLU3VyZmFjZU5vZGUSEAoIcG9zaXRpb24YASABKAMSCwoDc2VxGAIgASgDEgwKBHR5cGUYAyABKAkSJQoHbWVzc2FnZRgEIAEoCzIULmNvbXBhY3RkLnYxLk1lc3NhZ2USGQoRc291cmNlX2V2ZW50X3NlcXMYBSADKAMSFQoNY29tcGFjdGlvbl9pZBgGIAEoCSJPChJHZXRTdXJmYWNlUmVzcG9uc2USEAoIcmV2aXNpb24YASABKAMSJwoFbm9kZXMYAiADKAsyGC5jb21wYWN0ZC52MS5TdXJmYWNlTm9kZSIpChNCdWlsZFJlcXVlc3RSZXF1ZXN0EhIKCnNlc3Npb25faWQYASABKAki8AEKFEJ1aWxkUmVxdWVzdFJlc3BvbnNlEhAKCHJldmlzaW9uGAEgASgDEiYKCG1lc3NhZ2VzGAIgAygLMhQuY29tcGFjdGQudjEuTWVzc2FnZRIqCgZjb25maWcYAyABKAsyGi5jb21wYWN0ZC52MS5SZXF1ZXN0Q29uZmlnEjEKEGFkYXB0ZXJfZGVmYXVsdHMYBCABKAsyFy5nb29nbGUucHJvdG9idWYuU3RydWN0EisKBXRvb2xzGAUgAygLMhwuY29tcGFjdGQudjEuVG9vbERlY2xhcmF0aW9uEhIKCmhlYWRlcl9zZXEYBiABKAMiPAoTTGlzdFNlc3Npb25zUmVxdWVzdBIRCglwYWdlX3NpemUYASABKAUSEgoKcGFnZV90b2tlbhgCIAEoCSJXChRMaXN0U2Vzc2lvbnNSZXNwb25zZRImCghzZXNzaW9ucxgBIAMoCzIULmNvbXBhY3RkLnYxLlNlc3Npb24SFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIioKFERlbGV0ZVNlc3Npb25SZXF1ZXN0EhIKCnNlc3Npb25faWQYASABKAkiFwoVRGVsZXRlU2Vzc2lvblJlc3BvbnNlKqoBCgtNZXNzYWdlUm9sZRIcChhNRVNTQUdFX1JPTEVfVU5TUEVDSUZJRUQQABIXChNNRVNTQUdFX1JPTEVfU1lTVEVNEAESGgoWTUVTU0FHRV9ST0xFX0RFVkVMT1BFUhACEhUKEU1FU1NBR0VfUk9MRV9VU0VSEAMSGgoWTUVTU0FHRV9ST0xFX0FTU0lTVEFOVBAEEhUKEU1FU1NBR0VfUk9MRV9UT09MEAUy3wQKDlNlc3Npb25TZXJ2aWNlElYKDUNyZWF0ZVNlc3Npb24SIS5jb21wYWN0ZC52MS5DcmVhdGVTZXNzaW9uUmVxdWVzdBoiLmNvbXBhY3RkLnYxLkNyZWF0ZVNlc3Npb25SZXNwb25zZRJTCgxBcHBlbmRFdmVudHMSIC5jb21wYWN0ZC52MS5BcHBlbmRFdmVudHNSZXF1ZXN0GiEuY29tcGFjdGQudjEuQXBwZW5kRXZlbnRzUmVzcG9uc2USTwoKTGlzdEV2ZW50cxIeLmNvbXBhY3RkLnYxLkxpc3RFdmVudHNSZXF1ZXN0Gh8uY29tcGFjdGQudjEuTGlzdEV2ZW50c1Jlc3BvbnNlMAESTQoKR2V0U3VyZmFjZRIeLmNvbXBhY3RkLnYxLkdldFN1cmZhY2VSZXF1ZXN0Gh8uY29tcGFjdGQudjEuR2V0U3VyZmFjZVJlc3BvbnNlElMKDEJ1aWxkUmVxdWVzdBIgLmNvbXBhY3RkLnYxLkJ1aWxkUmVxdWVzdFJlcXVlc3QaIS5jb21wYWN0ZC52MS5CdWlsZFJlcXVlc3RSZXNwb25zZRJTCgxMaXN0U2Vzc2lvbnMSIC5jb21wYWN0ZC52MS5MaXN0U2Vzc2lvbnNSZXF1ZXN0GiEuY29tcGFjdGQudjEuTGlzdFNlc3Npb25zUmVzcG9uc2USVgoNRGVsZXRlU2Vzc2lvbhIhLmNvbXBhY3RkLnYxLkRlbGV0ZVNlc3Npb25SZXF1ZXN0GiIuY29tcGFjdGQudjEuRGVsZXRlU2Vzc2lvblJlc3BvbnNlYgZwcm90bzM", [file_compactd_v1_events, file_google_protobuf_struct, file_google_protobuf_timestamp]);
+  fileDesc("CiFjb21wYWN0ZC92MS9zZXNzaW9uX3NlcnZpY2UucHJvdG8SC2NvbXBhY3RkLnYxIsMBCgdTZXNzaW9uEhIKCnNlc3Npb25faWQYASABKAkSEAoIcmV2aXNpb24YAiABKAMSLwoLY3JlYXRlX3RpbWUYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEjIKEWNvbXBhY3Rpb25fcG9saWN5GAQgASgLMhcuZ29vZ2xlLnByb3RvYnVmLlN0cnVjdBItCgZwb2xpY3kYZCABKAsyHS5jb21wYWN0ZC52MS5Db21wYWN0aW9uUG9saWN5IpEBChRDcmVhdGVTZXNzaW9uUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEjYKEWNvbXBhY3Rpb25fcG9saWN5GAIgASgLMhcuZ29vZ2xlLnByb3RvYnVmLlN0cnVjdEICGAESLQoGcG9saWN5GGQgASgLMh0uY29tcGFjdGQudjEuQ29tcGFjdGlvblBvbGljeSI+ChVDcmVhdGVTZXNzaW9uUmVzcG9uc2USJQoHc2Vzc2lvbhgBIAEoCzIULmNvbXBhY3RkLnYxLlNlc3Npb24iigEKE0FwcGVuZEV2ZW50c1JlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRIpCgZldmVudHMYAiADKAsyGS5jb21wYWN0ZC52MS5TZXNzaW9uRXZlbnQSHgoRZXhwZWN0ZWRfbGFzdF9zZXEYAyABKANIAIgBAUIUChJfZXhwZWN0ZWRfbGFzdF9zZXEiNgoUQXBwZW5kRXZlbnRzUmVzcG9uc2USDAoEc2VxcxgBIAMoAxIQCghyZXZpc2lvbhgCIAEoAyJJChFMaXN0RXZlbnRzUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEhAKCGZyb21fc2VxGAIgASgDEg4KBmZvbGxvdxgDIAEoCCI+ChJMaXN0RXZlbnRzUmVzcG9uc2USKAoFZXZlbnQYASABKAsyGS5jb21wYWN0ZC52MS5TZXNzaW9uRXZlbnQiWgoRR2V0U3VyZmFjZVJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRIOCgZkZXRhaWwYZCABKAgSIQoFcm91dGUYZSABKAsyEi5jb21wYWN0ZC52MS5Sb3V0ZSKTAQoHTWVzc2FnZRImCgRyb2xlGAEgASgOMhguY29tcGFjdGQudjEuTWVzc2FnZVJvbGUSKgoHY29udGVudBgCIAMoCzIZLmNvbXBhY3RkLnYxLkNvbnRlbnRCbG9jaxIUCgx0b29sX2NhbGxfaWQYAyABKAkSEAoIaXNfZXJyb3IYBCABKAgSDAoEbmFtZRgFIAEoCSLDAQoLU3VyZmFjZU5vZGUSEAoIcG9zaXRpb24YASABKAMSCwoDc2VxGAIgASgDEgwKBHR5cGUYAyABKAkSJQoHbWVzc2FnZRgEIAEoCzIULmNvbXBhY3RkLnYxLk1lc3NhZ2USGQoRc291cmNlX2V2ZW50X3NlcXMYBSADKAMSFQoNY29tcGFjdGlvbl9pZBgGIAEoCRIuCgZkZXRhaWwYZCABKAsyHi5jb21wYWN0ZC52MS5TdXJmYWNlTm9kZURldGFpbCJ7ChJHZXRTdXJmYWNlUmVzcG9uc2USEAoIcmV2aXNpb24YASABKAMSJwoFbm9kZXMYAiADKAsyGC5jb21wYWN0ZC52MS5TdXJmYWNlTm9kZRIqCgZkZXRhaWwYZCABKAsyGi5jb21wYWN0ZC52MS5TdXJmYWNlRGV0YWlsIikKE0J1aWxkUmVxdWVzdFJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCSLwAQoUQnVpbGRSZXF1ZXN0UmVzcG9uc2USEAoIcmV2aXNpb24YASABKAMSJgoIbWVzc2FnZXMYAiADKAsyFC5jb21wYWN0ZC52MS5NZXNzYWdlEioKBmNvbmZpZxgDIAEoCzIaLmNvbXBhY3RkLnYxLlJlcXVlc3RDb25maWcSMQoQYWRhcHRlcl9kZWZhdWx0cxgEIAEoCzIXLmdvb2dsZS5wcm90b2J1Zi5TdHJ1Y3QSKwoFdG9vbHMYBSADKAsyHC5jb21wYWN0ZC52MS5Ub29sRGVjbGFyYXRpb24SEgoKaGVhZGVyX3NlcRgGIAEoAyI8ChNMaXN0U2Vzc2lvbnNSZXF1ZXN0EhEKCXBhZ2Vfc2l6ZRgBIAEoBRISCgpwYWdlX3Rva2VuGAIgASgJIlcKFExpc3RTZXNzaW9uc1Jlc3BvbnNlEiYKCHNlc3Npb25zGAEgAygLMhQuY29tcGFjdGQudjEuU2Vzc2lvbhIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkiKgoURGVsZXRlU2Vzc2lvblJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCSIXChVEZWxldGVTZXNzaW9uUmVzcG9uc2UipAcKEENvbXBhY3Rpb25Qb2xpY3kSHAoPdGhyZXNob2xkX3JhdGlvGAEgASgBSACIAQESHAoPaGVhZHJvb21fdG9rZW5zGAIgASgDSAGIAQESGQoMcmV0YWluX3JhdGlvGAMgASgBSAKIAQESGgoNcmV0YWluX3Rva2VucxgEIAEoA0gDiAEBEiMKFnN1bW1hcml6YXRpb25fcHJvdmlkZXIYBSABKAlIBIgBARIgChNzdW1tYXJpemF0aW9uX21vZGVsGAYgASgJSAWIAQESFwoKbWF4X3Rva2VucxgHIAEoA0gGiAEBEh8KEmNvbXBhY3Rpb25fcmV0cmllcxgIIAEoA0gHiAEBEiEKFG1heF9vdmVyZmxvd19yZXRyaWVzGAkgASgDSAiIAQESEQoEYXV0bxgKIAEoCEgJiAEBEhkKDHN1bW1hcnlfZ2F0ZRgLIAEoCEgKiAEBEiAKE21pbl9yZWR1Y3Rpb25fcmF0aW8YDCABKAFIC4gBARIgChNtaW5fcHJvYmVfcmV0ZW50aW9uGA0gASgBSAyIAQESIAoTZXh0cmFjdGl2ZV9mYWxsYmFjaxgOIAEoCEgNiAEBEiQKF2ZhaWx1cmVfYmFja29mZl9zZWNvbmRzGA8gASgBSA6IAQESKAobZmFpbHVyZV9iYWNrb2ZmX21heF9zZWNvbmRzGBAgASgBSA+IAQESOgoObW9kZWxfcG9saWNpZXMYESADKAsyIi5jb21wYWN0ZC52MS5Nb2RlbENvbXBhY3Rpb25Qb2xpY3lCEgoQX3RocmVzaG9sZF9yYXRpb0ISChBfaGVhZHJvb21fdG9rZW5zQg8KDV9yZXRhaW5fcmF0aW9CEAoOX3JldGFpbl90b2tlbnNCGQoXX3N1bW1hcml6YXRpb25fcHJvdmlkZXJCFgoUX3N1bW1hcml6YXRpb25fbW9kZWxCDQoLX21heF90b2tlbnNCFQoTX2NvbXBhY3Rpb25fcmV0cmllc0IXChVfbWF4X292ZXJmbG93X3JldHJpZXNCBwoFX2F1dG9CDwoNX3N1bW1hcnlfZ2F0ZUIWChRfbWluX3JlZHVjdGlvbl9yYXRpb0IWChRfbWluX3Byb2JlX3JldGVudGlvbkIWChRfZXh0cmFjdGl2ZV9mYWxsYmFja0IaChhfZmFpbHVyZV9iYWNrb2ZmX3NlY29uZHNCHgocX2ZhaWx1cmVfYmFja29mZl9tYXhfc2Vjb25kcyKOBwoVTW9kZWxDb21wYWN0aW9uUG9saWN5EhAKCHByb3ZpZGVyGAEgASgJEg0KBW1vZGVsGAIgASgJEhwKD3RocmVzaG9sZF9yYXRpbxgDIAEoAUgAiAEBEhwKD2hlYWRyb29tX3Rva2VucxgEIAEoA0gBiAEBEhkKDHJldGFpbl9yYXRpbxgFIAEoAUgCiAEBEhoKDXJldGFpbl90b2tlbnMYBiABKANIA4gBARIjChZzdW1tYXJpemF0aW9uX3Byb3ZpZGVyGAcgASgJSASIAQESIAoTc3VtbWFyaXphdGlvbl9tb2RlbBgIIAEoCUgFiAEBEhcKCm1heF90b2tlbnMYCSABKANIBogBARIfChJjb21wYWN0aW9uX3JldHJpZXMYCiABKANIB4gBARIhChRtYXhfb3ZlcmZsb3dfcmV0cmllcxgLIAEoA0gIiAEBEhEKBGF1dG8YDCABKAhICYgBARIZCgxzdW1tYXJ5X2dhdGUYDSABKAhICogBARIgChNtaW5fcmVkdWN0aW9uX3JhdGlvGA4gASgBSAuIAQESIAoTbWluX3Byb2JlX3JldGVudGlvbhgPIAEoAUgMiAEBEiAKE2V4dHJhY3RpdmVfZmFsbGJhY2sYECABKAhIDYgBARIkChdmYWlsdXJlX2JhY2tvZmZfc2Vjb25kcxgRIAEoAUgOiAEBEigKG2ZhaWx1cmVfYmFja29mZl9tYXhfc2Vjb25kcxgSIAEoAUgPiAEBQhIKEF90aHJlc2hvbGRfcmF0aW9CEgoQX2hlYWRyb29tX3Rva2Vuc0IPCg1fcmV0YWluX3JhdGlvQhAKDl9yZXRhaW5fdG9rZW5zQhkKF19zdW1tYXJpemF0aW9uX3Byb3ZpZGVyQhYKFF9zdW1tYXJpemF0aW9uX21vZGVsQg0KC19tYXhfdG9rZW5zQhUKE19jb21wYWN0aW9uX3JldHJpZXNCFwoVX21heF9vdmVyZmxvd19yZXRyaWVzQgcKBV9hdXRvQg8KDV9zdW1tYXJ5X2dhdGVCFgoUX21pbl9yZWR1Y3Rpb25fcmF0aW9CFgoUX21pbl9wcm9iZV9yZXRlbnRpb25CFgoUX2V4dHJhY3RpdmVfZmFsbGJhY2tCGgoYX2ZhaWx1cmVfYmFja29mZl9zZWNvbmRzQh4KHF9mYWlsdXJlX2JhY2tvZmZfbWF4X3NlY29uZHMiQAoRU3VyZmFjZU5vZGVEZXRhaWwSFAoMcm91dGVfdG9rZW5zGAEgASgDEhUKDXNoYWRvd190b2tlbnMYAiABKAMiRgoLTWV0ZXJBbmNob3ISCwoDc2VxGAEgASgDEhQKDHVzYWdlX3Rva2VucxgCIAEoAxIUCgxkZWx0YV90b2tlbnMYAyABKAMiWQoMU2hhZG93ZWROb2RlEgsKA3NlcRgBIAEoAxIMCgR0eXBlGAIgASgJEhcKD3NoYWRvd2VkX2J5X3NlcRgDIAEoAxIVCg1jb21wYWN0aW9uX2lkGAQgASgJIsUBCg1TdXJmYWNlRGV0YWlsEiEKBXJvdXRlGAEgASgLMhIuY29tcGFjdGQudjEuUm91dGUSHgoWcmVwbGFjZW1lbnRfZ2VuZXJhdGlvbhgCIAEoAxIaChJjb250ZW50X2dlbmVyYXRpb24YAyABKAMSKAoGYW5jaG9yGAQgASgLMhguY29tcGFjdGQudjEuTWV0ZXJBbmNob3ISKwoIc2hhZG93ZWQYBSADKAsyGS5jb21wYWN0ZC52MS5TaGFkb3dlZE5vZGUqqgEKC01lc3NhZ2VSb2xlEhwKGE1FU1NBR0VfUk9MRV9VTlNQRUNJRklFRBAAEhcKE01FU1NBR0VfUk9MRV9TWVNURU0QARIaChZNRVNTQUdFX1JPTEVfREVWRUxPUEVSEAISFQoRTUVTU0FHRV9ST0xFX1VTRVIQAxIaChZNRVNTQUdFX1JPTEVfQVNTSVNUQU5UEAQSFQoRTUVTU0FHRV9ST0xFX1RPT0wQBTLfBAoOU2Vzc2lvblNlcnZpY2USVgoNQ3JlYXRlU2Vzc2lvbhIhLmNvbXBhY3RkLnYxLkNyZWF0ZVNlc3Npb25SZXF1ZXN0GiIuY29tcGFjdGQudjEuQ3JlYXRlU2Vzc2lvblJlc3BvbnNlElMKDEFwcGVuZEV2ZW50cxIgLmNvbXBhY3RkLnYxLkFwcGVuZEV2ZW50c1JlcXVlc3QaIS5jb21wYWN0ZC52MS5BcHBlbmRFdmVudHNSZXNwb25zZRJPCgpMaXN0RXZlbnRzEh4uY29tcGFjdGQudjEuTGlzdEV2ZW50c1JlcXVlc3QaHy5jb21wYWN0ZC52MS5MaXN0RXZlbnRzUmVzcG9uc2UwARJNCgpHZXRTdXJmYWNlEh4uY29tcGFjdGQudjEuR2V0U3VyZmFjZVJlcXVlc3QaHy5jb21wYWN0ZC52MS5HZXRTdXJmYWNlUmVzcG9uc2USUwoMQnVpbGRSZXF1ZXN0EiAuY29tcGFjdGQudjEuQnVpbGRSZXF1ZXN0UmVxdWVzdBohLmNvbXBhY3RkLnYxLkJ1aWxkUmVxdWVzdFJlc3BvbnNlElMKDExpc3RTZXNzaW9ucxIgLmNvbXBhY3RkLnYxLkxpc3RTZXNzaW9uc1JlcXVlc3QaIS5jb21wYWN0ZC52MS5MaXN0U2Vzc2lvbnNSZXNwb25zZRJWCg1EZWxldGVTZXNzaW9uEiEuY29tcGFjdGQudjEuRGVsZXRlU2Vzc2lvblJlcXVlc3QaIi5jb21wYWN0ZC52MS5EZWxldGVTZXNzaW9uUmVzcG9uc2ViBnByb3RvMw", [file_compactd_v1_events, file_google_protobuf_struct, file_google_protobuf_timestamp]);
 
 /**
  * A session.
@@ -51,6 +51,13 @@ export type Session = Message$1<"compactd.v1.Session"> & {
    * @generated from field: google.protobuf.Struct compaction_policy = 4;
    */
   compactionPolicy?: JsonObject | undefined;
+
+  /**
+   * The same overrides, typed (absent when the session has none).
+   *
+   * @generated from field: compactd.v1.CompactionPolicy policy = 100;
+   */
+  policy?: CompactionPolicy | undefined;
 };
 
 /**
@@ -75,12 +82,24 @@ export type CreateSessionRequest = Message$1<"compactd.v1.CreateSessionRequest">
   sessionId: string;
 
   /**
-   * Optional per-session compaction policy overrides, with the spec's keys (`thresholdRatio`,
-   * `retainRatio`, `modelPolicies`, ...); validated like the service-wide policy.
+   * Deprecated: use `policy`. Optional per-session compaction policy overrides, with the spec's
+   * keys (`thresholdRatio`, `retainRatio`, `modelPolicies`, ...); validated like the
+   * service-wide policy. Setting both this and `policy` is INVALID_ARGUMENT (field `policy`).
    *
-   * @generated from field: google.protobuf.Struct compaction_policy = 2;
+   * @generated from field: google.protobuf.Struct compaction_policy = 2 [deprecated = true];
+   * @deprecated
    */
   compactionPolicy?: JsonObject | undefined;
+
+  /**
+   * Optional per-session compaction policy overrides, typed: validated exactly as
+   * `compaction_policy` is (INVALID_ARGUMENT with reason `POLICY_INVALID` naming the field, e.g.
+   * `policy.model_policies[0].retain_ratio`). Stored as the same overrides, so a retried create
+   * with either form of the same policy is idempotent.
+   *
+   * @generated from field: compactd.v1.CompactionPolicy policy = 100;
+   */
+  policy?: CompactionPolicy | undefined;
 };
 
 /**
@@ -243,6 +262,22 @@ export type GetSurfaceRequest = Message$1<"compactd.v1.GetSurfaceRequest"> & {
    * @generated from field: string session_id = 1;
    */
   sessionId: string;
+
+  /**
+   * Also answer each node's prices and the surface's generations and meter anchor
+   * (`SurfaceNode.detail`, `GetSurfaceResponse.detail`), priced for `route` (default: the latest
+   * logged route, else the heuristic).
+   *
+   * @generated from field: bool detail = 100;
+   */
+  detail: boolean;
+
+  /**
+   * With `detail`: price nodes for this route instead.
+   *
+   * @generated from field: compactd.v1.Route route = 101;
+   */
+  route?: Route | undefined;
 };
 
 /**
@@ -348,6 +383,13 @@ export type SurfaceNode = Message$1<"compactd.v1.SurfaceNode"> & {
    * @generated from field: string compaction_id = 6;
    */
   compactionId: string;
+
+  /**
+   * Prices of the node; set when `GetSurfaceRequest.detail` was.
+   *
+   * @generated from field: compactd.v1.SurfaceNodeDetail detail = 100;
+   */
+  detail?: SurfaceNodeDetail | undefined;
 };
 
 /**
@@ -376,6 +418,13 @@ export type GetSurfaceResponse = Message$1<"compactd.v1.GetSurfaceResponse"> & {
    * @generated from field: repeated compactd.v1.SurfaceNode nodes = 2;
    */
   nodes: SurfaceNode[];
+
+  /**
+   * Generations, anchor and shadowed nodes; set when `GetSurfaceRequest.detail` was.
+   *
+   * @generated from field: compactd.v1.SurfaceDetail detail = 100;
+   */
+  detail?: SurfaceDetail | undefined;
 };
 
 /**
@@ -555,6 +604,438 @@ export const DeleteSessionResponseSchema: GenMessage<DeleteSessionResponse> = /*
   messageDesc(file_compactd_v1_session_service, 16);
 
 /**
+ * Per-session compaction policy overrides: every setting of the service's `[compaction]` table.
+ * An absent field inherits (the service's setting for the route, else the default). The spec's
+ * camelCase names are these fields' JSON names. Defaults and units are the README's policy table.
+ *
+ * @generated from message compactd.v1.CompactionPolicy
+ */
+export type CompactionPolicy = Message$1<"compactd.v1.CompactionPolicy"> & {
+  /**
+   * `thresholdRatio`, in (0, 1]: trigger = floor(min(W * thresholdRatio, W - O - B)). Default 0.8.
+   *
+   * @generated from field: optional double threshold_ratio = 1;
+   */
+  thresholdRatio?: number | undefined;
+
+  /**
+   * `headroomTokens` B, >= 0: headroom beyond the output reservation. Default 65536.
+   *
+   * @generated from field: optional int64 headroom_tokens = 2;
+   */
+  headroomTokens?: bigint | undefined;
+
+  /**
+   * `retainRatio`, in [0, 1), below `threshold_ratio`: retained budget = floor(retainRatio *
+   * (W - O)). Default 0.16. Excludes `retain_tokens` (setting one replaces the other).
+   *
+   * @generated from field: optional double retain_ratio = 3;
+   */
+  retainRatio?: number | undefined;
+
+  /**
+   * `retainTokens`, >= 0: an absolute retained budget instead of `retain_ratio`.
+   *
+   * @generated from field: optional int64 retain_tokens = 4;
+   */
+  retainTokens?: bigint | undefined;
+
+  /**
+   * `summarizationProvider`: the provider that writes summaries; set with `summarization_model`.
+   *
+   * @generated from field: optional string summarization_provider = 5;
+   */
+  summarizationProvider?: string | undefined;
+
+  /**
+   * `summarizationModel`: the model that writes summaries; set with `summarization_provider`.
+   *
+   * @generated from field: optional string summarization_model = 6;
+   */
+  summarizationModel?: string | undefined;
+
+  /**
+   * `maxTokens`, > 0: the summary's output cap. Default: `headroom_tokens`.
+   *
+   * @generated from field: optional int64 max_tokens = 7;
+   */
+  maxTokens?: bigint | undefined;
+
+  /**
+   * `compactionRetries`, >= 0: extra compactions while pressure stays above. Default 1.
+   *
+   * @generated from field: optional int64 compaction_retries = 8;
+   */
+  compactionRetries?: bigint | undefined;
+
+  /**
+   * `maxOverflowRetries`, >= 0: recoveries after a provider-confirmed overflow (0 disables).
+   * Default 1.
+   *
+   * @generated from field: optional int64 max_overflow_retries = 9;
+   */
+  maxOverflowRetries?: bigint | undefined;
+
+  /**
+   * `auto`: automatic compaction and overflow recovery. Default true.
+   *
+   * @generated from field: optional bool auto = 10;
+   */
+  auto?: boolean | undefined;
+
+  /**
+   * `summaryGate`: check every summary before it may replace history. Default true.
+   *
+   * @generated from field: optional bool summary_gate = 11;
+   */
+  summaryGate?: boolean | undefined;
+
+  /**
+   * `minReductionRatio`, in [0, 1): how much smaller the checkpoint must be. Default 0.1.
+   *
+   * @generated from field: optional double min_reduction_ratio = 12;
+   */
+  minReductionRatio?: number | undefined;
+
+  /**
+   * `minProbeRetention`, in [0, 1]: the share of the span's probes a summary keeps. Default 0.5.
+   *
+   * @generated from field: optional double min_probe_retention = 13;
+   */
+  minProbeRetention?: number | undefined;
+
+  /**
+   * `extractiveFallback`: a rejected summary is replaced by the extractive one. Default false.
+   *
+   * @generated from field: optional bool extractive_fallback = 14;
+   */
+  extractiveFallback?: boolean | undefined;
+
+  /**
+   * `failureBackoffSeconds`, >= 0: the first wait before a failed span is sent again (0: no
+   * failure memory and no per-crossing budget). Default 300.
+   *
+   * @generated from field: optional double failure_backoff_seconds = 15;
+   */
+  failureBackoffSeconds?: number | undefined;
+
+  /**
+   * `failureBackoffMaxSeconds`, >= `failure_backoff_seconds`: the longest wait. Default 3600.
+   *
+   * @generated from field: optional double failure_backoff_max_seconds = 16;
+   */
+  failureBackoffMaxSeconds?: number | undefined;
+
+  /**
+   * `modelPolicies`: overrides for exact provider/model routes, layered over the settings above.
+   *
+   * @generated from field: repeated compactd.v1.ModelCompactionPolicy model_policies = 17;
+   */
+  modelPolicies: ModelCompactionPolicy[];
+};
+
+/**
+ * Describes the message compactd.v1.CompactionPolicy.
+ * Use `create(CompactionPolicySchema)` to create a new message.
+ */
+export const CompactionPolicySchema: GenMessage<CompactionPolicy> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_session_service, 17);
+
+/**
+ * The overrides of one exact provider/model route (`modelPolicies[i]`); absent fields inherit.
+ *
+ * @generated from message compactd.v1.ModelCompactionPolicy
+ */
+export type ModelCompactionPolicy = Message$1<"compactd.v1.ModelCompactionPolicy"> & {
+  /**
+   * The route's provider (required).
+   *
+   * @generated from field: string provider = 1;
+   */
+  provider: string;
+
+  /**
+   * The route's model (required).
+   *
+   * @generated from field: string model = 2;
+   */
+  model: string;
+
+  /**
+   * As `CompactionPolicy.threshold_ratio`.
+   *
+   * @generated from field: optional double threshold_ratio = 3;
+   */
+  thresholdRatio?: number | undefined;
+
+  /**
+   * As `CompactionPolicy.headroom_tokens`.
+   *
+   * @generated from field: optional int64 headroom_tokens = 4;
+   */
+  headroomTokens?: bigint | undefined;
+
+  /**
+   * As `CompactionPolicy.retain_ratio`.
+   *
+   * @generated from field: optional double retain_ratio = 5;
+   */
+  retainRatio?: number | undefined;
+
+  /**
+   * As `CompactionPolicy.retain_tokens`.
+   *
+   * @generated from field: optional int64 retain_tokens = 6;
+   */
+  retainTokens?: bigint | undefined;
+
+  /**
+   * As `CompactionPolicy.summarization_provider`.
+   *
+   * @generated from field: optional string summarization_provider = 7;
+   */
+  summarizationProvider?: string | undefined;
+
+  /**
+   * As `CompactionPolicy.summarization_model`.
+   *
+   * @generated from field: optional string summarization_model = 8;
+   */
+  summarizationModel?: string | undefined;
+
+  /**
+   * As `CompactionPolicy.max_tokens`.
+   *
+   * @generated from field: optional int64 max_tokens = 9;
+   */
+  maxTokens?: bigint | undefined;
+
+  /**
+   * As `CompactionPolicy.compaction_retries`.
+   *
+   * @generated from field: optional int64 compaction_retries = 10;
+   */
+  compactionRetries?: bigint | undefined;
+
+  /**
+   * As `CompactionPolicy.max_overflow_retries`.
+   *
+   * @generated from field: optional int64 max_overflow_retries = 11;
+   */
+  maxOverflowRetries?: bigint | undefined;
+
+  /**
+   * As `CompactionPolicy.auto`.
+   *
+   * @generated from field: optional bool auto = 12;
+   */
+  auto?: boolean | undefined;
+
+  /**
+   * As `CompactionPolicy.summary_gate`.
+   *
+   * @generated from field: optional bool summary_gate = 13;
+   */
+  summaryGate?: boolean | undefined;
+
+  /**
+   * As `CompactionPolicy.min_reduction_ratio`.
+   *
+   * @generated from field: optional double min_reduction_ratio = 14;
+   */
+  minReductionRatio?: number | undefined;
+
+  /**
+   * As `CompactionPolicy.min_probe_retention`.
+   *
+   * @generated from field: optional double min_probe_retention = 15;
+   */
+  minProbeRetention?: number | undefined;
+
+  /**
+   * As `CompactionPolicy.extractive_fallback`.
+   *
+   * @generated from field: optional bool extractive_fallback = 16;
+   */
+  extractiveFallback?: boolean | undefined;
+
+  /**
+   * As `CompactionPolicy.failure_backoff_seconds`.
+   *
+   * @generated from field: optional double failure_backoff_seconds = 17;
+   */
+  failureBackoffSeconds?: number | undefined;
+
+  /**
+   * As `CompactionPolicy.failure_backoff_max_seconds`.
+   *
+   * @generated from field: optional double failure_backoff_max_seconds = 18;
+   */
+  failureBackoffMaxSeconds?: number | undefined;
+};
+
+/**
+ * Describes the message compactd.v1.ModelCompactionPolicy.
+ * Use `create(ModelCompactionPolicySchema)` to create a new message.
+ */
+export const ModelCompactionPolicySchema: GenMessage<ModelCompactionPolicy> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_session_service, 18);
+
+/**
+ * The prices of one surface node.
+ *
+ * @generated from message compactd.v1.SurfaceNodeDetail
+ */
+export type SurfaceNodeDetail = Message$1<"compactd.v1.SurfaceNodeDetail"> & {
+  /**
+   * The node's route price (tokens), for `SurfaceDetail.route`.
+   *
+   * @generated from field: int64 route_tokens = 1;
+   */
+  routeTokens: bigint;
+
+  /**
+   * The fixed heuristic price a replacement of this node logs as its shadow price.
+   *
+   * @generated from field: int64 shadow_tokens = 2;
+   */
+  shadowTokens: bigint;
+};
+
+/**
+ * Describes the message compactd.v1.SurfaceNodeDetail.
+ * Use `create(SurfaceNodeDetailSchema)` to create a new message.
+ */
+export const SurfaceNodeDetailSchema: GenMessage<SurfaceNodeDetail> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_session_service, 19);
+
+/**
+ * The meter's usage anchor: provider usage prices the envelope up to `seq`.
+ *
+ * @generated from message compactd.v1.MeterAnchor
+ */
+export type MeterAnchor = Message$1<"compactd.v1.MeterAnchor"> & {
+  /**
+   * Seq of the `assistant/message` whose usage anchors the total.
+   *
+   * @generated from field: int64 seq = 1;
+   */
+  seq: bigint;
+
+  /**
+   * The usage: input + cache read + cache write + output tokens.
+   *
+   * @generated from field: int64 usage_tokens = 2;
+   */
+  usageTokens: bigint;
+
+  /**
+   * Route tokens of the nodes after the anchor (what the meter adds to the usage).
+   *
+   * @generated from field: int64 delta_tokens = 3;
+   */
+  deltaTokens: bigint;
+};
+
+/**
+ * Describes the message compactd.v1.MeterAnchor.
+ * Use `create(MeterAnchorSchema)` to create a new message.
+ */
+export const MeterAnchorSchema: GenMessage<MeterAnchor> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_session_service, 20);
+
+/**
+ * A log node no longer on the surface, and the replacement that shadowed it.
+ *
+ * @generated from message compactd.v1.ShadowedNode
+ */
+export type ShadowedNode = Message$1<"compactd.v1.ShadowedNode"> & {
+  /**
+   * Seq of the shadowed node's event.
+   *
+   * @generated from field: int64 seq = 1;
+   */
+  seq: bigint;
+
+  /**
+   * Its event type, e.g. `tool/result`.
+   *
+   * @generated from field: string type = 2;
+   */
+  type: string;
+
+  /**
+   * Seq of the REPLACE event that shadowed it (a checkpoint, a pruned result, ...).
+   *
+   * @generated from field: int64 shadowed_by_seq = 3;
+   */
+  shadowedBySeq: bigint;
+
+  /**
+   * For a checkpoint replacement: its compaction id.
+   *
+   * @generated from field: string compaction_id = 4;
+   */
+  compactionId: string;
+};
+
+/**
+ * Describes the message compactd.v1.ShadowedNode.
+ * Use `create(ShadowedNodeSchema)` to create a new message.
+ */
+export const ShadowedNodeSchema: GenMessage<ShadowedNode> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_session_service, 21);
+
+/**
+ * Surface-wide detail of `GetSurface`.
+ *
+ * @generated from message compactd.v1.SurfaceDetail
+ */
+export type SurfaceDetail = Message$1<"compactd.v1.SurfaceDetail"> & {
+  /**
+   * The route the nodes are priced for (empty provider and model: the heuristic).
+   *
+   * @generated from field: compactd.v1.Route route = 1;
+   */
+  route?: Route | undefined;
+
+  /**
+   * Replacement generation: REPLACE events folded so far.
+   *
+   * @generated from field: int64 replacement_generation = 2;
+   */
+  replacementGeneration: bigint;
+
+  /**
+   * Content generation: changes to what existing nodes send (replacements plus image offloads).
+   *
+   * @generated from field: int64 content_generation = 3;
+   */
+  contentGeneration: bigint;
+
+  /**
+   * The meter's anchor for `route`, when provider usage anchors its measurement.
+   *
+   * @generated from field: compactd.v1.MeterAnchor anchor = 4;
+   */
+  anchor?: MeterAnchor | undefined;
+
+  /**
+   * Every node the log shadowed, in seq order, with its replacement.
+   *
+   * @generated from field: repeated compactd.v1.ShadowedNode shadowed = 5;
+   */
+  shadowed: ShadowedNode[];
+};
+
+/**
+ * Describes the message compactd.v1.SurfaceDetail.
+ * Use `create(SurfaceDetailSchema)` to create a new message.
+ */
+export const SurfaceDetailSchema: GenMessage<SurfaceDetail> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_session_service, 22);
+
+/**
  * The role of a derived model message.
  *
  * @generated from enum compactd.v1.MessageRole
@@ -669,8 +1150,9 @@ export const SessionService: GenService<{
     output: typeof ListEventsResponseSchema;
   },
   /**
-   * Returns the current surface: ordered nodes with their projected messages.
-   * Errors: NOT_FOUND.
+   * Returns the current surface: ordered nodes with their projected messages; with `detail`,
+   * also each node's prices, the generations, the meter's anchor and the shadowed nodes.
+   * Errors: NOT_FOUND; INVALID_ARGUMENT when `route` lacks its provider or model.
    *
    * @generated from rpc compactd.v1.SessionService.GetSurface
    */

@@ -1,0 +1,428 @@
+"""Compaction cost against log length with a fixed span, and a declined Compact, in one run.
+
+**Engine time.** One server (``create_server`` on port 0, memory store, route ``bench/wide``)
+and sessions that grow as a long agent session does: batches of the shared transcripts, each
+in its own closed turn, each followed by a ``Compact`` that condenses it, so the log grows while
+the surface stays short: one such session per length (1,000 and 100,000 logged events). Then
+``--repeat`` rounds, each compacting in every session, in a rotating order: the same fixed span
+(``--span`` events of the transcripts, fresh tool-call ids) is appended and condensed by
+``Compact``. Engine time is the call's whole time seen by the client minus the summarizer's
+own time (the default extractive summarizer, timed around its call). Interleaved after each
+compaction, the reference: serializing the summary request that compaction sent, as the OpenAI
+wire sends it (``encode_messages`` + ``encode_request`` + ``dumps``).
+
+**Declined Compact.** A second session of ``--declined-events`` surface nodes ends with a tool
+call still waiting for its result; ``Compact`` declines (``OPEN_TAIL``) without writing. It is
+timed call by call, interleaved with an empty unary RPC (a health check).
+
+    python -m bench.bench_compact [--sizes 1000,100000] [--span 300] [--repeat 5]
+                                  [--declined-events 10000] [--calls 200]
+
+``readme_rows()`` returns the README rows (goal, measured, reference): ``python -m bench.readme``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import itertools
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from bench.bench_pressure import BATCH, _event, conversations, fmt, table
+from bench.bench_steps import MODEL, OVERRIDES, PROVIDER
+from compactd import config
+from compactd.api.server import create_server
+from compactd.providers import openai_wire
+from compactd.providers.base import SummaryRequest, SummaryResult
+from compactd.providers.extractive import ExtractiveSummarizer
+from compactd.v1 import (
+    compaction_service_pb2,
+    compaction_service_pb2_grpc,
+    events_pb2,
+    session_service_pb2,
+    session_service_pb2_grpc,
+)
+
+SessionEvent = events_pb2.SessionEvent
+SIZES = (1_000, 100_000)
+
+
+@dataclass
+class TimedSummarizer:
+    """The extractive summarizer, timed: what the engine's time excludes."""
+
+    inner: ExtractiveSummarizer = field(default_factory=ExtractiveSummarizer)
+    name: str = "extractive"
+    seconds: float = 0.0
+    last: SummaryRequest | None = None
+
+    async def summarize(self, request: SummaryRequest) -> SummaryResult:
+        started = time.perf_counter()
+        try:
+            return await self.inner.summarize(request)
+        finally:
+            self.seconds += time.perf_counter() - started
+            self.last = request
+
+
+def serialize(request: SummaryRequest) -> bytes:
+    """The summary request's body as a chat-completions summarizer sends it."""
+    # The transcripts' images carry names only: a deployment resolves them to a URL.
+    messages = openai_wire.encode_messages(
+        request.messages, resolve_image=lambda image: f"https://attachments.invalid/{image.name}"
+    )
+    messages.append(openai_wire.user_text_message(request.instruction))
+    body = openai_wire.encode_request(
+        messages, openai_wire.encode_tools(request.tools), request.config, stream=True,
+        max_tokens=request.max_tokens,
+    )  # fmt: skip
+    return openai_wire.dumps(body)
+
+
+@dataclass(frozen=True)
+class EngineRow:
+    """Medians over the repeats at one log length."""
+
+    events: int  # logged events when the first measured compaction ran
+    span_nodes: int
+    engine: float
+    gate: float  # of ``engine``: the summary quality gate (its ``compaction.gate`` span)
+    summarizer: float
+    serialize: float
+
+    @property
+    def ratio(self) -> float:
+        """Engine time / serializing the summary request."""
+        return self.engine / self.serialize
+
+    @property
+    def ungated_ratio(self) -> float:
+        """Engine time without the quality gate / serializing the summary request."""
+        return (self.engine - self.gate) / self.serialize
+
+
+@dataclass(frozen=True)
+class DeclinedRow:
+    """Declined Compact vs an empty RPC, p50/p99, at one surface length."""
+
+    nodes: int
+    declined: tuple[float, float]
+    empty: tuple[float, float]
+
+
+def _pcts(samples: Sequence[float]) -> tuple[float, float]:
+    ordered = sorted(samples)
+    return statistics.median(ordered), ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def _retagged(events: Sequence[SessionEvent], tag: str) -> list[SessionEvent]:
+    """Copies of ``events`` whose tool-call ids end with ``tag`` (ids are unique per session)."""
+    out = []
+    for source in events:
+        event = SessionEvent()
+        event.CopyFrom(source)
+        if event.HasField("assistant_message"):
+            for block in event.assistant_message.content:
+                if block.HasField("tool_call"):
+                    block.tool_call.id += tag
+        elif event.HasField("tool_result"):
+            event.tool_result.tool_call_id += tag
+        out.append(event)
+    return out
+
+
+def answered_events() -> Iterator[SessionEvent]:
+    """``bench_pressure.surface_events`` without the tool calls the transcripts never answer (an
+    unanswered call declines every compaction), cycled forever with fresh ids."""
+    corpus = conversations()
+    for cycle in itertools.count():
+        for index, conversation in enumerate(corpus):
+            calls: set[str] = set()
+            prefix = f"r{cycle}.{index}."
+            events = [e for m in conversation["messages"] if (e := _event(m, prefix, calls))]
+            answered = {e.tool_result.tool_call_id for e in events if e.HasField("tool_result")}
+            for event in events:
+                if event.HasField("assistant_message"):
+                    content = event.assistant_message.content
+                    kept = [b for b in content if b.tool_call.id in answered or not b.tool_call.id]
+                    if not kept:
+                        continue
+                    del content[:]
+                    content.extend(kept)
+                yield event
+
+
+def _balanced(source: Iterator[SessionEvent], count: int) -> list[SessionEvent]:
+    """At least ``count`` events of ``source`` that answer every call they make and no other."""
+    events: list[SessionEvent] = []
+    pending: set[str] = set()
+    while len(events) < count or pending:
+        event = next(source)
+        if event.HasField("tool_result"):
+            if event.tool_result.tool_call_id not in pending:
+                continue
+            pending.discard(event.tool_result.tool_call_id)
+        elif event.HasField("assistant_message"):
+            pending |= {b.tool_call.id for b in event.assistant_message.content
+                        if b.HasField("tool_call")}  # fmt: skip
+        events.append(event)
+    return events
+
+
+def _in_turn(batch: Sequence[SessionEvent], turn: int) -> list[SessionEvent]:
+    """``batch`` as one closed turn, each assistant message in its own step."""
+    out = [SessionEvent(turn_start=events_pb2.TurnStart(turn=turn))]
+    for step, event in enumerate(batch, 1):
+        if event.HasField("assistant_message"):
+            out += [
+                SessionEvent(step_start=events_pb2.StepStart(turn=turn, step=step)),
+                event,
+                SessionEvent(step_end=events_pb2.StepEnd(turn=turn, step=step)),
+            ]
+        else:
+            out.append(event)
+    return [*out, SessionEvent(turn_end=events_pb2.TurnEnd(turn=turn))]
+
+
+class _Session:
+    def __init__(self, channel: grpc.aio.Channel, session_id: str) -> None:
+        self.sessions = session_service_pb2_grpc.SessionServiceStub(channel)
+        self.compaction = compaction_service_pb2_grpc.CompactionServiceStub(channel)
+        self.session_id = session_id
+        self.turns = itertools.count(1)
+        self.revision = 0
+
+    async def create(self) -> None:
+        request = session_service_pb2.CreateSessionRequest(session_id=self.session_id)
+        await self.sessions.CreateSession(request)
+        header = events_pb2.RequestHeader(
+            config=events_pb2.RequestConfig(provider=PROVIDER, model=MODEL)
+        )
+        system = events_pb2.SystemMessage(text="You are a careful coding agent.")
+        await self.append(
+            [SessionEvent(system_message=system), SessionEvent(request_header=header)], turn=False
+        )
+
+    async def append(self, events: Sequence[SessionEvent], *, turn: bool = True) -> None:
+        sent = _in_turn(events, next(self.turns)) if turn else list(events)
+        request = session_service_pb2.AppendEventsRequest(session_id=self.session_id, events=sent)
+        response = await self.sessions.AppendEvents(request)
+        self.revision = response.seqs[-1] + 1
+
+    async def compact(self) -> compaction_service_pb2.CompactResult:
+        request = compaction_service_pb2.CompactRequest(session_id=self.session_id)
+        result = None
+        async for response in self.compaction.Compact(request):
+            if response.HasField("result"):
+                result = response.result
+        assert result is not None
+        return result
+
+
+async def _grow(session: _Session, source: Iterator[SessionEvent], size: int) -> None:
+    """Grow the log to ``size`` events, condensing each batch so the surface stays short."""
+    while session.revision < size:
+        await session.append(_balanced(source, min(BATCH, size - session.revision)))
+        await session.compact()
+
+
+async def measure_engine(
+    channel: grpc.aio.Channel, summarizer: TimedSummarizer, spans: InMemorySpanExporter,
+    sizes: Sequence[int], span: int, repeat: int,
+) -> list[EngineRow]:  # fmt: skip
+    """One session per log length, grown first; then ``repeat`` rounds that each compact the
+    same span in every session, in an order that rotates from round to round (so every length
+    sees the same machine load)."""
+    source = answered_events()
+    template = _balanced(source, span)
+    sessions = []
+    for index, size in enumerate(sizes):
+        session = _Session(channel, f"engine{index}")
+        await session.create()
+        await _grow(session, source, size)
+        sessions.append(session)
+    for index, session in enumerate(sessions):  # a round unrecorded: checkpoints reach the cap
+        await _compaction(session, template, f".w{index}", summarizer, spans)
+    logged = [session.revision for session in sessions]
+    samples: list[list[tuple[float, float, float, float, int]]] = [[] for _ in sessions]
+    tags = itertools.count()
+    for round_ in range(repeat):
+        order = list(range(len(sessions)))
+        order = order[round_ % len(order) :] + order[: round_ % len(order)]
+        for index in order:
+            samples[index].append(await _compaction(sessions[index], template, f".s{next(tags)}",
+                                                    summarizer, spans))  # fmt: skip
+    rows = []
+    for events, measured in zip(logged, samples, strict=True):
+        engine, gate, summarizing, serializing, nodes = zip(*measured, strict=True)
+        rows.append(EngineRow(events, int(statistics.median(nodes)), statistics.median(engine),
+                              statistics.median(gate), statistics.median(summarizing),
+                              statistics.median(serializing)))  # fmt: skip
+    return rows
+
+
+async def _compaction(
+    session: _Session, template: Sequence[SessionEvent], tag: str, summarizer: TimedSummarizer,
+    spans: InMemorySpanExporter,
+) -> tuple[float, float, float, float, int]:  # fmt: skip
+    """Append the span, compact it: (engine, gate, summarizer, serialize seconds, nodes)."""
+    await session.append(_retagged(template, tag))
+    summarizer.seconds = 0.0
+    spans.clear()
+    started = time.perf_counter()
+    result = await session.compact()
+    elapsed = time.perf_counter() - started
+    gate = sum((s.end_time or 0) - (s.start_time or 0) for s in spans.get_finished_spans()
+               if s.name == "compaction.gate") / 1e9  # fmt: skip
+    assert result.HasField("outcome"), result.declined_reason
+    assert summarizer.last is not None
+    encode = functools.partial(serialize, summarizer.last)
+    serializing = min(_timed_sync(encode) for _ in range(3))
+    nodes = result.outcome.items_condensed
+    return elapsed - summarizer.seconds, gate, summarizer.seconds, serializing, nodes
+
+
+def _timed_sync(call: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    call()
+    return time.perf_counter() - started
+
+
+async def _timed(call: Callable[[], Awaitable[object]]) -> float:
+    started = time.perf_counter()
+    await call()
+    return time.perf_counter() - started
+
+
+async def measure_declined(channel: grpc.aio.Channel, nodes: int, calls: int) -> DeclinedRow:
+    session = _Session(channel, "declined")
+    await session.create()
+    source = answered_events()
+    while session.revision < nodes:
+        await session.append(_balanced(source, min(BATCH, nodes - session.revision)))
+    call = events_pb2.ToolCallBlock(id="open", name="run", arguments_json="{}")
+    waiting = events_pb2.AssistantMessage(content=[events_pb2.ContentBlock(tool_call=call)])
+    await session.append([SessionEvent(assistant_message=waiting)])
+    health = health_pb2_grpc.HealthStub(channel)
+
+    async def empty() -> object:
+        return await health.Check(health_pb2.HealthCheckRequest())
+
+    async def declined() -> object:
+        result = await session.compact()
+        assert result.declined_reason, result
+        return result
+
+    kinds = [declined, empty]
+    samples: list[list[float]] = [[], []]
+    for round_ in range(calls):
+        for kind in (0, 1) if round_ % 2 == 0 else (1, 0):
+            samples[kind].append(await _timed(kinds[kind]))
+    return DeclinedRow(nodes, _pcts(samples[0]), _pcts(samples[1]))
+
+
+async def measure(
+    sizes: Sequence[int] = SIZES, span: int = 300, repeat: int = 5,
+    declined_events: int = 10_000, calls: int = 200,
+) -> tuple[list[EngineRow], DeclinedRow]:  # fmt: skip
+    """Both measurements, on one server."""
+    summarizer, spans = TimedSummarizer(), InMemorySpanExporter()
+    tracing = TracerProvider()
+    tracing.add_span_processor(SimpleSpanProcessor(spans))
+    # A summary cap the checkpoint reaches within the first batches: the span it opens every
+    # measured compaction with is then the same size at every log length.
+    overrides: dict[str, Any] = dict(OVERRIDES, compaction={"maxTokens": 2000})
+    running = await create_server(
+        config.load(None, environ={}, overrides=overrides),
+        summarizer=summarizer,
+        tracer_provider=tracing,
+    )
+    try:
+        async with grpc.aio.insecure_channel(running.address) as channel:
+            engine = await measure_engine(channel, summarizer, spans, sizes, span, repeat)
+            declined = await measure_declined(channel, declined_events, calls)
+    finally:
+        await running.stop(0)
+    return engine, declined
+
+
+def readme_rows(sizes: Sequence[int] = SIZES, **options: Any) -> list[tuple[str, str, str]]:
+    """README rows (goal, measured, reference), from one run of ``measure``."""
+    engine, declined = asyncio.run(measure(sizes, **options))
+    first, last = engine[0], engine[-1]
+    return [
+        (
+            "Compaction engine time (summarizer excluded), fixed span: 1k vs 100k logged "
+            "events ≤ 1.2x",
+            f"{last.engine / first.engine:.2f}x ({fmt(first.engine).strip()} at "
+            f"{first.events:,}, {fmt(last.engine).strip()} at {last.events:,})",
+            f"the same {first.span_nodes}-node span at both lengths, in one run",
+        ),
+        (
+            "Compaction engine time ≤ 2x serializing the summary request it sends",
+            ", ".join(f"{row.ratio:.2f}x at {row.events:,}" for row in engine)
+            + "; without the quality gate "
+            + ", ".join(f"{row.ungated_ratio:.2f}x" for row in engine),
+            "serializing that request (OpenAI wire JSON), after each compaction: "
+            + ", ".join(fmt(row.serialize).strip() for row in engine),
+        ),
+        (
+            "A declined Compact (open tool call) ≤ 2x an empty RPC",
+            f"p50 {declined.declined[0] / declined.empty[0]:.2f}x at {declined.nodes:,} nodes",
+            f"an empty unary RPC (health check), interleaved: p50 {fmt(declined.empty[0]).strip()}",
+        ),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="log lengths")
+    parser.add_argument("--span", type=int, default=300, help="events in the fixed span")
+    parser.add_argument("--repeat", type=int, default=5, help="compactions per size")
+    parser.add_argument("--declined-events", type=int, default=10_000)
+    parser.add_argument("--calls", type=int, default=200, help="declined rounds")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    engine, declined = asyncio.run(
+        measure([int(s) for s in args.sizes.split(",")], args.span, args.repeat,
+                args.declined_events, args.calls)
+    )  # fmt: skip
+    table(
+        "Compact with a fixed span: engine time (call minus summarizer) vs serializing its "
+        "summary request (medians)",
+        ["logged events", "span nodes", "engine", "of it: gate", "summarizer", "serialize",
+         "engine/serialize", "without gate"],
+        [
+            (f"{r.events:,}", str(r.span_nodes), fmt(r.engine), fmt(r.gate), fmt(r.summarizer),
+             fmt(r.serialize), f"{r.ratio:5.2f}x", f"{r.ungated_ratio:5.2f}x")
+            for r in engine
+        ],
+    )  # fmt: skip
+    first, last = engine[0], engine[-1]
+    print(f"\nengine time at {last.events:,} / at {first.events:,}: "
+          f"{last.engine / first.engine:.2f}x")  # fmt: skip
+    d = declined
+    table(
+        "A declined Compact (open tool call) vs an empty RPC, interleaved (p50 / p99)",
+        ["surface nodes", "declined Compact", "empty RPC", "ratio p50"],
+        [(f"{d.nodes:,}", f"{fmt(d.declined[0])} / {fmt(d.declined[1])}",
+          f"{fmt(d.empty[0])} / {fmt(d.empty[1])}", f"{d.declined[0] / d.empty[0]:5.2f}x")],
+    )  # fmt: skip
+    print(f"\ndone in {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
