@@ -391,7 +391,9 @@ async def test_a_tight_share_keeps_the_gates_probes_before_other_facts() -> None
     summary = ExtractiveSummarizer().summary_text(messages, 100_000)
     everything = ExtractiveSummarizer(span_share=None).summary_text(messages, 100_000)
 
-    assert len(summary) < len(everything) / 2
+    assert estimated_tokens(prompts.frame_checkpoint(everything)) > allowed_tokens(
+        _span_tokens(messages)
+    )  # the share is what limits this summary
     assert probes.retention(found, summary).ratio >= 0.9
 
 
@@ -401,7 +403,8 @@ def test_non_ascii_and_punctuation_are_estimated_above_the_heuristic() -> None:
 
     assert estimated_tokens(rare) >= 2 * len(rare)
     assert estimated_tokens(path) > len(path) / 4
-    assert estimated_tokens("plain words in a long sentence, ok") == 34 / 4  # the heuristic
+    prose = "plain words in a long sentence, ok"
+    assert len(prose) / 4 <= estimated_tokens(prose) <= len(prose) / 3
 
 
 def test_a_high_reduction_ratio_asks_for_a_span_the_minimum_checkpoint_fits() -> None:

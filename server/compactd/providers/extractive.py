@@ -224,7 +224,8 @@ def _fit_share(candidates: Sequence[_Candidate], share: int, allowed: float | No
 
 # Roughly how a byte-pair tokenizer splits text before merging (a word with its leading space,
 # up to three digits, a run of punctuation, a run of spaces): each piece is a token or more.
-_PIECE = re.compile(r" ?[A-Za-z]+| ?\d{1,3}| ?[^\sA-Za-z\d]+|\s+")
+_PIECE_TOKENS = 1.15  # a long identifier or path segment is several tokens: err high
+_PIECE = re.compile(r"[^\r\nA-Za-z\d]?[A-Za-z]+|\d{1,3}| ?[^\sA-Za-z\d]+[\r\n]*|\s*[\r\n]+|\s+")
 
 
 def estimated_tokens(text: str) -> float:
@@ -232,7 +233,7 @@ def estimated_tokens(text: str) -> float:
     high: the pieces a byte-pair tokenizer starts from or 4 ASCII characters a token, whichever
     is more, plus 2 tokens per non-ASCII character (rare scripts take several bytes a token)."""
     if text.isascii():
-        return max(len(text) / _UNITS_PER_TOKEN, len(_PIECE.findall(text)))
+        return max(len(text) / _UNITS_PER_TOKEN, _PIECE_TOKENS * len(_PIECE.findall(text)))
     ascii_text = "".join(c for c in text if c.isascii())
     return estimated_tokens(ascii_text) + 2 * (len(text) - len(ascii_text))
 
@@ -520,11 +521,11 @@ def _fit(candidates: Sequence[_Candidate], budget: int, share: int) -> str:
     files = _FileGroups(
         [c.text for c in candidates if c.section == _FILES and _FileGroups.is_path(c.text)]
     )
-    used = utf16_length(_render({}))
+    used = _units(_render({}))
     for candidate in sorted(candidates, key=lambda c: (c.rank, c.order)):
         # The first bullet of a section replaces its "(none)" line; later ones add a newline.
         first = candidate.section not in chosen
-        credit = utf16_length(_bullet(prompts.EMPTY_SECTION)) if first else -1
+        credit = _units(_bullet(prompts.EMPTY_SECTION)) if first else -1
         room = (budget if candidate.rank[0] < _PRIOR else share) - used + credit
         if candidate.section == _FILES and _FileGroups.is_path(candidate.text):
             cost = files.cost(candidate.text)
@@ -535,12 +536,12 @@ def _fit(candidates: Sequence[_Candidate], budget: int, share: int) -> str:
             used += cost - credit
             continue
         fitted = (
-            candidate if utf16_length(_bullet(candidate.text)) <= room else _shrunk(candidate, room)
+            candidate if _units(_bullet(candidate.text)) <= room else _shrunk(candidate, room)
         )
         if fitted is None:
             continue
         chosen.setdefault(fitted.section, []).append(fitted)
-        used += utf16_length(_bullet(fitted.text)) - credit
+        used += _units(_bullet(fitted.text)) - credit
     by_section = {
         index: [c.text for c in sorted(items, key=lambda c: c.order)]
         for index, items in chosen.items()
@@ -611,9 +612,9 @@ class _FileGroups:
         if prefix in self._groups:
             if item.rstrip("/") in (known.rstrip("/") for known in self._groups[prefix]):
                 return 0
-            return utf16_length(self._SEPARATOR + item)
+            return _units(self._SEPARATOR + item)
         head = f"{prefix}: " if prefix else ""
-        return utf16_length(_bullet(head + item)) + 1
+        return _units(_bullet(head + item)) + 1
 
     def add(self, path: str) -> None:
         """Add ``path`` to its directory's line."""
@@ -655,7 +656,15 @@ def _shrunk(candidate: _Candidate, room: int) -> _Candidate | None:
     if room_for_text < 24:
         return None
     text = _clip(candidate.text, room_for_text)
-    return _Candidate(candidate.rank, candidate.section, candidate.order, text)
+    for _ in range(_REFITS):  # text the estimate prices above its code units: clip it further
+        cost = _units(_bullet(text))
+        if cost <= room:
+            return _Candidate(candidate.rank, candidate.section, candidate.order, text)
+        room_for_text = room_for_text * room // cost - 1
+        if room_for_text < 24:
+            return None
+        text = _clip(candidate.text, room_for_text)
+    return None
 
 
 def _render(sections: dict[int, list[str]]) -> str:
@@ -672,6 +681,12 @@ def _bullet(text: str) -> str:
 
 
 # --- text measurement ----------------------------------------------------------------------
+
+
+def _units(text: str) -> int:
+    """What ``text`` costs in the summary's budget: its ``estimated_tokens`` as code units (at
+    least its code units), so a bullet the route would count high is fitted, or dropped, alone."""
+    return math.ceil(estimated_tokens(text) * _UNITS_PER_TOKEN)
 
 
 def _clip(text: str, max_units: int) -> str:
