@@ -177,6 +177,24 @@ async def test_replay_runs_on_every_shipped_transcript(
     assert [step.broken_pairs for step in result.steps] == [0] * len(result.steps)
 
 
+@pytest.mark.parametrize("window", [6000, 10000])
+async def test_every_checkpoint_takes_at_most_15_percent_of_its_span_and_none_is_larger(
+    tmp_path: Path, window: int
+) -> None:
+    transcripts = [t for name in ("coding.jsonl", "openai.jsonl")
+                   for t in rp.read_transcripts(TRANSCRIPTS / name)]  # fmt: skip
+    config = rp.embedded_config(None, tmp_path, window=window, environ={})
+    async with rp.embedded_server(config) as served:
+        results = await rp.replay_all(served, transcripts, policy=rp.window_policy(window))
+    brackets = [record for result in results for record in result.compactions]
+    committed = [r for r in brackets if r.committed]
+    # A bracket may fail only at the gate's probe check (a span of huge tool output sent as user
+    # messages), never because its checkpoint is not smaller (SUMMARY_NOT_SMALLER).
+    assert {r.outcome for r in brackets} <= {"committed", "SUMMARY_REJECTED"}
+    assert len(committed) > len(transcripts) // 2
+    assert max(r.checkpoint_tokens / r.span_tokens for r in committed) <= 0.15
+
+
 def test_the_command_prints_the_table_and_writes_the_report(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
