@@ -209,7 +209,7 @@ def _tightened(limits: _Limits, content_units: int) -> _Limits:
 def _fit_share(candidates: Sequence[_Candidate], share: int, allowed: float | None) -> str:
     """``_fit`` within ``share`` code units, refitted smaller while the framed checkpoint's
     ``estimated_tokens`` exceed ``allowed`` (None: the code units alone bound it)."""
-    text = _fit(candidates, share, share)
+    text = _fit(candidates, share)
     if allowed is None:
         return text
     floor = utf16_length(_render({}))
@@ -218,7 +218,7 @@ def _fit_share(candidates: Sequence[_Candidate], share: int, allowed: float | No
         if estimate <= allowed or share <= floor:
             return text
         share = max(floor, int(share * allowed / estimate) - _UNITS_PER_TOKEN)
-        text = _fit(candidates, share, share)
+        text = _fit(candidates, share)
     return text
 
 
@@ -514,9 +514,9 @@ def _rank_requests(ranking: _Ranking, requests: Sequence[str], cap: int) -> None
         ranking.add(0, _GOALS, requests[-1:], cap, newest_first=False)
 
 
-def _fit(candidates: Sequence[_Candidate], budget: int, share: int) -> str:
-    """Render the highest-ranked candidates that fit in ``budget`` code units; from tier
-    ``_PRIOR`` on, only those that also fit in ``share`` (the gate's probes never wait on it)."""
+def _fit(candidates: Sequence[_Candidate], budget: int) -> str:
+    """Render the highest-ranked candidates that fit in ``budget`` (code units of estimated
+    tokens, ``_units``); one that does not fit is clipped, or skipped for a later, smaller one."""
     chosen: dict[int, list[_Candidate]] = {}
     files = _FileGroups(
         [c.text for c in candidates if c.section == _FILES and _FileGroups.is_path(c.text)]
@@ -526,7 +526,7 @@ def _fit(candidates: Sequence[_Candidate], budget: int, share: int) -> str:
         # The first bullet of a section replaces its "(none)" line; later ones add a newline.
         first = candidate.section not in chosen
         credit = _units(_bullet(prompts.EMPTY_SECTION)) if first else -1
-        room = (budget if candidate.rank[0] < _PRIOR else share) - used + credit
+        room = budget - used + credit
         if candidate.section == _FILES and _FileGroups.is_path(candidate.text):
             cost = files.cost(candidate.text)
             if cost > room:
