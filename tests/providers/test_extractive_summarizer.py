@@ -339,7 +339,7 @@ def _work(steps: int, *, seed: int = 0) -> list[Message]:
     """A session of ``steps`` tool round trips, each naming a file, a command and an error."""
     messages = [system("You are a coding agent."), user("Fix the failing build of the parser.")]
     for n in range(steps):
-        path = f"/home/dev/src/project/pkg{(n + seed) % 7}/module_{n}.py"
+        path = f"/home/dev/src/project/pkg{(n + seed) % 7}/module_{n + 100 * seed}.py"
         command = f"pytest -q tests/test_module_{n}.py -k case_{seed}"
         messages += [
             assistant(f"Checking {path}.", calls=[(f"r{n}", "read", f'{{"path": "{path}"}}')]),
@@ -395,6 +395,23 @@ async def test_a_tight_share_keeps_the_gates_probes_before_other_facts() -> None
         _span_tokens(messages)
     )  # the share is what limits this summary
     assert probes.retention(found, summary).ratio >= 0.9
+
+
+def test_an_older_spans_paths_survive_two_more_folds_within_the_share() -> None:
+    summarizer = ExtractiveSummarizer()
+    first = _work(20, seed=1)
+    paths = [p for p in probes.select_probes(probes.span_facts(first[1:]))
+             if p.kind is probes.ProbeKind.PATH]  # fmt: skip
+    summary = summarizer.summary_text(first, 100_000)
+    for seed in (2, 3):  # a summary of a summary, twice
+        folded = [first[0], user(prompts.frame_checkpoint(summary)), *_work(20, seed=seed)[1:]]
+        summary = summarizer.summary_text(folded, 100_000)
+        assert estimated_tokens(prompts.frame_checkpoint(summary)) <= allowed_tokens(
+            _span_tokens(folded)
+        )
+
+    assert len(paths) == 8
+    assert probes.retention(paths, summary).ratio == 1.0
 
 
 def test_non_ascii_and_punctuation_are_estimated_above_the_heuristic() -> None:

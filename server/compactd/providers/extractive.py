@@ -56,8 +56,12 @@ _FRAME_UNITS = utf16_length(prompts.frame_checkpoint(""))
 #: less: the eight sections with the current state and the first probes (about a hundred tokens
 #: of bullets). From a span of ``MIN_CHECKPOINT_TOKENS / SPAN_SHARE`` (1,786) on, the share rules.
 MIN_CHECKPOINT_TOKENS = 250
-#: The tier of a prior checkpoint's paths and commands.
-_PRIOR = 2
+#: A prior checkpoint's paths rank with this span's probes, after the first ``_PRIOR_AFTER``
+#: path probes, so a fact of an older span survives a second fold (a path costs little); its
+#: commands rank right after this span's probes (``_PRIOR_COMMANDS``).
+_PRIOR_FILES = 1
+_PRIOR_AFTER = 2
+_PRIOR_COMMANDS = 2
 _ROOMY_UNITS = 2400  # bullets below this share keep one state line, leaving room for probes
 _REFITS = 4  # fits tried before settling on the smallest (each shrinks the room by the overshoot)
 _ELLIPSIS = "…"
@@ -416,6 +420,7 @@ class _Ranking:
         *,
         newest_first: bool,
         promote: bool = False,
+        after: int = 0,
     ) -> None:
         """Add ``items`` (clipped to ``cap``) at ``tier``; within a tier, older or newer first.
 
@@ -424,7 +429,7 @@ class _Ranking:
         """
         for position, item in enumerate(items):
             text = _clip(item, cap)
-            recency = len(items) - position if newest_first else position
+            recency = after + (len(items) - position if newest_first else position)
             index = self._seen.get((section, text))
             if index is not None:
                 seen = self.candidates[index]
@@ -437,9 +442,10 @@ class _Ranking:
 
 def _candidates(facts: _Facts, limits: _Limits) -> _Ranking:
     """Every possible bullet, ranked: tier 0 (state, first and latest request, next step) is kept
-    first, then the gate's probes and prior goals (tier 1, ``_promote_probes``), a prior
-    checkpoint's paths and commands (``_PRIOR``), paths and older requests, commands, tools and
-    other error lines, then paths seen only in tool output."""
+    first, then the gate's probes, prior goals and a prior checkpoint's paths (tier 1,
+    ``_promote_probes``, ``_PRIOR_FILES``), a prior checkpoint's commands (``_PRIOR_COMMANDS``),
+    paths and older requests, commands, tools and other error lines, then paths seen only in tool
+    output."""
     ranking = _Ranking()
     item, request = limits.item_units, limits.request_units
     for section, items in sorted(facts.prior.items()):
@@ -449,8 +455,8 @@ def _candidates(facts: _Facts, limits: _Limits) -> _Ranking:
             # survives being summarized again; the rest ranks as the span's own would.
             # A path or a command clipped loses what identifies it: only requests are quoted.
             cap = request if section in (_GOALS, _OUTSTANDING) else max(item, request)
-            for tier, ranked in _prior_tiers(section, items):
-                ranking.add(tier, section, ranked, cap, newest_first=False)
+            for tier, after, ranked in _prior_tiers(section, items):
+                ranking.add(tier, section, ranked, cap, newest_first=False, after=after)
     progress = facts.progress if facts.has_new else facts.prior.get(_PROGRESS, [])
     state = progress[-limits.state_lines :]
     ranking.add(0, _PROGRESS, state, limits.state_units, newest_first=False)
@@ -476,16 +482,18 @@ def _candidates(facts: _Facts, limits: _Limits) -> _Ranking:
     return ranking
 
 
-def _prior_tiers(section: int, items: Sequence[str]) -> list[tuple[int, list[str]]]:
-    """A prior checkpoint's bullets of ``section`` by the tier they rank at."""
+def _prior_tiers(section: int, items: Sequence[str]) -> list[tuple[int, int, list[str]]]:
+    """A prior checkpoint's bullets of ``section`` by the tier they rank at, each with how many
+    of the span's own probes of the section come before its first (``_PRIOR_AFTER``)."""
     if section in (_GOALS, _OUTSTANDING):
-        return [(1, list(items))]
+        return [(1, 0, list(items))]
     if section == _FILES:
-        return [(_PRIOR, list(items))]
+        return [(_PRIOR_FILES, _PRIOR_AFTER, list(items))]
     if section == _TECH:
         commands = [item for item in items if item.startswith("Ran: ")]
-        return [(_PRIOR, commands), (4, [item for item in items if item not in commands])]
-    return [(3 if section == _ERRORS else 4, list(items))]
+        rest = [item for item in items if item not in commands]
+        return [(_PRIOR_COMMANDS, 0, commands), (4, 0, rest)]
+    return [(3 if section == _ERRORS else 4, 0, list(items))]
 
 
 def _promote_probes(ranking: _Ranking, span: probes.SpanFacts, limits: _Limits) -> None:
@@ -535,9 +543,7 @@ def _fit(candidates: Sequence[_Candidate], budget: int) -> str:
             chosen.setdefault(_FILES, [])
             used += cost - credit
             continue
-        fitted = (
-            candidate if _units(_bullet(candidate.text)) <= room else _shrunk(candidate, room)
-        )
+        fitted = candidate if _units(_bullet(candidate.text)) <= room else _shrunk(candidate, room)
         if fitted is None:
             continue
         chosen.setdefault(fitted.section, []).append(fitted)
