@@ -1,5 +1,9 @@
 """Append throughput of the event stores with 1, 8 and 64 concurrent appenders.
 
+This measures the store alone: no service, no gRPC, no pricing. The service's own append rates
+over gRPC, beside this store's group-commit rate measured in the same run, are
+``bench/bench_appends.py``'s.
+
 Each appender owns one session and appends ``--batches`` batches of ``--batch-size`` events (a
 tool result of about ``--event-bytes`` bytes each). The table shows events/s next to the write
 counters: with group commit, SQLite's commits fall well below its batches as appenders grow.
@@ -71,6 +75,7 @@ def make_store(args: argparse.Namespace, folder: Path, appenders: int) -> EventS
 
 
 async def main(args: argparse.Namespace) -> None:
+    print("the store alone (no service, no gRPC); the service's rates: bench/bench_appends.py")
     print(
         f"backend={args.backend} synchronous={args.synchronous} batch_size={args.batch_size}"
         f" event_bytes={args.event_bytes} total_batches~{args.batches}"

@@ -486,3 +486,38 @@ def test_anchoring_never_reports_less_than_the_estimate(data: st.DataObject) -> 
             assert parts == (estimate.system, estimate.tools, estimate.images, estimate.config)
         else:
             assert measured == estimate
+
+
+# ---- prices made ahead of observe (in a worker thread) and persisted -----------------------
+
+
+def test_prices_prepared_ahead_equal_prices_made_while_observing() -> None:
+    plain, ahead = Session(), Session()
+    batches = [
+        [routed(), system("be brief"), user("look", blocks=[image_block("a.png")])],
+        [assistant("ok", calls=[("c1", "read", "{}")]), tool_result("c1", "data " * 40)],
+        [offload({2: [0]}), with_usage(assistant("done"), 900)],
+        [replace(user("summary"), 3, 4, [3, 4]), user("next")],
+    ]
+    for events in batches:
+        plain.add(*events)
+        batch = ahead.fold.admit(events)
+        ahead.meter.prepare(ahead.fold, batch, [EXACT.pricing])  # builds EXACT's ledger too
+        ahead.meter.observe(ahead.fold, batch)
+        for route in (ROUTE, EXACT):
+            assert ahead.measure(route) == plain.measure(route)
+    assert ahead.meter.persisted_prices() == plain.meter.persisted_prices()
+    assert ahead.measure(EXACT).total == recount(ahead.fold, EXACT).total
+
+
+def test_a_meter_restored_from_persisted_prices_measures_as_the_one_that_made_them() -> None:
+    live = Session(routed(), system("be brief"), user("hello"), with_usage(assistant("hi"), 500))
+    live.measure(EXACT)
+    restored = SessionMeter(
+        live.fold,
+        persisted=live.meter.persisted_prices(),
+        anchor=(3, 0, live.fold.header),
+    )
+    for route in (ROUTE, EXACT):
+        assert restored.measure(live.fold, route) == live.measure(route)
+    assert restored.anchor_state() == live.meter.anchor_state()

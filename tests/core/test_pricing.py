@@ -19,6 +19,7 @@ from compactd.core.pricing import (
     price_config,
     price_message,
     price_node,
+    price_nodes,
     price_tools,
     quarter_tokens,
     tools_json,
@@ -248,3 +249,29 @@ def test_pricing_a_node_prices_exactly_what_it_projects_to(
     for pricing in (HEURISTIC, PricingProfile(load_tokenizer("cl100k_base"), Framing(3, 1, 2, 5))):
         expected = price_message(message, pricing) if message is not None else NodeCost(0)
         assert price_node(event, pricing) == expected
+
+
+# ---- batched pricing ------------------------------------------------------------------------
+
+_TEXTS = st.text(max_size=60)
+_NODES = st.lists(
+    st.one_of(
+        _TEXTS.map(lambda t: assistant(t, calls=[("c1", "read", '{"p": 1}')], reasoning=t[:5])),
+        _TEXTS.map(lambda t: tool_result("c1", t, blocks=[image_block("a.png")])),
+        _TEXTS.map(system),
+        _TEXTS.map(developer),
+    ),
+    max_size=12,
+)
+
+
+@given(_NODES, st.booleans())
+def test_batched_pricing_equals_pricing_one_node_at_a_time(
+    events: list[SessionEvent], offload: bool
+) -> None:
+    items = [(e, frozenset({0}) if offload and e.HasField("tool_result") else frozenset())
+             for e in events]  # fmt: skip
+    for name in ("cl100k_base", "deepseek-v4", "heuristic"):
+        tokenizer = load_tokenizer(name)
+        profile = PricingProfile(tokenizer, Framing(per_message=3, per_block=1, per_tool_call=2))
+        assert price_nodes(items, profile) == [price_node(e, profile, o) for e, o in items]

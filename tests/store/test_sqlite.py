@@ -268,6 +268,6 @@ async def test_a_version_1_database_migrates_its_sessions_to_the_default_tenant(
     conn = sqlite3.connect(path)
     assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
     tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-    assert tables == {"sessions", "events"}
+    assert tables == {"sessions", "events", "snapshots"}  # snapshots: issue 11
     assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
     conn.close()

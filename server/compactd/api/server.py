@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +41,7 @@ from compactd.routes import RouteCatalog
 from compactd.service.compaction import CompactionEngine, SummaryErrorRecovery
 from compactd.service.inspection import InspectionService
 from compactd.service.offload import ImageOffloadRecovery
-from compactd.service.pressure import PressureService
+from compactd.service.pressure import PressureService, warm_up
 from compactd.service.quotas import QuotaBook, QuotaSettings
 from compactd.service.recovery import RecoveryService
 from compactd.service.retention import RetentionSweeper, periods_from
@@ -47,7 +49,7 @@ from compactd.service.sessions import SessionManager
 from compactd.service.summarizers import SummarizerRegistry, SummarizerSettings, named_routes
 from compactd.service.switch import SwitchService
 from compactd.store.base import Clock, EventStore, utc_now
-from compactd.store.factory import open_store
+from compactd.store.factory import store_for
 from compactd.tenancy import Tenant
 from compactd.v1 import (
     compaction_service_pb2,
@@ -188,7 +190,7 @@ async def create_server(
     metrics = Metrics(meter_provider)
     tls = ServerTls.from_config(config)  # ConfigError for a missing or non-PEM file
     authentication = auth.Authentication(auth.credentials_from(config))
-    store = open_store(config.store, synchronous=config.sqlite_synchronous, clock=wall_clock)
+    store = store_for(config, clock=wall_clock)
     await store.open()
     async with contextlib.AsyncExitStack() as refused:  # a start that fails closes the store
         refused.push_async_callback(store.close)
@@ -288,8 +290,13 @@ async def _serve_on(
         store,
         policy_validator=parts.policy.with_overrides,
         limits=settings.limits(config),
+        lease_s=config.bracket_lease_s,
+        snapshot_interval=config.snapshot_interval_events,
+        max_resident=config.max_resident_sessions,
         quotas=quotas,
     )
+    manager.start()  # replicas: follow other replicas' appends (a shared store only)
+    await asyncio.to_thread(warm_up, parts.routes)  # the first pressure check is not a load
     metrics.observe_sessions(lambda: manager.resident)
     pressure = PressureService(manager, parts.routes, parts.policy)
     redactor = redaction.for_routes(parts.routes)
@@ -354,6 +361,21 @@ async def _serve_on(
     return running
 
 
+def settle_interpreter() -> None:
+    """Tune CPython for calls that must not wait on other work (once the server is built).
+
+    - Let the event loop win the GIL back within a millisecond: pricing, snapshots and restores
+      run in worker threads, and CPython's default lets a thread keep the GIL for 5 ms, so a
+      large append or restore next door would delay every other call by that much per switch.
+    - Move everything start-up allocated (modules, routes, tokenizers, templates) out of the
+      collector's sight (``gc.freeze``): a full collection otherwise walks it all again and
+      again, a pause of tens of milliseconds on the loop.
+    """
+    sys.setswitchinterval(min(sys.getswitchinterval(), 0.001))
+    gc.collect()
+    gc.freeze()
+
+
 def _bind(server: grpc.aio.Server, host: str, port: int, tls: ServerTls | None) -> int:
     """Listen on ``host:port`` (the bound port: port 0 picks one), with ``tls`` unless None,
     or raise ``StartupError``."""
@@ -396,6 +418,7 @@ async def serve(config: ServerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     running = await create_server(config)
+    settle_interpreter()
     if running.reloader is not None:  # certificate and token rotation without a restart
         loop.add_signal_handler(signal.SIGHUP, running.reloader.trigger)
     print(f"compactd listening on {running.address}", flush=True)

@@ -223,6 +223,11 @@ class TemplatePricing:
     """
 
     def __init__(self, template: ChatTemplate, counter: SegmentCounter, key: str) -> None:
+        # Shared by the event loop and the pricing worker threads. Every cache here maps a key
+        # to a value that depends on the key alone, and is read and filled by single dict (or
+        # attribute) operations, which are atomic with or without the GIL; a race only computes
+        # a value twice. ``SegmentCounter``'s ``lru_cache`` locks itself; Jinja renders are
+        # thread-safe.
         self.template = template
         self.counter = counter
         self.key = key

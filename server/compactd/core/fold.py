@@ -14,7 +14,7 @@ the fold tracks the open step for every origin, restores included.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import pairwise
@@ -95,13 +95,38 @@ class SessionFold:
         (``SERVER_ONLY_EVENT``), enforces the step brackets (``STEP_BRACKET``) and refuses a
         batch that grows ``surface_bytes`` past ``max_surface_bytes`` (``SURFACE_FULL``).
         """
+        steps = self.admit_in_steps(
+            events, now=now, check=check, origin=origin, max_surface_bytes=max_surface_bytes
+        )
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                batch: AdmittedBatch = done.value
+                return batch
+
+    def admit_in_steps(
+        self,
+        events: Sequence[SessionEvent],
+        *,
+        now: Timestamp | None = None,
+        check: bool = True,
+        origin: Origin = Origin.SERVER,
+        max_surface_bytes: int | None = None,
+        step: int = 256,
+    ) -> Generator[None, None, AdmittedBatch]:
+        """``admit``, pausing (``yield``) after every ``step`` events so a caller on an event loop
+        can let other work run; the generator returns the batch. Closing it before it returns
+        rolls back what it admitted."""
         if check:
             check_origin(events, origin)
         client = check and origin is Origin.CLIENT
         batch = AdmittedBatch(self.revision, [])
         before = self.surface_bytes
         try:
-            for event in events:
+            for index, event in enumerate(events):
+                if index and not index % step:
+                    yield
                 self._admit_one(event, batch, now, check, client)
             if client and max_surface_bytes is not None:
                 self._check_surface_size(before, max_surface_bytes)
@@ -148,8 +173,11 @@ class SessionFold:
         client: bool,
     ) -> None:
         seq = self.revision
-        event = SessionEvent()
-        event.CopyFrom(source)
+        if check:
+            event = SessionEvent()
+            event.CopyFrom(source)
+        else:  # a stored event the restore owns: kept as parsed (a copy would double its RSS)
+            event = source
         if check:
             event.seq = seq
             if now is not None and not event.HasField("time"):
@@ -224,6 +252,15 @@ class SessionFold:
         self.surface_bytes += (size or 0) - (previous or 0)
         self._set_node_bytes(seq, size)
         batch._undo.append(partial(self._undo_resize, seq, size, previous))
+
+    def restore_sizes(self) -> None:
+        """Recompute ``surface_bytes`` from the surface, offloads and header (after a snapshot
+        set them directly)."""
+        self._node_bytes = {
+            n.seq: node_bytes(n.event, self.offloads.get(n.seq, frozenset())) for n in self.surface
+        }
+        header = self.header.ByteSize() if self.header is not None else 0
+        self.surface_bytes = sum(self._node_bytes.values()) + header
 
     def _undo_resize(self, seq: int, size: int | None, previous: int | None) -> None:
         self.surface_bytes -= (size or 0) - (previous or 0)

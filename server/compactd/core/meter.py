@@ -26,7 +26,7 @@ measurement of a route whose provider publishes no tokenizer as ESTIMATED.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Set
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,6 +41,7 @@ from compactd.core.pricing import (
     price_config,
     price_message,
     price_node,
+    price_nodes,
     price_tools,
 )
 from compactd.core.projection import Message
@@ -201,6 +202,16 @@ class _Ledger:
         return self._tools[1]
 
 
+@dataclass(frozen=True, slots=True)
+class _Staged:
+    """Prices ``prepare`` made for the batch starting at ``first_seq``: new ledgers, and node
+    prices keyed by (profile, seq) (reprojections by (profile, -1 - seq))."""
+
+    first_seq: int
+    ledgers: dict[PricingProfile, dict[int, NodeCost]]
+    nodes: dict[tuple[PricingProfile, int], NodeCost]
+
+
 class SessionMeter:
     """The incremental meter of one session.
 
@@ -209,7 +220,13 @@ class SessionMeter:
     committed nodes, so a measurement never sees a batch that is admitted but not yet committed.
     """
 
-    def __init__(self, fold: SessionFold) -> None:
+    def __init__(
+        self,
+        fold: SessionFold,
+        *,
+        persisted: Mapping[str, Mapping[int, NodeCost]] | None = None,
+        anchor: tuple[int, int, events_pb2.RequestHeader | None] | None = None,
+    ) -> None:
         self._fold = fold
         self.revision = fold.revision
         self._nodes: dict[int, SessionEvent] = {n.seq: n.event for n in fold.surface}
@@ -221,7 +238,19 @@ class SessionMeter:
         self._anchor: _Anchor | None = None
         self._after_anchor: set[int] = set()
         self._same_header: tuple[tuple[int, int], bool] = ((-1, -2), False)  # (anchor, header)
-        self._bootstrap_anchor(fold)
+        # Node prices restored from a snapshot, per ``PricingProfile.key``: a ledger built for
+        # that profile takes them instead of pricing its nodes again. An entry is dropped when
+        # its node leaves the surface or is reprojected.
+        self._persisted: dict[str, dict[int, NodeCost]] = {
+            key: dict(costs) for key, costs in (persisted or {}).items()
+        }
+        # Prices ``prepare`` made in a worker thread for the batch being committed.
+        self._staged: _Staged | None = None
+        self._batch_prices: dict[tuple[PricingProfile, int], NodeCost] = {}
+        if anchor is None:
+            self._bootstrap_anchor(fold)
+        else:
+            self._restore_anchor(fold, *anchor)
 
     @property
     def header(self) -> events_pb2.RequestHeader | None:
@@ -232,7 +261,16 @@ class SessionMeter:
 
     def observe(self, fold: SessionFold, batch: AdmittedBatch) -> None:
         """Fold one committed batch in: price what it added or reprojected, drop what it
-        shadowed. Call with the fold in the state right after the batch."""
+        shadowed. Call with the fold in the state right after the batch.
+
+        Prices ``prepare`` staged for this batch are used as they are; anything else is priced
+        here."""
+        staged, self._staged = self._staged, None
+        if staged is not None and staged.first_seq == batch.first_seq:
+            for pricing, costs in staged.ledgers.items():
+                if pricing not in self._ledgers:
+                    self._install(pricing, costs)
+            self._batch_prices = staged.nodes
         changes = iter(batch.surface_changes)
         for event in batch.events:
             kind = event.WhichOneof("body")
@@ -246,6 +284,99 @@ class SessionMeter:
             self._reproject(fold, seq)
         self._head = _head_seq(fold)
         self.revision = fold.revision
+        self._batch_prices = {}
+
+    # ---- pricing off the event loop -----------------------------------------------------
+
+    def prepare(
+        self, fold: SessionFold, batch: AdmittedBatch, wanted: Iterable[PricingProfile] = ()
+    ) -> None:
+        """Price, ahead of ``observe``, what ``batch`` adds or reprojects for every ledger (and
+        build the ledgers of ``wanted`` profiles not kept yet), with batched tokenizer calls.
+
+        Only reads the meter and the fold, so it runs in a worker thread while the batch
+        commits; the session's lock must keep both still until ``observe``. Without it (or
+        after a rollback) ``observe`` prices on its own.
+        """
+        profiles = list(self._ledgers)
+        ledgers = {p: self.price_ledger(p) for p in dict.fromkeys(wanted) if p not in self._ledgers}
+        items: list[tuple[int, SessionEvent, Set[int]]] = []
+        for change in batch.surface_changes:
+            seq = change.node.seq
+            if fold.surface.position_of(seq) is not None:
+                items.append((seq, change.node.event, frozenset()))
+        for seq in batch.reprojected:
+            position = fold.surface.position_of(seq)
+            if position is not None:
+                event = fold.surface[position].event
+                items.append((-1 - seq, event, fold.offloads.get(seq, frozenset())))
+        nodes: dict[tuple[PricingProfile, int], NodeCost] = {}
+        for pricing in [*profiles, *ledgers]:
+            costs = price_nodes([(e, o) for _, e, o in items], pricing)
+            for (key, _, _), cost in zip(items, costs, strict=True):
+                nodes[(pricing, key)] = cost
+        self._staged = _Staged(batch.first_seq, ledgers, nodes)
+
+    def price_ledger(self, pricing: PricingProfile) -> dict[int, NodeCost]:
+        """Every current node's price for ``pricing`` (persisted prices where kept), in a
+        worker thread if need be: it only reads the meter."""
+        persisted = self._persisted.get(pricing.key, {})
+        missing = [seq for seq in self._nodes if seq not in persisted]
+        priced = price_nodes(
+            [(self._nodes[s], self._offloads.get(s, frozenset())) for s in missing], pricing
+        )
+        fresh = dict(zip(missing, priced, strict=True))
+        return {seq: persisted[seq] if seq in persisted else fresh[seq] for seq in self._nodes}
+
+    def has_ledger(self, pricing: PricingProfile) -> bool:
+        """Whether ``measure`` with ``pricing`` is O(1) already."""
+        return pricing in self._ledgers
+
+    def add_ledger(self, pricing: PricingProfile, costs: Mapping[int, NodeCost]) -> None:
+        """Keep ``costs`` (``price_ledger``'s, made while nothing was observed) as the ledger of
+        ``pricing``."""
+        if pricing not in self._ledgers:
+            self._install(pricing, costs)
+
+    def persisted_prices(self) -> dict[str, dict[int, NodeCost]]:
+        """Every node price the meter keeps, per ``PricingProfile.key``: what a snapshot
+        persists (read only)."""
+        # ``list(...)`` first: a ledger may be installed on the loop meanwhile (one C call each,
+        # so the GIL keeps them whole), and a Python loop over a changing dict would fail.
+        found = {key: dict(costs) for key, costs in list(self._persisted.items())}
+        for pricing, ledger in list(self._ledgers.items()):
+            found[pricing.key] = dict(ledger.costs)
+        return found
+
+    def anchor_state(self) -> tuple[int, int] | None:
+        """The usage anchor as (message seq, header seq in force when it arrived), or None."""
+        if self._anchor is None:
+            return None
+        return self._anchor.seq, self._anchor.header_seq
+
+    def _restore_anchor(
+        self,
+        fold: SessionFold,
+        seq: int,
+        header_seq: int,
+        header: events_pb2.RequestHeader | None,
+    ) -> None:
+        """Take the anchor a snapshot recorded: the message at ``seq`` (a current node), and
+        ``header`` (logged at ``header_seq``) the one in force when it arrived."""
+        position = fold.surface.position_of(seq)
+        if position is None:
+            return
+        node = fold.surface[position]
+        self._anchor = _Anchor(seq, _usage(node.event), header_seq, header)
+        self._after_anchor = {n.seq for n in fold.surface.nodes[position + 1 :]}
+
+    def _install(self, pricing: PricingProfile, costs: Mapping[int, NodeCost]) -> _Ledger:
+        ledger = _Ledger(pricing)
+        for seq, cost in costs.items():
+            ledger.put(seq, cost, seq in self._after_anchor)
+        self._ledgers[pricing] = ledger
+        self._persisted.pop(pricing.key, None)
+        return ledger
 
     def _apply(self, fold: SessionFold, change: SurfaceChange, kind: str) -> None:
         """Price the node one surface event created (``kind``: its body) and drop what it
@@ -267,9 +398,13 @@ class SessionMeter:
         self._nodes[seq] = event
         if in_delta:
             self._after_anchor.add(seq)
+        staged = self._batch_prices
         for ledger in self._ledgers.values():
             # A new node has no offloads yet; an offload in this batch reprojects it afterwards.
-            ledger.put(seq, price_node(event, ledger.pricing), in_delta)
+            cost = staged.get((ledger.pricing, seq))
+            if cost is None:
+                cost = price_node(event, ledger.pricing)
+            ledger.put(seq, cost, in_delta)
 
     def _forget(self, seq: int) -> None:
         if self._anchor is not None and self._anchor.seq == seq:
@@ -278,6 +413,8 @@ class SessionMeter:
         self._after_anchor.discard(seq)
         self._nodes.pop(seq, None)
         self._offloads.pop(seq, None)
+        for costs in self._persisted.values():
+            costs.pop(seq, None)
         for ledger in self._ledgers.values():
             ledger.drop(seq, in_delta)
 
@@ -291,8 +428,14 @@ class SessionMeter:
             return
         self._offloads[seq] = fold.offloads.get(seq, frozenset())
         in_delta = seq in self._after_anchor
+        for costs in self._persisted.values():
+            costs.pop(seq, None)
+        staged = self._batch_prices
         for ledger in self._ledgers.values():
-            ledger.put(seq, self._price(seq, ledger.pricing), in_delta)
+            cost = staged.get((ledger.pricing, -1 - seq))
+            if cost is None:
+                cost = self._price(seq, ledger.pricing)
+            ledger.put(seq, cost, in_delta)
 
     def _price(self, seq: int, pricing: PricingProfile) -> NodeCost:
         return price_node(self._nodes[seq], pricing, self._offloads.get(seq, frozenset()))
@@ -417,11 +560,8 @@ class SessionMeter:
 
     def _ledger(self, pricing: PricingProfile) -> _Ledger:
         ledger = self._ledgers.get(pricing)
-        if ledger is None:
-            ledger = _Ledger(pricing)
-            for seq in self._nodes:
-                ledger.put(seq, self._price(seq, pricing), seq in self._after_anchor)
-            self._ledgers[pricing] = ledger
+        if ledger is None:  # the service builds ledgers off the loop first (``price_ledger``)
+            ledger = self._install(pricing, self.price_ledger(pricing))
         return ledger
 
     def _check_fold(self, fold: SessionFold) -> None:

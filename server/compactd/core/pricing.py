@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterable, Sequence, Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol, runtime_checkable
 
 from google.protobuf import json_format
@@ -271,6 +271,57 @@ def price_node(
 
 
 _OWN_CONTENT = frozenset({"user_message", "assistant_message", "tool_result"})
+
+
+def price_nodes(
+    items: Sequence[tuple[SessionEvent, Set[int]]], pricing: PricingProfile
+) -> list[NodeCost]:
+    """``price_node`` of many ``(event, offloaded)`` at once, equal to pricing them one by one.
+
+    A tokenizer with a batch API (``count_batch(texts) -> counts``; tiktoken's and HF
+    tokenizers' encode many texts in parallel without the GIL) counts every text of the batch in
+    one call: the nodes are walked once to collect their texts, the texts are counted together,
+    and the walk is repeated with those counts. Template routes and tokenizers without a batch API
+    price node by node. Runs in a worker thread: it only reads the events.
+    """
+    batch = getattr(pricing.tokenizer, "count_batch", None)
+    if batch is None or pricing.template is not None or len(items) < 2:
+        return [price_node(event, pricing, offloaded) for event, offloaded in items]
+    recorder = _TextRecorder(pricing.tokenizer)
+    recording = replace(pricing, tokenizer=recorder)
+    for event, offloaded in items:
+        price_node(event, recording, offloaded)
+    texts = list(recorder.texts)
+    counts = dict(zip(texts, batch(texts), strict=True)) if texts else {}
+    counted = replace(pricing, tokenizer=_CountedTexts(pricing.tokenizer, counts))
+    return [price_node(event, counted, offloaded) for event, offloaded in items]
+
+
+class _TextRecorder:
+    """A tokenizer that only remembers the texts it is asked to count (each once)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.name = tokenizer.name
+        self.exact = tokenizer.exact
+        self.texts: dict[str, None] = {}
+
+    def count(self, text: str) -> int:
+        self.texts[text] = None
+        return 0
+
+
+class _CountedTexts:
+    """A tokenizer answering from counts made in advance (the real one for any other text)."""
+
+    def __init__(self, tokenizer: Tokenizer, counts: dict[str, int]) -> None:
+        self.name = tokenizer.name
+        self.exact = tokenizer.exact
+        self._counts = counts
+        self._count = tokenizer.count
+
+    def count(self, text: str) -> int:
+        found = self._counts.get(text)
+        return self._count(text) if found is None else found
 
 
 def _content_cost(

@@ -126,6 +126,26 @@ class Surface:
             self.shadowed_by[old.seq] = (seq, old.type, checkpoint)
         return SurfaceChange(start, node, shadowed)
 
+    def restore(
+        self,
+        nodes: Sequence[SurfaceNode],
+        replacements: int,
+        shadowed_by: dict[int, tuple[int, str, str]],
+    ) -> None:
+        """Become the surface of ``nodes`` (in position order) after ``replacements`` REPLACEs
+        that shadowed ``shadowed_by``: how a snapshot is restored, without replaying the log
+        that made it. The call indexes are rebuilt from the nodes."""
+        self._nodes = list(nodes)
+        self._position = {node.seq: i for i, node in enumerate(self._nodes)}
+        self._calls, self._makers, self._answers = {}, {}, {}
+        self._unanswered, self._repeated = set(), set()
+        for node in self._nodes:
+            self._track_calls(node, +1)
+        self._unanswered_at = (-1, frozenset())
+        self.replacements = replacements
+        self.shadowed_by = dict(shadowed_by)
+        self.changes += 1  # a restored surface is not one a selection saw
+
     def undo(self, change: SurfaceChange) -> None:
         """Revert ``change``, which must be the most recent change not yet undone."""
         self.changes += 1

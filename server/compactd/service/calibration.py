@@ -38,6 +38,9 @@ HEURISTIC_ERROR_BOUND: Final = 0.55
 class UsageCalibration:
     """Records, per route, compactd's count of each request next to the provider's.
 
+    Fed only by commit observers, which run on the event loop (never in the pricing worker
+    threads, and never for the events a restore replays), so its ``Calibrator`` needs no lock.
+
     Args:
         routes: Resolves the header's provider/model to the route to price with.
         calibrator: Where samples go (one per service).

@@ -8,12 +8,15 @@ into a ``PressureReport``. A report is computed synchronously, so it describes o
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
+from functools import partial
 from typing import Any
 
 from compactd.core.calibration import CalibrationStats
+from compactd.core.fold import AdmittedBatch, SessionFold
 from compactd.core.meter import Measurement, Method, SessionMeter
 from compactd.core.policy import (
     CompactSpec,
@@ -22,6 +25,7 @@ from compactd.core.policy import (
     compact_spec,
     output_reservation,
 )
+from compactd.core.pricing import PricingProfile
 from compactd.errors import FailedPrecondition
 from compactd.routes import Route, RouteCatalog
 from compactd.service.calibration import UsageCalibration, annotate, estimated
@@ -48,17 +52,41 @@ _RESOLVED_CACHE = 1024  # resolved policies and specs kept (cleared when full)
 
 def session_meter(handle: SessionHandle) -> SessionMeter:
     """The session's meter, attached on first use (it prices the existing nodes lazily, per
-    pricing profile, and every later batch as it commits)."""
+    pricing profile, and every later batch as it commits: a large batch in a worker thread, see
+    ``SessionHandle.add_preparer``). A session restored from a snapshot starts from the prices
+    the snapshot kept."""
     meter = handle.extensions.get(METER_KEY)
     if isinstance(meter, SessionMeter):
         return meter
-    meter = SessionMeter(handle.fold)
+    restored, handle.restored = handle.restored, None
+    if restored is not None:
+        meter = SessionMeter(handle.fold, persisted=restored.prices, anchor=restored.anchor)
+    else:
+        meter = SessionMeter(handle.fold)
     handle.extensions[METER_KEY] = meter
-    handle.add_observer(meter.observe)
+    handle.prices = meter
+    handle.add_observer(meter.observe, replays=True)
     calibration = handle.extensions.get(_CALIBRATION_KEY)
     if isinstance(calibration, UsageCalibration):  # after the meter: it reads the new revision
         handle.add_observer(calibration.observer(handle.session_id, meter))
+        handle.add_preparer(partial(_prepare, meter, calibration.routes))
     return meter
+
+
+def _prepare(
+    meter: SessionMeter, routes: RouteCatalog, fold: SessionFold, batch: AdmittedBatch
+) -> None:
+    """Price ``batch`` ahead of its commit for every ledger the meter keeps and for the route of
+    the header in force after it (the calibration prices with it); in a worker thread."""
+    meter.prepare(fold, batch, _logged_profiles(fold.header, routes))
+
+
+def _logged_profiles(
+    header: events_pb2.RequestHeader | None, routes: RouteCatalog
+) -> list[PricingProfile]:
+    if header is None or not (header.config.provider and header.config.model):
+        return []
+    return [routes.resolve(header.config.provider, header.config.model).pricing]
 
 
 class PressureService:
@@ -81,6 +109,7 @@ class PressureService:
         self._targets: dict[tuple[int, str, str], tuple[PressurePolicy, TargetPolicy]] = {}
         self._specs: dict[tuple[int, str, int | None, int], tuple[TargetPolicy, CompactSpec]] = {}
         manager.on_restore(self._attach)
+        manager.rebuilds(METER_KEY, _POLICY_KEY, _CALIBRATION_KEY)
         self.fallbacks = route_fallbacks(routes)
         if self.fallbacks:
             log.warning(
@@ -89,9 +118,13 @@ class PressureService:
                 "; ".join(f"{name}: {why}" for name, why in self.fallbacks.items()),
             )
 
-    def _attach(self, handle: SessionHandle) -> None:
+    async def _attach(self, handle: SessionHandle) -> None:
+        """Give a restored session its meter, and price its nodes for the logged route in a
+        worker thread (persisted prices where a snapshot kept them), so its first pressure
+        check is O(1) and no restore holds the event loop."""
         handle.extensions[_CALIBRATION_KEY] = self.calibration
-        session_meter(handle)
+        meter = session_meter(handle)
+        await _ensure_ledgers(meter, _logged_profiles(meter.header, self.routes))
 
     def calibration_stats(self, route: Route) -> CalibrationStats | None:
         """What provider usage has shown about ``route``'s counts (None before any sample): for
@@ -113,7 +146,24 @@ class PressureService:
             ConfigError: The session's own policy settings are invalid.
         """
         handle = await self._manager.get(session_id)
+        await self.ready(handle, destination)
         return self.report(handle, destination)
+
+    async def ready(self, handle: SessionHandle, destination: Route | None = None) -> None:
+        """Price the session for ``destination`` (default: the logged route) in a worker thread
+        when its meter has no ledger for that pricing yet (the first check of a new route), so
+        the synchronous report that follows is O(1)."""
+        meter = session_meter(handle)
+        route = destination
+        if route is None:
+            header = meter.header
+            if header is None or not (header.config.provider and header.config.model):
+                return
+            route = self.routes.resolve(header.config.provider, header.config.model)
+        if meter.has_ledger(route.pricing):
+            return
+        async with handle.lock:  # no batch is observed while the nodes are priced
+            await _ensure_ledgers(meter, [route.pricing])
 
     async def watch(
         self, session_id: str, destination: Route | None = None
@@ -124,6 +174,7 @@ class PressureService:
         never wait for readers. Errors: as ``check``, raised from the iteration that meets them.
         """
         handle = await self._manager.get(session_id)
+        await self.ready(handle, destination)
         revisions = handle.revisions()
         try:
             async for _revision in revisions:
@@ -226,6 +277,22 @@ class PressureService:
         policy = self.policy.with_overrides(overrides)
         handle.extensions[_POLICY_KEY] = (overrides, self.policy, policy)
         return policy
+
+
+async def _ensure_ledgers(meter: SessionMeter, profiles: list[PricingProfile]) -> None:
+    """Build the meter's missing ledgers in a worker thread (the caller keeps batches out)."""
+    for pricing in profiles:
+        if not meter.has_ledger(pricing):
+            costs = await asyncio.to_thread(meter.price_ledger, pricing)
+            meter.add_ledger(pricing, costs)
+
+
+def warm_up(routes: RouteCatalog) -> None:
+    """Load every route's tokenizer (and chat template) and count once, so the first pressure
+    check after start does not pay for it (``load_tokenizer`` caches per process). Blocking: run
+    it in a worker thread."""
+    for route in routes:
+        route.pricing.count("warm up")
 
 
 def route_fallbacks(routes: RouteCatalog) -> dict[str, str]:

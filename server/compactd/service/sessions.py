@@ -5,6 +5,26 @@ A ``SessionManager`` restores a session from the store on first use (appending
 stale evidence), then keeps its ``SessionFold`` current as batches commit. Appends to one session
 are serialized by its lock; the store shares commits across sessions (group commit).
 
+Cost follows the work (issue 11):
+
+- A batch's prices are made in a worker thread while the store commits it (``add_preparer``;
+  the tokenizers release the GIL), so a large append never holds the event loop; the commit
+  observers then run with those prices, still under the session's lock, before the append
+  answers: a read after the commit sees its prices.
+- Every ``snapshot_interval`` events a fold snapshot (``core.snapshot``: the state, the surface as
+  seqs, the meter's node prices) is written in one store transaction. A restore reads the latest
+  snapshot, the events it names and the log after it, and folds them in worker threads; without a
+  usable snapshot it replays the log, also off the loop.
+- At most ``max_resident`` sessions stay in memory: the least recently used idle one (its lock
+  free, no stream following it, no bracket open) is snapshotted and dropped, and restored on
+  demand. Eviction is not a restart: a session restored after an eviction in the same process
+  gets no ``session/end-seed``. A handle someone still holds stays the session's one handle (a
+  weak reference finds it), so no session ever has two folds.
+
+On a store several replicas share (PostgreSQL), the fold is a cache of the log that other
+replicas also append to: ``service.replicas`` keeps it current (catch-up under the lock, appends
+retried on a stale fold, bracket leases, change notifications), and a restore appends
+``session/end-seed`` only when the process that owned a live bracket died (its lease expired).
 Tenancy lives here, as a key: a session is (tenant, id), the tenant being the caller's
 (``compactd.tenancy.current_tenant``) unless one is named. Another tenant's session is simply not
 there (NotFound), so nothing past the manager needs to know tenants exist.
@@ -16,21 +36,31 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+import weakref
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from compactd.core import snapshot as snapshots
+from compactd.core.events import SessionEvent
 from compactd.core.fold import AdmittedBatch, SessionFold
 from compactd.core.limits import DEFAULT_LIMITS, AppendLimits
+from compactd.core.lock import live_bracket
+from compactd.core.pricing import NodeCost
 from compactd.core.validation import Origin, check_batch
 from compactd.errors import (
     AlreadyExists,
+    Busy,
+    CompactdError,
     ConfigError,
+    Fenced,
     FieldViolation,
     InvalidArgument,
     NotFound,
@@ -38,7 +68,16 @@ from compactd.errors import (
     SeqConflict,
 )
 from compactd.service.quotas import QuotaBook, Reservation
+from compactd.service.replicas import (
+    MAX_APPEND_ATTEMPTS,
+    CatchUpLock,
+    ChangeListener,
+    LeaseKeeper,
+    lease_for,
+    retry_pause,
+)
 from compactd.store.base import EventStore, SessionRecord, StoreUsage, session_not_found
+from compactd.store.leases import LeaseAction, LeaseOp, fenced
 from compactd.tenancy import Tenant, current_tenant
 from compactd.v1 import events_pb2
 
@@ -46,6 +85,34 @@ log = logging.getLogger(__name__)
 
 Observer = Callable[[SessionFold, AdmittedBatch], None]
 _Key = tuple[str, str]  # (tenant id, session id)
+# Batches at least this large (events or serialized bytes) are priced in a worker thread; a
+# smaller one is priced on the loop, where it costs less than the hop to a thread.
+OFFLOAD_EVENTS = 16
+OFFLOAD_BYTES = 16 * 1024
+# A batch is checked in a worker thread, and admitted in steps of this many events between which
+# other calls run, from this size on.
+ADMIT_STEP = 128
+
+
+class PriceSource(Protocol):
+    """What a snapshot takes from the session's meter (``core.meter.SessionMeter``)."""
+
+    def persisted_prices(self) -> dict[str, dict[int, NodeCost]]:
+        """Node prices per pricing-profile key."""
+        ...
+
+    def anchor_state(self) -> tuple[int, int] | None:
+        """(anchor seq, its header seq), or None."""
+        ...
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a snapshot restore hands the session's meter: the node prices it persisted and its
+    usage anchor (seq, header seq, that header)."""
+
+    prices: dict[str, dict[int, NodeCost]]
+    anchor: tuple[int, int, events_pb2.RequestHeader | None] | None
 
 
 @dataclass(frozen=True)
@@ -67,9 +134,13 @@ class SessionHandle:
         fold: SessionFold,
         limits: AppendLimits = DEFAULT_LIMITS,
         quotas: QuotaBook | None = None,
+        *,
+        owner: str = "",
+        lease_s: float = 30.0,
     ) -> None:
         self.session_id = record.session_id
         self.tenant = record.tenant
+        self.key: _Key = (record.tenant, record.session_id)
         self.deleted = False  # set (under the lock) by ``SessionManager.delete``
         self._quotas = quotas
         self.limits = limits
@@ -79,17 +150,50 @@ class SessionHandle:
             json.loads(record.policy_json) if record.policy_json else None
         )
         self.extensions: dict[str, object] = {}
-        self.lock = asyncio.Lock()
+        # Held, the fold is as new as the store's log (``service.replicas``).
+        self.lock = CatchUpLock(self.catch_up_locked)
+        self.owner = owner
+        self.leases = LeaseKeeper(store, record.session_id, owner, lease_s, tenant=record.tenant)
+        self._next_lease_check = 0.0  # monotonic time to look at another replica's lease again
         # The committed revision: ``fold.revision`` also counts a batch admitted but not yet
         # durable, which readers that do not hold the lock must never see.
         self.revision = fold.revision
         self._store = store
         self._observers: list[Observer] = []
+        self._replaying: list[Observer] = []  # observers that also follow a restore's tail
+        self._preparers: list[Observer] = []
         self._changed = asyncio.Condition()
+        self.followers = 0  # streams following the revisions (``revisions``)
+        self.snapshot_revision = 0  # the revision of the latest snapshot written (or read)
+        self.prices: PriceSource | None = None  # the meter a snapshot takes prices from
+        self.restored: Restored | None = None  # what a snapshot restore left for the meter
 
-    def add_observer(self, observer: Observer) -> None:
-        """Call ``observer(fold, batch)`` after every batch commits (while the lock is held)."""
+    def add_observer(self, observer: Observer, *, replays: bool = False) -> None:
+        """Call ``observer(fold, batch)`` after every batch commits (while the lock is held).
+
+        With ``replays``, also for the events a restore folds after the snapshot it started
+        from (the meter's prices must follow them; a usage sample must not be taken twice)."""
         self._observers.append(observer)
+        if replays:
+            self._replaying.append(observer)
+
+    def add_preparer(self, preparer: Observer) -> None:
+        """Call ``preparer(fold, batch)`` in a worker thread while a large batch commits, before
+        the observers; it may only read (the lock keeps the fold still)."""
+        self._preparers.append(preparer)
+
+    def replay(self, batch: AdmittedBatch) -> None:
+        """Tell the replaying observers about a batch a restore folded (already durable)."""
+        self.revision = self.fold.revision
+        for observer in self._replaying:
+            observer(self.fold, batch)
+
+    @property
+    def idle(self) -> bool:
+        """Whether nothing uses the session now: no lock held, no stream, no open bracket."""
+        return (
+            not self.lock.locked() and not self.followers and live_bracket(self.fold.lock) is None
+        )
 
     async def append(
         self,
@@ -106,10 +210,35 @@ class SessionHandle:
         ``Origin.CLIENT``, which refuses server-only events, enforces the step brackets and
         bounds the batch by ``self.limits`` (blocks, events, the surface).
         """
-        check_batch(events, max_events=max_events, origin=origin, limits=self.limits)
+        if len(events) >= ADMIT_STEP:  # a large batch's checks run beside the loop
+            await asyncio.to_thread(
+                partial(
+                    check_batch, events, max_events=max_events, origin=origin, limits=self.limits
+                )
+            )
+        else:
+            check_batch(events, max_events=max_events, origin=origin, limits=self.limits)
+        if self._store.shared and origin is Origin.CLIENT:
+            return await self._append_optimistic(events, expected_last_seq)
         async with self.lock:
             return await self.append_locked(
                 events, expected_last_seq=expected_last_seq, origin=origin
+            )
+
+    async def _append_optimistic(
+        self, events: Sequence[events_pb2.SessionEvent], expected_last_seq: int | None
+    ) -> AppendResult:
+        """A runtime's batch on a shared store: first decided on the cached fold, without a
+        revision read. The store lands it only at the fold's revision, so a batch that lands
+        was decided on the current log; any refusal (a seq conflict, or a check the stale fold
+        failed) is decided again on the caught-up fold, where it stands or falls for real."""
+        async with self.lock.as_cached():
+            try:
+                return await self._append_once(events, expected_last_seq, Origin.CLIENT)
+            except CompactdError:
+                await self._catch_up()
+            return await self.append_locked(
+                events, expected_last_seq=expected_last_seq, origin=Origin.CLIENT
             )
 
     async def append_locked(
@@ -120,6 +249,27 @@ class SessionHandle:
         origin: Origin = Origin.SERVER,
     ) -> AppendResult:
         """``append`` for a caller that already holds ``self.lock`` (the compaction engine)."""
+        for attempt in range(1, MAX_APPEND_ATTEMPTS + 1):
+            try:
+                return await self._append_once(events, expected_last_seq, origin)
+            except (SeqConflict, InvalidArgument) as error:
+                # The store refused a batch decided on a fold another replica had moved past:
+                # catch up, then decide again (a retry finds its own ids, a conflict shows).
+                if not self._store.shared or not _stale_fold(error):
+                    raise
+                if attempt == MAX_APPEND_ATTEMPTS:
+                    raise
+                await retry_pause(attempt)
+                await self._catch_up()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _append_once(
+        self,
+        events: Sequence[events_pb2.SessionEvent],
+        expected_last_seq: int | None,
+        origin: Origin,
+        lease: LeaseOp | None = None,
+    ) -> AppendResult:
         if self.deleted:  # a caller that got the handle before the delete
             raise session_not_found(self.session_id)
         replay = await self._replayed(events)
@@ -136,11 +286,17 @@ class SessionHandle:
             )
         now = Timestamp()
         now.GetCurrentTime()
-        batch = self.fold.admit(
-            events, now=now, origin=origin, max_surface_bytes=self.limits.max_surface_bytes
-        )
+        batch = await self._admit(events, now, origin)
         reservation = self._reserve_bytes(batch, origin)
-        commit = asyncio.ensure_future(self._commit(batch, reservation))
+        if lease is None:
+            lease = lease_for(
+                batch.events,
+                self.leases.owned,
+                self.owner,
+                self.leases.ttl_s,
+                shared=self._store.shared,
+            )
+        commit = asyncio.ensure_future(self._commit(batch, reservation, lease))
         try:
             return await asyncio.shield(commit)
         except asyncio.CancelledError:
@@ -148,6 +304,29 @@ class SessionHandle:
             # (or its rollback) before the lock is released, so the fold never leaves the log.
             await asyncio.wait([commit])
             raise
+
+    async def _admit(
+        self, events: Sequence[events_pb2.SessionEvent], now: Timestamp, origin: Origin
+    ) -> AdmittedBatch:
+        """``fold.admit``, letting the loop run other calls every ``ADMIT_STEP`` events (readers
+        that do not hold the lock read only the committed state)."""
+        steps = self.fold.admit_in_steps(
+            events,
+            now=now,
+            origin=origin,
+            max_surface_bytes=self.limits.max_surface_bytes,
+            step=ADMIT_STEP,
+        )
+        try:
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    batch: AdmittedBatch = done.value
+                    return batch
+                await asyncio.sleep(0)
+        finally:
+            steps.close()  # a cancelled admission rolls back what it admitted
 
     def _reserve_bytes(self, batch: AdmittedBatch, origin: Origin) -> Reservation | None:
         """Count the batch's bytes against the tenant's quota; only a runtime's is refused."""
@@ -162,19 +341,126 @@ class SessionHandle:
             self.fold.rollback(batch)
             raise
 
-    async def _commit(self, batch: AdmittedBatch, reservation: Reservation | None) -> AppendResult:
+    async def _commit(
+        self, batch: AdmittedBatch, reservation: Reservation | None, lease: LeaseOp | None = None
+    ) -> AppendResult:
+        prepared = self._prepare(batch)
         try:
-            await self._store.append(self.session_id, batch.events, tenant=self.tenant)
-        except BaseException:
+            await self._store.append(self.session_id, batch.events, tenant=self.tenant, lease=lease)
+        except BaseException as error:
+            if prepared is not None:  # the worker reads the fold: let it finish first
+                await asyncio.wait([prepared])
             self.fold.rollback(batch)
             if reservation is not None:
                 reservation.release()
+            if isinstance(error, Fenced) and lease is not None:
+                self.leases.drop(lease.token)  # another replica took the bracket over
             raise
+        if prepared is not None:
+            await prepared
+        self.leases.landed(lease)
+        self._folded(batch)
+        await self._notify()
+        return AppendResult([e.seq for e in batch.events], self.fold.revision)
+
+    def _folded(self, batch: AdmittedBatch) -> None:
         self.revision = self.fold.revision
         for observer in self._observers:
             observer(self.fold, batch)
+
+    # --- replicas -------------------------------------------------------------------------------
+
+    async def catch_up_locked(self) -> None:
+        """Fold what other replicas appended, then take over a dead replica's bracket.
+
+        Runs with ``self.lock`` held (entering the lock calls it). One revision read when
+        nothing changed; nothing at all on a store one process owns.
+        """
+        if not self._store.shared:
+            return
+        await self._catch_up()
+        await self._take_over_orphan()
+
+    def check_bracket(self, compaction_id: str) -> None:
+        """Refuse to go on with a bracket another replica took over (call with the lock held).
+
+        Raises:
+            Fenced: ``LEASE_LOST``; the bracket's lifecycle ended (``session/end-seed``).
+        """
+        if not self._store.shared:
+            return
+        live = live_bracket(self.fold.lock)
+        if live is None or live.compaction_id != compaction_id:
+            self.leases.drop(compaction_id)
+            raise fenced(self.session_id, compaction_id, None)
+
+    async def _catch_up(self) -> None:
+        record = await self._store.get_session(self.session_id, tenant=self.tenant)
+        if record is None or record.create_time != self.record.create_time:
+            # Another replica deleted the session (and perhaps created a new one of that id):
+            # this fold is of a log that is gone. Its followers end; the manager drops it.
+            await self.mark_deleted()
+            raise session_not_found(self.session_id)
+        if record.revision <= self.fold.revision:
+            return
+        chunk: list[events_pb2.SessionEvent] = []
+        async for event in self.read(self.fold.revision, record.revision):
+            chunk.append(event)
+            if len(chunk) >= 512:
+                self._folded(self.fold.admit(chunk, check=False))
+                chunk = []
+        if chunk:
+            self._folded(self.fold.admit(chunk, check=False))
         await self._notify()
-        return AppendResult([e.seq for e in batch.events], self.fold.revision)
+
+    async def _take_over_orphan(self) -> None:
+        """End the lifecycle of a live bracket whose owner died (its lease expired)."""
+        live = live_bracket(self.fold.lock)
+        if live is None or live.compaction_id in self.leases.owned:
+            return
+        if time.monotonic() < self._next_lease_check:
+            return
+        lease = await self._store.get_lease(self.session_id, tenant=self.tenant)
+        if lease is not None and not lease.expired:
+            self._next_lease_check = time.monotonic() + lease.remaining_s
+            return
+        seed = events_pb2.SessionEvent(
+            session_end_seed=events_pb2.SessionEndSeed(
+                reason="lease-expired", instance_id=self.owner
+            )
+        )
+        breaking = LeaseOp(LeaseAction.BREAK, self.owner, live.compaction_id)
+        try:
+            await self._append_once([seed], None, Origin.SERVER, lease=breaking)
+        except (Busy, SeqConflict):  # renewed meanwhile, or another replica took it over first
+            self._next_lease_check = 0.0
+            return
+        log.warning(
+            "took over a session whose bracket owner stopped renewing its lease",
+            extra={"session_id": self.session_id, "compaction_id": live.compaction_id},
+        )
+
+    def _prepare(self, batch: AdmittedBatch) -> asyncio.Future[None] | None:
+        """Start the preparers in a worker thread for a large batch (None: small, or none)."""
+        if not self._preparers or not batch.surface_changes:
+            return None
+        events = batch.events
+        if len(events) < OFFLOAD_EVENTS and sum(e.ByteSize() for e in events) < OFFLOAD_BYTES:
+            return None
+        return asyncio.ensure_future(asyncio.to_thread(self.run_preparers, batch))
+
+    @property
+    def replays(self) -> bool:
+        """Whether an observer follows a restore's tail."""
+        return bool(self._replaying)
+
+    def run_preparers(self, batch: AdmittedBatch) -> None:
+        """Run the preparers on ``batch`` (in a worker thread; see ``add_preparer``)."""
+        for preparer in self._preparers:
+            try:
+                preparer(self.fold, batch)
+            except Exception:  # the observers price on their own: never fail a commit
+                log.exception("pricing a batch ahead of its commit failed")
 
     async def revisions(self) -> AsyncIterator[int]:
         """Yield the committed revision now, then the latest one after each commit (coalesced).
@@ -183,13 +469,17 @@ class SessionHandle:
             NotFound: once the session is deleted (a follower's stream ends with it).
         """
         seen = -1
-        while True:
-            async with self._changed:
-                await self._changed.wait_for(partial(self._moved_past, seen))
-                if self.deleted:
-                    raise session_not_found(self.session_id)
-                seen = self.revision
-            yield seen
+        self.followers += 1
+        try:
+            while True:
+                async with self._changed:
+                    await self._changed.wait_for(partial(self._moved_past, seen))
+                    if self.deleted:
+                        raise session_not_found(self.session_id)
+                    seen = self.revision
+                yield seen
+        finally:
+            self.followers -= 1
 
     def read(
         self, from_seq: int = 0, to_seq: int | None = None
@@ -233,6 +523,13 @@ class SessionHandle:
         return AppendResult(seqs, self.fold.revision, replayed=True)
 
 
+def _stale_fold(error: Exception) -> bool:
+    """Whether the store refused a batch because another replica appended first."""
+    if isinstance(error, SeqConflict):
+        return "first_seq" in error.metadata  # the store's check, not ``expected_last_seq``
+    return getattr(error, "reason", "") == "DUPLICATE_EVENT_ID"
+
+
 def _same_content(sent: events_pb2.SessionEvent, kept: events_pb2.SessionEvent) -> bool:
     a, b = events_pb2.SessionEvent(), events_pb2.SessionEvent()
     a.CopyFrom(sent)
@@ -248,7 +545,13 @@ def _same_content(sent: events_pb2.SessionEvent, kept: events_pb2.SessionEvent) 
 
 
 class SessionManager:
-    """Creates sessions and restores them from the store, once per process."""
+    """Creates sessions, restores them from the store and keeps at most ``max_resident`` of
+    them in memory (see the module docstring).
+
+    Args:
+        snapshot_interval: Events between fold snapshots (0: never snapshot).
+        max_resident: Sessions held in memory at most (0: no bound).
+    """
 
     def __init__(
         self,
@@ -257,24 +560,57 @@ class SessionManager:
         instance_id: str | None = None,
         policy_validator: Callable[[Mapping[str, Any]], object] | None = None,
         limits: AppendLimits = DEFAULT_LIMITS,
+        lease_s: float = 30.0,
+        snapshot_interval: int = 0,
+        max_resident: int = 0,
         quotas: QuotaBook | None = None,
     ) -> None:
         self.store = store
         self.limits = limits
+        self.lease_s = lease_s
+        self.snapshot_interval = snapshot_interval
+        self.max_resident = max_resident
         self.quotas = quotas
         self._policy_validator = policy_validator
         self.instance_id = instance_id or uuid.uuid4().hex[:12]
-        self._handles: dict[_Key, SessionHandle] = {}
+        self._handles: OrderedDict[_Key, SessionHandle] = OrderedDict()  # least recent first
+        # Every handle still referenced (a stream, a running call): the one handle of its session.
+        self._alive: weakref.WeakValueDictionary[_Key, SessionHandle] = (
+            weakref.WeakValueDictionary()
+        )
+        self._evicted: set[_Key] = set()  # sessions this process evicted (no new lifecycle)
+        # What an evicted session's extensions held (its failure memory, say), handed to its
+        # next handle; keys in ``_rebuilt`` are rebuilt on restore instead (the meter).
+        self._carried: dict[_Key, dict[str, object]] = {}
+        self._rebuilt: set[str] = set()
         self._loading: dict[_Key, asyncio.Future[SessionHandle]] = {}
-        self._on_restore: list[Callable[[SessionHandle], None]] = []
+        self._on_restore: list[Callable[[SessionHandle], Awaitable[None] | None]] = []
+        self._snapshotting: dict[_Key, asyncio.Task[None]] = {}
+        self._evicting: asyncio.Task[None] | None = None
+        self.evictions = 0
+        self._listener = ChangeListener(
+            store,
+            lambda tenant, session_id: self._handles.get((tenant, session_id)),
+            self._handles.values,
+        )
+
+    def start(self) -> None:
+        """Begin following other replicas' appends (a shared store; call on the event loop)."""
+        self._listener.start()
 
     @property
     def resident(self) -> int:
         """How many sessions are held in memory (the live-sessions gauge)."""
         return len(self._handles)
 
-    def on_restore(self, callback: Callable[[SessionHandle], None]) -> None:
-        """Call ``callback(handle)`` for every session restored from now on."""
+    def rebuilds(self, *keys: str) -> None:
+        """Extension keys a restore rebuilds (``on_restore``); every other key of an evicted
+        session's ``extensions`` is carried to its next handle, as if it had never left."""
+        self._rebuilt.update(keys)
+
+    def on_restore(self, callback: Callable[[SessionHandle], Awaitable[None] | None]) -> None:
+        """Call ``callback(handle)`` for every session restored from now on, before the session
+        is used; a callback may be a coroutine function (awaited: e.g. pricing in a thread)."""
         self._on_restore.append(callback)
 
     def validate_policy(
@@ -345,14 +681,29 @@ class SessionManager:
                 ) from None
             return existing
 
-    async def get(self, session_id: str, *, tenant: Tenant | None = None) -> SessionHandle:
+    async def get(
+        self, session_id: str, *, tenant: Tenant | None = None, fresh: bool = True
+    ) -> SessionHandle:
         """The session's handle, restoring it from the log on first use.
+
+        On a shared store the fold is caught up first; ``fresh=False`` skips that for a caller
+        that takes the handle's lock next anyway (taking it catches up).
 
         Raises:
             NotFound: No session ``session_id`` of ``tenant`` (the caller's by default).
         """
         key = (_tenant_id(tenant), session_id)
         handle = self._handles.get(key)
+        if handle is not None:
+            self._handles.move_to_end(key)
+        else:
+            handle = self._alive.get(key)
+            if handle is not None and not handle.deleted:  # evicted while in use: still its handle
+                self._keep(handle)
+            else:
+                handle = None
+        if handle is not None and fresh and self.store.shared:
+            handle = await self._caught_up(key, handle)  # other replicas may have appended
         if handle is not None:
             return handle
         # One restore per session however many callers arrive (and none left behind for ids
@@ -363,6 +714,20 @@ class SessionManager:
             self._loading[key] = restoring
             restoring.add_done_callback(lambda _: self._loading.pop(key, None))
         return await asyncio.shield(restoring)
+
+    async def _caught_up(self, key: _Key, handle: SessionHandle) -> SessionHandle | None:
+        """The handle with its fold caught up; None when another replica deleted its session
+        (the handle is dropped, so a session created anew under the id is restored fresh)."""
+        try:
+            async with handle.lock:
+                pass
+        except NotFound:
+            if not handle.deleted:
+                raise
+            if self._handles.get(key) is handle:
+                del self._handles[key]
+            return None
+        return handle
 
     async def list(
         self, *, after: str = "", limit: int = 100, tenant: Tenant | None = None
@@ -390,7 +755,7 @@ class SessionManager:
         restoring = self._loading.get(key)
         if restoring is not None:  # let a restore in flight land, so its handle is retired
             await asyncio.wait([restoring])
-        handle = self._handles.get(key)
+        handle = self._handles.get(key) or self._alive.get(key)
         async with handle.lock if handle is not None else contextlib.nullcontext():
             if idle_before is not None and not await self._idle(key, idle_before):
                 return False
@@ -399,6 +764,7 @@ class SessionManager:
             if handle is not None:
                 await handle.mark_deleted()
                 self._handles.pop(key, None)
+            self._forget(key)
         if not deleted:
             raise session_not_found(session_id)
         if self.quotas is not None and held is not None:
@@ -417,10 +783,23 @@ class SessionManager:
         record = await self.store.get_session(key[1], tenant=key[0])
         return record is None or record.last_active < before
 
+    def _forget(self, key: _Key) -> None:
+        """Drop what the manager keeps of a deleted session besides its handle."""
+        self._alive.pop(key, None)
+        self._evicted.discard(key)
+        self._carried.pop(key, None)
+
     async def _restore_once(self, key: _Key) -> SessionHandle:
         handle = await self._restore(*key)
-        self._handles[key] = handle
+        self._keep(handle)
         return handle
+
+    def _keep(self, handle: SessionHandle) -> None:
+        self._handles[handle.key] = handle
+        self._alive[handle.key] = handle
+        over = bool(self.max_resident) and len(self._handles) > self.max_resident
+        if over and (self._evicting is None or self._evicting.done()):
+            self._evicting = asyncio.ensure_future(self._evict_over())
 
     async def _restore(self, tenant: str, session_id: str) -> SessionHandle:
         record = await self.store.get_session(session_id, tenant=tenant)
@@ -428,17 +807,32 @@ class SessionManager:
             raise NotFound(
                 f"session {session_id!r} does not exist", metadata={"session_id": session_id}
             )
-        fold = SessionFold()
-        chunk: list[events_pb2.SessionEvent] = []
-        async for event in self.store.read(session_id, tenant=tenant):
-            chunk.append(event)
-            if len(chunk) >= 512:
-                fold.admit(chunk, check=False)
-                chunk = []
-        if chunk:
-            fold.admit(chunk, check=False)
-        handle = SessionHandle(record, self.store, fold, self.limits, self.quotas)
-        if fold.revision:
+        fold, restored, same_lifecycle = await self._from_snapshot(record)
+        handle = SessionHandle(
+            record,
+            self.store,
+            fold,
+            self.limits,
+            self.quotas,
+            owner=self.instance_id,
+            lease_s=self.lease_s,
+        )
+        handle.extensions.update(self._carried.pop(handle.key, {}))
+        handle.restored = restored
+        handle.snapshot_revision = fold.revision if restored is not None else 0
+        handle.add_observer(partial(self._committed, weakref.ref(handle)))
+        same_lifecycle = same_lifecycle or handle.key in self._evicted
+        for callback in self._on_restore:
+            pending = callback(handle)
+            if pending is not None:
+                await pending
+        await self._fold_tail(handle)
+        if self.store.shared:
+            # Other replicas serve this session too: a restore is no new lifecycle. A bracket
+            # whose owner died is taken over once its lease expired (``catch_up_locked``).
+            async with handle.lock:
+                pass
+        elif handle.fold.revision and not same_lifecycle:
             # A new lifecycle: brackets opened by an earlier process become stale evidence.
             seed = events_pb2.SessionEvent(
                 session_end_seed=events_pb2.SessionEndSeed(
@@ -446,17 +840,163 @@ class SessionManager:
                 )
             )
             result = await handle.append([seed])
-            fold.restored_at = result.seqs[0]
+            handle.fold.restored_at = result.seqs[0]
             log.info(
-                "session restored", extra={"session_id": session_id, "revision": fold.revision}
+                "session restored",
+                extra={"session_id": session_id, "revision": handle.fold.revision},
             )
-        for callback in self._on_restore:
-            callback(handle)
         return handle
 
+    async def _from_snapshot(
+        self, record: SessionRecord
+    ) -> tuple[SessionFold, Restored | None, bool]:
+        """The fold of the session's latest usable snapshot (an empty fold without one), what
+        it left for the meter, and whether this process wrote it (the same lifecycle)."""
+        session_id, tenant = record.session_id, record.tenant
+        kept = await self.store.get_snapshot(session_id, tenant=tenant)
+        if kept is None:
+            return SessionFold(), None, False
+        try:
+            snap = await asyncio.to_thread(snapshots.decode, kept[1])
+            if snap.revision != kept[0] or snap.revision > record.revision:
+                raise snapshots.SnapshotInvalid(
+                    f"snapshot at revision {snap.revision} for a log of {record.revision} events"
+                )
+            stored = await self.store.read_seqs(session_id, snap.needed_seqs(), tenant=tenant)
+            fold = await asyncio.to_thread(snapshots.rebuild, snap, {e.seq: e for e in stored})
+        except snapshots.SnapshotInvalid as err:
+            log.warning(
+                "snapshot unusable, replaying the log: %s", err, extra={"session_id": session_id}
+            )
+            return SessionFold(), None, False
+        anchor = None
+        if snap.anchor is not None:
+            seq, header_seq = snap.anchor
+            header = fold.header if header_seq == fold.header_seq else None
+            if header is None and header_seq >= 0:
+                found = [e for e in stored if e.seq == header_seq]
+                header = found[0].request_header if found else None
+            anchor = (seq, header_seq, header)
+        restored = Restored(snap.node_prices(), anchor)
+        return fold, restored, snap.instance_id == self.instance_id
+
+    async def _fold_tail(self, handle: SessionHandle) -> None:
+        """Fold the log after the handle's fold (all of it without a snapshot) in worker
+        threads, telling the replaying observers (the meter) about it."""
+        fold = handle.fold
+        chunk: list[SessionEvent] = []
+        async for event in handle.read(fold.revision):
+            chunk.append(event)
+            if len(chunk) >= 4096:
+                await self._fold_chunk(handle, chunk)
+                chunk = []
+        if chunk:
+            await self._fold_chunk(handle, chunk)
+        handle.revision = fold.revision
+
+    async def _fold_chunk(self, handle: SessionHandle, chunk: Sequence[SessionEvent]) -> None:
+        batch = await asyncio.to_thread(partial(handle.fold.admit, chunk, check=False))
+        if handle.replays:
+            await asyncio.to_thread(handle.run_preparers, batch)
+        handle.replay(batch)
+
+    # ---- snapshots and eviction ----------------------------------------------------------
+
+    def _committed(
+        self, ref: weakref.ref[SessionHandle], fold: SessionFold, batch: AdmittedBatch
+    ) -> None:
+        """After a commit: start a snapshot once ``snapshot_interval`` events have passed."""
+        del batch
+        interval = self.snapshot_interval
+        handle = ref()  # a weak reference: the handle's observers must not keep it alive
+        if handle is None or not interval:
+            return
+        if fold.revision - handle.snapshot_revision >= interval:
+            self._start_snapshot(handle)
+
+    def _start_snapshot(self, handle: SessionHandle) -> None:
+        running = self._snapshotting.get(handle.key)
+        if running is not None and not running.done():
+            return
+        task = asyncio.ensure_future(self.snapshot(handle))
+        self._snapshotting[handle.key] = task
+        task.add_done_callback(partial(self._snapshot_done, handle.key))
+
+    def _snapshot_done(self, key: _Key, task: asyncio.Task[None]) -> None:
+        if self._snapshotting.get(key) is task:
+            del self._snapshotting[key]
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("snapshot failed: %s", task.exception(), extra={"session_id": key[1]})
+
+    async def snapshot(self, handle: SessionHandle) -> None:
+        """Write the session's fold snapshot now: built in a worker thread and written while
+        its lock is held (so no delete, and no re-created session, comes between)."""
+        async with handle.lock:
+            revision = handle.revision
+            if revision == 0 or handle.deleted:
+                return
+            data = await asyncio.to_thread(self._capture, handle)
+            await self.store.put_snapshot(handle.session_id, revision, data, tenant=handle.tenant)
+        handle.snapshot_revision = max(handle.snapshot_revision, revision)
+
+    def _capture(self, handle: SessionHandle) -> bytes:
+        source = handle.prices
+        prices = source.persisted_prices() if source is not None else {}
+        anchor = source.anchor_state() if source is not None else None
+        snap = snapshots.capture(handle.fold, self.instance_id, prices, anchor)
+        return snapshots.encode(snap)
+
+    async def evict(self, session_id: str, *, tenant: Tenant | None = None) -> bool:
+        """Snapshot the session and drop it from memory if it is idle (False: in use, or not
+        resident). The next ``get`` restores it, in the same lifecycle."""
+        return await self._evict((_tenant_id(tenant), session_id))
+
+    async def _evict(self, key: _Key) -> bool:
+        handle = self._handles.get(key)
+        if handle is None or not handle.idle:
+            return False
+        running = self._snapshotting.get(key)
+        if running is not None:  # it holds the handle: let it finish, then drop both
+            await asyncio.wait([running])
+        if handle.snapshot_revision < handle.revision:
+            await self.snapshot(handle)
+        if not handle.idle or self._handles.get(key) is not handle:
+            return False
+        del self._handles[key]
+        self._evicted.add(key)
+        carried = {k: v for k, v in handle.extensions.items() if k not in self._rebuilt}
+        if carried:
+            self._carried[key] = carried
+        self.evictions += 1
+        return True
+
+    async def _evict_over(self) -> None:
+        """Evict least recently used idle sessions until at most ``max_resident`` remain."""
+        while len(self._handles) > self.max_resident:
+            victims = [key for key, h in self._handles.items() if h.idle]
+            over = len(self._handles) - self.max_resident
+            if not victims:
+                return  # every session is in use; the next keep tries again
+            for key in victims[:over]:
+                try:
+                    await self._evict(key)
+                except Exception as err:  # a snapshot that failed: keep the session resident
+                    log.warning("eviction failed: %s", err, extra={"session_id": key[1]})
+                    return
+
     async def close(self) -> None:
-        """Forget every handle (the store is closed by its owner)."""
+        """Finish snapshots under way, then forget every handle (the store is closed by its
+        owner)."""
+        if self._evicting is not None:
+            await asyncio.wait([self._evicting])
+        running = list(self._snapshotting.values())
+        if running:
+            await asyncio.wait(running)
+        await self._listener.stop()
+        for handle in self._handles.values():
+            handle.leases.close()
         self._handles.clear()
+        self._alive.clear()
 
 
 def _tenant_id(tenant: Tenant | None) -> str:

@@ -28,6 +28,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 from compactd import errors
 from compactd.store import base
 from compactd.store.base import DEFAULT_TENANT_ID
+from compactd.store.leases import Lease, LeaseOp, ProcessLeases
 from compactd.store.owner import OwnerLock
 from compactd.v1 import events_pb2
 
@@ -59,6 +60,14 @@ CREATE TABLE IF NOT EXISTS events (
 );
 CREATE UNIQUE INDEX IF NOT EXISTS events_event_id
     ON events (tenant, session_id, event_id) WHERE event_id IS NOT NULL;
+CREATE TABLE IF NOT EXISTS snapshots (
+    tenant     TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    revision   INTEGER NOT NULL,
+    data       BLOB NOT NULL,
+    PRIMARY KEY (tenant, session_id),
+    FOREIGN KEY (tenant, session_id) REFERENCES sessions (tenant, session_id)
+);
 """
 
 # Version 1 (no tenants) to 2: the old tables are renamed aside, copied under the default
@@ -130,6 +139,8 @@ class SqliteEventStore(base.EventStore):
         self._lifecycle = asyncio.Lock()  # serializes open() and close()
         self._owner = OwnerLock(path)
         self._last_stats = base.StoreStats()  # what a closed store still reports
+        # One owner per file: bracket leases need not outlive the process (``store.leases``).
+        self._leases = ProcessLeases(clock)
 
     @property
     def path(self) -> str:
@@ -208,7 +219,9 @@ class SqliteEventStore(base.EventStore):
 
     async def delete_session(self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID) -> bool:
         op = functools.partial(_delete_session, _Key(tenant, session_id))
-        return await self._write(op, events=None)
+        deleted = await self._write(op, events=None)
+        self._leases.forget((tenant, session_id))
+        return deleted
 
     async def append(
         self,
@@ -216,10 +229,40 @@ class SqliteEventStore(base.EventStore):
         events: Sequence[events_pb2.SessionEvent],
         *,
         tenant: str = DEFAULT_TENANT_ID,
+        lease: LeaseOp | None = None,
     ) -> int:
-        rows = base.encode_batch(events)
-        op = functools.partial(_insert_events, _Key(tenant, session_id), rows, self._clock())
-        return await self._write(op, events=len(rows))
+        # Serialized on the writer thread, not the event loop; the caller leaves the events be.
+        op = functools.partial(
+            _encode_and_insert, _Key(tenant, session_id), list(events), self._clock()
+        )
+        if self._writer is None:
+            raise base.store_closed()
+        # The session service serializes a session's appends, and this process is the store's
+        # only writer: applying the lease before the write and undoing it on failure is atomic.
+        undo = self._leases.apply((tenant, session_id), lease)
+        try:
+            return await self._write(op, events=len(events))
+        except Exception:  # a cancelled caller does not retract the batch (nor its lease)
+            undo()
+            raise
+
+    async def get_lease(self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID) -> Lease | None:
+        if self._writer is None:
+            raise base.store_closed()
+        return self._leases.get((tenant, session_id))
+
+    async def renew_lease(
+        self,
+        session_id: str,
+        owner: str,
+        token: str,
+        ttl_s: float,
+        *,
+        tenant: str = DEFAULT_TENANT_ID,
+    ) -> bool:
+        if self._writer is None:
+            raise base.store_closed()
+        return self._leases.renew((tenant, session_id), owner, token, ttl_s)
 
     async def read(
         self,
@@ -256,6 +299,19 @@ class SqliteEventStore(base.EventStore):
         self, *, tenant: str | None = None, session_id: str | None = None
     ) -> dict[str, base.StoreUsage]:
         return await self._read(functools.partial(_select_usage, tenant, session_id))
+
+    async def put_snapshot(
+        self, session_id: str, revision: int, data: bytes, *, tenant: str = DEFAULT_TENANT_ID
+    ) -> None:
+        # One job of the writer: its own savepoint inside one committed transaction, so a crash
+        # leaves the old row or the new one (``_replace_snapshot``).
+        op = functools.partial(_replace_snapshot, _Key(tenant, session_id), revision, data)
+        await self._write(op, events=None)
+
+    async def get_snapshot(
+        self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID
+    ) -> tuple[int, bytes] | None:
+        return await self._read(functools.partial(_select_snapshot, _Key(tenant, session_id)))
 
     def _take_ownership(self) -> None:
         folder = os.path.dirname(os.path.abspath(self._path))
@@ -474,8 +530,15 @@ def _insert_session(record: base.SessionRecord, conn: sqlite3.Connection) -> Non
 
 
 def _delete_session(key: _Key, conn: sqlite3.Connection) -> bool:
+    conn.execute(f"DELETE FROM snapshots WHERE {_WHERE_KEY}", key)
     conn.execute(f"DELETE FROM events WHERE {_WHERE_KEY}", key)
     return conn.execute(f"DELETE FROM sessions WHERE {_WHERE_KEY}", key).rowcount > 0
+
+
+def _encode_and_insert(
+    key: _Key, events: list[events_pb2.SessionEvent], now: datetime, conn: sqlite3.Connection
+) -> int:
+    return _insert_events(key, base.encode_batch(events), now, conn)
 
 
 def _insert_events(
@@ -513,6 +576,26 @@ def _insert_events(
 
 
 # --- read queries (run on a pooled read connection, inside one read transaction) ----------------
+
+
+# A test hook: called between the two statements of a snapshot write, to prove a write that dies
+# there leaves the old snapshot whole.
+_between_snapshot_steps: Callable[[], None] = lambda: None  # noqa: E731
+
+
+def _replace_snapshot(key: _Key, revision: int, data: bytes, conn: sqlite3.Connection) -> None:
+    _require_revision(key, conn)
+    conn.execute(f"DELETE FROM snapshots WHERE {_WHERE_KEY}", key)
+    _between_snapshot_steps()
+    conn.execute(
+        "INSERT INTO snapshots (tenant, session_id, revision, data) VALUES (?, ?, ?, ?)",
+        (*key, revision, data),
+    )
+
+
+def _select_snapshot(key: _Key, conn: sqlite3.Connection) -> tuple[int, bytes] | None:
+    row = conn.execute(f"SELECT revision, data FROM snapshots WHERE {_WHERE_KEY}", key).fetchone()
+    return None if row is None else (int(row[0]), bytes(row[1]))
 
 
 def _require_revision(key: _Key, conn: sqlite3.Connection) -> int:

@@ -1,0 +1,380 @@
+"""Appends over gRPC against their physical references, each measured in the same run.
+
+One server (SQLite store, ``synchronous=FULL``, in a temporary folder) on loopback, in a child
+process as in production; the clients and the references run in this process. Four comparisons,
+each interleaved round by round with its reference:
+
+1. Single-event ``AppendEvents``, one client, back to back, against an empty unary RPC (health
+   ``Check``) on the same channel. Goal: ≥ 0.8x the empty-RPC rate.
+2. 64 concurrent clients appending single events (one session each) against the store alone:
+   64 tasks appending the same events straight to a ``SqliteEventStore`` (group commit, no
+   service, no gRPC). Goal: ≥ 0.5x the store's rate.
+3. Batched priced appends: ``AppendEvents`` of 1,000 transcript events (with their step
+   brackets) on a session routed to a tokenizer route, against raw tokenizer time (the batch API
+   counting the same texts on both cores: tiktoken ``encode_ordinary_batch(num_threads=2)``, HF
+   ``encode_batch``) plus a raw SQLite insert of the same serialized rows in one transaction.
+   Goal: ≥ 0.8x (reference time / append time).
+4. CheckPressure p99 on session B while session A appends 1,000-event batches, against B's p99
+   while A is idle. Goal: ≤ 2x.
+
+Events are the repository's transcripts (``testdata/transcripts``), cycled. The machine is
+shared: figures move from run to run; the ratios are the point.
+
+    python bench/bench_appends.py [--rounds 4] [--singles 300] [--clients 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import itertools
+import os
+import sqlite3
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench.corpus import SessionEvent, header, in_steps, surface_events, texts_of, turn_start
+from compactd import config
+from compactd.api.server import create_server, settle_interpreter
+from compactd.store.sqlite import SqliteEventStore
+from compactd.tokenizers import load_tokenizer
+from compactd.v1 import (
+    compaction_service_pb2,
+    compaction_service_pb2_grpc,
+    session_service_pb2,
+    session_service_pb2_grpc,
+)
+
+ROUTES = {"cl100k_base": ("openai", "gpt-4-turbo"), "deepseek-v4": ("deepseek", "deepseek-chat")}
+BATCH = 1000
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Bench:
+    """The server, its stubs and a source of transcript events."""
+
+    def __init__(self, channel: grpc.aio.Channel, folder: Path) -> None:
+        self.folder = folder
+        self.sessions = session_service_pb2_grpc.SessionServiceStub(channel)
+        self.compaction = compaction_service_pb2_grpc.CompactionServiceStub(channel)
+        self.health = health_pb2_grpc.HealthStub(channel)
+        self.source = surface_events()
+        self.names = itertools.count()
+        self.steps: dict[str, int] = {}
+        self.sources: dict[str, Iterator[SessionEvent]] = {}  # a session's own calls and results
+
+    async def session(self, route: tuple[str, str] | None = None) -> str:
+        name = f"s{next(self.names)}"
+        await self.sessions.CreateSession(session_service_pb2.CreateSessionRequest(session_id=name))
+        opening = [turn_start()] + ([header(*route)] if route else [])
+        await self.append(name, opening)
+        self.steps[name] = 1
+        return name
+
+    async def append(self, name: str, events: list[SessionEvent]) -> None:
+        request = session_service_pb2.AppendEventsRequest(session_id=name, events=events)
+        await self.sessions.AppendEvents(request)
+
+    def batch(self, name: str, size: int) -> list[SessionEvent]:
+        source = self.sources.setdefault(name, surface_events(name))
+        raw = [next(source) for _ in range(size)]
+        events, self.steps[name] = in_steps(raw, self.steps.get(name, 1))
+        return events
+
+    def user_event(self) -> SessionEvent:
+        """The next user message of the transcripts (appendable alone, outside any step)."""
+        return next(e for e in self.source if e.HasField("user_message"))
+
+    async def check(self, name: str) -> None:
+        request = compaction_service_pb2.CheckPressureRequest(session_id=name)
+        await self.compaction.CheckPressure(request)
+
+
+async def _rate(call: Callable[[], Awaitable[Any]], times: int) -> float:
+    start = time.perf_counter()
+    for _ in range(times):
+        await call()
+    return times / (time.perf_counter() - start)
+
+
+def _pct(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def fmt(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.2f} s"
+
+
+# ---- 1. one client ----------------------------------------------------------------------------
+
+
+async def single_client(bench: Bench, rounds: int, singles: int) -> tuple[str, str, str]:
+    name = await bench.session()
+    empty = health_pb2.HealthCheckRequest()
+    empties, appends = [], []
+    for _ in range(rounds):
+        empties.append(await _rate(lambda: bench.health.Check(empty), singles))
+        appends.append(await _rate(lambda: bench.append(name, [bench.user_event()]), singles))
+    e, a = statistics.median(empties), statistics.median(appends)
+    return (
+        "single-event AppendEvents, 1 client ≥ 0.8x empty RPC",
+        f"{a:,.0f} appends/s = {a / e:.2f}x",
+        f"empty RPC {e:,.0f}/s",
+    )
+
+
+# ---- 2. 64 clients ----------------------------------------------------------------------------
+
+
+async def many_clients(bench: Bench, rounds: int, clients: int, each: int) -> tuple[str, str, str]:
+    store = SqliteEventStore(str(bench.folder / "alone.db"))
+    await store.open()
+    alone_rates, service_rates = [], []
+    try:
+        for round_ in range(rounds):
+            events = [bench.user_event() for _ in range(clients * each)]
+            alone_rates.append(await _store_alone(store, round_, events, clients, each))
+            names = [await bench.session() for _ in range(clients)]
+            service_rates.append(await _service(bench, names, events, each))
+    finally:
+        await store.close()
+    s, r = statistics.median(alone_rates), statistics.median(service_rates)
+    return (
+        f"{clients} concurrent appenders ≥ 0.5x the store's group commit",
+        f"{r:,.0f} appends/s = {r / s:.2f}x",
+        f"store alone {s:,.0f}/s",
+    )
+
+
+async def _store_alone(
+    store: SqliteEventStore, round_: int, events: list[SessionEvent], clients: int, each: int
+) -> float:
+    names = [f"alone{round_}.{i}" for i in range(clients)]
+    for name in names:
+        await store.create_session(name, None)
+
+    async def appender(index: int) -> None:
+        for k in range(each):
+            event = SessionEvent()
+            event.CopyFrom(events[index * each + k])
+            event.seq = k
+            event.time.GetCurrentTime()
+            await store.append(names[index], [event])
+
+    start = time.perf_counter()
+    await asyncio.gather(*(appender(i) for i in range(clients)))
+    return clients * each / (time.perf_counter() - start)
+
+
+async def _service(bench: Bench, names: list[str], events: list[SessionEvent], each: int) -> float:
+    async def appender(index: int) -> None:
+        for k in range(each):
+            await bench.append(names[index], [events[index * each + k]])
+
+    start = time.perf_counter()
+    await asyncio.gather(*(appender(i) for i in range(len(names))))
+    return len(names) * each / (time.perf_counter() - start)
+
+
+# ---- 3. batched priced appends ----------------------------------------------------------------
+
+
+def raw_batch_count(tokenizer: str) -> Callable[[list[str]], object]:
+    counter = load_tokenizer(tokenizer)
+    encoding = getattr(counter, "_encoding", None)
+    if encoding is not None:
+        return lambda texts: encoding.encode_ordinary_batch(texts, num_threads=2)
+    raw = counter._tokenizer  # type: ignore[attr-defined]
+    return lambda texts: raw.encode_batch(texts, add_special_tokens=False)
+
+
+def raw_insert(path: Path) -> Callable[[list[SessionEvent]], None]:
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA synchronous = FULL")
+    conn.execute(
+        "CREATE TABLE IF NOT EXISTS events (session_id TEXT, seq INTEGER, event_id TEXT,"
+        " type TEXT, data BLOB, PRIMARY KEY (session_id, seq))"
+    )
+    seqs = itertools.count()
+
+    def insert(events: list[SessionEvent]) -> None:
+        rows = [
+            ("raw", next(seqs), None, e.WhichOneof("body"), e.SerializeToString(deterministic=True))
+            for e in events
+        ]
+        conn.execute("BEGIN")
+        conn.executemany("INSERT INTO events VALUES (?, ?, ?, ?, ?)", rows)
+        conn.execute("COMMIT")
+
+    return insert
+
+
+async def priced_batches(bench: Bench, rounds: int, tokenizer: str) -> tuple[str, str, str]:
+    name = await bench.session(ROUTES[tokenizer])
+    await bench.check(name)  # the route's prices are kept from here on
+    count = raw_batch_count(tokenizer)
+    insert = raw_insert(bench.folder / f"raw-{tokenizer}.db")
+    appends, counts, inserts = [], [], []
+    for round_ in range(rounds):
+        events = bench.batch(name, BATCH)
+        texts = [t for e in events for t in texts_of(e)]
+        steps: list[tuple[list[float], Callable[[], Any]]] = [
+            (counts, functools.partial(count, texts)),
+            (inserts, functools.partial(insert, events)),
+        ]
+        order = round_ % 3
+        for index in range(3):
+            if index == order:
+                start = time.perf_counter()
+                await bench.append(name, events)
+                appends.append(time.perf_counter() - start)
+            else:
+                target, step = steps[(index - (index > order))]
+                start = time.perf_counter()
+                step()
+                target.append(time.perf_counter() - start)
+    a = statistics.median(appends)
+    reference = statistics.median(counts) + statistics.median(inserts)
+    return (
+        f"priced append of {BATCH:,}-event batches ({tokenizer}) ≥ 0.8x reference",
+        f"{fmt(a)} per batch = {reference / a:.2f}x",
+        f"raw batch count on 2 cores {fmt(statistics.median(counts))} + raw SQLite insert "
+        f"{fmt(statistics.median(inserts))}",
+    )
+
+
+# ---- 4. pressure checks beside a large append -----------------------------------------------
+
+
+async def checks_beside_appends(bench: Bench, rounds: int, checks: int) -> tuple[str, str, str]:
+    route = ROUTES["cl100k_base"]
+    busy, idle = await bench.session(route), await bench.session(route)
+    await bench.append(idle, bench.batch(idle, 200))
+    await bench.check(busy)
+    await bench.check(idle)
+    idle_samples: list[float] = []
+    busy_samples: list[float] = []
+    for _ in range(rounds):
+        idle_samples += await _checks(bench, idle, checks)
+        stop = asyncio.Event()
+        appender = asyncio.ensure_future(_append_until(bench, busy, stop))
+        await asyncio.sleep(0.05)  # the first batch is under way
+        busy_samples += await _checks(bench, idle, checks)
+        stop.set()
+        await appender
+    i, b = _pct(idle_samples, 0.99), _pct(busy_samples, 0.99)
+    return (
+        "CheckPressure p99 on B while A appends 1,000-event batches ≤ 2x idle",
+        f"{fmt(b)} = {b / i:.2f}x",
+        f"B's p99 while A is idle {fmt(i)}",
+    )
+
+
+async def _checks(bench: Bench, name: str, times: int) -> list[float]:
+    samples = []
+    for _ in range(times):
+        start = time.perf_counter()
+        await bench.check(name)
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+async def _append_until(bench: Bench, name: str, stop: asyncio.Event) -> None:
+    appended = 0
+    while not stop.is_set():
+        await bench.append(name, bench.batch(name, BATCH))
+        appended += 1
+        if appended % 5 == 0:  # a fresh session A before the surface reaches its byte limit
+            name = await bench.session(ROUTES["cl100k_base"])
+            await bench.check(name)
+
+
+# ---- running ----------------------------------------------------------------------------------
+
+
+async def run(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    with tempfile.TemporaryDirectory(prefix="bench-appends-") as folder:
+        # The server runs in its own process, as in production: the clients' gRPC work here
+        # does not share its event loop.
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bench.bench_appends", "--serve", folder,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            cwd=ROOT,
+        )  # fmt: skip
+        assert child.stdout is not None
+        assert child.stdin is not None
+        address = (await child.stdout.readline()).decode().strip()
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                bench = Bench(channel, Path(folder))
+                rows = [await single_client(bench, args.rounds, args.singles)]
+                rows.append(await many_clients(bench, args.rounds, args.clients, args.each))
+                for tokenizer in ROUTES:
+                    rows.append(await priced_batches(bench, args.rounds, tokenizer))
+                rows.append(await checks_beside_appends(bench, args.rounds, args.checks))
+                return rows
+        finally:
+            child.stdin.close()
+            await child.wait()
+
+
+async def serve(folder: str) -> None:
+    """The benchmarked server (a child process): prints its address, serves until stdin
+    closes."""
+    overrides = {
+        "listen": "127.0.0.1:0",
+        "store": f"sqlite:///{folder}/service.db",
+        "log_level": "WARNING",
+        "max_batch_events": 4 * BATCH,  # a batch of BATCH events with its step brackets
+        "max_resident_sessions": 0,
+    }
+    running = await create_server(config.load(None, environ={}, overrides=overrides))
+    settle_interpreter()  # as ``compactd serve`` does
+    print(running.address, flush=True)
+    await asyncio.to_thread(sys.stdin.read)
+    await running.stop(0)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--singles", type=int, default=300, help="calls per round, 1 client")
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--each", type=int, default=20, help="appends per client per round")
+    parser.add_argument("--checks", type=int, default=300, help="checks per phase")
+    parser.add_argument("--serve", help=argparse.SUPPRESS)  # the server child: its folder
+    return parser.parse_args(argv)
+
+
+def readme_rows() -> list[tuple[str, str, str]]:
+    """This benchmark's README rows, (goal, measured, reference), at its defaults."""
+    return asyncio.run(run(parse_args([])))
+
+
+def _show(rows: list[tuple[str, str, str]]) -> None:
+    print(f"machine: {os.cpu_count()} cores")
+    for goal, measured, reference in rows:
+        print(f"{goal}\n    measured: {measured}\n    reference (same run): {reference}")
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    if arguments.serve:
+        asyncio.run(serve(arguments.serve))
+    else:
+        _show(asyncio.run(run(arguments)))

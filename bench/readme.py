@@ -1,0 +1,116 @@
+"""Regenerate the README's performance table from the benchmarks: ``python -m bench.readme``.
+
+The protocol: a module ``bench/bench_*.py`` that publishes README rows defines
+
+    def readme_rows() -> list[tuple[str, str, str]]:
+        '''(goal, measured, reference) per row, from one run at the module's defaults.'''
+
+where ``goal`` states the target (``... ≤ 2x ...``), ``measured`` the figure and its ratio, and
+``reference`` the physical reference the ratio is taken against, measured in the same run and
+interleaved with what it is compared to. This command imports every such module (in name order),
+calls ``readme_rows()`` once, and rewrites the table between the README's
+``<!-- bench:table:start -->`` and ``<!-- bench:table:end -->`` markers, one row per figure,
+the module named in the first column, with the date, the core count and the load average (the
+machine may be shared: the ratios are the point).
+
+    python -m bench.readme                       # every module with readme_rows
+    python -m bench.readme --only bench_restore  # rerun some; the other modules' rows are kept
+    python -m bench.readme --print               # print the table, leave README.md alone
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+START, END = "<!-- bench:table:start -->", "<!-- bench:table:end -->"
+HEADER = "| benchmark | goal | measured | reference (same run) |\n|---|---|---|---|"
+
+Row = tuple[str, str, str]
+
+
+def publishers() -> list[str]:
+    """The ``bench/bench_*.py`` modules that define ``readme_rows``."""
+    found = []
+    for path in sorted((ROOT / "bench").glob("bench_*.py")):
+        if re.search(r"^def readme_rows\(", path.read_text(encoding="utf-8"), re.MULTILINE):
+            found.append(path.stem)
+    return found
+
+
+def run(name: str) -> list[Row]:
+    """One module's rows."""
+    module = importlib.import_module(f"bench.{name}")
+    rows: Callable[[], list[Row]] = module.readme_rows
+    return rows()
+
+
+def table(rows: Sequence[tuple[str, Row]], note: str) -> str:
+    """The markdown between the markers."""
+    lines = [note, "", HEADER]
+    for name, (goal, measured, reference) in rows:
+        lines.append(f"| `{name}` | {goal} | {measured} | {reference} |")
+    return "\n".join(lines)
+
+
+def kept_rows(text: str) -> list[tuple[str, Row]]:
+    """The rows the README's table holds now."""
+    if START not in text or END not in text:
+        return []
+    body = text[text.index(START) + len(START) : text.index(END)]
+    found = []
+    for line in body.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`"):
+            found.append((cells[0].strip("`"), (cells[1], cells[2], cells[3])))
+    return found
+
+
+def rewrite(text: str, rendered: str) -> str:
+    """``text`` with the table between the markers replaced (the markers appended if absent)."""
+    if START not in text or END not in text:
+        raise SystemExit(f"README.md has no {START} ... {END} markers")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{START}\n{rendered}\n{END}{tail}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--only", nargs="*", default=None, help="modules to rerun")
+    parser.add_argument("--print", action="store_true", help="print, leave README.md alone")
+    args = parser.parse_args(argv)
+    names = publishers()
+    chosen = names if not args.only else [n for n in names if n in args.only]
+    text = README.read_text(encoding="utf-8")
+    fresh: dict[str, list[Row]] = {}
+    for name in chosen:
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        fresh[name] = run(name)
+    kept = [(n, r) for n, r in kept_rows(text) if n not in fresh and n in names]
+    rows = kept + [(n, r) for n in chosen for r in fresh[n]]
+    rows.sort(key=lambda item: names.index(item[0]))
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    note = (
+        f"Last regenerated {datetime.date.today().isoformat()} ({', '.join(chosen)}) on "
+        f"{os.cpu_count()} cores, load average {load} at the end; regenerate with "
+        "`python -m bench.readme`."
+    )
+    rendered = table(rows, note)
+    if args.print:
+        print(rendered)
+        return
+    README.write_text(rewrite(text, rendered), encoding="utf-8")
+    print(rendered)
+
+
+if __name__ == "__main__":
+    main()

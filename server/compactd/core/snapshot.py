@@ -1,0 +1,234 @@
+"""Fold snapshots: a session's folded state at one revision, so a restore skips the log before it.
+
+A snapshot is what the fold derived from the log that the log's surface events alone do not say
+(open turns and step, the lock, the header's seq, offloads, event ids, compaction ids, the
+lifecycle boundary, which nodes REPLACEs shadowed, the rewrite and offload counters) plus the
+surface as a list of node seqs and the meter's node prices per pricing profile
+(``PricingProfile.key``), aligned with those nodes. It holds no event bodies: the nodes are the
+stored events at those seqs (the store keeps the exact bytes the fold admitted), so a snapshot
+stays small however large the surface is.
+
+``encode`` and ``decode`` are pure (JSON text, versioned); ``rebuild`` makes a ``SessionFold``
+from a decoded snapshot and the events it names. A snapshot that does not decode, or names an
+event the caller could not read, is refused with ``SnapshotInvalid``: the caller replays the
+log instead.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from compactd.core import header as hdr
+from compactd.core.events import SessionEvent
+from compactd.core.fold import SessionFold
+from compactd.core.lock import LockState
+from compactd.core.pricing import NodeCost
+from compactd.core.surface import SurfaceNode
+
+VERSION: Final = 2
+
+
+class SnapshotInvalid(ValueError):
+    """A snapshot that cannot be used (another version, malformed, or naming missing events)."""
+
+
+@dataclass(frozen=True)
+class FoldSnapshot:
+    """A fold's state at ``revision`` (see the module docstring).
+
+    Attributes:
+        revision: Events folded (the log prefix ``[0, revision)``).
+        instance_id: The process lifecycle that wrote it (its ``SessionManager.instance_id``).
+        surface: Node seqs in position order.
+        prices: Per pricing-profile key, each node's (messages, images) price, aligned with
+            ``surface``.
+        anchor: The meter's usage anchor (the anchoring message's seq, the header seq in force
+            when it arrived), or None.
+    """
+
+    revision: int
+    instance_id: str
+    surface: list[int]
+    replacements: int
+    header_seq: int
+    replacements_at_header: int
+    open_turns: list[int]
+    open_step: tuple[int, int] | None
+    offloads: dict[int, list[int]]
+    event_ids: dict[str, int]
+    compaction_ids: list[str]
+    last_end_seed: int
+    open_starts: dict[str, int]
+    restored_at: int
+    prices: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    anchor: tuple[int, int] | None = None
+    offload_generation: int = 0
+    rewritten_at: int = -1
+    shadowed_by: dict[int, tuple[int, str, str]] = field(default_factory=dict)
+
+    def needed_seqs(self) -> list[int]:
+        """The seqs of the stored events ``rebuild`` needs: the nodes, the header and the
+        anchor's header."""
+        seqs = set(self.surface)
+        if self.header_seq >= 0:
+            seqs.add(self.header_seq)
+        if self.anchor is not None and self.anchor[1] >= 0:
+            seqs.add(self.anchor[1])
+        return sorted(seqs)
+
+    def node_prices(self) -> dict[str, dict[int, NodeCost]]:
+        """``prices`` keyed by node seq, as the meter takes them."""
+        return {
+            key: {seq: NodeCost(m, i) for seq, (m, i) in zip(self.surface, costs, strict=True)}
+            for key, costs in self.prices.items()
+        }
+
+
+def capture(
+    fold: SessionFold,
+    instance_id: str,
+    prices: Mapping[str, Mapping[int, NodeCost]],
+    anchor: tuple[int, int] | None,
+) -> FoldSnapshot:
+    """The snapshot of ``fold`` now (read only: it may run in a worker thread while the session's
+    lock keeps the fold still). ``prices`` must price every surface node of the keys it holds."""
+    surface = [n.seq for n in fold.surface]
+    return FoldSnapshot(
+        revision=fold.revision,
+        instance_id=instance_id,
+        surface=surface,
+        replacements=fold.surface.replacements,
+        header_seq=fold.header_seq,
+        replacements_at_header=fold.replacements_at_header,
+        open_turns=sorted(fold.open_turns),
+        open_step=fold.open_step,
+        offloads={seq: sorted(indexes) for seq, indexes in fold.offloads.items()},
+        event_ids=dict(fold.event_ids),
+        compaction_ids=sorted(fold.compaction_ids),
+        last_end_seed=fold.lock.last_end_seed,
+        open_starts=dict(fold.lock.open_starts),
+        restored_at=fold.restored_at,
+        prices={
+            key: [(costs[seq].messages, costs[seq].images) for seq in surface]
+            for key, costs in prices.items()
+            if all(seq in costs for seq in surface)
+        },
+        anchor=anchor,
+        offload_generation=fold.offload_generation,
+        rewritten_at=fold.rewritten_at,
+        shadowed_by=dict(fold.surface.shadowed_by),
+    )
+
+
+def encode(snapshot: FoldSnapshot) -> bytes:
+    """The snapshot as versioned JSON bytes."""
+    data: dict[str, Any] = {
+        "v": VERSION,
+        "revision": snapshot.revision,
+        "instance_id": snapshot.instance_id,
+        "surface": snapshot.surface,
+        "replacements": snapshot.replacements,
+        "header_seq": snapshot.header_seq,
+        "replacements_at_header": snapshot.replacements_at_header,
+        "open_turns": snapshot.open_turns,
+        "open_step": list(snapshot.open_step) if snapshot.open_step is not None else None,
+        "offloads": [[seq, indexes] for seq, indexes in snapshot.offloads.items()],
+        "event_ids": snapshot.event_ids,
+        "compaction_ids": snapshot.compaction_ids,
+        "last_end_seed": snapshot.last_end_seed,
+        "open_starts": snapshot.open_starts,
+        "restored_at": snapshot.restored_at,
+        "prices": {
+            key: [c for pair in pairs for c in pair] for key, pairs in snapshot.prices.items()
+        },
+        "anchor": list(snapshot.anchor) if snapshot.anchor is not None else None,
+        "offload_generation": snapshot.offload_generation,
+        "rewritten_at": snapshot.rewritten_at,
+        "shadowed_by": [[seq, *by] for seq, by in snapshot.shadowed_by.items()],
+    }
+    return json.dumps(data, separators=(",", ":")).encode("utf-8")
+
+
+def decode(data: bytes) -> FoldSnapshot:
+    """The snapshot ``encode`` wrote.
+
+    Raises:
+        SnapshotInvalid: Another version, or not a snapshot.
+    """
+    try:
+        raw = json.loads(data)
+        if raw.get("v") != VERSION:
+            raise SnapshotInvalid(f"snapshot version {raw.get('v')!r}, expected {VERSION}")
+        step = raw["open_step"]
+        anchor = raw["anchor"]
+        surface = [int(s) for s in raw["surface"]]
+        prices: dict[str, list[tuple[int, int]]] = {}
+        for key, flat in raw["prices"].items():
+            if len(flat) != 2 * len(surface):
+                raise SnapshotInvalid(f"prices of {key!r} do not cover the surface")
+            prices[str(key)] = list(zip(flat[0::2], flat[1::2], strict=True))
+        return FoldSnapshot(
+            revision=int(raw["revision"]),
+            instance_id=str(raw["instance_id"]),
+            surface=surface,
+            replacements=int(raw["replacements"]),
+            header_seq=int(raw["header_seq"]),
+            replacements_at_header=int(raw["replacements_at_header"]),
+            open_turns=[int(t) for t in raw["open_turns"]],
+            open_step=(int(step[0]), int(step[1])) if step is not None else None,
+            offloads={int(seq): [int(i) for i in idx] for seq, idx in raw["offloads"]},
+            event_ids={str(k): int(v) for k, v in raw["event_ids"].items()},
+            compaction_ids=[str(c) for c in raw["compaction_ids"]],
+            last_end_seed=int(raw["last_end_seed"]),
+            open_starts={str(k): int(v) for k, v in raw["open_starts"].items()},
+            restored_at=int(raw["restored_at"]),
+            prices=prices,
+            anchor=(int(anchor[0]), int(anchor[1])) if anchor is not None else None,
+            offload_generation=int(raw["offload_generation"]),
+            rewritten_at=int(raw["rewritten_at"]),
+            shadowed_by={
+                int(seq): (int(by), str(kind), str(cid))
+                for seq, by, kind, cid in raw["shadowed_by"]
+            },
+        )
+    except SnapshotInvalid:
+        raise
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+        raise SnapshotInvalid(f"malformed snapshot: {err!r}") from err
+
+
+def rebuild(snapshot: FoldSnapshot, events: Mapping[int, SessionEvent]) -> SessionFold:
+    """The fold the snapshot describes, its nodes and header taken from ``events`` (by seq).
+
+    Raises:
+        SnapshotInvalid: An event the snapshot names is missing, or is not what it says.
+    """
+    missing = [s for s in snapshot.needed_seqs() if s not in events]
+    if missing:
+        raise SnapshotInvalid(f"the log has no events at seqs {missing[:5]}")
+    fold = SessionFold()
+    fold.revision = snapshot.revision
+    offloads = {seq: frozenset(idx) for seq, idx in snapshot.offloads.items()}
+    nodes = [SurfaceNode(seq, events[seq]) for seq in snapshot.surface]
+    fold.surface.restore(nodes, snapshot.replacements, snapshot.shadowed_by)
+    if snapshot.header_seq >= 0:
+        stored = events[snapshot.header_seq]
+        if not stored.HasField("request_header"):
+            raise SnapshotInvalid(f"seq {snapshot.header_seq} is not a request/header")
+        fold.header = hdr.canonical(stored.request_header)
+    fold.header_seq = snapshot.header_seq
+    fold.replacements_at_header = snapshot.replacements_at_header
+    fold.open_turns = set(snapshot.open_turns)
+    fold.open_step = snapshot.open_step
+    fold.offloads = offloads
+    fold.event_ids = dict(snapshot.event_ids)
+    fold.compaction_ids = set(snapshot.compaction_ids)
+    fold.lock = LockState(snapshot.last_end_seed, dict(snapshot.open_starts))
+    fold.restored_at = snapshot.restored_at
+    fold.offload_generation = snapshot.offload_generation
+    fold.rewritten_at = snapshot.rewritten_at
+    fold.restore_sizes()
+    return fold
