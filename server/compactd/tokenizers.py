@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final
@@ -135,6 +136,29 @@ class TokenizerUnavailable(ConfigError):
     reason = "TOKENIZER_UNAVAILABLE"
 
 
+#: Texts at least this long have their count kept (the latest one per tokenizer).
+MEMO_CHARS: Final = 2048
+
+
+class _LastCount:
+    """The latest long text counted and its count: a compaction's gate prices its checkpoint,
+    then the meter prices the same text as the checkpoint commits (one encoding, not two). A
+    tuple swapped whole, so worker threads pricing off the loop read a consistent pair."""
+
+    def __init__(self) -> None:
+        self._last: tuple[str, int] = ("", 0)
+
+    def count(self, text: str, encode: Callable[[str], int]) -> int:
+        if len(text) < MEMO_CHARS:
+            return encode(text)
+        kept, counted = self._last
+        if kept == text:
+            return counted
+        counted = encode(text)
+        self._last = (text, counted)
+        return counted
+
+
 class TiktokenTokenizer:
     """A tiktoken encoding. Special-token text is counted as ordinary text."""
 
@@ -144,9 +168,13 @@ class TiktokenTokenizer:
         self.name = name
         self._encoding = encoding
         self._encode = encoding.encode_ordinary  # bound once: the meter counts every text
+        self._last = _LastCount()
 
     def count(self, text: str) -> int:
         """Tokens of ``text``."""
+        return self._last.count(text, self._length)
+
+    def _length(self, text: str) -> int:
         return len(self._encode(text))
 
     def encode(self, text: str) -> list[int]:
@@ -170,9 +198,13 @@ class HFTokenizer:
         self.name = name
         self._tokenizer = tokenizer
         self._encode = tokenizer.encode  # bound once: the meter counts every text
+        self._last = _LastCount()
 
     def count(self, text: str) -> int:
         """Tokens of ``text``."""
+        return self._last.count(text, self._length)
+
+    def _length(self, text: str) -> int:
         return len(self._encode(text, add_special_tokens=False))
 
     def encode(self, text: str) -> list[int]:
