@@ -44,11 +44,18 @@ def serving(db: Path, *options: str) -> Iterator[tuple[subprocess.Popen[str], st
     Yields the process, its address and its output; kills it on exit if it still runs. The
     environment's COMPACTD_* and OTEL_* variables are left out so the test decides everything.
     """
+    with serving_store(f"sqlite:///{db}", *options) as served:
+        yield served
+
+
+@contextmanager
+def serving_store(store: str, *options: str) -> Iterator[tuple[subprocess.Popen[str], str, Output]]:
+    """``serving`` over any store URL (a PostgreSQL database several replicas share)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPACTD_", "OTEL_"))}
     proc = subprocess.Popen(
         [
             *(sys.executable, "-m", "compactd", "serve", *options),
-            *("--listen", "127.0.0.1:0", "--store", f"sqlite:///{db}", "--log-format", "text"),
+            *("--listen", "127.0.0.1:0", "--store", store, "--log-format", "text"),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

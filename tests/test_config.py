@@ -58,7 +58,11 @@ def test_sections_are_carried_for_their_owners(tmp_path: Path) -> None:
         ("", {"COMPACTD_KEEPALIVE_TIME_S": "-1"}, "COMPACTD_KEEPALIVE_TIME_S: must be positive"),
         ("", {"COMPACTD_SHUTDOWN_GRACE_S": "-1"}, "COMPACTD_SHUTDOWN_GRACE_S: must be >= 0"),
         ("", {"COMPACTD_LISTEN": "nowhere"}, "COMPACTD_LISTEN: expected HOST:PORT"),
-        ("", {"COMPACTD_STORE": "pg://x"}, "COMPACTD_STORE: expected sqlite:///PATH or memory://"),
+        (
+            "",
+            {"COMPACTD_STORE": "pg://x"},
+            "COMPACTD_STORE: expected sqlite:///PATH, postgresql://... or memory://",
+        ),
         (
             "",
             {"COMPACTD_LOG_FORMAT": "xml"},

@@ -54,3 +54,35 @@ def test_a_kubernetes_example_probes_grpc_health_and_configures_compactd_validly
     assert config.is_loopback(host) or settings.tls_cert_file  # no plaintext beyond the pod
     parts = components(settings)  # routes, policy, summarizer: as `compactd serve` validates them
     assert parts.summarizer.provider  # the summary route is named, so its endpoint may be used
+
+
+def test_the_replicas_example_runs_three_stateless_pods_on_postgresql_from_a_secret(
+    tmp_path: Path,
+) -> None:
+    documents = _documents(ROOT / "deploy" / "kubernetes" / "replicas.yaml")
+    (deployment,) = [d for d in documents if d["kind"] == "Deployment"]
+    assert deployment["spec"]["replicas"] == 3
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    pod = deployment["spec"]["template"]["spec"]
+    assert all("persistentVolumeClaim" not in v for v in pod["volumes"])  # nothing on the pods
+    (migrate,) = pod["initContainers"]
+    (compactd,) = pod["containers"]
+    assert migrate["args"][0] == "migrate"
+    assert compactd["args"][0] == "serve"
+    for container in (migrate, compactd):
+        (store,) = [e for e in container["env"] if e["name"] == "COMPACTD_STORE"]
+        assert store["valueFrom"]["secretKeyRef"] == {"name": "compactd-postgres", "key": "url"}
+    (secret,) = [d for d in documents if d["kind"] == "Secret"]
+    assert secret["stringData"]["url"].startswith("postgresql://")
+    services = {d["metadata"]["name"]: d["spec"] for d in documents if d["kind"] == "Service"}
+    assert services["compactd-replicas"]["clusterIP"] == "None"  # for round_robin clients
+    assert all(s["selector"] == {"app": "compactd-replicas"} for s in services.values())
+    (budget,) = [d for d in documents if d["kind"] == "PodDisruptionBudget"]
+    assert budget["spec"]["minAvailable"] == 2
+
+    (configmap,) = [d for d in documents if d["kind"] == "ConfigMap"]
+    file = tmp_path / "compactd.toml"
+    file.write_text(configmap["data"]["compactd.toml"])
+    settings = config.load(file, environ={"COMPACTD_STORE": secret["stringData"]["url"]})
+    assert settings.store.startswith("postgresql://")
+    assert settings.bracket_lease_s == 30

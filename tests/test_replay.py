@@ -7,23 +7,28 @@ repository ships (``testdata/transcripts``).
 
 from __future__ import annotations
 
+import asyncio
 import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
-from compactd import cli
+from compactd import cli, config
 from compactd import replay as rp
 from compactd import replay_report as report
+from compactd.api.auth import hash_token
+from compactd.api.server import create_server
 from compactd.v1 import events_pb2
 from compactd.v1 import session_service_pb2 as spb
 from compactd.v1 import session_service_pb2_grpc as sgrpc
+from tests.certs import Authority
 
 TRANSCRIPTS = Path(__file__).resolve().parents[1] / "testdata" / "transcripts"
 SHIPPED = [
@@ -172,6 +177,24 @@ async def test_replay_runs_on_every_shipped_transcript(
     assert [step.broken_pairs for step in result.steps] == [0] * len(result.steps)
 
 
+@pytest.mark.parametrize("window", [6000, 10000])
+async def test_every_checkpoint_takes_at_most_15_percent_of_its_span_and_none_is_larger(
+    tmp_path: Path, window: int
+) -> None:
+    transcripts = [t for name in ("coding.jsonl", "openai.jsonl")
+                   for t in rp.read_transcripts(TRANSCRIPTS / name)]  # fmt: skip
+    config = rp.embedded_config(None, tmp_path, window=window, environ={})
+    async with rp.embedded_server(config) as served:
+        results = await rp.replay_all(served, transcripts, policy=rp.window_policy(window))
+    brackets = [record for result in results for record in result.compactions]
+    committed = [r for r in brackets if r.committed]
+    # A bracket may fail only at the gate's probe check (a span of huge tool output sent as user
+    # messages), never because its checkpoint is not smaller (SUMMARY_NOT_SMALLER).
+    assert {r.outcome for r in brackets} <= {"committed", "SUMMARY_REJECTED"}
+    assert len(committed) > len(transcripts) // 2
+    assert max(r.checkpoint_tokens / r.span_tokens for r in committed) <= 0.15
+
+
 def test_the_command_prints_the_table_and_writes_the_report(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -192,6 +215,9 @@ def test_the_command_prints_the_table_and_writes_the_report(
         (["--route", "gpt-4o"], "expected PROVIDER/MODEL"),
         (["--match", "no such conversation"], "no conversation matches"),
         (["--window", "10"], "--window: expected at least 256"),
+        (["--token-file", "t"], "apply to a --target server"),
+        (["--target", "localhost:1", "--tls-cert", "c.pem"], "--tls-cert and --tls-key go"),
+        (["--target", "localhost:1", "--tls-ca", "missing.pem"], "missing.pem"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_problem(
@@ -236,3 +262,65 @@ def test_the_readme_quick_start_prints_what_the_readme_shows(
         return [row[:9] + row[10:] if re.fullmatch(r"\d+\.\d+", row[0]) else row for row in rows]
 
     assert figures(printed) == figures(shown)
+
+
+# ---- a --target behind TLS and tokens --------------------------------------------------------
+
+
+async def _replay_target(tmp_path: Path, port: int, *options: str) -> int:
+    argv = ["replay", str(TRANSCRIPTS / "coding.jsonl"), "--match", SHORT, "--target",
+            f"localhost:{port}", "--html", str(tmp_path / "r.html"), "--no-progress",
+            *options]  # fmt: skip
+    # The command runs its own event loop; the server keeps running on this one.
+    return await asyncio.to_thread(cli.main, argv)
+
+
+async def test_replay_reaches_a_tls_server_with_a_bearer_token(
+    server_config: config.ServerConfig, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ca = Authority(tmp_path / "ca")
+    issued = ca.server()
+    (tmp_path / "token").write_text("replay-token-a\n")
+    running = await create_server(
+        replace(
+            server_config,
+            tls_cert_file=str(issued.cert_file),
+            tls_key_file=str(issued.key_file),
+            auth_tokens={"a": hash_token("replay-token-a")},
+        )
+    )
+    try:
+        assert await _replay_target(
+            tmp_path, running.port, "--tls-ca", str(ca.cert_file),
+            "--token-file", str(tmp_path / "token"),
+        ) == 0  # fmt: skip
+        assert capsys.readouterr().out.splitlines()[1].startswith("…/mock_output/output.jsonl#1")
+        # The same server without the token: refused, said in one line, exit 1.
+        assert await _replay_target(tmp_path, running.port, "--tls-ca", str(ca.cert_file)) == 1
+        assert "UNAUTHENTICATED" in capsys.readouterr().err
+    finally:
+        await running.stop(0)
+
+
+async def test_replay_presents_a_client_certificate_to_a_mutual_tls_server(
+    server_config: config.ServerConfig, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ca = Authority(tmp_path / "ca")
+    issued, agent = ca.server(), ca.client("agent", dns="agent-a.example.org")
+    running = await create_server(
+        replace(
+            server_config,
+            tls_cert_file=str(issued.cert_file),
+            tls_key_file=str(issued.key_file),
+            tls_client_ca_file=str(ca.cert_file),
+            auth_identities={"agent-a.example.org": "a"},
+        )
+    )
+    try:
+        assert await _replay_target(
+            tmp_path, running.port, "--tls-ca", str(ca.cert_file),
+            "--tls-cert", str(agent.cert_file), "--tls-key", str(agent.key_file),
+        ) == 0  # fmt: skip
+        assert "compactions" in capsys.readouterr().out
+    finally:
+        await running.stop(0)

@@ -51,6 +51,24 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--metrics-listen", help="HOST:PORT of a Prometheus /metrics endpoint (default: none)"
     )
+    serve.add_argument(
+        "--migrate",
+        action="store_const",
+        const=True,
+        dest="store_migrate",
+        help="apply pending PostgreSQL schema migrations before serving",
+    )
+    migrate = commands.add_parser(
+        "migrate",
+        help="bring the store's schema up to this version",
+        description="Apply every pending schema migration to the store (PostgreSQL: under an "
+        "advisory lock, so replicas may run it together), print the version reached and exit "
+        "0. A replica refuses to serve a schema older or newer than its own; run this (or "
+        "`serve --migrate`) before starting upgraded replicas. Exits 3 when the database "
+        "cannot be reached or was migrated by a newer compactd.",
+    )
+    _config_option(migrate)
+    migrate.add_argument("--store", help="event store URL (postgresql://... or sqlite:///PATH)")
     check = commands.add_parser(
         "check-config",
         help="validate the configuration and print it as TOML",
@@ -148,10 +166,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "config-schema":
         print(json.dumps(config.json_schema(), indent=2))
         return 0
-    flags = ("listen", "store", "log_level", "log_format", "metrics_listen")
+    flags = ("listen", "store", "log_level", "log_format", "metrics_listen", "store_migrate")
     overrides = {key: getattr(args, key, None) for key in flags}
     try:
         settings = config.load(args.config, overrides=overrides)
+        if args.command == "migrate":  # needs the store only: no provider keys, no routes
+            print(asyncio.run(_migrate(settings)))
+            return 0
         from compactd.api.server import components, serve
         from compactd.effective import effective_toml
 
@@ -175,6 +196,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"compactd: cannot start: {err.message}", file=sys.stderr)
         return EXIT_STARTUP
     return 0
+
+
+async def _migrate(settings: config.ServerConfig) -> str:
+    """Open the store with migrations on, then close it; says the version reached."""
+    import dataclasses
+
+    from compactd.store.factory import store_for
+
+    store = store_for(dataclasses.replace(settings, store_migrate=True))
+    await store.open()
+    try:
+        version = getattr(store, "schema_version", None)
+    finally:
+        await store.close()
+    return f"schema at version {version}" if version else "the store is up to date"
 
 
 if __name__ == "__main__":

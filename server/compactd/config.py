@@ -66,8 +66,10 @@ def _optional_listen(value: str) -> str:
 
 
 def _store(value: str) -> str:
-    if not (value.startswith("sqlite:///") or value == "memory://"):
-        raise ValueError("expected sqlite:///PATH or memory://")
+    # postgresql:// (issue 12, replicas): several compactd processes serve one database.
+    postgres = value.startswith(("postgresql://", "postgres://"))
+    if not (value.startswith("sqlite:///") or value == "memory://" or postgres):
+        raise ValueError("expected sqlite:///PATH, postgresql://... or memory://")
     return value
 
 
@@ -91,7 +93,9 @@ class ServerConfig:
     """Everything ``compactd serve`` needs. Defaults are the documented ones."""
 
     listen: Listen = Field("127.0.0.1:50051", description="HOST:PORT to bind; port 0 picks one")
-    store: Store = Field("sqlite:///./compactd.db", description="sqlite:///PATH or memory://")
+    store: Store = Field(
+        "sqlite:///./compactd.db", description="sqlite:///PATH, postgresql://... or memory://"
+    )
     sqlite_synchronous: Annotated[str, _one_of("FULL", "EXTRA", "NORMAL")] = Field(
         "FULL", description="SQLite synchronous mode: FULL, EXTRA or NORMAL"
     )
@@ -123,6 +127,20 @@ class ServerConfig:
     log_format: Literal["json", "text"] = Field("json", description="json or text")
     metrics_listen: Annotated[str, AfterValidator(_optional_listen)] = Field(
         "", description="HOST:PORT of the Prometheus /metrics endpoint; empty: none"
+    )
+    # Replicas and the PostgreSQL store (issue 12): several processes serving one database.
+    store_migrate: bool = Field(
+        False, description="apply pending PostgreSQL schema migrations at start (serve --migrate)"
+    )
+    postgres_pool_max: Positive = Field(8, description="most PostgreSQL connections per replica")
+    postgres_statement_timeout_ms: Positive = Field(
+        5000, description="PostgreSQL statement and lock timeout, in milliseconds"
+    )
+    postgres_connect_timeout_s: PositiveSeconds = Field(
+        5.0, description="longest a PostgreSQL call waits for a connection before UNAVAILABLE"
+    )
+    bracket_lease_s: PositiveSeconds = Field(
+        30.0, description="seconds a replica's compaction bracket lease runs between renewals"
     )
     # Issue 10: TLS and authentication (checked together by ``check_transport``; the tables are
     # validated by ``compactd.api.auth`` and ``compactd.service.retention``).

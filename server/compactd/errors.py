@@ -168,3 +168,21 @@ class StartupError(CompactdError):
     """The server cannot start here: its port or its store is taken (the message says which)."""
 
     reason = "STARTUP_FAILED"
+
+
+# --- replicas and the PostgreSQL store (issue 12) ------------------------------------------------
+
+
+class StoreUnavailable(Unavailable):
+    """The database behind the store failed or cannot be reached; nothing was written.
+
+    Retry later: the store recovers by itself once the database answers again.
+    """
+
+    reason = "STORE_UNAVAILABLE"
+
+
+class Fenced(CompactdError):
+    """A compaction bracket's write came after its lease was lost to another replica."""
+
+    reason = "LEASE_LOST"

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 from compactd_client import AsyncCompactdClient, openai
 from compactd_client.v1 import events_pb2
 from compactd_client.v1.events_pb2 import SessionEvent
@@ -387,13 +388,22 @@ def _trigger_name(value: events_pb2.CompactionTrigger.ValueType) -> str:
 # ---- the embedded server -------------------------------------------------------------------------
 
 
-def window_policy(window: int) -> dict[str, int]:
+#: Replay's checkpoints replace their span with at most 15% of it (the summary-quality goal).
+CHECKPOINT_REDUCTION = 0.85
+
+
+def window_policy(window: int) -> dict[str, int | float]:
     """Session policy overrides that suit a ``window``-token route: an output reservation and a
     headroom of a sixteenth each (the defaults, 65,536 headroom, fit only large windows), so the
     trigger is 80% of the window and the retained budget 16% of what is left; summaries may take
-    a tenth of the window."""
+    a tenth of the window, and a checkpoint at most 15% of its span (``minReductionRatio``: the
+    quality gate rejects a larger one, and selection declines a span too small for that)."""
     share = max(64, window // 16)
-    return {"headroomTokens": share, "maxTokens": max(64, window // 10)}
+    return {
+        "headroomTokens": share,
+        "maxTokens": max(64, window // 10),
+        "minReductionRatio": CHECKPOINT_REDUCTION,
+    }
 
 
 def embedded_config(
@@ -461,13 +471,18 @@ async def replay_all(
     policy: Mapping[str, Any] | None = None,
     on_step: Callable[[int, StepRecord], None] | None = None,
     keep_requests: bool = False,
+    credentials: grpc.ChannelCredentials | None = None,
+    token: str | None = None,
 ) -> list[SessionReplay]:
     """Replay every transcript against ``address``, one session each, in order.
 
-    ``on_step(conversation index, step)`` is called after each step's ``PrepareStep``.
+    ``on_step(conversation index, step)`` is called after each step's ``PrepareStep``;
+    ``credentials`` (TLS, a client certificate for mutual TLS) and ``token`` (a bearer token) are
+    the client's (``AsyncCompactdClient``).
     """
     results = []
-    async with AsyncCompactdClient(address, timeout=120.0) as client:
+    client = AsyncCompactdClient(address, timeout=120.0, credentials=credentials, token=token)
+    async with client:
         for index, transcript in enumerate(transcripts):
 
             def step(record: StepRecord, index: int = index) -> None:

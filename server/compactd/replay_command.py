@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,11 +55,25 @@ def add_parser(commands: Any) -> None:
         help="where the HTML report goes (default replay-report.html)",
     )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    # Issue 14: a --target behind TLS, mutual TLS or bearer tokens (issue 10's listener).
+    secure = parser.add_argument_group("a --target with TLS or authentication")
+    secure.add_argument(
+        "--tls", action="store_true", help="connect with TLS, trusting the system's roots"
+    )
+    secure.add_argument("--tls-ca", type=Path, help="PEM roots to trust (implies --tls)")
+    secure.add_argument("--tls-cert", type=Path, help="client certificate, PEM (mutual TLS)")
+    secure.add_argument("--tls-key", type=Path, help="the client certificate's key, PEM")
+    secure.add_argument(
+        "--token-file", type=Path,
+        help="file holding the bearer token (default: the COMPACTD_TOKEN variable)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``compactd replay``; returns the exit code (2: bad arguments or input)."""
     try:
+        from compactd_client.errors import CompactdError
+
         from compactd import replay as rp
         from compactd import replay_report as report
     except ModuleNotFoundError as err:
@@ -77,10 +92,14 @@ def run(args: argparse.Namespace) -> int:
                 "--window and --config configure the embedded server; a running server's "
                 "routes and summarizer are its own configuration"
             )
+        args.credentials, args.token = _security(args)
         replays, where = asyncio.run(_replay(args, route, transcripts))
     except ConfigError as err:
         print(f"compactd replay: {err.message}", file=sys.stderr)
         return 2
+    except CompactdError as err:  # a --target that refuses the call (credentials, TLS, down)
+        print(f"compactd replay: {args.target or 'the embedded server'}: {err}", file=sys.stderr)
+        return 1
     print(report.table(replays))
     print()
     print(report.bracket_table(replays))
@@ -95,6 +114,37 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _security(args: argparse.Namespace) -> tuple[Any, str | None]:
+    """The client's TLS credentials (None: plaintext) and bearer token for ``--target``.
+
+    Raises:
+        ConfigError: A security option without ``--target``, half a client key pair, or a file
+            that cannot be read.
+    """
+    tls = bool(args.tls or args.tls_ca or args.tls_cert or args.tls_key)
+    token_file = args.token_file
+    if not args.target:
+        if tls or token_file:
+            raise ConfigError("--tls, --tls-* and --token-file apply to a --target server")
+        return None, None
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ConfigError("--tls-cert and --tls-key go together (a client certificate and key)")
+    token = os.environ.get("COMPACTD_TOKEN") or None
+    try:
+        if token_file:
+            token = token_file.read_text(encoding="utf-8").strip()
+        if not tls:
+            return None, token
+        import grpc
+
+        root = args.tls_ca.read_bytes() if args.tls_ca else None
+        key = args.tls_key.read_bytes() if args.tls_key else None
+        chain = args.tls_cert.read_bytes() if args.tls_cert else None
+    except OSError as err:
+        raise ConfigError(f"{err.filename}: {err.strerror}") from err
+    return grpc.ssl_channel_credentials(root, key, chain), token
+
+
 async def _replay(
     args: argparse.Namespace, route: tuple[str, str], transcripts: list[rp.Transcript]
 ) -> tuple[list[rp.SessionReplay], str]:
@@ -107,7 +157,10 @@ async def _replay(
     policy = rp.window_policy(args.window) if args.window is not None else None
     try:
         if args.target:
-            results = await rp.replay_all(args.target, transcripts, route=route, on_step=on_step)
+            results = await rp.replay_all(
+                args.target, transcripts, route=route, on_step=on_step,
+                credentials=args.credentials, token=args.token,
+            )  # fmt: skip
             return results, f"server {args.target}"
         async with rp.temporary_store() as folder:
             config = rp.embedded_config(args.config, folder, route=route, window=args.window)

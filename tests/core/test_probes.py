@@ -74,6 +74,20 @@ def test_urls_prose_slashes_and_sentence_dots_are_not_paths(text: str) -> None:
     assert paths_in(text) == []
 
 
+@pytest.mark.parametrize(
+    "text",
+    ["<h1>Title</h1>", "<div class='x'><p>a</p></div>", "<td>1</td></tr></table>", "</h1>"],
+)
+def test_html_closing_tags_are_not_paths(text: str) -> None:
+    assert paths_in(text) == []
+
+
+def test_paths_beside_markup_still_count() -> None:
+    text = '<a href="/docs/index.html">docs</a> <code>/etc/hosts</code> <p>src/app.py</p>'
+
+    assert paths_in(text) == ["/docs/index.html", "/etc/hosts", "src/app.py"]
+
+
 def test_a_call_names_its_commands_and_the_paths_it_acts_on_not_those_in_written_content() -> None:
     found = call_facts(
         '{"file_path": "lib/a.ex", "content": "see lib/b.ex", "command": "mix test test/c.exs"}'
@@ -242,7 +256,7 @@ _MESSAGE = st.one_of(
 @settings(max_examples=150)
 @given(st.lists(_MESSAGE, min_size=1, max_size=30))
 def test_an_extractive_summary_with_room_keeps_every_probe(span: list) -> None:  # type: ignore[type-arg]
-    summary = ExtractiveSummarizer().summary_text(span, 20_000)
+    summary = ExtractiveSummarizer(span_share=None).summary_text(span, 20_000)
 
     assert retention(probes_of(span), summary).missed == ()
 

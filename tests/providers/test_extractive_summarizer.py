@@ -13,7 +13,15 @@ from compactd.core import probes, prompts
 from compactd.core.pricing import heuristic_price
 from compactd.providers import base
 from compactd.providers.base import SummaryError, SummaryRequest
-from compactd.providers.extractive import ExtractiveSummarizer, _FileGroups
+from compactd.providers.extractive import (
+    MIN_CHECKPOINT_TOKENS,
+    SPAN_SHARE,
+    ExtractiveSummarizer,
+    _FileGroups,
+    allowed_tokens,
+    estimated_tokens,
+    minimum_span_tokens,
+)
 from compactd.testing.messages import assistant, developer, system, tool_result, user
 from compactd.v1 import events_pb2
 from compactd.v1.session_service_pb2 import Message
@@ -48,8 +56,12 @@ def _request(messages: Sequence[Message], max_tokens: int = 2000) -> SummaryRequ
     )
 
 
-async def _summary(messages: Sequence[Message], max_tokens: int = 2000) -> str:
-    result = await ExtractiveSummarizer().summarize(_request(messages, max_tokens))
+async def _summary(
+    messages: Sequence[Message], max_tokens: int = 2000, *, span_share: float | None = None
+) -> str:
+    """What the summarizer extracts, bounded by ``max_tokens`` alone unless ``span_share``."""
+    summarizer = ExtractiveSummarizer(span_share=span_share)
+    result = await summarizer.summarize(_request(messages, max_tokens))
     return result.text
 
 
@@ -318,3 +330,101 @@ def test_a_grouped_files_line_reads_back_as_its_paths() -> None:
     assert _FileGroups.paths_of("Edited the cart module: totals") == [
         "Edited the cart module: totals"
     ]
+
+
+# ---- the checkpoint's share of its span ----------------------------------------------------------
+
+
+def _work(steps: int, *, seed: int = 0) -> list[Message]:
+    """A session of ``steps`` tool round trips, each naming a file, a command and an error."""
+    messages = [system("You are a coding agent."), user("Fix the failing build of the parser.")]
+    for n in range(steps):
+        path = f"/home/dev/src/project/pkg{(n + seed) % 7}/module_{n + 100 * seed}.py"
+        command = f"pytest -q tests/test_module_{n}.py -k case_{seed}"
+        messages += [
+            assistant(f"Checking {path}.", calls=[(f"r{n}", "read", f'{{"path": "{path}"}}')]),
+            tool_result(f"r{n}", f"def f_{n}():\n" + "    x = compute(x)\n" * 12, name="read"),
+            assistant("Running it.", calls=[(f"b{n}", "bash", f'{{"command": "{command}"}}')]),
+            tool_result(
+                f"b{n}", f"E   ValueError: case {n} broke\n1 failed in 0.{n}s", name="bash"
+            ),
+        ]
+    return messages
+
+
+def _span_tokens(messages: Sequence[Message]) -> int:
+    return sum(heuristic_price(m) for m in messages[1:])
+
+
+@settings(max_examples=40, deadline=None)
+@given(steps=st.integers(min_value=1, max_value=60), seed=st.integers(0, 6))
+async def test_a_checkpoint_never_takes_more_than_its_share_of_the_span(
+    steps: int, seed: int
+) -> None:
+    messages = _work(steps, seed=seed)
+    span = _span_tokens(messages)
+    summary = ExtractiveSummarizer().summary_text(messages, 100_000)
+
+    checkpoint = estimated_tokens(prompts.frame_checkpoint(summary))
+    assert checkpoint <= allowed_tokens(span) + 1
+    assert checkpoint < span
+    if span >= MIN_CHECKPOINT_TOKENS / SPAN_SHARE:
+        assert checkpoint <= 0.15 * span
+
+
+async def test_a_span_too_small_for_the_share_gets_at_most_half_of_it() -> None:
+    # The 512-token span of agent-aa84377 got a 554-token summary before (SUMMARY_NOT_SMALLER).
+    messages = _work(3)
+    span = _span_tokens(messages)
+    assert 300 < span < MIN_CHECKPOINT_TOKENS / SPAN_SHARE
+
+    summary = await _summary(messages, 800, span_share=SPAN_SHARE)
+
+    assert estimated_tokens(prompts.frame_checkpoint(summary)) <= max(span / 2, 150)
+    assert "Fix the failing build of the parser." in summary
+
+
+async def test_a_tight_share_keeps_the_gates_probes_before_other_facts() -> None:
+    messages = _work(40)
+    found = probes.select_probes(probes.span_facts(messages[1:]))
+
+    summary = ExtractiveSummarizer().summary_text(messages, 100_000)
+    everything = ExtractiveSummarizer(span_share=None).summary_text(messages, 100_000)
+
+    assert estimated_tokens(prompts.frame_checkpoint(everything)) > allowed_tokens(
+        _span_tokens(messages)
+    )  # the share is what limits this summary
+    assert probes.retention(found, summary).ratio >= 0.9
+
+
+def test_an_older_spans_paths_survive_two_more_folds_within_the_share() -> None:
+    summarizer = ExtractiveSummarizer()
+    first = _work(20, seed=1)
+    paths = [p for p in probes.select_probes(probes.span_facts(first[1:]))
+             if p.kind is probes.ProbeKind.PATH]  # fmt: skip
+    summary = summarizer.summary_text(first, 100_000)
+    for seed in (2, 3):  # a summary of a summary, twice
+        folded = [first[0], user(prompts.frame_checkpoint(summary)), *_work(20, seed=seed)[1:]]
+        summary = summarizer.summary_text(folded, 100_000)
+        assert estimated_tokens(prompts.frame_checkpoint(summary)) <= allowed_tokens(
+            _span_tokens(folded)
+        )
+
+    assert len(paths) == 8
+    assert probes.retention(paths, summary).ratio == 1.0
+
+
+def test_non_ascii_and_punctuation_are_estimated_above_the_heuristic() -> None:
+    rare = "᤬㨉ᓺ㜽ᭅᜓ᧟ᙠ" * 10
+    path = "/a/b-c/d_e/f.g/h:i/j" * 10
+
+    assert estimated_tokens(rare) >= 2 * len(rare)
+    assert estimated_tokens(path) > len(path) / 4
+    prose = "plain words in a long sentence, ok"
+    assert len(prose) / 4 <= estimated_tokens(prose) <= len(prose) / 3
+
+
+def test_a_high_reduction_ratio_asks_for_a_span_the_minimum_checkpoint_fits() -> None:
+    assert minimum_span_tokens(None) == 0
+    assert minimum_span_tokens(0.1) == 0
+    assert minimum_span_tokens(0.85) == math.ceil(MIN_CHECKPOINT_TOKENS / 0.15)

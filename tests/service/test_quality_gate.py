@@ -297,7 +297,9 @@ async def test_the_extractive_fallback_replaces_a_rejected_summary_when_enabled(
         assert summary.fallback.rejected_target == events_pb2.Route(provider="loop", model="m")
         assert CHECK.SUMMARY_CHECK_ECHO in checks(summary.fallback.rejected)
         assert list(summary.gate.failures) == []
-        assert summary.gate.probes_kept == summary.gate.probe_count
+        # The extractive checkpoint fits its share of the span: the most valuable probes first.
+        assert summary.gate.reduction >= 0.85
+        assert summary.gate.probes_kept >= 0.75 * summary.gate.probe_count
         checkpoint = (await h.events())[outcome.checkpoint_seq].user_message.content[0].text.text
         assert summary.summary in checkpoint
         gate = [p.detail for p in run.progress if p.step == STEP.COMPACTION_STEP_GATE]

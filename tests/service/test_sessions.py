@@ -9,6 +9,7 @@ import pytest
 
 from compactd.errors import NotFound, Unavailable
 from compactd.service.sessions import SessionManager
+from compactd.store.leases import LeaseOp
 from compactd.store.memory import MemoryEventStore
 from compactd.tenancy import Tenant, bound_tenant
 from compactd.v1 import events_pb2
@@ -25,13 +26,18 @@ class GatedStore(MemoryEventStore):
         self.fail = False
 
     async def append(
-        self, session_id: str, events: Sequence[events_pb2.SessionEvent], *, tenant: str = "default"
+        self,
+        session_id: str,
+        events: Sequence[events_pb2.SessionEvent],
+        *,
+        tenant: str = "default",
+        lease: LeaseOp | None = None,
     ) -> int:
         self.entered.set()
         await self.gate.wait()
         if self.fail:
             raise Unavailable("disk went away")
-        return await super().append(session_id, events, tenant=tenant)
+        return await super().append(session_id, events, tenant=tenant, lease=lease)
 
 
 async def _session(store: GatedStore) -> SessionManager:

@@ -455,6 +455,21 @@ def test_the_log_equals_every_accepted_batch_in_order(
     asyncio.run(run())
 
 
+# --- fold snapshots (issue 11) --------------------------------------------------------------------
+
+
+async def test_a_snapshot_is_kept_whole_and_replaced_by_the_next(store: EventStore) -> None:
+    await store.create_session("s1", None)
+    await store.append("s1", batch(0, 4))
+    assert await store.get_snapshot("s1") is None
+
+    await store.put_snapshot("s1", 2, b"at two")
+    await store.put_snapshot("s1", 4, b"at four")
+
+    assert await store.get_snapshot("s1") == (4, b"at four")
+    assert await store.get_snapshot("nope") is None
+
+
 # --- usage (what the quotas count) ----------------------------------------------------------------
 
 

@@ -25,8 +25,12 @@ const ServiceConfig = `{"methodConfig": [{
     {"service": "compactd.v1.SessionService", "method": "ListEvents"},
     {"service": "compactd.v1.SessionService", "method": "GetSurface"},
     {"service": "compactd.v1.SessionService", "method": "BuildRequest"},
+    {"service": "compactd.v1.SessionService", "method": "ListSessions"},
     {"service": "compactd.v1.CompactionService", "method": "CheckPressure"},
-    {"service": "compactd.v1.CompactionService", "method": "WatchPressure"}
+    {"service": "compactd.v1.CompactionService", "method": "WatchPressure"},
+    {"service": "compactd.v1.CompactionService", "method": "ClassifyProviderError"},
+    {"service": "compactd.v1.CompactionService", "method": "PlanCompaction"},
+    {"service": "compactd.v1.CompactionService", "method": "ListBrackets"}
   ],
   "retryPolicy": {
     "maxAttempts": 4, "initialBackoff": "0.1s", "maxBackoff": "2s",

@@ -43,7 +43,15 @@ export const DEFAULT_RETRY: RetryPolicy = {
 };
 
 /** Unary RPCs whose retry cannot change the outcome (reads). */
-export const IDEMPOTENT_METHODS: ReadonlySet<string> = new Set(["GetSurface", "BuildRequest", "CheckPressure"]);
+export const IDEMPOTENT_METHODS: ReadonlySet<string> = new Set([
+  "GetSurface",
+  "BuildRequest",
+  "ListSessions",
+  "CheckPressure",
+  "ClassifyProviderError",
+  "PlanCompaction",
+  "ListBrackets",
+]);
 
 export interface ClientOptions {
   /** Server address: "host:port" or a URL such as "http://127.0.0.1:50051". */

@@ -49,7 +49,7 @@ from compactd.service.sessions import SessionManager
 from compactd.service.summarizers import SummarizerRegistry, SummarizerSettings, named_routes
 from compactd.service.switch import SwitchService
 from compactd.store.base import Clock, EventStore, utc_now
-from compactd.store.factory import open_store
+from compactd.store.factory import store_for
 from compactd.tenancy import Tenant
 from compactd.v1 import (
     compaction_service_pb2,
@@ -190,7 +190,7 @@ async def create_server(
     metrics = Metrics(meter_provider)
     tls = ServerTls.from_config(config)  # ConfigError for a missing or non-PEM file
     authentication = auth.Authentication(auth.credentials_from(config))
-    store = open_store(config.store, synchronous=config.sqlite_synchronous, clock=wall_clock)
+    store = store_for(config, clock=wall_clock)
     await store.open()
     async with contextlib.AsyncExitStack() as refused:  # a start that fails closes the store
         refused.push_async_callback(store.close)
@@ -290,10 +290,12 @@ async def _serve_on(
         store,
         policy_validator=parts.policy.with_overrides,
         limits=settings.limits(config),
+        lease_s=config.bracket_lease_s,
         snapshot_interval=config.snapshot_interval_events,
         max_resident=config.max_resident_sessions,
         quotas=quotas,
     )
+    manager.start()  # replicas: follow other replicas' appends (a shared store only)
     await asyncio.to_thread(warm_up, parts.routes)  # the first pressure check is not a load
     metrics.observe_sessions(lambda: manager.resident)
     pressure = PressureService(manager, parts.routes, parts.policy)

@@ -63,7 +63,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
     async def AppendEvents(
         self, request: pb.AppendEventsRequest, context: Context
     ) -> pb.AppendEventsResponse:
-        handle = await self._handle(request.session_id)
+        handle = await self._handle(request.session_id, fresh=False)  # the append catches up
         expected = request.expected_last_seq if request.HasField("expected_last_seq") else None
         result = await handle.append(
             request.events,
@@ -141,9 +141,9 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         await self._manager.delete(request.session_id)
         return pb.DeleteSessionResponse()
 
-    async def _handle(self, session_id: str) -> SessionHandle:
+    async def _handle(self, session_id: str, *, fresh: bool = True) -> SessionHandle:
         require_session_id(session_id)
-        return await self._manager.get(session_id)
+        return await self._manager.get(session_id, fresh=fresh)
 
 
 def require_session_id(session_id: str) -> None:

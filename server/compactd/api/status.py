@@ -34,6 +34,7 @@ _CODES: list[tuple[type[errors.CompactdError], grpc.StatusCode]] = [
     (errors.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
     (errors.SeqConflict, grpc.StatusCode.ABORTED),
     (errors.Busy, grpc.StatusCode.ABORTED),
+    (errors.Fenced, grpc.StatusCode.ABORTED),
     (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),

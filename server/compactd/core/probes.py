@@ -77,19 +77,30 @@ def paths_in(text: str) -> list[str]:
 
     A token with a slash counts when it is absolute or home-relative (``/x``, ``~/x``, ``./x``,
     ``../x``), has two slashes or more, or ends with an extension; a bare name counts when its
-    extension is a known source or data extension.
+    extension is a known source or data extension. An HTML closing tag (``</h1>``) is no path.
     """
     slashed: dict[str, None] = {}
     bare: dict[str, None] = {}
-    for run in _RUN.findall(text):
+    for found in _RUN.finditer(text):
+        run = found.group(0)
         if "/" in run:
+            # ``</h1>``, ``</div>``: markup closes a tag, it names no file.
+            tag = found.start() > 0 and text[found.start() - 1] == "<"
             for match in _PATH_TOKEN.finditer(run):
                 token = match.group(0).rstrip(".,:;")
+                if tag and match.start() == 0 and _is_tag_name(token):
+                    continue
                 if _looks_like_path(token):
                     slashed[token] = None
         if "." in run.rstrip(".,:;"):  # a dot that only ends a sentence starts no extension
             bare.update(dict.fromkeys(match.group(0) for match in _BARE_FILE.finditer(run)))
     return [*slashed, *(name for name in bare if name not in slashed)]
+
+
+def _is_tag_name(token: str) -> bool:
+    """Whether ``token`` (right after a ``<``) is a closing tag's ``/name``: one segment, no dot."""
+    name = token[1:]
+    return token.startswith("/") and bool(name) and "/" not in name and "." not in name
 
 
 def _looks_like_path(token: str) -> bool:

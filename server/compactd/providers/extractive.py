@@ -16,14 +16,23 @@ when everything does not fit, the most useful facts are kept first (the current 
 and latest requests, the gate's probes, a prior checkpoint's paths and commands, then paths,
 older requests, commands, ...). Same input, same bytes.
 
-A checkpoint should cost a small share of what it replaces: for a span of ``MIN_CAPPED_SPAN``
-heuristic tokens or more, everything after the gate's probes also fits ``SPAN_SHARE`` of the span.
+A checkpoint costs a small share of what it replaces: the framed checkpoint fits ``SPAN_SHARE``
+of its span, whatever the span's size, the gate's probes included (they rank right after the
+current state, so a tight share keeps the most valuable facts and drops the rest). The share is
+checked with ``estimated_tokens``, which errs high where the heuristic errs low (punctuation-dense
+paths and commands, non-ASCII text), so the route's count stays under 15% too. A span so small
+that the share cannot hold ``MIN_CHECKPOINT_TOKENS`` (the sections, the current state and the
+first probes) gets that many, never more than half the span; a policy that wants no checkpoint
+above 15% sets ``minReductionRatio`` to 0.85: selection then declines such a span
+(``SPAN_TOO_SMALL``, ``minimum_span_tokens``) before any summary is written.
 Paths are dense: "Files Touched" writes one line per directory (``DIR/: a/b.py, c/d.py``, each
 path keeping its last two segments), which a later fold reads back as paths.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -39,13 +48,22 @@ _ROLE = session_service_pb2
 # Section indexes into prompts.SUMMARY_SECTIONS.
 _GOALS, _TECH, _FILES, _ERRORS, _OUTSTANDING, _PROGRESS, _NEXT, _ESSENTIAL = range(8)
 _UNITS_PER_TOKEN = 4
-#: The largest share of its span a checkpoint takes (below the 15% the summary-quality goal
-#: allows: route tokenizers count a little differently from the heuristic this is measured in).
-SPAN_SHARE = 0.135
+#: The largest share of its span a framed checkpoint takes (below the 15% the summary-quality
+#: goal allows: the span is priced with the heuristic, which a route may count a little lower).
+SPAN_SHARE = 0.14
 _FRAME_UNITS = utf16_length(prompts.frame_checkpoint(""))
-MIN_CAPPED_SPAN = 3000
-#: The tier of a prior checkpoint's paths and commands; from it on, bullets fit the span share.
-_PRIOR = 2
+#: The least a framed checkpoint may take (estimated tokens) when ``SPAN_SHARE`` of its span is
+#: less: the eight sections with the current state and the first probes (about a hundred tokens
+#: of bullets). From a span of ``MIN_CHECKPOINT_TOKENS / SPAN_SHARE`` (1,786) on, the share rules.
+MIN_CHECKPOINT_TOKENS = 250
+#: A prior checkpoint's paths rank with this span's probes, after the first ``_PRIOR_AFTER``
+#: path probes, so a fact of an older span survives a second fold (a path costs little); its
+#: commands rank right after this span's probes (``_PRIOR_COMMANDS``).
+_PRIOR_FILES = 1
+_PRIOR_AFTER = 2
+_PRIOR_COMMANDS = 2
+_ROOMY_UNITS = 2400  # bullets below this share keep one state line, leaving room for probes
+_REFITS = 4  # fits tried before settling on the smallest (each shrinks the room by the overshoot)
 _ELLIPSIS = "…"
 
 # A prior checkpoint is exactly ``prompts.frame_checkpoint(summary)``; see ``_checkpoint_summary``.
@@ -58,6 +76,8 @@ class _Limits:
     request_units: int = 800
     item_units: int = 240
     command_units: int = 80
+    state_units: int = 80  # a "Work in Progress" line; the next step takes ``item_units``
+    state_lines: int = 3  # the last assistant message, tool call and tool result
     max_paths: int = 60
     max_commands: int = 30
     max_errors: int = 30
@@ -96,14 +116,23 @@ class ExtractiveSummarizer:
 
     name = "extractive"
 
-    def __init__(self, *, request_chars: int = 800, item_chars: int = 240) -> None:
+    def __init__(
+        self,
+        *,
+        request_chars: int = 800,
+        item_chars: int = 240,
+        span_share: float | None = SPAN_SHARE,
+    ) -> None:
         """Configure clipping.
 
         Args:
             request_chars: Longest quoted user request, in UTF-16 code units.
             item_chars: Longest other bullet (path, command, error line, state), same unit.
+            span_share: The share of its span a framed checkpoint may take (``allowed_tokens``);
+                None: ``max_tokens`` alone bounds it.
         """
         self._limits = _Limits(request_units=request_chars, item_units=item_chars)
+        self._share = span_share
 
     async def summarize(self, request: SummaryRequest) -> SummaryResult:
         """Summarize ``request.messages`` within ``request.max_tokens``.
@@ -137,24 +166,80 @@ class ExtractiveSummarizer:
         found = probes.span_facts(span, bulk=True)
         facts = _extract(span, found, self._limits)
         limits = self._limits
-        capped = _share_budget(span) if facts.has_new else None  # a lone checkpoint: as it was
-        share = budget if capped is None else min(budget, capped)
+        # A lone prior checkpoint is written again as it was: only the budget bounds it.
+        allowed = None
+        if facts.has_new and self._share is not None:
+            allowed = allowed_tokens(sum(map(heuristic_price, span)), self._share)
+        share = budget
+        if allowed is not None:
+            room = int(allowed * _UNITS_PER_TOKEN) - _FRAME_UNITS
+            share = min(budget, max(utf16_length(skeleton), room))
         if share < budget:
-            # A long task statement quoted whole would crowd out the other facts of the span.
-            limits = replace(limits, request_units=min(limits.request_units, share // 5))
+            limits = _tightened(limits, share - utf16_length(skeleton))
         ranking = _candidates(facts, limits)
         _promote_probes(ranking, found, limits)
-        return _fit(ranking.candidates, budget, share), found
+        return _fit_share(ranking.candidates, share, allowed), found
 
 
-def _share_budget(span: Sequence[Message]) -> int | None:
-    """Code units the summary may take so that its framed checkpoint stays within
-    ``SPAN_SHARE`` of a span of ``MIN_CAPPED_SPAN`` heuristic tokens or more; None for a shorter
-    span (that share would leave a summary of a few lines, of no use)."""
-    tokens = sum(heuristic_price(message) for message in span)
-    if tokens < MIN_CAPPED_SPAN:
-        return None
-    return int(tokens * _UNITS_PER_TOKEN * SPAN_SHARE) - _FRAME_UNITS
+def allowed_tokens(span_tokens: float, share: float = SPAN_SHARE) -> float:
+    """The estimated tokens a framed checkpoint of a ``span_tokens`` span may take: ``share`` of
+    it, or for a span too small for that to hold ``MIN_CHECKPOINT_TOKENS``, that many but never
+    more than half the span (and never less than the eight empty sections)."""
+    small = min(MIN_CHECKPOINT_TOKENS, span_tokens / 2)
+    return max(span_tokens * share, small, _SKELETON_TOKENS)
+
+
+def minimum_span_tokens(min_reduction_ratio: float | None) -> int:
+    """The smallest span whose extractive checkpoint reduces it by ``min_reduction_ratio``: every
+    span when the checkpoint may take half of it or more, else the span that
+    ``MIN_CHECKPOINT_TOKENS`` fits (selection declines a smaller one, ``SPAN_TOO_SMALL``)."""
+    if min_reduction_ratio is None or 1 - min_reduction_ratio >= 0.5:
+        return 0
+    return math.ceil(MIN_CHECKPOINT_TOKENS / (1 - min_reduction_ratio))
+
+
+def _tightened(limits: _Limits, content_units: int) -> _Limits:
+    """Clipping for a summary whose bullets share ``content_units``: the current state and the
+    requests (tier 0) clipped so that they leave room for the gate's probes. A request is kept by
+    a quote of a few words, a state line by its head."""
+    return replace(
+        limits,
+        request_units=min(limits.request_units, max(60, content_units // 6)),
+        state_units=min(limits.state_units, max(48, content_units // 10)),
+        state_lines=1 if content_units < _ROOMY_UNITS else limits.state_lines,
+    )
+
+
+def _fit_share(candidates: Sequence[_Candidate], share: int, allowed: float | None) -> str:
+    """``_fit`` within ``share`` code units, refitted smaller while the framed checkpoint's
+    ``estimated_tokens`` exceed ``allowed`` (None: the code units alone bound it)."""
+    text = _fit(candidates, share)
+    if allowed is None:
+        return text
+    floor = utf16_length(_render({}))
+    for _ in range(_REFITS):
+        estimate = estimated_tokens(prompts.frame_checkpoint(text))
+        if estimate <= allowed or share <= floor:
+            return text
+        share = max(floor, int(share * allowed / estimate) - _UNITS_PER_TOKEN)
+        text = _fit(candidates, share)
+    return text
+
+
+# Roughly how a byte-pair tokenizer splits text before merging (a word with its leading space,
+# up to three digits, a run of punctuation, a run of spaces): each piece is a token or more.
+_PIECE_TOKENS = 1.15  # a long identifier or path segment is several tokens: err high
+_PIECE = re.compile(r"[^\r\nA-Za-z\d]?[A-Za-z]+|\d{1,3}| ?[^\sA-Za-z\d]+[\r\n]*|\s*[\r\n]+|\s+")
+
+
+def estimated_tokens(text: str) -> float:
+    """Tokens a route tokenizer (o200k_base, cl100k_base) is likely to count for ``text``, erring
+    high: the pieces a byte-pair tokenizer starts from or 4 ASCII characters a token, whichever
+    is more, plus 2 tokens per non-ASCII character (rare scripts take several bytes a token)."""
+    if text.isascii():
+        return max(len(text) / _UNITS_PER_TOKEN, _PIECE_TOKENS * len(_PIECE.findall(text)))
+    ascii_text = "".join(c for c in text if c.isascii())
+    return estimated_tokens(ascii_text) + 2 * (len(text) - len(ascii_text))
 
 
 # --- extraction ------------------------------------------------------------------------------
@@ -335,6 +420,7 @@ class _Ranking:
         *,
         newest_first: bool,
         promote: bool = False,
+        after: int = 0,
     ) -> None:
         """Add ``items`` (clipped to ``cap``) at ``tier``; within a tier, older or newer first.
 
@@ -343,7 +429,7 @@ class _Ranking:
         """
         for position, item in enumerate(items):
             text = _clip(item, cap)
-            recency = len(items) - position if newest_first else position
+            recency = after + (len(items) - position if newest_first else position)
             index = self._seen.get((section, text))
             if index is not None:
                 seen = self.candidates[index]
@@ -356,9 +442,10 @@ class _Ranking:
 
 def _candidates(facts: _Facts, limits: _Limits) -> _Ranking:
     """Every possible bullet, ranked: tier 0 (state, first and latest request, next step) is kept
-    first, then the gate's probes and prior goals (tier 1, ``_promote_probes``), a prior
-    checkpoint's paths and commands (``_PRIOR``), paths and older requests, commands, tools and
-    other error lines, then paths seen only in tool output."""
+    first, then the gate's probes, prior goals and a prior checkpoint's paths (tier 1,
+    ``_promote_probes``, ``_PRIOR_FILES``), a prior checkpoint's commands (``_PRIOR_COMMANDS``),
+    paths and older requests, commands, tools and other error lines, then paths seen only in tool
+    output."""
     ranking = _Ranking()
     item, request = limits.item_units, limits.request_units
     for section, items in sorted(facts.prior.items()):
@@ -366,12 +453,16 @@ def _candidates(facts: _Facts, limits: _Limits) -> _Ranking:
             # A prior checkpoint's paths and commands were chosen once already (the earlier
             # span's probes among them): they rank right after this span's probes, so a fact
             # survives being summarized again; the rest ranks as the span's own would.
-            for tier, ranked in _prior_tiers(section, items):
-                ranking.add(tier, section, ranked, request, newest_first=False)
+            # A path or a command clipped loses what identifies it: only requests are quoted.
+            cap = request if section in (_GOALS, _OUTSTANDING) else max(item, request)
+            for tier, after, ranked in _prior_tiers(section, items):
+                ranking.add(tier, section, ranked, cap, newest_first=False, after=after)
     progress = facts.progress if facts.has_new else facts.prior.get(_PROGRESS, [])
-    ranking.add(0, _PROGRESS, progress[-3:], limits.command_units, newest_first=False)
+    state = progress[-limits.state_lines :]
+    ranking.add(0, _PROGRESS, state, limits.state_units, newest_first=False)
     next_step = [facts.next_step] if facts.has_new else facts.prior.get(_NEXT, [])
-    ranking.add(0, _NEXT, [step for step in next_step if step][:1], item, newest_first=False)
+    step_units = min(item, 2 * limits.state_units)
+    ranking.add(0, _NEXT, [step for step in next_step if step][:1], step_units, newest_first=False)
     _rank_requests(ranking, facts.requests, request)
     # Lines that only mention an error (source code, logs) rank low; the errors a line states
     # are the gate's probes, promoted below.
@@ -391,16 +482,18 @@ def _candidates(facts: _Facts, limits: _Limits) -> _Ranking:
     return ranking
 
 
-def _prior_tiers(section: int, items: Sequence[str]) -> list[tuple[int, list[str]]]:
-    """A prior checkpoint's bullets of ``section`` by the tier they rank at."""
+def _prior_tiers(section: int, items: Sequence[str]) -> list[tuple[int, int, list[str]]]:
+    """A prior checkpoint's bullets of ``section`` by the tier they rank at, each with how many
+    of the span's own probes of the section come before its first (``_PRIOR_AFTER``)."""
     if section in (_GOALS, _OUTSTANDING):
-        return [(1, list(items))]
+        return [(1, 0, list(items))]
     if section == _FILES:
-        return [(_PRIOR, list(items))]
+        return [(_PRIOR_FILES, _PRIOR_AFTER, list(items))]
     if section == _TECH:
         commands = [item for item in items if item.startswith("Ran: ")]
-        return [(_PRIOR, commands), (4, [item for item in items if item not in commands])]
-    return [(3 if section == _ERRORS else 4, list(items))]
+        rest = [item for item in items if item not in commands]
+        return [(_PRIOR_COMMANDS, 0, commands), (4, 0, rest)]
+    return [(3 if section == _ERRORS else 4, 0, list(items))]
 
 
 def _promote_probes(ranking: _Ranking, span: probes.SpanFacts, limits: _Limits) -> None:
@@ -429,19 +522,19 @@ def _rank_requests(ranking: _Ranking, requests: Sequence[str], cap: int) -> None
         ranking.add(0, _GOALS, requests[-1:], cap, newest_first=False)
 
 
-def _fit(candidates: Sequence[_Candidate], budget: int, share: int) -> str:
-    """Render the highest-ranked candidates that fit in ``budget`` code units; from tier
-    ``_PRIOR`` on, only those that also fit in ``share`` (the gate's probes never wait on it)."""
+def _fit(candidates: Sequence[_Candidate], budget: int) -> str:
+    """Render the highest-ranked candidates that fit in ``budget`` (code units of estimated
+    tokens, ``_units``); one that does not fit is clipped, or skipped for a later, smaller one."""
     chosen: dict[int, list[_Candidate]] = {}
     files = _FileGroups(
         [c.text for c in candidates if c.section == _FILES and _FileGroups.is_path(c.text)]
     )
-    used = utf16_length(_render({}))
+    used = _units(_render({}))
     for candidate in sorted(candidates, key=lambda c: (c.rank, c.order)):
         # The first bullet of a section replaces its "(none)" line; later ones add a newline.
         first = candidate.section not in chosen
-        credit = utf16_length(_bullet(prompts.EMPTY_SECTION)) if first else -1
-        room = (budget if candidate.rank[0] < _PRIOR else share) - used + credit
+        credit = _units(_bullet(prompts.EMPTY_SECTION)) if first else -1
+        room = budget - used + credit
         if candidate.section == _FILES and _FileGroups.is_path(candidate.text):
             cost = files.cost(candidate.text)
             if cost > room:
@@ -450,13 +543,11 @@ def _fit(candidates: Sequence[_Candidate], budget: int, share: int) -> str:
             chosen.setdefault(_FILES, [])
             used += cost - credit
             continue
-        fitted = (
-            candidate if utf16_length(_bullet(candidate.text)) <= room else _shrunk(candidate, room)
-        )
+        fitted = candidate if _units(_bullet(candidate.text)) <= room else _shrunk(candidate, room)
         if fitted is None:
             continue
         chosen.setdefault(fitted.section, []).append(fitted)
-        used += utf16_length(_bullet(fitted.text)) - credit
+        used += _units(_bullet(fitted.text)) - credit
     by_section = {
         index: [c.text for c in sorted(items, key=lambda c: c.order)]
         for index, items in chosen.items()
@@ -527,9 +618,9 @@ class _FileGroups:
         if prefix in self._groups:
             if item.rstrip("/") in (known.rstrip("/") for known in self._groups[prefix]):
                 return 0
-            return utf16_length(self._SEPARATOR + item)
+            return _units(self._SEPARATOR + item)
         head = f"{prefix}: " if prefix else ""
-        return utf16_length(_bullet(head + item)) + 1
+        return _units(_bullet(head + item)) + 1
 
     def add(self, path: str) -> None:
         """Add ``path`` to its directory's line."""
@@ -571,7 +662,15 @@ def _shrunk(candidate: _Candidate, room: int) -> _Candidate | None:
     if room_for_text < 24:
         return None
     text = _clip(candidate.text, room_for_text)
-    return _Candidate(candidate.rank, candidate.section, candidate.order, text)
+    for _ in range(_REFITS):  # text the estimate prices above its code units: clip it further
+        cost = _units(_bullet(text))
+        if cost <= room:
+            return _Candidate(candidate.rank, candidate.section, candidate.order, text)
+        room_for_text = room_for_text * room // cost - 1
+        if room_for_text < 24:
+            return None
+        text = _clip(candidate.text, room_for_text)
+    return None
 
 
 def _render(sections: dict[int, list[str]]) -> str:
@@ -588,6 +687,12 @@ def _bullet(text: str) -> str:
 
 
 # --- text measurement ----------------------------------------------------------------------
+
+
+def _units(text: str) -> int:
+    """What ``text`` costs in the summary's budget: its ``estimated_tokens`` as code units (at
+    least its code units), so a bullet the route would count high is fitted, or dropped, alone."""
+    return math.ceil(estimated_tokens(text) * _UNITS_PER_TOKEN)
 
 
 def _clip(text: str, max_units: int) -> str:
@@ -613,3 +718,6 @@ def _at_word(head: str, room: int) -> str:
     if space >= room * 4 // 5:
         head = head[:space]
     return head.rstrip() + _ELLIPSIS
+
+
+_SKELETON_TOKENS = estimated_tokens(prompts.frame_checkpoint(_render({})))

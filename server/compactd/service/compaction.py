@@ -515,6 +515,7 @@ class CompactionEngine:
         with self._tracer.start_as_current_span("compaction.summary") as span:
             span.set_attribute("compactd.compaction_id", compaction_id)
             async with handle.lock:
+                handle.check_bracket(compaction_id)  # replicas: not taken over meanwhile
                 scope = revalidation_for(job.trigger)
                 stale = drift(handle.fold, selection, snapshot, scope)
                 if stale is not None:
@@ -633,6 +634,7 @@ class CompactionEngine:
         recovery = next((r for r in self._recoveries if r.wants(error)), None)
         retrying = recovery is not None and failure.attempt < MAX_SUMMARY_ATTEMPTS
         async with handle.lock:
+            handle.check_bracket(failure.compaction_id)
             stale = drift(handle.fold, failure.selection, snapshot, revalidation_for(job.trigger))
             if stale is not None:
                 raise BracketFailed(
@@ -679,6 +681,8 @@ class CompactionEngine:
                         [bracket.end_event(compaction_id, message, reason, gate=gate)]
                     )
             except Exception as close_error:
+                # Replicas: stop renewing, so the orphan's lease lapses and it is taken over.
+                handle.leases.drop(compaction_id)
                 _record_error(span, close_error)
                 log.error(
                     "compaction/end could not be appended; the bracket stays open until the "

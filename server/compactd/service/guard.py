@@ -42,7 +42,7 @@ from compactd.core.selection import DeclineCode, Declined, Selection
 from compactd.errors import CompactdError
 from compactd.metrics import Metrics
 from compactd.providers.base import SummaryRequest, SummaryResult
-from compactd.providers.extractive import ExtractiveSummarizer
+from compactd.providers.extractive import ExtractiveSummarizer, minimum_span_tokens
 from compactd.routes import Route
 from compactd.service.sessions import SessionHandle
 from compactd.service.summarizers import EXTRACTIVE_TARGET
@@ -124,7 +124,9 @@ class CompactionGuard:
         """The smallest span (route tokens) whose checkpoint could relieve anything."""
         settings = policy.gate
         ratio = settings.min_reduction_ratio if settings is not None else None
-        return gate.minimum_useful_span(self._skeleton_tokens(route.pricing), ratio)
+        # A ratio above a half also asks the extractive checkpoint (the fallback) to fit.
+        skeleton = self._skeleton_tokens(route.pricing)
+        return max(gate.minimum_useful_span(skeleton, ratio), minimum_span_tokens(ratio))
 
     def _skeleton_tokens(self, pricing: PricingProfile) -> int:
         """The empty checkpoint's price per pricing profile: priced once, not every bracket."""

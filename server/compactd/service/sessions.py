@@ -21,6 +21,10 @@ Cost follows the work (issue 11):
   gets no ``session/end-seed``. A handle someone still holds stays the session's one handle (a
   weak reference finds it), so no session ever has two folds.
 
+On a store several replicas share (PostgreSQL), the fold is a cache of the log that other
+replicas also append to: ``service.replicas`` keeps it current (catch-up under the lock, appends
+retried on a stale fold, bracket leases, change notifications), and a restore appends
+``session/end-seed`` only when the process that owned a live bracket died (its lease expired).
 Tenancy lives here, as a key: a session is (tenant, id), the tenant being the caller's
 (``compactd.tenancy.current_tenant``) unless one is named. Another tenant's session is simply not
 there (NotFound), so nothing past the manager needs to know tenants exist.
@@ -32,6 +36,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
 import weakref
 from collections import OrderedDict
@@ -52,7 +57,10 @@ from compactd.core.pricing import NodeCost
 from compactd.core.validation import Origin, check_batch
 from compactd.errors import (
     AlreadyExists,
+    Busy,
+    CompactdError,
     ConfigError,
+    Fenced,
     FieldViolation,
     InvalidArgument,
     NotFound,
@@ -60,7 +68,16 @@ from compactd.errors import (
     SeqConflict,
 )
 from compactd.service.quotas import QuotaBook, Reservation
+from compactd.service.replicas import (
+    MAX_APPEND_ATTEMPTS,
+    CatchUpLock,
+    ChangeListener,
+    LeaseKeeper,
+    lease_for,
+    retry_pause,
+)
 from compactd.store.base import EventStore, SessionRecord, StoreUsage, session_not_found
+from compactd.store.leases import LeaseAction, LeaseOp, fenced
 from compactd.tenancy import Tenant, current_tenant
 from compactd.v1 import events_pb2
 
@@ -117,6 +134,9 @@ class SessionHandle:
         fold: SessionFold,
         limits: AppendLimits = DEFAULT_LIMITS,
         quotas: QuotaBook | None = None,
+        *,
+        owner: str = "",
+        lease_s: float = 30.0,
     ) -> None:
         self.session_id = record.session_id
         self.tenant = record.tenant
@@ -130,7 +150,11 @@ class SessionHandle:
             json.loads(record.policy_json) if record.policy_json else None
         )
         self.extensions: dict[str, object] = {}
-        self.lock = asyncio.Lock()
+        # Held, the fold is as new as the store's log (``service.replicas``).
+        self.lock = CatchUpLock(self.catch_up_locked)
+        self.owner = owner
+        self.leases = LeaseKeeper(store, record.session_id, owner, lease_s, tenant=record.tenant)
+        self._next_lease_check = 0.0  # monotonic time to look at another replica's lease again
         # The committed revision: ``fold.revision`` also counts a batch admitted but not yet
         # durable, which readers that do not hold the lock must never see.
         self.revision = fold.revision
@@ -194,9 +218,27 @@ class SessionHandle:
             )
         else:
             check_batch(events, max_events=max_events, origin=origin, limits=self.limits)
+        if self._store.shared and origin is Origin.CLIENT:
+            return await self._append_optimistic(events, expected_last_seq)
         async with self.lock:
             return await self.append_locked(
                 events, expected_last_seq=expected_last_seq, origin=origin
+            )
+
+    async def _append_optimistic(
+        self, events: Sequence[events_pb2.SessionEvent], expected_last_seq: int | None
+    ) -> AppendResult:
+        """A runtime's batch on a shared store: first decided on the cached fold, without a
+        revision read. The store lands it only at the fold's revision, so a batch that lands
+        was decided on the current log; any refusal (a seq conflict, or a check the stale fold
+        failed) is decided again on the caught-up fold, where it stands or falls for real."""
+        async with self.lock.as_cached():
+            try:
+                return await self._append_once(events, expected_last_seq, Origin.CLIENT)
+            except CompactdError:
+                await self._catch_up()
+            return await self.append_locked(
+                events, expected_last_seq=expected_last_seq, origin=Origin.CLIENT
             )
 
     async def append_locked(
@@ -207,6 +249,27 @@ class SessionHandle:
         origin: Origin = Origin.SERVER,
     ) -> AppendResult:
         """``append`` for a caller that already holds ``self.lock`` (the compaction engine)."""
+        for attempt in range(1, MAX_APPEND_ATTEMPTS + 1):
+            try:
+                return await self._append_once(events, expected_last_seq, origin)
+            except (SeqConflict, InvalidArgument) as error:
+                # The store refused a batch decided on a fold another replica had moved past:
+                # catch up, then decide again (a retry finds its own ids, a conflict shows).
+                if not self._store.shared or not _stale_fold(error):
+                    raise
+                if attempt == MAX_APPEND_ATTEMPTS:
+                    raise
+                await retry_pause(attempt)
+                await self._catch_up()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _append_once(
+        self,
+        events: Sequence[events_pb2.SessionEvent],
+        expected_last_seq: int | None,
+        origin: Origin,
+        lease: LeaseOp | None = None,
+    ) -> AppendResult:
         if self.deleted:  # a caller that got the handle before the delete
             raise session_not_found(self.session_id)
         replay = await self._replayed(events)
@@ -225,7 +288,15 @@ class SessionHandle:
         now.GetCurrentTime()
         batch = await self._admit(events, now, origin)
         reservation = self._reserve_bytes(batch, origin)
-        commit = asyncio.ensure_future(self._commit(batch, reservation))
+        if lease is None:
+            lease = lease_for(
+                batch.events,
+                self.leases.owned,
+                self.owner,
+                self.leases.ttl_s,
+                shared=self._store.shared,
+            )
+        commit = asyncio.ensure_future(self._commit(batch, reservation, lease))
         try:
             return await asyncio.shield(commit)
         except asyncio.CancelledError:
@@ -270,24 +341,104 @@ class SessionHandle:
             self.fold.rollback(batch)
             raise
 
-    async def _commit(self, batch: AdmittedBatch, reservation: Reservation | None) -> AppendResult:
+    async def _commit(
+        self, batch: AdmittedBatch, reservation: Reservation | None, lease: LeaseOp | None = None
+    ) -> AppendResult:
         prepared = self._prepare(batch)
         try:
-            await self._store.append(self.session_id, batch.events, tenant=self.tenant)
-        except BaseException:
+            await self._store.append(self.session_id, batch.events, tenant=self.tenant, lease=lease)
+        except BaseException as error:
             if prepared is not None:  # the worker reads the fold: let it finish first
                 await asyncio.wait([prepared])
             self.fold.rollback(batch)
             if reservation is not None:
                 reservation.release()
+            if isinstance(error, Fenced) and lease is not None:
+                self.leases.drop(lease.token)  # another replica took the bracket over
             raise
         if prepared is not None:
             await prepared
+        self.leases.landed(lease)
+        self._folded(batch)
+        await self._notify()
+        return AppendResult([e.seq for e in batch.events], self.fold.revision)
+
+    def _folded(self, batch: AdmittedBatch) -> None:
         self.revision = self.fold.revision
         for observer in self._observers:
             observer(self.fold, batch)
+
+    # --- replicas -------------------------------------------------------------------------------
+
+    async def catch_up_locked(self) -> None:
+        """Fold what other replicas appended, then take over a dead replica's bracket.
+
+        Runs with ``self.lock`` held (entering the lock calls it). One revision read when
+        nothing changed; nothing at all on a store one process owns.
+        """
+        if not self._store.shared:
+            return
+        await self._catch_up()
+        await self._take_over_orphan()
+
+    def check_bracket(self, compaction_id: str) -> None:
+        """Refuse to go on with a bracket another replica took over (call with the lock held).
+
+        Raises:
+            Fenced: ``LEASE_LOST``; the bracket's lifecycle ended (``session/end-seed``).
+        """
+        if not self._store.shared:
+            return
+        live = live_bracket(self.fold.lock)
+        if live is None or live.compaction_id != compaction_id:
+            self.leases.drop(compaction_id)
+            raise fenced(self.session_id, compaction_id, None)
+
+    async def _catch_up(self) -> None:
+        record = await self._store.get_session(self.session_id, tenant=self.tenant)
+        if record is None or record.create_time != self.record.create_time:
+            # Another replica deleted the session (and perhaps created a new one of that id):
+            # this fold is of a log that is gone. Its followers end; the manager drops it.
+            await self.mark_deleted()
+            raise session_not_found(self.session_id)
+        if record.revision <= self.fold.revision:
+            return
+        chunk: list[events_pb2.SessionEvent] = []
+        async for event in self.read(self.fold.revision, record.revision):
+            chunk.append(event)
+            if len(chunk) >= 512:
+                self._folded(self.fold.admit(chunk, check=False))
+                chunk = []
+        if chunk:
+            self._folded(self.fold.admit(chunk, check=False))
         await self._notify()
-        return AppendResult([e.seq for e in batch.events], self.fold.revision)
+
+    async def _take_over_orphan(self) -> None:
+        """End the lifecycle of a live bracket whose owner died (its lease expired)."""
+        live = live_bracket(self.fold.lock)
+        if live is None or live.compaction_id in self.leases.owned:
+            return
+        if time.monotonic() < self._next_lease_check:
+            return
+        lease = await self._store.get_lease(self.session_id, tenant=self.tenant)
+        if lease is not None and not lease.expired:
+            self._next_lease_check = time.monotonic() + lease.remaining_s
+            return
+        seed = events_pb2.SessionEvent(
+            session_end_seed=events_pb2.SessionEndSeed(
+                reason="lease-expired", instance_id=self.owner
+            )
+        )
+        breaking = LeaseOp(LeaseAction.BREAK, self.owner, live.compaction_id)
+        try:
+            await self._append_once([seed], None, Origin.SERVER, lease=breaking)
+        except (Busy, SeqConflict):  # renewed meanwhile, or another replica took it over first
+            self._next_lease_check = 0.0
+            return
+        log.warning(
+            "took over a session whose bracket owner stopped renewing its lease",
+            extra={"session_id": self.session_id, "compaction_id": live.compaction_id},
+        )
 
     def _prepare(self, batch: AdmittedBatch) -> asyncio.Future[None] | None:
         """Start the preparers in a worker thread for a large batch (None: small, or none)."""
@@ -372,6 +523,13 @@ class SessionHandle:
         return AppendResult(seqs, self.fold.revision, replayed=True)
 
 
+def _stale_fold(error: Exception) -> bool:
+    """Whether the store refused a batch because another replica appended first."""
+    if isinstance(error, SeqConflict):
+        return "first_seq" in error.metadata  # the store's check, not ``expected_last_seq``
+    return getattr(error, "reason", "") == "DUPLICATE_EVENT_ID"
+
+
 def _same_content(sent: events_pb2.SessionEvent, kept: events_pb2.SessionEvent) -> bool:
     a, b = events_pb2.SessionEvent(), events_pb2.SessionEvent()
     a.CopyFrom(sent)
@@ -402,12 +560,14 @@ class SessionManager:
         instance_id: str | None = None,
         policy_validator: Callable[[Mapping[str, Any]], object] | None = None,
         limits: AppendLimits = DEFAULT_LIMITS,
+        lease_s: float = 30.0,
         snapshot_interval: int = 0,
         max_resident: int = 0,
         quotas: QuotaBook | None = None,
     ) -> None:
         self.store = store
         self.limits = limits
+        self.lease_s = lease_s
         self.snapshot_interval = snapshot_interval
         self.max_resident = max_resident
         self.quotas = quotas
@@ -428,6 +588,15 @@ class SessionManager:
         self._snapshotting: dict[_Key, asyncio.Task[None]] = {}
         self._evicting: asyncio.Task[None] | None = None
         self.evictions = 0
+        self._listener = ChangeListener(
+            store,
+            lambda tenant, session_id: self._handles.get((tenant, session_id)),
+            self._handles.values,
+        )
+
+    def start(self) -> None:
+        """Begin following other replicas' appends (a shared store; call on the event loop)."""
+        self._listener.start()
 
     @property
     def resident(self) -> int:
@@ -512,8 +681,13 @@ class SessionManager:
                 ) from None
             return existing
 
-    async def get(self, session_id: str, *, tenant: Tenant | None = None) -> SessionHandle:
+    async def get(
+        self, session_id: str, *, tenant: Tenant | None = None, fresh: bool = True
+    ) -> SessionHandle:
         """The session's handle, restoring it from the log on first use.
+
+        On a shared store the fold is caught up first; ``fresh=False`` skips that for a caller
+        that takes the handle's lock next anyway (taking it catches up).
 
         Raises:
             NotFound: No session ``session_id`` of ``tenant`` (the caller's by default).
@@ -522,10 +696,15 @@ class SessionManager:
         handle = self._handles.get(key)
         if handle is not None:
             self._handles.move_to_end(key)
-            return handle
-        handle = self._alive.get(key)
-        if handle is not None and not handle.deleted:  # evicted while in use: still its handle
-            self._keep(handle)
+        else:
+            handle = self._alive.get(key)
+            if handle is not None and not handle.deleted:  # evicted while in use: still its handle
+                self._keep(handle)
+            else:
+                handle = None
+        if handle is not None and fresh and self.store.shared:
+            handle = await self._caught_up(key, handle)  # other replicas may have appended
+        if handle is not None:
             return handle
         # One restore per session however many callers arrive (and none left behind for ids
         # that do not exist); a caller that goes away does not cancel it for the others.
@@ -535,6 +714,20 @@ class SessionManager:
             self._loading[key] = restoring
             restoring.add_done_callback(lambda _: self._loading.pop(key, None))
         return await asyncio.shield(restoring)
+
+    async def _caught_up(self, key: _Key, handle: SessionHandle) -> SessionHandle | None:
+        """The handle with its fold caught up; None when another replica deleted its session
+        (the handle is dropped, so a session created anew under the id is restored fresh)."""
+        try:
+            async with handle.lock:
+                pass
+        except NotFound:
+            if not handle.deleted:
+                raise
+            if self._handles.get(key) is handle:
+                del self._handles[key]
+            return None
+        return handle
 
     async def list(
         self, *, after: str = "", limit: int = 100, tenant: Tenant | None = None
@@ -615,7 +808,15 @@ class SessionManager:
                 f"session {session_id!r} does not exist", metadata={"session_id": session_id}
             )
         fold, restored, same_lifecycle = await self._from_snapshot(record)
-        handle = SessionHandle(record, self.store, fold, self.limits, self.quotas)
+        handle = SessionHandle(
+            record,
+            self.store,
+            fold,
+            self.limits,
+            self.quotas,
+            owner=self.instance_id,
+            lease_s=self.lease_s,
+        )
         handle.extensions.update(self._carried.pop(handle.key, {}))
         handle.restored = restored
         handle.snapshot_revision = fold.revision if restored is not None else 0
@@ -626,7 +827,12 @@ class SessionManager:
             if pending is not None:
                 await pending
         await self._fold_tail(handle)
-        if handle.fold.revision and not same_lifecycle:
+        if self.store.shared:
+            # Other replicas serve this session too: a restore is no new lifecycle. A bracket
+            # whose owner died is taken over once its lease expired (``catch_up_locked``).
+            async with handle.lock:
+                pass
+        elif handle.fold.revision and not same_lifecycle:
             # A new lifecycle: brackets opened by an earlier process become stale evidence.
             seed = events_pb2.SessionEvent(
                 session_end_seed=events_pb2.SessionEndSeed(
@@ -786,6 +992,9 @@ class SessionManager:
         running = list(self._snapshotting.values())
         if running:
             await asyncio.wait(running)
+        await self._listener.stop()
+        for handle in self._handles.values():
+            handle.leases.close()
         self._handles.clear()
         self._alive.clear()
 

@@ -14,6 +14,7 @@ batch continues the log and keeps it, all or nothing.
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -21,6 +22,7 @@ from types import TracebackType
 from typing import Self
 
 from compactd import errors
+from compactd.store.leases import Lease, LeaseOp
 from compactd.tenancy import DEFAULT_TENANT
 from compactd.v1 import events_pb2
 
@@ -298,8 +300,12 @@ class EventStore(abc.ABC):
         events: Sequence[events_pb2.SessionEvent],
         *,
         tenant: str = DEFAULT_TENANT_ID,
+        lease: LeaseOp | None = None,
     ) -> int:
         """Appends a batch atomically and durably; returns the new revision.
+
+        ``lease`` (a compaction bracket's batch) is checked and applied under the same lock as
+        the seqs (see ``store.leases``): when it is refused, nothing is appended.
 
         The events already carry their seqs, contiguous from the session's revision, and their
         times. When this returns, every event is synced to stable storage; when it raises,
@@ -315,6 +321,8 @@ class EventStore(abc.ABC):
                 non-empty event id already exists in the session (reason
                 ``DUPLICATE_EVENT_ID``).
             Unavailable: if the store is closed or the database failed; nothing was appended.
+            Fenced: if ``lease`` holds or releases a lease another replica took over.
+            Busy: if ``lease`` acquires or breaks a lease that is still held.
         """
 
     @abc.abstractmethod
@@ -410,6 +418,41 @@ class EventStore(abc.ABC):
     @abc.abstractmethod
     def stats(self) -> StoreStats:
         """A snapshot of the write counters."""
+
+    # --- replicas: leases and change notifications -----------------------------------------
+
+    @property
+    def shared(self) -> bool:
+        """Whether several processes serve this store at once (replicas), so a process's
+        cached fold may fall behind the log. False for stores one process owns."""
+        return False
+
+    @abc.abstractmethod
+    async def get_lease(self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID) -> Lease | None:
+        """The session's bracket lease, with its remaining time by the store's clock."""
+
+    @abc.abstractmethod
+    async def renew_lease(
+        self,
+        session_id: str,
+        owner: str,
+        token: str,
+        ttl_s: float,
+        *,
+        tenant: str = DEFAULT_TENANT_ID,
+    ) -> bool:
+        """Extends the lease for ``ttl_s`` from now if it still names ``owner`` and ``token``;
+        False when it was lost (the bracket is fenced)."""
+
+    async def changes(self) -> AsyncIterator[tuple[str, str]]:
+        """(tenant, session id) of sessions other processes appended to or deleted, as they
+        commit.
+
+        A wake-up only: the subscriber catches up by seq. ``("", "")`` means "any session may
+        have changed" (after a lost connection). A store one process owns never yields.
+        """
+        await asyncio.Event().wait()
+        yield "", ""  # pragma: no cover - unreachable: gives the method its generator type
 
     async def __aenter__(self) -> Self:
         await self.open()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from compactd.store import base
 from compactd.store.base import DEFAULT_TENANT_ID
+from compactd.store.leases import Lease, LeaseOp, ProcessLeases
 from compactd.v1 import events_pb2
 
 _Key = tuple[str, str]  # (tenant, session id)
@@ -44,6 +45,7 @@ class MemoryEventStore(base.EventStore):
         self._lock = threading.Lock()
         self._open = False
         self._stats = base.StoreStats()
+        self._leases = ProcessLeases(clock)
 
     async def open(self) -> None:
         self._open = True
@@ -89,6 +91,7 @@ class MemoryEventStore(base.EventStore):
         self._check_open()
         with self._lock:
             gone = self._sessions.pop((tenant, session_id), None)
+            self._leases.forget((tenant, session_id))
             if gone is not None:
                 self._count(commits=1)
             return gone is not None
@@ -115,6 +118,7 @@ class MemoryEventStore(base.EventStore):
         events: Sequence[events_pb2.SessionEvent],
         *,
         tenant: str = DEFAULT_TENANT_ID,
+        lease: LeaseOp | None = None,
     ) -> int:
         self._check_open()
         rows = base.encode_batch(events)
@@ -122,6 +126,7 @@ class MemoryEventStore(base.EventStore):
             try:
                 session = self._session(tenant, session_id)
                 self._check_continues(session, rows)
+                self._leases.apply((tenant, session_id), lease)  # last: nothing below can fail
             except Exception:
                 self._count(batches=1, failed_batches=1)
                 raise
@@ -172,6 +177,22 @@ class MemoryEventStore(base.EventStore):
         with self._lock:
             ids = self._session(tenant, session_id).ids
             return {i: ids[i] for i in event_ids if i in ids}
+
+    async def get_lease(self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID) -> Lease | None:
+        self._check_open()
+        return self._leases.get((tenant, session_id))
+
+    async def renew_lease(
+        self,
+        session_id: str,
+        owner: str,
+        token: str,
+        ttl_s: float,
+        *,
+        tenant: str = DEFAULT_TENANT_ID,
+    ) -> bool:
+        self._check_open()
+        return self._leases.renew((tenant, session_id), owner, token, ttl_s)
 
     async def put_snapshot(
         self, session_id: str, revision: int, data: bytes, *, tenant: str = DEFAULT_TENANT_ID

@@ -28,6 +28,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 from compactd import errors
 from compactd.store import base
 from compactd.store.base import DEFAULT_TENANT_ID
+from compactd.store.leases import Lease, LeaseOp, ProcessLeases
 from compactd.store.owner import OwnerLock
 from compactd.v1 import events_pb2
 
@@ -138,6 +139,8 @@ class SqliteEventStore(base.EventStore):
         self._lifecycle = asyncio.Lock()  # serializes open() and close()
         self._owner = OwnerLock(path)
         self._last_stats = base.StoreStats()  # what a closed store still reports
+        # One owner per file: bracket leases need not outlive the process (``store.leases``).
+        self._leases = ProcessLeases(clock)
 
     @property
     def path(self) -> str:
@@ -216,7 +219,9 @@ class SqliteEventStore(base.EventStore):
 
     async def delete_session(self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID) -> bool:
         op = functools.partial(_delete_session, _Key(tenant, session_id))
-        return await self._write(op, events=None)
+        deleted = await self._write(op, events=None)
+        self._leases.forget((tenant, session_id))
+        return deleted
 
     async def append(
         self,
@@ -224,12 +229,40 @@ class SqliteEventStore(base.EventStore):
         events: Sequence[events_pb2.SessionEvent],
         *,
         tenant: str = DEFAULT_TENANT_ID,
+        lease: LeaseOp | None = None,
     ) -> int:
         # Serialized on the writer thread, not the event loop; the caller leaves the events be.
         op = functools.partial(
             _encode_and_insert, _Key(tenant, session_id), list(events), self._clock()
         )
-        return await self._write(op, events=len(events))
+        if self._writer is None:
+            raise base.store_closed()
+        # The session service serializes a session's appends, and this process is the store's
+        # only writer: applying the lease before the write and undoing it on failure is atomic.
+        undo = self._leases.apply((tenant, session_id), lease)
+        try:
+            return await self._write(op, events=len(events))
+        except Exception:  # a cancelled caller does not retract the batch (nor its lease)
+            undo()
+            raise
+
+    async def get_lease(self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID) -> Lease | None:
+        if self._writer is None:
+            raise base.store_closed()
+        return self._leases.get((tenant, session_id))
+
+    async def renew_lease(
+        self,
+        session_id: str,
+        owner: str,
+        token: str,
+        ttl_s: float,
+        *,
+        tenant: str = DEFAULT_TENANT_ID,
+    ) -> bool:
+        if self._writer is None:
+            raise base.store_closed()
+        return self._leases.renew((tenant, session_id), owner, token, ttl_s)
 
     async def read(
         self,

@@ -4,10 +4,10 @@ Retries are done by gRPC itself (``retryPolicy`` in the channel's service config
 loop in the client: gRPC retries only attempts that the server has not started answering, with
 jittered exponential backoff, and counts them against the call's deadline.
 
-Only idempotent RPCs are retried: reads (``ListEvents``, ``GetSurface``, ``BuildRequest``,
-``CheckPressure``, ``WatchPressure``). ``CreateSession``, ``AppendEvents`` and the compaction
-RPCs change the log, so a blind retry could apply them twice; an append whose events all carry
-an ``event_id`` is safe to retry by hand (the server deduplicates it).
+Only idempotent RPCs are retried: the reads (:data:`IDEMPOTENT_METHODS`). ``CreateSession``,
+``AppendEvents``, ``DeleteSession`` and the compaction RPCs change the log, so a blind retry
+could apply them twice; an append whose events all carry an ``event_id`` is safe to retry by
+hand (the server deduplicates it).
 """
 
 from __future__ import annotations
@@ -30,8 +30,12 @@ IDEMPOTENT_METHODS: tuple[tuple[str, str], ...] = (
     ("compactd.v1.SessionService", "ListEvents"),
     ("compactd.v1.SessionService", "GetSurface"),
     ("compactd.v1.SessionService", "BuildRequest"),
+    ("compactd.v1.SessionService", "ListSessions"),
     ("compactd.v1.CompactionService", "CheckPressure"),
     ("compactd.v1.CompactionService", "WatchPressure"),
+    ("compactd.v1.CompactionService", "ClassifyProviderError"),
+    ("compactd.v1.CompactionService", "PlanCompaction"),
+    ("compactd.v1.CompactionService", "ListBrackets"),
 )
 
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024

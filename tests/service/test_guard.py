@@ -1,0 +1,26 @@
+"""CompactionGuard.min_span_tokens: the smallest span a bracket may open on."""
+
+from __future__ import annotations
+
+import math
+
+from compactd.core.policy import TargetPolicy
+from compactd.providers.extractive import MIN_CHECKPOINT_TOKENS
+from compactd.routes import RouteCatalog
+from compactd.service.guard import CompactionGuard
+
+ROUTE = RouteCatalog().resolve("openai", "gpt-4o")
+
+
+def test_the_default_ratio_asks_only_for_a_span_larger_than_an_empty_checkpoint() -> None:
+    minimum = CompactionGuard().min_span_tokens(ROUTE, TargetPolicy())
+
+    assert 100 < minimum < MIN_CHECKPOINT_TOKENS
+
+
+def test_a_ratio_of_085_asks_for_a_span_the_extractive_minimum_fits_in_15_percent() -> None:
+    policy = TargetPolicy(min_reduction_ratio=0.85)
+
+    minimum = CompactionGuard().min_span_tokens(ROUTE, policy)
+
+    assert minimum == math.ceil(MIN_CHECKPOINT_TOKENS / 0.15)

@@ -1,0 +1,199 @@
+"""What only the PostgreSQL store does: schema versions, failures as UNAVAILABLE, replicas."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+
+import psycopg
+import pytest
+
+from compactd import cli, errors
+from compactd.store import postgres_schema
+from compactd.store.postgres import PostgresEventStore
+from tests import postgres
+
+from .builders import batch
+
+V = postgres_schema.SCHEMA_VERSION
+
+
+@pytest.fixture(scope="module")
+def database() -> Iterator[str]:
+    yield from postgres.database()
+
+
+@pytest.fixture
+def url(database: str) -> str:
+    return postgres.fresh_schema(database)
+
+
+@pytest.fixture
+async def store(url: str) -> AsyncIterator[PostgresEventStore]:
+    async with PostgresEventStore(url) as opened:
+        yield opened
+
+
+async def _at_version(url: str, version: int) -> None:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await postgres_schema.migrate(conn, target=version)
+
+
+async def test_an_empty_database_is_created_at_the_current_schema(url: str) -> None:
+    async with PostgresEventStore(url) as store:
+        assert store.schema_version == postgres_schema.SCHEMA_VERSION
+
+
+async def test_a_replica_refuses_an_older_schema_until_it_is_migrated(url: str) -> None:
+    await _at_version(url, 1)
+
+    with pytest.raises(errors.StartupError) as raised:
+        await PostgresEventStore(url).open()
+
+    assert raised.value.reason == "SCHEMA_TOO_OLD"
+    assert (
+        f"version 1, older than the version {postgres_schema.SCHEMA_VERSION}"
+        in raised.value.message
+    )
+    assert "compactd migrate" in raised.value.message
+    async with PostgresEventStore(url, migrate=True) as store:
+        assert store.schema_version == postgres_schema.SCHEMA_VERSION
+    async with PostgresEventStore(url) as store:  # migrated once, served by everyone after
+        assert store.schema_version == postgres_schema.SCHEMA_VERSION
+
+
+async def test_a_replica_refuses_a_newer_schema(url: str) -> None:
+    await _at_version(url, postgres_schema.SCHEMA_VERSION)
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await conn.execute("UPDATE compactd_schema SET version = 99")
+
+    for migrate in (False, True):
+        with pytest.raises(errors.StartupError) as raised:
+            await PostgresEventStore(url, migrate=migrate).open()
+        assert raised.value.reason == "SCHEMA_TOO_NEW"
+        assert (
+            f"version 99, newer than the version {postgres_schema.SCHEMA_VERSION}"
+            in raised.value.message
+        )
+
+
+async def test_an_unreachable_database_refuses_to_start_without_its_password() -> None:
+    store = PostgresEventStore(
+        "postgresql://postgres:secret@127.0.0.1:1/none", connect_timeout_s=0.5
+    )
+
+    with pytest.raises(errors.StartupError) as raised:
+        await store.open()
+
+    assert raised.value.reason == "STORE_UNAVAILABLE"
+    assert "secret" not in raised.value.message
+
+
+async def test_a_database_that_goes_away_fails_unavailable_then_recovers(
+    url: str, database: str
+) -> None:
+    async with PostgresEventStore(url, connect_timeout_s=0.5) as store:
+        await store.create_session("s", None)
+        await store.append("s", batch(0, 2))
+
+        with postgres.refusing_connections(database):
+            postgres.terminate_backends(database)
+            with pytest.raises(errors.StoreUnavailable) as raised:
+                await store.append("s", batch(2, 1))
+            with pytest.raises(errors.StoreUnavailable):
+                await store.get_session("s")
+
+        assert raised.value.reason == "STORE_UNAVAILABLE"
+        assert await _eventually(lambda: store.append("s", batch(2, 1))) == 3
+        assert [e.seq async for e in store.read("s")] == [0, 1, 2]
+
+
+async def _eventually(call: Callable[[], Awaitable[int]]) -> int:
+    """``call()``'s answer once the pool has reconnected (it backs off between attempts)."""
+    async with asyncio.timeout(20):
+        while True:
+            try:
+                return await call()
+            except errors.StoreUnavailable:
+                await asyncio.sleep(0.1)
+
+
+async def test_a_statement_past_its_timeout_fails_unavailable(url: str) -> None:
+    async with PostgresEventStore(url, statement_timeout_ms=100) as store:
+        await store.create_session("s", None)
+        async with await psycopg.AsyncConnection.connect(url) as blocker:
+            await blocker.execute("SELECT 1 FROM sessions WHERE session_id = 's' FOR UPDATE")
+            with pytest.raises(errors.StoreUnavailable):
+                await store.append("s", batch(0, 1))
+            await blocker.rollback()
+        assert await store.append("s", batch(0, 1)) == 1
+
+
+async def test_replicas_racing_on_one_session_keep_its_seqs_gapless(url: str) -> None:
+    replicas = [PostgresEventStore(url) for _ in range(3)]
+    for replica in replicas:
+        await replica.open()
+    await replicas[0].create_session("s", None)
+
+    async def writer(replica: PostgresEventStore, name: str) -> int:
+        landed = 0
+        while landed < 10:
+            revision = (await replica.get_session("s")).revision  # type: ignore[union-attr]
+            try:
+                await replica.append("s", batch(revision, 2, prefix=f"{name}-{landed}-"))
+            except errors.SeqConflict:
+                continue
+            landed += 1
+        return landed
+
+    try:
+        done = await asyncio.gather(*(writer(r, f"r{i}") for i, r in enumerate(replicas)))
+        seqs = [e.seq async for e in replicas[1].read("s")]
+    finally:
+        for replica in replicas:
+            await replica.close()
+    assert done == [10, 10, 10]
+    assert seqs == list(range(60))
+
+
+async def test_a_replica_hears_of_another_replicas_appends_but_not_its_own(url: str) -> None:
+    async with PostgresEventStore(url) as a, PostgresEventStore(url) as b:
+        await a.create_session("s", None)
+        heard: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+
+        async def listen() -> None:
+            async for key in a.changes():
+                await heard.put(key)
+
+        listener = asyncio.create_task(listen())
+        try:
+            assert await asyncio.wait_for(heard.get(), 5) == ("", "")  # connected: catch up
+            await a.append("s", batch(0, 1))
+            await b.append("s", batch(1, 1))
+            assert await asyncio.wait_for(heard.get(), 5) == ("default", "s")
+            assert heard.empty()
+        finally:
+            listener.cancel()
+
+
+def _sync_at_version(url: str, version: int) -> None:
+    asyncio.run(_at_version(url, version))
+
+
+def test_serve_refuses_an_older_schema_and_migrate_brings_it_up(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _sync_at_version(url, 1)
+    serve = ["serve", "--store", url, "--listen", "127.0.0.1:0"]
+
+    assert cli.main(serve) == cli.EXIT_STARTUP
+    refused = capsys.readouterr().err
+    assert (
+        f"schema is at version 1, older than the version {postgres_schema.SCHEMA_VERSION}"
+        in refused
+    )
+    assert "compactd migrate" in refused
+
+    assert cli.main(["migrate", "--store", url]) == 0
+    assert capsys.readouterr().out.strip() == f"schema at version {postgres_schema.SCHEMA_VERSION}"
+    assert cli.main(["migrate", "--store", url]) == 0  # idempotent
