@@ -299,7 +299,7 @@ async def _append_until(bench: Bench, name: str, stop: asyncio.Event) -> None:
     while not stop.is_set():
         await bench.append(name, bench.batch(name, BATCH))
         appended += 1
-        if appended % 5 == 0:  # a fresh session A before the surface reaches its byte limit
+        if appended % 3 == 0:  # a fresh session A before the surface reaches its byte limit
             name = await bench.session(ROUTES["cl100k_base"])
             await bench.check(name)
 

@@ -16,6 +16,10 @@ machine may be shared: the ratios are the point).
     python -m bench.readme                       # every module with readme_rows
     python -m bench.readme --only bench_restore  # rerun some; the other modules' rows are kept
     python -m bench.readme --print               # print the table, leave README.md alone
+
+A benchmark that fails keeps its earlier rows (the command then exits non-zero, naming it). Some
+read the shared trajectories beside the repository (``COMPACTD_SHARED`` names that ``shared``
+folder, as for ``bench_pressure``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import importlib
 import os
 import re
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -92,24 +97,31 @@ def main(argv: list[str] | None = None) -> None:
     chosen = names if not args.only else [n for n in names if n in args.only]
     text = README.read_text(encoding="utf-8")
     fresh: dict[str, list[Row]] = {}
+    failed: list[str] = []
     for name in chosen:
         print(f"running {name} ...", file=sys.stderr, flush=True)
-        fresh[name] = run(name)
+        try:
+            fresh[name] = run(name)
+        except Exception:  # one benchmark's failure keeps its old rows, not the others' new ones
+            traceback.print_exc()
+            failed.append(name)
     kept = [(n, r) for n, r in kept_rows(text) if n not in fresh and n in names]
-    rows = kept + [(n, r) for n in chosen for r in fresh[n]]
+    rows = kept + [(n, r) for n in chosen if n in fresh for r in fresh[n]]
     rows.sort(key=lambda item: names.index(item[0]))
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     note = (
-        f"Last regenerated {datetime.date.today().isoformat()} ({', '.join(chosen)}) on "
+        f"Last regenerated {datetime.date.today().isoformat()} ({', '.join(fresh)}) on "
         f"{os.cpu_count()} cores, load average {load} at the end; regenerate with "
         "`python -m bench.readme`."
     )
     rendered = table(rows, note)
     if args.print:
         print(rendered)
-        return
-    README.write_text(rewrite(text, rendered), encoding="utf-8")
-    print(rendered)
+    else:
+        README.write_text(rewrite(text, rendered), encoding="utf-8")
+        print(rendered)
+    if failed:
+        raise SystemExit(f"failed (their earlier rows kept): {', '.join(failed)}")
 
 
 if __name__ == "__main__":
