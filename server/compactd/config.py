@@ -111,7 +111,9 @@ class ServerConfig:
     max_json_depth: Positive = Field(64, description="deepest tool schema / arguments JSON")
     # Cost follows the work (issue 11): fold snapshots and the bound on sessions in memory.
     snapshot_interval_events: Annotated[int, Field(ge=0)] = Field(
-        1000, description="events between a session's fold snapshots; 0: never snapshot"
+        1000,
+        description="fewest events between a session's fold snapshots (a long log's come after "
+        "one event per 16 entries they copy); 0: never snapshot",
     )
     max_resident_sessions: Annotated[int, Field(ge=0)] = Field(
         1024, description="sessions kept in memory at most (LRU); 0: no bound"

@@ -27,7 +27,7 @@ from compactd.core.policy import PressurePolicy
 from compactd.core.pricing import price_node
 from compactd.errors import Unavailable
 from compactd.routes import RouteCatalog
-from compactd.service import pressure
+from compactd.service import pressure, sessions
 from compactd.service.pressure import PressureService, session_meter, warm_up
 from compactd.service.sessions import SessionHandle, SessionManager
 from compactd.store import sqlite as sqlite_store
@@ -506,3 +506,14 @@ async def _compare(ops: list[tuple[str, int]]) -> None:
     assert pressure.METER_KEY in b.extensions
     for store in stores:
         await store.close()
+
+
+def test_snapshots_of_a_long_log_come_less_often_so_their_cost_per_event_is_bounded() -> None:
+    fold = SessionFold()
+    assert sessions.snapshot_due(fold, 1000) == 1000
+    # What shadowed each node is kept for the life of the session: 64k entries to copy.
+    fold.surface.shadowed_by.update({seq: (seq + 1, "user_message", "") for seq in range(64_000)})
+    assert sessions.snapshot_due(fold, 1000) == 4000
+    fold.event_ids.update({f"e{n}": n for n in range(32_000)})
+    assert sessions.snapshot_due(fold, 1000) == 6000
+    assert sessions.snapshot_due(fold, 10_000) == 10_000

@@ -11,8 +11,9 @@ Cost follows the work (issue 11):
   the tokenizers release the GIL), so a large append never holds the event loop; the commit
   observers then run with those prices, still under the session's lock, before the append
   answers: a read after the commit sees its prices.
-- Every ``snapshot_interval`` events a fold snapshot (``core.snapshot``: the state, the surface as
-  seqs, the meter's node prices) is written in one store transaction. A restore reads the latest
+- Every ``snapshot_interval`` events (more on a long log: ``snapshot_due``) a fold snapshot
+  (``core.snapshot``: the state, the surface as seqs, the meter's node prices) is written in one
+  store transaction. A restore reads the latest
   snapshot, the events it names and the log after it, and folds them in worker threads; without a
   usable snapshot it replays the log, also off the loop.
 - At most ``max_resident`` sessions stay in memory: the least recently used idle one (its lock
@@ -544,6 +545,19 @@ def _same_content(sent: events_pb2.SessionEvent, kept: events_pb2.SessionEvent) 
     return a.SerializeToString(deterministic=True) == b.SerializeToString(deterministic=True)
 
 
+#: A snapshot is due after at least this many events per entry it copies (see ``snapshot_due``).
+SNAPSHOT_EVENTS_PER_ENTRY = 1 / 16
+
+
+def snapshot_due(fold: SessionFold, interval: int) -> int:
+    """Events after the last snapshot that make the next one due: ``interval``, or more once
+    the fold's log-long maps (event ids, what shadowed each node) outgrow it, so that writing
+    snapshots costs a bounded amount per event (at most 16 copied entries) at any log length;
+    a restore then replays at most a sixteenth of those entries' worth of events."""
+    entries = len(fold.event_ids) + len(fold.surface.shadowed_by) + len(fold.surface)
+    return max(interval, int(entries * SNAPSHOT_EVENTS_PER_ENTRY))
+
+
 class SessionManager:
     """Creates sessions, restores them from the store and keeps at most ``max_resident`` of
     them in memory (see the module docstring).
@@ -905,13 +919,12 @@ class SessionManager:
     def _committed(
         self, ref: weakref.ref[SessionHandle], fold: SessionFold, batch: AdmittedBatch
     ) -> None:
-        """After a commit: start a snapshot once ``snapshot_interval`` events have passed."""
+        """After a commit: start a snapshot once ``snapshot_due`` events have passed."""
         del batch
-        interval = self.snapshot_interval
         handle = ref()  # a weak reference: the handle's observers must not keep it alive
-        if handle is None or not interval:
+        if handle is None or not self.snapshot_interval:
             return
-        if fold.revision - handle.snapshot_revision >= interval:
+        if fold.revision - handle.snapshot_revision >= snapshot_due(fold, self.snapshot_interval):
             self._start_snapshot(handle)
 
     def _start_snapshot(self, handle: SessionHandle) -> None:
