@@ -16,14 +16,17 @@ from compactd_client import (
 from compactd_client.errors import UnauthenticatedError
 from compactd_client.events import (
     assistant_message,
+    request_header,
     step_end,
     step_start,
     tool_call_block,
     tool_result,
+    turn_end,
     turn_start,
     user_message,
 )
 from compactd_client.v1 import events_pb2 as client_events
+from compactd_client.v1.compaction_service_pb2 import BracketOutcome, PlanMode
 
 from compactd import config
 from compactd.api.auth import hash_token
@@ -109,3 +112,32 @@ async def test_the_client_passes_a_token_and_lists_and_deletes_its_tenants_sessi
             assert (await a.list_sessions()).sessions == []
     finally:
         await running.stop(0)
+
+
+async def test_the_client_plans_a_compaction_and_lists_the_bracket_it_made(
+    server: RunningServer,
+) -> None:
+    async with AsyncCompactdClient(server.address) as client:
+        session = (await client.create_session()).session_id
+        await client.append_events(session, [request_header("openai", "gpt-4o")])
+        for turn in range(1, 5):
+            await client.append_events(
+                session,
+                [
+                    turn_start(turn),
+                    user_message(f"request {turn}: " + "details " * 200),
+                    step_start(turn, 1),
+                    assistant_message(f"answer {turn}: " + "reasoning " * 200),
+                    step_end(turn, 1),
+                    turn_end(turn),
+                ],
+            )
+        plan = (await client.plan_compaction(session, mode=PlanMode.PLAN_MODE_MANUAL)).plan
+        outcome = (await client.compact(session).result()).outcome
+        brackets = (await client.list_brackets(session)).brackets
+
+    assert outcome.range.end_seq > outcome.range.start_seq
+    assert plan.span.range == outcome.range  # the plan names the span the compaction replaced
+    assert [b.compaction_id for b in brackets] == [outcome.compaction_id]
+    assert brackets[0].outcome == BracketOutcome.BRACKET_OUTCOME_COMMITTED
+    assert brackets[0].range == outcome.range

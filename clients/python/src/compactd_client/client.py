@@ -25,6 +25,11 @@ from compactd_client.errors import from_rpc_error
 from compactd_client.streams import CompactionStream, ServerStream
 from compactd_client.v1.compaction_service_pb2 import (
     CompactResult,
+    ListBracketsRequest,
+    ListBracketsResponse,
+    PlanCompactionRequest,
+    PlanCompactionResponse,
+    PlanMode,
     PrepareStepResult,
     PressureReport,
     ProviderError,
@@ -244,6 +249,29 @@ class CompactdClient:
         request = rq.check_pressure(session_id, destination)
         response = self._unary(self._compaction.CheckPressure, request, timeout)
         return response.report
+
+    def plan_compaction(
+        self,
+        session_id: str,
+        *,
+        mode: PlanMode.ValueType = PlanMode.PLAN_MODE_AUTO,
+        route: Route | None = None,
+        timeout: Timeout = UNSET,
+    ) -> PlanCompactionResponse:
+        """What a compaction would do now (the resolved policy, prunes, span or decline), with
+        nothing appended.
+
+        Raises:
+            NotFoundError: no such session.
+            InvalidArgumentError: ``PLAN_MODE_SWITCH`` without a ``route``.
+        """
+        request = PlanCompactionRequest(session_id=session_id, route=route, mode=mode)
+        return self._unary(self._compaction.PlanCompaction, request, timeout)
+
+    def list_brackets(self, session_id: str, *, timeout: Timeout = UNSET) -> ListBracketsResponse:
+        """Every compaction bracket of the session, its steps, outcome, span and tokens."""
+        request = ListBracketsRequest(session_id=session_id)
+        return self._unary(self._compaction.ListBrackets, request, timeout)
 
     def watch_pressure(
         self, session_id: str, *, destination: Route | None = None, timeout: Timeout = UNSET
