@@ -29,7 +29,7 @@ import functools
 import itertools
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +40,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from bench.bench_pressure import BATCH, _event, conversations, fmt, table
-from bench.bench_steps import MODEL, OVERRIDES, PROVIDER
+from bench.bench_steps import MODEL, OVERRIDES, PROVIDER, _pcts, _timed
 from compactd import config
 from compactd.api.server import create_server
 from compactd.providers import openai_wire
@@ -119,11 +119,6 @@ class DeclinedRow:
     nodes: int
     declined: tuple[float, float]
     empty: tuple[float, float]
-
-
-def _pcts(samples: Sequence[float]) -> tuple[float, float]:
-    ordered = sorted(samples)
-    return statistics.median(ordered), ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
 def _retagged(events: Sequence[SessionEvent], tag: str) -> list[SessionEvent]:
@@ -296,12 +291,6 @@ async def _compaction(
 def _timed_sync(call: Callable[[], object]) -> float:
     started = time.perf_counter()
     call()
-    return time.perf_counter() - started
-
-
-async def _timed(call: Callable[[], Awaitable[object]]) -> float:
-    started = time.perf_counter()
-    await call()
     return time.perf_counter() - started
 
 
