@@ -235,8 +235,7 @@ class SqliteEventStore(base.EventStore):
         op = functools.partial(
             _encode_and_insert, _Key(tenant, session_id), list(events), self._clock()
         )
-        if self._writer is None:
-            raise base.store_closed()
+        self._check_open()
         # The session service serializes a session's appends, and this process is the store's
         # only writer: applying the lease before the write and undoing it on failure is atomic.
         undo = self._leases.apply((tenant, session_id), lease)
@@ -247,8 +246,7 @@ class SqliteEventStore(base.EventStore):
             raise
 
     async def get_lease(self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID) -> Lease | None:
-        if self._writer is None:
-            raise base.store_closed()
+        self._check_open()
         return self._leases.get((tenant, session_id))
 
     async def renew_lease(
@@ -260,8 +258,7 @@ class SqliteEventStore(base.EventStore):
         *,
         tenant: str = DEFAULT_TENANT_ID,
     ) -> bool:
-        if self._writer is None:
-            raise base.store_closed()
+        self._check_open()
         return self._leases.renew((tenant, session_id), owner, token, ttl_s)
 
     async def read(
@@ -340,6 +337,10 @@ class SqliteEventStore(base.EventStore):
             conn.close()
             raise
 
+    def _check_open(self) -> None:
+        if self._writer is None:
+            raise base.store_closed()
+
     async def _write(self, op: Callable[[sqlite3.Connection], T], *, events: int | None) -> T:
         writer = self._writer
         if writer is None:
@@ -350,8 +351,7 @@ class SqliteEventStore(base.EventStore):
         return await future
 
     async def _read(self, query: Callable[[sqlite3.Connection], T]) -> T:
-        if self._writer is None:
-            raise base.store_closed()
+        self._check_open()
         return await asyncio.to_thread(self._readers.run, query)
 
 
