@@ -158,7 +158,7 @@ class PostgresEventStore(base.EventStore):
         self, session_id: str, policy_json: str | None, *, tenant: str = DEFAULT_TENANT_ID
     ) -> base.SessionRecord:
         now = self._clock()
-        record = _make_record(session_id, now, policy_json, 0, tenant, now)
+        record = base.SessionRecord(session_id, now, policy_json, 0, tenant, now)
         with _db_errors("create a session"):
             async with self._connection() as conn:
                 try:
@@ -509,7 +509,7 @@ async def _select_event_ids(conn: Conn, key: _Key, event_ids: list[str]) -> dict
 
 def _record(row: tuple[Any, ...]) -> base.SessionRecord:
     session_id, create_time, policy_json, revision, tenant, update_time = row
-    return _make_record(
+    return base.SessionRecord(
         str(session_id),
         create_time.astimezone(UTC),
         policy_json,
@@ -517,17 +517,6 @@ def _record(row: tuple[Any, ...]) -> base.SessionRecord:
         str(tenant),
         update_time.astimezone(UTC),
     )
-
-
-def _make_record(
-    session_id: str,
-    create_time: datetime,
-    policy_json: str | None,
-    revision: int,
-    tenant: str,
-    update_time: datetime,
-) -> base.SessionRecord:
-    return base.SessionRecord(session_id, create_time, policy_json, revision, tenant, update_time)
 
 
 @contextlib.contextmanager
