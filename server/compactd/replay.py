@@ -229,9 +229,9 @@ async def replay(
         if event.HasField("step_start"):
             log_length = await _append(client, result.session_id, pending) or log_length
             pending = []
-            step = await _prepare(client, result, event.step_start.turn, log_length, answered)
-            if not keep_requests:
-                result.requests.clear()
+            step = await _prepare(
+                client, result, event.step_start.turn, log_length, answered, keep_requests
+            )
             if on_step is not None:
                 on_step(step)
         pending.append(event)
@@ -256,8 +256,10 @@ async def _prepare(
     turn: int,
     log_length: int,
     answered: Container[str],
+    keep_request: bool,
 ) -> StepRecord:
-    """``PrepareStep`` for the next step of ``turn``; records it and encodes what it rebuilt."""
+    """``PrepareStep`` for the next step of ``turn``; records it (and, with ``keep_request``,
+    the request it rebuilt) and encodes what it rebuilt."""
     started = time.perf_counter()
     prepared = await client.prepare_step(result.session_id, turn).result()
     seconds = time.perf_counter() - started
@@ -281,7 +283,8 @@ async def _prepare(
         broken_pairs=broken_tool_pairs(body["messages"], answered),
     )
     result.steps.append(step)
-    result.requests.append(prepared.request)
+    if keep_request:
+        result.requests.append(prepared.request)
     result.warnings.update(dict.fromkeys(prepared.warnings))
     return step
 
