@@ -312,13 +312,12 @@ def broken_tool_pairs(messages: Sequence[Mapping[str, Any]], answered: Container
 # ---- reading the log -----------------------------------------------------------------------------
 
 
-async def read_log(client: AsyncCompactdClient, result: SessionReplay) -> list[SessionEvent]:
+async def read_log(client: AsyncCompactdClient, result: SessionReplay) -> None:
     """Fill ``result``'s brackets, prunes, event count and final pressure from the log."""
     log = [event async for event in client.list_events(result.session_id)]
     result.compactions, result.prunes = brackets(log, result.steps)
     result.events = len(log)
     result.final_tokens = (await client.check_pressure(result.session_id)).measured_tokens
-    return log
 
 
 def brackets(
