@@ -55,7 +55,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         if policy is not None:
             typed = request.HasField("policy")
             # Errors name the field in the form the caller sent.
-            self._manager.validate_policy(policy, field=field_path if typed else _struct_path)
+            self._manager.validate_policy(policy, field=field_path if typed else None)
         record = await self._manager.create(session_id, policy)
         return pb.CreateSessionResponse(session=_session(record, record.revision))
 
@@ -168,10 +168,6 @@ def _requested_policy(request: pb.CreateSessionRequest) -> dict[str, object] | N
     if legacy:
         return _policy(request.compaction_policy)
     return None
-
-
-def _struct_path(setting_path: str) -> str:
-    return f"compaction_policy.{setting_path}".rstrip(".")
 
 
 _DEFAULT_PAGE, _MAX_PAGE = 100, 1000
