@@ -103,7 +103,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         handle = await self._handle(request.session_id)
         if request.detail and self._inspection is not None:
             route = request.route if request.HasField("route") else None
-            return await self._inspection.surface(handle.session_id, route)
+            return await self._inspection.surface(handle, route)
         async with handle.lock:  # never show a batch that is admitted but not yet durable
             return surface_response(handle)
 
