@@ -31,6 +31,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -486,11 +487,7 @@ async def replay_all(
     client = AsyncCompactdClient(address, timeout=120.0, credentials=credentials, token=token)
     async with client:
         for index, transcript in enumerate(transcripts):
-
-            def step(record: StepRecord, index: int = index) -> None:
-                if on_step is not None:
-                    on_step(index, record)
-
+            step = partial(on_step, index) if on_step is not None else None
             results.append(
                 await replay(
                     client,
