@@ -35,11 +35,11 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         manager: SessionManager,
         *,
         max_batch_events: int,
-        inspection: InspectionService | None = None,
+        inspection: InspectionService,
     ) -> None:
         self._manager = manager
         self._max_batch_events = max_batch_events
-        self._inspection = inspection  # GetSurface's detail (None: detail is not served)
+        self._inspection = inspection  # GetSurface's detail
 
     @handle_errors
     async def CreateSession(
@@ -101,7 +101,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         self, request: pb.GetSurfaceRequest, context: Context
     ) -> pb.GetSurfaceResponse:
         handle = await self._handle(request.session_id)
-        if request.detail and self._inspection is not None:
+        if request.detail:
             route = request.route if request.HasField("route") else None
             return await self._inspection.surface(handle, route)
         async with handle.lock:  # never show a batch that is admitted but not yet durable
