@@ -31,6 +31,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -229,9 +230,9 @@ async def replay(
         if event.HasField("step_start"):
             log_length = await _append(client, result.session_id, pending) or log_length
             pending = []
-            step = await _prepare(client, result, event.step_start.turn, log_length, answered)
-            if not keep_requests:
-                result.requests.clear()
+            step = await _prepare(
+                client, result, event.step_start.turn, log_length, answered, keep_requests
+            )
             if on_step is not None:
                 on_step(step)
         pending.append(event)
@@ -256,8 +257,10 @@ async def _prepare(
     turn: int,
     log_length: int,
     answered: Container[str],
+    keep_request: bool,
 ) -> StepRecord:
-    """``PrepareStep`` for the next step of ``turn``; records it and encodes what it rebuilt."""
+    """``PrepareStep`` for the next step of ``turn``; records it (and, with ``keep_request``,
+    the request it rebuilt) and encodes what it rebuilt."""
     started = time.perf_counter()
     prepared = await client.prepare_step(result.session_id, turn).result()
     seconds = time.perf_counter() - started
@@ -281,7 +284,8 @@ async def _prepare(
         broken_pairs=broken_tool_pairs(body["messages"], answered),
     )
     result.steps.append(step)
-    result.requests.append(prepared.request)
+    if keep_request:
+        result.requests.append(prepared.request)
     result.warnings.update(dict.fromkeys(prepared.warnings))
     return step
 
@@ -309,13 +313,12 @@ def broken_tool_pairs(messages: Sequence[Mapping[str, Any]], answered: Container
 # ---- reading the log -----------------------------------------------------------------------------
 
 
-async def read_log(client: AsyncCompactdClient, result: SessionReplay) -> list[SessionEvent]:
+async def read_log(client: AsyncCompactdClient, result: SessionReplay) -> None:
     """Fill ``result``'s brackets, prunes, event count and final pressure from the log."""
     log = [event async for event in client.list_events(result.session_id)]
     result.compactions, result.prunes = brackets(log, result.steps)
     result.events = len(log)
     result.final_tokens = (await client.check_pressure(result.session_id)).measured_tokens
-    return log
 
 
 def brackets(
@@ -484,11 +487,7 @@ async def replay_all(
     client = AsyncCompactdClient(address, timeout=120.0, credentials=credentials, token=token)
     async with client:
         for index, transcript in enumerate(transcripts):
-
-            def step(record: StepRecord, index: int = index) -> None:
-                if on_step is not None:
-                    on_step(index, record)
-
+            step = partial(on_step, index) if on_step is not None else None
             results.append(
                 await replay(
                     client,

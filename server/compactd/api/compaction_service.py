@@ -36,9 +36,9 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
         engine: CompactionEngine,
         recovery: RecoveryService,
         switch: SwitchService,
-        inspection: InspectionService | None = None,
+        inspection: InspectionService,
     ) -> None:
-        self._inspection = inspection or InspectionService(engine, recovery, switch)
+        self._inspection = inspection
         self._pressure = pressure
         self._engine = engine
         self._recovery = recovery

@@ -35,11 +35,11 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         manager: SessionManager,
         *,
         max_batch_events: int,
-        inspection: InspectionService | None = None,
+        inspection: InspectionService,
     ) -> None:
         self._manager = manager
         self._max_batch_events = max_batch_events
-        self._inspection = inspection  # GetSurface's detail (None: detail is not served)
+        self._inspection = inspection  # GetSurface's detail
 
     @handle_errors
     async def CreateSession(
@@ -55,7 +55,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         if policy is not None:
             typed = request.HasField("policy")
             # Errors name the field in the form the caller sent.
-            self._manager.validate_policy(policy, field=field_path if typed else _struct_path)
+            self._manager.validate_policy(policy, field=field_path if typed else None)
         record = await self._manager.create(session_id, policy)
         return pb.CreateSessionResponse(session=_session(record, record.revision))
 
@@ -101,9 +101,9 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         self, request: pb.GetSurfaceRequest, context: Context
     ) -> pb.GetSurfaceResponse:
         handle = await self._handle(request.session_id)
-        if request.detail and self._inspection is not None:
+        if request.detail:
             route = request.route if request.HasField("route") else None
-            return await self._inspection.surface(handle.session_id, route)
+            return await self._inspection.surface(handle, route)
         async with handle.lock:  # never show a batch that is admitted but not yet durable
             return surface_response(handle)
 
@@ -168,10 +168,6 @@ def _requested_policy(request: pb.CreateSessionRequest) -> dict[str, object] | N
     if legacy:
         return _policy(request.compaction_policy)
     return None
-
-
-def _struct_path(setting_path: str) -> str:
-    return f"compaction_policy.{setting_path}".rstrip(".")
 
 
 _DEFAULT_PAGE, _MAX_PAGE = 100, 1000

@@ -334,13 +334,13 @@ class InspectionService:
     # ---- GetSurface detail and ListBrackets ----------------------------------------------------
 
     async def surface(
-        self, session_id: str, route: events_pb2.Route | None
+        self, handle: SessionHandle, route: events_pb2.Route | None
     ) -> spb.GetSurfaceResponse:
-        """The surface with each node's prices, the generations, the anchor and the shadowed
-        nodes, priced for ``route`` (default: the logged route, else the heuristic).
+        """The surface of ``handle`` (the caller has it already: no second look-up) with each
+        node's prices, the generations, the anchor and the shadowed nodes, priced for ``route``
+        (default: the logged route, else the heuristic).
 
         Raises:
-            NotFound: The session does not exist.
             InvalidArgument: ``route`` lacks its provider or model.
         """
         if route is not None and not (route.provider and route.model):
@@ -348,7 +348,6 @@ class InspectionService:
                 "a route names both provider and model",
                 violations=[FieldViolation("route", "provider and model are required")],
             )
-        handle = await self._engine.manager.get(session_id)
         meter = session_meter(handle)
         async with handle.lock:
             response = surface_response(handle)

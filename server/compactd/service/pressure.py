@@ -154,16 +154,15 @@ class PressureService:
         when its meter has no ledger for that pricing yet (the first check of a new route), so
         the synchronous report that follows is O(1)."""
         meter = session_meter(handle)
-        route = destination
-        if route is None:
-            header = meter.header
-            if header is None or not (header.config.provider and header.config.model):
-                return
-            route = self.routes.resolve(header.config.provider, header.config.model)
-        if meter.has_ledger(route.pricing):
+        profiles = (
+            [destination.pricing]
+            if destination is not None
+            else _logged_profiles(meter.header, self.routes)
+        )
+        if all(meter.has_ledger(pricing) for pricing in profiles):
             return
         async with handle.lock:  # no batch is observed while the nodes are priced
-            await _ensure_ledgers(meter, [route.pricing])
+            await _ensure_ledgers(meter, profiles)
 
     async def watch(
         self, session_id: str, destination: Route | None = None

@@ -818,9 +818,7 @@ class SessionManager:
     async def _restore(self, tenant: str, session_id: str) -> SessionHandle:
         record = await self.store.get_session(session_id, tenant=tenant)
         if record is None:
-            raise NotFound(
-                f"session {session_id!r} does not exist", metadata={"session_id": session_id}
-            )
+            raise session_not_found(session_id)
         fold, restored, same_lifecycle = await self._from_snapshot(record)
         handle = SessionHandle(
             record,
