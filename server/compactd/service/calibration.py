@@ -58,10 +58,6 @@ class UsageCalibration:
         """What usage has shown about ``route`` (None before its first sample)."""
         return self.calibrator.stats(route.name)
 
-    def all_stats(self) -> list[CalibrationStats]:
-        """Every calibrated route's stats, by route name."""
-        return [s for r in self.calibrator.routes() if (s := self.calibrator.stats(r))]
-
 
 class _Observer:
     def __init__(self, owner: UsageCalibration, session_id: str, meter: SessionMeter) -> None:

@@ -131,10 +131,6 @@ class PressureService:
         the plan/inspect views and metrics."""
         return self.calibration.stats(route)
 
-    def all_calibration_stats(self) -> list[CalibrationStats]:
-        """Every calibrated route's stats."""
-        return self.calibration.all_stats()
-
     async def check(self, session_id: str, destination: Route | None = None) -> PressureReport:
         """The session's pressure against ``destination`` (default: the latest logged route).
 
