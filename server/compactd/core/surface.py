@@ -8,15 +8,18 @@ the change touches, and ``undo`` reverts a change so a batch can be applied atom
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, TypeAlias
 
 from compactd.core import events as ev
 from compactd.core.events import SessionEvent
 from compactd.core.pairing import CorruptPairing, open_calls_after
 from compactd.errors import FieldViolation, ReplacementRejected
+
+#: A call index entry: the one seq of a call id's node, or the seqs of several (a tuple of one
+#: costs 56 bytes, a set 216; a bare int is the node's own ``seq`` object).
+_Seqs: TypeAlias = int | tuple[int, ...]
 
 
 class SurfaceNode:
@@ -34,12 +37,9 @@ class SurfaceNode:
         self.seq = seq
         self.data = event.SerializeToString()
         self.type = ev.event_type(event)
-        # Interned: the call indices key on the same strings (one copy per call id).
         calls = ev.tool_call_ids(event)
-        self.calls: tuple[str, ...] = tuple(sys.intern(c) for c in calls) if calls else ()
-        self.answers = (
-            sys.intern(event.tool_result.tool_call_id) if self.type == ev.TOOL_RESULT else ""
-        )
+        self.calls: tuple[str, ...] = tuple(calls) if calls else ()
+        self.answers = event.tool_result.tool_call_id if self.type == ev.TOOL_RESULT else ""
 
     @property
     def event(self) -> SessionEvent:
@@ -75,8 +75,8 @@ class Surface:
         self._position: dict[int, int] = {}  # seq -> position, for current nodes
         self._calls: dict[str, int] = {}  # tool call id -> count of current nodes making it
         # Kept so selection reads the tail it needs, not the whole surface (``core.selection``):
-        self._makers: dict[str, tuple[int, ...]] = {}  # call id -> current nodes making it
-        self._answers: dict[str, tuple[int, ...]] = {}  # call id -> current results naming it
+        self._makers: dict[str, _Seqs] = {}  # call id -> seqs of current nodes making it
+        self._answers: dict[str, _Seqs] = {}  # call id -> seqs of current results naming it
         self._unanswered: set[str] = set()  # call ids made on the surface, answered by no node
         self._repeated: set[str] = set()  # call ids more than one current node makes
         self._ever_repeated = False  # whether any call id was ever made by two nodes at once
@@ -112,7 +112,7 @@ class Surface:
             return set(self._unanswered_at[1])
         found = set(self._unanswered)
         for call_id in self._repeated:  # rare: only then may every answer precede the first call
-            answers = self._answers.get(call_id)
+            answers = _seqs(self._answers.get(call_id))
             first = self.first_call_position(call_id)
             if answers and first is not None and all(self._position[s] < first for s in answers):
                 found.add(call_id)
@@ -122,8 +122,10 @@ class Surface:
     def first_call_position(self, call_id: str) -> int | None:
         """The position of the earliest current node making ``call_id`` (None: none does)."""
         makers = self._makers.get(call_id)
-        if not makers:
+        if makers is None:
             return None
+        if isinstance(makers, int):
+            return self._position[makers]
         return min(self._position[seq] for seq in makers)
 
     def check(self, event: SessionEvent, seq: int) -> None:
@@ -215,18 +217,17 @@ class Surface:
             self._refresh_answer(node.answers)
 
     @staticmethod
-    def _index(index: dict[str, tuple[int, ...]], call_id: str, seq: int, delta: int) -> None:
-        # Tuples, not sets: a call id has one or two nodes, and a set of one costs 216 bytes.
-        seqs = index.get(call_id, ())
+    def _index(index: dict[str, _Seqs], call_id: str, seq: int, delta: int) -> None:
+        seqs = _seqs(index.get(call_id))
         if delta > 0:
             if seq not in seqs:
-                index[call_id] = (*seqs, seq)
+                index[call_id] = (*seqs, seq) if seqs else seq
         elif seq in seqs:
             kept = tuple(s for s in seqs if s != seq)
-            if kept:
-                index[call_id] = kept
-            else:
+            if not kept:
                 del index[call_id]
+            else:
+                index[call_id] = kept if len(kept) > 1 else kept[0]
 
     def _refresh_answer(self, call_id: str) -> None:
         if call_id in self._calls and call_id not in self._answers:
@@ -328,11 +329,12 @@ class Surface:
 
     def _open_before(self, call_id: str, cut: int) -> bool:
         position = self._position
-        makes = [position[seq] for seq in self._makers.get(call_id, ()) if position[seq] < cut]
+        makes = [position[seq] for seq in _seqs(self._makers.get(call_id)) if position[seq] < cut]
         if not makes:
             return False
         last = max(makes)
-        return not any(last < position[seq] < cut for seq in self._answers.get(call_id, ()))
+        answers = _seqs(self._answers.get(call_id))
+        return not any(last < position[seq] < cut for seq in answers)
 
     def _orphans_after(self, start: int, end: int) -> bool:
         """Whether shadowing ``start..end`` leaves a later result whose call only the span made.
@@ -349,8 +351,15 @@ class Surface:
             position[seq] > end
             for call_id, count in in_span.items()
             if self._calls[call_id] == count  # only the span makes it
-            for seq in self._answers.get(call_id, ())
+            for seq in _seqs(self._answers.get(call_id))
         )
+
+
+def _seqs(entry: _Seqs | None) -> tuple[int, ...]:
+    """The seqs a call index entry holds."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, int) else entry
 
 
 def _check_sources(event: SessionEvent, seq: int) -> None:
