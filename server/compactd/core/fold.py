@@ -76,7 +76,9 @@ class SessionFold:
         self._folded = 0  # events this fold admitted itself (a snapshot restore sets revision)
         # What reads of the surface and the header carry, bounded by ``max_surface_bytes``.
         self.surface_bytes = 0
-        self._node_bytes: dict[int, int] = {}  # current node seq -> its ``node_bytes``
+        # Current node seq -> its ``node_bytes`` where that is not ``_node_bytes(node)`` (images
+        # offloaded): a map of every node would cost more than a tenth of the surface's bytes.
+        self._node_bytes: dict[int, int] = {}
 
     def admit(
         self,
@@ -226,8 +228,8 @@ class SessionFold:
             batch.surface_changes.append(change)
             batch._undo.append(lambda: self.surface.undo(change))
             for shadowed in change.shadowed:
-                self._resize(shadowed.seq, None, batch)
-            self._resize(seq, _node_bytes(change.node), batch)
+                self._resize(shadowed, None, batch)
+            self._resize(change.node, _node_bytes(change.node), batch, counted=False)
         kind = ev.body_name(event)
         if kind == "request_header":
             self._fold_header(event, seq, batch)
@@ -246,33 +248,38 @@ class SessionFold:
             self.lock.apply(event, seq)
             batch._undo.append(lambda: setattr(self, "lock", before))
 
-    def _resize(self, seq: int, size: int | None, batch: AdmittedBatch) -> None:
-        """Record node ``seq``'s read size (None: it left the surface), undoably."""
-        previous = self._node_bytes.get(seq)
+    def _resize(
+        self, node: SurfaceNode, size: int | None, batch: AdmittedBatch, *, counted: bool = True
+    ) -> None:
+        """Record ``node``'s read size (None: it left the surface), undoably; ``counted``: its
+        previous size is in ``surface_bytes`` (False for a node just added)."""
+        previous = self._size_of(node) if counted else None
         self.surface_bytes += (size or 0) - (previous or 0)
-        self._set_node_bytes(seq, size)
-        batch._undo.append(partial(self._undo_resize, seq, size, previous))
+        self._set_node_bytes(node, size)
+        batch._undo.append(partial(self._undo_resize, node, size, previous))
+
+    def _size_of(self, node: SurfaceNode) -> int:
+        return self._node_bytes.get(node.seq) or _node_bytes(node)
 
     def restore_sizes(self) -> None:
         """Recompute ``surface_bytes`` from the surface, offloads and header (after a snapshot
         set them directly)."""
         offloads = self.offloads
         self._node_bytes = {
-            n.seq: node_bytes(n.event, offloads[n.seq]) if n.seq in offloads else _node_bytes(n)
-            for n in self.surface
+            n.seq: node_bytes(n.event, offloads[n.seq]) for n in self.surface if n.seq in offloads
         }
         header = self.header.ByteSize() if self.header is not None else 0
-        self.surface_bytes = sum(self._node_bytes.values()) + header
+        self.surface_bytes = sum(self._size_of(n) for n in self.surface) + header
 
-    def _undo_resize(self, seq: int, size: int | None, previous: int | None) -> None:
+    def _undo_resize(self, node: SurfaceNode, size: int | None, previous: int | None) -> None:
         self.surface_bytes -= (size or 0) - (previous or 0)
-        self._set_node_bytes(seq, previous)
+        self._set_node_bytes(node, previous)
 
-    def _set_node_bytes(self, seq: int, size: int | None) -> None:
-        if size is None:
-            self._node_bytes.pop(seq, None)
+    def _set_node_bytes(self, node: SurfaceNode, size: int | None) -> None:
+        if size is None or size == _node_bytes(node):
+            self._node_bytes.pop(node.seq, None)
         else:
-            self._node_bytes[seq] = size
+            self._node_bytes[node.seq] = size
 
     def _undo_revision(self) -> None:
         self.revision -= 1
@@ -369,8 +376,8 @@ class SessionFold:
             batch._undo.append(partial(self._restore_offload, target.seq, previous))
             position = self.surface.position_of(target.seq)
             if position is not None:  # a stored log may name a node no longer on the surface
-                event = self.surface[position].event
-                self._resize(target.seq, node_bytes(event, self.offloads[target.seq]), batch)
+                node = self.surface[position]
+                self._resize(node, node_bytes(node.event, self.offloads[target.seq]), batch)
 
     def _restore_offload(self, seq: int, previous: frozenset[int] | None) -> None:
         if previous is None:
