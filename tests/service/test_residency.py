@@ -103,7 +103,6 @@ def fold_state(fold: SessionFold) -> tuple[object, ...]:
         fold.restored_at,
         fold.offload_generation,
         fold.rewritten_at,
-        dict(fold.surface.shadowed_by),
         sorted(fold.surface.unanswered_calls()),
         fold.surface_bytes,
     )
@@ -511,9 +510,9 @@ async def _compare(ops: list[tuple[str, int]]) -> None:
 def test_snapshots_of_a_long_log_come_less_often_so_their_cost_per_event_is_bounded() -> None:
     fold = SessionFold()
     assert sessions.snapshot_due(fold, 1000) == 1000
-    # What shadowed each node is kept for the life of the session: 64k entries to copy.
-    fold.surface.shadowed_by.update({seq: (seq + 1, "user_message", "") for seq in range(64_000)})
+    # Event ids are kept for the life of the session: 64k entries to copy.
+    fold.event_ids.update({f"e{n}": n for n in range(64_000)})
     assert sessions.snapshot_due(fold, 1000) == 4000
-    fold.event_ids.update({f"e{n}": n for n in range(32_000)})
+    fold.event_ids.update({f"f{n}": n for n in range(32_000)})
     assert sessions.snapshot_due(fold, 1000) == 6000
     assert sessions.snapshot_due(fold, 10_000) == 10_000

@@ -8,7 +8,7 @@ the change touches, and ``undo`` reverts a change so a batch can be applied atom
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NoReturn, TypeAlias
 
@@ -82,9 +82,8 @@ class Surface:
         self._ever_repeated = False  # whether any call id was ever made by two nodes at once
         self._unanswered_at: tuple[int, frozenset[str]] = (-1, frozenset())  # (changes, ids)
         self.replacements = 0  # replacement generation: REPLACE events folded so far
-        # Every node a REPLACE shadowed -> (the replacement's seq, the node's type, the
-        # replacement's compaction id if it is a checkpoint): for inspection, a few ints each.
-        self.shadowed_by: dict[int, tuple[int, str, str]] = {}
+        # What shadowed each node is not kept: it grows with the log, and only inspection reads
+        # it (``shadow_history`` derives it from the log).
         self.changes = 0  # every apply and undo, never decremented: "has anything changed?"
 
     def __len__(self) -> int:
@@ -151,20 +150,12 @@ class Surface:
         shadowed = tuple(self._nodes[start : end + 1])
         self._splice(start, shadowed, (node,))
         self.replacements += 1
-        checkpoint = ev.checkpoint_compaction_id(event)
-        for old in shadowed:
-            self.shadowed_by[old.seq] = (seq, old.type, checkpoint)
         return SurfaceChange(start, node, shadowed)
 
-    def restore(
-        self,
-        nodes: Sequence[SurfaceNode],
-        replacements: int,
-        shadowed_by: dict[int, tuple[int, str, str]],
-    ) -> None:
-        """Become the surface of ``nodes`` (in position order) after ``replacements`` REPLACEs
-        that shadowed ``shadowed_by``: how a snapshot is restored, without replaying the log
-        that made it. The call indexes are rebuilt from the nodes."""
+    def restore(self, nodes: Sequence[SurfaceNode], replacements: int) -> None:
+        """Become the surface of ``nodes`` (in position order) after ``replacements`` REPLACEs:
+        how a snapshot is restored, without replaying the log that made it. The call indexes
+        are rebuilt from the nodes."""
         self._nodes = list(nodes)
         self._position = {node.seq: i for i, node in enumerate(self._nodes)}
         self._calls, self._makers, self._answers = {}, {}, {}
@@ -173,7 +164,6 @@ class Surface:
             self._track_calls(node, +1)
         self._unanswered_at = (-1, frozenset())
         self.replacements = replacements
-        self.shadowed_by = dict(shadowed_by)
         self.changes += 1  # a restored surface is not one a selection saw
 
     def undo(self, change: SurfaceChange) -> None:
@@ -182,8 +172,6 @@ class Surface:
         self._splice(change.position, (change.node,), change.shadowed)
         if change.shadowed:
             self.replacements -= 1
-            for old in change.shadowed:
-                self.shadowed_by.pop(old.seq, None)
 
     def _splice(self, start: int, old: Sequence[SurfaceNode], new: Sequence[SurfaceNode]) -> None:
         self._nodes[start : start + len(old)] = new
@@ -353,6 +341,38 @@ class Surface:
             if self._calls[call_id] == count  # only the span makes it
             for seq in _seqs(self._answers.get(call_id))
         )
+
+
+class ShadowHistory:
+    """Every node a REPLACE of a stored log shadowed -> (the replacement's seq, the node's type,
+    the replacement's compaction id if it is a checkpoint), in ``shadowed``.
+
+    The fold does not keep it (it grows with the log, and only inspection reads it): ``add`` the
+    log from its start, in seq order and in as many parts as suits, to fold its surface anew.
+    Costs the log.
+    """
+
+    def __init__(self) -> None:
+        self._surface = Surface()
+        self.shadowed: dict[int, tuple[int, str, str]] = {}
+
+    def add(self, events: Iterable[SessionEvent]) -> None:
+        """Fold the next events of the log."""
+        for event in events:
+            if not ev.is_surface(event):
+                continue
+            change = self._surface.apply(event, event.seq)
+            if change.shadowed:
+                checkpoint = ev.checkpoint_compaction_id(event)
+                for old in change.shadowed:
+                    self.shadowed[old.seq] = (event.seq, old.type, checkpoint)
+
+
+def shadow_history(log: Iterable[SessionEvent]) -> dict[int, tuple[int, str, str]]:
+    """``ShadowHistory.shadowed`` of a whole stored ``log``."""
+    history = ShadowHistory()
+    history.add(log)
+    return history.shadowed
 
 
 def _seqs(entry: _Seqs | None) -> tuple[int, ...]:

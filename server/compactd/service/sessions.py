@@ -551,10 +551,10 @@ SNAPSHOT_EVENTS_PER_ENTRY = 1 / 16
 
 def snapshot_due(fold: SessionFold, interval: int) -> int:
     """Events after the last snapshot that make the next one due: ``interval``, or more once
-    the fold's log-long maps (event ids, what shadowed each node) outgrow it, so that writing
-    snapshots costs a bounded amount per event (at most 16 copied entries) at any log length;
-    a restore then replays at most a sixteenth of those entries' worth of events."""
-    entries = len(fold.event_ids) + len(fold.surface.shadowed_by) + len(fold.surface)
+    the fold's log-long map (event ids) outgrows it, so that writing snapshots costs a bounded
+    amount per event (at most 16 copied entries) at any log length; a restore then replays at
+    most a sixteenth of those entries' worth of events."""
+    entries = len(fold.event_ids) + len(fold.surface)
     return max(interval, int(entries * SNAPSHOT_EVENTS_PER_ENTRY))
 
 
