@@ -179,17 +179,49 @@ def echoed_message(summary: str, span: Sequence[Message]) -> int | None:
     needle = _fold(summary)
     if not needle:
         return None
-    # Cheap necessary conditions first, so most messages are never folded: folding never
-    # lengthens a character more than threefold (casefold's longest expansion), and the needle's
-    # longest word, having no whitespace, lies inside one casefolded word of the text.
+    # Cheap necessary conditions first, so most messages are never read as text: folding never
+    # lengthens a character more than threefold (casefold's longest expansion) and a message's
+    # text is at most its serialized size; the needle's marks lie, as they are, in the
+    # message's serialized bytes; and its longest word, having no whitespace, lies inside one
+    # casefolded word of the text.
+    marks = needle_marks(needle)
     word = max(needle.split(" "), key=len)
     for index, message in enumerate(span):
+        if len(needle) > _CASEFOLD_GROWTH * message.ByteSize():
+            continue
+        if marks and not _holds_marks(message.SerializeToString(), marks):
+            continue
         text = message_text(message)
-        if len(needle) > _CASEFOLD_GROWTH * len(text) or not folded_holds(text, word):
+        growth = 1 if text.isascii() else _CASEFOLD_GROWTH
+        if len(needle) > growth * len(text) or not folded_holds(text, word):
             continue
         if needle in _fold(text):
             return index
     return None
+
+
+#: The characters no other character casefolds into (and that casefold to themselves): the
+#: ASCII digits, punctuation and symbols (``tests/core/test_gate.py`` proves it).
+MARK_CHARACTERS = "".join(chr(code) for code in range(0x21, 0x7F) if not chr(code).isalpha())
+_MARK_LENGTH = 4  # shorter runs (``://``, a fence) are in too many messages to tell any apart
+_MARKS = 3
+_MARK = re.compile(f"[{re.escape(MARK_CHARACTERS)}]{{{_MARK_LENGTH},}}")
+
+
+def needle_marks(needle: str) -> tuple[bytes, ...]:
+    """The longest runs (up to three, four characters or more) of ``MARK_CHARACTERS`` in a
+    folded needle, as UTF-8.
+
+    Such a run has no whitespace and each of its characters casefolds from itself alone, so a
+    text whose fold holds the needle holds the run as it is, inside one text block: its bytes
+    are in the message's serialized bytes, which a search reads without decoding the text.
+    """
+    runs = sorted(set(_MARK.findall(needle)), key=len, reverse=True)
+    return tuple(run.encode() for run in runs[:_MARKS])
+
+
+def _holds_marks(serialized: bytes, marks: Sequence[bytes]) -> bool:
+    return all(mark in serialized for mark in marks)
 
 
 _CASEFOLD_GROWTH = 3
