@@ -219,3 +219,11 @@ def test_an_assistant_message_projects_to_its_blocks_unless_all_are_empty_text(
     )
     empty = SessionEvent(assistant_message=events_pb2.AssistantMessage(content=[text_block("")]))
     assert project(empty) is None
+
+
+def test_a_developer_message_projects_to_its_text_even_when_empty() -> None:
+    for text in ("", "note"):
+        assert project(developer(text)) == pb.Message(
+            role=pb.MESSAGE_ROLE_DEVELOPER,
+            content=[events_pb2.ContentBlock(text=events_pb2.TextBlock(text=text))],
+        )

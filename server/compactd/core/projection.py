@@ -62,12 +62,14 @@ def project(event: SessionEvent, offloaded: Set[int] = frozenset()) -> Message |
         text = getattr(event, kind).text
         if not text and kind == "system_message":
             return None
-        return Message(role=role, content=[ContentBlock(text=events_pb2.TextBlock(text=text))])
+        message = Message(role=role)
+        message.content.add().text.text = text  # one copy of the text, not one per wrapper
+        return message
     message = Message(role=role)
     if kind == "user_message":
         _copy_content(message, event.user_message.content, offloaded)
     elif kind == "assistant_message":
-        if all(_is_empty_text(b) for b in event.assistant_message.content):
+        if _all_empty_text(event.assistant_message.content):
             return None
         _copy_content(message, event.assistant_message.content, frozenset())
     else:
@@ -106,5 +108,5 @@ def derive_messages(
     return messages
 
 
-def _is_empty_text(block: ContentBlock) -> bool:
-    return block.HasField("text") and not block.text.text
+def _all_empty_text(blocks: Iterable[ContentBlock]) -> bool:
+    return not any(block.WhichOneof("block") != "text" or block.text.text for block in blocks)
