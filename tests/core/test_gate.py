@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from functools import partial
 
 import pytest
 from hypothesis import given, settings
@@ -15,6 +16,7 @@ from compactd.core.gate import (
     GateCheck,
     GateSettings,
     echoed_message,
+    examine,
     folded_holds,
     judge,
     minimum_useful_span,
@@ -216,3 +218,13 @@ def test_the_echo_check_of_marked_texts_finds_what_folding_every_message_finds(
         start = data.draw(st.integers(0, len(text)))
         summary = text[start : data.draw(st.integers(start, len(text)))].upper()
     assert echoed_message(summary, span) == reference_echo(summary, span)
+
+
+@pytest.mark.parametrize(
+    "text", [GOOD, "  please FIX the bug in lib/app/mod.py now. ", "## Goals\n- x", ""]
+)
+def test_judging_what_examine_found_is_judging_the_summary(text: str) -> None:
+    judged = partial(
+        judge, text, SPAN, PROBES, checkpoint_tokens=100, span_tokens=1000, settings=SETTINGS
+    )
+    assert judged(findings=examine(text, SPAN, PROBES)) == judged()

@@ -97,6 +97,24 @@ class Verdict:
         return "; ".join(f"{failure.check}: {failure.detail}" for failure in self.failures)
 
 
+@dataclass(frozen=True, slots=True)
+class Findings:
+    """What the checks that read the summary's text found (``examine``): everything the gate
+    decides but the reduction, which needs the checkpoint's price."""
+
+    sections: str | None  # ``section_problem``
+    echo: int | None  # ``echoed_message``
+    retention: Retention
+
+
+def examine(summary: str, span: Sequence[Message], probes: Sequence[Probe]) -> Findings:
+    """The text checks of ``judge`` (sections, echo, probes), apart from pricing the checkpoint:
+    a caller may price it meanwhile, off the event loop."""
+    return Findings(
+        section_problem(summary), echoed_message(summary, span), retention(probes, summary)
+    )
+
+
 def judge(
     summary: str,
     span: Sequence[Message],
@@ -105,6 +123,7 @@ def judge(
     checkpoint_tokens: int,
     span_tokens: int,
     settings: GateSettings,
+    findings: Findings | None = None,
 ) -> Verdict:
     """Run every check on ``summary``.
 
@@ -115,15 +134,17 @@ def judge(
         checkpoint_tokens: Route price of the framed checkpoint.
         span_tokens: Route price of the span it would replace.
         settings: The thresholds.
+        findings: ``examine(summary, span, probes)``, when the caller ran it already.
     """
+    found = findings if findings is not None else examine(summary, span, probes)
     failures: list[GateFailure] = []
-    sections = section_problem(summary)
-    if sections is not None:
-        failures.append(GateFailure(GateCheck.SECTIONS, sections))
-    echo = echoed_message(summary, span)
-    if echo is not None:
-        quoted = _clip(message_text(span[echo]))
-        failures.append(GateFailure(GateCheck.ECHO, f"repeats span message {echo}: {quoted!r}"))
+    if found.sections is not None:
+        failures.append(GateFailure(GateCheck.SECTIONS, found.sections))
+    if found.echo is not None:
+        quoted = _clip(message_text(span[found.echo]))
+        failures.append(
+            GateFailure(GateCheck.ECHO, f"repeats span message {found.echo}: {quoted!r}")
+        )
     reduction = 1 - checkpoint_tokens / span_tokens if span_tokens > 0 else 0.0
     if reduction < settings.min_reduction_ratio or checkpoint_tokens >= span_tokens:
         failures.append(
@@ -134,7 +155,7 @@ def judge(
                 f"{_percent(settings.min_reduction_ratio)} is required",
             )
         )
-    kept = retention(probes, summary)
+    kept = found.retention
     if kept.ratio < settings.min_probe_retention:
         failures.append(
             GateFailure(
