@@ -86,11 +86,11 @@ def _copy_content(message: Message, blocks: Iterable[ContentBlock], offloaded: S
     ``CopyFrom``: a deep copy, where a constructor or ``extend`` merges each block through its
     serialized form (twice the cost on a long text)."""
     add = message.content.add
-    image_index = 0
+    images = 0  # depth-first image index of the next image block
     for block in blocks:
         if offloaded and block.HasField("image"):
-            image_index += 1
-            if image_index - 1 in offloaded:
+            images += 1
+            if images - 1 in offloaded:
                 add().text.text = offload_placeholder(block.image)
                 continue
         add().CopyFrom(block)
