@@ -9,7 +9,9 @@ the surface stays short: one such session per length (1,000 and 100,000 logged e
 ``Compact``. Engine time is the call's whole time seen by the client minus the summarizer's
 own time (the default extractive summarizer, timed around its call). Interleaved after each
 compaction, the reference: serializing the summary request that compaction sent, as the OpenAI
-wire sends it (``encode_messages`` + ``encode_request`` + ``dumps``).
+wire sends it (``encode_messages`` + ``encode_request`` + ``dumps``). Beside it, for information
+(in no ratio): extracting the span's facts (``probes.span_facts``), which the gate reuses from the
+extractive summarizer but does itself after a model-written summary.
 
 **Declined Compact.** A second session of ``--declined-events`` surface nodes ends with a tool
 call still waiting for its result; ``Compact`` declines (``OPEN_TAIL``) without writing. It is
@@ -43,6 +45,7 @@ from bench.bench_pressure import BATCH, _event, conversations, fmt, table
 from bench.bench_steps import MODEL, OVERRIDES, PROVIDER, _pcts, _timed
 from compactd import config
 from compactd.api.server import create_server
+from compactd.core.probes import span_facts
 from compactd.providers import openai_wire
 from compactd.providers.base import SummaryRequest, SummaryResult
 from compactd.providers.extractive import ExtractiveSummarizer
@@ -100,6 +103,7 @@ class EngineRow:
     gate: float  # of ``engine``: the summary quality gate (its ``compaction.gate`` span)
     summarizer: float
     serialize: float
+    facts: float  # extracting the span's facts: the gate's own work after a model's summary
 
     @property
     def ratio(self) -> float:
@@ -250,7 +254,7 @@ async def measure_engine(
     for index, session in enumerate(sessions):  # a round unrecorded: checkpoints reach the cap
         await _compaction(session, template, f".w{index}", summarizer, spans)
     logged = [session.revision for session in sessions]
-    samples: list[list[tuple[float, float, float, float, int]]] = [[] for _ in sessions]
+    samples: list[list[tuple[float, float, float, float, float, int]]] = [[] for _ in sessions]
     tags = itertools.count()
     for round_ in range(repeat):
         order = list(range(len(sessions)))
@@ -260,18 +264,18 @@ async def measure_engine(
                                                     summarizer, spans))  # fmt: skip
     rows = []
     for events, measured in zip(logged, samples, strict=True):
-        engine, gate, summarizing, serializing, nodes = zip(*measured, strict=True)
-        rows.append(EngineRow(events, int(statistics.median(nodes)), statistics.median(engine),
-                              statistics.median(gate), statistics.median(summarizing),
-                              statistics.median(serializing)))  # fmt: skip
+        engine, gate, summarizing, serializing, facts, nodes = zip(*measured, strict=True)
+        median = statistics.median
+        rows.append(EngineRow(events, int(median(nodes)), median(engine), median(gate),
+                              median(summarizing), median(serializing), median(facts)))  # fmt: skip
     return rows
 
 
 async def _compaction(
     session: _Session, template: Sequence[SessionEvent], tag: str, summarizer: TimedSummarizer,
     spans: InMemorySpanExporter,
-) -> tuple[float, float, float, float, int]:  # fmt: skip
-    """Append the span, compact it: (engine, gate, summarizer, serialize seconds, nodes)."""
+) -> tuple[float, float, float, float, float, int]:  # fmt: skip
+    """Append the span, compact it: (engine, gate, summarizer, serialize, facts seconds, nodes)."""
     await session.append(_retagged(template, tag))
     summarizer.seconds = 0.0
     spans.clear()
@@ -284,8 +288,12 @@ async def _compaction(
     assert summarizer.last is not None
     encode = functools.partial(serialize, summarizer.last)
     serializing = min(_timed_sync(encode) for _ in range(3))
+    span = summarizer.last.messages  # the gate's span: the request without its system head
+    if span and span[0].role == session_service_pb2.MESSAGE_ROLE_SYSTEM:
+        span = span[1:]
+    facts = _timed_sync(functools.partial(span_facts, span))
     nodes = result.outcome.items_condensed
-    return elapsed - summarizer.seconds, gate, summarizer.seconds, serializing, nodes
+    return elapsed - summarizer.seconds, gate, summarizer.seconds, serializing, facts, nodes
 
 
 def _timed_sync(call: Callable[[], object]) -> float:
@@ -393,13 +401,15 @@ def main() -> None:
         "Compact with a fixed span: engine time (call minus summarizer) vs serializing its "
         "summary request (medians)",
         ["logged events", "span nodes", "engine", "of it: gate", "summarizer", "serialize",
-         "engine/serialize", "without gate"],
+         "engine/serialize", "without gate", "span facts*"],
         [
             (f"{r.events:,}", str(r.span_nodes), fmt(r.engine), fmt(r.gate), fmt(r.summarizer),
-             fmt(r.serialize), f"{r.ratio:5.2f}x", f"{r.ungated_ratio:5.2f}x")
+             fmt(r.serialize), f"{r.ratio:5.2f}x", f"{r.ungated_ratio:5.2f}x", fmt(r.facts))
             for r in engine
         ],
     )  # fmt: skip
+    print("* extracting the span's facts: the extractive summarizer hands them to the gate; after "
+          "a model's summary the gate extracts them itself (in no ratio above)")  # fmt: skip
     first, last = engine[0], engine[-1]
     print(f"\nengine time at {last.events:,} / at {first.events:,}: "
           f"{last.engine / first.engine:.2f}x")  # fmt: skip

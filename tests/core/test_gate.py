@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from functools import partial
 
 import pytest
 from hypothesis import given, settings
@@ -11,16 +12,18 @@ from hypothesis import strategies as st
 from compactd.core import prompts
 from compactd.core.gate import (
     FOLDS_TO_ASCII,
+    MARK_CHARACTERS,
     GateCheck,
     GateSettings,
     echoed_message,
+    examine,
     folded_holds,
     judge,
     minimum_useful_span,
     section_problem,
 )
 from compactd.core.probes import Message, Probe, ProbeKind, message_text
-from compactd.testing.messages import assistant, user
+from compactd.testing.messages import assistant, text_block, user
 
 SPAN = [user("Please fix the bug in lib/app/mod.py now."), assistant("Done: lib/app/mod.py fixed.")]
 PROBES = (Probe(ProbeKind.REQUEST, "Please fix the bug in lib/app/mod.py now."),)
@@ -187,3 +190,41 @@ def test_the_echo_check_finds_what_folding_every_message_finds(
 ) -> None:
     span = [user(text) for text in texts]
     assert echoed_message(summary, span) == reference_echo(summary, span)
+
+
+def test_a_mark_character_casefolds_from_itself_alone() -> None:
+    marks = set(MARK_CHARACTERS)
+    for code in range(sys.maxunicode + 1):
+        if 0xD800 <= code < 0xE000:
+            continue
+        folded = chr(code).casefold()
+        assert folded, chr(code)  # no character folds away
+        if marks & set(folded):
+            assert folded == chr(code), hex(code)
+
+
+#: Mark runs ("2025-03-31", "-->", "1.2.0"), letters that fold, whitespace, non-ASCII.
+MARKED_TEXT = st.text(alphabet="aAß ﬁ\n\t.:-/0129é中", max_size=40)
+
+
+@settings(max_examples=600)
+@given(MARKED_TEXT, st.lists(st.lists(MARKED_TEXT, min_size=1, max_size=3), max_size=4), st.data())
+def test_the_echo_check_of_marked_texts_finds_what_folding_every_message_finds(
+    summary: str, blocks: list[list[str]], data: st.DataObject
+) -> None:
+    span = [user(texts[0], *(text_block(t) for t in texts[1:])) for texts in blocks]
+    if span and data.draw(st.booleans()):  # the summary is part of one message, re-spaced
+        text = message_text(span[data.draw(st.integers(0, len(span) - 1))])
+        start = data.draw(st.integers(0, len(text)))
+        summary = text[start : data.draw(st.integers(start, len(text)))].upper()
+    assert echoed_message(summary, span) == reference_echo(summary, span)
+
+
+@pytest.mark.parametrize(
+    "text", [GOOD, "  please FIX the bug in lib/app/mod.py now. ", "## Goals\n- x", ""]
+)
+def test_judging_what_examine_found_is_judging_the_summary(text: str) -> None:
+    judged = partial(
+        judge, text, SPAN, PROBES, checkpoint_tokens=100, span_tokens=1000, settings=SETTINGS
+    )
+    assert judged(findings=examine(text, SPAN, PROBES)) == judged()

@@ -14,6 +14,7 @@ from compactd.core.probes import (
     Probe,
     ProbeKind,
     ProbeLimits,
+    SpanFacts,
     call_facts,
     error_lines,
     paths_in,
@@ -312,3 +313,35 @@ def test_a_bulk_extraction_gives_the_probes_a_plain_one_gives() -> None:
     assert (bulk.requests, bulk.paths, bulk.commands, bulk.errors) == (
         plain.requests, plain.paths, plain.commands, plain.errors,
     )  # fmt: skip
+
+
+def reference_probes(facts: SpanFacts) -> tuple[Probe, ...]:
+    """``select_probes``' requests and paths as its docstring orders them: every fact filtered
+    first, then ordered (the first and latest request, the rest newest first; paths by mentions)."""
+    requests = [request for request in facts.requests if probes._is_request(request)]
+    ordered = [*requests[:1], *requests[-1:], *reversed(requests[1:-1])]
+    paths = [path for path in facts.paths if probes._is_file_path(path)]
+    by_mentions = sorted(paths, key=lambda path: -facts.paths[path])
+    limits = ProbeLimits()
+    return (
+        *probes._distinct(ProbeKind.REQUEST, ordered, limits.requests),
+        *probes._distinct(ProbeKind.PATH, by_mentions, limits.paths),
+    )
+
+
+_REQUEST = st.sampled_from(
+    ["yes", "<reminder> keep going now", "fix the parser now", "Fix  the parser now",
+     "add a test for it please", "ok then do it"]
+)  # fmt: skip
+_PATH = st.sampled_from(
+    ["/dev/null", "src/a.py", "src/A.py", "lib/b/c.rs", "Makefile", "x.md", "docs/", "a/b/"]
+)
+
+
+@given(st.lists(_REQUEST, max_size=12), st.dictionaries(_PATH, st.integers(1, 4)))
+def test_requests_and_paths_are_probed_as_if_every_one_was_checked_first(
+    requests: list[str], paths: dict[str, int]
+) -> None:
+    facts = SpanFacts(requests=dict.fromkeys(requests), paths=paths)
+    chosen = [p for p in select_probes(facts) if p.kind in (ProbeKind.REQUEST, ProbeKind.PATH)]
+    assert tuple(chosen) == reference_probes(facts)

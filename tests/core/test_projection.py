@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from hypothesis import given
+from hypothesis import strategies as st
+
 from compactd.core.fold import SessionFold
 from compactd.core.projection import derive_messages, offload_placeholder, project
 from compactd.v1 import events_pb2
@@ -15,6 +20,7 @@ from tests.builders import (
     offload,
     replace,
     system,
+    text_block,
     tool_result,
     turn_start,
     user,
@@ -161,3 +167,63 @@ def test_derive_messages_applies_offloads_only_to_their_seq() -> None:
     first, second = derive_messages(events, {9: frozenset({0})})
     assert block_kinds(first) == ["text", "image"]
     assert block_kinds(second) == ["text", "text"]
+
+
+BLOCKS = st.lists(
+    st.one_of(
+        st.builds(text_block, st.text(max_size=8)),
+        st.builds(image_block, st.sampled_from(["", "a.png"]), attachment_id=st.just("att")),
+        st.builds(
+            lambda text: events_pb2.ContentBlock(reasoning=events_pb2.ReasoningBlock(text=text)),
+            st.text(max_size=4),
+        ),
+    ),
+    max_size=5,
+)
+
+
+def reference_message(
+    role: pb.MessageRole.ValueType, blocks: Sequence[events_pb2.ContentBlock], offloaded: set[int]
+) -> pb.Message:
+    """The projection spelled out: every block as it is, offloaded images as placeholder text."""
+    images = [i for i, b in enumerate(blocks) if b.HasField("image")]
+    content = [
+        text_block(offload_placeholder(b.image)) if i in images and images.index(i) in offloaded
+        else b
+        for i, b in enumerate(blocks)
+    ]  # fmt: skip
+    return pb.Message(role=role, content=content)
+
+
+@given(BLOCKS, st.sets(st.integers(0, 4)), st.booleans())
+def test_a_user_message_or_tool_result_projects_to_its_blocks_with_offloads_applied(
+    blocks: list[events_pb2.ContentBlock], offloaded: set[int], is_error: bool
+) -> None:
+    assert project(user(blocks=blocks), offloaded) == reference_message(
+        pb.MESSAGE_ROLE_USER, blocks, offloaded
+    )
+    expected = reference_message(pb.MESSAGE_ROLE_TOOL, blocks, offloaded)
+    expected.tool_call_id, expected.name, expected.is_error = "c1", "sh", is_error
+    event = tool_result("c1", name="sh", is_error=is_error, blocks=blocks)
+    assert project(event, offloaded) == expected
+
+
+@given(BLOCKS)
+def test_an_assistant_message_projects_to_its_blocks_unless_all_are_empty_text(
+    blocks: list[events_pb2.ContentBlock],
+) -> None:
+    event = SessionEvent(assistant_message=events_pb2.AssistantMessage(content=blocks))
+    event.assistant_message.content.add().tool_call.id = "c1"
+    assert project(event) == pb.Message(
+        role=pb.MESSAGE_ROLE_ASSISTANT, content=event.assistant_message.content
+    )
+    empty = SessionEvent(assistant_message=events_pb2.AssistantMessage(content=[text_block("")]))
+    assert project(empty) is None
+
+
+def test_a_developer_message_projects_to_its_text_even_when_empty() -> None:
+    for text in ("", "note"):
+        assert project(developer(text)) == pb.Message(
+            role=pb.MESSAGE_ROLE_DEVELOPER,
+            content=[events_pb2.ContentBlock(text=events_pb2.TextBlock(text=text))],
+        )

@@ -18,6 +18,8 @@ from compactd.core.selection import (
     Revalidation,
     Selection,
     SelectionMode,
+    SurfaceSnapshot,
+    drift,
     head_length,
     open_calls,
     revalidation_for,
@@ -321,6 +323,8 @@ def test_every_selection_is_balanced_and_its_checkpoint_folds(
                 assert result.code is DeclineCode.OPEN_TAIL
             return
         assert_well_cut(nodes, result)
+        # Valid as selected, by the span check itself (a snapshot it cannot take as unchanged).
+        assert drift(fold, result, SurfaceSnapshot(-1), Revalidation.SELECTED_SPAN) is None
         if mode is SelectionMode.PRESSURE:
             tail = nodes[result.end_position + 1 :]
             assert sum(text_price(n) for n in tail) >= budget

@@ -97,6 +97,24 @@ class Verdict:
         return "; ".join(f"{failure.check}: {failure.detail}" for failure in self.failures)
 
 
+@dataclass(frozen=True, slots=True)
+class Findings:
+    """What the checks that read the summary's text found (``examine``): everything the gate
+    decides but the reduction, which needs the checkpoint's price."""
+
+    sections: str | None  # ``section_problem``
+    echo: int | None  # ``echoed_message``
+    retention: Retention
+
+
+def examine(summary: str, span: Sequence[Message], probes: Sequence[Probe]) -> Findings:
+    """The text checks of ``judge`` (sections, echo, probes), apart from pricing the checkpoint:
+    a caller may price it meanwhile, off the event loop."""
+    return Findings(
+        section_problem(summary), echoed_message(summary, span), retention(probes, summary)
+    )
+
+
 def judge(
     summary: str,
     span: Sequence[Message],
@@ -105,6 +123,7 @@ def judge(
     checkpoint_tokens: int,
     span_tokens: int,
     settings: GateSettings,
+    findings: Findings | None = None,
 ) -> Verdict:
     """Run every check on ``summary``.
 
@@ -115,15 +134,17 @@ def judge(
         checkpoint_tokens: Route price of the framed checkpoint.
         span_tokens: Route price of the span it would replace.
         settings: The thresholds.
+        findings: ``examine(summary, span, probes)``, when the caller ran it already.
     """
+    found = findings if findings is not None else examine(summary, span, probes)
     failures: list[GateFailure] = []
-    sections = section_problem(summary)
-    if sections is not None:
-        failures.append(GateFailure(GateCheck.SECTIONS, sections))
-    echo = echoed_message(summary, span)
-    if echo is not None:
-        quoted = _clip(message_text(span[echo]))
-        failures.append(GateFailure(GateCheck.ECHO, f"repeats span message {echo}: {quoted!r}"))
+    if found.sections is not None:
+        failures.append(GateFailure(GateCheck.SECTIONS, found.sections))
+    if found.echo is not None:
+        quoted = _clip(message_text(span[found.echo]))
+        failures.append(
+            GateFailure(GateCheck.ECHO, f"repeats span message {found.echo}: {quoted!r}")
+        )
     reduction = 1 - checkpoint_tokens / span_tokens if span_tokens > 0 else 0.0
     if reduction < settings.min_reduction_ratio or checkpoint_tokens >= span_tokens:
         failures.append(
@@ -134,7 +155,7 @@ def judge(
                 f"{_percent(settings.min_reduction_ratio)} is required",
             )
         )
-    kept = retention(probes, summary)
+    kept = found.retention
     if kept.ratio < settings.min_probe_retention:
         failures.append(
             GateFailure(
@@ -179,17 +200,49 @@ def echoed_message(summary: str, span: Sequence[Message]) -> int | None:
     needle = _fold(summary)
     if not needle:
         return None
-    # Cheap necessary conditions first, so most messages are never folded: folding never
-    # lengthens a character more than threefold (casefold's longest expansion), and the needle's
-    # longest word, having no whitespace, lies inside one casefolded word of the text.
+    # Cheap necessary conditions first, so most messages are never read as text: folding never
+    # lengthens a character more than threefold (casefold's longest expansion) and a message's
+    # text is at most its serialized size; the needle's marks lie, as they are, in the
+    # message's serialized bytes; and its longest word, having no whitespace, lies inside one
+    # casefolded word of the text.
+    marks = needle_marks(needle)
     word = max(needle.split(" "), key=len)
     for index, message in enumerate(span):
+        if len(needle) > _CASEFOLD_GROWTH * message.ByteSize():
+            continue
+        if marks and not _holds_marks(message.SerializeToString(), marks):
+            continue
         text = message_text(message)
-        if len(needle) > _CASEFOLD_GROWTH * len(text) or not folded_holds(text, word):
+        growth = 1 if text.isascii() else _CASEFOLD_GROWTH
+        if len(needle) > growth * len(text) or not folded_holds(text, word):
             continue
         if needle in _fold(text):
             return index
     return None
+
+
+#: The characters no other character casefolds into (and that casefold to themselves): the
+#: ASCII digits, punctuation and symbols (``tests/core/test_gate.py`` proves it).
+MARK_CHARACTERS = "".join(chr(code) for code in range(0x21, 0x7F) if not chr(code).isalpha())
+_MARK_LENGTH = 4  # shorter runs (``://``, a fence) are in too many messages to tell any apart
+_MARKS = 3
+_MARK = re.compile(f"[{re.escape(MARK_CHARACTERS)}]{{{_MARK_LENGTH},}}")
+
+
+def needle_marks(needle: str) -> tuple[bytes, ...]:
+    """The longest runs (up to three, four characters or more) of ``MARK_CHARACTERS`` in a
+    folded needle, as UTF-8.
+
+    Such a run has no whitespace and each of its characters casefolds from itself alone, so a
+    text whose fold holds the needle holds the run as it is, inside one text block: its bytes
+    are in the message's serialized bytes, which a search reads without decoding the text.
+    """
+    runs = sorted(set(_MARK.findall(needle)), key=len, reverse=True)
+    return tuple(run.encode() for run in runs[:_MARKS])
+
+
+def _holds_marks(serialized: bytes, marks: Sequence[bytes]) -> bool:
+    return all(mark in serialized for mark in marks)
 
 
 _CASEFOLD_GROWTH = 3

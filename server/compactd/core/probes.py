@@ -343,12 +343,12 @@ def select_probes(facts: SpanFacts, limits: ProbeLimits = ProbeLimits()) -> tupl
     after normalization, so two spellings of one fact count once.
     """
     probes: list[Probe] = []
-    requests = [request for request in facts.requests if _is_request(request)]
-    ordered = [*requests[:1], *requests[-1:], *reversed(requests[1:-1])]
-    probes += _distinct(ProbeKind.REQUEST, ordered, limits.requests)
-    paths = [path for path in facts.paths if _is_file_path(path)]
-    by_mentions = sorted(paths, key=lambda path: -facts.paths[path])
-    probes += _distinct(ProbeKind.PATH, by_mentions, limits.paths)
+    probes += _distinct(
+        ProbeKind.REQUEST, _requests_in_order(list(facts.requests)), limits.requests
+    )
+    # Filtering commutes with a stable sort: each path is checked only until enough are chosen.
+    by_mentions = sorted(facts.paths, key=lambda path: -facts.paths[path])
+    probes += _distinct(ProbeKind.PATH, filter(_is_file_path, by_mentions), limits.paths)
     probes += _distinct(ProbeKind.COMMAND, _by_use(facts.commands), limits.commands)
     errors: dict[str, str] = {}  # stated error -> its line
     for line in reversed(list(facts.errors)):
@@ -360,6 +360,19 @@ def select_probes(facts: SpanFacts, limits: ProbeLimits = ProbeLimits()) -> tupl
         Probe(p.kind, p.text, "" if errors[p.text] == p.text else errors[p.text]) for p in chosen
     ]
     return tuple(probes)
+
+
+def _requests_in_order(requests: Sequence[str]) -> Iterator[str]:
+    """The requests worth probing (``_is_request``), the first and the latest first, then the
+    others newest first; each checked only when ``_distinct`` reads that far."""
+    first = next((i for i, request in enumerate(requests) if _is_request(request)), None)
+    if first is None:
+        return
+    yield requests[first]
+    last = next(i for i in range(len(requests) - 1, first - 1, -1) if _is_request(requests[i]))
+    if last != first:
+        yield requests[last]
+    yield from (requests[i] for i in range(last - 1, first, -1) if _is_request(requests[i]))
 
 
 def _by_use(commands: Iterable[str]) -> list[str]:
@@ -447,8 +460,8 @@ def retention(probes: Sequence[Probe], summary: str) -> Retention:
 
     def has_run(needle: tuple[str, ...]) -> bool:
         k = len(needle)
-        if k not in grams:
-            grams[k] = {tuple(words[i : i + k]) for i in range(len(words) - k + 1)}
+        if k not in grams:  # every run of k consecutive words, zipped in C
+            grams[k] = set(zip(*(words[i:] for i in range(k)), strict=False)) if k else {()}
         return needle in grams[k]
 
     kept = []
@@ -488,12 +501,7 @@ _STRIP = "`'\"*()[]{}<>,;:!?."
 
 def _words(text: str) -> list[str]:
     """Case-folded words with surrounding quotes, brackets and punctuation stripped."""
-    words = []
-    for raw in text.split():
-        word = raw.strip(_STRIP).casefold()
-        if word:
-            words.append(word)
-    return words
+    return [word for raw in text.split() if (word := raw.strip(_STRIP).casefold())]
 
 
 _SEGMENT_SPLIT = re.compile(r"&&|\|\||[;|\n]")

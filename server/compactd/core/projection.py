@@ -62,21 +62,38 @@ def project(event: SessionEvent, offloaded: Set[int] = frozenset()) -> Message |
         text = getattr(event, kind).text
         if not text and kind == "system_message":
             return None
-        return Message(role=role, content=[ContentBlock(text=events_pb2.TextBlock(text=text))])
+        message = Message(role=role)
+        message.content.add().text.text = text  # one copy of the text, not one per wrapper
+        return message
+    message = Message(role=role)
     if kind == "user_message":
-        return Message(role=role, content=project_content(event.user_message.content, offloaded))
-    if kind == "assistant_message":
-        if all(_is_empty_text(b) for b in event.assistant_message.content):
+        _copy_content(message, event.user_message.content, offloaded)
+    elif kind == "assistant_message":
+        if _all_empty_text(event.assistant_message.content):
             return None
-        return Message(role=role, content=list(event.assistant_message.content))
-    result = event.tool_result
-    return Message(
-        role=role,
-        content=project_content(result.content, offloaded),
-        tool_call_id=result.tool_call_id,
-        is_error=result.is_error,
-        name=result.tool_name,
-    )
+        _copy_content(message, event.assistant_message.content, frozenset())
+    else:
+        result = event.tool_result
+        message.tool_call_id = result.tool_call_id
+        message.is_error = result.is_error
+        message.name = result.tool_name
+        _copy_content(message, result.content, offloaded)
+    return message
+
+
+def _copy_content(message: Message, blocks: Iterable[ContentBlock], offloaded: Set[int]) -> None:
+    """Copy ``blocks`` into ``message`` as ``project_content`` projects them, each block by
+    ``CopyFrom``: a deep copy, where a constructor or ``extend`` merges each block through its
+    serialized form (twice the cost on a long text)."""
+    add = message.content.add
+    images = 0  # depth-first image index of the next image block
+    for block in blocks:
+        if offloaded and block.HasField("image"):
+            images += 1
+            if images - 1 in offloaded:
+                add().text.text = offload_placeholder(block.image)
+                continue
+        add().CopyFrom(block)
 
 
 def derive_messages(
@@ -91,5 +108,5 @@ def derive_messages(
     return messages
 
 
-def _is_empty_text(block: ContentBlock) -> bool:
-    return block.HasField("text") and not block.text.text
+def _all_empty_text(blocks: Iterable[ContentBlock]) -> bool:
+    return not any(block.WhichOneof("block") != "text" or block.text.text for block in blocks)

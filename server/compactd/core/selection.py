@@ -220,9 +220,10 @@ def drift(
     not drift. SELECTED_SPAN: the span's seqs must still occupy the same contiguous positions,
     with unit boundaries at both ends; appends after the span are allowed.
     """
+    if fold.surface.changes == snapshot.changes:
+        return None  # the surface the span was selected on, cut as selection cuts it
     if scope is Revalidation.WHOLE_SURFACE:
-        same = fold.surface.changes == snapshot.changes
-        return None if same else "the surface changed while the summary was written"
+        return "the surface changed while the summary was written"
     for offset, seq in enumerate(selection.shadowed_seqs):
         if fold.surface.position_of(seq) != selection.start_position + offset:
             return f"node {seq} no longer sits at position {selection.start_position + offset}"

@@ -26,6 +26,7 @@ checks, missed probes), the metrics (``compactd.metrics``: ``compactd.summary.ga
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -248,16 +249,21 @@ class CompactionGuard:
             return Screened(summary, summarizer, target)
         span = _without_head(request.messages)
 
-        def verdict_of(text: str) -> gate.Verdict:
+        async def verdict_of(text: str) -> gate.Verdict:
             checkpoint = bracket.checkpoint_message(compaction_id, prompts.frame_checkpoint(text))
-            return gate.judge(
-                text,
-                span,
-                probes,
-                checkpoint_tokens=route_price(checkpoint, shrink_route),
-                span_tokens=span_tokens,
-                settings=settings,
+            # The tokenizer releases the GIL: the checkpoint is priced in a worker thread while
+            # the text checks run here.
+            pricing = asyncio.get_running_loop().run_in_executor(
+                None, route_price, checkpoint, shrink_route
             )
+            try:
+                findings = gate.examine(text, span, probes)
+            finally:
+                checkpoint_tokens = await pricing
+            return gate.judge(
+                text, span, probes, checkpoint_tokens=checkpoint_tokens, span_tokens=span_tokens,
+                settings=settings, findings=findings,
+            )  # fmt: skip
 
         with self._tracer.start_as_current_span("compaction.gate") as trace_span:
             trace_span.set_attribute("compactd.compaction_id", compaction_id)
@@ -265,7 +271,7 @@ class CompactionGuard:
             # facts already (the extractive one) spares extracting them twice.
             facts = summary.span_facts if summary.span_facts is not None else span_facts(span)
             probes = select_probes(facts)
-            verdict = verdict_of(summary.text)
+            verdict = await verdict_of(summary.text)
             report = _report(verdict, settings)
             _gate_attributes(trace_span, verdict)
             if verdict.passed:
@@ -276,7 +282,7 @@ class CompactionGuard:
                 )
             if policy.extractive_fallback:
                 fallback = await self._extractive.summarize(request)
-                second = verdict_of(fallback.text)
+                second = await verdict_of(fallback.text)
                 trace_span.set_attribute("compactd.gate.fallback_passed", second.passed)
                 if second.passed:
                     self._metrics.gate(summarizer, "fallback", verdict.retention.ratio)
