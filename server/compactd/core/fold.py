@@ -30,7 +30,7 @@ from compactd.core.lock import LockState, live_bracket
 from compactd.core.offload import INPUT_KINDS, image_count
 from compactd.core.projection import Message, derive_messages
 from compactd.core.surface import Surface, SurfaceChange, SurfaceNode
-from compactd.core.validation import Origin, check_origin
+from compactd.core.validation import Origin, check_origin_in_steps
 from compactd.errors import Busy, FieldViolation, InvalidArgument, ResourceExhausted
 from compactd.v1 import events_pb2
 
@@ -47,6 +47,7 @@ class AdmittedBatch:
     surface_changes: list[SurfaceChange] = field(default_factory=list)
     reprojected: set[int] = field(default_factory=set)  # node seqs whose projection changed
     header_changed: bool = False
+    byte_size: int = 0  # the admitted events' ``ByteSize`` (as stored), summed; 0 for a restore
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
 
@@ -119,7 +120,7 @@ class SessionFold:
         can let other work run; the generator returns the batch. Closing it before it returns
         rolls back what it admitted."""
         if check:
-            check_origin(events, origin)
+            yield from check_origin_in_steps(events, origin)
         client = check and origin is Origin.CLIENT
         batch = AdmittedBatch(self.revision, [])
         before = self.surface_bytes
@@ -173,6 +174,7 @@ class SessionFold:
         client: bool,
     ) -> None:
         seq = self.revision
+        size: int | None = None
         if check:
             event = SessionEvent()
             event.CopyFrom(source)
@@ -190,11 +192,14 @@ class SessionFold:
             if client:
                 self._check_step_rules(event)
             self._check_log_rules(event, seq)
+            size = event.ByteSize()  # once: the surface bound and the tenant's quota use it
         elif event.seq != seq:
             raise InvalidArgument(
                 f"stored log is not contiguous: expected seq {seq}, got {event.seq}"
             )
-        self._fold(event, seq, batch)
+        self._fold(event, seq, batch, size)
+        if size is not None:  # the fold fills in a header's reason: count the header as stored
+            batch.byte_size += event.ByteSize() if event.HasField("request_header") else size
         batch.events.append(event)
 
     def appended_since(self, revision: int) -> list[SurfaceNode] | None:
@@ -211,7 +216,9 @@ class SessionFold:
             first -= 1
         return list(nodes[first:])
 
-    def _fold(self, event: SessionEvent, seq: int, batch: AdmittedBatch) -> None:
+    def _fold(
+        self, event: SessionEvent, seq: int, batch: AdmittedBatch, size: int | None = None
+    ) -> None:
         self.revision += 1
         self._folded += 1
         batch._undo.append(self._undo_revision)
@@ -227,7 +234,7 @@ class SessionFold:
             batch._undo.append(lambda: self.surface.undo(change))
             for shadowed in change.shadowed:
                 self._resize(shadowed.seq, None, batch)
-            self._resize(seq, node_bytes(event), batch)
+            self._resize(seq, node_bytes(event, byte_size=size), batch)
         kind = ev.body_name(event)
         if kind == "request_header":
             self._fold_header(event, seq, batch)

@@ -41,11 +41,11 @@ import time
 import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -55,7 +55,7 @@ from compactd.core.fold import AdmittedBatch, SessionFold
 from compactd.core.limits import DEFAULT_LIMITS, AppendLimits
 from compactd.core.lock import live_bracket
 from compactd.core.pricing import NodeCost
-from compactd.core.validation import Origin, check_batch
+from compactd.core.validation import Origin, check_batch, check_batch_in_steps
 from compactd.errors import (
     AlreadyExists,
     Busy,
@@ -85,14 +85,16 @@ from compactd.v1 import events_pb2
 log = logging.getLogger(__name__)
 
 Observer = Callable[[SessionFold, AdmittedBatch], None]
+T = TypeVar("T")
 _Key = tuple[str, str]  # (tenant id, session id)
 # Batches at least this large (events or serialized bytes) are priced in a worker thread; a
 # smaller one is priced on the loop, where it costs less than the hop to a thread.
 OFFLOAD_EVENTS = 16
 OFFLOAD_BYTES = 16 * 1024
-# A batch is checked in a worker thread, and admitted in steps of this many events between which
-# other calls run, from this size on.
+# A batch of at least this many events is checked and admitted in steps, between which other
+# calls run: no step holds the event loop longer than ``STEP_S``.
 ADMIT_STEP = 128
+STEP_S = 0.0002
 
 
 class PriceSource(Protocol):
@@ -211,10 +213,10 @@ class SessionHandle:
         ``Origin.CLIENT``, which refuses server-only events, enforces the step brackets and
         bounds the batch by ``self.limits`` (blocks, events, the surface).
         """
-        if len(events) >= ADMIT_STEP:  # a large batch's checks run beside the loop
-            await asyncio.to_thread(
-                partial(
-                    check_batch, events, max_events=max_events, origin=origin, limits=self.limits
+        if len(events) >= ADMIT_STEP:  # a large batch is checked in steps, other calls between
+            await in_steps(
+                check_batch_in_steps(
+                    events, max_events=max_events, origin=origin, limits=self.limits
                 )
             )
         else:
@@ -309,34 +311,24 @@ class SessionHandle:
     async def _admit(
         self, events: Sequence[events_pb2.SessionEvent], now: Timestamp, origin: Origin
     ) -> AdmittedBatch:
-        """``fold.admit``, letting the loop run other calls every ``ADMIT_STEP`` events (readers
-        that do not hold the lock read only the committed state)."""
+        """``fold.admit``, in steps between which the loop runs other calls (readers that do not
+        hold the lock read only the committed state)."""
         steps = self.fold.admit_in_steps(
             events,
             now=now,
             origin=origin,
             max_surface_bytes=self.limits.max_surface_bytes,
-            step=ADMIT_STEP,
+            step=1,  # ``in_steps`` decides when to let other calls run
         )
-        try:
-            while True:
-                try:
-                    next(steps)
-                except StopIteration as done:
-                    batch: AdmittedBatch = done.value
-                    return batch
-                await asyncio.sleep(0)
-        finally:
-            steps.close()  # a cancelled admission rolls back what it admitted
+        return await in_steps(steps)  # a cancelled admission rolls back what it admitted
 
     def _reserve_bytes(self, batch: AdmittedBatch, origin: Origin) -> Reservation | None:
         """Count the batch's bytes against the tenant's quota; only a runtime's is refused."""
         if self._quotas is None:
             return None
-        size = sum(event.ByteSize() for event in batch.events)
         try:
             return self._quotas.reserve_bytes(
-                size, enforce=origin is Origin.CLIENT, tenant=self.tenant
+                batch.byte_size, enforce=origin is Origin.CLIENT, tenant=self.tenant
             )
         except QuotaExceeded:
             self.fold.rollback(batch)
@@ -522,6 +514,24 @@ class SessionHandle:
                     reason="IDEMPOTENCY_MISMATCH",
                 )
         return AppendResult(seqs, self.fold.revision, replayed=True)
+
+
+async def in_steps(steps: Generator[None, None, T]) -> T:
+    """Run ``steps`` to its end on the event loop, letting other calls run whenever it has held
+    the loop for ``STEP_S``; its value. Cancelled, it closes ``steps`` (which may roll back)."""
+    deadline = time.perf_counter() + STEP_S
+    try:
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                result: T = done.value
+                return result
+            if time.perf_counter() >= deadline:
+                await asyncio.sleep(0)
+                deadline = time.perf_counter() + STEP_S
+    finally:
+        steps.close()
 
 
 def _stale_fold(error: Exception) -> bool:
