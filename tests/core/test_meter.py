@@ -543,6 +543,40 @@ def test_observing_prepared_batches_equals_observing_them_unprepared(data: st.Da
         assert ahead.meter.persisted_prices() == plain.meter.persisted_prices()
 
 
+def _count_ahead(meter: SessionMeter, events: Sequence[SessionEvent]) -> None:
+    steps = meter.count_ahead(events)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            job = done.value
+            break
+    if job is not None:
+        job()
+
+
+def test_texts_counted_ahead_price_a_batch_as_counting_it_while_preparing() -> None:
+    plain, ahead = Session(routed(), system("head")), Session(routed(), system("head"))
+    for session in (plain, ahead):
+        session.measure(EXACT)
+    refused = [tool_result("nobody", "no call made this")]
+    _count_ahead(ahead.meter, refused)  # a batch the fold then refuses leaves nothing wrong
+    with pytest.raises(CompactdError):
+        ahead.fold.admit(refused)
+    for events in (
+        [user("look at this"), assistant("ok", calls=[("c1", "read", '{"p": 1}')])],
+        [tool_result("c1", "data " * 40), with_usage(assistant("done 中文"), 900), user("next")],
+    ):
+        plain.add(*events)
+        _count_ahead(ahead.meter, events)
+        batch = ahead.fold.admit(events)
+        ahead.meter.prepare(ahead.fold, batch)
+        ahead.meter.observe(ahead.fold, batch)
+        for route in (ROUTE, EXACT):
+            assert ahead.measure(route) == plain.measure(route)
+    assert ahead.meter.measure(ahead.fold, EXACT, anchored=False) == recount(ahead.fold, EXACT)
+
+
 def test_a_meter_restored_from_persisted_prices_measures_as_the_one_that_made_them() -> None:
     live = Session(routed(), system("be brief"), user("hello"), with_usage(assistant("hi"), 500))
     live.measure(EXACT)

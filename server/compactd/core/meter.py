@@ -26,7 +26,7 @@ measurement of a route whose provider publishes no tokenizer as ESTIMATED.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping, Set
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,6 +37,7 @@ from compactd.core.header import same_request
 from compactd.core.pricing import (
     NodeCost,
     PricingProfile,
+    TextsAhead,
     heuristic_price,
     price_config,
     price_message,
@@ -263,6 +264,9 @@ class SessionMeter:
         }
         # Prices ``prepare`` made in a worker thread for the batch being committed.
         self._staged: _Staged | None = None
+        # Texts of the batch on its way counted ahead (``count_ahead``), per profile; filled in
+        # by a worker thread.
+        self._ahead: dict[PricingProfile, dict[str, int]] = {}
         self._batch_prices: dict[tuple[PricingProfile, int], NodeCost] = {}
         if anchor is None:
             self._bootstrap_anchor(fold)
@@ -333,6 +337,30 @@ class SessionMeter:
 
     # ---- pricing off the event loop -----------------------------------------------------
 
+    def count_ahead(
+        self, events: Sequence[SessionEvent]
+    ) -> Generator[None, None, Callable[[], None] | None]:
+        """Collect the texts the nodes of ``events`` (a batch about to be checked and admitted)
+        will be priced by for every ledger with a batch tokenizer, pausing (``yield``) after
+        each event; the job it returns counts them in one batched call per ledger (a worker
+        thread: the tokenizers release the GIL), for ``prepare`` to take. Counts depend on the
+        texts alone: a batch refused after all leaves nothing wrong behind."""
+        aheads = [a for p in list(self._ledgers) if (a := TextsAhead.of(p)) is not None]
+        self._ahead = counted = {}
+        if not aheads:
+            return None
+        for event in events:
+            if event.WhichOneof("body") in ev.SURFACE_BODIES:
+                for ahead in aheads:
+                    ahead.add(event)
+            yield
+
+        def count() -> None:
+            for ahead in aheads:
+                counted[ahead.pricing] = ahead.count()
+
+        return count
+
     def prepare(
         self, fold: SessionFold, batch: AdmittedBatch, wanted: Iterable[PricingProfile] = ()
     ) -> None:
@@ -356,8 +384,9 @@ class SessionMeter:
                 event = fold.surface[position].event
                 items.append((-1 - seq, event, fold.offloads.get(seq, frozenset())))
         nodes: dict[tuple[PricingProfile, int], NodeCost] = {}
+        ahead, self._ahead = self._ahead, {}
         for pricing in [*profiles, *ledgers]:
-            costs = price_nodes([(e, o) for _, e, o in items], pricing)
+            costs = price_nodes([(e, o) for _, e, o in items], pricing, ahead.get(pricing))
             for (key, _, _), cost in zip(items, costs, strict=True):
                 nodes[(pricing, key)] = cost
         appended = _only_appended(batch)

@@ -85,6 +85,10 @@ from compactd.v1 import events_pb2
 log = logging.getLogger(__name__)
 
 Observer = Callable[[SessionFold, AdmittedBatch], None]
+# Called with a large batch as it arrives: steps on the loop, then a job for a worker thread.
+Precounter = Callable[
+    [Sequence[events_pb2.SessionEvent]], Generator[None, None, Callable[[], None] | None]
+]
 T = TypeVar("T")
 _Key = tuple[str, str]  # (tenant id, session id)
 # Batches at least this large (events or serialized bytes) are priced in a worker thread; a
@@ -165,6 +169,8 @@ class SessionHandle:
         self._observers: list[Observer] = []
         self._replaying: list[Observer] = []  # observers that also follow a restore's tail
         self._preparers: list[Observer] = []
+        self._precounters: list[Precounter] = []
+        self._counting: asyncio.Future[None] | None = None  # the latest batch's precount jobs
         self._changed = asyncio.Condition()
         self.followers = 0  # streams following the revisions (``revisions``)
         self.snapshot_revision = 0  # the revision of the latest snapshot written (or read)
@@ -184,6 +190,13 @@ class SessionHandle:
         """Call ``preparer(fold, batch)`` in a worker thread while a large batch commits, before
         the observers; it may only read (the lock keeps the fold still)."""
         self._preparers.append(preparer)
+
+    def add_precounter(self, precounter: Precounter) -> None:
+        """Call ``precounter(events)`` on the loop, in steps, as a large batch arrives (before
+        its checks); the job it returns runs in a worker thread beside the checks, admission and
+        commit, and the preparers start once it is done. It may only read (the batch may still
+        be refused)."""
+        self._precounters.append(precounter)
 
     def replay(self, batch: AdmittedBatch) -> None:
         """Tell the replaying observers about a batch a restore folded (already durable)."""
@@ -214,6 +227,7 @@ class SessionHandle:
         bounds the batch by ``self.limits`` (blocks, events, the surface).
         """
         if len(events) >= ADMIT_STEP:  # a large batch is checked in steps, other calls between
+            await self._count_ahead(events)
             await in_steps(
                 check_batch_in_steps(
                     events, max_events=max_events, origin=origin, limits=self.limits
@@ -433,14 +447,33 @@ class SessionHandle:
             extra={"session_id": self.session_id, "compaction_id": live.compaction_id},
         )
 
+    async def _count_ahead(self, events: Sequence[events_pb2.SessionEvent]) -> None:
+        """Start the precounters' jobs for a large batch (see ``add_precounter``)."""
+        jobs = []
+        for precounter in self._precounters:
+            job = await in_steps(precounter(events))
+            if job is not None:
+                jobs.append(job)
+        if jobs:
+            self._counting = asyncio.ensure_future(asyncio.to_thread(_run_jobs, jobs))
+
     def _prepare(self, batch: AdmittedBatch) -> asyncio.Future[None] | None:
-        """Start the preparers in a worker thread for a large batch (None: small, or none)."""
+        """Start the preparers in a worker thread for a large batch (None: small, or none),
+        after the batch's precount jobs."""
+        counting, self._counting = self._counting, None
         if not self._preparers or not batch.surface_changes:
             return None
         events = batch.events
-        if len(events) < OFFLOAD_EVENTS and sum(e.ByteSize() for e in events) < OFFLOAD_BYTES:
+        if len(events) < OFFLOAD_EVENTS and batch.byte_size < OFFLOAD_BYTES:
             return None
-        return asyncio.ensure_future(asyncio.to_thread(self.run_preparers, batch))
+        return asyncio.ensure_future(self._prepare_after(counting, batch))
+
+    async def _prepare_after(
+        self, counting: asyncio.Future[None] | None, batch: AdmittedBatch
+    ) -> None:
+        if counting is not None:
+            await asyncio.wait([counting])
+        await asyncio.to_thread(self.run_preparers, batch)
 
     @property
     def replays(self) -> bool:
@@ -514,6 +547,14 @@ class SessionHandle:
                     reason="IDEMPOTENCY_MISMATCH",
                 )
         return AppendResult(seqs, self.fold.revision, replayed=True)
+
+
+def _run_jobs(jobs: Sequence[Callable[[], None]]) -> None:
+    for job in jobs:
+        try:
+            job()
+        except Exception:  # the preparers count on their own: never fail a commit
+            log.exception("counting a batch's texts ahead of its commit failed")
 
 
 async def in_steps(steps: Generator[None, None, T]) -> T:
