@@ -305,7 +305,7 @@ class SessionHandle:
         now.GetCurrentTime()
         batch = await self._admit(events, now, origin)
         reservation = self._reserve_bytes(batch, origin)
-        if lease is None:
+        if lease is None and origin is Origin.SERVER:  # a runtime's batch holds no bracket event
             lease = lease_for(
                 batch.events,
                 self.leases.owned,
@@ -528,9 +528,9 @@ class SessionHandle:
     async def _replayed(self, events: Sequence[events_pb2.SessionEvent]) -> AppendResult | None:
         """The original result when this batch was already committed (a retried batch)."""
         ids = [e.event_id for e in events]
-        known = [i for i in ids if i in self.fold.event_ids]
-        if not known:
+        if self.fold.event_ids.keys().isdisjoint(ids):  # a new batch, in one C-level pass
             return None
+        known = [i for i in ids if i in self.fold.event_ids]
         if len(known) != len(ids):
             raise InvalidArgument(
                 "a batch mixes events already in the log with new ones",
