@@ -48,6 +48,7 @@ class AdmittedBatch:
     reprojected: set[int] = field(default_factory=set)  # node seqs whose projection changed
     header_changed: bool = False
     byte_size: int = 0  # the admitted events' ``ByteSize`` (as stored), summed; 0 for a restore
+    answered: list[int] = field(default_factory=list)  # appended assistant/messages with usage
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
 
@@ -236,6 +237,9 @@ class SessionFold:
                 self._resize(shadowed.seq, None, batch)
             self._resize(seq, node_bytes(event, byte_size=size), batch)
         kind = ev.body_name(event)
+        usage = kind == "assistant_message" and event.assistant_message.HasField("usage")
+        if usage and not ev.is_replace(event):  # what the calibration reads, not every event
+            batch.answered.append(seq)
         if kind == "request_header":
             self._fold_header(event, seq, batch)
         elif kind in ("turn_start", "turn_end"):

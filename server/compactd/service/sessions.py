@@ -368,7 +368,8 @@ class SessionHandle:
         self.leases.landed(lease)
         self._folded(batch)
         await self._notify()
-        return AppendResult([e.seq for e in batch.events], self.fold.revision)
+        first = batch.first_seq  # seqs are assigned in order, from the batch's first
+        return AppendResult(list(range(first, first + len(batch.events))), self.fold.revision)
 
     def _folded(self, batch: AdmittedBatch) -> None:
         self.revision = self.fold.revision
