@@ -169,6 +169,28 @@ async def test_a_large_batch_is_priced_in_a_worker_thread_and_reports_equal_a_re
     assert report.measured_tokens == _route_recount(handle, service)
 
 
+async def test_other_calls_run_while_a_large_batch_lands_and_see_it_whole_or_not_at_all(
+    store: MemoryEventStore,
+) -> None:
+    manager, service = service_over(store)
+    await manager.create("s", None)
+    handle = await manager.get("s")
+    await handle.append([header(PROVIDER, MODEL)])
+    before = (handle.revision, (await service.check("s")).measured_tokens)
+    appending = asyncio.ensure_future(handle.append(list(transcript_events())[:600]))
+    seen: set[tuple[int, int]] = set()
+    turns = 0
+    while not appending.done():  # a reader that does not take the session's lock
+        seen.add((handle.revision, service.report(handle).measured_tokens))
+        turns += 1
+        await asyncio.sleep(0)
+    await appending
+    after = (handle.revision, (await service.check("s")).measured_tokens)
+    assert turns > 10  # the batch was checked, counted and admitted in steps
+    assert seen <= {before, after}
+    assert after[1] == _route_recount(handle, service)
+
+
 async def test_a_restart_restores_from_the_snapshot_with_prices_equal_to_a_recount(
     store: MemoryEventStore,
 ) -> None:

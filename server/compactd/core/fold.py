@@ -30,7 +30,7 @@ from compactd.core.lock import LockState, live_bracket
 from compactd.core.offload import INPUT_KINDS, image_count
 from compactd.core.projection import Message, derive_messages
 from compactd.core.surface import Surface, SurfaceChange, SurfaceNode
-from compactd.core.validation import Origin, check_origin
+from compactd.core.validation import Origin, check_origin_in_steps
 from compactd.errors import Busy, FieldViolation, InvalidArgument, ResourceExhausted
 from compactd.v1 import events_pb2
 
@@ -47,6 +47,8 @@ class AdmittedBatch:
     surface_changes: list[SurfaceChange] = field(default_factory=list)
     reprojected: set[int] = field(default_factory=set)  # node seqs whose projection changed
     header_changed: bool = False
+    byte_size: int = 0  # the admitted events' ``ByteSize`` (as stored), summed; 0 for a restore
+    answered: list[int] = field(default_factory=list)  # appended assistant/messages with usage
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
 
@@ -121,7 +123,7 @@ class SessionFold:
         can let other work run; the generator returns the batch. Closing it before it returns
         rolls back what it admitted."""
         if check:
-            check_origin(events, origin)
+            yield from check_origin_in_steps(events, origin)
         client = check and origin is Origin.CLIENT
         batch = AdmittedBatch(self.revision, [])
         before = self.surface_bytes
@@ -175,6 +177,7 @@ class SessionFold:
         client: bool,
     ) -> None:
         seq = self.revision
+        size: int | None = None
         if check:
             event = SessionEvent()
             event.CopyFrom(source)
@@ -192,11 +195,14 @@ class SessionFold:
             if client:
                 self._check_step_rules(event)
             self._check_log_rules(event, seq)
+            size = event.ByteSize()  # once: the surface bound and the tenant's quota use it
         elif event.seq != seq:
             raise InvalidArgument(
                 f"stored log is not contiguous: expected seq {seq}, got {event.seq}"
             )
         self._fold(event, seq, batch)
+        if size is not None:  # the fold fills in a header's reason: count the header as stored
+            batch.byte_size += event.ByteSize() if event.HasField("request_header") else size
         batch.events.append(event)
 
     def appended_since(self, revision: int) -> list[SurfaceNode] | None:
@@ -213,7 +219,9 @@ class SessionFold:
             first -= 1
         return list(nodes[first:])
 
-    def _fold(self, event: SessionEvent, seq: int, batch: AdmittedBatch) -> None:
+    def _fold(
+        self, event: SessionEvent, seq: int, batch: AdmittedBatch
+    ) -> None:
         self.revision += 1
         self._folded += 1
         batch._undo.append(self._undo_revision)
@@ -231,6 +239,9 @@ class SessionFold:
                 self._resize(shadowed, None, batch)
             self._resize(change.node, _node_bytes(change.node), batch, counted=False)
         kind = ev.body_name(event)
+        usage = kind == "assistant_message" and event.assistant_message.HasField("usage")
+        if usage and not ev.is_replace(event):  # what the calibration reads, not every event
+            batch.answered.append(seq)
         if kind == "request_header":
             self._fold_header(event, seq, batch)
         elif kind in ("turn_start", "turn_end"):

@@ -70,6 +70,7 @@ def session_meter(handle: SessionHandle) -> SessionMeter:
     if isinstance(calibration, UsageCalibration):  # after the meter: it reads the new revision
         handle.add_observer(calibration.observer(handle.session_id, meter))
         handle.add_preparer(partial(_prepare, meter, calibration.routes))
+        handle.add_precounter(meter.count_ahead)
     return meter
 
 
