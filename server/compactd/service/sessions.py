@@ -497,6 +497,8 @@ class SessionHandle:
         return self.deleted or self.revision != seen
 
     async def _notify(self) -> None:
+        if not self.followers:  # only ``revisions`` waits, and it counts itself a follower first
+            return
         async with self._changed:
             self._changed.notify_all()
 
