@@ -286,7 +286,8 @@ class SessionHandle:
                 },
             )
         now = Timestamp()
-        now.GetCurrentTime()
+        # GetCurrentTime's precision (microseconds), without its trip through a datetime.
+        now.FromMicroseconds(time.time_ns() // 1000)
         batch = await self._admit(events, now, origin)
         reservation = self._reserve_bytes(batch, origin)
         if lease is None:
