@@ -302,7 +302,8 @@ class SessionHandle:
                 },
             )
         now = Timestamp()
-        now.GetCurrentTime()
+        # GetCurrentTime's precision (microseconds), without its trip through a datetime.
+        now.FromMicroseconds(time.time_ns() // 1000)
         batch = await self._admit(events, now, origin)
         reservation = self._reserve_bytes(batch, origin)
         if lease is None and origin is Origin.SERVER:  # a runtime's batch holds no bracket event
@@ -523,6 +524,8 @@ class SessionHandle:
         return self.deleted or self.revision != seen
 
     async def _notify(self) -> None:
+        if not self.followers:  # only ``revisions`` waits, and it counts itself a follower first
+            return
         async with self._changed:
             self._changed.notify_all()
 
