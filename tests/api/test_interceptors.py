@@ -347,6 +347,29 @@ async def test_streams_per_session_are_limited_and_freed_when_one_ends(
             call.cancel()
 
 
+async def test_a_step_stream_counts_towards_its_session_only_while_it_runs(
+    limited: RunningServer,
+) -> None:
+    async with grpc.aio.insecure_channel(limited.address) as channel:
+        await _session(channel, "a")
+        compaction = CompactionServiceStub(channel)
+
+        async def step() -> Any:
+            call = compaction.PrepareStep(cpb.PrepareStepRequest(session_id="a", turn=1))
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call.read()
+            return details(caught.value)
+
+        for _ in range(4):  # more than either limit: each step ends and frees its place
+            assert (await step()).reason == "NO_OPEN_TURN"
+        calls = [await _following(channel, "a") for _ in range(2)]
+        refused = await step()
+        assert refused.reason == "TOO_MANY_STREAMS"
+        assert refused.metadata == {"scope": "session", "limit": "2", "session_id": "a"}
+        for call in calls:
+            call.cancel()
+
+
 async def test_streams_per_process_are_limited(limited: RunningServer) -> None:
     async with grpc.aio.insecure_channel(limited.address) as channel:
         for name in ("a", "b"):

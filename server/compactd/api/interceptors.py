@@ -395,26 +395,45 @@ class StreamLimits(Interceptor):
 
     def _limited(self, method: str, handler: Handler) -> Handler:
         per_session = not handler.request_streaming and method.startswith(_SESSION_SERVICES)
-        guard = self._guard(per_session)
-        return rewrapped(handler, lambda behavior: guarded(behavior, guard))
+        return rewrapped(handler, lambda behavior: self._counted(behavior, per_session))
+
+    def _counted(self, behavior: Behavior, per_session: bool) -> Behavior:
+        """``behavior`` counted while it runs; a coroutine handler (PrepareStep and the other
+        ``context.write`` streams) is awaited directly, with no context manager per call."""
+        if not inspect.iscoroutinefunction(behavior):
+            return guarded(behavior, self._guard(per_session))
+
+        async def call(request: Any, context: Any) -> Any:
+            key = await self._admit(request, context, per_session)
+            try:
+                return await behavior(request, context)
+            finally:
+                self._leave(key)
+
+        return call
 
     def _guard(self, per_session: bool) -> Guard:
         @asynccontextmanager
         async def guard(request: Any, context: Any) -> AsyncIterator[Any]:
-            session_id = str(getattr(request, "session_id", "")) if per_session else ""
-            # Sessions are (tenant, id): another tenant's watchers of the same id do not count.
-            key = (current_tenant().id, session_id) if session_id else None
-            if self.active >= self.max_streams:
-                await self._refuse(context, "process", self.max_streams)
-            if key and self.per_session.get(key, 0) >= self.max_streams_per_session:
-                await self._refuse(context, "session", self.max_streams_per_session, session_id)
-            self._enter(key)
+            key = await self._admit(request, context, per_session)
             try:
                 yield request
             finally:
                 self._leave(key)
 
         return guard
+
+    async def _admit(self, request: Any, context: Any, per_session: bool) -> tuple[str, str] | None:
+        """Count a new stream (its session's key, if it counts per session) or refuse it."""
+        session_id = str(getattr(request, "session_id", "")) if per_session else ""
+        # Sessions are (tenant, id): another tenant's watchers of the same id do not count.
+        key = (current_tenant().id, session_id) if session_id else None
+        if self.active >= self.max_streams:
+            await self._refuse(context, "process", self.max_streams)
+        if key and self.per_session.get(key, 0) >= self.max_streams_per_session:
+            await self._refuse(context, "session", self.max_streams_per_session, session_id)
+        self._enter(key)
+        return key
 
     def _enter(self, key: tuple[str, str] | None) -> None:
         self.active += 1
@@ -479,7 +498,22 @@ class TenantQuotas(Interceptor):
     def _guarded(self, handler: Handler, append: bool) -> Handler:
         if append:  # AppendEvents is unary: a check, nothing to clean up
             return rewrapped(handler, lambda behavior: checked(behavior, self._admit_append))
-        return rewrapped(handler, lambda behavior: guarded(behavior, self._stream_guard))
+        return rewrapped(handler, self._counted)
+
+    def _counted(self, behavior: Behavior) -> Behavior:
+        """A stream counted against the tenant's quota while it runs; a coroutine handler is
+        awaited directly, with no context manager per call."""
+        if not inspect.iscoroutinefunction(behavior):
+            return guarded(behavior, self._stream_guard)
+
+        async def call(request: Any, context: Any) -> Any:
+            close = await self._open(context)
+            try:
+                return await behavior(request, context)
+            finally:
+                close()
+
+        return call
 
     async def _admit_append(self, request: Any, context: Any) -> None:
         try:
@@ -489,11 +523,16 @@ class TenantQuotas(Interceptor):
 
     @asynccontextmanager
     async def _stream_guard(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        try:
-            close = self.book.open_stream()
-        except QuotaExceeded as error:
-            await status.abort(context, error)
+        close = await self._open(context)
         try:
             yield request
         finally:
             close()
+
+    async def _open(self, context: Any) -> Callable[[], None]:
+        """Open one of the tenant's streams (its closer), or abort with QUOTA_EXCEEDED."""
+        try:
+            return self.book.open_stream()
+        except QuotaExceeded as error:
+            await status.abort(context, error)
+            raise  # abort raises; this keeps the type checker's view of it

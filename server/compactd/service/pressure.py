@@ -202,7 +202,10 @@ class PressureService:
             measured=measurement,
             unscaled=raw.total,
             stats=stats,
-            anchor_age=_anchor_age(handle, measurement),
+            # Only an anchored figure reports its anchor's age: no clock or surface lookup else.
+            anchor_age=_anchor_age(handle, measurement)
+            if measurement.method is Method.ANCHORED
+            else None,
         )
         return report
 
