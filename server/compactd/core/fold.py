@@ -219,9 +219,7 @@ class SessionFold:
             first -= 1
         return list(nodes[first:])
 
-    def _fold(
-        self, event: SessionEvent, seq: int, batch: AdmittedBatch
-    ) -> None:
+    def _fold(self, event: SessionEvent, seq: int, batch: AdmittedBatch) -> None:
         self.revision += 1
         self._folded += 1
         batch._undo.append(self._undo_revision)

@@ -224,7 +224,7 @@ class _Appended:
     the seqs appended after it (all of them without one); ``prices`` per profile the appended
     nodes' prices and their sums (messages, images, total of ``after``)."""
 
-    nodes: dict[int, SessionEvent]
+    nodes: dict[int, SurfaceNode]
     anchor: tuple[int, int] | None
     after: list[int]
     prices: dict[PricingProfile, tuple[dict[int, NodeCost], int, int, int]]
@@ -672,12 +672,12 @@ def _only_appended(batch: AdmittedBatch) -> _Appended | None:
         return None
     if any(event.WhichOneof("body") in _NOT_APPENDS for event in batch.events):
         return None
-    nodes = {change.node.seq: change.node.event for change in batch.surface_changes}
+    nodes = {change.node.seq: change.node for change in batch.surface_changes}
     anchor = None
-    for seq, event in reversed(nodes.items()):
-        usage = _usage(event)
+    for event in reversed(batch.events):  # parsed already: a node parses its bytes anew
+        usage = _usage(event) if event.seq in nodes else 0
         if usage:
-            anchor = (seq, usage)
+            anchor = (event.seq, usage)
             break
     after = [seq for seq in nodes if anchor is None or seq > anchor[0]]
     return _Appended(nodes, anchor, after, {})
@@ -692,10 +692,10 @@ def _priced(
     messages, images, and the total of the nodes after the batch's anchor."""
     costs: dict[int, NodeCost] = {}
     messages = images = 0
-    for seq, event in appended.nodes.items():
+    for seq, node in appended.nodes.items():
         cost = staged.get((pricing, seq)) if staged is not None else None
         if cost is None:
-            cost = price_node(event, pricing)
+            cost = price_node(node.event, pricing)
         costs[seq] = cost
         messages += cost.messages
         images += cost.images
