@@ -340,8 +340,8 @@ class SessionMeter:
     def count_ahead(
         self, events: Sequence[SessionEvent]
     ) -> Generator[None, None, Callable[[], None] | None]:
-        """Collect the texts the nodes of ``events`` (a batch about to be checked and admitted)
-        will be priced by for every ledger with a batch tokenizer, pausing (``yield``) after
+        """Collect the texts the nodes of ``events`` (a checked batch about to be admitted) will
+        be priced by for every ledger with a batch tokenizer, pausing (``yield``) after
         each event; the job it returns counts them in one batched call per ledger (a worker
         thread: the tokenizers release the GIL), for ``prepare`` to take. Counts depend on the
         texts alone: a batch refused after all leaves nothing wrong behind."""
