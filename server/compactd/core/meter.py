@@ -205,11 +205,12 @@ class _Ledger:
 
 @dataclass(frozen=True, slots=True)
 class _Staged:
-    """Prices ``prepare`` made for the batch starting at ``first_seq``: new ledgers, and node
+    """Prices ``prepare`` made for ``batch`` (that very batch: one rolled back leaves its seqs
+    to the next): new ledgers, and node
     prices keyed by (profile, seq) (reprojections by (profile, -1 - seq)); ``appended`` when the
     batch only appended nodes."""
 
-    first_seq: int
+    batch: AdmittedBatch
     ledgers: dict[PricingProfile, dict[int, NodeCost]]
     nodes: dict[tuple[PricingProfile, int], NodeCost]
     appended: _Appended | None = None
@@ -287,7 +288,7 @@ class SessionMeter:
         Prices ``prepare`` staged for this batch are used as they are; anything else is priced
         here."""
         staged, self._staged = self._staged, None
-        if staged is not None and staged.first_seq == batch.first_seq:
+        if staged is not None and staged.batch is batch:
             for pricing, costs in staged.ledgers.items():
                 if pricing not in self._ledgers:
                     self._install(pricing, costs)
@@ -393,7 +394,7 @@ class SessionMeter:
         if appended is not None:
             for pricing in [*profiles, *ledgers]:
                 appended.prices[pricing] = _priced(appended, pricing, nodes)
-        self._staged = _Staged(batch.first_seq, ledgers, nodes, appended)
+        self._staged = _Staged(batch, ledgers, nodes, appended)
 
     def price_ledger(self, pricing: PricingProfile) -> dict[int, NodeCost]:
         """Every current node's price for ``pricing`` (persisted prices where kept), in a
