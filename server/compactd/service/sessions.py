@@ -228,6 +228,7 @@ class SessionHandle:
         ``Origin.CLIENT``, which refuses server-only events, enforces the step brackets and
         bounds the batch by ``self.limits`` (blocks, events, the surface).
         """
+        self._counting = None  # an earlier batch's counts, if it was refused, are not this one's
         if len(events) >= ADMIT_STEP:  # a large batch is checked in steps, other calls between
             await in_steps(
                 check_batch_in_steps(
