@@ -87,7 +87,7 @@ from compactd.v1 import events_pb2
 log = logging.getLogger(__name__)
 
 Observer = Callable[[SessionFold, AdmittedBatch], None]
-# Called with a large batch as it arrives: steps on the loop, then a job for a worker thread.
+# Called with a large batch once it passed its checks: steps on the loop, then a job for a thread.
 Precounter = Callable[
     [Sequence[events_pb2.SessionEvent]], Generator[None, None, Callable[[], None] | None]
 ]
