@@ -555,6 +555,19 @@ def _count_ahead(meter: SessionMeter, events: Sequence[SessionEvent]) -> None:
         job()
 
 
+def test_prices_made_for_a_batch_rolled_back_are_not_taken_by_the_next() -> None:
+    plain, ahead = Session(routed(), system("head")), Session(routed(), system("head"))
+    lost = ahead.fold.admit([user("a message the store never took"), assistant("and its answer")])
+    ahead.meter.prepare(ahead.fold, lost)
+    ahead.fold.rollback(lost)  # the commit failed
+    events = [user("what the log holds"), with_usage(assistant("instead"), 700)]
+    plain.add(*events)
+    ahead.add(*events)  # the same seqs, priced on their own
+    for route in (ROUTE, EXACT):
+        assert ahead.measure(route) == plain.measure(route)
+    assert ahead.meter.anchor_state() == plain.meter.anchor_state()
+
+
 def test_texts_counted_ahead_price_a_batch_as_counting_it_while_preparing() -> None:
     plain, ahead = Session(routed(), system("head")), Session(routed(), system("head"))
     for session in (plain, ahead):

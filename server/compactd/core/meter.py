@@ -205,11 +205,12 @@ class _Ledger:
 
 @dataclass(frozen=True, slots=True)
 class _Staged:
-    """Prices ``prepare`` made for the batch starting at ``first_seq``: new ledgers, and node
+    """Prices ``prepare`` made for ``batch`` (that very batch: one rolled back leaves its seqs
+    to the next): new ledgers, and node
     prices keyed by (profile, seq) (reprojections by (profile, -1 - seq)); ``appended`` when the
     batch only appended nodes."""
 
-    first_seq: int
+    batch: AdmittedBatch
     ledgers: dict[PricingProfile, dict[int, NodeCost]]
     nodes: dict[tuple[PricingProfile, int], NodeCost]
     appended: _Appended | None = None
@@ -288,7 +289,7 @@ class SessionMeter:
         Prices ``prepare`` staged for this batch are used as they are; anything else is priced
         here."""
         staged, self._staged = self._staged, None
-        if staged is not None and staged.first_seq == batch.first_seq:
+        if staged is not None and staged.batch is batch:
             for pricing, costs in staged.ledgers.items():
                 if pricing not in self._ledgers:
                     self._install(pricing, costs)
@@ -341,8 +342,8 @@ class SessionMeter:
     def count_ahead(
         self, events: Sequence[SessionEvent]
     ) -> Generator[None, None, Callable[[], None] | None]:
-        """Collect the texts the nodes of ``events`` (a batch about to be checked and admitted)
-        will be priced by for every ledger with a batch tokenizer, pausing (``yield``) after
+        """Collect the texts the nodes of ``events`` (a checked batch about to be admitted) will
+        be priced by for every ledger with a batch tokenizer, pausing (``yield``) after
         each event; the job it returns counts them in one batched call per ledger (a worker
         thread: the tokenizers release the GIL), for ``prepare`` to take. Counts depend on the
         texts alone: a batch refused after all leaves nothing wrong behind."""
@@ -394,7 +395,7 @@ class SessionMeter:
         if appended is not None:
             for pricing in [*profiles, *ledgers]:
                 appended.prices[pricing] = _priced(appended, pricing, nodes)
-        self._staged = _Staged(batch.first_seq, ledgers, nodes, appended)
+        self._staged = _Staged(batch, ledgers, nodes, appended)
 
     def price_ledger(self, pricing: PricingProfile) -> dict[int, NodeCost]:
         """Every current node's price for ``pricing`` (persisted prices where kept), in a

@@ -7,10 +7,12 @@ are serialized by its lock; the store shares commits across sessions (group comm
 
 Cost follows the work (issue 11):
 
-- A batch's prices are made in a worker thread while the store commits it (``add_preparer``;
-  the tokenizers release the GIL), so a large append never holds the event loop; the commit
-  observers then run with those prices, still under the session's lock, before the append
-  answers: a read after the commit sees its prices.
+- A large batch is checked and admitted on the loop in steps of at most ``STEP_S``, other calls
+  running between them (``in_steps``); readers that do not take the lock see only committed
+  state. Its texts are counted in a worker thread from the end of its checks (``add_precounter``;
+  the tokenizers release the GIL) and its prices made from those counts while the store commits
+  it (``add_preparer``); the commit observers then run with those prices, still under the
+  session's lock, before the append answers: a read after the commit sees its prices.
 - Every ``snapshot_interval`` events (more on a long log: ``snapshot_due``) a fold snapshot
   (``core.snapshot``: the state, the surface as seqs, the meter's node prices) is written in one
   store transaction. A restore reads the latest
@@ -85,7 +87,7 @@ from compactd.v1 import events_pb2
 log = logging.getLogger(__name__)
 
 Observer = Callable[[SessionFold, AdmittedBatch], None]
-# Called with a large batch as it arrives: steps on the loop, then a job for a worker thread.
+# Called with a large batch once it passed its checks: steps on the loop, then a job for a thread.
 Precounter = Callable[
     [Sequence[events_pb2.SessionEvent]], Generator[None, None, Callable[[], None] | None]
 ]
@@ -192,10 +194,10 @@ class SessionHandle:
         self._preparers.append(preparer)
 
     def add_precounter(self, precounter: Precounter) -> None:
-        """Call ``precounter(events)`` on the loop, in steps, as a large batch arrives (before
-        its checks); the job it returns runs in a worker thread beside the checks, admission and
-        commit, and the preparers start once it is done. It may only read (the batch may still
-        be refused)."""
+        """Call ``precounter(events)`` on the loop, in steps, once a large batch passed its
+        checks; the job it returns runs in a worker thread beside the admission and the commit,
+        and the preparers start once it is done. It may only read (the fold may still refuse
+        the batch)."""
         self._precounters.append(precounter)
 
     def replay(self, batch: AdmittedBatch) -> None:
@@ -226,13 +228,14 @@ class SessionHandle:
         ``Origin.CLIENT``, which refuses server-only events, enforces the step brackets and
         bounds the batch by ``self.limits`` (blocks, events, the surface).
         """
+        self._counting = None  # an earlier batch's counts, if it was refused, are not this one's
         if len(events) >= ADMIT_STEP:  # a large batch is checked in steps, other calls between
-            await self._count_ahead(events)
             await in_steps(
                 check_batch_in_steps(
                     events, max_events=max_events, origin=origin, limits=self.limits
                 )
             )
+            await self._count_ahead(events)  # only a batch of valid events costs tokenizer time
         else:
             check_batch(events, max_events=max_events, origin=origin, limits=self.limits)
         if self._store.shared and origin is Origin.CLIENT:
@@ -453,7 +456,11 @@ class SessionHandle:
         """Start the precounters' jobs for a large batch (see ``add_precounter``)."""
         jobs = []
         for precounter in self._precounters:
-            job = await in_steps(precounter(events))
+            try:
+                job = await in_steps(precounter(events))
+            except Exception:  # the preparers count on their own: never fail an append
+                log.exception("collecting a batch's texts ahead of its commit failed")
+                continue
             if job is not None:
                 jobs.append(job)
         if jobs:
