@@ -138,7 +138,7 @@ class CompactionServiceServicer:
         result and errors, but no step updates (a bracket it runs is followed by its result only;
         give the call a deadline a compaction fits in). A runtime that shows no compaction progress
         steps with this one: on grpc a server-streaming call costs more than a unary one (two
-        messages and a second batch at each end, ~1.4x an empty unary call on grpc.aio), and most
+        messages and a second batch at each end: 1.2–1.5x an empty unary call on grpc.aio), and most
         steps are below pressure, where the step itself costs next to nothing. Unlike PrepareStep it
         does not count as a response stream (no `TOO_MANY_STREAMS`, no stream quota).
         """
