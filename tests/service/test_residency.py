@@ -516,3 +516,13 @@ def test_snapshots_of_a_long_log_come_less_often_so_their_cost_per_event_is_boun
     fold.event_ids.update({f"f{n}": n for n in range(32_000)})
     assert sessions.snapshot_due(fold, 1000) == 6000
     assert sessions.snapshot_due(fold, 10_000) == 10_000
+
+
+def test_snapshots_stay_readable_by_and_from_releases_that_kept_what_shadowed_each_node() -> None:
+    fold = SessionFold()
+    fold.admit([user("a"), user("b")])
+    raw = json.loads(snapshots.encode(snapshots.capture(fold, "i", {}, None)))
+    assert raw["shadowed_by"] == []  # an earlier release requires the key
+    raw["shadowed_by"] = [[0, 2, "user/message", ""]]  # what an earlier release wrote
+    decoded = snapshots.decode(json.dumps(raw).encode("utf-8"))
+    assert (decoded.revision, decoded.surface) == (2, [0, 1])
