@@ -463,6 +463,12 @@ def test_evictions_give_the_surface_and_prices_of_a_process_that_never_evicted(
     asyncio.run(_compare(ops))
 
 
+async def test_a_restore_takes_no_anchor_the_meter_had_dropped() -> None:
+    # The latest usage message is replaced: the meter drops its anchor and must not fall back to
+    # the earlier usage message after a restore (the snapshot says it had none).
+    await _compare([("usage", 0), ("usage", 0), ("append", 0), ("replace", 1), ("evict", 0)])
+
+
 async def _compare(ops: list[tuple[str, int]]) -> None:
     stores = [MemoryEventStore(), MemoryEventStore()]
     for store in stores:
