@@ -485,6 +485,12 @@ def test_evictions_give_the_surface_and_prices_of_a_process_that_never_evicted(
     asyncio.run(_compare(ops))
 
 
+async def test_a_restore_takes_no_anchor_the_meter_had_dropped() -> None:
+    # The latest usage message is replaced: the meter drops its anchor and must not fall back to
+    # the earlier usage message after a restore (the snapshot says it had none).
+    await _compare([("usage", 0), ("usage", 0), ("append", 0), ("replace", 1), ("evict", 0)])
+
+
 async def _compare(ops: list[tuple[str, int]]) -> None:
     stores = [MemoryEventStore(), MemoryEventStore()]
     for store in stores:
@@ -538,3 +544,13 @@ def test_snapshots_of_a_long_log_come_less_often_so_their_cost_per_event_is_boun
     fold.event_ids.update({f"f{n}": n for n in range(32_000)})
     assert sessions.snapshot_due(fold, 1000) == 6000
     assert sessions.snapshot_due(fold, 10_000) == 10_000
+
+
+def test_snapshots_stay_readable_by_and_from_releases_that_kept_what_shadowed_each_node() -> None:
+    fold = SessionFold()
+    fold.admit([user("a"), user("b")])
+    raw = json.loads(snapshots.encode(snapshots.capture(fold, "i", {}, None)))
+    assert raw["shadowed_by"] == []  # an earlier release requires the key
+    raw["shadowed_by"] = [[0, 2, "user/message", ""]]  # what an earlier release wrote
+    decoded = snapshots.decode(json.dumps(raw).encode("utf-8"))
+    assert (decoded.revision, decoded.surface) == (2, [0, 1])

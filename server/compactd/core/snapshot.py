@@ -29,6 +29,9 @@ from compactd.core.pricing import NodeCost
 from compactd.core.surface import SurfaceNode
 
 VERSION: Final = 2
+#: The anchor of a snapshot whose meter had none: names no node, so a restore (of any release)
+#: takes no anchor rather than looking for one that the meter had already dropped.
+NO_ANCHOR: Final = (-1, -1)
 
 
 class SnapshotInvalid(ValueError):
@@ -46,7 +49,8 @@ class FoldSnapshot:
         prices: Per pricing-profile key, each node's (messages, images) price, aligned with
             ``surface``.
         anchor: The meter's usage anchor (the anchoring message's seq, the header seq in force
-            when it arrived), or None.
+            when it arrived), ``NO_ANCHOR`` when the meter had none, or None when no meter
+            followed the fold (a restore then looks for one).
     """
 
     revision: int

@@ -1016,6 +1016,8 @@ class SessionManager:
         source = handle.prices
         prices = source.persisted_prices() if source is not None else {}
         anchor = source.anchor_state() if source is not None else None
+        if source is not None and anchor is None:
+            anchor = snapshots.NO_ANCHOR  # its anchor was dropped: a restore must not find one
         snap = snapshots.capture(handle.fold, self.instance_id, prices, anchor)
         return snapshots.encode(snap)
 
