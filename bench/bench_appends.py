@@ -5,10 +5,15 @@ process as in production; the clients and the references run in this process. Fo
 each interleaved round by round with its reference:
 
 1. Single-event ``AppendEvents``, one client, back to back, against an empty unary RPC (health
-   ``Check``) on the same channel. Goal: ≥ 0.8x the empty-RPC rate.
+   ``Check``) on the same channel. Goal: ≥ 0.8x the empty-RPC rate. Beside it, the floor an
+   acknowledged append cannot go below: one appender straight to a ``SqliteEventStore`` (its
+   fsync'd commit, no service, no gRPC), back to back; an append over gRPC costs at least an
+   empty RPC plus that commit, so the rate of ``1 / (empty RPC + commit)`` is its ceiling.
 2. 64 concurrent clients appending single events (one session each) against the store alone:
    64 tasks appending the same events straight to a ``SqliteEventStore`` (group commit, no
-   service, no gRPC). Goal: ≥ 0.5x the store's rate.
+   service, no gRPC). Goal: ≥ 0.5x the store's rate. Beside it, the ceiling any RPC meets: 64
+   concurrent clients calling the empty unary RPC through the same server and interceptors;
+   when half the store's rate is above that ceiling, the row says so.
 3. Batched priced appends: ``AppendEvents`` of 1,000 transcript events (with their step
    brackets) on a session routed to a tokenizer route, against raw tokenizer time (the batch API
    counting the same texts on both cores: tiktoken ``encode_ordinary_batch(num_threads=2)``, HF
@@ -125,16 +130,38 @@ def fmt(seconds: float) -> str:
 async def single_client(bench: Bench, rounds: int, singles: int) -> tuple[str, str, str]:
     name = await bench.session()
     empty = health_pb2.HealthCheckRequest()
-    empties, appends = [], []
-    for _ in range(rounds):
-        empties.append(await _rate(lambda: bench.health.Check(empty), singles))
-        appends.append(await _rate(lambda: bench.append(name, [bench.user_event()]), singles))
-    e, a = statistics.median(empties), statistics.median(appends)
+    store = SqliteEventStore(str(bench.folder / "alone-1.db"))
+    await store.open()
+    empties, appends, commits = [], [], []
+    try:
+        await store.create_session("alone", None)
+        for round_ in range(rounds):
+            empties.append(await _rate(lambda: bench.health.Check(empty), singles))
+            appends.append(await _rate(lambda: bench.append(name, [bench.user_event()]), singles))
+            commits.append(await _store_one(store, bench, round_ * singles, singles))
+    finally:
+        await store.close()
+    e, a, c = statistics.median(empties), statistics.median(appends), statistics.median(commits)
+    ceiling = 1 / (1 / e + 1 / c)
     return (
         "single-event AppendEvents, 1 client ≥ 0.8x empty RPC",
-        f"{a:,.0f} appends/s = {a / e:.2f}x",
-        f"empty RPC {e:,.0f}/s",
+        f"{a:,.0f} appends/s = {a / e:.2f}x, {a / ceiling:.2f}x the ceiling",
+        f"empty RPC {e:,.0f}/s; store alone, 1 appender {c:,.0f}/s (its fsync'd commit); "
+        f"ceiling 1 / (empty RPC + commit) {ceiling:,.0f}/s = {ceiling / e:.2f}x empty RPC",
     )
+
+
+async def _store_one(store: SqliteEventStore, bench: Bench, first: int, times: int) -> float:
+    """One appender's rate straight to the store: single events, back to back."""
+    events = [SessionEvent() for _ in range(times)]
+    for seq, event in enumerate(events, first):
+        event.CopyFrom(bench.user_event())  # the source's own events stay as the service sees them
+        event.seq = seq
+        event.time.GetCurrentTime()
+    start = time.perf_counter()
+    for event in events:
+        await store.append("alone", [event])
+    return times / (time.perf_counter() - start)
 
 
 # ---- 2. 64 clients ----------------------------------------------------------------------------
@@ -143,20 +170,23 @@ async def single_client(bench: Bench, rounds: int, singles: int) -> tuple[str, s
 async def many_clients(bench: Bench, rounds: int, clients: int, each: int) -> tuple[str, str, str]:
     store = SqliteEventStore(str(bench.folder / "alone.db"))
     await store.open()
-    alone_rates, service_rates = [], []
+    alone_rates, empty_rates, service_rates = [], [], []
     try:
         for round_ in range(rounds):
             events = [bench.user_event() for _ in range(clients * each)]
             alone_rates.append(await _store_alone(store, round_, events, clients, each))
+            empty_rates.append(await _empties(bench, clients, each))
             names = [await bench.session() for _ in range(clients)]
             service_rates.append(await _service(bench, names, events, each))
     finally:
         await store.close()
     s, r = statistics.median(alone_rates), statistics.median(service_rates)
+    e = statistics.median(empty_rates)
+    above = " (half the store's rate is above this ceiling)" if s / 2 > e else ""
     return (
         f"{clients} concurrent appenders ≥ 0.5x the store's group commit",
-        f"{r:,.0f} appends/s = {r / s:.2f}x",
-        f"store alone {s:,.0f}/s",
+        f"{r:,.0f} appends/s = {r / s:.2f}x, {r / e:.2f}x the RPC ceiling",
+        f"store alone {s:,.0f}/s; {clients} concurrent empty RPCs {e:,.0f}/s{above}",
     )
 
 
@@ -177,6 +207,19 @@ async def _store_alone(
 
     start = time.perf_counter()
     await asyncio.gather(*(appender(i) for i in range(clients)))
+    return clients * each / (time.perf_counter() - start)
+
+
+async def _empties(bench: Bench, clients: int, each: int) -> float:
+    """The rate of ``clients`` concurrent callers of the empty unary RPC (health ``Check``)."""
+    empty = health_pb2.HealthCheckRequest()
+
+    async def caller() -> None:
+        for _ in range(each):
+            await bench.health.Check(empty)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(caller() for _ in range(clients)))
     return clients * each / (time.perf_counter() - start)
 
 
@@ -262,17 +305,15 @@ async def priced_batches(bench: Bench, rounds: int, tokenizer: str) -> tuple[str
 
 
 async def checks_beside_appends(bench: Bench, rounds: int, checks: int) -> tuple[str, str, str]:
-    route = ROUTES["cl100k_base"]
-    busy, idle = await bench.session(route), await bench.session(route)
+    idle = await bench.session(ROUTES["cl100k_base"])
     await bench.append(idle, bench.batch(idle, 200))
-    await bench.check(busy)
     await bench.check(idle)
     idle_samples: list[float] = []
     busy_samples: list[float] = []
     for _ in range(rounds):
         idle_samples += await _checks(bench, idle, checks)
         stop = asyncio.Event()
-        appender = asyncio.ensure_future(_append_until(bench, busy, stop))
+        appender = asyncio.ensure_future(_append_until(bench, stop))
         await asyncio.sleep(0.05)  # the first batch is under way
         busy_samples += await _checks(bench, idle, checks)
         stop.set()
@@ -294,14 +335,14 @@ async def _checks(bench: Bench, name: str, times: int) -> list[float]:
     return samples
 
 
-async def _append_until(bench: Bench, name: str, stop: asyncio.Event) -> None:
-    appended = 0
+async def _append_until(bench: Bench, stop: asyncio.Event) -> None:
+    appended, name = 0, ""
     while not stop.is_set():
-        await bench.append(name, bench.batch(name, BATCH))
-        appended += 1
         if appended % 3 == 0:  # a fresh session A before the surface reaches its byte limit
             name = await bench.session(ROUTES["cl100k_base"])
             await bench.check(name)
+        await bench.append(name, bench.batch(name, BATCH))
+        appended += 1
 
 
 # ---- running ----------------------------------------------------------------------------------

@@ -5,21 +5,26 @@ One server (``create_server`` on port 0, memory store) and one session that grow
 assistant message inside its own step of one open turn). The route ``bench/wide`` has a
 10^9-token window, so every size stays below pressure: PrepareStep has nothing to do but measure.
 
-At each size, ``--calls`` rounds run call by call, each round in an order that alternates: an
-empty unary RPC (a health check), and ``PrepareStep`` the way a runtime that holds its
-conversation calls it (``held_revision`` set to the revision of the request it holds, so the
-result carries no full request when compactd changed nothing). A third column,
-``PrepareStep`` without ``held_revision`` (an old client: the full request every step, in the
-first ``--full-calls`` rounds only), shows what the held revision saves. A fourth, one empty
-message streamed by a bare grpc.aio server (no interceptors), is the floor of any
-server-streaming call here. A fifth, the empty RPC of PrepareStep's own shape: a no-op
-server-streaming method served by the same server behind the same interceptors (it is named
-under ``compactd.v1.CompactionService`` so the per-session stream limit and the tenant's stream
-quota count it as they count PrepareStep; it decodes a ``PrepareStepRequest`` and writes one
-empty ``PrepareStepResponse``). grpc.aio's own floor for a server-streaming call is ~1.4x a
-unary one (two batches on the server, message then status, and a second read on the client),
-so a step is compared with both empty RPCs. Every call is timed from the client's side, its
-stream drained.
+At each size, ``--calls`` rounds run call by call, each round in an order that alternates:
+
+- an empty unary RPC (a health check): the goal's reference;
+- ``PrepareStepUnary`` the way a runtime that holds its conversation calls it (``held_revision``
+  set to the revision of the request it holds, so the result carries no full request when
+  compactd changed nothing): the goal's call, PrepareStep answered in one message;
+- ``PrepareStep``, the streamed step, with the same held revision;
+- ``PrepareStep`` without ``held_revision`` (an old client: the full request every step, in the
+  first ``--full-calls`` rounds only), to show what the held revision saves;
+- the empty RPC of PrepareStep's own shape: a no-op server-streaming method served by the same
+  server behind the same interceptors (named under ``compactd.v1.CompactionService`` so the
+  per-session stream limit and the tenant's stream quota count it as they count PrepareStep; it
+  decodes a ``PrepareStepRequest`` and writes one empty ``PrepareStepResponse``);
+- grpc.aio's own floor: one empty unary call and one server-streaming call of one empty message
+  on a bare grpc.aio server (no interceptors). A server-streaming call costs ~1.4x a unary one
+  there (two batches on the server, message then status, and more reads on the client), more
+  than the goal's 1.2x: so the goal is met by the unary step, and the streamed step is compared
+  with the empty RPC of its own shape.
+
+Every call is timed from the client's side, its stream drained.
 
     python -m bench.bench_steps [--sizes 100,1000,10000,100000] [--calls 400] [--full-calls 20]
 
@@ -79,21 +84,33 @@ class StepRow:
     """One session length: p50/p99 seconds of each call kind, measured interleaved."""
 
     events: int
-    empty: tuple[float, float]
-    held: tuple[float, float]
-    full: tuple[float, float]
-    bare_stream: tuple[float, float]  # one empty message on a bare grpc.aio server
+    empty: tuple[float, float]  # an empty unary RPC behind the interceptors (health check)
+    unary: tuple[float, float]  # PrepareStepUnary, held revision
+    held: tuple[float, float]  # PrepareStep (streamed), held revision
+    full: tuple[float, float]  # PrepareStep (streamed), no held revision
     empty_stream: tuple[float, float]  # a no-op of PrepareStep's shape behind the interceptors
+    bare_unary: tuple[float, float]  # one empty unary call on a bare grpc.aio server
+    bare_stream: tuple[float, float]  # one empty message streamed by a bare grpc.aio server
 
     @property
     def ratio(self) -> float:
-        """PrepareStep (held revision) p50 / empty RPC p50."""
+        """PrepareStepUnary (held revision) p50 / empty unary RPC p50: the goal."""
+        return self.unary[0] / self.empty[0]
+
+    @property
+    def held_ratio(self) -> float:
+        """PrepareStep (streamed, held revision) p50 / empty unary RPC p50."""
         return self.held[0] / self.empty[0]
 
     @property
     def stream_ratio(self) -> float:
-        """PrepareStep (held revision) p50 / empty server-streaming RPC p50."""
+        """PrepareStep (streamed, held revision) p50 / empty server-streaming RPC p50."""
         return self.held[0] / self.empty_stream[0]
+
+    @property
+    def floor(self) -> float:
+        """grpc.aio's own cost of streaming: bare server-streaming p50 / bare unary p50."""
+        return self.bare_stream[0] / self.bare_unary[0]
 
 
 def _pcts(samples: Sequence[float]) -> tuple[float, float]:
@@ -111,25 +128,32 @@ def _identity(data: bytes) -> bytes:
     return data
 
 
-async def _bare_stream_server() -> tuple[grpc.aio.Server, str]:
-    """A grpc.aio server with no interceptors whose one method streams one empty message: the
-    floor of any server-streaming call on this stack (PrepareStep streams its result)."""
+async def _bare_server() -> tuple[grpc.aio.Server, str]:
+    """A grpc.aio server with no interceptors: ``Unary`` answers an empty message, ``Stream``
+    streams one; grpc.aio's own floor of each call shape (PrepareStep streams its result)."""
+
+    async def unary(request: bytes, context: object) -> bytes:
+        return b""
 
     async def one(request: bytes, context: object) -> AsyncIterator[bytes]:
         yield b""
 
     server = grpc.aio.server()
-    handler = grpc.unary_stream_rpc_method_handler(
-        one, request_deserializer=_identity, response_serializer=_identity
-    )
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("bench.Bare", {"Stream": handler}),)
-    )
+    handlers = {
+        "Unary": grpc.unary_unary_rpc_method_handler(
+            unary, request_deserializer=_identity, response_serializer=_identity
+        ),
+        "Stream": grpc.unary_stream_rpc_method_handler(
+            one, request_deserializer=_identity, response_serializer=_identity
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Bare", handlers),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
 
 
+FULL = 3  # the kind without a held revision, in ``measure``
 EMPTY_STREAM = "EmptyStep"  # the no-op's method, under compactd.v1.CompactionService
 
 
@@ -156,17 +180,23 @@ def _empty_stream_handlers() -> grpc.GenericRpcHandler[Any, Any]:
 async def measure(
     sizes: Sequence[int] = SIZES, calls: int = 400, full_calls: int = 20
 ) -> list[StepRow]:
-    """PrepareStep (held revision and, in the first ``full_calls`` rounds, full), and the empty
-    RPCs, interleaved at each size."""
+    """PrepareStepUnary and PrepareStep (held revision and, in the first ``full_calls`` rounds,
+    full), and the empty RPCs, interleaved at each size."""
     running = await create_server(
         config.load(None, environ={}, overrides=OVERRIDES),
         extra_handlers=[_empty_stream_handlers()],
     )
-    bare, bare_address = await _bare_stream_server()
+    bare, bare_address = await _bare_server()
     bare_channel = grpc.aio.insecure_channel(bare_address)
+    bare_unary_call = bare_channel.unary_unary(
+        "/bench.Bare/Unary", request_serializer=_identity, response_deserializer=_identity
+    )
     bare_call = bare_channel.unary_stream(
         "/bench.Bare/Stream", request_serializer=_identity, response_deserializer=_identity
     )
+
+    async def bare_unary() -> object:
+        return await bare_unary_call(b"")
 
     async def bare_stream() -> object:
         return [message async for message in bare_call(b"")]
@@ -206,6 +236,12 @@ async def measure(
                 assert result is not None
                 return result
 
+            async def unary_step(held: int) -> compaction_service_pb2.PrepareStepResult:
+                request = compaction_service_pb2.PrepareStepUnaryRequest(
+                    session_id="bench", turn=1, held_revision=held
+                )
+                return (await compaction.PrepareStepUnary(request)).result
+
             async def empty() -> object:
                 return await health.Check(health_pb2.HealthCheckRequest())
 
@@ -233,18 +269,22 @@ async def measure(
                 again = await step(held)
                 assert again.request_unchanged
                 assert not again.HasField("request")
+                assert await unary_step(held) == again  # the same step, answered in one message
                 kinds: list[Callable[[], Awaitable[object]]] = [
                     empty,
+                    functools.partial(unary_step, held),
                     functools.partial(step, held),
                     functools.partial(step, None),
-                    bare_stream,
                     functools.partial(empty_stream, held),
+                    bare_unary,
+                    bare_stream,
                 ]
-                samples: list[list[float]] = [[], [], [], [], []]
+                samples: list[list[float]] = [[] for _ in kinds]
+                forward = list(range(len(kinds)))
                 for round_ in range(calls):
-                    order = [0, 4, 1, 2, 3] if round_ % 2 == 0 else [3, 2, 1, 4, 0]
+                    order = forward if round_ % 2 == 0 else forward[::-1]
                     if round_ >= full_calls:  # the full request costs seconds at 100k events
-                        order.remove(2)
+                        order = [kind for kind in order if kind != FULL]
                     for kind in order:
                         samples[kind].append(await _timed(kinds[kind]))
                 rows.append(StepRow(size, *(_pcts(s) for s in samples)))
@@ -258,20 +298,24 @@ async def measure(
 def readme_rows(sizes: Sequence[int] = SIZES, calls: int = 400) -> list[tuple[str, str, str]]:
     """README rows (goal, measured, reference), from one run of ``measure``."""
     measured = asyncio.run(measure(sizes, calls))
+
+    def each(ratio: Callable[[StepRow], float]) -> str:
+        return ", ".join(f"{ratio(row):.2f}x" for row in measured)
+
     full = ", ".join(f"{row.full[0] / row.empty[0]:.0f}x" for row in measured)
     ratios = ", ".join(f"{row.ratio:.2f}x at {row.events:,}" for row in measured)
-    streamed = ", ".join(f"{row.stream_ratio:.2f}x" for row in measured)
     empties = ", ".join(fmt(row.empty[0]).strip() for row in measured)
     return [
         (
             "PrepareStep below pressure ≤ 1.2x an empty RPC, flat from 100 to 100k events",
-            f"p50 {ratios} events; {streamed} an empty RPC of its own shape",
+            f"PrepareStepUnary (held revision): p50 {ratios} events; the streamed PrepareStep: "
+            f"{each(lambda r: r.held_ratio)} (and {each(lambda r: r.stream_ratio)} an empty "
+            "RPC of its own shape)",
             f"an empty unary RPC (health check), interleaved call by call: p50 {empties} "
             f"(without held_revision, the full request every step: {full}); an empty "
             "server-streaming RPC (one empty message) behind the same interceptors: "
-            + ", ".join(f"{row.empty_stream[0] / row.empty[0]:.2f}x" for row in measured)
-            + "; on a bare grpc.aio server: "
-            + ", ".join(f"{row.bare_stream[0] / row.empty[0]:.2f}x" for row in measured),
+            f"{each(lambda r: r.empty_stream[0] / r.empty[0])}; grpc.aio's floor, a bare "
+            f"server-streaming call / a bare unary one: {each(lambda r: r.floor)}",
         )
     ]
 
@@ -289,24 +333,34 @@ def main() -> None:
     measured = asyncio.run(measure(sizes, args.calls, args.full_calls))
     table(
         "PrepareStep below pressure vs an empty RPC, interleaved call by call (p50 / p99)",
-        ["events", "empty RPC", "PrepareStep held", "held/empty", "PrepareStep full",
-         "full/empty", "empty stream", "held/empty stream", "bare stream", "bare/empty"],
+        ["events", "empty RPC", "StepUnary held", "unary/empty", "PrepareStep held",
+         "held/empty", "PrepareStep full", "full/empty", "empty stream", "held/empty stream",
+         "bare unary", "bare stream", "bare stream/unary"],
         [
             (
                 f"{row.events:,}",
                 f"{fmt(row.empty[0])} / {fmt(row.empty[1])}",
-                f"{fmt(row.held[0])} / {fmt(row.held[1])}",
+                f"{fmt(row.unary[0])} / {fmt(row.unary[1])}",
                 f"{row.ratio:5.2f}x",
+                f"{fmt(row.held[0])} / {fmt(row.held[1])}",
+                f"{row.held_ratio:5.2f}x",
                 f"{fmt(row.full[0])} / {fmt(row.full[1])}",
                 f"{row.full[0] / row.empty[0]:6.2f}x",
                 f"{fmt(row.empty_stream[0])} / {fmt(row.empty_stream[1])}",
                 f"{row.stream_ratio:5.2f}x",
+                f"{fmt(row.bare_unary[0])} / {fmt(row.bare_unary[1])}",
                 f"{fmt(row.bare_stream[0])} / {fmt(row.bare_stream[1])}",
-                f"{row.bare_stream[0] / row.empty[0]:5.2f}x",
+                f"{row.floor:5.2f}x",
             )
             for row in measured
         ],
     )  # fmt: skip
+    print(
+        "\nunary/empty: PrepareStepUnary (held revision) / an empty unary RPC (health check), "
+        "both behind compactd's interceptors: the goal (<= 1.2x). held/empty stream: the streamed "
+        "PrepareStep / a no-op server-streaming RPC behind the same interceptors. bare stream/"
+        "unary: grpc.aio's own cost of a server-streaming call over a unary one, no interceptors."
+    )
     print(f"\ndone in {time.perf_counter() - started:.0f} s")
 
 

@@ -54,6 +54,14 @@ def test_cl100k_matches_known_encodings() -> None:
     assert tokenizer.name == "cl100k_base"
 
 
+def test_a_batch_count_equals_counting_each_text_alone() -> None:
+    tokenizer = tiktoken_cl100k()
+    texts = list(SAMPLES.values()) + ["", "x\ud800y", "<|endoftext|>", "中文😀 " * 50] * 3
+    assert tokenizer.count_batch(texts) == [tokenizer.count(text) for text in texts]
+    assert tokenizer.count_batch([]) == []
+    assert tokenizer.count_batch(["one"]) == [tokenizer.count("one")]
+
+
 def test_cl100k_counts_special_token_text_as_text() -> None:
     assert tiktoken_cl100k().count("<|endoftext|>") > 1
 

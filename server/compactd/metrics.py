@@ -310,13 +310,14 @@ class _RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
 
     def _observe(self, response: Any) -> None:
         """Pressure reports and append results carried by a response."""
+        if type(response).__name__ == "AppendEventsResponse":  # carries no report
+            self._metrics.appended(len(response.seqs))
+            return
         for report in _reports(response):
             self._metrics.pressure(
                 report.route.provider, report.route.model, _state_name(report.state),
                 report.measured_tokens, report.trigger_tokens,
             )  # fmt: skip
-        if type(response).__name__ == "AppendEventsResponse":
-            self._metrics.appended(len(response.seqs))
 
 
 class _ObservedWrites:
@@ -352,6 +353,10 @@ def _reports(response: Any) -> Iterator[Any]:
 
 
 def _has(message: Any, name: str) -> bool:
+    # Asking the descriptor first spares most responses a raised and caught ValueError.
+    fields = getattr(getattr(message, "DESCRIPTOR", None), "fields_by_name", None)
+    if fields is not None and name not in fields:
+        return False
     try:
         return bool(message.HasField(name))
     except (ValueError, AttributeError):
@@ -374,7 +379,7 @@ def _code(context: grpc.aio.ServicerContext[Any, Any]) -> grpc.StatusCode:
     code = context.code()
     if isinstance(code, grpc.StatusCode):
         return code
-    for candidate in grpc.StatusCode:  # grpc.aio reports an int once a handler aborted
-        if candidate.value[0] == code:
-            return candidate
-    return grpc.StatusCode.OK
+    return _CODES.get(code, grpc.StatusCode.OK)  # grpc.aio reports an int once a handler aborted
+
+
+_CODES = {candidate.value[0]: candidate for candidate in grpc.StatusCode}

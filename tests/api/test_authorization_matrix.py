@@ -118,6 +118,9 @@ RPCS: dict[str, Call] = {
     "CompactionService.PrepareStep": lambda s: _collect(
         s.compaction.PrepareStep(cpb.PrepareStepRequest(session_id=SID, turn=1))
     ),
+    "CompactionService.PrepareStepUnary": lambda s: _unary(
+        s.compaction.PrepareStepUnary(cpb.PrepareStepUnaryRequest(session_id=SID, turn=1))
+    ),
     "CompactionService.Compact": lambda s: _collect(
         s.compaction.Compact(cpb.CompactRequest(session_id=SID))
     ),

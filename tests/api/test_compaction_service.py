@@ -35,6 +35,7 @@ from tests.compaction_fixtures import (
     BELOW,
     PROVIDER,
     RELAXED,
+    Harness,
     Run,
     body,
     loopback,
@@ -381,3 +382,68 @@ async def test_a_cancelled_compact_still_closes_its_bracket_and_releases_the_loc
 
         later = await h.compact()  # the lock is free again
         assert later.result.outcome.compaction_id
+
+
+# ---- PrepareStepUnary ------------------------------------------------------------------------
+
+
+async def _prepare_unary(
+    h: Harness, turn: int, *, held: int | None = None, session_id: str | None = None
+) -> cpb.PrepareStepResult:
+    request = cpb.PrepareStepUnaryRequest(
+        session_id=h.session_id if session_id is None else session_id, turn=turn
+    )
+    if held is not None:
+        request.held_revision = held
+    response = await h.compaction.PrepareStepUnary(request)
+    return response.result
+
+
+async def test_prepare_step_unary_answers_the_result_prepare_step_streams(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    async with started(tmp_path, loop, policy=RELAXED) as h:
+        await h.create(*opening(), *units(2), turn_start(1))
+        streamed = (await h.prepare(1)).result
+        assert await _prepare_unary(h, 1) == streamed
+        held = streamed.request_revision
+        await h.append(*in_step(1, 1, assistant("Looking at src/mod1.py now.")))
+        grown = await _prepare_unary(h, 1, held=held)
+        assert grown == (await h.prepare(1, held=held)).result
+        assert grown.request_unchanged
+        assert grown.before.state == BELOW
+        now = await h.build()
+        assert [*streamed.request.messages, *grown.appended_messages] == list(now.messages)
+
+
+async def test_prepare_step_unary_compacts_above_pressure_and_returns_the_full_request(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    async with started(tmp_path, loop) as h:
+        await h.create(*opening(), *units(18), turn_start(1))
+        held = (await h.build()).revision
+        result = await _prepare_unary(h, 1, held=held)
+        assert len(result.compactions) == 1
+        assert not result.request_unchanged
+        assert result.request == await h.build()
+        assert result.after.measured_tokens < result.before.measured_tokens
+
+
+async def test_prepare_step_unary_refuses_what_prepare_step_refuses(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    async with started(tmp_path, loop, policy=RELAXED) as h:
+        await h.create(*opening(), *units(1), turn_start(1))
+        revision = (await h.build()).revision
+        refusals = [
+            (_prepare_unary(h, 2), grpc.StatusCode.FAILED_PRECONDITION, "NO_OPEN_TURN"),
+            (_prepare_unary(h, 1, session_id="missing"), grpc.StatusCode.NOT_FOUND, ""),
+            (_prepare_unary(h, 1, session_id=""), grpc.StatusCode.INVALID_ARGUMENT, ""),
+            (_prepare_unary(h, 1, held=revision + 1), grpc.StatusCode.INVALID_ARGUMENT, ""),
+        ]
+        for call, code, reason in refusals:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call
+            got = details(caught.value)
+            assert got.code == code
+            assert got.reason == reason or not reason

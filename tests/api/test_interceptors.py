@@ -72,6 +72,35 @@ async def test_health_watch_streams_serving_then_not_serving_on_shutdown(
     assert spans[0].status.status_code is not StatusCode.ERROR
 
 
+async def test_each_call_of_a_method_is_traced_in_its_own_callers_trace(
+    traced: RunningServer, exporter: InMemorySpanExporter
+) -> None:
+    # The traced handler is built once per method: no call may inherit another call's context.
+    parents = [(0x0AF7651916CD43DD8448EB211C80319C + i, 0xB7AD6B7169203331 + i) for i in range(3)]
+    async with grpc.aio.insecure_channel(traced.address) as channel:
+        stub = SessionServiceStub(channel)
+        await stub.CreateSession(pb.CreateSessionRequest(session_id="t"))
+        request = pb.AppendEventsRequest(
+            session_id="t", events=[ev.SessionEvent(user_message=ev.UserMessage(content=[]))]
+        )
+        for trace_id, parent_id in parents:
+            metadata = (("traceparent", f"00-{trace_id:032x}-{parent_id:016x}-01"),)
+            await stub.AppendEvents(request, metadata=metadata)
+        await stub.AppendEvents(request)  # no caller's trace: a trace of its own
+        await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+    for _ in range(500):  # a server span ends just after its reply
+        spans = [s for s in exporter.get_finished_spans() if s.name.endswith("AppendEvents")]
+        if len(spans) == len(parents) + 1:
+            break
+        await asyncio.sleep(0.02)
+    assert [s.name for s in spans] == ["/compactd.v1.SessionService/AppendEvents"] * 4
+    assert [(s.context.trace_id, s.parent.span_id) for s in spans[:3] if s.parent] == parents
+    assert spans[3].parent is None
+    assert spans[3].context.trace_id not in {trace_id for trace_id, _ in parents}
+    checks = [s for s in exporter.get_finished_spans() if s.name == f"{HEALTH}Check"]
+    assert [s.attributes["rpc.method"] for s in checks if s.attributes] == ["Check"]
+
+
 async def test_health_watch_of_an_unknown_service_says_service_unknown(
     server: RunningServer,
 ) -> None:
@@ -315,6 +344,29 @@ async def test_streams_per_session_are_limited_and_freed_when_one_ends(
                 except grpc.aio.AioRpcError:
                     await asyncio.sleep(0.05)
         for call in (second, third):
+            call.cancel()
+
+
+async def test_a_step_stream_counts_towards_its_session_only_while_it_runs(
+    limited: RunningServer,
+) -> None:
+    async with grpc.aio.insecure_channel(limited.address) as channel:
+        await _session(channel, "a")
+        compaction = CompactionServiceStub(channel)
+
+        async def step() -> Any:
+            call = compaction.PrepareStep(cpb.PrepareStepRequest(session_id="a", turn=1))
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call.read()
+            return details(caught.value)
+
+        for _ in range(4):  # more than either limit: each step ends and frees its place
+            assert (await step()).reason == "NO_OPEN_TURN"
+        calls = [await _following(channel, "a") for _ in range(2)]
+        refused = await step()
+        assert refused.reason == "TOO_MANY_STREAMS"
+        assert refused.metadata == {"scope": "session", "limit": "2", "session_id": "a"}
+        for call in calls:
             call.cancel()
 
 

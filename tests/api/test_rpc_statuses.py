@@ -74,6 +74,10 @@ async def prepare_step(sessions: Any, compaction: Any, sid: str) -> None:
     await drain(compaction.PrepareStep(cpb.PrepareStepRequest(session_id=sid, turn=1)))
 
 
+async def prepare_step_unary(sessions: Any, compaction: Any, sid: str) -> None:
+    await compaction.PrepareStepUnary(cpb.PrepareStepUnaryRequest(session_id=sid, turn=1))
+
+
 async def compact(sessions: Any, compaction: Any, sid: str) -> None:
     await drain(compaction.Compact(cpb.CompactRequest(session_id=sid)))
 
@@ -116,6 +120,12 @@ CASES: dict[str, tuple[Call, str, Code, Code]] = {
     "CompactionService.CheckPressure": (check_pressure, "nope", Code.NOT_FOUND, Code.OK),
     "CompactionService.WatchPressure": (watch_pressure, "nope", Code.NOT_FOUND, Code.OK),
     "CompactionService.PrepareStep": (prepare_step, "nope", Code.NOT_FOUND, Code.OK),
+    "CompactionService.PrepareStepUnary": (
+        prepare_step_unary,
+        "nope",
+        Code.NOT_FOUND,
+        Code.OK,
+    ),
     "CompactionService.Compact": (compact, "nope", Code.NOT_FOUND, Code.ABORTED),  # turn open
     "CompactionService.RecoverFromError": (recover_from_error, "nope", Code.NOT_FOUND, Code.OK),
     "CompactionService.SwitchModel": (switch_model, "nope", Code.NOT_FOUND, Code.OK),

@@ -23,6 +23,7 @@ from compactd import config
 from compactd.api.auth import hash_token
 from compactd.api.server import RunningServer, create_server
 from compactd.testing.tenants import MetadataTenants, as_tenant
+from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import session_service_pb2 as pb
 from compactd.v1.compaction_service_pb2_grpc import CompactionServiceStub
 from compactd.v1.session_service_pb2_grpc import SessionServiceStub
@@ -179,6 +180,31 @@ async def test_a_tenant_over_its_streams_is_refused_until_one_closes(
     else:
         pytest.fail("a closed stream never freed its place")
     assert set(codes) <= {grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+async def test_a_step_stream_holds_a_tenant_stream_only_while_it_runs(
+    stubs_of: Callable[[dict[str, Any]], Any],
+) -> None:
+    sessions, compaction = await stubs_of({"max_streams": 1})
+    sid = await _create(sessions, "a")
+    await _append(sessions, "a", sid)
+
+    async def step() -> ErrorDetails:
+        call = compaction.PrepareStep(
+            cpb.PrepareStepRequest(session_id=sid, turn=1), metadata=as_tenant("a")
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await call.read()
+        return details(caught.value)
+
+    for _ in range(3):  # each step ends (here refused by its handler) and frees its place
+        assert (await step()).reason == "NO_OPEN_TURN"
+    follow = sessions.ListEvents(
+        pb.ListEventsRequest(session_id=sid, follow=True), metadata=as_tenant("a")
+    )
+    await follow.read()
+    assert (await step()).reason == "QUOTA_EXCEEDED"
+    follow.cancel()
 
 
 async def test_a_tenant_at_its_sessions_is_refused_but_a_retried_create_is_not(

@@ -30,6 +30,7 @@ WRITES = {
     ("compactd.v1.SessionService", "AppendEvents"),
     ("compactd.v1.SessionService", "DeleteSession"),
     ("compactd.v1.CompactionService", "PrepareStep"),
+    ("compactd.v1.CompactionService", "PrepareStepUnary"),
     ("compactd.v1.CompactionService", "Compact"),
     ("compactd.v1.CompactionService", "RecoverFromError"),
     ("compactd.v1.CompactionService", "SwitchModel"),

@@ -20,7 +20,7 @@ from compactd.core import events as events_module
 from compactd.core.fold import AdmittedBatch, SessionFold
 from compactd.core.lock import live_bracket
 from compactd.core.pairing import CorruptPairing, balanced_cuts
-from compactd.core.surface import SurfaceNode
+from compactd.core.surface import SurfaceNode, shadow_history
 from compactd.errors import Busy, CompactdError, InvalidArgument, ReplacementRejected
 from compactd.v1 import events_pb2
 from tests.builders import (
@@ -57,7 +57,6 @@ def snapshot(fold: SessionFold) -> tuple[Any, ...]:
         [fold.surface.position_of(seq) for seq in range(fold.revision + 1)],
         dict(fold.surface._calls),  # the incremental call index must match a refold's
         fold.surface.replacements,
-        dict(fold.surface.shadowed_by),
         fold.offload_generation,
         None if fold.header is None else fold.header.SerializeToString(deterministic=True),
         fold.header_seq,
@@ -440,6 +439,18 @@ class FoldMachine(RuleBasedStateMachine):
         assert snapshot(self.fold) == after
         self.fold.rollback(batch)
         assert snapshot(self.fold) == before
+
+    @invariant()
+    def shadow_history_names_what_replaced_every_node_that_left(self) -> None:
+        history = shadow_history(self.log)
+        made = {e.seq for e in self.log if events_module.is_surface(e)}
+        assert set(history) == made - {n.seq for n in self.fold.surface}
+        for seq, (by, kind, compaction_id) in history.items():
+            replacement = self.log[by]
+            assert events_module.is_replace(replacement)
+            assert seq in replacement.source_event_seqs
+            assert kind == events_module.event_type(self.log[seq])
+            assert compaction_id == events_module.checkpoint_compaction_id(replacement)
 
     @invariant()
     def fold_equals_refold(self) -> None:

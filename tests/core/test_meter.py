@@ -510,6 +510,73 @@ def test_prices_prepared_ahead_equal_prices_made_while_observing() -> None:
     assert ahead.measure(EXACT).total == recount(ahead.fold, EXACT).total
 
 
+def _appends(driver: Driver) -> list[SessionEvent]:
+    """Several append-only batches in one: what a runtime's large batch looks like."""
+    kinds = driver.draw(st.lists(st.sampled_from(["user", "assistant", "call"]), min_size=1))
+    return [event for kind in kinds for event in getattr(driver, f"_{kind}")()]
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_observing_prepared_batches_equals_observing_them_unprepared(data: st.DataObject) -> None:
+    plain, ahead = Session(routed(), system("head")), Session(routed(), system("head"))
+    for session in (plain, ahead):
+        session.measure(ROUTE)
+    driver = Driver(data, plain, usage=True)
+    for _ in range(data.draw(st.integers(1, 20))):
+        events = _appends(driver) if data.draw(st.booleans()) else driver.batch()
+        try:
+            plain.add(*events)
+        except CompactdError:
+            continue
+        batch = ahead.fold.admit(events)
+        ahead.meter.prepare(ahead.fold, batch, [EXACT.pricing] if data.draw(st.booleans()) else [])
+        if data.draw(st.booleans()):  # a ledger built between the prices made and the commit
+            ahead.measure(OTHER)
+        ahead.meter.observe(ahead.fold, batch)
+        for route in (ROUTE, EXACT, OTHER):
+            for anchored in (True, False):
+                got = ahead.meter.measure(ahead.fold, route, anchored=anchored)
+                assert got == plain.meter.measure(plain.fold, route, anchored=anchored)
+        assert ahead.meter.anchor_of(ROUTE) == plain.meter.anchor_of(ROUTE)
+        assert ahead.meter.anchor_state() == plain.meter.anchor_state()
+        assert ahead.meter.persisted_prices() == plain.meter.persisted_prices()
+
+
+def _count_ahead(meter: SessionMeter, events: Sequence[SessionEvent]) -> None:
+    steps = meter.count_ahead(events)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            job = done.value
+            break
+    if job is not None:
+        job()
+
+
+def test_texts_counted_ahead_price_a_batch_as_counting_it_while_preparing() -> None:
+    plain, ahead = Session(routed(), system("head")), Session(routed(), system("head"))
+    for session in (plain, ahead):
+        session.measure(EXACT)
+    refused = [tool_result("nobody", "no call made this")]
+    _count_ahead(ahead.meter, refused)  # a batch the fold then refuses leaves nothing wrong
+    with pytest.raises(CompactdError):
+        ahead.fold.admit(refused)
+    for events in (
+        [user("look at this"), assistant("ok", calls=[("c1", "read", '{"p": 1}')])],
+        [tool_result("c1", "data " * 40), with_usage(assistant("done 中文"), 900), user("next")],
+    ):
+        plain.add(*events)
+        _count_ahead(ahead.meter, events)
+        batch = ahead.fold.admit(events)
+        ahead.meter.prepare(ahead.fold, batch)
+        ahead.meter.observe(ahead.fold, batch)
+        for route in (ROUTE, EXACT):
+            assert ahead.measure(route) == plain.measure(route)
+    assert ahead.meter.measure(ahead.fold, EXACT, anchored=False) == recount(ahead.fold, EXACT)
+
+
 def test_a_meter_restored_from_persisted_prices_measures_as_the_one_that_made_them() -> None:
     live = Session(routed(), system("be brief"), user("hello"), with_usage(assistant("hi"), 500))
     live.measure(EXACT)

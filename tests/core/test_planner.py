@@ -57,9 +57,11 @@ def test_a_tentative_fold_is_rolled_back_to_exactly_the_state_before() -> None:
     with tentatively(fold, [e for p in plans for e in p.events]) as batch:
         assert batch.first_seq == len(conversation())
         assert fold.surface.replacements == 1
-        assert fold.surface.shadowed_by == {
-            plans[0].shadowed_seq: (batch.first_seq + 1, "tool/result", "")
-        }
+        (change,) = [c for c in batch.surface_changes if c.shadowed]
+        assert (change.node.seq, [n.seq for n in change.shadowed]) == (
+            batch.first_seq + 1,
+            [plans[0].shadowed_seq],
+        )
     assert snapshot(fold) == before
 
 

@@ -77,6 +77,23 @@ def test_append_adds_a_node_at_the_end() -> None:
     assert (change.position, change.node.seq, change.shadowed) == (2, 2, ())
 
 
+def test_a_node_reads_back_the_admitted_event_and_its_calls() -> None:
+    fold = folded(user("a"), assistant("b", calls=[("c1", "f", "{}"), ("c2", "g", "{}")]))
+    fold.admit([tool_result("c1", "out")])
+    call, result = fold.surface[1], fold.surface[2]
+    assert call.event.assistant_message.content[0].text.text == "b"
+    assert (call.calls, call.answers) == (("c1", "c2"), "")
+    assert (result.calls, result.answers) == ((), "c1")
+    assert result.event.seq == 2
+
+
+def test_changing_a_read_event_changes_no_node() -> None:
+    fold = folded(user("a"))
+    read = fold.surface[0].event
+    read.user_message.content[0].text.text = "changed"
+    assert fold.surface[0].event.user_message.content[0].text.text == "a"
+
+
 def test_explicit_append_op_appends_like_an_absent_op() -> None:
     event = user("a")
     event.surface_op.kind = events_pb2.SURFACE_OP_KIND_APPEND

@@ -103,7 +103,6 @@ def fold_state(fold: SessionFold) -> tuple[object, ...]:
         fold.restored_at,
         fold.offload_generation,
         fold.rewritten_at,
-        dict(fold.surface.shadowed_by),
         sorted(fold.surface.unanswered_calls()),
         fold.surface_bytes,
     )
@@ -168,6 +167,28 @@ async def test_a_large_batch_is_priced_in_a_worker_thread_and_reports_equal_a_re
     assert threads[0] != threading.get_ident()
     report = await service.check("s")
     assert report.measured_tokens == _route_recount(handle, service)
+
+
+async def test_other_calls_run_while_a_large_batch_lands_and_see_it_whole_or_not_at_all(
+    store: MemoryEventStore,
+) -> None:
+    manager, service = service_over(store)
+    await manager.create("s", None)
+    handle = await manager.get("s")
+    await handle.append([header(PROVIDER, MODEL)])
+    before = (handle.revision, (await service.check("s")).measured_tokens)
+    appending = asyncio.ensure_future(handle.append(list(transcript_events())[:600]))
+    seen: set[tuple[int, int]] = set()
+    turns = 0
+    while not appending.done():  # a reader that does not take the session's lock
+        seen.add((handle.revision, service.report(handle).measured_tokens))
+        turns += 1
+        await asyncio.sleep(0)
+    await appending
+    after = (handle.revision, (await service.check("s")).measured_tokens)
+    assert turns > 10  # the batch was checked, counted and admitted in steps
+    assert seen <= {before, after}
+    assert after[1] == _route_recount(handle, service)
 
 
 async def test_a_restart_restores_from_the_snapshot_with_prices_equal_to_a_recount(
@@ -511,9 +532,9 @@ async def _compare(ops: list[tuple[str, int]]) -> None:
 def test_snapshots_of_a_long_log_come_less_often_so_their_cost_per_event_is_bounded() -> None:
     fold = SessionFold()
     assert sessions.snapshot_due(fold, 1000) == 1000
-    # What shadowed each node is kept for the life of the session: 64k entries to copy.
-    fold.surface.shadowed_by.update({seq: (seq + 1, "user_message", "") for seq in range(64_000)})
+    # Event ids are kept for the life of the session: 64k entries to copy.
+    fold.event_ids.update({f"e{n}": n for n in range(64_000)})
     assert sessions.snapshot_due(fold, 1000) == 4000
-    fold.event_ids.update({f"e{n}": n for n in range(32_000)})
+    fold.event_ids.update({f"f{n}": n for n in range(32_000)})
     assert sessions.snapshot_due(fold, 1000) == 6000
     assert sessions.snapshot_due(fold, 10_000) == 10_000

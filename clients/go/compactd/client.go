@@ -237,6 +237,23 @@ func (c *Client) PrepareStepHeld(ctx context.Context, sessionID string, turn int
 	return c.prepareStep(ctx, &v1.PrepareStepRequest{SessionId: sessionID, Turn: turn, IntendedRoute: intended, HeldRevision: &heldRevision})
 }
 
+// PrepareStepUnary is PrepareStep in one call (the PrepareStepUnary RPC): the same result, no
+// step updates. It is cheaper than the stream for a runtime that shows no compaction progress
+// (most steps are below pressure); a compaction it runs happens inside the call, so give ctx a
+// deadline a compaction fits in. heldRevision may be nil (the result then carries the full
+// request).
+func (c *Client) PrepareStepUnary(ctx context.Context, sessionID string, turn int64, intended *v1.Route, heldRevision *int64) (*v1.PrepareStepResult, error) {
+	request := &v1.PrepareStepUnaryRequest{SessionId: sessionID, Turn: turn, IntendedRoute: intended, HeldRevision: heldRevision}
+	response, err := c.Compaction.PrepareStepUnary(ctx, request)
+	if err != nil {
+		return nil, FromError(err)
+	}
+	if response.GetResult() == nil {
+		return nil, ErrIncompleteStream
+	}
+	return response.GetResult(), nil
+}
+
 // StepRequest is the request a step sends: the result's full request or, when the result says
 // RequestUnchanged, held with the messages appended since. Its Revision is the next step's
 // heldRevision. held may be nil only when the result carries the full request.

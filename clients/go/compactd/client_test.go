@@ -78,6 +78,15 @@ func (fakeCompaction) WatchPressure(req *v1.WatchPressureRequest, stream v1.Comp
 	}
 }
 
+func (fakeCompaction) PrepareStepUnary(ctx context.Context, req *v1.PrepareStepUnaryRequest) (*v1.PrepareStepUnaryResponse, error) {
+	if req.GetSessionId() == "busy" {
+		st, _ := status.New(codes.Aborted, "bracket live").WithDetails(&errdetails.ErrorInfo{Reason: "COMPACTION_BUSY"})
+		return nil, st.Err()
+	}
+	result := &v1.PrepareStepResult{RequestUnchanged: req.HeldRevision != nil, RequestRevision: req.GetHeldRevision() + 2}
+	return &v1.PrepareStepUnaryResponse{Result: result}, nil
+}
+
 func start(t *testing.T) *compactd.Client {
 	t.Helper()
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
@@ -216,5 +225,21 @@ func TestStepRequestExtendsTheHeldRequestOnlyWhenUnchanged(t *testing.T) {
 	}
 	if _, err := compactd.StepRequest(nil, unchanged); err == nil {
 		t.Fatal("an omitted request without the held one must fail")
+	}
+}
+
+func TestPrepareStepUnarySendsTheHeldRevisionAndReturnsTheResult(t *testing.T) {
+	client := start(t)
+	held := int64(7)
+	result, err := client.PrepareStepUnary(context.Background(), "s1", 3, nil, &held)
+	if err != nil || !result.GetRequestUnchanged() || result.GetRequestRevision() != 9 {
+		t.Fatalf("want an unchanged request at revision 9, got %v, %v", result, err)
+	}
+	full, err := client.PrepareStepUnary(context.Background(), "s1", 3, nil, nil)
+	if err != nil || full.GetRequestUnchanged() {
+		t.Fatalf("without a held revision the request is not unchanged: %v, %v", full, err)
+	}
+	if _, err := client.PrepareStepUnary(context.Background(), "busy", 3, nil, nil); !errors.Is(err, compactd.ErrCompactionBusy) {
+		t.Fatalf("want ErrCompactionBusy, got %v", err)
 	}
 }

@@ -34,6 +34,14 @@ type CompactionServiceClient interface {
 	// quality gate rejected, a span failure memory holds back, a span too small for a useful
 	// checkpoint, and a threshold crossing whose brackets are spent (reported once).
 	PrepareStep(ctx context.Context, in *PrepareStepRequest, opts ...grpc.CallOption) (CompactionService_PrepareStepClient, error)
+	// PrepareStep answered in one message: the same check, decided by the same code, with the same
+	// result and errors, but no step updates (a bracket it runs is followed by its result only;
+	// give the call a deadline a compaction fits in). A runtime that shows no compaction progress
+	// steps with this one: on grpc a server-streaming call costs more than a unary one (two
+	// messages and a second batch at each end, ~1.4x an empty unary call on grpc.aio), and most
+	// steps are below pressure, where the step itself costs next to nothing. Unlike PrepareStep it
+	// does not count as a response stream (no `TOO_MANY_STREAMS`, no stream quota).
+	PrepareStepUnary(ctx context.Context, in *PrepareStepUnaryRequest, opts ...grpc.CallOption) (*PrepareStepUnaryResponse, error)
 	// On-demand compaction (`/compact`), even below pressure. Streams one update per bracket step,
 	// then the result. Errors: NOT_FOUND; ABORTED with reason `COMPACTION_BUSY` while a turn is open
 	// or a bracket is live; FAILED_PRECONDITION with reason `SUMMARY_TARGET_UNKNOWN` when no model
@@ -189,6 +197,15 @@ func (x *compactionServicePrepareStepClient) Recv() (*PrepareStepResponse, error
 	return m, nil
 }
 
+func (c *compactionServiceClient) PrepareStepUnary(ctx context.Context, in *PrepareStepUnaryRequest, opts ...grpc.CallOption) (*PrepareStepUnaryResponse, error) {
+	out := new(PrepareStepUnaryResponse)
+	err := c.cc.Invoke(ctx, "/compactd.v1.CompactionService/PrepareStepUnary", in, out, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 func (c *compactionServiceClient) Compact(ctx context.Context, in *CompactRequest, opts ...grpc.CallOption) (CompactionService_CompactClient, error) {
 	stream, err := c.cc.NewStream(ctx, &_CompactionService_serviceDesc.Streams[2], "/compactd.v1.CompactionService/Compact", opts...)
 	if err != nil {
@@ -333,6 +350,14 @@ type CompactionServiceServer interface {
 	// quality gate rejected, a span failure memory holds back, a span too small for a useful
 	// checkpoint, and a threshold crossing whose brackets are spent (reported once).
 	PrepareStep(*PrepareStepRequest, CompactionService_PrepareStepServer) error
+	// PrepareStep answered in one message: the same check, decided by the same code, with the same
+	// result and errors, but no step updates (a bracket it runs is followed by its result only;
+	// give the call a deadline a compaction fits in). A runtime that shows no compaction progress
+	// steps with this one: on grpc a server-streaming call costs more than a unary one (two
+	// messages and a second batch at each end, ~1.4x an empty unary call on grpc.aio), and most
+	// steps are below pressure, where the step itself costs next to nothing. Unlike PrepareStep it
+	// does not count as a response stream (no `TOO_MANY_STREAMS`, no stream quota).
+	PrepareStepUnary(context.Context, *PrepareStepUnaryRequest) (*PrepareStepUnaryResponse, error)
 	// On-demand compaction (`/compact`), even below pressure. Streams one update per bracket step,
 	// then the result. Errors: NOT_FOUND; ABORTED with reason `COMPACTION_BUSY` while a turn is open
 	// or a bracket is live; FAILED_PRECONDITION with reason `SUMMARY_TARGET_UNKNOWN` when no model
@@ -420,6 +445,9 @@ func (UnimplementedCompactionServiceServer) WatchPressure(*WatchPressureRequest,
 }
 func (UnimplementedCompactionServiceServer) PrepareStep(*PrepareStepRequest, CompactionService_PrepareStepServer) error {
 	return status.Errorf(codes.Unimplemented, "method PrepareStep not implemented")
+}
+func (UnimplementedCompactionServiceServer) PrepareStepUnary(context.Context, *PrepareStepUnaryRequest) (*PrepareStepUnaryResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method PrepareStepUnary not implemented")
 }
 func (UnimplementedCompactionServiceServer) Compact(*CompactRequest, CompactionService_CompactServer) error {
 	return status.Errorf(codes.Unimplemented, "method Compact not implemented")
@@ -510,6 +538,24 @@ type compactionServicePrepareStepServer struct {
 
 func (x *compactionServicePrepareStepServer) Send(m *PrepareStepResponse) error {
 	return x.ServerStream.SendMsg(m)
+}
+
+func _CompactionService_PrepareStepUnary_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(PrepareStepUnaryRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(CompactionServiceServer).PrepareStepUnary(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: "/compactd.v1.CompactionService/PrepareStepUnary",
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(CompactionServiceServer).PrepareStepUnary(ctx, req.(*PrepareStepUnaryRequest))
+	}
+	return interceptor(ctx, in, info, handler)
 }
 
 func _CompactionService_Compact_Handler(srv interface{}, stream grpc.ServerStream) error {
@@ -636,6 +682,10 @@ var _CompactionService_serviceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "CheckPressure",
 			Handler:    _CompactionService_CheckPressure_Handler,
+		},
+		{
+			MethodName: "PrepareStepUnary",
+			Handler:    _CompactionService_PrepareStepUnary_Handler,
 		},
 		{
 			MethodName: "ClassifyProviderError",

@@ -264,6 +264,26 @@ export class CompactdClient {
     );
   }
 
+  /**
+   * `prepareStep` in one call (PrepareStepUnary): the same result, no step updates. Cheaper than
+   * the stream for a runtime that shows no compaction progress (most steps are below pressure).
+   * A compaction it runs happens inside the call, so its default deadline is `streamTimeoutMs`.
+   */
+  async prepareStepUnary(
+    sessionId: string,
+    turn: number | bigint,
+    init: { intendedRoute?: Route; heldRevision?: number | bigint } = {},
+    opts?: CallOpts,
+  ): Promise<PrepareStepResult> {
+    const heldRevision = init.heldRevision === undefined ? undefined : BigInt(init.heldRevision);
+    const request = { sessionId, turn: BigInt(turn), intendedRoute: init.intendedRoute, heldRevision };
+    const response = await call(() => this.compaction.prepareStepUnary(request, this.streamOptions(opts)));
+    if (!response.result) {
+      throw new IncompleteStreamError("PrepareStepUnary answered without a result", { code: Code.Internal });
+    }
+    return response.result;
+  }
+
   /** On-demand compaction. Throws CompactionBusyError while a turn is open or a bracket is live. */
   compact(sessionId: string, init: { focus?: string } = {}, opts?: CallOpts): CompactionStream<CompactResult> {
     return new CompactionStream(

@@ -20,6 +20,7 @@ import {
   MessageSchema,
   NotFoundError,
   PrepareStepResultSchema,
+  PrepareStepUnaryResponseSchema,
   SeqConflictError,
   stepRequest,
   UnavailableError,
@@ -215,6 +216,37 @@ describe("streams", () => {
       await assert.rejects(new CompactdClient(missing.target).getSurface("s9"), NotFoundError);
     } finally {
       await missing.close();
+    }
+  });
+});
+
+describe("prepareStepUnary", () => {
+  test("sends the held revision only when given, returns the result, types errors, never retries", async () => {
+    const seen: (bigint | undefined)[] = [];
+    const fake = await startFake(
+      {},
+      {
+        prepareStepUnary: (req) => {
+          seen.push(req.heldRevision);
+          if (req.sessionId === "busy") throw richError(Code.Aborted, "bracket live", "COMPACTION_BUSY");
+          if (req.sessionId === "down") throw richError(Code.Unavailable, "restarting", "UNAVAILABLE");
+          return create(PrepareStepUnaryResponseSchema, {
+            result: create(PrepareStepResultSchema, { requestUnchanged: true, requestRevision: req.turn + 6n }),
+          });
+        },
+      },
+    );
+    try {
+      const client = new CompactdClient(fake.target);
+      const result = await client.prepareStepUnary("s1", 3, { heldRevision: 7 });
+      assert.equal(result.requestRevision, 9n);
+      assert.ok(result.requestUnchanged);
+      await assert.rejects(client.prepareStepUnary("busy", 3), CompactionBusyError);
+      await assert.rejects(client.prepareStepUnary("down", 3), UnavailableError);
+      assert.deepEqual(seen, [7n, undefined, undefined]);
+      assert.equal(fake.calls.get("PrepareStepUnary"), 3);
+    } finally {
+      await fake.close();
     }
   });
 });

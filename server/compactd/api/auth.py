@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import inspect
 import logging
 import re
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -32,6 +33,7 @@ import grpc
 
 from compactd.api import status
 from compactd.api.interceptors import (
+    Behavior,
     Continuation,
     Handler,
     HandlerCache,
@@ -189,19 +191,42 @@ class Authentication(Interceptor):
         return self._cache.get(method, handler, self._authenticated)
 
     def _authenticated(self, handler: Handler) -> Handler:
-        return rewrapped(handler, lambda behavior: guarded(behavior, self._guard))
+        return rewrapped(handler, self._wrapped)
+
+    def _wrapped(self, behavior: Behavior) -> Behavior:
+        if inspect.isasyncgenfunction(behavior):
+            return guarded(behavior, self._guard)
+
+        # A coroutine handler (every unary call) without a context manager per call.
+        async def call(request: Any, context: Any) -> Any:
+            tenant = await self._tenant(context)
+            if tenant is None:
+                result = behavior(request, context)
+                return await result if inspect.isawaitable(result) else result
+            with bound_tenant(tenant):
+                result = behavior(request, context)
+                return await result if inspect.isawaitable(result) else result
+
+        return call
 
     @asynccontextmanager
     async def _guard(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        credentials = self.credentials
-        if not credentials.enabled:
+        tenant = await self._tenant(context)
+        if tenant is None:
             yield request
             return
+        with bound_tenant(tenant):
+            yield request
+
+    async def _tenant(self, context: Any) -> Tenant | None:
+        """The caller's tenant (None: authentication is off); aborts UNAUTHENTICATED."""
+        credentials = self.credentials
+        if not credentials.enabled:
+            return None
         tenant = _caller(credentials, context)
         if tenant is None:
             await status.abort(context, Unauthenticated(REFUSAL))
-        with bound_tenant(cast(Tenant, tenant)):
-            yield request
+        return cast(Tenant, tenant)
 
 
 def _caller(credentials: Credentials, context: Any) -> Tenant | None:

@@ -66,16 +66,29 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
     async def PrepareStep(  # type: ignore[override]  # streams through context.write
         self, request: pb.PrepareStepRequest, context: Context
     ) -> None:
+        await _streamed(self._step(request), pb.PrepareStepResponse, context)
+
+    @handle_errors
+    async def PrepareStepUnary(
+        self, request: pb.PrepareStepUnaryRequest, context: Context
+    ) -> pb.PrepareStepUnaryResponse:
+        result = await self._step(request)(_unreported)
+        return pb.PrepareStepUnaryResponse(result=result)
+
+    def _step(
+        self, request: pb.PrepareStepRequest | pb.PrepareStepUnaryRequest
+    ) -> Callable[[Progress], Awaitable[pb.PrepareStepResult]]:
+        """The step ``request`` asks for, run with a progress callback (both PrepareSteps)."""
         require_session_id(request.session_id)
         intended = self._destination(request.intended_route, request.HasField("intended_route"))
+        held = request.held_revision if request.HasField("held_revision") else None
 
         def run(progress: Progress) -> Awaitable[pb.PrepareStepResult]:
-            held = request.held_revision if request.HasField("held_revision") else None
             return self._switch.prepare_step(
                 request.session_id, request.turn, intended, progress, held
             )
 
-        await _streamed(run, pb.PrepareStepResponse, context)
+        return run
 
     @handle_errors
     async def Compact(  # type: ignore[override]  # streams through context.write
@@ -188,6 +201,10 @@ def _check_recovery(request: pb.RecoverFromErrorRequest) -> None:
         raise InvalidArgument(
             "; ".join(f"{v.field}: {v.description}" for v in violations), violations=violations
         )
+
+
+async def _unreported(update: pb.CompactionProgress) -> None:
+    """The progress callback of a call that answers with its result only."""
 
 
 async def _streamed(

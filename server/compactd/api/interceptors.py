@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, cast
 import grpc
 from opentelemetry import trace
 from opentelemetry.instrumentation.grpc import _aio_server, aio_server_interceptor
+from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
 from compactd.api import status
 from compactd.errors import InvalidArgument, QuotaExceeded, ResourceExhausted
@@ -101,6 +102,30 @@ def guarded(behavior: Behavior, guard: Guard) -> Behavior:
         async with guard(request, context) as checked:
             result = behavior(checked, context)
             return await result if inspect.isawaitable(result) else result
+
+    return call
+
+
+#: A check before a call that needs no cleanup after it: given (request, context) it may abort.
+Check = Callable[[Any, Any], Awaitable[None]]
+
+
+def checked(behavior: Behavior, check: Check) -> Behavior:
+    """``behavior`` run after ``check``, with the same shape: ``guarded`` without the generator
+    and context manager a ``Guard`` costs per call (checks run on every unary call)."""
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
+            await check(request, context)
+            async for response in behavior(request, context):
+                yield response
+
+        return stream
+
+    async def call(request: Any, context: Any) -> Any:
+        await check(request, context)
+        result = behavior(request, context)
+        return await result if inspect.isawaitable(result) else result
 
     return call
 
@@ -190,6 +215,37 @@ class Tracing(_aio_server.OpenTelemetryAioServerInterceptor):
         else:
             manager.__exit__(None, None, None)
 
+    def __init__(self, tracer: trace.Tracer, filter_: Any = None) -> None:
+        super().__init__(tracer, filter_=filter_)  # type: ignore[no-untyped-call]
+        self._cache = HandlerCache()
+
+    async def intercept_service(  # type: ignore[override]  # the aio interceptor's, not sync's
+        self,
+        continuation: Continuation,  # type: ignore[override]
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Handler:
+        """Upstream's, with the traced handler built once per method instead of on every call
+        (upstream rebuilds it around each call's details, of which spans read only the
+        method)."""
+        if not is_instrumentation_enabled() or (
+            self._filter is not None and not self._filter(handler_call_details)
+        ):
+            return await continuation(handler_call_details)
+        handler: Handler | None = await continuation(handler_call_details)
+        if handler is None:
+            return cast(Handler, handler)
+        method = _Method(handler_call_details.method)
+        return self._cache.get(method.method, handler, lambda inner: self._traced(method, inner))
+
+    def _traced(self, method: _Method, handler: Handler) -> Handler:
+        details = cast(grpc.HandlerCallDetails, method)
+        if handler.response_streaming:
+            return rewrapped(handler, lambda b: self._intercept_aio_server_stream(b, details))
+        return rewrapped(
+            handler,
+            lambda b: self._intercept_aio_server_unary(b, details),  # type: ignore[no-untyped-call]
+        )
+
     @classmethod
     def for_provider(cls, tracer_provider: trace.TracerProvider) -> Tracing:
         """The interceptor over ``tracer_provider`` (upstream's factory, this class)."""
@@ -209,6 +265,14 @@ class Tracing(_aio_server.OpenTelemetryAioServerInterceptor):
                 behavior, handler_call_details
             )
         return traced
+
+
+@dataclass(frozen=True)
+class _Method:
+    """What a traced handler keeps of its calls' details: the method (no call's metadata)."""
+
+    method: str
+    invocation_metadata: tuple[Any, ...] = ()
 
 
 class _AbortsUnrecorded:
@@ -261,21 +325,26 @@ def _decoding(handler: Handler) -> Handler:
         except Exception as error:  # the parser's own error: the caller sent bad bytes
             return Undecodable(f"{type(error).__name__}: {error}")
 
-    guard = _decoded_guard(handler.request_streaming)
+    if handler.request_streaming:
+        guard = _decoded_guard()
+        return rewrapped(
+            handler, lambda behavior: guarded(behavior, guard), request_deserializer=deserialize
+        )
     return rewrapped(
-        handler, lambda behavior: guarded(behavior, guard), request_deserializer=deserialize
-    )
+        handler, lambda behavior: checked(behavior, _refuse_if_undecodable),
+        request_deserializer=deserialize,
+    )  # fmt: skip
 
 
-def _decoded_guard(request_streaming: bool) -> Guard:
+async def _refuse_if_undecodable(request: Any, context: Any) -> None:
+    if isinstance(request, Undecodable):
+        await _refuse_undecodable(context, request)
+
+
+def _decoded_guard() -> Guard:
     @asynccontextmanager
-    async def guard(request: Any, context: Any) -> AsyncIterator[Any]:
-        if request_streaming:
-            yield _decoded(request, context)
-            return
-        if isinstance(request, Undecodable):
-            await _refuse_undecodable(context, request)
-        yield request
+    async def guard(requests: Any, context: Any) -> AsyncIterator[Any]:
+        yield _decoded(requests, context)
 
     return guard
 
@@ -326,26 +395,45 @@ class StreamLimits(Interceptor):
 
     def _limited(self, method: str, handler: Handler) -> Handler:
         per_session = not handler.request_streaming and method.startswith(_SESSION_SERVICES)
-        guard = self._guard(per_session)
-        return rewrapped(handler, lambda behavior: guarded(behavior, guard))
+        return rewrapped(handler, lambda behavior: self._counted(behavior, per_session))
+
+    def _counted(self, behavior: Behavior, per_session: bool) -> Behavior:
+        """``behavior`` counted while it runs; a coroutine handler (PrepareStep and the other
+        ``context.write`` streams) is awaited directly, with no context manager per call."""
+        if not inspect.iscoroutinefunction(behavior):
+            return guarded(behavior, self._guard(per_session))
+
+        async def call(request: Any, context: Any) -> Any:
+            key = await self._admit(request, context, per_session)
+            try:
+                return await behavior(request, context)
+            finally:
+                self._leave(key)
+
+        return call
 
     def _guard(self, per_session: bool) -> Guard:
         @asynccontextmanager
         async def guard(request: Any, context: Any) -> AsyncIterator[Any]:
-            session_id = str(getattr(request, "session_id", "")) if per_session else ""
-            # Sessions are (tenant, id): another tenant's watchers of the same id do not count.
-            key = (current_tenant().id, session_id) if session_id else None
-            if self.active >= self.max_streams:
-                await self._refuse(context, "process", self.max_streams)
-            if key and self.per_session.get(key, 0) >= self.max_streams_per_session:
-                await self._refuse(context, "session", self.max_streams_per_session, session_id)
-            self._enter(key)
+            key = await self._admit(request, context, per_session)
             try:
                 yield request
             finally:
                 self._leave(key)
 
         return guard
+
+    async def _admit(self, request: Any, context: Any, per_session: bool) -> tuple[str, str] | None:
+        """Count a new stream (its session's key, if it counts per session) or refuse it."""
+        session_id = str(getattr(request, "session_id", "")) if per_session else ""
+        # Sessions are (tenant, id): another tenant's watchers of the same id do not count.
+        key = (current_tenant().id, session_id) if session_id else None
+        if self.active >= self.max_streams:
+            await self._refuse(context, "process", self.max_streams)
+        if key and self.per_session.get(key, 0) >= self.max_streams_per_session:
+            await self._refuse(context, "session", self.max_streams_per_session, session_id)
+        self._enter(key)
+        return key
 
     def _enter(self, key: tuple[str, str] | None) -> None:
         self.active += 1
@@ -408,24 +496,43 @@ class TenantQuotas(Interceptor):
         return handler
 
     def _guarded(self, handler: Handler, append: bool) -> Handler:
-        guard = self._append_guard if append else self._stream_guard
-        return rewrapped(handler, lambda behavior: guarded(behavior, guard))
+        if append:  # AppendEvents is unary: a check, nothing to clean up
+            return rewrapped(handler, lambda behavior: checked(behavior, self._admit_append))
+        return rewrapped(handler, self._counted)
 
-    @asynccontextmanager
-    async def _append_guard(self, request: Any, context: Any) -> AsyncIterator[Any]:
+    def _counted(self, behavior: Behavior) -> Behavior:
+        """A stream counted against the tenant's quota while it runs; a coroutine handler is
+        awaited directly, with no context manager per call."""
+        if not inspect.iscoroutinefunction(behavior):
+            return guarded(behavior, self._stream_guard)
+
+        async def call(request: Any, context: Any) -> Any:
+            close = await self._open(context)
+            try:
+                return await behavior(request, context)
+            finally:
+                close()
+
+        return call
+
+    async def _admit_append(self, request: Any, context: Any) -> None:
         try:
             await self.book.admit_append_or_wait()
         except QuotaExceeded as error:
             await status.abort(context, error)
-        yield request
 
     @asynccontextmanager
     async def _stream_guard(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        try:
-            close = self.book.open_stream()
-        except QuotaExceeded as error:
-            await status.abort(context, error)
+        close = await self._open(context)
         try:
             yield request
         finally:
             close()
+
+    async def _open(self, context: Any) -> Callable[[], None]:
+        """Open one of the tenant's streams (its closer), or abort with QUOTA_EXCEEDED."""
+        try:
+            return self.book.open_stream()
+        except QuotaExceeded as error:
+            await status.abort(context, error)
+            raise  # abort raises; this keeps the type checker's view of it

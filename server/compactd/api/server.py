@@ -372,14 +372,15 @@ async def _serve_on(
 def settle_interpreter() -> None:
     """Tune CPython for calls that must not wait on other work (once the server is built).
 
-    - Let the event loop win the GIL back within a millisecond: pricing, snapshots and restores
-      run in worker threads, and CPython's default lets a thread keep the GIL for 5 ms, so a
-      large append or restore next door would delay every other call by that much per switch.
+    - Let the event loop win the GIL back within 0.2 ms: pricing, snapshots and restores run
+      in worker threads, and CPython's default lets a thread keep the GIL for 5 ms, so a large
+      append or restore next door would delay every other call by that much per switch (a
+      call waits for the GIL a few times: 1 ms each still doubled a pressure check's p99).
     - Move everything start-up allocated (modules, routes, tokenizers, templates) out of the
       collector's sight (``gc.freeze``): a full collection otherwise walks it all again and
       again, a pause of tens of milliseconds on the loop.
     """
-    sys.setswitchinterval(min(sys.getswitchinterval(), 0.001))
+    sys.setswitchinterval(min(sys.getswitchinterval(), 0.0002))
     gc.collect()
     gc.freeze()
 

@@ -25,12 +25,12 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from compactd.core import events as ev
 from compactd.core import header as hdr
 from compactd.core.events import SessionEvent
-from compactd.core.limits import node_bytes
+from compactd.core.limits import NODE_OVERHEAD_BYTES, node_bytes
 from compactd.core.lock import LockState, live_bracket
 from compactd.core.offload import INPUT_KINDS, image_count
 from compactd.core.projection import Message, derive_messages
 from compactd.core.surface import Surface, SurfaceChange, SurfaceNode
-from compactd.core.validation import Origin, check_origin
+from compactd.core.validation import Origin, check_origin_in_steps
 from compactd.errors import Busy, FieldViolation, InvalidArgument, ResourceExhausted
 from compactd.v1 import events_pb2
 
@@ -47,6 +47,8 @@ class AdmittedBatch:
     surface_changes: list[SurfaceChange] = field(default_factory=list)
     reprojected: set[int] = field(default_factory=set)  # node seqs whose projection changed
     header_changed: bool = False
+    byte_size: int = 0  # the admitted events' ``ByteSize`` (as stored), summed; 0 for a restore
+    answered: list[int] = field(default_factory=list)  # appended assistant/messages with usage
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
 
@@ -76,7 +78,9 @@ class SessionFold:
         self._folded = 0  # events this fold admitted itself (a snapshot restore sets revision)
         # What reads of the surface and the header carry, bounded by ``max_surface_bytes``.
         self.surface_bytes = 0
-        self._node_bytes: dict[int, int] = {}  # current node seq -> its ``node_bytes``
+        # Current node seq -> its ``node_bytes`` where that is not ``_node_bytes(node)`` (images
+        # offloaded): a map of every node would cost more than a tenth of the surface's bytes.
+        self._node_bytes: dict[int, int] = {}
 
     def admit(
         self,
@@ -119,7 +123,7 @@ class SessionFold:
         can let other work run; the generator returns the batch. Closing it before it returns
         rolls back what it admitted."""
         if check:
-            check_origin(events, origin)
+            yield from check_origin_in_steps(events, origin)
         client = check and origin is Origin.CLIENT
         batch = AdmittedBatch(self.revision, [])
         before = self.surface_bytes
@@ -173,6 +177,7 @@ class SessionFold:
         client: bool,
     ) -> None:
         seq = self.revision
+        size: int | None = None
         if check:
             event = SessionEvent()
             event.CopyFrom(source)
@@ -190,11 +195,14 @@ class SessionFold:
             if client:
                 self._check_step_rules(event)
             self._check_log_rules(event, seq)
+            size = event.ByteSize()  # once: the surface bound and the tenant's quota use it
         elif event.seq != seq:
             raise InvalidArgument(
                 f"stored log is not contiguous: expected seq {seq}, got {event.seq}"
             )
         self._fold(event, seq, batch)
+        if size is not None:  # the fold fills in a header's reason: count the header as stored
+            batch.byte_size += event.ByteSize() if event.HasField("request_header") else size
         batch.events.append(event)
 
     def appended_since(self, revision: int) -> list[SurfaceNode] | None:
@@ -226,9 +234,12 @@ class SessionFold:
             batch.surface_changes.append(change)
             batch._undo.append(lambda: self.surface.undo(change))
             for shadowed in change.shadowed:
-                self._resize(shadowed.seq, None, batch)
-            self._resize(seq, node_bytes(event), batch)
+                self._resize(shadowed, None, batch)
+            self._resize(change.node, _node_bytes(change.node), batch, counted=False)
         kind = ev.body_name(event)
+        usage = kind == "assistant_message" and event.assistant_message.HasField("usage")
+        if usage and not ev.is_replace(event):  # what the calibration reads, not every event
+            batch.answered.append(seq)
         if kind == "request_header":
             self._fold_header(event, seq, batch)
         elif kind in ("turn_start", "turn_end"):
@@ -246,31 +257,38 @@ class SessionFold:
             self.lock.apply(event, seq)
             batch._undo.append(lambda: setattr(self, "lock", before))
 
-    def _resize(self, seq: int, size: int | None, batch: AdmittedBatch) -> None:
-        """Record node ``seq``'s read size (None: it left the surface), undoably."""
-        previous = self._node_bytes.get(seq)
+    def _resize(
+        self, node: SurfaceNode, size: int | None, batch: AdmittedBatch, *, counted: bool = True
+    ) -> None:
+        """Record ``node``'s read size (None: it left the surface), undoably; ``counted``: its
+        previous size is in ``surface_bytes`` (False for a node just added)."""
+        previous = self._size_of(node) if counted else None
         self.surface_bytes += (size or 0) - (previous or 0)
-        self._set_node_bytes(seq, size)
-        batch._undo.append(partial(self._undo_resize, seq, size, previous))
+        self._set_node_bytes(node, size)
+        batch._undo.append(partial(self._undo_resize, node, size, previous))
+
+    def _size_of(self, node: SurfaceNode) -> int:
+        return self._node_bytes.get(node.seq) or _node_bytes(node)
 
     def restore_sizes(self) -> None:
         """Recompute ``surface_bytes`` from the surface, offloads and header (after a snapshot
         set them directly)."""
+        offloads = self.offloads
         self._node_bytes = {
-            n.seq: node_bytes(n.event, self.offloads.get(n.seq, frozenset())) for n in self.surface
+            n.seq: node_bytes(n.event, offloads[n.seq]) for n in self.surface if n.seq in offloads
         }
         header = self.header.ByteSize() if self.header is not None else 0
-        self.surface_bytes = sum(self._node_bytes.values()) + header
+        self.surface_bytes = sum(self._size_of(n) for n in self.surface) + header
 
-    def _undo_resize(self, seq: int, size: int | None, previous: int | None) -> None:
+    def _undo_resize(self, node: SurfaceNode, size: int | None, previous: int | None) -> None:
         self.surface_bytes -= (size or 0) - (previous or 0)
-        self._set_node_bytes(seq, previous)
+        self._set_node_bytes(node, previous)
 
-    def _set_node_bytes(self, seq: int, size: int | None) -> None:
-        if size is None:
-            self._node_bytes.pop(seq, None)
+    def _set_node_bytes(self, node: SurfaceNode, size: int | None) -> None:
+        if size is None or size == _node_bytes(node):
+            self._node_bytes.pop(node.seq, None)
         else:
-            self._node_bytes[seq] = size
+            self._node_bytes[node.seq] = size
 
     def _undo_revision(self) -> None:
         self.revision -= 1
@@ -367,8 +385,8 @@ class SessionFold:
             batch._undo.append(partial(self._restore_offload, target.seq, previous))
             position = self.surface.position_of(target.seq)
             if position is not None:  # a stored log may name a node no longer on the surface
-                event = self.surface[position].event
-                self._resize(target.seq, node_bytes(event, self.offloads[target.seq]), batch)
+                node = self.surface[position]
+                self._resize(node, node_bytes(node.event, self.offloads[target.seq]), batch)
 
     def _restore_offload(self, seq: int, previous: frozenset[int] | None) -> None:
         if previous is None:
@@ -426,6 +444,11 @@ class SessionFold:
                 )
             if any(a >= b for a, b in pairwise(indexes)):
                 _invalid(f"{field_name}.image_indexes", "indexes must be strictly increasing")
+
+
+def _node_bytes(node: SurfaceNode) -> int:
+    """``node_bytes`` of a node nothing is offloaded from, from the bytes it keeps."""
+    return len(node.data) + NODE_OVERHEAD_BYTES
 
 
 def _rewrites(event: SessionEvent) -> bool:

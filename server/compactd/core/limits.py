@@ -67,13 +67,16 @@ def json_depth(text: str) -> int:
     return deepest
 
 
-def node_bytes(event: SessionEvent, offloaded: Set[int] = frozenset()) -> int:
+def node_bytes(
+    event: SessionEvent, offloaded: Set[int] = frozenset(), *, byte_size: int | None = None
+) -> int:
     """An upper bound on the bytes a surface node of ``event`` adds to a read of the surface.
 
     The node's projected message copies at most the event's content, plus the placeholder text
     of each offloaded image; the node itself adds its position, seq, type and framing.
+    ``byte_size`` is ``event.ByteSize()`` when the caller has it already.
     """
-    size = event.ByteSize() + NODE_OVERHEAD_BYTES
+    size = (event.ByteSize() if byte_size is None else byte_size) + NODE_OVERHEAD_BYTES
     if offloaded:
         kind = ev.body_name(event)
         images = [b.image for b in getattr(event, kind).content if b.HasField("image")]

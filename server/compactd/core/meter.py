@@ -26,7 +26,7 @@ measurement of a route whose provider publishes no tokenizer as ESTIMATED.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping, Set
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,6 +37,7 @@ from compactd.core.header import same_request
 from compactd.core.pricing import (
     NodeCost,
     PricingProfile,
+    TextsAhead,
     heuristic_price,
     price_config,
     price_message,
@@ -45,7 +46,7 @@ from compactd.core.pricing import (
     price_tools,
 )
 from compactd.core.projection import Message
-from compactd.core.surface import SurfaceChange
+from compactd.core.surface import SurfaceChange, SurfaceNode
 from compactd.v1 import events_pb2
 
 __all__ = [
@@ -205,11 +206,28 @@ class _Ledger:
 @dataclass(frozen=True, slots=True)
 class _Staged:
     """Prices ``prepare`` made for the batch starting at ``first_seq``: new ledgers, and node
-    prices keyed by (profile, seq) (reprojections by (profile, -1 - seq))."""
+    prices keyed by (profile, seq) (reprojections by (profile, -1 - seq)); ``appended`` when the
+    batch only appended nodes."""
 
     first_seq: int
     ledgers: dict[PricingProfile, dict[int, NodeCost]]
     nodes: dict[tuple[PricingProfile, int], NodeCost]
+    appended: _Appended | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Appended:
+    """A batch that only appended surface nodes (none shadowed, reprojected or offloaded, no
+    header): what ``observe`` adds, made ahead so that it costs a few bulk updates.
+
+    ``anchor`` is the last appended ``assistant/message`` with usage, as (seq, usage); ``after``
+    the seqs appended after it (all of them without one); ``prices`` per profile the appended
+    nodes' prices and their sums (messages, images, total of ``after``)."""
+
+    nodes: dict[int, SurfaceNode]
+    anchor: tuple[int, int] | None
+    after: list[int]
+    prices: dict[PricingProfile, tuple[dict[int, NodeCost], int, int, int]]
 
 
 class SessionMeter:
@@ -229,9 +247,10 @@ class SessionMeter:
     ) -> None:
         self._fold = fold
         self.revision = fold.revision
-        self._nodes: dict[int, SessionEvent] = {n.seq: n.event for n in fold.surface}
+        self._nodes: dict[int, SurfaceNode] = {n.seq: n for n in fold.surface}
         self._offloads: dict[int, frozenset[int]] = dict(fold.offloads)
         self._head = _head_seq(fold)
+        self._head_text: tuple[int | None, str | None] = (None, None)  # (head seq, its text)
         self._header_seq = fold.header_seq
         self._header = fold.header
         self._ledgers: dict[PricingProfile, _Ledger] = {}
@@ -246,6 +265,9 @@ class SessionMeter:
         }
         # Prices ``prepare`` made in a worker thread for the batch being committed.
         self._staged: _Staged | None = None
+        # Texts of the batch on its way counted ahead (``count_ahead``), per profile; filled in
+        # by a worker thread.
+        self._ahead: dict[PricingProfile, dict[str, int]] = {}
         self._batch_prices: dict[tuple[PricingProfile, int], NodeCost] = {}
         if anchor is None:
             self._bootstrap_anchor(fold)
@@ -270,6 +292,9 @@ class SessionMeter:
             for pricing, costs in staged.ledgers.items():
                 if pricing not in self._ledgers:
                     self._install(pricing, costs)
+            if staged.appended is not None:
+                self._observe_appended(fold, staged.appended)
+                return
             self._batch_prices = staged.nodes
         changes = iter(batch.surface_changes)
         for event in batch.events:
@@ -286,7 +311,56 @@ class SessionMeter:
         self.revision = fold.revision
         self._batch_prices = {}
 
+    def _observe_appended(self, fold: SessionFold, appended: _Appended) -> None:
+        """``observe`` of a batch that only appended nodes, as ``_apply`` of each would do it."""
+        self._nodes.update(appended.nodes)
+        if appended.anchor is not None:
+            seq, usage = appended.anchor
+            self._anchor = _Anchor(seq, usage, self._header_seq, self._header)
+            self._after_anchor = set(appended.after)
+        elif self._anchor is not None:
+            self._after_anchor.update(appended.after)
+        in_delta = self._anchor is not None
+        for ledger in self._ledgers.values():
+            priced = appended.prices.get(ledger.pricing)
+            if priced is None:  # a ledger built since ``prepare``
+                priced = _priced(appended, ledger.pricing)
+            costs, messages, images, after = priced
+            ledger.costs.update(costs)
+            ledger.messages += messages
+            ledger.images += images
+            if appended.anchor is not None:
+                ledger.delta = after
+            elif in_delta:
+                ledger.delta += after
+        self._head = _head_seq(fold)
+        self.revision = fold.revision
+
     # ---- pricing off the event loop -----------------------------------------------------
+
+    def count_ahead(
+        self, events: Sequence[SessionEvent]
+    ) -> Generator[None, None, Callable[[], None] | None]:
+        """Collect the texts the nodes of ``events`` (a batch about to be checked and admitted)
+        will be priced by for every ledger with a batch tokenizer, pausing (``yield``) after
+        each event; the job it returns counts them in one batched call per ledger (a worker
+        thread: the tokenizers release the GIL), for ``prepare`` to take. Counts depend on the
+        texts alone: a batch refused after all leaves nothing wrong behind."""
+        aheads = [a for p in list(self._ledgers) if (a := TextsAhead.of(p)) is not None]
+        self._ahead = counted = {}
+        if not aheads:
+            return None
+        for event in events:
+            if event.WhichOneof("body") in ev.SURFACE_BODIES:
+                for ahead in aheads:
+                    ahead.add(event)
+            yield
+
+        def count() -> None:
+            for ahead in aheads:
+                counted[ahead.pricing] = ahead.count()
+
+        return count
 
     def prepare(
         self, fold: SessionFold, batch: AdmittedBatch, wanted: Iterable[PricingProfile] = ()
@@ -311,11 +385,16 @@ class SessionMeter:
                 event = fold.surface[position].event
                 items.append((-1 - seq, event, fold.offloads.get(seq, frozenset())))
         nodes: dict[tuple[PricingProfile, int], NodeCost] = {}
+        ahead, self._ahead = self._ahead, {}
         for pricing in [*profiles, *ledgers]:
-            costs = price_nodes([(e, o) for _, e, o in items], pricing)
+            costs = price_nodes([(e, o) for _, e, o in items], pricing, ahead.get(pricing))
             for (key, _, _), cost in zip(items, costs, strict=True):
                 nodes[(pricing, key)] = cost
-        self._staged = _Staged(batch.first_seq, ledgers, nodes)
+        appended = _only_appended(batch)
+        if appended is not None:
+            for pricing in [*profiles, *ledgers]:
+                appended.prices[pricing] = _priced(appended, pricing, nodes)
+        self._staged = _Staged(batch.first_seq, ledgers, nodes, appended)
 
     def price_ledger(self, pricing: PricingProfile) -> dict[int, NodeCost]:
         """Every current node's price for ``pricing`` (persisted prices where kept), in a
@@ -323,7 +402,7 @@ class SessionMeter:
         persisted = self._persisted.get(pricing.key, {})
         missing = [seq for seq in self._nodes if seq not in persisted]
         priced = price_nodes(
-            [(self._nodes[s], self._offloads.get(s, frozenset())) for s in missing], pricing
+            [(self._nodes[s].event, self._offloads.get(s, frozenset())) for s in missing], pricing
         )
         fresh = dict(zip(missing, priced, strict=True))
         return {seq: persisted[seq] if seq in persisted else fresh[seq] for seq in self._nodes}
@@ -381,7 +460,8 @@ class SessionMeter:
     def _apply(self, fold: SessionFold, change: SurfaceChange, kind: str) -> None:
         """Price the node one surface event created (``kind``: its body) and drop what it
         shadowed. Runs once per appended message: kept to the few lookups it needs."""
-        seq, event = change.node.seq, change.node.event
+        seq = change.node.seq
+        event = change.node.event if kind == "assistant_message" else None  # parsed once
         in_delta = False
         if change.shadowed:
             for old in change.shadowed:
@@ -389,13 +469,13 @@ class SessionMeter:
             if self._anchor is not None and self._before_anchor(fold, seq):
                 self._drop_anchor()
             in_delta = self._anchor is not None
-        elif kind == "assistant_message" and _usage(event):
+        elif event is not None and _usage(event):
             self._set_anchor(seq, event)
         else:
             in_delta = self._anchor is not None
         if fold.surface.position_of(seq) is None:
             return  # shadowed later in this batch
-        self._nodes[seq] = event
+        self._nodes[seq] = change.node
         if in_delta:
             self._after_anchor.add(seq)
         staged = self._batch_prices
@@ -403,6 +483,8 @@ class SessionMeter:
             # A new node has no offloads yet; an offload in this batch reprojects it afterwards.
             cost = staged.get((ledger.pricing, seq))
             if cost is None:
+                if event is None:
+                    event = change.node.event
                 cost = price_node(event, ledger.pricing)
             ledger.put(seq, cost, in_delta)
 
@@ -438,7 +520,7 @@ class SessionMeter:
             ledger.put(seq, cost, in_delta)
 
     def _price(self, seq: int, pricing: PricingProfile) -> NodeCost:
-        return price_node(self._nodes[seq], pricing, self._offloads.get(seq, frozenset()))
+        return price_node(self._nodes[seq].event, pricing, self._offloads.get(seq, frozenset()))
 
     # ---- the anchor ---------------------------------------------------------------------
 
@@ -514,7 +596,7 @@ class SessionMeter:
         """
         self._check_fold(fold)
         ledger = self._ledger(route.pricing)
-        head_text = _system_text(self._nodes.get(self._head)) if self._head is not None else None
+        head_text = self._system_text()
         estimate = _assemble(
             revision=self.revision,
             pricing=route.pricing,
@@ -558,6 +640,17 @@ class SessionMeter:
             total += cost.total
         return total
 
+    def _system_text(self) -> str | None:
+        """The system head's text, parsed once per head (a node's event never changes)."""
+        if self._head is None:
+            return None
+        if self._head_text[0] != self._head:
+            node = self._nodes.get(self._head)
+            if node is None:
+                return None
+            self._head_text = (self._head, _system_text(node.event))
+        return self._head_text[1]
+
     def _ledger(self, pricing: PricingProfile) -> _Ledger:
         ledger = self._ledgers.get(pricing)
         if ledger is None:  # the service builds ledgers off the loop first (``price_ledger``)
@@ -567,6 +660,47 @@ class SessionMeter:
     def _check_fold(self, fold: SessionFold) -> None:
         if fold is not self._fold:
             raise ValueError("this meter follows another session's fold")
+
+
+#: Bodies whose events ``observe`` folds one by one (``_Appended`` does not cover them).
+_NOT_APPENDS = frozenset({"request_header", "image_offload"})
+
+
+def _only_appended(batch: AdmittedBatch) -> _Appended | None:
+    """The nodes ``batch`` appended, when that is all it did to what the meter keeps."""
+    if batch.reprojected or any(change.shadowed for change in batch.surface_changes):
+        return None
+    if any(event.WhichOneof("body") in _NOT_APPENDS for event in batch.events):
+        return None
+    nodes = {change.node.seq: change.node for change in batch.surface_changes}
+    anchor = None
+    for event in reversed(batch.events):  # parsed already: a node parses its bytes anew
+        usage = _usage(event) if event.seq in nodes else 0
+        if usage:
+            anchor = (event.seq, usage)
+            break
+    after = [seq for seq in nodes if anchor is None or seq > anchor[0]]
+    return _Appended(nodes, anchor, after, {})
+
+
+def _priced(
+    appended: _Appended,
+    pricing: PricingProfile,
+    staged: Mapping[tuple[PricingProfile, int], NodeCost] | None = None,
+) -> tuple[dict[int, NodeCost], int, int, int]:
+    """The appended nodes' prices for ``pricing`` (``staged`` ones where made) and their sums:
+    messages, images, and the total of the nodes after the batch's anchor."""
+    costs: dict[int, NodeCost] = {}
+    messages = images = 0
+    for seq, node in appended.nodes.items():
+        cost = staged.get((pricing, seq)) if staged is not None else None
+        if cost is None:
+            cost = price_node(node.event, pricing)
+        costs[seq] = cost
+        messages += cost.messages
+        images += cost.images
+    after = sum(costs[seq].total for seq in appended.after)
+    return costs, messages, images, after
 
 
 def _usage(event: SessionEvent) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol, runtime_checkable
 
@@ -274,7 +274,9 @@ _OWN_CONTENT = frozenset({"user_message", "assistant_message", "tool_result"})
 
 
 def price_nodes(
-    items: Sequence[tuple[SessionEvent, Set[int]]], pricing: PricingProfile
+    items: Sequence[tuple[SessionEvent, Set[int]]],
+    pricing: PricingProfile,
+    counted: Mapping[str, int] | None = None,
 ) -> list[NodeCost]:
     """``price_node`` of many ``(event, offloaded)`` at once, equal to pricing them one by one.
 
@@ -282,8 +284,13 @@ def price_nodes(
     tokenizers' encode many texts in parallel without the GIL) counts every text of the batch in
     one call: the nodes are walked once to collect their texts, the texts are counted together,
     and the walk is repeated with those counts. Template routes and tokenizers without a batch API
-    price node by node. Runs in a worker thread: it only reads the events.
+    price node by node. ``counted`` holds texts counted ahead (``TextsAhead``): the nodes are
+    walked once, any other text counted as it comes. Runs in a worker thread: it only reads the
+    events.
     """
+    if counted is not None:
+        priced = replace(pricing, tokenizer=_CountedTexts(pricing.tokenizer, counted))
+        return [price_node(event, priced, offloaded) for event, offloaded in items]
     batch = getattr(pricing.tokenizer, "count_batch", None)
     if batch is None or pricing.template is not None or len(items) < 2:
         return [price_node(event, pricing, offloaded) for event, offloaded in items]
@@ -293,8 +300,35 @@ def price_nodes(
         price_node(event, recording, offloaded)
     texts = list(recorder.texts)
     counts = dict(zip(texts, batch(texts), strict=True)) if texts else {}
-    counted = replace(pricing, tokenizer=_CountedTexts(pricing.tokenizer, counts))
-    return [price_node(event, counted, offloaded) for event, offloaded in items]
+    priced = replace(pricing, tokenizer=_CountedTexts(pricing.tokenizer, counts))
+    return [price_node(event, priced, offloaded) for event, offloaded in items]
+
+
+class TextsAhead:
+    """The texts nodes will be priced by with ``pricing``, collected before they are priced, so
+    that one batched tokenizer call (``count``) can run while other work goes on; None from
+    ``of`` for a profile without a batch tokenizer or with a chat template."""
+
+    def __init__(self, pricing: PricingProfile, batch: Callable[[list[str]], list[int]]) -> None:
+        self.pricing = pricing
+        self._batch = batch
+        self._recorder = _TextRecorder(pricing.tokenizer)
+        self._recording = replace(pricing, tokenizer=self._recorder)
+
+    @classmethod
+    def of(cls, pricing: PricingProfile) -> TextsAhead | None:
+        batch = getattr(pricing.tokenizer, "count_batch", None)
+        return None if batch is None or pricing.template is not None else cls(pricing, batch)
+
+    def add(self, event: SessionEvent) -> None:
+        """Collect the texts of a new node of ``event`` (no image offloaded yet)."""
+        price_node(event, self._recording)
+
+    def count(self) -> dict[str, int]:
+        """Every collected text's tokens, in one batched call (a worker thread: the tokenizers
+        release the GIL)."""
+        texts = list(self._recorder.texts)
+        return dict(zip(texts, self._batch(texts), strict=True)) if texts else {}
 
 
 class _TextRecorder:
@@ -313,7 +347,7 @@ class _TextRecorder:
 class _CountedTexts:
     """A tokenizer answering from counts made in advance (the real one for any other text)."""
 
-    def __init__(self, tokenizer: Tokenizer, counts: dict[str, int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, counts: Mapping[str, int]) -> None:
         self.name = tokenizer.name
         self.exact = tokenizer.exact
         self._counts = counts

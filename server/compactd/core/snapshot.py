@@ -2,7 +2,7 @@
 
 A snapshot is what the fold derived from the log that the log's surface events alone do not say
 (open turns and step, the lock, the header's seq, offloads, event ids, compaction ids, the
-lifecycle boundary, which nodes REPLACEs shadowed, the rewrite and offload counters) plus the
+lifecycle boundary, the rewrite and offload counters) plus the
 surface as a list of node seqs and the meter's node prices per pricing profile
 (``PricingProfile.key``), aligned with those nodes. It holds no event bodies: the nodes are the
 stored events at those seqs (the store keeps the exact bytes the fold admitted), so a snapshot
@@ -67,7 +67,6 @@ class FoldSnapshot:
     anchor: tuple[int, int] | None = None
     offload_generation: int = 0
     rewritten_at: int = -1
-    shadowed_by: dict[int, tuple[int, str, str]] = field(default_factory=dict)
 
     def needed_seqs(self) -> list[int]:
         """The seqs of the stored events ``rebuild`` needs: the nodes, the header and the
@@ -119,7 +118,6 @@ def capture(
         anchor=anchor,
         offload_generation=fold.offload_generation,
         rewritten_at=fold.rewritten_at,
-        shadowed_by=dict(fold.surface.shadowed_by),
     )
 
 
@@ -147,7 +145,7 @@ def encode(snapshot: FoldSnapshot) -> bytes:
         "anchor": list(snapshot.anchor) if snapshot.anchor is not None else None,
         "offload_generation": snapshot.offload_generation,
         "rewritten_at": snapshot.rewritten_at,
-        "shadowed_by": [[seq, *by] for seq, by in snapshot.shadowed_by.items()],
+        "shadowed_by": [],  # no longer kept; written empty so earlier releases still decode it
     }
     return json.dumps(data, separators=(",", ":")).encode("utf-8")
 
@@ -189,11 +187,7 @@ def decode(data: bytes) -> FoldSnapshot:
             anchor=(int(anchor[0]), int(anchor[1])) if anchor is not None else None,
             offload_generation=int(raw["offload_generation"]),
             rewritten_at=int(raw["rewritten_at"]),
-            shadowed_by={
-                int(seq): (int(by), str(kind), str(cid))
-                for seq, by, kind, cid in raw["shadowed_by"]
-            },
-        )
+        )  # an earlier snapshot's "shadowed_by" is ignored: the fold no longer keeps it
     except SnapshotInvalid:
         raise
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
@@ -213,7 +207,7 @@ def rebuild(snapshot: FoldSnapshot, events: Mapping[int, SessionEvent]) -> Sessi
     fold.revision = snapshot.revision
     offloads = {seq: frozenset(idx) for seq, idx in snapshot.offloads.items()}
     nodes = [SurfaceNode(seq, events[seq]) for seq in snapshot.surface]
-    fold.surface.restore(nodes, snapshot.replacements, snapshot.shadowed_by)
+    fold.surface.restore(nodes, snapshot.replacements)
     if snapshot.header_seq >= 0:
         stored = events[snapshot.header_seq]
         if not stored.HasField("request_header"):

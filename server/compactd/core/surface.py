@@ -8,27 +8,54 @@ the change touches, and ``undo`` reverts a change so a batch can be applied atom
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, TypeAlias
 
 from compactd.core import events as ev
 from compactd.core.events import SessionEvent
 from compactd.core.pairing import CorruptPairing, open_calls_after
 from compactd.errors import FieldViolation, ReplacementRejected
 
+#: A call index entry: the one seq of a call id's node, or the seqs of several (a tuple of one
+#: costs 56 bytes, a set 216; a bare int is the node's own ``seq`` object).
+_Seqs: TypeAlias = int | tuple[int, ...]
 
-@dataclass(frozen=True, slots=True)
+
 class SurfaceNode:
-    """One surface node: the event that created it (its ``seq`` is the node's identity)."""
+    """One surface node: the event that created it (its ``seq`` is the node's identity).
 
-    seq: int
-    event: SessionEvent
+    The event is kept serialized (``data``) and parsed when read (``event``): a parsed event
+    holds about 1 KiB of protobuf arena beyond its bytes, so a resident surface of parsed events
+    costs over twice its bytes. What the fold's hot paths read of every node (its type, the calls
+    it makes, the call it answers) is kept beside the bytes. Immutable.
+    """
+
+    __slots__ = ("answers", "calls", "data", "seq", "type")
+
+    def __init__(self, seq: int, event: SessionEvent) -> None:
+        self.seq = seq
+        self.data = event.SerializeToString()
+        self.type = ev.event_type(event)
+        calls = ev.tool_call_ids(event)
+        self.calls: tuple[str, ...] = tuple(calls) if calls else ()
+        self.answers = event.tool_result.tool_call_id if self.type == ev.TOOL_RESULT else ""
 
     @property
-    def type(self) -> str:
-        """The spec's type string of the node's event."""
-        return ev.event_type(self.event)
+    def event(self) -> SessionEvent:
+        """The node's event, parsed anew: a copy (changing it changes no node)."""
+        return SessionEvent.FromString(self.data)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SurfaceNode):
+            return NotImplemented
+        return self.seq == other.seq and self.data == other.data
+
+    def __hash__(self) -> int:
+        return hash((self.seq, self.data))
+
+    def __repr__(self) -> str:
+        return f"SurfaceNode(seq={self.seq}, type={self.type!r}, {len(self.data)} bytes)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,16 +75,15 @@ class Surface:
         self._position: dict[int, int] = {}  # seq -> position, for current nodes
         self._calls: dict[str, int] = {}  # tool call id -> count of current nodes making it
         # Kept so selection reads the tail it needs, not the whole surface (``core.selection``):
-        self._makers: dict[str, set[int]] = {}  # call id -> seqs of current nodes making it
-        self._answers: dict[str, set[int]] = {}  # call id -> seqs of current results naming it
+        self._makers: dict[str, _Seqs] = {}  # call id -> seqs of current nodes making it
+        self._answers: dict[str, _Seqs] = {}  # call id -> seqs of current results naming it
         self._unanswered: set[str] = set()  # call ids made on the surface, answered by no node
         self._repeated: set[str] = set()  # call ids more than one current node makes
         self._ever_repeated = False  # whether any call id was ever made by two nodes at once
         self._unanswered_at: tuple[int, frozenset[str]] = (-1, frozenset())  # (changes, ids)
         self.replacements = 0  # replacement generation: REPLACE events folded so far
-        # Every node a REPLACE shadowed -> (the replacement's seq, the node's type, the
-        # replacement's compaction id if it is a checkpoint): for inspection, a few ints each.
-        self.shadowed_by: dict[int, tuple[int, str, str]] = {}
+        # What shadowed each node is not kept: it grows with the log, and only inspection reads
+        # it (``shadow_history`` derives it from the log).
         self.changes = 0  # every apply and undo, never decremented: "has anything changed?"
 
     def __len__(self) -> int:
@@ -85,7 +111,7 @@ class Surface:
             return set(self._unanswered_at[1])
         found = set(self._unanswered)
         for call_id in self._repeated:  # rare: only then may every answer precede the first call
-            answers = self._answers.get(call_id)
+            answers = _seqs(self._answers.get(call_id))
             first = self.first_call_position(call_id)
             if answers and first is not None and all(self._position[s] < first for s in answers):
                 found.add(call_id)
@@ -95,8 +121,10 @@ class Surface:
     def first_call_position(self, call_id: str) -> int | None:
         """The position of the earliest current node making ``call_id`` (None: none does)."""
         makers = self._makers.get(call_id)
-        if not makers:
+        if makers is None:
             return None
+        if isinstance(makers, int):
+            return self._position[makers]
         return min(self._position[seq] for seq in makers)
 
     def check(self, event: SessionEvent, seq: int) -> None:
@@ -122,20 +150,12 @@ class Surface:
         shadowed = tuple(self._nodes[start : end + 1])
         self._splice(start, shadowed, (node,))
         self.replacements += 1
-        checkpoint = ev.checkpoint_compaction_id(event)
-        for old in shadowed:
-            self.shadowed_by[old.seq] = (seq, old.type, checkpoint)
         return SurfaceChange(start, node, shadowed)
 
-    def restore(
-        self,
-        nodes: Sequence[SurfaceNode],
-        replacements: int,
-        shadowed_by: dict[int, tuple[int, str, str]],
-    ) -> None:
-        """Become the surface of ``nodes`` (in position order) after ``replacements`` REPLACEs
-        that shadowed ``shadowed_by``: how a snapshot is restored, without replaying the log
-        that made it. The call indexes are rebuilt from the nodes."""
+    def restore(self, nodes: Sequence[SurfaceNode], replacements: int) -> None:
+        """Become the surface of ``nodes`` (in position order) after ``replacements`` REPLACEs:
+        how a snapshot is restored, without replaying the log that made it. The call indexes
+        are rebuilt from the nodes."""
         self._nodes = list(nodes)
         self._position = {node.seq: i for i, node in enumerate(self._nodes)}
         self._calls, self._makers, self._answers = {}, {}, {}
@@ -144,7 +164,6 @@ class Surface:
             self._track_calls(node, +1)
         self._unanswered_at = (-1, frozenset())
         self.replacements = replacements
-        self.shadowed_by = dict(shadowed_by)
         self.changes += 1  # a restored surface is not one a selection saw
 
     def undo(self, change: SurfaceChange) -> None:
@@ -153,8 +172,6 @@ class Surface:
         self._splice(change.position, (change.node,), change.shadowed)
         if change.shadowed:
             self.replacements -= 1
-            for old in change.shadowed:
-                self.shadowed_by.pop(old.seq, None)
 
     def _splice(self, start: int, old: Sequence[SurfaceNode], new: Sequence[SurfaceNode]) -> None:
         self._nodes[start : start + len(old)] = new
@@ -170,7 +187,7 @@ class Surface:
 
     def _track_calls(self, node: SurfaceNode, delta: int) -> None:
         """Count the calls ``node`` makes and the call its result answers (+1 or -1)."""
-        for call_id in ev.tool_call_ids(node.event):
+        for call_id in node.calls:
             count = self._calls.get(call_id, 0) + delta
             if count:
                 self._calls[call_id] = count
@@ -183,21 +200,22 @@ class Surface:
             else:
                 self._repeated.discard(call_id)
             self._refresh_answer(call_id)
-        if ev.body_name(node.event) == "tool_result":
-            call_id = node.event.tool_result.tool_call_id
-            self._index(self._answers, call_id, node.seq, delta)
-            self._refresh_answer(call_id)
+        if node.answers:
+            self._index(self._answers, node.answers, node.seq, delta)
+            self._refresh_answer(node.answers)
 
     @staticmethod
-    def _index(index: dict[str, set[int]], call_id: str, seq: int, delta: int) -> None:
+    def _index(index: dict[str, _Seqs], call_id: str, seq: int, delta: int) -> None:
+        seqs = _seqs(index.get(call_id))
         if delta > 0:
-            index.setdefault(call_id, set()).add(seq)
-            return
-        seqs = index.get(call_id)
-        if seqs is not None:
-            seqs.discard(seq)
-            if not seqs:
+            if seq not in seqs:
+                index[call_id] = (*seqs, seq) if seqs else seq
+        elif seq in seqs:
+            kept = tuple(s for s in seqs if s != seq)
+            if not kept:
                 del index[call_id]
+            else:
+                index[call_id] = kept if len(kept) > 1 else kept[0]
 
     def _refresh_answer(self, call_id: str) -> None:
         if call_id in self._calls and call_id not in self._answers:
@@ -293,17 +311,18 @@ class Surface:
         """
         candidates = set(self._unanswered)
         for node in self._nodes[cut:]:
-            if node.type == ev.TOOL_RESULT:
-                candidates.add(node.event.tool_result.tool_call_id)
+            if node.answers:
+                candidates.add(node.answers)
         return any(self._open_before(call_id, cut) for call_id in candidates)
 
     def _open_before(self, call_id: str, cut: int) -> bool:
         position = self._position
-        makes = [position[seq] for seq in self._makers.get(call_id, ()) if position[seq] < cut]
+        makes = [position[seq] for seq in _seqs(self._makers.get(call_id)) if position[seq] < cut]
         if not makes:
             return False
         last = max(makes)
-        return not any(last < position[seq] < cut for seq in self._answers.get(call_id, ()))
+        answers = _seqs(self._answers.get(call_id))
+        return not any(last < position[seq] < cut for seq in answers)
 
     def _orphans_after(self, start: int, end: int) -> bool:
         """Whether shadowing ``start..end`` leaves a later result whose call only the span made.
@@ -313,15 +332,54 @@ class Surface:
         """
         in_span: dict[str, int] = {}
         for node in self._nodes[start : end + 1]:
-            for call_id in ev.tool_call_ids(node.event):
+            for call_id in node.calls:
                 in_span[call_id] = in_span.get(call_id, 0) + 1
         position = self._position
         return any(
             position[seq] > end
             for call_id, count in in_span.items()
             if self._calls[call_id] == count  # only the span makes it
-            for seq in self._answers.get(call_id, ())
+            for seq in _seqs(self._answers.get(call_id))
         )
+
+
+class ShadowHistory:
+    """Every node a REPLACE of a stored log shadowed -> (the replacement's seq, the node's type,
+    the replacement's compaction id if it is a checkpoint), in ``shadowed``.
+
+    The fold does not keep it (it grows with the log, and only inspection reads it): ``add`` the
+    log from its start, in seq order and in as many parts as suits, to fold its surface anew.
+    Costs the log.
+    """
+
+    def __init__(self) -> None:
+        self._surface = Surface()
+        self.shadowed: dict[int, tuple[int, str, str]] = {}
+
+    def add(self, events: Iterable[SessionEvent]) -> None:
+        """Fold the next events of the log."""
+        for event in events:
+            if not ev.is_surface(event):
+                continue
+            change = self._surface.apply(event, event.seq)
+            if change.shadowed:
+                checkpoint = ev.checkpoint_compaction_id(event)
+                for old in change.shadowed:
+                    self.shadowed[old.seq] = (event.seq, old.type, checkpoint)
+
+
+def shadow_history(log: Iterable[SessionEvent]) -> dict[int, tuple[int, str, str]]:
+    """``ShadowHistory.shadowed`` of a whole stored ``log``."""
+    history = ShadowHistory()
+    history.add(log)
+    return history.shadowed
+
+
+def _seqs(entry: _Seqs | None) -> tuple[int, ...]:
+    """The seqs a call index entry holds."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, int) else entry
 
 
 def _check_sources(event: SessionEvent, seq: int) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Final, Protocol
 
 from google.protobuf import struct_pb2
@@ -79,13 +79,25 @@ def server_only_violation(event: SessionEvent) -> FieldViolation | None:
 def check_origin(events: Sequence[SessionEvent], origin: Origin) -> None:
     """Raise ``InvalidArgument`` (reason ``SERVER_ONLY_EVENT``) if ``origin`` may not write one of
     ``events``; every server-only event of the batch is named."""
+    for _ in check_origin_in_steps(events, origin):
+        pass
+
+
+def check_origin_in_steps(
+    events: Sequence[SessionEvent], origin: Origin
+) -> Generator[None, None, None]:
+    """``check_origin``, pausing (``yield``) after each event so that a caller on an event loop
+    can let other work run between them."""
     if origin is Origin.SERVER:
         return
-    violations = [
-        FieldViolation(f"events[{index}].{violation.field}", violation.description)
-        for index, event in enumerate(events)
-        if (violation := server_only_violation(event)) is not None
-    ]
+    violations: list[FieldViolation] = []
+    for index, event in enumerate(events):
+        violation = server_only_violation(event)
+        if violation is not None:
+            violations.append(
+                FieldViolation(f"events[{index}].{violation.field}", violation.description)
+            )
+        yield
     if violations:
         summary = "; ".join(f"{v.field}: {v.description}" for v in violations[:5])
         raise InvalidArgument(
@@ -113,9 +125,22 @@ def check_batch(
     reason ``EVENT_TOO_LARGE`` (``check_sizes``). JSON nesting and token counts are bounded for
     every origin.
     """
-    check_origin(events, origin)
+    for _ in check_batch_in_steps(events, max_events=max_events, origin=origin, limits=limits):
+        pass
+
+
+def check_batch_in_steps(
+    events: Sequence[SessionEvent],
+    *,
+    max_events: int,
+    origin: Origin = Origin.SERVER,
+    limits: AppendLimits = DEFAULT_LIMITS,
+) -> Generator[None, None, None]:
+    """``check_batch``, pausing (``yield``) after each event's checks so that a caller on an
+    event loop can let other work run between them (a large batch costs milliseconds)."""
+    yield from check_origin_in_steps(events, origin)
     if origin is Origin.CLIENT:
-        check_sizes(events, limits)
+        yield from _check_sizes_in_steps(events, limits)
     violations: list[FieldViolation] = []
     if not events:
         violations.append(FieldViolation("events", "a batch must hold at least one event"))
@@ -135,6 +160,7 @@ def check_batch(
                     FieldViolation(f"{prefix}.event_id", f"repeats events[{ids[event.event_id]}]")
                 )
             ids[event.event_id] = index
+        yield
     if violations:
         summary = "; ".join(f"{v.field}: {v.description}" for v in violations[:5])
         raise InvalidArgument(f"malformed events: {summary}", violations=violations)
@@ -143,8 +169,16 @@ def check_batch(
 def check_sizes(events: Sequence[SessionEvent], limits: AppendLimits) -> None:
     """Raise ``InvalidArgument`` (reason ``EVENT_TOO_LARGE``) naming every content block over
     ``limits.max_block_bytes`` and every event over ``limits.max_event_bytes``."""
+    for _ in _check_sizes_in_steps(events, limits):
+        pass
+
+
+def _check_sizes_in_steps(
+    events: Sequence[SessionEvent], limits: AppendLimits
+) -> Generator[None, None, None]:
     violations: list[FieldViolation] = []
     for index, event in enumerate(events):
+        yield
         size = event.ByteSize()
         if size > limits.max_event_bytes:
             violations.append(

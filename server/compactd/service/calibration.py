@@ -66,7 +66,8 @@ class _Observer:
         self._meter = meter
 
     def __call__(self, fold: SessionFold, batch: AdmittedBatch) -> None:
-        for event in batch.events:
+        for seq in batch.answered:  # the fold lists them: a large batch is not walked again
+            event = batch.events[seq - batch.first_seq]
             if _answer_with_usage(event):
                 try:
                     self._record(fold, batch, event)

@@ -9,6 +9,7 @@ prunes back, so a real bracket run on the same log chooses the same span.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -22,7 +23,7 @@ from compactd.core.planner import SHAPES, PlanMode, choose_span, node_pricer, te
 from compactd.core.policy import TargetPolicy, resolved_settings, setting_origins
 from compactd.core.pruner import PrunePlan, plan_prunes
 from compactd.core.selection import Declined, Selection
-from compactd.core.surface import SurfaceChange, SurfaceNode
+from compactd.core.surface import ShadowHistory, SurfaceChange, SurfaceNode
 from compactd.errors import CompactdError, FieldViolation, InvalidArgument
 from compactd.routes import Route
 from compactd.service.compaction import CompactionEngine, shadow_price_of
@@ -369,10 +370,11 @@ class InspectionService:
             anchor = meter.anchor_of(priced)
             if anchor is not None:
                 detail.anchor.seq, detail.anchor.usage_tokens, detail.anchor.delta_tokens = anchor
-            for seq, (by, kind, compaction_id) in sorted(fold.surface.shadowed_by.items()):
-                detail.shadowed.add(
-                    seq=seq, type=kind, shadowed_by_seq=by, compaction_id=compaction_id
-                )
+            revision = fold.revision
+        # Read after the lock: the log before ``revision`` is immutable, and may be long.
+        history = await _shadow_history(handle, revision)
+        for seq, (by, kind, compaction_id) in sorted(history.items()):
+            detail.shadowed.add(seq=seq, type=kind, shadowed_by_seq=by, compaction_id=compaction_id)
         return response
 
     async def brackets(self, session_id: str) -> cpb.ListBracketsResponse:
@@ -396,3 +398,17 @@ def _skeleton() -> events_pb2.SessionEvent:
 
 def _name(route: Route) -> str:
     return route.name if route.model else "the heuristic (no route logged)"
+
+
+async def _shadow_history(handle: SessionHandle, revision: int) -> dict[int, tuple[int, str, str]]:
+    """What shadowed each node of the log before ``revision`` (``ShadowHistory``), folded in
+    worker threads a chunk at a time."""
+    history = ShadowHistory()
+    chunk: list[events_pb2.SessionEvent] = []
+    async for event in handle.read(0, revision):
+        chunk.append(event)
+        if len(chunk) >= 4096:
+            await asyncio.to_thread(history.add, chunk)
+            chunk = []
+    await asyncio.to_thread(history.add, chunk)
+    return history.shadowed

@@ -70,6 +70,7 @@ def session_meter(handle: SessionHandle) -> SessionMeter:
     if isinstance(calibration, UsageCalibration):  # after the meter: it reads the new revision
         handle.add_observer(calibration.observer(handle.session_id, meter))
         handle.add_preparer(partial(_prepare, meter, calibration.routes))
+        handle.add_precounter(meter.count_ahead)
     return meter
 
 
@@ -201,7 +202,10 @@ class PressureService:
             measured=measurement,
             unscaled=raw.total,
             stats=stats,
-            anchor_age=_anchor_age(handle, measurement),
+            # Only an anchored figure reports its anchor's age: no clock or surface lookup else.
+            anchor_age=_anchor_age(handle, measurement)
+            if measurement.method is Method.ANCHORED
+            else None,
         )
         return report
 

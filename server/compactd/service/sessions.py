@@ -41,11 +41,11 @@ import time
 import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -55,7 +55,7 @@ from compactd.core.fold import AdmittedBatch, SessionFold
 from compactd.core.limits import DEFAULT_LIMITS, AppendLimits
 from compactd.core.lock import live_bracket
 from compactd.core.pricing import NodeCost
-from compactd.core.validation import Origin, check_batch
+from compactd.core.validation import Origin, check_batch, check_batch_in_steps
 from compactd.errors import (
     AlreadyExists,
     Busy,
@@ -85,14 +85,20 @@ from compactd.v1 import events_pb2
 log = logging.getLogger(__name__)
 
 Observer = Callable[[SessionFold, AdmittedBatch], None]
+# Called with a large batch as it arrives: steps on the loop, then a job for a worker thread.
+Precounter = Callable[
+    [Sequence[events_pb2.SessionEvent]], Generator[None, None, Callable[[], None] | None]
+]
+T = TypeVar("T")
 _Key = tuple[str, str]  # (tenant id, session id)
 # Batches at least this large (events or serialized bytes) are priced in a worker thread; a
 # smaller one is priced on the loop, where it costs less than the hop to a thread.
 OFFLOAD_EVENTS = 16
 OFFLOAD_BYTES = 16 * 1024
-# A batch is checked in a worker thread, and admitted in steps of this many events between which
-# other calls run, from this size on.
+# A batch of at least this many events is checked and admitted in steps, between which other
+# calls run: no step holds the event loop longer than ``STEP_S``.
 ADMIT_STEP = 128
+STEP_S = 0.0002
 
 
 class PriceSource(Protocol):
@@ -163,6 +169,8 @@ class SessionHandle:
         self._observers: list[Observer] = []
         self._replaying: list[Observer] = []  # observers that also follow a restore's tail
         self._preparers: list[Observer] = []
+        self._precounters: list[Precounter] = []
+        self._counting: asyncio.Future[None] | None = None  # the latest batch's precount jobs
         self._changed = asyncio.Condition()
         self.followers = 0  # streams following the revisions (``revisions``)
         self.snapshot_revision = 0  # the revision of the latest snapshot written (or read)
@@ -182,6 +190,13 @@ class SessionHandle:
         """Call ``preparer(fold, batch)`` in a worker thread while a large batch commits, before
         the observers; it may only read (the lock keeps the fold still)."""
         self._preparers.append(preparer)
+
+    def add_precounter(self, precounter: Precounter) -> None:
+        """Call ``precounter(events)`` on the loop, in steps, as a large batch arrives (before
+        its checks); the job it returns runs in a worker thread beside the checks, admission and
+        commit, and the preparers start once it is done. It may only read (the batch may still
+        be refused)."""
+        self._precounters.append(precounter)
 
     def replay(self, batch: AdmittedBatch) -> None:
         """Tell the replaying observers about a batch a restore folded (already durable)."""
@@ -211,10 +226,11 @@ class SessionHandle:
         ``Origin.CLIENT``, which refuses server-only events, enforces the step brackets and
         bounds the batch by ``self.limits`` (blocks, events, the surface).
         """
-        if len(events) >= ADMIT_STEP:  # a large batch's checks run beside the loop
-            await asyncio.to_thread(
-                partial(
-                    check_batch, events, max_events=max_events, origin=origin, limits=self.limits
+        if len(events) >= ADMIT_STEP:  # a large batch is checked in steps, other calls between
+            await self._count_ahead(events)
+            await in_steps(
+                check_batch_in_steps(
+                    events, max_events=max_events, origin=origin, limits=self.limits
                 )
             )
         else:
@@ -286,10 +302,11 @@ class SessionHandle:
                 },
             )
         now = Timestamp()
-        now.GetCurrentTime()
+        # GetCurrentTime's precision (microseconds), without its trip through a datetime.
+        now.FromMicroseconds(time.time_ns() // 1000)
         batch = await self._admit(events, now, origin)
         reservation = self._reserve_bytes(batch, origin)
-        if lease is None:
+        if lease is None and origin is Origin.SERVER:  # a runtime's batch holds no bracket event
             lease = lease_for(
                 batch.events,
                 self.leases.owned,
@@ -309,34 +326,24 @@ class SessionHandle:
     async def _admit(
         self, events: Sequence[events_pb2.SessionEvent], now: Timestamp, origin: Origin
     ) -> AdmittedBatch:
-        """``fold.admit``, letting the loop run other calls every ``ADMIT_STEP`` events (readers
-        that do not hold the lock read only the committed state)."""
+        """``fold.admit``, in steps between which the loop runs other calls (readers that do not
+        hold the lock read only the committed state)."""
         steps = self.fold.admit_in_steps(
             events,
             now=now,
             origin=origin,
             max_surface_bytes=self.limits.max_surface_bytes,
-            step=ADMIT_STEP,
+            step=1,  # ``in_steps`` decides when to let other calls run
         )
-        try:
-            while True:
-                try:
-                    next(steps)
-                except StopIteration as done:
-                    batch: AdmittedBatch = done.value
-                    return batch
-                await asyncio.sleep(0)
-        finally:
-            steps.close()  # a cancelled admission rolls back what it admitted
+        return await in_steps(steps)  # a cancelled admission rolls back what it admitted
 
     def _reserve_bytes(self, batch: AdmittedBatch, origin: Origin) -> Reservation | None:
         """Count the batch's bytes against the tenant's quota; only a runtime's is refused."""
         if self._quotas is None:
             return None
-        size = sum(event.ByteSize() for event in batch.events)
         try:
             return self._quotas.reserve_bytes(
-                size, enforce=origin is Origin.CLIENT, tenant=self.tenant
+                batch.byte_size, enforce=origin is Origin.CLIENT, tenant=self.tenant
             )
         except QuotaExceeded:
             self.fold.rollback(batch)
@@ -362,7 +369,8 @@ class SessionHandle:
         self.leases.landed(lease)
         self._folded(batch)
         await self._notify()
-        return AppendResult([e.seq for e in batch.events], self.fold.revision)
+        first = batch.first_seq  # seqs are assigned in order, from the batch's first
+        return AppendResult(list(range(first, first + len(batch.events))), self.fold.revision)
 
     def _folded(self, batch: AdmittedBatch) -> None:
         self.revision = self.fold.revision
@@ -441,14 +449,33 @@ class SessionHandle:
             extra={"session_id": self.session_id, "compaction_id": live.compaction_id},
         )
 
+    async def _count_ahead(self, events: Sequence[events_pb2.SessionEvent]) -> None:
+        """Start the precounters' jobs for a large batch (see ``add_precounter``)."""
+        jobs = []
+        for precounter in self._precounters:
+            job = await in_steps(precounter(events))
+            if job is not None:
+                jobs.append(job)
+        if jobs:
+            self._counting = asyncio.ensure_future(asyncio.to_thread(_run_jobs, jobs))
+
     def _prepare(self, batch: AdmittedBatch) -> asyncio.Future[None] | None:
-        """Start the preparers in a worker thread for a large batch (None: small, or none)."""
+        """Start the preparers in a worker thread for a large batch (None: small, or none),
+        after the batch's precount jobs."""
+        counting, self._counting = self._counting, None
         if not self._preparers or not batch.surface_changes:
             return None
         events = batch.events
-        if len(events) < OFFLOAD_EVENTS and sum(e.ByteSize() for e in events) < OFFLOAD_BYTES:
+        if len(events) < OFFLOAD_EVENTS and batch.byte_size < OFFLOAD_BYTES:
             return None
-        return asyncio.ensure_future(asyncio.to_thread(self.run_preparers, batch))
+        return asyncio.ensure_future(self._prepare_after(counting, batch))
+
+    async def _prepare_after(
+        self, counting: asyncio.Future[None] | None, batch: AdmittedBatch
+    ) -> None:
+        if counting is not None:
+            await asyncio.wait([counting])
+        await asyncio.to_thread(self.run_preparers, batch)
 
     @property
     def replays(self) -> bool:
@@ -497,15 +524,17 @@ class SessionHandle:
         return self.deleted or self.revision != seen
 
     async def _notify(self) -> None:
+        if not self.followers:  # only ``revisions`` waits, and it counts itself a follower first
+            return
         async with self._changed:
             self._changed.notify_all()
 
     async def _replayed(self, events: Sequence[events_pb2.SessionEvent]) -> AppendResult | None:
         """The original result when this batch was already committed (a retried batch)."""
         ids = [e.event_id for e in events]
-        known = [i for i in ids if i in self.fold.event_ids]
-        if not known:
+        if self.fold.event_ids.keys().isdisjoint(ids):  # a new batch, in one C-level pass
             return None
+        known = [i for i in ids if i in self.fold.event_ids]
         if len(known) != len(ids):
             raise InvalidArgument(
                 "a batch mixes events already in the log with new ones",
@@ -522,6 +551,32 @@ class SessionHandle:
                     reason="IDEMPOTENCY_MISMATCH",
                 )
         return AppendResult(seqs, self.fold.revision, replayed=True)
+
+
+def _run_jobs(jobs: Sequence[Callable[[], None]]) -> None:
+    for job in jobs:
+        try:
+            job()
+        except Exception:  # the preparers count on their own: never fail a commit
+            log.exception("counting a batch's texts ahead of its commit failed")
+
+
+async def in_steps(steps: Generator[None, None, T]) -> T:
+    """Run ``steps`` to its end on the event loop, letting other calls run whenever it has held
+    the loop for ``STEP_S``; its value. Cancelled, it closes ``steps`` (which may roll back)."""
+    deadline = time.perf_counter() + STEP_S
+    try:
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                result: T = done.value
+                return result
+            if time.perf_counter() >= deadline:
+                await asyncio.sleep(0)
+                deadline = time.perf_counter() + STEP_S
+    finally:
+        steps.close()
 
 
 def _stale_fold(error: Exception) -> bool:
@@ -551,10 +606,10 @@ SNAPSHOT_EVENTS_PER_ENTRY = 1 / 16
 
 def snapshot_due(fold: SessionFold, interval: int) -> int:
     """Events after the last snapshot that make the next one due: ``interval``, or more once
-    the fold's log-long maps (event ids, what shadowed each node) outgrow it, so that writing
-    snapshots costs a bounded amount per event (at most 16 copied entries) at any log length;
-    a restore then replays at most a sixteenth of those entries' worth of events."""
-    entries = len(fold.event_ids) + len(fold.surface.shadowed_by) + len(fold.surface)
+    the fold's log-long map (event ids) outgrows it, so that writing snapshots costs a bounded
+    amount per event (at most 16 copied entries) at any log length; a restore then replays at
+    most a sixteenth of those entries' worth of events."""
+    entries = len(fold.event_ids) + len(fold.surface)
     return max(interval, int(entries * SNAPSHOT_EVENTS_PER_ENTRY))
 
 

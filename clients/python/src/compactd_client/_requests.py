@@ -17,6 +17,7 @@ from compactd_client.v1.compaction_service_pb2 import (
     PrepareStepRequest,
     PrepareStepResponse,
     PrepareStepResult,
+    PrepareStepUnaryRequest,
     ProviderError,
     RecoverFromErrorRequest,
     RecoverFromErrorResponse,
@@ -82,6 +83,17 @@ def prepare_step(
     session_id: str, turn: int, intended_route: Route | None, held_revision: int | None
 ) -> PrepareStepRequest:
     request = PrepareStepRequest(session_id=session_id, turn=turn, intended_route=intended_route)
+    if held_revision is not None:
+        request.held_revision = held_revision
+    return request
+
+
+def prepare_step_unary(
+    session_id: str, turn: int, intended_route: Route | None, held_revision: int | None
+) -> PrepareStepUnaryRequest:
+    request = PrepareStepUnaryRequest(
+        session_id=session_id, turn=turn, intended_route=intended_route
+    )
     if held_revision is not None:
         request.held_revision = held_revision
     return request

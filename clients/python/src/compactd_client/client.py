@@ -300,6 +300,25 @@ class CompactdClient:
         call = self._stream(self._compaction.PrepareStep, request, timeout)
         return CompactionStream(call, rq.split_prepare_step)
 
+    def prepare_step_unary(
+        self,
+        session_id: str,
+        turn: int,
+        *,
+        intended_route: Route | None = None,
+        held_revision: int | None = None,
+        timeout: Timeout = UNSET,
+    ) -> PrepareStepResult:
+        """``prepare_step`` in one call (``PrepareStepUnary``): the same result, no step updates.
+
+        Cheaper than the stream for a runtime that shows no compaction progress (most steps
+        are below pressure). A compaction it runs happens inside the call, so its default
+        deadline is the client's ``stream_timeout``. Raises as ``prepare_step``."""
+        request = rq.prepare_step_unary(session_id, turn, intended_route, held_revision)
+        deadline = resolve_timeout(timeout, self._stream_timeout)
+        response = self._unary(self._compaction.PrepareStepUnary, request, deadline)
+        return response.result
+
     def compact(
         self, session_id: str, *, focus: str = "", timeout: Timeout = UNSET
     ) -> CompactionStream[CompactResult]:

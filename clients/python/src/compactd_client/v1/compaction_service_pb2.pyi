@@ -862,6 +862,68 @@ class PrepareStepResponse(_message.Message):
 Global___PrepareStepResponse: _TypeAlias = PrepareStepResponse  # noqa: Y015
 
 @_typing.final
+class PrepareStepUnaryRequest(_message.Message):
+    """Request for `PrepareStepUnary`: the fields of `PrepareStepRequest`, with the same meaning."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    TURN_FIELD_NUMBER: _builtins.int
+    INTENDED_ROUTE_FIELD_NUMBER: _builtins.int
+    HELD_REVISION_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    turn: _builtins.int
+    """The open turn the step belongs to."""
+    held_revision: _builtins.int
+    """As `PrepareStepRequest.held_revision`."""
+    @_builtins.property
+    def intended_route(self) -> _events_pb2.Route:
+        """The route the step will use; absent uses the latest logged header's route."""
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        turn: _builtins.int = ...,
+        intended_route: _events_pb2.Route | None = ...,
+        held_revision: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_held_revision", b"_held_revision", "held_revision", b"held_revision", "intended_route", b"intended_route"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_held_revision", b"_held_revision", "held_revision", b"held_revision", "intended_route", b"intended_route", "session_id", b"session_id", "turn", b"turn"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__held_revision: _TypeAlias = _typing.Literal["held_revision"]  # noqa: Y015
+    _WhichOneofArgType__held_revision: _TypeAlias = _typing.Literal["_held_revision", b"_held_revision"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__held_revision) -> _WhichOneofReturnType__held_revision | None: ...
+
+Global___PrepareStepUnaryRequest: _TypeAlias = PrepareStepUnaryRequest  # noqa: Y015
+
+@_typing.final
+class PrepareStepUnaryResponse(_message.Message):
+    """The answer of `PrepareStepUnary`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def result(self) -> Global___PrepareStepResult:
+        """The step's result, as the last message of `PrepareStep` would carry it."""
+
+    def __init__(
+        self,
+        *,
+        result: Global___PrepareStepResult | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrepareStepUnaryResponse: _TypeAlias = PrepareStepUnaryResponse  # noqa: Y015
+
+@_typing.final
 class CompactRequest(_message.Message):
     """Request for `Compact`."""
 

@@ -59,6 +59,15 @@ class CompactionServiceStub:
     quality gate rejected, a span failure memory holds back, a span too small for a useful
     checkpoint, and a threshold crossing whose brackets are spent (reported once).
     """
+    PrepareStepUnary: _grpc.UnaryUnaryMultiCallable[_compaction_service_pb2.PrepareStepUnaryRequest, _compaction_service_pb2.PrepareStepUnaryResponse]
+    """PrepareStep answered in one message: the same check, decided by the same code, with the same
+    result and errors, but no step updates (a bracket it runs is followed by its result only;
+    give the call a deadline a compaction fits in). A runtime that shows no compaction progress
+    steps with this one: on grpc a server-streaming call costs more than a unary one (two
+    messages and a second batch at each end, ~1.4x an empty unary call on grpc.aio), and most
+    steps are below pressure, where the step itself costs next to nothing. Unlike PrepareStep it
+    does not count as a response stream (no `TOO_MANY_STREAMS`, no stream quota).
+    """
     Compact: _grpc.UnaryStreamMultiCallable[_compaction_service_pb2.CompactRequest, _compaction_service_pb2.CompactResponse]
     """On-demand compaction (`/compact`), even below pressure. Streams one update per bracket step,
     then the result. Errors: NOT_FOUND; ABORTED with reason `COMPACTION_BUSY` while a turn is open
@@ -168,6 +177,15 @@ class CompactionServiceAsyncStub(CompactionServiceStub):
     is live. Configuration errors are warnings in the result, not failures; so are a summary the
     quality gate rejected, a span failure memory holds back, a span too small for a useful
     checkpoint, and a threshold crossing whose brackets are spent (reported once).
+    """
+    PrepareStepUnary: _aio.UnaryUnaryMultiCallable[_compaction_service_pb2.PrepareStepUnaryRequest, _compaction_service_pb2.PrepareStepUnaryResponse]  # type: ignore[assignment]
+    """PrepareStep answered in one message: the same check, decided by the same code, with the same
+    result and errors, but no step updates (a bracket it runs is followed by its result only;
+    give the call a deadline a compaction fits in). A runtime that shows no compaction progress
+    steps with this one: on grpc a server-streaming call costs more than a unary one (two
+    messages and a second batch at each end, ~1.4x an empty unary call on grpc.aio), and most
+    steps are below pressure, where the step itself costs next to nothing. Unlike PrepareStep it
+    does not count as a response stream (no `TOO_MANY_STREAMS`, no stream quota).
     """
     Compact: _aio.UnaryStreamMultiCallable[_compaction_service_pb2.CompactRequest, _compaction_service_pb2.CompactResponse]  # type: ignore[assignment]
     """On-demand compaction (`/compact`), even below pressure. Streams one update per bracket step,
@@ -293,6 +311,21 @@ class CompactionServiceServicer(metaclass=_abc_1.ABCMeta):
         is live. Configuration errors are warnings in the result, not failures; so are a summary the
         quality gate rejected, a span failure memory holds back, a span too small for a useful
         checkpoint, and a threshold crossing whose brackets are spent (reported once).
+        """
+
+    @_abc_1.abstractmethod
+    def PrepareStepUnary(
+        self,
+        request: _compaction_service_pb2.PrepareStepUnaryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_compaction_service_pb2.PrepareStepUnaryResponse, _abc.Awaitable[_compaction_service_pb2.PrepareStepUnaryResponse]]:
+        """PrepareStep answered in one message: the same check, decided by the same code, with the same
+        result and errors, but no step updates (a bracket it runs is followed by its result only;
+        give the call a deadline a compaction fits in). A runtime that shows no compaction progress
+        steps with this one: on grpc a server-streaming call costs more than a unary one (two
+        messages and a second batch at each end, ~1.4x an empty unary call on grpc.aio), and most
+        steps are below pressure, where the step itself costs next to nothing. Unlike PrepareStep it
+        does not count as a response stream (no `TOO_MANY_STREAMS`, no stream quota).
         """
 
     @_abc_1.abstractmethod
