@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from compactd.core.fold import SessionFold
 from compactd.core.meter import SessionMeter, route_price
-from compactd.core.planner import SHAPES, PlanMode, choose_span, node_pricer, tentatively
+from compactd.core.planner import (
+    SHAPES,
+    PlanMode,
+    choose_span,
+    node_pricer,
+    span_pricer,
+    tentatively,
+)
 from compactd.core.pruner import PrunerConfig, plan_prunes
 from compactd.core.selection import DeclineCode, Declined, Selection, SelectionMode
 from compactd.routes import Route
@@ -78,6 +85,25 @@ def test_the_pricer_uses_the_meter_and_prices_tentative_nodes_as_the_meter_would
     meter.observe(fold, batch)
     assert [meter.route_price_of_nodes(fold, (n.seq,), ROUTE) for n in fold.surface] == tentative
     assert tentative == [route_price(n.event, ROUTE) for n in fold.surface]
+
+
+def test_the_span_pricer_sums_what_the_node_pricer_gives_tentative_nodes_included() -> None:
+    fold = folded(conversation())
+    meter = SessionMeter(fold)
+    events = [e for p in plan_prunes(fold, PrunerConfig(), lambda node: 1) for e in p.events]
+    nodes = list(fold.surface)
+    price = node_pricer(meter, fold, ROUTE)
+    assert span_pricer(meter, fold, ROUTE)(nodes) == sum(price(n) for n in nodes)
+    with tentatively(fold, events):
+        nodes = list(fold.surface)  # a pruned result the meter has not observed
+        assert span_pricer(meter, fold, ROUTE)(nodes) == sum(price(n) for n in nodes)
+        for mode in SelectionMode:
+            chosen = [
+                choose_span(fold, price, selection=mode, retained_budget=50, min_span_tokens=0,
+                            span_price=spans)
+                for spans in (None, span_pricer(meter, fold, ROUTE))
+            ]  # fmt: skip
+            assert chosen[0] == chosen[1]
 
 
 def test_choose_span_lets_the_hold_decline_a_chosen_span_and_nothing_else() -> None:

@@ -103,6 +103,22 @@ def node_pricer(
     return price
 
 
+def span_pricer(
+    meter: SessionMeter, fold: SessionFold, route: MeteredRoute
+) -> Callable[[Sequence[SurfaceNode]], int]:
+    """``node_pricer``'s prices of current nodes, summed: the meter's cached prices in one call
+    (node by node only when one of them is a node the meter has not observed)."""
+    price = node_pricer(meter, fold, route)
+
+    def total(nodes: Sequence[SurfaceNode]) -> int:
+        try:
+            return meter.route_price_of_nodes(fold, [node.seq for node in nodes], route)
+        except ValueError:
+            return sum(price(node) for node in nodes)
+
+    return total
+
+
 def choose_span(
     fold: SessionFold,
     price: Callable[[SurfaceNode], int],
@@ -111,12 +127,13 @@ def choose_span(
     retained_budget: int,
     min_span_tokens: int,
     hold: Callable[[Selection], Declined | None] | None = None,
+    span_price: Callable[[Sequence[SurfaceNode]], int] | None = None,
 ) -> Selection | Declined:
     """The span a bracket replaces, or why it declines (``select_range``, then ``hold``: the
     failure memory of guarded paths, which may hold a chosen span back as KNOWN_FAILURE)."""
     chosen = select_range(
         fold, price, mode=selection, retained_budget=retained_budget,
-        min_span_tokens=min_span_tokens,
+        min_span_tokens=min_span_tokens, span_price=span_price,
     )  # fmt: skip
     if isinstance(chosen, Declined) or hold is None:
         return chosen

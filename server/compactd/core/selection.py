@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from compactd.core import events as ev
 from compactd.core.fold import SessionFold
@@ -94,6 +95,7 @@ def select_range(
     mode: SelectionMode,
     retained_budget: int = 0,
     min_span_tokens: int = 0,
+    span_price: Callable[[Sequence[SurfaceNode]], int] | None = None,
 ) -> Selection | Declined:
     """Select the oldest replaceable span of ``fold``'s surface.
 
@@ -103,6 +105,8 @@ def select_range(
         mode: PRESSURE keeps the newest ``retained_budget`` tokens; MAXIMAL ignores the budget.
         retained_budget: Tokens of recent history to keep verbatim (PRESSURE only).
         min_span_tokens: The smallest span worth a bracket (0: any).
+        span_price: The summed ``price`` of the span's nodes, in one call (default: ``price``
+            node by node).
 
     Returns:
         The span, or ``Declined`` when there is an open tail or nothing worth selecting.
@@ -130,7 +134,7 @@ def select_range(
         return Declined(
             DeclineCode.NOTHING_SELECTABLE, "only the previous checkpoint could be selected"
         )
-    chosen = _selection(nodes[start:end], start, price)
+    chosen = _selection(nodes[start:end], start, span_price or partial(_summed, price))
     if chosen.shadowed_price < min_span_tokens:
         return Declined(
             DeclineCode.SPAN_TOO_SMALL,
@@ -279,7 +283,7 @@ def _retained_tail_start(
 
 
 def _selection(
-    span: Sequence[SurfaceNode], start: int, price: Callable[[SurfaceNode], int]
+    span: Sequence[SurfaceNode], start: int, price: Callable[[Sequence[SurfaceNode]], int]
 ) -> Selection:
     return Selection(
         start_position=start,
@@ -287,8 +291,12 @@ def _selection(
         start_seq=span[0].seq,
         end_seq=span[-1].seq,
         shadowed_seqs=tuple(n.seq for n in span),
-        shadowed_price=sum(price(n) for n in span),
+        shadowed_price=price(span),
     )
+
+
+def _summed(price: Callable[[SurfaceNode], int], nodes: Sequence[SurfaceNode]) -> int:
+    return sum(price(n) for n in nodes)
 
 
 def _nothing_reason(mode: SelectionMode, budget: int, *, empty: bool) -> str:

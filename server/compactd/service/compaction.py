@@ -35,7 +35,7 @@ from compactd.core import events as ev
 from compactd.core.fold import SessionFold
 from compactd.core.lock import live_bracket
 from compactd.core.meter import SessionMeter, route_price
-from compactd.core.planner import SHAPES, PlanMode, choose_span, node_pricer
+from compactd.core.planner import SHAPES, PlanMode, choose_span, node_pricer, span_pricer
 from compactd.core.policy import TargetPolicy
 from compactd.core.pricing import HEURISTIC, PricingProfile, heuristic_price
 from compactd.core.projection import project
@@ -465,6 +465,7 @@ class CompactionEngine:
                     handle.fold, node_pricer(meter, handle.fold, job.route),
                     selection=job.mode, retained_budget=job.retained_budget,
                     min_span_tokens=job.min_span_tokens, hold=partial(self._held, job),
+                    span_price=span_pricer(meter, handle.fold, job.route),
                 )  # fmt: skip
                 if isinstance(chosen, Declined):
                     return chosen
