@@ -67,8 +67,9 @@ ROOT = Path(__file__).resolve().parents[1]
 class Bench:
     """The server, its stubs and a source of transcript events."""
 
-    def __init__(self, channel: grpc.aio.Channel, folder: Path) -> None:
+    def __init__(self, channel: grpc.aio.Channel, folder: Path, prefix: str = "s") -> None:
         self.folder = folder
+        self.prefix = prefix
         self.sessions = session_service_pb2_grpc.SessionServiceStub(channel)
         self.compaction = compaction_service_pb2_grpc.CompactionServiceStub(channel)
         self.health = health_pb2_grpc.HealthStub(channel)
@@ -76,9 +77,10 @@ class Bench:
         self.names = itertools.count()
         self.steps: dict[str, int] = {}
         self.sources: dict[str, Iterator[SessionEvent]] = {}  # a session's own calls and results
+        self.address = ""
 
     async def session(self, route: tuple[str, str] | None = None) -> str:
-        name = f"s{next(self.names)}"
+        name = f"{self.prefix}{next(self.names)}"
         await self.sessions.CreateSession(session_service_pb2.CreateSessionRequest(session_id=name))
         opening = [turn_start()] + ([header(*route)] if route else [])
         await self.append(name, opening)
@@ -319,19 +321,22 @@ async def checks_beside_appends(bench: Bench, rounds: int, checks: int) -> tuple
     await bench.check(idle)
     idle_samples: list[float] = []
     busy_samples: list[float] = []
-    for _ in range(rounds):
+    for turn in range(rounds):
         idle_samples += await _checks(bench, idle, checks)
-        stop = asyncio.Event()
-        appender = asyncio.ensure_future(_append_until(bench, stop))
-        await asyncio.sleep(0.05)  # the first batch is under way
+        # A is another runtime: its own process, so building and sending its batches does not
+        # hold this process's event loop, which times B's calls.
+        appender = await _appender(bench.address, f"a{turn}-")
+        assert appender.stdout is not None
+        assert appender.stdin is not None
+        await appender.stdout.readline()  # its first batch is under way
         busy_samples += await _checks(bench, idle, checks)
-        stop.set()
-        await appender
+        appender.stdin.close()
+        await appender.wait()
     i, b = _pct(idle_samples, 0.99), _pct(busy_samples, 0.99)
     return (
         "CheckPressure p99 on B while A appends 1,000-event batches ≤ 2x idle",
         f"{fmt(b)} = {b / i:.2f}x",
-        f"B's p99 while A is idle {fmt(i)}",
+        f"B's p99 while A is idle {fmt(i)} (A: another process)",
     )
 
 
@@ -344,14 +349,31 @@ async def _checks(bench: Bench, name: str, times: int) -> list[float]:
     return samples
 
 
-async def _append_until(bench: Bench, stop: asyncio.Event) -> None:
-    appended, name = 0, ""
-    while not stop.is_set():
-        if appended % 3 == 0:  # a fresh session A before the surface reaches its byte limit
-            name = await bench.session(ROUTES["cl100k_base"])
-            await bench.check(name)
-        await bench.append(name, bench.batch(name, BATCH))
-        appended += 1
+async def _appender(address: str, prefix: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench.bench_appends", "--append-to", address, "--prefix", prefix,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        cwd=ROOT,
+    )  # fmt: skip
+
+
+async def append_until_stdin_closes(address: str, prefix: str) -> None:
+    """Session A (a child process): appends 1,000-event batches until stdin closes; prints a
+    line once its first batch is on its way."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        bench = Bench(channel, Path(tempfile.gettempdir()), prefix)
+        closed = asyncio.ensure_future(asyncio.to_thread(sys.stdin.read))
+        appended, name = 0, ""
+        while not closed.done():
+            if appended % 3 == 0:  # a fresh session A before the surface reaches its byte limit
+                name = await bench.session(ROUTES["cl100k_base"])
+                await bench.check(name)
+            sent = asyncio.ensure_future(bench.append(name, bench.batch(name, BATCH)))
+            if appended == 0:
+                await asyncio.sleep(0.05)
+                print("appending", flush=True)
+            await sent
+            appended += 1
 
 
 # ---- running ----------------------------------------------------------------------------------
@@ -372,6 +394,7 @@ async def run(args: argparse.Namespace) -> list[tuple[str, str, str]]:
         try:
             async with grpc.aio.insecure_channel(address) as channel:
                 bench = Bench(channel, Path(folder))
+                bench.address = address
                 rows = [await single_client(bench, args.rounds, args.singles)]
                 rows.append(await many_clients(bench, args.rounds, args.clients, args.each))
                 for tokenizer in ROUTES:
@@ -408,6 +431,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--each", type=int, default=20, help="appends per client per round")
     parser.add_argument("--checks", type=int, default=300, help="checks per phase")
     parser.add_argument("--serve", help=argparse.SUPPRESS)  # the server child: its folder
+    parser.add_argument("--append-to", help=argparse.SUPPRESS)  # session A's child: the address
+    parser.add_argument("--prefix", default="a", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -426,5 +451,7 @@ if __name__ == "__main__":
     arguments = parse_args()
     if arguments.serve:
         asyncio.run(serve(arguments.serve))
+    elif arguments.append_to:
+        asyncio.run(append_until_stdin_closes(arguments.append_to, arguments.prefix))
     else:
         _show(asyncio.run(run(arguments)))
