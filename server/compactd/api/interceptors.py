@@ -21,6 +21,10 @@
 A test's own tenant binding (``tenant_binding``) goes after authentication and before the limits,
 so every limit counts the tenant the call runs as.
 
+Neighbours whose handler depends only on the method (all of compactd's own) are served as one
+``Composed`` interceptor, resolved once per method: grpc.aio resolves every call through every
+interceptor, which cost more per call than the limits themselves.
+
 Every wrapper keeps its handler's shape: an async-generator handler stays one, a coroutine
 handler (unary, or streaming through ``context.write``) stays a coroutine, because grpc.aio picks
 how to drive a handler by its shape.
