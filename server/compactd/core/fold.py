@@ -25,7 +25,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from compactd.core import events as ev
 from compactd.core import header as hdr
 from compactd.core.events import SessionEvent
-from compactd.core.limits import node_bytes
+from compactd.core.limits import NODE_OVERHEAD_BYTES, node_bytes
 from compactd.core.lock import LockState, live_bracket
 from compactd.core.offload import INPUT_KINDS, image_count
 from compactd.core.projection import Message, derive_messages
@@ -227,7 +227,7 @@ class SessionFold:
             batch._undo.append(lambda: self.surface.undo(change))
             for shadowed in change.shadowed:
                 self._resize(shadowed.seq, None, batch)
-            self._resize(seq, node_bytes(event), batch)
+            self._resize(seq, _node_bytes(change.node), batch)
         kind = ev.body_name(event)
         if kind == "request_header":
             self._fold_header(event, seq, batch)
@@ -256,8 +256,10 @@ class SessionFold:
     def restore_sizes(self) -> None:
         """Recompute ``surface_bytes`` from the surface, offloads and header (after a snapshot
         set them directly)."""
+        offloads = self.offloads
         self._node_bytes = {
-            n.seq: node_bytes(n.event, self.offloads.get(n.seq, frozenset())) for n in self.surface
+            n.seq: node_bytes(n.event, offloads[n.seq]) if n.seq in offloads else _node_bytes(n)
+            for n in self.surface
         }
         header = self.header.ByteSize() if self.header is not None else 0
         self.surface_bytes = sum(self._node_bytes.values()) + header
@@ -426,6 +428,11 @@ class SessionFold:
                 )
             if any(a >= b for a, b in pairwise(indexes)):
                 _invalid(f"{field_name}.image_indexes", "indexes must be strictly increasing")
+
+
+def _node_bytes(node: SurfaceNode) -> int:
+    """``node_bytes`` of a node nothing is offloaded from, from the bytes it keeps."""
+    return len(node.data) + NODE_OVERHEAD_BYTES
 
 
 def _rewrites(event: SessionEvent) -> bool:

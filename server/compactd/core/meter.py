@@ -45,7 +45,7 @@ from compactd.core.pricing import (
     price_tools,
 )
 from compactd.core.projection import Message
-from compactd.core.surface import SurfaceChange
+from compactd.core.surface import SurfaceChange, SurfaceNode
 from compactd.v1 import events_pb2
 
 __all__ = [
@@ -229,9 +229,10 @@ class SessionMeter:
     ) -> None:
         self._fold = fold
         self.revision = fold.revision
-        self._nodes: dict[int, SessionEvent] = {n.seq: n.event for n in fold.surface}
+        self._nodes: dict[int, SurfaceNode] = {n.seq: n for n in fold.surface}
         self._offloads: dict[int, frozenset[int]] = dict(fold.offloads)
         self._head = _head_seq(fold)
+        self._head_text: tuple[int | None, str | None] = (None, None)  # (head seq, its text)
         self._header_seq = fold.header_seq
         self._header = fold.header
         self._ledgers: dict[PricingProfile, _Ledger] = {}
@@ -323,7 +324,7 @@ class SessionMeter:
         persisted = self._persisted.get(pricing.key, {})
         missing = [seq for seq in self._nodes if seq not in persisted]
         priced = price_nodes(
-            [(self._nodes[s], self._offloads.get(s, frozenset())) for s in missing], pricing
+            [(self._nodes[s].event, self._offloads.get(s, frozenset())) for s in missing], pricing
         )
         fresh = dict(zip(missing, priced, strict=True))
         return {seq: persisted[seq] if seq in persisted else fresh[seq] for seq in self._nodes}
@@ -381,7 +382,8 @@ class SessionMeter:
     def _apply(self, fold: SessionFold, change: SurfaceChange, kind: str) -> None:
         """Price the node one surface event created (``kind``: its body) and drop what it
         shadowed. Runs once per appended message: kept to the few lookups it needs."""
-        seq, event = change.node.seq, change.node.event
+        seq = change.node.seq
+        event = change.node.event if kind == "assistant_message" else None  # parsed once
         in_delta = False
         if change.shadowed:
             for old in change.shadowed:
@@ -389,13 +391,13 @@ class SessionMeter:
             if self._anchor is not None and self._before_anchor(fold, seq):
                 self._drop_anchor()
             in_delta = self._anchor is not None
-        elif kind == "assistant_message" and _usage(event):
+        elif event is not None and _usage(event):
             self._set_anchor(seq, event)
         else:
             in_delta = self._anchor is not None
         if fold.surface.position_of(seq) is None:
             return  # shadowed later in this batch
-        self._nodes[seq] = event
+        self._nodes[seq] = change.node
         if in_delta:
             self._after_anchor.add(seq)
         staged = self._batch_prices
@@ -403,6 +405,8 @@ class SessionMeter:
             # A new node has no offloads yet; an offload in this batch reprojects it afterwards.
             cost = staged.get((ledger.pricing, seq))
             if cost is None:
+                if event is None:
+                    event = change.node.event
                 cost = price_node(event, ledger.pricing)
             ledger.put(seq, cost, in_delta)
 
@@ -438,7 +442,7 @@ class SessionMeter:
             ledger.put(seq, cost, in_delta)
 
     def _price(self, seq: int, pricing: PricingProfile) -> NodeCost:
-        return price_node(self._nodes[seq], pricing, self._offloads.get(seq, frozenset()))
+        return price_node(self._nodes[seq].event, pricing, self._offloads.get(seq, frozenset()))
 
     # ---- the anchor ---------------------------------------------------------------------
 
@@ -514,7 +518,7 @@ class SessionMeter:
         """
         self._check_fold(fold)
         ledger = self._ledger(route.pricing)
-        head_text = _system_text(self._nodes.get(self._head)) if self._head is not None else None
+        head_text = self._system_text()
         estimate = _assemble(
             revision=self.revision,
             pricing=route.pricing,
@@ -557,6 +561,17 @@ class SessionMeter:
                 raise ValueError(f"seq {seq} is not a current surface node")
             total += cost.total
         return total
+
+    def _system_text(self) -> str | None:
+        """The system head's text, parsed once per head (a node's event never changes)."""
+        if self._head is None:
+            return None
+        if self._head_text[0] != self._head:
+            node = self._nodes.get(self._head)
+            if node is None:
+                return None
+            self._head_text = (self._head, _system_text(node.event))
+        return self._head_text[1]
 
     def _ledger(self, pricing: PricingProfile) -> _Ledger:
         ledger = self._ledgers.get(pricing)

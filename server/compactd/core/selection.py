@@ -174,9 +174,9 @@ def boundaries_from_end(fold: SessionFold) -> Iterator[tuple[int, bool]]:
     lowest = len(nodes)  # the earliest first-call position of the results read so far
     yield len(nodes), True
     for position in range(len(nodes) - 1, -1, -1):
-        event = nodes[position].event
-        if event.HasField("tool_result"):
-            made = surface.first_call_position(event.tool_result.tool_call_id)
+        answers = nodes[position].answers
+        if answers:
+            made = surface.first_call_position(answers)
             if made is not None and made < min(lowest, position):
                 lowest = made
         yield position, lowest >= position
@@ -256,10 +256,10 @@ def _call_spans(nodes: Sequence[SurfaceNode]) -> dict[str, tuple[int, int | None
     """Each call id -> (position of its call, position of its last result or None)."""
     spans: dict[str, tuple[int, int | None]] = {}
     for position, node in enumerate(nodes):
-        for call in ev.tool_call_ids(node.event):
+        for call in node.calls:
             spans.setdefault(call, (position, None))
-        if node.type == ev.TOOL_RESULT:
-            call = node.event.tool_result.tool_call_id
+        if node.answers:
+            call = node.answers
             if call in spans:
                 spans[call] = (spans[call][0], position)
     return spans

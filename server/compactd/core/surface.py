@@ -8,6 +8,7 @@ the change touches, and ``undo`` reverts a change so a batch can be applied atom
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
@@ -18,17 +19,43 @@ from compactd.core.pairing import CorruptPairing, open_calls_after
 from compactd.errors import FieldViolation, ReplacementRejected
 
 
-@dataclass(frozen=True, slots=True)
 class SurfaceNode:
-    """One surface node: the event that created it (its ``seq`` is the node's identity)."""
+    """One surface node: the event that created it (its ``seq`` is the node's identity).
 
-    seq: int
-    event: SessionEvent
+    The event is kept serialized (``data``) and parsed when read (``event``): a parsed event
+    holds about 1 KiB of protobuf arena beyond its bytes, so a resident surface of parsed events
+    costs over twice its bytes. What the fold's hot paths read of every node (its type, the calls
+    it makes, the call it answers) is kept beside the bytes. Immutable.
+    """
+
+    __slots__ = ("answers", "calls", "data", "seq", "type")
+
+    def __init__(self, seq: int, event: SessionEvent) -> None:
+        self.seq = seq
+        self.data = event.SerializeToString()
+        self.type = ev.event_type(event)
+        # Interned: the call indices key on the same strings (one copy per call id).
+        calls = ev.tool_call_ids(event)
+        self.calls: tuple[str, ...] = tuple(sys.intern(c) for c in calls) if calls else ()
+        self.answers = (
+            sys.intern(event.tool_result.tool_call_id) if self.type == ev.TOOL_RESULT else ""
+        )
 
     @property
-    def type(self) -> str:
-        """The spec's type string of the node's event."""
-        return ev.event_type(self.event)
+    def event(self) -> SessionEvent:
+        """The node's event, parsed anew: a copy (changing it changes no node)."""
+        return SessionEvent.FromString(self.data)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SurfaceNode):
+            return NotImplemented
+        return self.seq == other.seq and self.data == other.data
+
+    def __hash__(self) -> int:
+        return hash((self.seq, self.data))
+
+    def __repr__(self) -> str:
+        return f"SurfaceNode(seq={self.seq}, type={self.type!r}, {len(self.data)} bytes)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +75,8 @@ class Surface:
         self._position: dict[int, int] = {}  # seq -> position, for current nodes
         self._calls: dict[str, int] = {}  # tool call id -> count of current nodes making it
         # Kept so selection reads the tail it needs, not the whole surface (``core.selection``):
-        self._makers: dict[str, set[int]] = {}  # call id -> seqs of current nodes making it
-        self._answers: dict[str, set[int]] = {}  # call id -> seqs of current results naming it
+        self._makers: dict[str, tuple[int, ...]] = {}  # call id -> current nodes making it
+        self._answers: dict[str, tuple[int, ...]] = {}  # call id -> current results naming it
         self._unanswered: set[str] = set()  # call ids made on the surface, answered by no node
         self._repeated: set[str] = set()  # call ids more than one current node makes
         self._ever_repeated = False  # whether any call id was ever made by two nodes at once
@@ -170,7 +197,7 @@ class Surface:
 
     def _track_calls(self, node: SurfaceNode, delta: int) -> None:
         """Count the calls ``node`` makes and the call its result answers (+1 or -1)."""
-        for call_id in ev.tool_call_ids(node.event):
+        for call_id in node.calls:
             count = self._calls.get(call_id, 0) + delta
             if count:
                 self._calls[call_id] = count
@@ -183,20 +210,22 @@ class Surface:
             else:
                 self._repeated.discard(call_id)
             self._refresh_answer(call_id)
-        if ev.body_name(node.event) == "tool_result":
-            call_id = node.event.tool_result.tool_call_id
-            self._index(self._answers, call_id, node.seq, delta)
-            self._refresh_answer(call_id)
+        if node.answers:
+            self._index(self._answers, node.answers, node.seq, delta)
+            self._refresh_answer(node.answers)
 
     @staticmethod
-    def _index(index: dict[str, set[int]], call_id: str, seq: int, delta: int) -> None:
+    def _index(index: dict[str, tuple[int, ...]], call_id: str, seq: int, delta: int) -> None:
+        # Tuples, not sets: a call id has one or two nodes, and a set of one costs 216 bytes.
+        seqs = index.get(call_id, ())
         if delta > 0:
-            index.setdefault(call_id, set()).add(seq)
-            return
-        seqs = index.get(call_id)
-        if seqs is not None:
-            seqs.discard(seq)
-            if not seqs:
+            if seq not in seqs:
+                index[call_id] = (*seqs, seq)
+        elif seq in seqs:
+            kept = tuple(s for s in seqs if s != seq)
+            if kept:
+                index[call_id] = kept
+            else:
                 del index[call_id]
 
     def _refresh_answer(self, call_id: str) -> None:
@@ -293,8 +322,8 @@ class Surface:
         """
         candidates = set(self._unanswered)
         for node in self._nodes[cut:]:
-            if node.type == ev.TOOL_RESULT:
-                candidates.add(node.event.tool_result.tool_call_id)
+            if node.answers:
+                candidates.add(node.answers)
         return any(self._open_before(call_id, cut) for call_id in candidates)
 
     def _open_before(self, call_id: str, cut: int) -> bool:
@@ -313,7 +342,7 @@ class Surface:
         """
         in_span: dict[str, int] = {}
         for node in self._nodes[start : end + 1]:
-            for call_id in ev.tool_call_ids(node.event):
+            for call_id in node.calls:
                 in_span[call_id] = in_span.get(call_id, 0) + 1
         position = self._position
         return any(

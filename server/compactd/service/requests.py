@@ -17,15 +17,16 @@ def surface_response(handle: SessionHandle) -> pb.GetSurfaceResponse:
     fold = handle.fold
     nodes = []
     for position, node in enumerate(fold.surface):
-        message = project(node.event, fold.offloads.get(node.seq, frozenset()))
+        event = node.event  # parsed once: a node keeps its event serialized
+        message = project(event, fold.offloads.get(node.seq, frozenset()))
         nodes.append(
             pb.SurfaceNode(
                 position=position,
                 seq=node.seq,
                 type=node.type,
                 message=message,
-                source_event_seqs=node.event.source_event_seqs,
-                compaction_id=ev.checkpoint_compaction_id(node.event),
+                source_event_seqs=event.source_event_seqs,
+                compaction_id=ev.checkpoint_compaction_id(event),
             )
         )
     return pb.GetSurfaceResponse(revision=fold.revision, nodes=nodes)
