@@ -232,6 +232,8 @@ class _RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     """Times every RPC, counts appended events, records pressure reports the RPCs answer, and
     binds the request's session id to the log context of its handler."""
 
+    resolves_per_method = True  # see ``api.interceptors.Composed``
+
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
         self._handlers: dict[str, tuple[Any, Any]] = {}

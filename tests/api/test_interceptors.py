@@ -385,3 +385,41 @@ async def test_streams_per_process_are_limited(limited: RunningServer) -> None:
         assert reply.revision == 1  # unary calls are never limited
         for call in calls:
             call.cancel()
+
+
+# ---- composed resolution ----------------------------------------------------------------------
+
+
+class _Counting(interceptors.Interceptor):
+    """Counts the calls it resolves; wraps nothing."""
+
+    def __init__(self, per_method: bool) -> None:
+        self.resolves_per_method = per_method
+        self.resolved = 0
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        self.resolved += 1
+        return await continuation(details)
+
+
+async def test_neighbours_that_resolve_per_method_are_resolved_once_per_handler_under_them() -> (
+    None
+):
+    first, binding, inner, innermost = (_Counting(p) for p in (True, False, True, True))
+    chain = interceptors.composed([first, binding, inner, innermost])
+    assert chain[:2] == [first, binding]  # a lone one stays itself
+    assert len(chain) == 3
+    servicer = [grpc.unary_unary_rpc_method_handler(lambda request, context: None)]
+
+    async def resolve(index: int, details: Any) -> Any:
+        if index == len(chain):
+            return servicer[0]
+        return await chain[index].intercept_service(lambda d: resolve(index + 1, d), details)
+
+    call = dataclasses.make_dataclass("Details", ["method"])("/compactd.v1.SessionService/X")
+    handlers = [await resolve(0, call) for _ in range(3)]
+    assert handlers == [servicer[0]] * 3
+    assert (first.resolved, binding.resolved, inner.resolved, innermost.resolved) == (3, 3, 1, 1)
+    servicer[0] = grpc.unary_unary_rpc_method_handler(lambda request, context: None)
+    assert await resolve(0, call) is servicer[0]  # a new handler under them: resolved afresh
+    assert (inner.resolved, innermost.resolved) == (2, 2)

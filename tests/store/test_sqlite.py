@@ -131,6 +131,27 @@ async def test_reopening_the_file_reads_everything_back(tmp_path: Path) -> None:
         assert await reopened.append("a", batch(42, 1)) == 43
 
 
+async def test_appends_from_other_event_loops_queued_in_one_group_are_each_answered(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "e.db"
+    async with SqliteEventStore(str(path)) as store:
+        for i in range(8):
+            await store.create_session(f"s{i}", None)
+
+        def on_another_loop(i: int) -> int:
+            return asyncio.run(store.append(f"s{i}", batch(0, 2)))
+
+        with write_lock_held(path):  # every append queues behind the held lock: one group
+            here = [asyncio.create_task(store.append(f"s{i}", batch(0, 2))) for i in range(4)]
+            there = [
+                asyncio.create_task(asyncio.to_thread(on_another_loop, i)) for i in range(4, 8)
+            ]
+            await asyncio.sleep(0.3)
+        assert await asyncio.gather(*here, *there) == [2] * 8
+        assert [r.revision for r in await store.list_sessions()] == [2] * 8
+
+
 async def test_close_commits_appends_already_queued(tmp_path: Path) -> None:
     path = str(tmp_path / "e.db")
     store = SqliteEventStore(path)

@@ -173,6 +173,8 @@ class Authentication(Interceptor):
     changed file); calls already running keep the tenant they started with.
     """
 
+    resolves_per_method = True  # credentials are read when a call runs
+
     def __init__(self, credentials: Credentials) -> None:
         self.credentials = credentials
         self._cache = HandlerCache()

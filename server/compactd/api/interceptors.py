@@ -21,6 +21,10 @@
 A test's own tenant binding (``tenant_binding``) goes after authentication and before the limits,
 so every limit counts the tenant the call runs as.
 
+Neighbours whose handler depends only on the method (all of compactd's own) are served as one
+``Composed`` interceptor, resolved once per method: grpc.aio resolves every call through every
+interceptor, which cost more per call than the limits themselves.
+
 Every wrapper keeps its handler's shape: an async-generator handler stays one, a coroutine
 handler (unary, or streaming through ``context.write``) stays a coroutine, because grpc.aio picks
 how to drive a handler by its shape.
@@ -76,15 +80,78 @@ def chain(
     see every call and every status the others set; ``authentication`` (``api.auth``) binds
     the caller's tenant before anything reads the request (``tenant_binding``: a test's own
     binding, after it); the limits and ``quotas`` count the tenant bound."""
-    return [
-        Tracing.for_provider(tracer_provider),
-        *observe,
-        *([authentication] if authentication is not None else []),
-        UndecodableRequests(),
-        *tenant_binding,
-        StreamLimits(max_streams=max_streams, max_streams_per_session=max_streams_per_session),
-        *([TenantQuotas(quotas)] if quotas is not None else []),
-    ]
+    return composed(
+        [
+            Tracing.for_provider(tracer_provider),
+            *observe,
+            *([authentication] if authentication is not None else []),
+            UndecodableRequests(),
+            *tenant_binding,
+            StreamLimits(max_streams=max_streams, max_streams_per_session=max_streams_per_session),
+            *([TenantQuotas(quotas)] if quotas is not None else []),
+        ]
+    )
+
+
+def composed(interceptors: Sequence[Interceptor]) -> list[Interceptor]:
+    """``interceptors`` with each run of neighbours that resolve per method (``PER_METHOD``)
+    joined into one ``Composed``; the others (a test's tenant binding) stay as they are."""
+    out: list[Interceptor] = []
+    run: list[Interceptor] = []
+    for interceptor in interceptors:
+        if getattr(interceptor, PER_METHOD, False):
+            run.append(interceptor)
+            continue
+        out += [Composed(run)] if len(run) > 1 else run
+        out.append(interceptor)
+        run = []
+    out += [Composed(run)] if len(run) > 1 else run
+    return out
+
+
+#: The attribute an interceptor sets true when the handler it returns depends only on the method
+#: and the handler under it (anything per call happens inside the handler, when it runs).
+PER_METHOD = "resolves_per_method"
+
+
+class Composed(Interceptor):
+    """Interceptors that each resolve per method, resolved together once per method.
+
+    grpc.aio resolves the handler of every call through every interceptor, a coroutine each;
+    for these the answer is the same call after call while the handler under them is, so it is
+    resolved through them on a method's first call (and again when that handler changes) and
+    reused after.
+    """
+
+    def __init__(self, parts: Sequence[Interceptor]) -> None:
+        self.parts = list(parts)
+        self._by_method: dict[str, tuple[Handler | None, Handler | None]] = {}
+
+    async def intercept_service(
+        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> Handler:
+        handler: Handler | None = await continuation(handler_call_details)
+        method = handler_call_details.method
+        cached = self._by_method.get(method)
+        if cached is not None and cached[0] is handler:
+            return cast(Handler, cached[1])
+        built = await self._resolve(0, handler, handler_call_details)
+        self._by_method[method] = (handler, built)
+        return cast(Handler, built)
+
+    async def _resolve(
+        self, index: int, handler: Handler | None, details: grpc.HandlerCallDetails
+    ) -> Handler | None:
+        if index == len(self.parts):
+            return handler
+
+        async def inner(call_details: grpc.HandlerCallDetails) -> Handler | None:
+            return await self._resolve(index + 1, handler, call_details)
+
+        resolved: Handler | None = await self.parts[index].intercept_service(
+            cast(Continuation, inner), details
+        )
+        return resolved
 
 
 def guarded(behavior: Behavior, guard: Guard) -> Behavior:
@@ -215,6 +282,8 @@ class Tracing(_aio_server.OpenTelemetryAioServerInterceptor):
         else:
             manager.__exit__(None, None, None)
 
+    resolves_per_method = True  # instrumentation is on or off for the whole server
+
     def __init__(self, tracer: trace.Tracer, filter_: Any = None) -> None:
         super().__init__(tracer, filter_=filter_)  # type: ignore[no-untyped-call]
         self._cache = HandlerCache()
@@ -302,6 +371,8 @@ class Undecodable:
 class UndecodableRequests(Interceptor):
     """Answers INVALID_ARGUMENT (reason ``UNDECODABLE_REQUEST``) for bytes that do not parse."""
 
+    resolves_per_method = True
+
     def __init__(self) -> None:
         self._cache = HandlerCache()
 
@@ -376,6 +447,8 @@ class StreamLimits(Interceptor):
     Health and reflection streams count towards the process limit; a stream of compactd's own
     services also counts towards its session's (the request's ``session_id``).
     """
+
+    resolves_per_method = True
 
     def __init__(self, *, max_streams: int, max_streams_per_session: int) -> None:
         self.max_streams = max_streams
@@ -477,6 +550,8 @@ class TenantQuotas(Interceptor):
     afterwards (a flood of bad batches is still a flood). Sessions and bytes are counted where
     they are known, in ``SessionManager``.
     """
+
+    resolves_per_method = True
 
     def __init__(self, book: QuotaBook) -> None:
         self.book = book
