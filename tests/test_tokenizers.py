@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import os
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -60,6 +62,27 @@ def test_a_batch_count_equals_counting_each_text_alone() -> None:
     assert tokenizer.count_batch(texts) == [tokenizer.count(text) for text in texts]
     assert tokenizer.count_batch([]) == []
     assert tokenizer.count_batch(["one"]) == [tokenizer.count("one")]
+
+
+def test_a_batch_is_counted_below_the_event_loops_cpu_priority() -> None:
+    tokenizer = tiktoken_cl100k()
+    seen: list[int] = []
+    encode = tokenizer._encode
+
+    def spying(text: str) -> list[int]:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        ids: list[int] = encode(text)
+        return ids
+
+    tokenizer._encode = spying
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    try:
+        assert tokenizer.count_batch(["one", "two", "three"]) == [1, 1, 1]
+    finally:
+        tokenizer._encode = encode
+    assert seen
+    assert set(seen) == {min(19, before + tokenizers.COUNTING_NICENESS)}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # caller untouched
 
 
 def test_cl100k_counts_special_token_text_as_text() -> None:

@@ -132,6 +132,18 @@ _DEEPSEEK_TOOL_CALL: Final = (
 BATCH_THREADS: Final = max(1, min(8, os.cpu_count() or 1))
 
 
+#: The niceness batch counting runs at: below the event loop's, so that a core taken by a large
+#: batch's counting is handed back at once to a call waking up on the loop.
+COUNTING_NICENESS: Final = 10
+
+
+def yield_cpu() -> None:
+    """Lower the calling thread's CPU priority (Linux schedules threads by their own niceness);
+    a no-op where that is not allowed."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COUNTING_NICENESS)
+
+
 class TokenizerUnavailable(ConfigError):
     """A known tokenizer whose data is not available locally."""
 
@@ -197,17 +209,15 @@ class TiktokenTokenizer:
                 counts[index] = len(encode(texts[index]))
 
         def helper_share(first: int) -> None:
+            yield_cpu()
             with contextlib.suppress(Exception):  # what it leaves uncounted is counted below
                 share(first)
 
-        helpers = [threading.Thread(target=helper_share, args=(k,)) for k in range(1, threads)]
+        helpers = [threading.Thread(target=helper_share, args=(k,)) for k in range(threads)]
         for helper in helpers:
             helper.start()
-        try:
-            share(0)
-        finally:
-            for helper in helpers:
-                helper.join()
+        for helper in helpers:
+            helper.join()
         # A helper that failed left texts uncounted: count them here (raising as ``count`` does).
         encode = self._encode
         return [len(encode(t)) if c is None else c for t, c in zip(texts, counts, strict=True)]
