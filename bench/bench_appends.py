@@ -322,7 +322,8 @@ async def checks_beside_appends(bench: Bench, rounds: int, checks: int) -> tuple
         appender = await _appender(bench.address, f"a{turn}-")
         assert appender.stdout is not None
         assert appender.stdin is not None
-        await appender.stdout.readline()  # its first batch is under way
+        if await appender.stdout.readline() != b"appending\n":  # its first batch is under way
+            raise RuntimeError(f"session A's appender stopped: exit {await appender.wait()}")
         busy_samples += await _checks(bench, idle, checks)
         appender.stdin.close()
         await appender.wait()
