@@ -376,10 +376,12 @@ class SessionMeter:
         profiles = list(self._ledgers)
         ledgers = {p: self.price_ledger(p) for p in dict.fromkeys(wanted) if p not in self._ledgers}
         items: list[tuple[int, SessionEvent, Set[int]]] = []
+        parsed = {event.seq: event for event in batch.events}  # a node parses its bytes anew
         for change in batch.surface_changes:
             seq = change.node.seq
             if fold.surface.position_of(seq) is not None:
-                items.append((seq, change.node.event, frozenset()))
+                event = parsed.get(seq)
+                items.append((seq, change.node.event if event is None else event, frozenset()))
         for seq in batch.reprojected:
             position = fold.surface.position_of(seq)
             if position is not None:
