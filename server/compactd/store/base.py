@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Self
+from typing import NamedTuple, Self
 
 from compactd import errors
 from compactd.store.leases import Lease, LeaseOp
@@ -28,6 +28,14 @@ from compactd.v1 import events_pb2
 
 #: The tenant a store call names when it names none: the owner of data written before tenancy.
 DEFAULT_TENANT_ID = DEFAULT_TENANT.id
+
+
+class SessionKey(NamedTuple):
+    """A session's primary key in a relational backend."""
+
+    tenant: str
+    session_id: str
+
 
 Clock = Callable[[], datetime]
 """Returns the current time as an aware UTC ``datetime``; injected so tests can pin it."""

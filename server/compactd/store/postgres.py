@@ -29,7 +29,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from datetime import UTC, datetime
-from typing import Any, Final, NamedTuple
+from typing import Any, Final
 
 import psycopg
 import psycopg.conninfo
@@ -38,7 +38,7 @@ from psycopg.rows import TupleRow
 
 from compactd import errors
 from compactd.store import base, postgres_schema
-from compactd.store.base import DEFAULT_TENANT_ID
+from compactd.store.base import DEFAULT_TENANT_ID, SessionKey
 from compactd.store.leases import Lease, LeaseAction, LeaseOp, apply
 from compactd.v1 import events_pb2
 
@@ -222,7 +222,7 @@ class PostgresEventStore(base.EventStore):
         lease: LeaseOp | None = None,
     ) -> int:
         rows = base.encode_batch(events)
-        key = _Key(tenant, session_id)
+        key = SessionKey(tenant, session_id)
         try:
             with _db_errors("append"):
                 # Pipeline mode: BEGIN rides with the row lock's SELECT, and the inserts, the
@@ -236,7 +236,7 @@ class PostgresEventStore(base.EventStore):
         return revision
 
     async def _append_locked(
-        self, conn: Conn, key: _Key, rows: list[base.EventRow], lease: LeaseOp | None
+        self, conn: Conn, key: SessionKey, rows: list[base.EventRow], lease: LeaseOp | None
     ) -> int:
         """The append transaction's body: every check under the session's row lock."""
         session_id = key.session_id
@@ -295,14 +295,14 @@ class PostgresEventStore(base.EventStore):
         if record is None:
             raise base.session_not_found(session_id)
         end = record.revision if to_seq is None else min(to_seq, record.revision)
-        key = _Key(tenant, session_id)
+        key = SessionKey(tenant, session_id)
         for start in range(from_seq, end, self._read_chunk):
             stop = min(start + self._read_chunk, end)
             for event in await self._select_range(key, start, stop):
                 yield event
 
     async def _select_range(
-        self, key: _Key, start: int, stop: int
+        self, key: SessionKey, start: int, stop: int
     ) -> list[events_pb2.SessionEvent]:
         with _db_errors("read events"):
             async with self._connection() as conn:
@@ -318,7 +318,7 @@ class PostgresEventStore(base.EventStore):
         self, session_id: str, seqs: Sequence[int], *, tenant: str = DEFAULT_TENANT_ID
     ) -> list[events_pb2.SessionEvent]:
         wanted = sorted({s for s in seqs if s >= 0})
-        key = _Key(tenant, session_id)
+        key = SessionKey(tenant, session_id)
         with _db_errors("read events"):
             async with self._connection() as conn:
                 await _require_session(conn, key)
@@ -333,7 +333,7 @@ class PostgresEventStore(base.EventStore):
         self, session_id: str, event_ids: Sequence[str], *, tenant: str = DEFAULT_TENANT_ID
     ) -> dict[str, int]:
         wanted = sorted({i for i in event_ids if i})
-        key = _Key(tenant, session_id)
+        key = SessionKey(tenant, session_id)
         with _db_errors("read event ids"):
             async with self._connection() as conn:
                 await _require_session(conn, key)
@@ -363,7 +363,7 @@ class PostgresEventStore(base.EventStore):
     ) -> None:
         # One statement: atomic. Replicas may race to snapshot a session; the newest revision
         # wins, so a slow writer never replaces a newer snapshot with an older one.
-        key = _Key(tenant, session_id)
+        key = SessionKey(tenant, session_id)
         with _db_errors("write a snapshot"):
             async with self._connection() as conn:
                 await _require_session(conn, key)
@@ -456,18 +456,11 @@ class PostgresEventStore(base.EventStore):
             yield conn
 
 
-class _Key(NamedTuple):
-    """A session's primary key."""
-
-    tenant: str
-    session_id: str
-
-
 _WHERE_KEY = "tenant = %s AND session_id = %s"
 
 
 async def _apply_lease(
-    conn: Conn, key: _Key, current: Lease | None, op: LeaseOp, now: datetime
+    conn: Conn, key: SessionKey, current: Lease | None, op: LeaseOp, now: datetime
 ) -> None:
     after = apply(key.session_id, current, op, now)
     if after is None:
@@ -491,13 +484,13 @@ def _lease_of(row: tuple[Any, ...], now: datetime) -> Lease | None:
     return Lease(str(owner), str(token), expires, (expires - now).total_seconds())
 
 
-async def _require_session(conn: Conn, key: _Key) -> None:
+async def _require_session(conn: Conn, key: SessionKey) -> None:
     cursor = await conn.execute(f"SELECT 1 FROM sessions WHERE {_WHERE_KEY}", key)
     if await cursor.fetchone() is None:
         raise base.session_not_found(key.session_id)
 
 
-async def _select_event_ids(conn: Conn, key: _Key, event_ids: list[str]) -> dict[str, int]:
+async def _select_event_ids(conn: Conn, key: SessionKey, event_ids: list[str]) -> dict[str, int]:
     if not event_ids:
         return {}
     cursor = await conn.execute(

@@ -23,11 +23,11 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, TypeVar
 
 from compactd import errors
 from compactd.store import base
-from compactd.store.base import DEFAULT_TENANT_ID
+from compactd.store.base import DEFAULT_TENANT_ID, SessionKey
 from compactd.store.leases import Lease, LeaseOp, ProcessLeases
 from compactd.store.owner import OwnerLock
 from compactd.v1 import events_pb2
@@ -209,7 +209,7 @@ class SqliteEventStore(base.EventStore):
     async def get_session(
         self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID
     ) -> base.SessionRecord | None:
-        return await self._read(functools.partial(_select_session, _Key(tenant, session_id)))
+        return await self._read(functools.partial(_select_session, SessionKey(tenant, session_id)))
 
     async def list_sessions(
         self, *, after: str = "", limit: int = 100, tenant: str = DEFAULT_TENANT_ID
@@ -218,7 +218,7 @@ class SqliteEventStore(base.EventStore):
         return await self._read(functools.partial(_select_sessions, tenant, after, limit))
 
     async def delete_session(self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID) -> bool:
-        op = functools.partial(_delete_session, _Key(tenant, session_id))
+        op = functools.partial(_delete_session, SessionKey(tenant, session_id))
         deleted = await self._write(op, events=None)
         self._leases.forget((tenant, session_id))
         return deleted
@@ -233,7 +233,7 @@ class SqliteEventStore(base.EventStore):
     ) -> int:
         # Serialized on the writer thread, not the event loop; the caller leaves the events be.
         op = functools.partial(
-            _encode_and_insert, _Key(tenant, session_id), list(events), self._clock()
+            _encode_and_insert, SessionKey(tenant, session_id), list(events), self._clock()
         )
         self._check_open()
         # The session service serializes a session's appends, and this process is the store's
@@ -270,7 +270,7 @@ class SqliteEventStore(base.EventStore):
         tenant: str = DEFAULT_TENANT_ID,
     ) -> AsyncIterator[events_pb2.SessionEvent]:
         base.check_read_range(from_seq, to_seq)
-        key = _Key(tenant, session_id)
+        key = SessionKey(tenant, session_id)
         revision = await self._read(functools.partial(_require_revision, key))
         end = revision if to_seq is None else min(to_seq, revision)
         for start in range(from_seq, end, self._read_chunk):
@@ -283,13 +283,15 @@ class SqliteEventStore(base.EventStore):
         self, session_id: str, seqs: Sequence[int], *, tenant: str = DEFAULT_TENANT_ID
     ) -> list[events_pb2.SessionEvent]:
         wanted = sorted({s for s in seqs if s >= 0})
-        return await self._read(functools.partial(_select_seqs, _Key(tenant, session_id), wanted))
+        return await self._read(
+            functools.partial(_select_seqs, SessionKey(tenant, session_id), wanted)
+        )
 
     async def find_event_ids(
         self, session_id: str, event_ids: Sequence[str], *, tenant: str = DEFAULT_TENANT_ID
     ) -> dict[str, int]:
         wanted = sorted({i for i in event_ids if i})
-        key = _Key(tenant, session_id)
+        key = SessionKey(tenant, session_id)
         return await self._read(functools.partial(_select_event_ids, key, wanted))
 
     async def usage(
@@ -302,13 +304,13 @@ class SqliteEventStore(base.EventStore):
     ) -> None:
         # One job of the writer: its own savepoint inside one committed transaction, so a crash
         # leaves the old row or the new one (``_replace_snapshot``).
-        op = functools.partial(_replace_snapshot, _Key(tenant, session_id), revision, data)
+        op = functools.partial(_replace_snapshot, SessionKey(tenant, session_id), revision, data)
         await self._write(op, events=None)
 
     async def get_snapshot(
         self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID
     ) -> tuple[int, bytes] | None:
-        return await self._read(functools.partial(_select_snapshot, _Key(tenant, session_id)))
+        return await self._read(functools.partial(_select_snapshot, SessionKey(tenant, session_id)))
 
     def _take_ownership(self) -> None:
         folder = os.path.dirname(os.path.abspath(self._path))
@@ -524,13 +526,6 @@ def _write_failed(exc: Exception) -> errors.CompactdError:
 # --- write operations (run on the writer thread, inside a savepoint) ----------------------------
 
 
-class _Key(NamedTuple):
-    """A session's primary key."""
-
-    tenant: str
-    session_id: str
-
-
 _WHERE_KEY = "tenant = ? AND session_id = ?"
 
 
@@ -551,20 +546,20 @@ def _insert_session(record: base.SessionRecord, conn: sqlite3.Connection) -> Non
         raise base.session_exists(record.session_id) from None
 
 
-def _delete_session(key: _Key, conn: sqlite3.Connection) -> bool:
+def _delete_session(key: SessionKey, conn: sqlite3.Connection) -> bool:
     conn.execute(f"DELETE FROM snapshots WHERE {_WHERE_KEY}", key)
     conn.execute(f"DELETE FROM events WHERE {_WHERE_KEY}", key)
     return conn.execute(f"DELETE FROM sessions WHERE {_WHERE_KEY}", key).rowcount > 0
 
 
 def _encode_and_insert(
-    key: _Key, events: list[events_pb2.SessionEvent], now: datetime, conn: sqlite3.Connection
+    key: SessionKey, events: list[events_pb2.SessionEvent], now: datetime, conn: sqlite3.Connection
 ) -> int:
     return _insert_events(key, base.encode_batch(events), now, conn)
 
 
 def _insert_events(
-    key: _Key, rows: list[base.EventRow], now: datetime, conn: sqlite3.Connection
+    key: SessionKey, rows: list[base.EventRow], now: datetime, conn: sqlite3.Connection
 ) -> int:
     session_id = key.session_id
     revision = _require_revision(key, conn)
@@ -605,7 +600,9 @@ def _insert_events(
 _between_snapshot_steps: Callable[[], None] = lambda: None  # noqa: E731
 
 
-def _replace_snapshot(key: _Key, revision: int, data: bytes, conn: sqlite3.Connection) -> None:
+def _replace_snapshot(
+    key: SessionKey, revision: int, data: bytes, conn: sqlite3.Connection
+) -> None:
     _require_revision(key, conn)
     conn.execute(f"DELETE FROM snapshots WHERE {_WHERE_KEY}", key)
     _between_snapshot_steps()
@@ -615,19 +612,19 @@ def _replace_snapshot(key: _Key, revision: int, data: bytes, conn: sqlite3.Conne
     )
 
 
-def _select_snapshot(key: _Key, conn: sqlite3.Connection) -> tuple[int, bytes] | None:
+def _select_snapshot(key: SessionKey, conn: sqlite3.Connection) -> tuple[int, bytes] | None:
     row = conn.execute(f"SELECT revision, data FROM snapshots WHERE {_WHERE_KEY}", key).fetchone()
     return None if row is None else (int(row[0]), bytes(row[1]))
 
 
-def _require_revision(key: _Key, conn: sqlite3.Connection) -> int:
+def _require_revision(key: SessionKey, conn: sqlite3.Connection) -> int:
     row = conn.execute(f"SELECT revision FROM sessions WHERE {_WHERE_KEY}", key).fetchone()
     if row is None:
         raise base.session_not_found(key.session_id)
     return int(row[0])
 
 
-def _select_session(key: _Key, conn: sqlite3.Connection) -> base.SessionRecord | None:
+def _select_session(key: SessionKey, conn: sqlite3.Connection) -> base.SessionRecord | None:
     row = conn.execute(
         f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE {_WHERE_KEY}", key
     ).fetchone()
@@ -670,7 +667,7 @@ def _select_usage(
 
 
 def _select_range(
-    key: _Key, start: int, stop: int, conn: sqlite3.Connection
+    key: SessionKey, start: int, stop: int, conn: sqlite3.Connection
 ) -> list[events_pb2.SessionEvent]:
     rows = conn.execute(
         f"SELECT data FROM events WHERE {_WHERE_KEY} AND seq >= ? AND seq < ? ORDER BY seq",
@@ -680,7 +677,7 @@ def _select_range(
 
 
 def _select_seqs(
-    key: _Key, seqs: list[int], conn: sqlite3.Connection
+    key: SessionKey, seqs: list[int], conn: sqlite3.Connection
 ) -> list[events_pb2.SessionEvent]:
     _require_revision(key, conn)
     found: list[events_pb2.SessionEvent] = []
@@ -693,7 +690,9 @@ def _select_seqs(
     return found
 
 
-def _select_event_ids(key: _Key, event_ids: list[str], conn: sqlite3.Connection) -> dict[str, int]:
+def _select_event_ids(
+    key: SessionKey, event_ids: list[str], conn: sqlite3.Connection
+) -> dict[str, int]:
     _require_revision(key, conn)
     found: dict[str, int] = {}
     for chunk in _chunks(event_ids):
