@@ -271,7 +271,7 @@ class SessionFold:
         """``_resize(node, None, batch)`` for each of ``nodes`` (a REPLACE's shadowed span,
         distinct nodes), with one undo for them all."""
         sizes = self._node_bytes
-        previous = [sizes.pop(node.seq, None) or _node_bytes(node) for node in nodes]
+        previous = [sizes.pop(node.seq, 0) or _node_bytes(node) for node in nodes]
         self.surface_bytes -= sum(previous)
         batch._undo.append(partial(self._undo_drop_sizes, nodes, previous))
 
