@@ -39,7 +39,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import grpc
@@ -215,17 +215,32 @@ class _StepTimer(Tracer):
     def start_span(self, name: str, *args: Any, **kwargs: Any) -> Span:
         return self._tracer.start_span(name, *args, **kwargs)
 
-    @contextmanager
     def start_as_current_span(  # type: ignore[override]
         self, name: str, *args: Any, **kwargs: Any
-    ) -> Iterator[Span]:
-        started = time.perf_counter()
+    ) -> _TimedSpan:
+        step = name.removeprefix("compaction.") if name.startswith("compaction.") else None
+        return _TimedSpan(self._tracer.start_as_current_span(name, *args, **kwargs), step, self)
+
+
+class _TimedSpan:
+    """The tracer's current-span context, timed into ``Metrics.step`` when it is a bracket step
+    (a plain class: a generator-based context manager costs a frame and a generator per span)."""
+
+    __slots__ = ("_inner", "_started", "_step", "_timer")
+
+    def __init__(self, inner: AbstractContextManager[Span], step: str | None, timer: _StepTimer):
+        self._started = time.perf_counter()
+        self._inner, self._step, self._timer = inner, step, timer
+
+    def __enter__(self) -> Span:
+        return self._inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> bool | None:
         try:
-            with self._tracer.start_as_current_span(name, *args, **kwargs) as span:
-                yield span
+            return self._inner.__exit__(*exc)
         finally:
-            if name.startswith("compaction."):
-                self._metrics.step(name.removeprefix("compaction."), time.perf_counter() - started)
+            if self._step is not None:
+                self._timer._metrics.step(self._step, time.perf_counter() - self._started)
 
 
 class _RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]

@@ -12,6 +12,7 @@ from compactd.core.pairing import (
     is_balanced_cut,
     open_calls_after,
 )
+from compactd.core.surface import SurfaceNode, open_calls_of
 from tests.builders import SessionEvent, assistant, system, tool_result, user
 
 
@@ -132,3 +133,24 @@ def test_an_orphan_result_anywhere_is_corrupt_input(
     orphan = tool_result("never-called", "r")
     with pytest.raises(CorruptPairing):
         balanced_cuts([*events[:at], orphan, *events[at:]])
+
+
+@settings(max_examples=200, deadline=None)
+@given(paired_sequences(), st.data())
+def test_the_open_calls_of_surface_nodes_are_those_of_their_events(
+    events: list[SessionEvent], data: st.DataObject
+) -> None:
+    if data.draw(st.booleans()):  # sometimes an orphan result: both must refuse it
+        at = data.draw(st.integers(0, len(events)))
+        events = [*events[:at], tool_result(data.draw(st.sampled_from(["c9", ""])), "r"),
+                  *events[at:]]  # fmt: skip
+    nodes = [SurfaceNode(seq, event) for seq, event in enumerate(events)]
+    try:
+        expected: set[str] | type[CorruptPairing] = open_calls_after(events)
+    except CorruptPairing:
+        expected = CorruptPairing
+    try:
+        found: set[str] | type[CorruptPairing] = open_calls_of(nodes)
+    except CorruptPairing:
+        found = CorruptPairing
+    assert found == expected

@@ -292,6 +292,19 @@ def test_paths_in_finds_what_a_walk_over_every_run_finds(text: str) -> None:
     assert probes.paths_in(text) == reference_paths_in(text)
 
 
+RUNNY = st.text(alphabet="ab._/-~:@+<> \n\t\r\x0b\xa0,;é1", max_size=80)
+
+
+@settings(max_examples=500)
+@given(st.lists(st.one_of(RUNNY, st.sampled_from(["</h1>", "src/a.py", "e.g.", "x/"])),
+                max_size=8).map("".join))  # fmt: skip
+def test_the_hit_led_run_scan_finds_exactly_the_runs_one_scan_of_the_text_finds(
+    text: str,
+) -> None:
+    found = [(m.start(), m.group(0)) for m in probes._path_runs(text)]
+    assert found == [(m.start(), m.group(0)) for m in probes._RUN.finditer(text)]
+
+
 def test_call_facts_without_every_path_names_the_same_paths_and_commands() -> None:
     arguments = '{"path": "src/a.py", "content": "see lib/b.py", "command": "cat docs/c.md"}'
     full, probed = call_facts(arguments), call_facts(arguments, every_path=False)

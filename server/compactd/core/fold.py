@@ -233,8 +233,8 @@ class SessionFold:
             change = self.surface.apply(event, seq)
             batch.surface_changes.append(change)
             batch._undo.append(lambda: self.surface.undo(change))
-            for shadowed in change.shadowed:
-                self._resize(shadowed, None, batch)
+            if change.shadowed:
+                self._drop_sizes(change.shadowed, batch)
             self._resize(change.node, _node_bytes(change.node), batch, counted=False)
         kind = ev.body_name(event)
         usage = kind == "assistant_message" and event.assistant_message.HasField("usage")
@@ -266,6 +266,19 @@ class SessionFold:
         self.surface_bytes += (size or 0) - (previous or 0)
         self._set_node_bytes(node, size)
         batch._undo.append(partial(self._undo_resize, node, size, previous))
+
+    def _drop_sizes(self, nodes: Sequence[SurfaceNode], batch: AdmittedBatch) -> None:
+        """``_resize(node, None, batch)`` for each of ``nodes`` (a REPLACE's shadowed span,
+        distinct nodes), with one undo for them all."""
+        sizes = self._node_bytes
+        previous = [sizes.pop(node.seq, 0) or _node_bytes(node) for node in nodes]
+        self.surface_bytes -= sum(previous)
+        batch._undo.append(partial(self._undo_drop_sizes, nodes, previous))
+
+    def _undo_drop_sizes(self, nodes: Sequence[SurfaceNode], previous: Sequence[int]) -> None:
+        self.surface_bytes += sum(previous)
+        for node, size in zip(nodes, previous, strict=True):
+            self._set_node_bytes(node, size)
 
     def _size_of(self, node: SurfaceNode) -> int:
         return self._node_bytes.get(node.seq) or _node_bytes(node)

@@ -467,8 +467,7 @@ class SessionMeter:
         event = change.node.event if kind == "assistant_message" else None  # parsed once
         in_delta = False
         if change.shadowed:
-            for old in change.shadowed:
-                self._forget(old.seq)
+            self._forget_span([old.seq for old in change.shadowed])
             if self._anchor is not None and self._before_anchor(fold, seq):
                 self._drop_anchor()
             in_delta = self._anchor is not None
@@ -491,17 +490,23 @@ class SessionMeter:
                 cost = price_node(event, ledger.pricing)
             ledger.put(seq, cost, in_delta)
 
-    def _forget(self, seq: int) -> None:
-        if self._anchor is not None and self._anchor.seq == seq:
+    def _forget_span(self, seqs: Sequence[int]) -> None:
+        """``_forget`` each of ``seqs`` (a REPLACE's shadowed span), with the lookups hoisted
+        out of the loop. Dropping the anchor first is the same as dropping it in turn: a node
+        forgotten before it was not after it, and the drop zeroes every delta anyway."""
+        if self._anchor is not None and self._anchor.seq in set(seqs):
             self._drop_anchor()
-        in_delta = seq in self._after_anchor
-        self._after_anchor.discard(seq)
-        self._nodes.pop(seq, None)
-        self._offloads.pop(seq, None)
-        for costs in self._persisted.values():
-            costs.pop(seq, None)
-        for ledger in self._ledgers.values():
-            ledger.drop(seq, in_delta)
+        after, nodes, offloads = self._after_anchor, self._nodes, self._offloads
+        persisted, ledgers = list(self._persisted.values()), list(self._ledgers.values())
+        for seq in seqs:
+            in_delta = seq in after
+            after.discard(seq)
+            nodes.pop(seq, None)
+            offloads.pop(seq, None)
+            for costs in persisted:
+                costs.pop(seq, None)
+            for ledger in ledgers:
+                ledger.drop(seq, in_delta)
 
     def _offloaded(self, fold: SessionFold, offload: events_pb2.ImageOffload) -> None:
         for target in offload.targets:

@@ -56,6 +56,10 @@ _KNOWN_EXTENSIONS = (
 # character (``_BARE_FILE``). One compiled scan of the text finds just those runs; ordinary
 # words never reach Python.
 _RUN = re.compile(r"(?<![\w:/.~@+-])[\w:/.~@+-]*?(?:/[\w.@+-]|\.\w)[\w:/.~@+-]*")
+# Where a run can hold one (a superset of ``_RUN``'s required part), and a run's end from
+# there: ``_path_runs`` scans the text for these at C speed and runs ``_RUN`` only around them.
+_RUN_HIT = re.compile(r"[/.][\w.@+-]")
+_RUN_END = re.compile(r"[\w:/.~@+-]*")
 _PATH_TOKEN = re.compile(r"(?<![\w:/.~@+-])[\w.~@+-]*(?:/[\w.@+-]+)+/?")
 _BARE_FILE = re.compile(rf"(?<![\w/.-])[\w-]+(?:\.[\w-]+)*\.(?:{_KNOWN_EXTENSIONS})\b")
 _ERROR_LINE = re.compile(
@@ -81,7 +85,7 @@ def paths_in(text: str) -> list[str]:
     """
     slashed: dict[str, None] = {}
     bare: dict[str, None] = {}
-    for found in _RUN.finditer(text):
+    for found in _path_runs(text):
         run = found.group(0)
         if "/" in run:
             # ``</h1>``, ``</div>``: markup closes a tag, it names no file.
@@ -95,6 +99,27 @@ def paths_in(text: str) -> list[str]:
         if "." in run.rstrip(".,:;"):  # a dot that only ends a sentence starts no extension
             bare.update(dict.fromkeys(match.group(0) for match in _BARE_FILE.finditer(run)))
     return [*slashed, *(name for name in bare if name not in slashed)]
+
+
+def _path_runs(text: str) -> Iterator[re.Match[str]]:
+    """``_RUN.finditer(text)``, without running the regex over ordinary words.
+
+    A run is maximal, so it never crosses a space, newline or tab: from each hit of
+    ``_RUN_HIT`` (every run ``_RUN`` matches holds one), ``_RUN`` scans only from the last such
+    whitespace before the hit to the end of the hit's run, and the next hit is sought after
+    that. What lies between holds no hit, so no run ``_RUN`` would match.
+    """
+    cursor = 0
+    search, run_end, runs, rfind = _RUN_HIT.search, _RUN_END.match, _RUN.finditer, text.rfind
+    while (hit := search(text, cursor)) is not None:
+        at = hit.start()
+        start = max(
+            cursor, rfind(" ", cursor, at) + 1, rfind("\n", cursor, at) + 1,
+            rfind("\t", cursor, at) + 1,
+        )  # fmt: skip
+        end = run_end(text, at).end()  # type: ignore[union-attr]  # ``*`` always matches
+        yield from runs(text, start, end)
+        cursor = end
 
 
 def _is_tag_name(token: str) -> bool:

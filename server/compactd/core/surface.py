@@ -14,7 +14,7 @@ from typing import NoReturn, TypeAlias
 
 from compactd.core import events as ev
 from compactd.core.events import SessionEvent
-from compactd.core.pairing import CorruptPairing, open_calls_after
+from compactd.core.pairing import CorruptPairing
 from compactd.errors import FieldViolation, ReplacementRejected
 
 #: A call index entry: the one seq of a call id's node, or the seqs of several (a tuple of one
@@ -292,12 +292,16 @@ class Surface:
         """Both cuts balanced, walking the surface up to the span's end: once a call id was made
         twice, a replacement may have left one of its results before its only making (which
         ``pairing`` rejects, and the call indices do not show)."""
-        before = [n.event for n in self._nodes[:start]]
-        through = [*before, *(n.event for n in self._nodes[start : end + 1])]
+        open_calls: set[str] = set()
+        made: set[str] = set()
         try:
-            return not open_calls_after(before) and not open_calls_after(through)
+            for position, node in enumerate(self._nodes[: end + 1]):
+                if position == start and open_calls:
+                    return False
+                _advance(node, open_calls, made)
         except CorruptPairing:
             return False
+        return not open_calls
 
     def _open_at(self, cut: int) -> bool:
         """Whether a call is open at the cut before position ``cut``: ``pairing.open_calls_after``
@@ -390,6 +394,29 @@ def _check_sources(event: SessionEvent, seq: int) -> None:
         _reject("source_event_seqs", "source_event_seqs must not repeat a seq")
     if any(s < 0 or s >= seq for s in sources):
         _reject("source_event_seqs", f"source_event_seqs must all be earlier than seq {seq}")
+
+
+def open_calls_of(nodes: Iterable[SurfaceNode]) -> set[str]:
+    """``pairing.open_calls_after`` of the nodes' events, read from the calls each node makes
+    and the call it answers (kept beside its bytes): no event is parsed."""
+    open_calls: set[str] = set()
+    made: set[str] = set()
+    for node in nodes:
+        _advance(node, open_calls, made)
+    return open_calls
+
+
+def _advance(node: SurfaceNode, open_calls: set[str], made: set[str]) -> None:
+    """``pairing._advance`` for one node."""
+    if node.calls:  # only an assistant/message makes calls
+        open_calls.update(node.calls)
+        made.update(node.calls)
+    elif node.type == ev.TOOL_RESULT:
+        if node.answers not in made:
+            raise CorruptPairing(
+                f"tool/result answers call id {node.answers!r} that no earlier node made"
+            )
+        open_calls.discard(node.answers)  # several results may answer one call: the first closes
 
 
 def _check_cites_shadowed(event: SessionEvent, shadowed: Sequence[SurfaceNode]) -> None:

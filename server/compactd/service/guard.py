@@ -27,6 +27,7 @@ checks, missed probes), the metrics (``compactd.metrics``: ``compactd.summary.ga
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -252,10 +253,14 @@ class CompactionGuard:
         async def verdict_of(text: str) -> gate.Verdict:
             checkpoint = bracket.checkpoint_message(compaction_id, prompts.frame_checkpoint(text))
             # The tokenizer releases the GIL: the checkpoint is priced in a worker thread while
-            # the text checks run here.
+            # the text checks run here. The checks hold the GIL throughout, so a worker that
+            # only woke would wait for them to end; this thread lets it in (a moment, bounded)
+            # and goes on once it runs.
+            running = threading.Event()
             pricing = asyncio.get_running_loop().run_in_executor(
-                None, route_price, checkpoint, shrink_route
+                None, _price_started, running, checkpoint, shrink_route
             )
+            running.wait(_HANDOFF_SECONDS)
             try:
                 findings = gate.examine(text, span, probes)
             finally:
@@ -303,6 +308,16 @@ class CompactionGuard:
             await progress(_gate_step(compaction_id, f"rejected: {verdict.describe()}"))
             self._metrics.gate(summarizer, "rejected", verdict.retention.ratio)
         raise _rejection(verdict, report)
+
+
+_HANDOFF_SECONDS = 0.0005  # at most this long on the loop for the worker to start
+
+
+def _price_started(
+    running: threading.Event, checkpoint: events_pb2.SessionEvent, route: MeteredRoute
+) -> int:
+    running.set()
+    return route_price(checkpoint, route)
 
 
 def ledger(handle: SessionHandle) -> AttemptLedger:
