@@ -200,8 +200,10 @@ class TiktokenTokenizer:
         """Tokens of each text, encoded on ``BATCH_THREADS`` threads, each taking every n-th text
         (tiktoken releases the GIL while it encodes). Its own batch API pays a thread-pool
         future per text: the threads and the event loop wait on the GIL for that work."""
+        if len(texts) < 2:  # nothing to share: a thread would cost more than it runs
+            return [len(self._encode(text)) for text in texts]
         counts: list[int | None] = [None] * len(texts)
-        threads = max(1, min(BATCH_THREADS, len(texts)))
+        threads = min(BATCH_THREADS, len(texts))
 
         def share(first: int) -> None:
             encode = self._encode
