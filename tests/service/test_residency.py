@@ -12,7 +12,7 @@ import json
 import sqlite3
 import sys
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +145,7 @@ def _route_recount(handle: SessionHandle, service: PressureService) -> int:
     return recount(handle.fold, service.route_for(PROVIDER, MODEL)).total
 
 
-async def test_a_large_batch_is_priced_in_a_worker_thread_and_reports_equal_a_recount(
+async def test_a_large_batch_is_priced_in_steps_on_the_loop_and_reports_equal_a_recount(
     store: MemoryEventStore,
 ) -> None:
     manager, service = service_over(store)
@@ -153,18 +153,19 @@ async def test_a_large_batch_is_priced_in_a_worker_thread_and_reports_equal_a_re
     handle = await manager.get("s")
     await handle.append([header(PROVIDER, MODEL)])
     await service.check("s")  # the route's ledger exists: the next batch is priced ahead
-    threads: list[int] = []
+    steps: list[int] = []
     meter = session_meter(handle)
-    original = meter.prepare
+    original = meter.prepare_in_steps
 
-    def spy(*args: Any) -> None:
-        threads.append(threading.get_ident())
-        original(*args)
+    def spy(*args: Any) -> Generator[None, None, None]:
+        for step in original(*args):
+            steps.append(threading.get_ident())
+            yield step
 
-    meter.prepare = spy  # type: ignore[method-assign]
+    meter.prepare_in_steps = spy  # type: ignore[method-assign]
     await handle.append(list(transcript_events())[:300])
-    assert threads
-    assert threads[0] != threading.get_ident()
+    assert len(steps) > 1  # it paused between nodes
+    assert set(steps) == {threading.get_ident()}  # on the loop: no thread takes the GIL from it
     report = await service.check("s")
     assert report.measured_tokens == _route_recount(handle, service)
 
@@ -554,3 +555,30 @@ def test_snapshots_stay_readable_by_and_from_releases_that_kept_what_shadowed_ea
     raw["shadowed_by"] = [[0, 2, "user/message", ""]]  # what an earlier release wrote
     decoded = snapshots.decode(json.dumps(raw).encode("utf-8"))
     assert (decoded.revision, decoded.surface) == (2, [0, 1])
+
+
+def _drain(steps: Generator[None, None, Any]) -> tuple[Any, int]:
+    pauses = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value, pauses
+        pauses += 1
+
+
+def test_a_snapshot_made_in_steps_equals_one_made_at_once_byte_for_byte() -> None:
+    fold = SessionFold()
+    events = list(transcript_events())[: 3 * snapshots.CHUNK]
+    fold.admit(events)
+    meter = SessionMeter(fold)
+    pricing = RouteCatalog().resolve(PROVIDER, MODEL).pricing
+    meter.add_ledger(pricing, meter.price_ledger(pricing))
+    prices, anchor = meter.persisted_prices(), meter.anchor_state()
+    snap, paused = _drain(snapshots.capture_in_steps(fold, "i", prices, anchor))
+    assert paused > 2  # it let the loop run other calls
+    assert snap == snapshots.capture(fold, "i", prices, anchor)
+    data, paused = _drain(snapshots.encode_in_steps(snap))
+    assert paused > 2
+    assert data == snapshots.encode(snap)
+    assert snapshots.decode(data).surface == [n.seq for n in fold.surface]

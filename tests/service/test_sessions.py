@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import time
+from collections.abc import Generator, Sequence
 
 import pytest
 
 from compactd.errors import NotFound, Unavailable
-from compactd.service.sessions import SessionManager
+from compactd.service.sessions import STEP_S, YIELD_TURNS, SessionManager, in_steps
 from compactd.store.leases import LeaseOp
 from compactd.store.memory import MemoryEventStore
 from compactd.tenancy import Tenant, bound_tenant
@@ -156,3 +157,32 @@ async def test_delete_ends_followers_and_frees_the_id() -> None:
         await manager.delete("s")
     await manager.create("s", None)
     assert (await manager.get("s")).revision == 0
+
+
+def _long_steps(done: list[int], steps: int) -> Generator[None, None, int]:
+    for index in range(steps):
+        time.sleep(STEP_S)  # every step uses up the loop's share on its own
+        done.append(index)
+        yield
+    return steps
+
+
+async def test_a_large_batchs_steps_wait_while_other_calls_have_turns_to_run() -> None:
+    done: list[int] = []
+    batch = asyncio.ensure_future(in_steps(_long_steps(done, 50)))
+    await asyncio.sleep(0)  # its first step runs
+    for _ in range(10):  # a call next door that needs ten loop turns
+        await asyncio.sleep(0)
+    assert len(done) <= 2  # not a step of the batch before each of its turns
+    assert await batch == 50
+
+
+async def test_a_flood_of_ready_calls_slows_a_large_batch_but_never_stops_it() -> None:
+    done: list[int] = []
+    batch = asyncio.ensure_future(in_steps(_long_steps(done, 3)))
+    turns = 0
+    while not batch.done():  # always ready: the batch goes on every ``YIELD_TURNS`` turns
+        await asyncio.sleep(0)
+        turns += 1
+    assert await batch == 3
+    assert turns <= 4 * (YIELD_TURNS + 2)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Protocol
 
 from compactd.core import events as ev
@@ -44,6 +45,7 @@ from compactd.core.pricing import (
     price_node,
     price_nodes,
     price_tools,
+    with_counted,
 )
 from compactd.core.projection import Message
 from compactd.core.surface import SurfaceChange, SurfaceNode
@@ -206,13 +208,13 @@ class _Ledger:
 @dataclass(frozen=True, slots=True)
 class _Staged:
     """Prices ``prepare`` made for ``batch`` (that very batch: one rolled back leaves its seqs
-    to the next): new ledgers, and node
-    prices keyed by (profile, seq) (reprojections by (profile, -1 - seq)); ``appended`` when the
+    to the next): new ledgers, and node prices per profile, keyed by seq (reprojections by
+    -1 - seq; a profile is hashed once per batch, not once per node); ``appended`` when the
     batch only appended nodes."""
 
     batch: AdmittedBatch
     ledgers: dict[PricingProfile, dict[int, NodeCost]]
-    nodes: dict[tuple[PricingProfile, int], NodeCost]
+    nodes: dict[PricingProfile, dict[int, NodeCost]]
     appended: _Appended | None = None
 
 
@@ -269,7 +271,7 @@ class SessionMeter:
         # Texts of the batch on its way counted ahead (``count_ahead``), per profile; filled in
         # by a worker thread.
         self._ahead: dict[PricingProfile, dict[str, int]] = {}
-        self._batch_prices: dict[tuple[PricingProfile, int], NodeCost] = {}
+        self._batch_prices: dict[PricingProfile, dict[int, NodeCost]] = {}
         if anchor is None:
             self._bootstrap_anchor(fold)
         else:
@@ -366,37 +368,75 @@ class SessionMeter:
     def prepare(
         self, fold: SessionFold, batch: AdmittedBatch, wanted: Iterable[PricingProfile] = ()
     ) -> None:
-        """Price, ahead of ``observe``, what ``batch`` adds or reprojects for every ledger (and
-        build the ledgers of ``wanted`` profiles not kept yet), with batched tokenizer calls.
+        """``prepare_in_steps`` run to its end at once, with the ledgers of ``wanted`` profiles
+        not kept yet (``price_ledgers``)."""
+        ledgers = self.price_ledgers([p for p in wanted if p not in self._ledgers])
+        for _ in self.prepare_in_steps(fold, batch, ledgers):
+            pass
 
-        Only reads the meter and the fold, so it runs in a worker thread while the batch
-        commits; the session's lock must keep both still until ``observe``. Without it (or
-        after a rollback) ``observe`` prices on its own.
+    def price_ledgers(
+        self, profiles: Iterable[PricingProfile]
+    ) -> dict[PricingProfile, dict[int, NodeCost]]:
+        """``price_ledger`` of each of ``profiles`` (a worker thread: it only reads the meter)."""
+        return {p: self.price_ledger(p) for p in dict.fromkeys(profiles)}
+
+    def prepare_in_steps(
+        self,
+        fold: SessionFold,
+        batch: AdmittedBatch,
+        ledgers: Mapping[PricingProfile, dict[int, NodeCost]] | None = None,
+    ) -> Generator[None, None, None]:
+        """Price, ahead of ``observe``, what ``batch`` adds or reprojects for every ledger and
+        for ``ledgers`` (``price_ledgers`` of profiles not kept yet, installed by ``observe``),
+        pausing (``yield``) after each node, so that the loop runs other calls between steps.
+        Texts ``count_ahead`` counted are taken from its counts; a ledger without them (a
+        tokenizer with a batch API, when nothing was counted ahead) is priced in one batched
+        call.
+
+        Only reads the meter and the fold, so it runs while the batch commits; the session's
+        lock must keep both still until ``observe``. Without it (or after a rollback, or when it
+        was not run to its end) ``observe`` prices on its own.
         """
+        self._staged = None
         profiles = list(self._ledgers)
-        ledgers = {p: self.price_ledger(p) for p in dict.fromkeys(wanted) if p not in self._ledgers}
+        ledgers = {p: c for p, c in (ledgers or {}).items() if p not in self._ledgers}
         items: list[tuple[int, SessionEvent, Set[int]]] = []
         parsed = {event.seq: event for event in batch.events}  # a node parses its bytes anew
+        position_of = fold.surface.position_of
         for change in batch.surface_changes:
             seq = change.node.seq
-            if fold.surface.position_of(seq) is not None:
+            if position_of(seq) is not None:
                 event = parsed.get(seq)
                 items.append((seq, change.node.event if event is None else event, frozenset()))
+            yield
         for seq in batch.reprojected:
-            position = fold.surface.position_of(seq)
+            position = position_of(seq)
             if position is not None:
                 event = fold.surface[position].event
                 items.append((-1 - seq, event, fold.offloads.get(seq, frozenset())))
-        nodes: dict[tuple[PricingProfile, int], NodeCost] = {}
+            yield
+        nodes: dict[PricingProfile, dict[int, NodeCost]] = {}
         ahead, self._ahead = self._ahead, {}
         for pricing in [*profiles, *ledgers]:
-            costs = price_nodes([(e, o) for _, e, o in items], pricing, ahead.get(pricing))
-            for (key, _, _), cost in zip(items, costs, strict=True):
-                nodes[(pricing, key)] = cost
-        appended = _only_appended(batch)
+            costs = nodes[pricing] = {}
+            counted = ahead.get(pricing)
+            if counted is None and TextsAhead.of(pricing) is None:  # priced node by node
+                counted = {}
+            if counted is None:  # nothing counted ahead: one batched count of all the texts
+                made = price_nodes([(e, o) for _, e, o in items], pricing)
+                costs.update(zip([key for key, _, _ in items], made, strict=True))
+                yield
+                continue
+            priced = with_counted(pricing, counted)
+            for key, event, offloaded in items:
+                costs[key] = price_node(event, priced, offloaded)
+                yield
+        appended = yield from _only_appended(batch)
         if appended is not None:
             for pricing in [*profiles, *ledgers]:
-                appended.prices[pricing] = _priced(appended, pricing, nodes)
+                appended.prices[pricing] = yield from _priced_in_steps(
+                    appended, pricing, nodes[pricing]
+                )
         self._staged = _Staged(batch, ledgers, nodes, appended)
 
     def price_ledger(self, pricing: PricingProfile) -> dict[int, NodeCost]:
@@ -483,7 +523,7 @@ class SessionMeter:
         staged = self._batch_prices
         for ledger in self._ledgers.values():
             # A new node has no offloads yet; an offload in this batch reprojects it afterwards.
-            cost = staged.get((ledger.pricing, seq))
+            cost = staged.get(ledger.pricing, _NONE).get(seq)
             if cost is None:
                 if event is None:
                     event = change.node.event
@@ -522,7 +562,7 @@ class SessionMeter:
             costs.pop(seq, None)
         staged = self._batch_prices
         for ledger in self._ledgers.values():
-            cost = staged.get((ledger.pricing, -1 - seq))
+            cost = staged.get(ledger.pricing, _NONE).get(-1 - seq)
             if cost is None:
                 cost = self._price(seq, ledger.pricing)
             ledger.put(seq, cost, in_delta)
@@ -672,14 +712,19 @@ class SessionMeter:
 
 #: Bodies whose events ``observe`` folds one by one (``_Appended`` does not cover them).
 _NOT_APPENDS = frozenset({"request_header", "image_offload"})
+_NONE: Mapping[int, NodeCost] = MappingProxyType({})  # no staged prices
+_PRICED_STEP = 64  # staged prices summed between pauses (a dict lookup and three adds each)
 
 
-def _only_appended(batch: AdmittedBatch) -> _Appended | None:
-    """The nodes ``batch`` appended, when that is all it did to what the meter keeps."""
+def _only_appended(batch: AdmittedBatch) -> Generator[None, None, _Appended | None]:
+    """The nodes ``batch`` appended, when that is all it did to what the meter keeps; pauses
+    (``yield``) between passes over the batch."""
     if batch.reprojected or any(change.shadowed for change in batch.surface_changes):
         return None
+    yield
     if any(event.WhichOneof("body") in _NOT_APPENDS for event in batch.events):
         return None
+    yield
     nodes = {change.node.seq: change.node for change in batch.surface_changes}
     anchor = None
     for event in reversed(batch.events):  # parsed already: a node parses its bytes anew
@@ -687,23 +732,39 @@ def _only_appended(batch: AdmittedBatch) -> _Appended | None:
         if usage:
             anchor = (event.seq, usage)
             break
+        yield
     after = [seq for seq in nodes if anchor is None or seq > anchor[0]]
     return _Appended(nodes, anchor, after, {})
 
 
 def _priced(
-    appended: _Appended,
-    pricing: PricingProfile,
-    staged: Mapping[tuple[PricingProfile, int], NodeCost] | None = None,
+    appended: _Appended, pricing: PricingProfile, staged: Mapping[int, NodeCost] = _NONE
 ) -> tuple[dict[int, NodeCost], int, int, int]:
+    """``_priced_in_steps`` run to its end at once."""
+    steps = _priced_in_steps(appended, pricing, staged)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            priced: tuple[dict[int, NodeCost], int, int, int] = done.value
+            return priced
+
+
+def _priced_in_steps(
+    appended: _Appended, pricing: PricingProfile, staged: Mapping[int, NodeCost]
+) -> Generator[None, None, tuple[dict[int, NodeCost], int, int, int]]:
     """The appended nodes' prices for ``pricing`` (``staged`` ones where made) and their sums:
-    messages, images, and the total of the nodes after the batch's anchor."""
+    messages, images, and the total of the nodes after the batch's anchor; pauses (``yield``)
+    after each node that had to be priced here and every ``_PRICED_STEP`` that were staged."""
     costs: dict[int, NodeCost] = {}
     messages = images = 0
-    for seq, node in appended.nodes.items():
-        cost = staged.get((pricing, seq)) if staged is not None else None
+    for index, (seq, node) in enumerate(appended.nodes.items()):
+        cost = staged.get(seq)
         if cost is None:
             cost = price_node(node.event, pricing)
+            yield
+        elif index % _PRICED_STEP == 0:
+            yield
         costs[seq] = cost
         messages += cost.messages
         images += cost.images

@@ -289,7 +289,7 @@ def price_nodes(
     events.
     """
     if counted is not None:
-        priced = replace(pricing, tokenizer=_CountedTexts(pricing.tokenizer, counted))
+        priced = with_counted(pricing, counted)
         return [price_node(event, priced, offloaded) for event, offloaded in items]
     batch = getattr(pricing.tokenizer, "count_batch", None)
     if batch is None or pricing.template is not None or len(items) < 2:
@@ -302,6 +302,13 @@ def price_nodes(
     counts = dict(zip(texts, batch(texts), strict=True)) if texts else {}
     priced = replace(pricing, tokenizer=_CountedTexts(pricing.tokenizer, counts))
     return [price_node(event, priced, offloaded) for event, offloaded in items]
+
+
+def with_counted(pricing: PricingProfile, counted: Mapping[str, int]) -> PricingProfile:
+    """``pricing`` with ``counted`` texts (``TextsAhead``) answered from their counts; any other
+    text is counted by its tokenizer as it comes: ``price_node`` with it equals ``price_node``
+    with ``pricing``."""
+    return replace(pricing, tokenizer=_CountedTexts(pricing.tokenizer, counted))
 
 
 class TextsAhead:

@@ -17,9 +17,9 @@ log instead.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from compactd.core import header as hdr
 from compactd.core.events import SessionEvent
@@ -29,6 +29,9 @@ from compactd.core.pricing import NodeCost
 from compactd.core.surface import SurfaceNode
 
 VERSION: Final = 2
+# Entries copied or encoded between pauses when a snapshot is made on the event loop.
+CHUNK: Final = 512
+T = TypeVar("T")
 #: The anchor of a snapshot whose meter had none: names no node, so a restore (of any release)
 #: takes no anchor rather than looking for one that the meter had already dropped.
 NO_ANCHOR: Final = (-1, -1)
@@ -98,7 +101,33 @@ def capture(
 ) -> FoldSnapshot:
     """The snapshot of ``fold`` now (read only: it may run in a worker thread while the session's
     lock keeps the fold still). ``prices`` must price every surface node of the keys it holds."""
-    surface = [n.seq for n in fold.surface]
+    return _drained(capture_in_steps(fold, instance_id, prices, anchor))
+
+
+def capture_in_steps(
+    fold: SessionFold,
+    instance_id: str,
+    prices: Mapping[str, Mapping[int, NodeCost]],
+    anchor: tuple[int, int] | None,
+) -> Generator[None, None, FoldSnapshot]:
+    """``capture``, pausing (``yield``) after every ``CHUNK`` nodes, so that the event loop runs
+    other calls between steps (the session's lock keeps the fold still)."""
+    surface: list[int] = []
+    for start in range(0, len(fold.surface), CHUNK):
+        surface += [n.seq for n in fold.surface.nodes[start : start + CHUNK]]
+        yield
+    kept: dict[str, list[tuple[int, int]]] = {}
+    for key, costs in prices.items():
+        if not all(seq in costs for seq in surface):
+            continue
+        pairs: list[tuple[int, int]] = []
+        for start in range(0, len(surface), CHUNK):
+            chunk = [costs[seq] for seq in surface[start : start + CHUNK]]
+            pairs += [(c.messages, c.images) for c in chunk]
+            yield
+        kept[key] = pairs
+    event_ids = dict(fold.event_ids)  # one C call
+    yield
     return FoldSnapshot(
         revision=fold.revision,
         instance_id=instance_id,
@@ -109,16 +138,12 @@ def capture(
         open_turns=sorted(fold.open_turns),
         open_step=fold.open_step,
         offloads={seq: sorted(indexes) for seq, indexes in fold.offloads.items()},
-        event_ids=dict(fold.event_ids),
+        event_ids=event_ids,
         compaction_ids=sorted(fold.compaction_ids),
         last_end_seed=fold.lock.last_end_seed,
         open_starts=dict(fold.lock.open_starts),
         restored_at=fold.restored_at,
-        prices={
-            key: [(costs[seq].messages, costs[seq].images) for seq in surface]
-            for key, costs in prices.items()
-            if all(seq in costs for seq in surface)
-        },
+        prices=kept,
         anchor=anchor,
         offload_generation=fold.offload_generation,
         rewritten_at=fold.rewritten_at,
@@ -127,6 +152,67 @@ def capture(
 
 def encode(snapshot: FoldSnapshot) -> bytes:
     """The snapshot as versioned JSON bytes."""
+    return json.dumps(_document(snapshot), separators=(",", ":")).encode("utf-8")
+
+
+def encode_in_steps(snapshot: FoldSnapshot) -> Generator[None, None, bytes]:
+    """``encode``'s very bytes, made ``CHUNK`` entries at a time with a pause (``yield``)
+    between: one ``json.dumps`` of a long log's snapshot holds the GIL for milliseconds."""
+    flat: dict[str, list[int]] = {}
+    for key, pairs in snapshot.prices.items():
+        values: list[int] = []
+        for start in range(0, len(pairs), CHUNK):
+            values += [c for pair in pairs[start : start + CHUNK] for c in pair]
+            yield
+        flat[key] = values
+    text = yield from _json_in_steps(_document(snapshot, flat))
+    return text.encode("utf-8")
+
+
+def _json_in_steps(value: Any) -> Generator[None, None, str]:
+    """``json.dumps(value, separators=(",", ":"))``, a chunk of a long list or dict at a time
+    (a dict's keys are strings)."""
+    if isinstance(value, list) and len(value) > CHUNK:
+        parts = []
+        for start in range(0, len(value), CHUNK):
+            parts.append(_dumps(value[start : start + CHUNK])[1:-1])
+            yield
+        return "[" + ",".join(parts) + "]"
+    if isinstance(value, dict) and len(value) > CHUNK:  # many entries: a chunk of them at once
+        items = list(value.items())
+        parts = []
+        for start in range(0, len(items), CHUNK):
+            parts.append(_dumps(dict(items[start : start + CHUNK]))[1:-1])
+            yield
+        return "{" + ",".join(parts) + "}"
+    if isinstance(value, dict):  # few entries, perhaps long ones
+        parts = []
+        for key, item in value.items():
+            parts.append(_dumps(key) + ":" + (yield from _json_in_steps(item)))
+        return "{" + ",".join(parts) + "}"
+    return _dumps(value)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _drained(steps: Generator[None, None, T]) -> T:
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            result: T = done.value
+            return result
+
+
+def _document(
+    snapshot: FoldSnapshot, flat_prices: dict[str, list[int]] | None = None
+) -> dict[str, Any]:
+    if flat_prices is None:
+        flat_prices = {
+            key: [c for pair in pairs for c in pair] for key, pairs in snapshot.prices.items()
+        }
     data: dict[str, Any] = {
         "v": VERSION,
         "revision": snapshot.revision,
@@ -143,15 +229,13 @@ def encode(snapshot: FoldSnapshot) -> bytes:
         "last_end_seed": snapshot.last_end_seed,
         "open_starts": snapshot.open_starts,
         "restored_at": snapshot.restored_at,
-        "prices": {
-            key: [c for pair in pairs for c in pair] for key, pairs in snapshot.prices.items()
-        },
+        "prices": flat_prices,
         "anchor": list(snapshot.anchor) if snapshot.anchor is not None else None,
         "offload_generation": snapshot.offload_generation,
         "rewritten_at": snapshot.rewritten_at,
         "shadowed_by": [],  # no longer kept; written empty so earlier releases still decode it
     }
-    return json.dumps(data, separators=(",", ":")).encode("utf-8")
+    return data
 
 
 def decode(data: bytes) -> FoldSnapshot:

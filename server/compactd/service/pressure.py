@@ -29,7 +29,7 @@ from compactd.core.pricing import PricingProfile
 from compactd.errors import FailedPrecondition
 from compactd.routes import Route, RouteCatalog
 from compactd.service.calibration import UsageCalibration, annotate, estimated
-from compactd.service.sessions import SessionHandle, SessionManager
+from compactd.service.sessions import SessionHandle, SessionManager, in_steps
 from compactd.tokenizers import unavailable
 from compactd.v1 import compaction_service_pb2, events_pb2
 
@@ -74,12 +74,15 @@ def session_meter(handle: SessionHandle) -> SessionMeter:
     return meter
 
 
-def _prepare(
+async def _prepare(
     meter: SessionMeter, routes: RouteCatalog, fold: SessionFold, batch: AdmittedBatch
 ) -> None:
     """Price ``batch`` ahead of its commit for every ledger the meter keeps and for the route of
-    the header in force after it (the calibration prices with it); in a worker thread."""
-    meter.prepare(fold, batch, _logged_profiles(fold.header, routes))
+    the header in force after it (the calibration prices with it): a new route's ledger (the
+    whole surface) in a worker thread, the batch's nodes on the loop in steps."""
+    wanted = [p for p in _logged_profiles(fold.header, routes) if not meter.has_ledger(p)]
+    ledgers = await asyncio.to_thread(meter.price_ledgers, wanted) if wanted else {}
+    await in_steps(meter.prepare_in_steps(fold, batch, ledgers))
 
 
 def _logged_profiles(

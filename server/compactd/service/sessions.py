@@ -7,15 +7,18 @@ are serialized by its lock; the store shares commits across sessions (group comm
 
 Cost follows the work (issue 11):
 
-- A large batch is checked and admitted on the loop in steps of at most ``STEP_S``, other calls
-  running between them (``in_steps``); readers that do not take the lock see only committed
-  state. Its texts are counted in a worker thread from the end of its checks (``add_precounter``;
-  the tokenizers release the GIL) and its prices made from those counts while the store commits
-  it (``add_preparer``); the commit observers then run with those prices, still under the
-  session's lock, before the append answers: a read after the commit sees its prices.
+- A large batch is background work. It is checked and admitted on the loop in steps of at most
+  ``STEP_S``, and after each step it waits while other callbacks are ready (``in_steps``): a
+  call next door takes several loop turns, and none of them waits behind a step. Readers that do
+  not take the lock see only committed state. Its texts are counted in a worker thread from the
+  end of its checks (``add_precounter``; the tokenizers release the GIL) and its prices made from
+  those counts, in steps on the loop, while the store commits it (``add_preparer``); the commit
+  observers then run with those prices, still under the session's lock, before the append
+  answers: a read after the commit sees its prices. Python work stays off worker threads: a
+  thread running Python takes the GIL from the loop every switch interval.
 - Every ``snapshot_interval`` events (more on a long log: ``snapshot_due``) a fold snapshot
-  (``core.snapshot``: the state, the surface as seqs, the meter's node prices) is written in one
-  store transaction. A restore reads the latest
+  (``core.snapshot``: the state, the surface as seqs, the meter's node prices) is made in steps
+  on the loop and written in one store transaction. A restore reads the latest
   snapshot, the events it names and the log after it, and folds them in worker threads; without a
   usable snapshot it replays the log, also off the loop.
 - At most ``max_resident`` sessions stay in memory: the least recently used idle one (its lock
@@ -87,20 +90,26 @@ from compactd.v1 import events_pb2
 log = logging.getLogger(__name__)
 
 Observer = Callable[[SessionFold, AdmittedBatch], None]
+# Prices a large batch ahead of its commit (on the loop, in steps; see ``add_preparer``).
+Preparer = Callable[[SessionFold, AdmittedBatch], Awaitable[None]]
 # Called with a large batch once it passed its checks: steps on the loop, then a job for a thread.
 Precounter = Callable[
     [Sequence[events_pb2.SessionEvent]], Generator[None, None, Callable[[], None] | None]
 ]
 T = TypeVar("T")
 _Key = tuple[str, str]  # (tenant id, session id)
-# Batches at least this large (events or serialized bytes) are priced in a worker thread; a
-# smaller one is priced on the loop, where it costs less than the hop to a thread.
+# Batches at least this large (events or serialized bytes) have their texts counted in a worker
+# thread and are priced while they commit (``_priced_ahead``).
 OFFLOAD_EVENTS = 16
 OFFLOAD_BYTES = 16 * 1024
 # A batch of at least this many events is checked and admitted in steps, between which other
 # calls run: no step holds the event loop longer than ``STEP_S``.
 ADMIT_STEP = 128
 STEP_S = 0.0002
+# A large batch's work is background work: after each step it waits while other callbacks are
+# ready (a pressure check's next turn, a reply to send), for at most this many loop turns, so
+# that a flood of small calls slows it down but never stops it.
+YIELD_TURNS = 32
 
 
 class PriceSource(Protocol):
@@ -170,7 +179,7 @@ class SessionHandle:
         self._store = store
         self._observers: list[Observer] = []
         self._replaying: list[Observer] = []  # observers that also follow a restore's tail
-        self._preparers: list[Observer] = []
+        self._preparers: list[Preparer] = []
         self._precounters: list[Precounter] = []
         self._counting: asyncio.Future[None] | None = None  # the latest batch's precount jobs
         self._changed = asyncio.Condition()
@@ -188,9 +197,11 @@ class SessionHandle:
         if replays:
             self._replaying.append(observer)
 
-    def add_preparer(self, preparer: Observer) -> None:
-        """Call ``preparer(fold, batch)`` in a worker thread while a large batch commits, before
-        the observers; it may only read (the lock keeps the fold still)."""
+    def add_preparer(self, preparer: Preparer) -> None:
+        """Await ``preparer(fold, batch)`` while a large batch commits, before the observers
+        (its Python work in steps on the loop, ``in_steps``: in a worker thread it would take
+        the GIL from the loop every switch interval); it may only read (the lock keeps the fold
+        still)."""
         self._preparers.append(preparer)
 
     def add_precounter(self, precounter: Precounter) -> None:
@@ -235,9 +246,10 @@ class SessionHandle:
                     events, max_events=max_events, origin=origin, limits=self.limits
                 )
             )
-            await self._count_ahead(events)  # only a batch of valid events costs tokenizer time
         else:
             check_batch(events, max_events=max_events, origin=origin, limits=self.limits)
+        if self._precounters and _priced_ahead(events):
+            await self._count_ahead(events)  # only a batch of valid events costs tokenizer time
         if self._store.shared and origin is Origin.CLIENT:
             return await self._append_optimistic(events, expected_last_seq)
         async with self.lock:
@@ -467,13 +479,12 @@ class SessionHandle:
             self._counting = asyncio.ensure_future(asyncio.to_thread(_run_jobs, jobs))
 
     def _prepare(self, batch: AdmittedBatch) -> asyncio.Future[None] | None:
-        """Start the preparers in a worker thread for a large batch (None: small, or none),
-        after the batch's precount jobs."""
+        """Start the preparers for a large batch (None: small, or none), after the batch's
+        precount jobs."""
         counting, self._counting = self._counting, None
         if not self._preparers or not batch.surface_changes:
             return None
-        events = batch.events
-        if len(events) < OFFLOAD_EVENTS and batch.byte_size < OFFLOAD_BYTES:
+        if not _priced_ahead(batch.events, batch.byte_size):
             return None
         return asyncio.ensure_future(self._prepare_after(counting, batch))
 
@@ -482,18 +493,18 @@ class SessionHandle:
     ) -> None:
         if counting is not None:
             await asyncio.wait([counting])
-        await asyncio.to_thread(self.run_preparers, batch)
+        await self.run_preparers(batch)
 
     @property
     def replays(self) -> bool:
         """Whether an observer follows a restore's tail."""
         return bool(self._replaying)
 
-    def run_preparers(self, batch: AdmittedBatch) -> None:
-        """Run the preparers on ``batch`` (in a worker thread; see ``add_preparer``)."""
+    async def run_preparers(self, batch: AdmittedBatch) -> None:
+        """Run the preparers on ``batch`` (see ``add_preparer``)."""
         for preparer in self._preparers:
             try:
-                preparer(self.fold, batch)
+                await preparer(self.fold, batch)
             except Exception:  # the observers price on their own: never fail a commit
                 log.exception("pricing a batch ahead of its commit failed")
 
@@ -560,6 +571,15 @@ class SessionHandle:
         return AppendResult(seqs, self.fold.revision, replayed=True)
 
 
+def _priced_ahead(events: Sequence[events_pb2.SessionEvent], size: int | None = None) -> bool:
+    """Whether a batch is large enough (events or serialized bytes) for its texts to be counted
+    in a worker thread and its prices made while it commits; a smaller one is priced by the
+    observers, where that costs less than the hop to a thread."""
+    if len(events) >= OFFLOAD_EVENTS:
+        return True
+    return (sum(e.ByteSize() for e in events) if size is None else size) >= OFFLOAD_BYTES
+
+
 def _run_jobs(jobs: Sequence[Callable[[], None]]) -> None:
     for job in jobs:
         try:
@@ -570,7 +590,8 @@ def _run_jobs(jobs: Sequence[Callable[[], None]]) -> None:
 
 async def in_steps(steps: Generator[None, None, T]) -> T:
     """Run ``steps`` to its end on the event loop, letting other calls run whenever it has held
-    the loop for ``STEP_S``; its value. Cancelled, it closes ``steps`` (which may roll back)."""
+    the loop for ``STEP_S`` (``_let_others_run``); its value. Cancelled, it closes ``steps``
+    (which may roll back)."""
     deadline = time.perf_counter() + STEP_S
     try:
         while True:
@@ -580,10 +601,25 @@ async def in_steps(steps: Generator[None, None, T]) -> T:
                 result: T = done.value
                 return result
             if time.perf_counter() >= deadline:
-                await asyncio.sleep(0)
+                await _let_others_run()
                 deadline = time.perf_counter() + STEP_S
     finally:
         steps.close()
+
+
+async def _let_others_run() -> None:
+    """Yield the loop, then go on waiting while other callbacks are ready, for at most
+    ``YIELD_TURNS`` turns. A call next door needs several loop turns (its request, its handler,
+    its reply): without the wait, each of them would come after one more step of this work."""
+    await asyncio.sleep(0)
+    # ``_ready`` is asyncio's own queue of runnable callbacks; another loop may not have one.
+    ready = getattr(asyncio.get_running_loop(), "_ready", None)
+    if ready is None:
+        return
+    for _ in range(YIELD_TURNS):
+        if not ready:
+            return
+        await asyncio.sleep(0)
 
 
 def _stale_fold(error: Exception) -> bool:
@@ -971,7 +1007,7 @@ class SessionManager:
     async def _fold_chunk(self, handle: SessionHandle, chunk: Sequence[SessionEvent]) -> None:
         batch = await asyncio.to_thread(partial(handle.fold.admit, chunk, check=False))
         if handle.replays:
-            await asyncio.to_thread(handle.run_preparers, batch)
+            await handle.run_preparers(batch)
         handle.replay(batch)
 
     # ---- snapshots and eviction ----------------------------------------------------------
@@ -1002,24 +1038,26 @@ class SessionManager:
             log.warning("snapshot failed: %s", task.exception(), extra={"session_id": key[1]})
 
     async def snapshot(self, handle: SessionHandle) -> None:
-        """Write the session's fold snapshot now: built in a worker thread and written while
+        """Write the session's fold snapshot now: built in steps on the loop and written while
         its lock is held (so no delete, and no re-created session, comes between)."""
         async with handle.lock:
             revision = handle.revision
             if revision == 0 or handle.deleted:
                 return
-            data = await asyncio.to_thread(self._capture, handle)
+            data = await in_steps(self._capture(handle))
             await self.store.put_snapshot(handle.session_id, revision, data, tenant=handle.tenant)
         handle.snapshot_revision = max(handle.snapshot_revision, revision)
 
-    def _capture(self, handle: SessionHandle) -> bytes:
+    def _capture(self, handle: SessionHandle) -> Generator[None, None, bytes]:
+        """The session's snapshot, made in steps on the loop (with its lock held): in a worker
+        thread, its Python and its JSON encoding would take the GIL from the loop."""
         source = handle.prices
         prices = source.persisted_prices() if source is not None else {}
         anchor = source.anchor_state() if source is not None else None
         if source is not None and anchor is None:
             anchor = snapshots.NO_ANCHOR  # its anchor was dropped: a restore must not find one
-        snap = snapshots.capture(handle.fold, self.instance_id, prices, anchor)
-        return snapshots.encode(snap)
+        snap = yield from snapshots.capture_in_steps(handle.fold, self.instance_id, prices, anchor)
+        return (yield from snapshots.encode_in_steps(snap))
 
     async def evict(self, session_id: str, *, tenant: Tenant | None = None) -> bool:
         """Snapshot the session and drop it from memory if it is idle (False: in use, or not
