@@ -9,7 +9,8 @@ from collections.abc import Generator, Sequence
 import pytest
 
 from compactd.errors import NotFound, Unavailable
-from compactd.service.sessions import STEP_S, YIELD_TURNS, SessionManager, in_steps
+from compactd.service.sessions import ADMIT_STEP, STEP_S, YIELD_TURNS, SessionManager, in_steps
+from compactd.store.base import EventRow
 from compactd.store.leases import LeaseOp
 from compactd.store.memory import MemoryEventStore
 from compactd.tenancy import Tenant, bound_tenant
@@ -33,12 +34,13 @@ class GatedStore(MemoryEventStore):
         *,
         tenant: str = "default",
         lease: LeaseOp | None = None,
+        rows: Sequence[EventRow] | None = None,
     ) -> int:
         self.entered.set()
         await self.gate.wait()
         if self.fail:
             raise Unavailable("disk went away")
-        return await super().append(session_id, events, tenant=tenant, lease=lease)
+        return await super().append(session_id, events, tenant=tenant, lease=lease, rows=rows)
 
 
 async def _session(store: GatedStore) -> SessionManager:
@@ -186,3 +188,35 @@ async def test_a_flood_of_ready_calls_slows_a_large_batch_but_never_stops_it() -
         turns += 1
     assert await batch == 3
     assert turns <= 4 * (YIELD_TURNS + 2)
+
+
+class RowsStore(MemoryEventStore):
+    """An in-memory store that remembers whether each batch came encoded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoded: list[bool] = []
+
+    async def append(
+        self,
+        session_id: str,
+        events: Sequence[events_pb2.SessionEvent],
+        *,
+        tenant: str = "default",
+        lease: LeaseOp | None = None,
+        rows: Sequence[EventRow] | None = None,
+    ) -> int:
+        self.encoded.append(rows is not None)
+        return await super().append(session_id, events, tenant=tenant, lease=lease, rows=rows)
+
+
+async def test_a_large_batch_is_serialized_in_steps_before_the_store_gets_it() -> None:
+    store = RowsStore()
+    await store.open()
+    manager = SessionManager(store)
+    await manager.create("s", None)
+    handle = await manager.get("s")
+    await handle.append([user("one")])
+    await handle.append([user(str(n)) for n in range(ADMIT_STEP)])
+    assert store.encoded[-2:] == [False, True]  # a small batch is left to the store
+    assert [e.seq for e in [e async for e in handle.read()]] == list(range(1 + ADMIT_STEP))

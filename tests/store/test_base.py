@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from compactd import errors
-from compactd.store.base import encode_batch, event_type
+from compactd.store.base import encode_batch, encode_batch_in_steps, event_type
 from compactd.v1 import events_pb2
 
-from .builders import batch, user_event
+from .builders import batch, user_event, varied_events
 
 _BODY_FIELDS = [f.name for f in events_pb2.SessionEvent.DESCRIPTOR.oneofs_by_name["body"].fields]
 
@@ -68,3 +68,18 @@ def test_encode_batch_names_the_first_out_of_order_seq() -> None:
         encode_batch(events)
 
     assert caught.value.violations[0].field == "events[2].seq"
+
+
+def test_encoding_a_batch_in_steps_pauses_after_each_event_and_gives_encode_batchs_rows() -> None:
+    events = varied_events(0)
+    steps = encode_batch_in_steps(events)
+    pauses = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            rows = done.value
+            break
+        pauses += 1
+    assert pauses == len(events)
+    assert rows == encode_batch(events)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from compactd import errors
 from compactd.store import EventStore
+from compactd.store.base import encode_batch
 from compactd.v1 import events_pb2
 
 from .builders import batch, user_event, varied_events, wire
@@ -111,6 +112,20 @@ async def test_read_returns_the_appended_bytes_exactly(store: EventStore) -> Non
     await store.append("s", events)
 
     assert wire(await read_all(store, "s")) == wire(events)
+
+
+async def test_rows_the_caller_encoded_in_steps_are_what_the_store_keeps(
+    store: EventStore,
+) -> None:
+    await store.create_session("s", None)
+    events = varied_events(0) + batch(5, 3, prefix="r")
+    rows = encode_batch(events)
+
+    assert await store.append("s", events, rows=rows) == len(events)
+
+    assert wire(await read_all(store, "s")) == wire(events)
+    with pytest.raises(errors.SeqConflict):  # the store still checks that they continue the log
+        await store.append("s", batch(0, 1, prefix="x"), rows=encode_batch(batch(0, 1, "x")))
 
 
 async def test_appended_events_are_immune_to_later_changes_by_the_caller(

@@ -713,7 +713,7 @@ class SessionMeter:
 #: Bodies whose events ``observe`` folds one by one (``_Appended`` does not cover them).
 _NOT_APPENDS = frozenset({"request_header", "image_offload"})
 _NONE: Mapping[int, NodeCost] = MappingProxyType({})  # no staged prices
-_PRICED_STEP = 64  # staged prices summed between pauses (a dict lookup and three adds each)
+_PRICED_STEP = 64  # entries summed or looked at between pauses (a few operations each)
 
 
 def _only_appended(batch: AdmittedBatch) -> Generator[None, None, _Appended | None]:
@@ -722,9 +722,11 @@ def _only_appended(batch: AdmittedBatch) -> Generator[None, None, _Appended | No
     if batch.reprojected or any(change.shadowed for change in batch.surface_changes):
         return None
     yield
-    if any(event.WhichOneof("body") in _NOT_APPENDS for event in batch.events):
-        return None
-    yield
+    events = batch.events
+    for start in range(0, len(events), _PRICED_STEP):
+        if any(e.WhichOneof("body") in _NOT_APPENDS for e in events[start : start + _PRICED_STEP]):
+            return None
+        yield
     nodes = {change.node.seq: change.node for change in batch.surface_changes}
     anchor = None
     for event in reversed(batch.events):  # parsed already: a node parses its bytes anew

@@ -82,7 +82,13 @@ from compactd.service.replicas import (
     lease_for,
     retry_pause,
 )
-from compactd.store.base import EventStore, SessionRecord, StoreUsage, session_not_found
+from compactd.store.base import (
+    EventStore,
+    SessionRecord,
+    StoreUsage,
+    encode_batch_in_steps,
+    session_not_found,
+)
 from compactd.store.leases import LeaseAction, LeaseOp, fenced
 from compactd.tenancy import Tenant, current_tenant
 from compactd.v1 import events_pb2
@@ -369,7 +375,12 @@ class SessionHandle:
     ) -> AppendResult:
         prepared = self._prepare(batch)
         try:
-            await self._store.append(self.session_id, batch.events, tenant=self.tenant, lease=lease)
+            rows = None
+            if len(batch.events) >= ADMIT_STEP:  # serialized here in steps, not in the store
+                rows = await in_steps(encode_batch_in_steps(batch.events))
+            await self._store.append(
+                self.session_id, batch.events, tenant=self.tenant, lease=lease, rows=rows
+            )
         except BaseException as error:
             if prepared is not None:  # the worker reads the fold: let it finish first
                 await asyncio.wait([prepared])

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import TracebackType
@@ -152,6 +152,20 @@ def encode_batch(events: Sequence[events_pb2.SessionEvent]) -> list[EventRow]:
     Raises:
         InvalidArgument: naming the offending ``events[i]`` field.
     """
+    steps = encode_batch_in_steps(events)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            rows: list[EventRow] = done.value
+            return rows
+
+
+def encode_batch_in_steps(
+    events: Sequence[events_pb2.SessionEvent],
+) -> Generator[None, None, list[EventRow]]:
+    """``encode_batch``, pausing (``yield``) after each event, so that an event loop can run
+    other calls between steps (a caller then hands the rows to ``EventStore.append``)."""
     rows: list[EventRow] = []
     seen: set[str] = set()
     for i, event in enumerate(events):
@@ -171,6 +185,7 @@ def encode_batch(events: Sequence[events_pb2.SessionEvent]) -> list[EventRow]:
                 data=event.SerializeToString(deterministic=True),
             )
         )
+        yield
     return rows
 
 
@@ -309,11 +324,14 @@ class EventStore(abc.ABC):
         *,
         tenant: str = DEFAULT_TENANT_ID,
         lease: LeaseOp | None = None,
+        rows: Sequence[EventRow] | None = None,
     ) -> int:
         """Appends a batch atomically and durably; returns the new revision.
 
         ``lease`` (a compaction bracket's batch) is checked and applied under the same lock as
-        the seqs (see ``store.leases``): when it is refused, nothing is appended.
+        the seqs (see ``store.leases``): when it is refused, nothing is appended. ``rows``: the
+        batch as ``encode_batch`` (or ``encode_batch_in_steps``) made it, when the caller did;
+        the store then writes them and does not encode ``events`` again.
 
         The events already carry their seqs, contiguous from the session's revision, and their
         times. When this returns, every event is synced to stable storage; when it raises,

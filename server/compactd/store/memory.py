@@ -119,9 +119,10 @@ class MemoryEventStore(base.EventStore):
         *,
         tenant: str = DEFAULT_TENANT_ID,
         lease: LeaseOp | None = None,
+        rows: Sequence[base.EventRow] | None = None,
     ) -> int:
         self._check_open()
-        rows = base.encode_batch(events)
+        rows = base.encode_batch(events) if rows is None else list(rows)
         with self._lock:
             try:
                 session = self._session(tenant, session_id)

@@ -220,8 +220,9 @@ class PostgresEventStore(base.EventStore):
         *,
         tenant: str = DEFAULT_TENANT_ID,
         lease: LeaseOp | None = None,
+        rows: Sequence[base.EventRow] | None = None,
     ) -> int:
-        rows = base.encode_batch(events)
+        rows = base.encode_batch(events) if rows is None else list(rows)
         key = SessionKey(tenant, session_id)
         try:
             with _db_errors("append"):

@@ -230,11 +230,13 @@ class SqliteEventStore(base.EventStore):
         *,
         tenant: str = DEFAULT_TENANT_ID,
         lease: LeaseOp | None = None,
+        rows: Sequence[base.EventRow] | None = None,
     ) -> int:
-        # Serialized on the writer thread, not the event loop; the caller leaves the events be.
-        op = functools.partial(
-            _encode_and_insert, SessionKey(tenant, session_id), list(events), self._clock()
-        )
+        key = SessionKey(tenant, session_id)
+        if rows is None:  # serialized on the writer thread; the caller leaves the events be
+            op = functools.partial(_encode_and_insert, key, list(events), self._clock())
+        else:
+            op = functools.partial(_insert_events, key, list(rows), self._clock())
         self._check_open()
         # The session service serializes a session's appends, and this process is the store's
         # only writer: applying the lease before the write and undoing it on failure is atomic.
