@@ -5,6 +5,8 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
+import subprocess
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -338,3 +340,28 @@ def test_missing_files_are_found_without_loading_a_tokenizer(tmp_path: Path) -> 
     (tmp_path / "tokenizer.json").write_text("{}")
     assert "tokenizer_config.json" in tokenizers.unavailable("heuristic", missing)
     assert "no such file" in tokenizers.unavailable("heuristic", missing, str(tmp_path / "t.jinja"))
+
+
+_POOL_NICENESS = """
+import os, threading
+from compactd import tokenizers
+tokenizer = tokenizers.load_tokenizer("deepseek-v4")
+before = {t for t in os.listdir("/proc/self/task")}
+assert tokenizer.count_batch(["one two", "three"] * 64) == [tokenizer.count("one two"), 1] * 64
+made = {t for t in os.listdir("/proc/self/task")} - before
+print(sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in made}), len(made))
+print(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_hf_tokenizers_count_a_batch_on_threads_below_the_event_loops_cpu_priority() -> None:
+    # A fresh process: the Rust thread pool is made once, by the first batch counted.
+    done = subprocess.run(
+        [sys.executable, "-c", _POOL_NICENESS], capture_output=True, text=True, check=True
+    )
+    pool, caller = done.stdout.split("\n")[:2]
+    niceness = min(19, tokenizers.COUNTING_NICENESS)
+    assert pool.startswith(f"[{niceness}]")  # every thread the batch made
+    assert pool.split()[-1] != "0"
+    assert caller == "0"  # the caller untouched

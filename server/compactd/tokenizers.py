@@ -225,6 +225,31 @@ class TiktokenTokenizer:
         return [len(encode(t)) if c is None else c for t, c in zip(texts, counts, strict=True)]
 
 
+_pool_started = threading.Lock()
+_pool_start: list[bool] = []  # once per process: Rust's pool is shared by every tokenizer
+
+
+def _start_niced_pool(tokenizer: Any) -> None:
+    """Make HF tokenizers' batch thread pool (Rust's global one) from a thread at
+    ``COUNTING_NICENESS``: Linux threads take their creator's niceness, and the pool is made on
+    the first batch, from whichever thread asks first, so a pool made from a worker thread at
+    the loop's priority would compete with the event loop for both cores while it counts."""
+    if _pool_start:
+        return
+    with _pool_started:
+        if _pool_start:
+            return
+
+        def start() -> None:
+            yield_cpu()
+            tokenizer.encode_batch(["", ""], add_special_tokens=False)
+
+        starter = threading.Thread(target=start, name="compactd-tokenizer-pool")
+        starter.start()
+        starter.join()
+        _pool_start.append(True)
+
+
 class HFTokenizer:
     """A Hugging Face ``tokenizers`` tokenizer, without added begin/end tokens."""
 
@@ -249,7 +274,9 @@ class HFTokenizer:
         return ids
 
     def count_batch(self, texts: list[str]) -> list[int]:
-        """Tokens of each text, by ``encode_batch`` (parallel in Rust, without the GIL)."""
+        """Tokens of each text, by ``encode_batch`` (parallel in Rust, without the GIL), on a
+        thread pool below the event loop's CPU priority (``_start_niced_pool``)."""
+        _start_niced_pool(self._tokenizer)
         return [len(e.ids) for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
 
 
