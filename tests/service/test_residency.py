@@ -170,6 +170,35 @@ async def test_a_large_batch_is_priced_in_steps_on_the_loop_and_reports_equal_a_
     assert report.measured_tokens == _route_recount(handle, service)
 
 
+async def test_texts_nothing_counted_ahead_are_counted_in_a_worker_thread(
+    store: MemoryEventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager, service = service_over(store)
+    await manager.create("s", None)
+    handle = await manager.get("s")
+    await handle.append([header(PROVIDER, MODEL)])
+    await service.check("s")
+    tokenizer = service.route_for(PROVIDER, MODEL).pricing.tokenizer
+    original = tokenizer.count_batch
+    threads: list[int] = []
+
+    def spy(texts: list[str]) -> list[int]:
+        threads.append(threading.get_ident())
+        counts: list[int] = original(texts)
+        return counts
+
+    monkeypatch.setattr(tokenizer, "count_batch", spy)
+    # Folded as a restore folds the log after its snapshot: no precount ran for it.
+    events = list(transcript_events())[:300]
+    for index, event in enumerate(events):
+        event.seq = handle.fold.revision + index
+    batch = handle.fold.admit(events, check=False)
+    await handle.run_preparers(batch)
+    handle.fold.rollback(batch)
+    assert threads
+    assert threading.get_ident() not in threads  # not on the loop: it would hold it throughout
+
+
 async def test_other_calls_run_while_a_large_batch_lands_and_see_it_whole_or_not_at_all(
     store: MemoryEventStore,
 ) -> None:

@@ -342,15 +342,19 @@ class SessionMeter:
     # ---- pricing off the event loop -----------------------------------------------------
 
     def count_ahead(
-        self, events: Sequence[SessionEvent]
+        self, events: Sequence[SessionEvent], profiles: Iterable[PricingProfile] | None = None
     ) -> Generator[None, None, Callable[[], None] | None]:
         """Collect the texts the nodes of ``events`` (a checked batch about to be admitted) will
-        be priced by for every ledger with a batch tokenizer, pausing (``yield``) after
-        each event; the job it returns counts them in one batched call per ledger (a worker
-        thread: the tokenizers release the GIL), for ``prepare`` to take. Counts depend on the
-        texts alone: a batch refused after all leaves nothing wrong behind."""
-        aheads = [a for p in list(self._ledgers) if (a := TextsAhead.of(p)) is not None]
-        self._ahead = counted = {}
+        be priced by for every ledger with a batch tokenizer (or for ``profiles``, beside what
+        was counted ahead already), pausing (``yield``) after each event; the job it returns
+        counts them in one batched call per profile (a worker thread: the tokenizers release
+        the GIL), for ``prepare`` to take. Counts depend on the texts alone: a batch refused
+        after all leaves nothing wrong behind."""
+        chosen = list(self._ledgers) if profiles is None else list(profiles)
+        aheads = [a for p in chosen if (a := TextsAhead.of(p)) is not None]
+        if profiles is None:
+            self._ahead = {}
+        counted = self._ahead
         if not aheads:
             return None
         for event in events:
@@ -364,6 +368,13 @@ class SessionMeter:
                 counted[ahead.pricing] = ahead.count()
 
         return count
+
+    def uncounted(self, wanted: Iterable[PricingProfile] = ()) -> list[PricingProfile]:
+        """The ledgers' and ``wanted`` profiles with a batch tokenizer whose texts nothing
+        counted ahead (``count_ahead``): ``prepare_in_steps`` would count them in one batched
+        call where it runs."""
+        profiles = dict.fromkeys([*self._ledgers, *wanted])
+        return [p for p in profiles if p not in self._ahead and TextsAhead.of(p) is not None]
 
     def prepare(
         self, fold: SessionFold, batch: AdmittedBatch, wanted: Iterable[PricingProfile] = ()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from functools import partial
 from typing import Any
 
@@ -25,7 +25,7 @@ from compactd.core.policy import (
     compact_spec,
     output_reservation,
 )
-from compactd.core.pricing import PricingProfile
+from compactd.core.pricing import NodeCost, PricingProfile
 from compactd.errors import FailedPrecondition
 from compactd.routes import Route, RouteCatalog
 from compactd.service.calibration import UsageCalibration, annotate, estimated
@@ -79,10 +79,24 @@ async def _prepare(
 ) -> None:
     """Price ``batch`` ahead of its commit for every ledger the meter keeps and for the route of
     the header in force after it (the calibration prices with it): a new route's ledger (the
-    whole surface) in a worker thread, the batch's nodes on the loop in steps."""
+    whole surface) and the batch's texts nothing counted ahead (a new route's; a restore's) in
+    a worker thread, the batch's nodes on the loop in steps."""
     wanted = [p for p in _logged_profiles(fold.header, routes) if not meter.has_ledger(p)]
-    ledgers = await asyncio.to_thread(meter.price_ledgers, wanted) if wanted else {}
+    uncounted = meter.uncounted(wanted)
+    count = await in_steps(meter.count_ahead(batch.events, uncounted)) if uncounted else None
+    ledgers: dict[PricingProfile, dict[int, NodeCost]] = {}
+    if wanted or count is not None:
+        ledgers = await asyncio.to_thread(_off_loop, meter, wanted, count)
     await in_steps(meter.prepare_in_steps(fold, batch, ledgers))
+
+
+def _off_loop(
+    meter: SessionMeter, wanted: list[PricingProfile], count: Callable[[], None] | None
+) -> dict[PricingProfile, dict[int, NodeCost]]:
+    """A worker thread's share of ``_prepare``: counting texts, pricing new ledgers."""
+    if count is not None:
+        count()
+    return meter.price_ledgers(wanted)
 
 
 def _logged_profiles(
