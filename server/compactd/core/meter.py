@@ -266,7 +266,7 @@ class SessionMeter:
         self._persisted: dict[str, dict[int, NodeCost]] = {
             key: dict(costs) for key, costs in (persisted or {}).items()
         }
-        # Prices ``prepare`` made in a worker thread for the batch being committed.
+        # Prices ``prepare_in_steps`` made for the batch being committed.
         self._staged: _Staged | None = None
         # Texts of the batch on its way counted ahead (``count_ahead``), per profile; filled in
         # by a worker thread.

@@ -285,8 +285,8 @@ def price_nodes(
     one call: the nodes are walked once to collect their texts, the texts are counted together,
     and the walk is repeated with those counts. Template routes and tokenizers without a batch API
     price node by node. ``counted`` holds texts counted ahead (``TextsAhead``): the nodes are
-    walked once, any other text counted as it comes. Runs in a worker thread: it only reads the
-    events.
+    walked once, any other text counted as it comes. It only reads the events (a worker thread
+    may run it).
     """
     if counted is not None:
         priced = with_counted(pricing, counted)
