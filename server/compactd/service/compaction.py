@@ -494,7 +494,7 @@ class CompactionEngine:
         attempt = 1
         while True:
             # Re-derived on every attempt: a recovery's change (an offload) must show.
-            request = _summary_request(handle, selection, target, job.policy, job.focus)
+            request, serialized = _summary_request(handle, selection, target, job.policy, job.focus)
             try:
                 summary = await self._summarize(compaction_id, writer, request, progress)
                 break
@@ -507,7 +507,7 @@ class CompactionEngine:
             attempt += 1
         screened = await self._guard.screen(
             policy=job.policy, compaction_id=compaction_id, request=request, summary=summary,
-            summarizer=writer.summarizer.name, target=target,
+            serialized=serialized, summarizer=writer.summarizer.name, target=target,
             span_tokens=_span_tokens(handle, selection, job.shrink_route),
             shrink_route=job.shrink_route, progress=progress,
         )  # fmt: skip
@@ -888,8 +888,10 @@ def _summary_request(
     target: Route,
     policy: TargetPolicy,
     focus: str | None,
-) -> SummaryRequest:
-    """System head, then the span's messages exactly as the conversation sends them."""
+) -> tuple[SummaryRequest, list[bytes]]:
+    """System head, then the span's messages exactly as the conversation sends them; and, one
+    per message, bytes that hold its text blocks verbatim (the gate's echo check reads them).
+    """
     fold = handle.fold
     nodes = fold.surface.nodes
     span_nodes: list[SurfaceNode] = list(
@@ -897,11 +899,15 @@ def _summary_request(
     )
     if nodes and selection.start_position > 0 and nodes[0].type == ev.SYSTEM_MESSAGE:
         span_nodes.insert(0, nodes[0])
-    messages = [
-        message
-        for node in span_nodes
-        if (message := project(node.event, fold.offloads.get(node.seq, frozenset()))) is not None
-    ]
+    messages, serialized = [], []
+    for node in span_nodes:
+        offloaded = fold.offloads.get(node.seq, frozenset())
+        message = project(node.event, offloaded)
+        if message is not None:
+            messages.append(message)
+            # A node's event holds its message's blocks as they are, unless offloads rewrote
+            # some: no message is serialized for the gate.
+            serialized.append(message.SerializeToString() if offloaded else node.data)
     config = events_pb2.RequestConfig(provider=target.provider, model=target.model)
     header = fold.header
     if header is not None and (header.config.provider, header.config.model) == (
@@ -910,13 +916,14 @@ def _summary_request(
     ):
         config.CopyFrom(header.config)  # same route: same sampling, so the prefix stays warm
     tools: Sequence[events_pb2.ToolDeclaration] = header.tools if header is not None else ()
-    return SummaryRequest(
+    request = SummaryRequest(
         messages=messages,
         tools=list(tools),
         config=config,
         instruction=prompts.compaction_instruction(focus),
         max_tokens=policy.max_tokens,
     )
+    return request, serialized
 
 
 def _close_reason(error: BaseException | None) -> tuple[str, str]:
