@@ -220,15 +220,18 @@ def echoed_message(
     # lengthens a character more than threefold (casefold's longest expansion) and a message's
     # text is at most as long as its bytes; the needle's marks lie, as they are, in those bytes;
     # and its longest word, having no whitespace, lies inside one casefolded word of the text.
+    if serialized is None:  # once per message (``ByteSize`` would serialize it again)
+        serialized = [message.SerializeToString() for message in span]
+    least = -(-len(needle) // _CASEFOLD_GROWTH)  # the fewest bytes whose text can fold to it
+    sized = [index for index, data in enumerate(serialized) if len(data) >= least]
+    if not sized:
+        return None
     marks = needle_marks(needle)
     word = max(needle.split(" "), key=len)
-    for index, message in enumerate(span):
-        # One serialization per message (``ByteSize`` would serialize it too).
-        data = message.SerializeToString() if serialized is None else serialized[index]
-        if len(needle) > _CASEFOLD_GROWTH * len(data):
+    for index in sized:
+        if marks and not _holds_marks(serialized[index], marks):
             continue
-        if marks and not _holds_marks(data, marks):
-            continue
+        message = span[index]
         text = message_text(message)
         growth = 1 if text.isascii() else _CASEFOLD_GROWTH
         if len(needle) > growth * len(text) or not folded_holds(text, word):
