@@ -63,6 +63,7 @@ from compactd.service.sessions import SessionHandle, SessionManager
 from compactd.service.summarizers import SummarizerRegistry
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2
+from compactd.v1.session_service_pb2 import Message
 
 log = logging.getLogger(__name__)
 
@@ -882,6 +883,23 @@ def _span_tokens(handle: SessionHandle, selection: Selection, route: Route) -> i
         return None
 
 
+def projected_span(
+    fold: SessionFold, nodes: Iterable[SurfaceNode]
+) -> tuple[list[Message], list[bytes]]:
+    """The messages ``nodes`` project to (offloads applied) and, one per message, bytes that
+    hold its text blocks as ``gate.echoed_message`` reads them: the node's event, which holds
+    its message's blocks as they are unless offloads rewrote some (then the message's own
+    serialized form), so that no message is serialized for the gate."""
+    messages, serialized = [], []
+    for node in nodes:
+        offloaded = fold.offloads.get(node.seq, frozenset())
+        message = project(node.event, offloaded)
+        if message is not None:
+            messages.append(message)
+            serialized.append(message.SerializeToString() if offloaded else node.data)
+    return messages, serialized
+
+
 def _summary_request(
     handle: SessionHandle,
     selection: Selection,
@@ -899,15 +917,7 @@ def _summary_request(
     )
     if nodes and selection.start_position > 0 and nodes[0].type == ev.SYSTEM_MESSAGE:
         span_nodes.insert(0, nodes[0])
-    messages, serialized = [], []
-    for node in span_nodes:
-        offloaded = fold.offloads.get(node.seq, frozenset())
-        message = project(node.event, offloaded)
-        if message is not None:
-            messages.append(message)
-            # A node's event holds its message's blocks as they are, unless offloads rewrote
-            # some: no message is serialized for the gate.
-            serialized.append(message.SerializeToString() if offloaded else node.data)
+    messages, serialized = projected_span(fold, span_nodes)
     config = events_pb2.RequestConfig(provider=target.provider, model=target.model)
     header = fold.header
     if header is not None and (header.config.provider, header.config.model) == (
