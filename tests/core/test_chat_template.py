@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from compactd.core.chat_template import ChatTemplate, TemplateError, TemplatePricing
 from compactd.core.fold import SessionFold
 from compactd.core.meter import Method, SessionMeter, recount
-from compactd.core.pricing import ImagePricing
+from compactd.core.pricing import ImagePricing, node_texts
 from compactd.routes import Route
 from compactd.tokenizers import QWEN3_TOKENIZER, resolve_file, template_profile
 from tests.builders import (
@@ -420,3 +420,8 @@ def test_profile_keys_are_stable_text_and_tell_templates_apart() -> None:
     other = template_profile(QWEN3_TOKENIZER, image_pricing=ImagePricing(per_image=10))
     assert other.key != profile.key
     assert other != profile
+
+
+def test_a_template_route_names_no_texts_to_count_apart() -> None:
+    # It prices the rendered conversation, not each text: the gate prices it whole.
+    assert node_texts(user("hello"), QWEN3.pricing) is None

@@ -23,7 +23,9 @@ from compactd.core.gate import (
     section_problem,
 )
 from compactd.core.probes import Message, Probe, ProbeKind, message_text
+from compactd.core.projection import project
 from compactd.testing.messages import assistant, text_block, user
+from tests import builders
 
 SPAN = [user("Please fix the bug in lib/app/mod.py now."), assistant("Done: lib/app/mod.py fixed.")]
 PROBES = (Probe(ProbeKind.REQUEST, "Please fix the bug in lib/app/mod.py now."),)
@@ -218,6 +220,45 @@ def test_the_echo_check_of_marked_texts_finds_what_folding_every_message_finds(
         start = data.draw(st.integers(0, len(text)))
         summary = text[start : data.draw(st.integers(start, len(text)))].upper()
     assert echoed_message(summary, span) == reference_echo(summary, span)
+
+
+def _event_of(kind: str, texts: list[str]) -> builders.SessionEvent:
+    blocks = [builders.text_block(text) for text in texts]
+    if kind == "system":
+        return builders.system(texts[0])
+    if kind == "tool":
+        return builders.tool_result("c1", blocks=blocks, name="run")
+    if kind == "assistant":
+        event = builders.assistant(texts[0])
+        event.assistant_message.content.extend(blocks[1:])
+        return event
+    return builders.user(blocks=blocks)
+
+
+SPAN_EVENTS = st.lists(
+    st.builds(
+        _event_of,
+        st.sampled_from(["system", "user", "assistant", "tool"]),
+        st.lists(MARKED_TEXT, min_size=1, max_size=3),
+    ),
+    max_size=4,
+)
+
+
+@settings(max_examples=600)
+@given(MARKED_TEXT, SPAN_EVENTS, st.data())
+def test_the_echo_check_reading_the_events_bytes_finds_what_folding_every_message_finds(
+    summary: str, events: list[builders.SessionEvent], data: st.DataObject
+) -> None:
+    pairs = [(m, e.SerializeToString()) for e in events if (m := project(e)) is not None]
+    span = [message for message, _ in pairs]
+    if span and data.draw(st.booleans()):  # the summary is part of one message, re-spaced
+        text = message_text(span[data.draw(st.integers(0, len(span) - 1))])
+        start = data.draw(st.integers(0, len(text)))
+        summary = text[start : data.draw(st.integers(start, len(text)))].upper()
+    expected = reference_echo(summary, span)
+    assert echoed_message(summary, span, [serialized for _, serialized in pairs]) == expected
+    assert echoed_message(summary, span) == expected
 
 
 @pytest.mark.parametrize(

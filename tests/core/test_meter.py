@@ -11,11 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from compactd.core.fold import SessionFold
-from compactd.core.meter import Measurement, Method, SessionMeter, recount, route_price
+from compactd.core.meter import Measurement, Method, SessionMeter, _Ledger, recount, route_price
 from compactd.core.pricing import (
     HEURISTIC,
     HeuristicTokenizer,
     ImagePricing,
+    NodeCost,
     PricingProfile,
     heuristic_price,
     price_tools,
@@ -601,3 +602,24 @@ def test_a_meter_restored_from_persisted_prices_measures_as_the_one_that_made_th
     for route in (ROUTE, EXACT):
         assert restored.measure(live.fold, route) == live.measure(route)
     assert restored.anchor_state() == live.meter.anchor_state()
+
+
+_COSTS = st.dictionaries(
+    st.integers(0, 30), st.builds(NodeCost, st.integers(0, 50), st.integers(0, 9))
+)
+
+
+@given(_COSTS, st.lists(st.integers(0, 40), unique=True), st.sets(st.integers(0, 40)))
+def test_dropping_a_span_at_once_equals_dropping_its_nodes_in_turn(
+    costs: dict[int, NodeCost], seqs: list[int], in_delta: set[int]
+) -> None:
+    one, span = _Ledger(HEURISTIC), _Ledger(HEURISTIC)
+    for ledger in (one, span):
+        for seq, cost in costs.items():
+            ledger.put(seq, cost, seq in in_delta)
+    for seq in seqs:
+        one.drop(seq, seq in in_delta)
+    span.drop_span(seqs, in_delta)
+    assert (span.costs, span.messages, span.images, span.delta) == (
+        one.costs, one.messages, one.images, one.delta,
+    )  # fmt: skip

@@ -16,6 +16,7 @@ from compactd.core.pricing import (
     PricingProfile,
     canonical_block_json,
     heuristic_price,
+    node_texts,
     price_config,
     price_message,
     price_node,
@@ -24,6 +25,7 @@ from compactd.core.pricing import (
     quarter_tokens,
     tools_json,
     utf16_length,
+    with_counted,
 )
 from compactd.core.projection import project
 from compactd.tokenizers import load_tokenizer
@@ -275,3 +277,29 @@ def test_batched_pricing_equals_pricing_one_node_at_a_time(
         tokenizer = load_tokenizer(name)
         profile = PricingProfile(tokenizer, Framing(per_message=3, per_block=1, per_tool_call=2))
         assert price_nodes(items, profile) == [price_node(e, profile, o) for e, o in items]
+
+
+class _Refusing:
+    """A tokenizer that counts nothing: what it is asked for was not counted ahead."""
+
+    def __init__(self, name: str, exact: bool) -> None:
+        self.name, self.exact = name, exact
+
+    def count(self, text: str) -> int:
+        raise AssertionError(f"not counted ahead: {text!r}")
+
+
+@given(_NODES, st.booleans())
+def test_a_node_priced_on_its_texts_counted_apart_is_priced_as_price_node_does(
+    events: list[SessionEvent], offload: bool
+) -> None:
+    for name in ("cl100k_base", "heuristic"):
+        tokenizer = load_tokenizer(name)
+        profile = PricingProfile(tokenizer, Framing(per_message=3, per_block=1, per_tool_call=2))
+        refusing = PricingProfile(_Refusing(tokenizer.name, tokenizer.exact), profile.framing)
+        for event in events:
+            offloaded = frozenset({0}) if offload and event.HasField("tool_result") else frozenset()
+            texts = node_texts(event, profile, offloaded)
+            assert texts is not None
+            counted = with_counted(refusing, {text: profile.count(text) for text in texts})
+            assert price_node(event, counted, offloaded) == price_node(event, profile, offloaded)

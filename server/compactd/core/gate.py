@@ -107,11 +107,19 @@ class Findings:
     retention: Retention
 
 
-def examine(summary: str, span: Sequence[Message], probes: Sequence[Probe]) -> Findings:
+def examine(
+    summary: str,
+    span: Sequence[Message],
+    probes: Sequence[Probe],
+    serialized: Sequence[bytes] | None = None,
+) -> Findings:
     """The text checks of ``judge`` (sections, echo, probes), apart from pricing the checkpoint:
-    a caller may price it meanwhile, off the event loop."""
+    a caller may price it meanwhile, off the event loop. ``serialized``: as ``echoed_message``
+    takes it."""
     return Findings(
-        section_problem(summary), echoed_message(summary, span), retention(probes, summary)
+        section_problem(summary),
+        echoed_message(summary, span, serialized),
+        retention(probes, summary),
     )
 
 
@@ -195,23 +203,35 @@ def _heading_title(line: str) -> str:
     return text.casefold()
 
 
-def echoed_message(summary: str, span: Sequence[Message]) -> int | None:
-    """The index of the span message ``summary`` merely repeats (is contained in), if any."""
+def echoed_message(
+    summary: str, span: Sequence[Message], serialized: Sequence[bytes] | None = None
+) -> int | None:
+    """The index of the span message ``summary`` merely repeats (is contained in), if any.
+
+    ``serialized`` (one per span message) spares serializing the messages: each holds every
+    text block of its message as UTF-8, verbatim, and is at least as long as its message's text
+    as UTF-8. A message's serialized form is such bytes, and so is the event it projects from
+    when the projection copied its blocks as they are (no offload).
+    """
     needle = _fold(summary)
     if not needle:
         return None
     # Cheap necessary conditions first, so most messages are never read as text: folding never
     # lengthens a character more than threefold (casefold's longest expansion) and a message's
-    # text is at most its serialized size; the needle's marks lie, as they are, in the
-    # message's serialized bytes; and its longest word, having no whitespace, lies inside one
-    # casefolded word of the text.
+    # text is at most as long as its bytes; the needle's marks lie, as they are, in those bytes;
+    # and its longest word, having no whitespace, lies inside one casefolded word of the text.
+    if serialized is None:  # once per message (``ByteSize`` would serialize it again)
+        serialized = [message.SerializeToString() for message in span]
+    least = -(-len(needle) // _CASEFOLD_GROWTH)  # the fewest bytes whose text can fold to it
+    sized = [index for index, data in enumerate(serialized) if len(data) >= least]
+    if not sized:
+        return None
     marks = needle_marks(needle)
     word = max(needle.split(" "), key=len)
-    for index, message in enumerate(span):
-        if len(needle) > _CASEFOLD_GROWTH * message.ByteSize():
+    for index in sized:
+        if marks and not _holds_marks(serialized[index], marks):
             continue
-        if marks and not _holds_marks(message.SerializeToString(), marks):
-            continue
+        message = span[index]
         text = message_text(message)
         growth = 1 if text.isascii() else _CASEFOLD_GROWTH
         if len(needle) > growth * len(text) or not folded_holds(text, word):

@@ -191,6 +191,21 @@ class _Ledger:
         if in_delta:
             self.delta -= cost.total
 
+    def drop_span(self, seqs: Sequence[int], in_delta: Set[int]) -> None:
+        """``drop`` each of ``seqs`` (``in_delta``: those after the anchor), the totals summed
+        once."""
+        costs, messages, images, delta = self.costs, 0, 0, 0
+        for seq in seqs:
+            cost = costs.pop(seq, None)
+            if cost is not None:
+                messages += cost.messages
+                images += cost.images
+                if seq in in_delta:
+                    delta += cost.total
+        self.messages -= messages
+        self.images -= images
+        self.delta -= delta
+
     def tools(
         self,
         header_seq: int,
@@ -548,16 +563,16 @@ class SessionMeter:
         if self._anchor is not None and self._anchor.seq in set(seqs):
             self._drop_anchor()
         after, nodes, offloads = self._after_anchor, self._nodes, self._offloads
-        persisted, ledgers = list(self._persisted.values()), list(self._ledgers.values())
+        in_delta = after.intersection(seqs)
+        after.difference_update(in_delta)
+        persisted = list(self._persisted.values())
         for seq in seqs:
-            in_delta = seq in after
-            after.discard(seq)
             nodes.pop(seq, None)
             offloads.pop(seq, None)
             for costs in persisted:
                 costs.pop(seq, None)
-            for ledger in ledgers:
-                ledger.drop(seq, in_delta)
+        for ledger in self._ledgers.values():
+            ledger.drop_span(seqs, in_delta)
 
     def _offloaded(self, fold: SessionFold, offload: events_pb2.ImageOffload) -> None:
         for target in offload.targets:

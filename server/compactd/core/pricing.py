@@ -304,6 +304,19 @@ def price_nodes(
     return [price_node(event, priced, offloaded) for event, offloaded in items]
 
 
+def node_texts(
+    event: SessionEvent, pricing: PricingProfile, offloaded: Set[int] = frozenset()
+) -> list[str] | None:
+    """The texts ``price_node(event, pricing, offloaded)`` counts, each once; None for a chat
+    template route (it prices rendered text). Counted elsewhere (a worker thread: tokenizers
+    release the GIL), they price the node on ``with_counted`` exactly as ``price_node`` does."""
+    if pricing.template is not None:
+        return None
+    recorder = _TextRecorder(pricing.tokenizer)
+    price_node(event, replace(pricing, tokenizer=recorder), offloaded)
+    return list(recorder.texts)
+
+
 def with_counted(pricing: PricingProfile, counted: Mapping[str, int]) -> PricingProfile:
     """``pricing`` with ``counted`` texts (``TextsAhead``) answered from their counts; any other
     text is counted by its tokenizer as it comes: ``price_node`` with it equals ``price_node``

@@ -63,6 +63,7 @@ from compactd.service.sessions import SessionHandle, SessionManager
 from compactd.service.summarizers import SummarizerRegistry
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2
+from compactd.v1.session_service_pb2 import Message
 
 log = logging.getLogger(__name__)
 
@@ -494,7 +495,7 @@ class CompactionEngine:
         attempt = 1
         while True:
             # Re-derived on every attempt: a recovery's change (an offload) must show.
-            request = _summary_request(handle, selection, target, job.policy, job.focus)
+            request, serialized = _summary_request(handle, selection, target, job.policy, job.focus)
             try:
                 summary = await self._summarize(compaction_id, writer, request, progress)
                 break
@@ -507,7 +508,7 @@ class CompactionEngine:
             attempt += 1
         screened = await self._guard.screen(
             policy=job.policy, compaction_id=compaction_id, request=request, summary=summary,
-            summarizer=writer.summarizer.name, target=target,
+            serialized=serialized, summarizer=writer.summarizer.name, target=target,
             span_tokens=_span_tokens(handle, selection, job.shrink_route),
             shrink_route=job.shrink_route, progress=progress,
         )  # fmt: skip
@@ -882,14 +883,33 @@ def _span_tokens(handle: SessionHandle, selection: Selection, route: Route) -> i
         return None
 
 
+def projected_span(
+    fold: SessionFold, nodes: Iterable[SurfaceNode]
+) -> tuple[list[Message], list[bytes]]:
+    """The messages ``nodes`` project to (offloads applied) and, one per message, bytes that
+    hold its text blocks as ``gate.echoed_message`` reads them: the node's event, which holds
+    its message's blocks as they are unless offloads rewrote some (then the message's own
+    serialized form), so that no message is serialized for the gate."""
+    messages, serialized = [], []
+    for node in nodes:
+        offloaded = fold.offloads.get(node.seq, frozenset())
+        message = project(node.event, offloaded)
+        if message is not None:
+            messages.append(message)
+            serialized.append(message.SerializeToString() if offloaded else node.data)
+    return messages, serialized
+
+
 def _summary_request(
     handle: SessionHandle,
     selection: Selection,
     target: Route,
     policy: TargetPolicy,
     focus: str | None,
-) -> SummaryRequest:
-    """System head, then the span's messages exactly as the conversation sends them."""
+) -> tuple[SummaryRequest, list[bytes]]:
+    """System head, then the span's messages exactly as the conversation sends them; and, one
+    per message, bytes that hold its text blocks verbatim (the gate's echo check reads them).
+    """
     fold = handle.fold
     nodes = fold.surface.nodes
     span_nodes: list[SurfaceNode] = list(
@@ -897,11 +917,7 @@ def _summary_request(
     )
     if nodes and selection.start_position > 0 and nodes[0].type == ev.SYSTEM_MESSAGE:
         span_nodes.insert(0, nodes[0])
-    messages = [
-        message
-        for node in span_nodes
-        if (message := project(node.event, fold.offloads.get(node.seq, frozenset()))) is not None
-    ]
+    messages, serialized = projected_span(fold, span_nodes)
     config = events_pb2.RequestConfig(provider=target.provider, model=target.model)
     header = fold.header
     if header is not None and (header.config.provider, header.config.model) == (
@@ -910,13 +926,14 @@ def _summary_request(
     ):
         config.CopyFrom(header.config)  # same route: same sampling, so the prefix stays warm
     tools: Sequence[events_pb2.ToolDeclaration] = header.tools if header is not None else ()
-    return SummaryRequest(
+    request = SummaryRequest(
         messages=messages,
         tools=list(tools),
         config=config,
         instruction=prompts.compaction_instruction(focus),
         max_tokens=policy.max_tokens,
     )
+    return request, serialized
 
 
 def _close_reason(error: BaseException | None) -> tuple[str, str]:

@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from opentelemetry import trace
 
@@ -38,7 +39,7 @@ from compactd.core import bracket, gate, prompts
 from compactd.core.attempts import AttemptLedger, Backoff, span_key
 from compactd.core.meter import MeteredRoute, route_price
 from compactd.core.policy import TargetPolicy
-from compactd.core.pricing import PricingProfile, price_node
+from compactd.core.pricing import PricingProfile, node_texts, price_node, with_counted
 from compactd.core.probes import ProbeKind, select_probes, span_facts
 from compactd.core.selection import DeclineCode, Declined, Selection
 from compactd.errors import CompactdError
@@ -236,10 +237,14 @@ class CompactionGuard:
         span_tokens: int | None,
         shrink_route: MeteredRoute,
         progress: Progress,
+        serialized: Sequence[bytes] | None = None,
     ) -> Screened:
         """The summary to commit, after the quality gate (not judged when the policy turns the
         gate off, or when ``span_tokens`` is None: a span node is gone and the commit's
         revalidation rejects the span).
+
+        ``serialized``: one per message of ``request``, bytes that hold its text blocks as
+        ``gate.echoed_message`` takes them (None: the gate serializes the messages).
 
         Raises:
             SummaryRejected: The summary failed the gate (reason ``SUMMARY_NOT_SMALLER`` when its
@@ -249,22 +254,34 @@ class CompactionGuard:
         if settings is None or span_tokens is None:
             return Screened(summary, summarizer, target)
         span = _without_head(request.messages)
+        span_bytes = serialized[len(serialized) - len(span) :] if serialized is not None else None
 
         async def verdict_of(text: str) -> gate.Verdict:
             checkpoint = bracket.checkpoint_message(compaction_id, prompts.frame_checkpoint(text))
-            # The tokenizer releases the GIL: the checkpoint is priced in a worker thread while
-            # the text checks run here. The checks hold the GIL throughout, so a worker that
-            # only woke would wait for them to end; this thread lets it in (a moment, bounded)
-            # and goes on once it runs.
+            # The tokenizer releases the GIL: the checkpoint's texts are counted in a worker
+            # thread while the text checks run here (a chat template route's whole price, which
+            # renders text first). The checks hold the GIL throughout, so a worker that only
+            # woke would wait for them to end; this thread lets it in (a moment, bounded) and
+            # goes on once it runs. Collecting the texts here leaves the worker little but the
+            # tokenizer to run while it holds the GIL.
+            texts = node_texts(checkpoint, shrink_route.pricing)
             running = threading.Event()
-            pricing = asyncio.get_running_loop().run_in_executor(
-                None, _price_started, running, checkpoint, shrink_route
+            work: Callable[[], int | dict[str, int]] = (
+                partial(_price_started, running, checkpoint, shrink_route)
+                if texts is None
+                else partial(_count_started, running, texts, shrink_route.pricing.count)
             )
+            counting = asyncio.get_running_loop().run_in_executor(None, work)
             running.wait(_HANDOFF_SECONDS)
             try:
-                findings = gate.examine(text, span, probes)
+                findings = gate.examine(text, span, probes, span_bytes)
             finally:
-                checkpoint_tokens = await pricing
+                counted = await counting
+            checkpoint_tokens = (
+                counted
+                if isinstance(counted, int)
+                else price_node(checkpoint, with_counted(shrink_route.pricing, counted)).total
+            )
             return gate.judge(
                 text, span, probes, checkpoint_tokens=checkpoint_tokens, span_tokens=span_tokens,
                 settings=settings, findings=findings,
@@ -318,6 +335,13 @@ def _price_started(
 ) -> int:
     running.set()
     return route_price(checkpoint, route)
+
+
+def _count_started(
+    running: threading.Event, texts: Sequence[str], count: Callable[[str], int]
+) -> dict[str, int]:
+    running.set()
+    return {text: count(text) for text in texts}
 
 
 def ledger(handle: SessionHandle) -> AttemptLedger:
