@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
-import sys
 
 import pytest
 
 from compactd import config
-from compactd.api.server import MIDDLE_GENERATION_EVERY, create_server, settle_interpreter
+from compactd.api.server import create_server
 from compactd.errors import StartupError
 
 
@@ -40,18 +38,3 @@ async def test_one_store_has_one_owner_until_it_stops(server_config: config.Serv
         await first.stop(0)
     second = await create_server(server_config)
     await second.stop(0)
-
-
-def test_the_interpreter_is_settled_for_calls_that_must_not_wait() -> None:
-    switch, threshold = sys.getswitchinterval(), gc.get_threshold()
-    try:
-        settle_interpreter()
-        assert sys.getswitchinterval() <= 0.0002  # the loop wins the GIL back within 0.2 ms
-        young, middle, old = gc.get_threshold()
-        assert (young, old) == (threshold[0], threshold[2])
-        assert middle == MIDDLE_GENERATION_EVERY > threshold[1]  # fewer pauses of milliseconds
-        assert gc.get_freeze_count() > 0  # start-up's objects are out of the collector's sight
-    finally:
-        gc.unfreeze()
-        gc.set_threshold(*threshold)
-        sys.setswitchinterval(switch)

@@ -369,10 +369,6 @@ async def _serve_on(
     return running
 
 
-#: Young collections between two of the middle generation (CPython's default is 10).
-MIDDLE_GENERATION_EVERY = 100
-
-
 def settle_interpreter() -> None:
     """Tune CPython for calls that must not wait on other work (once the server is built).
 
@@ -383,14 +379,8 @@ def settle_interpreter() -> None:
     - Move everything start-up allocated (modules, routes, tokenizers, templates) out of the
       collector's sight (``gc.freeze``): a full collection otherwise walks it all again and
       again, a pause of tens of milliseconds on the loop.
-    - Collect the middle generation a tenth as often (``MIDDLE_GENERATION_EVERY``): each of its
-      collections is a pause of 2 to 5 ms on the loop that a call next door sees whole, and a large
-      batch's allocations made one every ~0.3 s; what dies young still goes at every young
-      collection (a fraction of a millisecond each).
     """
     sys.setswitchinterval(min(sys.getswitchinterval(), 0.0002))
-    young, _, old = gc.get_threshold()
-    gc.set_threshold(young, MIDDLE_GENERATION_EVERY, old)
     gc.collect()
     gc.freeze()
 
