@@ -1,9 +1,10 @@
 """Compaction cost against log length with a fixed span, and a declined Compact, in one run.
 
-**Engine time.** One server (``create_server`` on port 0, memory store, route ``bench/wide``)
-and sessions that grow as a long agent session does: batches of the shared transcripts, each
-in its own closed turn, each followed by a ``Compact`` that condenses it, so the log grows while
-the surface stays short: one such session per length (1,000 and 100,000 logged events). Then
+**Engine time.** One server (``create_server`` on port 0, memory store, route ``bench/wide``,
+the interpreter settled as ``compactd serve`` settles it) and sessions that grow as a long agent
+session does: batches of the shared transcripts, each in its own closed turn, each followed by a
+``Compact`` that condenses it, so the log grows while the surface stays short: one such session
+per length (1,000 and 100,000 logged events). Then
 ``--repeat`` rounds, each compacting in every session, in a rotating order: the same fixed span
 (``--span`` events of the transcripts, fresh tool-call ids) is appended and condensed by
 ``Compact``. Engine time is the call's whole time seen by the client minus the summarizer's
@@ -44,7 +45,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from bench.bench_pressure import BATCH, _event, conversations, fmt, table
 from bench.bench_steps import MODEL, OVERRIDES, PROVIDER, _pcts, _timed
 from compactd import config
-from compactd.api.server import create_server
+from compactd.api.server import create_server, settle_interpreter
 from compactd.core.probes import span_facts
 from compactd.providers import openai_wire
 from compactd.providers.base import SummaryRequest, SummaryResult
@@ -345,6 +346,7 @@ async def measure(
         summarizer=summarizer,
         tracer_provider=tracing,
     )
+    settle_interpreter()  # as ``compactd serve`` does
     try:
         async with grpc.aio.insecure_channel(running.address) as channel:
             engine = await measure_engine(channel, summarizer, spans, sizes, span, repeat)

@@ -53,8 +53,8 @@ _RESOLVED_CACHE = 1024  # resolved policies and specs kept (cleared when full)
 def session_meter(handle: SessionHandle) -> SessionMeter:
     """The session's meter, attached on first use (it prices the existing nodes lazily, per
     pricing profile, and every later batch as it commits: a large batch's texts counted in a
-    worker thread and its prices made in steps on the loop, see ``SessionHandle.add_preparer``). A session restored from a snapshot starts from the prices
-    the snapshot kept."""
+    worker thread and its prices made in steps on the loop, see ``SessionHandle.add_preparer``).
+    A session restored from a snapshot starts from the prices the snapshot kept."""
     meter = handle.extensions.get(METER_KEY)
     if isinstance(meter, SessionMeter):
         return meter
