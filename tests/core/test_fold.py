@@ -671,3 +671,14 @@ def test_a_compaction_id_is_never_reused_even_after_its_bracket_closed() -> None
     with pytest.raises(InvalidArgument, match="a compaction id is used once"):
         fold.admit([compaction_start("k1")])
     fold.admit([compaction_start("k2")])  # a fresh id still opens a bracket
+
+
+def test_a_released_batch_hands_over_its_lists_and_keeps_its_first_seq() -> None:
+    fold = SessionFold()
+    batch = fold.admit([user("a"), user("b")])
+    events, changes = list(batch.events), list(batch.surface_changes)
+    undo, changes_held, events_held = batch.release()
+    assert (events_held, changes_held) == (events, changes)
+    assert undo  # the undo records go too: a committed batch is not rolled back
+    assert (batch.first_seq, batch.events, batch.surface_changes) == (0, [], [])
+    assert [n.seq for n in fold.surface] == [0, 1]  # the fold keeps what it folded

@@ -5,11 +5,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Generator, Sequence
+from typing import Any
 
 import pytest
 
+from compactd.core.fold import AdmittedBatch
 from compactd.errors import NotFound, Unavailable
-from compactd.service.sessions import ADMIT_STEP, STEP_S, YIELD_TURNS, SessionManager, in_steps
+from compactd.service.sessions import (
+    ADMIT_STEP,
+    FREE_STEP,
+    STEP_S,
+    YIELD_TURNS,
+    SessionManager,
+    in_steps,
+)
 from compactd.store.base import EventRow
 from compactd.store.leases import LeaseOp
 from compactd.store.memory import MemoryEventStore
@@ -220,3 +229,32 @@ async def test_a_large_batch_is_serialized_in_steps_before_the_store_gets_it() -
     await handle.append([user(str(n)) for n in range(ADMIT_STEP)])
     assert store.encoded[-2:] == [False, True]  # a small batch is left to the store
     assert [e.seq for e in [e async for e in handle.read()]] == list(range(1 + ADMIT_STEP))
+
+
+async def test_a_committed_large_batch_is_freed_in_the_background_a_chunk_at_a_time() -> None:
+    store = RowsStore()
+    await store.open()
+    manager = SessionManager(store)
+    await manager.create("s", None)
+    handle = await manager.get("s")
+    released: list[list[list[Any]]] = []
+    original = AdmittedBatch.release
+
+    def spy(batch: AdmittedBatch) -> list[list[Any]]:
+        held = original(batch)
+        released.append(held)
+        return held
+
+    AdmittedBatch.release = spy  # type: ignore[method-assign]
+    try:
+        result = await handle.append([user(str(n)) for n in range(12 * FREE_STEP)])
+    finally:
+        AdmittedBatch.release = original  # type: ignore[method-assign]
+    assert result.seqs == list(range(12 * FREE_STEP))  # the answer read the batch before
+    (held,) = released
+    sizes = [sum(map(len, held))]
+    while sizes[-1]:
+        await asyncio.sleep(0)
+        sizes.append(sum(map(len, held)))
+    assert len(sizes) > 2  # over several loop turns
+    assert [e.seq for e in [e async for e in handle.read()]] == result.seqs

@@ -395,8 +395,10 @@ class SessionHandle:
         self.leases.landed(lease)
         self._folded(batch)
         await self._notify()
-        first = batch.first_seq  # seqs are assigned in order, from the batch's first
-        return AppendResult(list(range(first, first + len(batch.events))), self.fold.revision)
+        first, count = batch.first_seq, len(batch.events)  # seqs are assigned in order
+        if count >= ADMIT_STEP:  # the observers are done with it: free it in the background
+            _free_in_steps(batch.release())
+        return AppendResult(list(range(first, first + count)), self.fold.revision)
 
     def _folded(self, batch: AdmittedBatch) -> None:
         self.revision = self.fold.revision
@@ -589,6 +591,26 @@ def _priced_ahead(events: Sequence[events_pb2.SessionEvent], size: int | None = 
     if len(events) >= OFFLOAD_EVENTS:
         return True
     return (sum(e.ByteSize() for e in events) if size is None else size) >= OFFLOAD_BYTES
+
+
+# Entries of a committed batch's lists freed between pauses, and the tasks freeing them (asyncio
+# keeps only weak references to tasks).
+FREE_STEP = 64
+_freeing: set[asyncio.Future[None]] = set()
+
+
+def _free_in_steps(held: list[list[Any]]) -> None:
+    """Free ``held`` (``AdmittedBatch.release``) in steps on the loop, in the background."""
+    task = asyncio.ensure_future(in_steps(_emptied(held)))
+    _freeing.add(task)
+    task.add_done_callback(_freeing.discard)
+
+
+def _emptied(held: list[list[Any]]) -> Generator[None, None, None]:
+    for items in held:
+        while items:
+            del items[-FREE_STEP:]
+            yield
 
 
 def _run_jobs(jobs: Sequence[Callable[[], None]]) -> None:
