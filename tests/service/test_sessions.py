@@ -11,6 +11,7 @@ import pytest
 
 from compactd.core.fold import AdmittedBatch
 from compactd.errors import NotFound, Unavailable
+from compactd.service import sessions
 from compactd.service.sessions import (
     ADMIT_STEP,
     FREE_STEP,
@@ -258,3 +259,16 @@ async def test_a_committed_large_batch_is_freed_in_the_background_a_chunk_at_a_t
         sizes.append(sum(map(len, held)))
     assert len(sizes) > 2  # over several loop turns
     assert [e.seq for e in [e async for e in handle.read()]] == result.seqs
+
+
+async def test_a_flood_of_ready_calls_leaves_a_large_batch_a_share_of_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sessions, "YIELD_TURNS", 10**9)  # only the time bound holds it back
+    done: list[int] = []
+    batch = asyncio.ensure_future(in_steps(_long_steps(done, 3)))
+    for _ in range(10**6):  # a flood: always a callback ready
+        if batch.done():
+            break
+        await asyncio.sleep(0)
+    assert await asyncio.wait_for(batch, 0) == 3  # it went on within the flood, every YIELD_S

@@ -113,9 +113,11 @@ OFFLOAD_BYTES = 16 * 1024
 ADMIT_STEP = 128
 STEP_S = 0.0002
 # A large batch's work is background work: after each step it waits while other callbacks are
-# ready (a pressure check's next turn, a reply to send), for at most this many loop turns, so
-# that a flood of small calls slows it down but never stops it.
+# ready (a pressure check's next turn, a reply to send), for at most this many loop turns and
+# this long, so that a flood of small calls slows it down (it keeps a fifth of the loop) but
+# never stops it: a restore's caller waits for it too.
 YIELD_TURNS = 32
+YIELD_S = 4 * STEP_S
 
 
 class PriceSource(Protocol):
@@ -642,15 +644,17 @@ async def in_steps(steps: Generator[None, None, T]) -> T:
 
 async def _let_others_run() -> None:
     """Yield the loop, then go on waiting while other callbacks are ready, for at most
-    ``YIELD_TURNS`` turns. A call next door needs several loop turns (its request, its handler,
-    its reply): without the wait, each of them would come after one more step of this work."""
+    ``YIELD_TURNS`` turns and ``YIELD_S``. A call next door needs several loop turns (its
+    request, its handler, its reply): without the wait, each of them would come after one more
+    step of this work."""
     await asyncio.sleep(0)
     # ``_ready`` is asyncio's own queue of runnable callbacks; another loop may not have one.
     ready = getattr(asyncio.get_running_loop(), "_ready", None)
     if ready is None:
         return
+    until = time.perf_counter() + YIELD_S
     for _ in range(YIELD_TURNS):
-        if not ready:
+        if not ready or time.perf_counter() >= until:
             return
         await asyncio.sleep(0)
 
