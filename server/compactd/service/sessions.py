@@ -8,8 +8,9 @@ are serialized by its lock; the store shares commits across sessions (group comm
 Cost follows the work (issue 11):
 
 - A large batch is background work. It is checked and admitted on the loop in steps of at most
-  ``STEP_S``, and after each step it waits while other callbacks are ready (``in_steps``): a
-  call next door takes several loop turns, and none of them waits behind a step. Readers that do
+  ``STEP_S``, and after each step it waits while other callbacks are ready, within bounds
+  (``in_steps``): a call next door takes several loop turns, and none of them waits behind a
+  step. Once committed, it is freed in steps too. Readers that do
   not take the lock see only committed state. Its texts are counted in a worker thread from the
   end of its checks (``add_precounter``; the tokenizers release the GIL) and its prices made from
   those counts, in steps on the loop, while the store commits it (``add_preparer``); the commit
