@@ -188,15 +188,27 @@ async def test_texts_nothing_counted_ahead_are_counted_in_a_worker_thread(
         return counts
 
     monkeypatch.setattr(tokenizer, "count_batch", spy)
-    # Folded as a restore folds the log after its snapshot: no precount ran for it.
+    # Admitted with no precount (as the log a restore folds after its snapshot).
     events = list(transcript_events())[:300]
     for index, event in enumerate(events):
         event.seq = handle.fold.revision + index
     batch = handle.fold.admit(events, check=False)
-    await handle.run_preparers(batch)
-    handle.fold.rollback(batch)
+    await handle.run_preparers(batch)  # as an append's: in steps on the loop
     assert threads
     assert threading.get_ident() not in threads  # not on the loop: it would hold it throughout
+    meter = session_meter(handle)
+    priced: list[int] = []
+    prepare = meter.prepare
+
+    def spy_prepare(*args: Any) -> None:
+        priced.append(threading.get_ident())
+        prepare(*args)
+
+    monkeypatch.setattr(meter, "prepare", spy_prepare)
+    await handle.run_preparers(batch, in_thread=True)  # a restore's tail: a caller waits
+    handle.fold.rollback(batch)
+    assert priced
+    assert threading.get_ident() not in priced  # all of it in a worker thread
 
 
 async def test_other_calls_run_while_a_large_batch_lands_and_see_it_whole_or_not_at_all(

@@ -75,13 +75,21 @@ def session_meter(handle: SessionHandle) -> SessionMeter:
 
 
 async def _prepare(
-    meter: SessionMeter, routes: RouteCatalog, fold: SessionFold, batch: AdmittedBatch
+    meter: SessionMeter,
+    routes: RouteCatalog,
+    fold: SessionFold,
+    batch: AdmittedBatch,
+    in_thread: bool = False,
 ) -> None:
     """Price ``batch`` ahead of its commit for every ledger the meter keeps and for the route of
     the header in force after it (the calibration prices with it): a new route's ledger (the
-    whole surface) and the batch's texts nothing counted ahead (a new route's; a restore's) in
-    a worker thread, the batch's nodes on the loop in steps."""
+    whole surface) and the batch's texts nothing counted ahead (a new route's) in a worker
+    thread, the batch's nodes on the loop in steps; ``in_thread`` (a restore's tail, which a
+    caller waits for): all of it in a worker thread."""
     wanted = [p for p in _logged_profiles(fold.header, routes) if not meter.has_ledger(p)]
+    if in_thread:  # a restore's tail: batched counts and prices, all in the worker thread
+        await asyncio.to_thread(meter.prepare, fold, batch, wanted)
+        return
     uncounted = meter.uncounted(wanted)
     count = await in_steps(meter.count_ahead(batch.events, uncounted)) if uncounted else None
     ledgers: dict[PricingProfile, dict[int, NodeCost]] = {}

@@ -97,8 +97,8 @@ from compactd.v1 import events_pb2
 log = logging.getLogger(__name__)
 
 Observer = Callable[[SessionFold, AdmittedBatch], None]
-# Prices a large batch ahead of its commit (on the loop, in steps; see ``add_preparer``).
-Preparer = Callable[[SessionFold, AdmittedBatch], Awaitable[None]]
+# Prices a large batch ahead of its commit: on the loop in steps, or (True) in a worker thread.
+Preparer = Callable[[SessionFold, AdmittedBatch, bool], Awaitable[None]]
 # Called with a large batch once it passed its checks: steps on the loop, then a job for a thread.
 Precounter = Callable[
     [Sequence[events_pb2.SessionEvent]], Generator[None, None, Callable[[], None] | None]
@@ -207,10 +207,11 @@ class SessionHandle:
             self._replaying.append(observer)
 
     def add_preparer(self, preparer: Preparer) -> None:
-        """Await ``preparer(fold, batch)`` while a large batch commits, before the observers
-        (its Python work in steps on the loop, ``in_steps``: in a worker thread it would take
-        the GIL from the loop every switch interval); it may only read (the lock keeps the fold
-        still)."""
+        """Await ``preparer(fold, batch, False)`` while a large batch commits, before the
+        observers (its Python work in steps on the loop, ``in_steps``: in a worker thread it
+        would take the GIL from the loop every switch interval), and ``preparer(fold, batch,
+        True)`` for a restore's tail (a caller waits for it: all of it in a worker thread, not
+        as background work); it may only read (the lock keeps the fold still)."""
         self._preparers.append(preparer)
 
     def add_precounter(self, precounter: Precounter) -> None:
@@ -516,11 +517,11 @@ class SessionHandle:
         """Whether an observer follows a restore's tail."""
         return bool(self._replaying)
 
-    async def run_preparers(self, batch: AdmittedBatch) -> None:
+    async def run_preparers(self, batch: AdmittedBatch, *, in_thread: bool = False) -> None:
         """Run the preparers on ``batch`` (see ``add_preparer``)."""
         for preparer in self._preparers:
             try:
-                await preparer(self.fold, batch)
+                await preparer(self.fold, batch, in_thread)
             except Exception:  # the observers price on their own: never fail a commit
                 log.exception("pricing a batch ahead of its commit failed")
 
@@ -1045,7 +1046,7 @@ class SessionManager:
     async def _fold_chunk(self, handle: SessionHandle, chunk: Sequence[SessionEvent]) -> None:
         batch = await asyncio.to_thread(partial(handle.fold.admit, chunk, check=False))
         if handle.replays:
-            await handle.run_preparers(batch)
+            await handle.run_preparers(batch, in_thread=True)
         handle.replay(batch)
 
     # ---- snapshots and eviction ----------------------------------------------------------
