@@ -29,13 +29,15 @@ from tests.builders import user
 
 
 class GatedStore(MemoryEventStore):
-    """An in-memory store whose appends wait for a gate (and may be told to fail)."""
+    """An in-memory store whose appends wait for a gate (and may be told to fail), and which
+    remembers whether each batch came encoded."""
 
     def __init__(self) -> None:
         super().__init__()
         self.entered = asyncio.Event()
         self.gate = asyncio.Event()
         self.fail = False
+        self.encoded: list[bool] = []
 
     async def append(
         self,
@@ -46,6 +48,7 @@ class GatedStore(MemoryEventStore):
         lease: LeaseOp | None = None,
         rows: Sequence[EventRow] | None = None,
     ) -> int:
+        self.encoded.append(rows is not None)
         self.entered.set()
         await self.gate.wait()
         if self.fail:
@@ -200,32 +203,10 @@ async def test_a_flood_of_ready_calls_slows_a_large_batch_but_never_stops_it() -
     assert turns <= 4 * (YIELD_TURNS + 2)
 
 
-class RowsStore(MemoryEventStore):
-    """An in-memory store that remembers whether each batch came encoded."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.encoded: list[bool] = []
-
-    async def append(
-        self,
-        session_id: str,
-        events: Sequence[events_pb2.SessionEvent],
-        *,
-        tenant: str = "default",
-        lease: LeaseOp | None = None,
-        rows: Sequence[EventRow] | None = None,
-    ) -> int:
-        self.encoded.append(rows is not None)
-        return await super().append(session_id, events, tenant=tenant, lease=lease, rows=rows)
-
-
 async def test_a_large_batch_is_serialized_in_steps_before_the_store_gets_it() -> None:
-    store = RowsStore()
-    await store.open()
-    manager = SessionManager(store)
-    await manager.create("s", None)
-    handle = await manager.get("s")
+    store = GatedStore()
+    store.gate.set()
+    handle = await (await _session(store)).get("s")
     await handle.append([user("one")])
     await handle.append([user(str(n)) for n in range(ADMIT_STEP)])
     assert store.encoded[-2:] == [False, True]  # a small batch is left to the store
@@ -233,11 +214,9 @@ async def test_a_large_batch_is_serialized_in_steps_before_the_store_gets_it() -
 
 
 async def test_a_committed_large_batch_is_freed_in_the_background_a_chunk_at_a_time() -> None:
-    store = RowsStore()
-    await store.open()
-    manager = SessionManager(store)
-    await manager.create("s", None)
-    handle = await manager.get("s")
+    store = GatedStore()
+    store.gate.set()
+    handle = await (await _session(store)).get("s")
     released: list[list[list[Any]]] = []
     original = AdmittedBatch.release
 

@@ -48,6 +48,7 @@ from compactd.core.pricing import (
     with_counted,
 )
 from compactd.core.projection import Message
+from compactd.core.steps import run_to_end
 from compactd.core.surface import SurfaceChange, SurfaceNode
 from compactd.v1 import events_pb2
 
@@ -769,13 +770,7 @@ def _priced(
     appended: _Appended, pricing: PricingProfile, staged: Mapping[int, NodeCost] = _NONE
 ) -> tuple[dict[int, NodeCost], int, int, int]:
     """``_priced_in_steps`` run to its end at once."""
-    steps = _priced_in_steps(appended, pricing, staged)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            priced: tuple[dict[int, NodeCost], int, int, int] = done.value
-            return priced
+    return run_to_end(_priced_in_steps(appended, pricing, staged))
 
 
 def _priced_in_steps(

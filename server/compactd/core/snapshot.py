@@ -19,19 +19,19 @@ from __future__ import annotations
 import json
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 from compactd.core import header as hdr
 from compactd.core.events import SessionEvent
 from compactd.core.fold import SessionFold
 from compactd.core.lock import LockState
 from compactd.core.pricing import NodeCost
+from compactd.core.steps import run_to_end
 from compactd.core.surface import SurfaceNode
 
 VERSION: Final = 2
 # Entries copied or encoded between pauses when a snapshot is made on the event loop.
 CHUNK: Final = 512
-T = TypeVar("T")
 #: The anchor of a snapshot whose meter had none: names no node, so a restore (of any release)
 #: takes no anchor rather than looking for one that the meter had already dropped.
 NO_ANCHOR: Final = (-1, -1)
@@ -101,7 +101,7 @@ def capture(
 ) -> FoldSnapshot:
     """The snapshot of ``fold`` now (read only: it may run in a worker thread while the session's
     lock keeps the fold still). ``prices`` must price every surface node of the keys it holds."""
-    return _drained(capture_in_steps(fold, instance_id, prices, anchor))
+    return run_to_end(capture_in_steps(fold, instance_id, prices, anchor))
 
 
 def capture_in_steps(
@@ -195,15 +195,6 @@ def _json_in_steps(value: Any) -> Generator[None, None, str]:
 
 def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
-
-
-def _drained(steps: Generator[None, None, T]) -> T:
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            result: T = done.value
-            return result
 
 
 def _document(

@@ -22,6 +22,7 @@ from types import TracebackType
 from typing import NamedTuple, Self
 
 from compactd import errors
+from compactd.core.steps import run_to_end
 from compactd.store.leases import Lease, LeaseOp
 from compactd.tenancy import DEFAULT_TENANT
 from compactd.v1 import events_pb2
@@ -152,13 +153,7 @@ def encode_batch(events: Sequence[events_pb2.SessionEvent]) -> list[EventRow]:
     Raises:
         InvalidArgument: naming the offending ``events[i]`` field.
     """
-    steps = encode_batch_in_steps(events)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            rows: list[EventRow] = done.value
-            return rows
+    return run_to_end(encode_batch_in_steps(events))
 
 
 def encode_batch_in_steps(
