@@ -20,8 +20,10 @@ from compactd.core import events as events_module
 from compactd.core.fold import AdmittedBatch, SessionFold
 from compactd.core.lock import live_bracket
 from compactd.core.pairing import CorruptPairing, balanced_cuts
+from compactd.core.steps import run_to_end
 from compactd.core.surface import SurfaceNode, shadow_history
 from compactd.errors import Busy, CompactdError, InvalidArgument, ReplacementRejected
+from compactd.store.base import encode_batch, encode_batch_in_steps
 from compactd.v1 import events_pb2
 from tests.builders import (
     SessionEvent,
@@ -473,7 +475,13 @@ class FoldMachine(RuleBasedStateMachine):
 
     def commit(self, events: list[SessionEvent]) -> None:
         if events:
-            self.log += self.fold.admit(events).events
+            batch = self.fold.admit(events)
+            self.log += batch.events
+            # The nodes keep the bytes a store writes for their events: the rows made from
+            # them are the rows made by serializing every event.
+            rows = run_to_end(encode_batch_in_steps(batch.events, batch.serialized()))
+            assert rows == encode_batch(batch.events)
+            assert batch.byte_size == sum(e.ByteSize() for e in batch.events)
 
     def tentative(self) -> list[AdmittedBatch]:
         """Admit 1..3 planned batches without logging them (each is planned on the last)."""

@@ -17,17 +17,19 @@ from compactd.core.limits import (
     node_bytes,
 )
 from compactd.core.projection import offload_placeholder, project
-from compactd.core.validation import EVENT_TOO_LARGE, Origin, check_batch
+from compactd.core.validation import EVENT_TOO_LARGE, SERVER_ONLY_EVENT, Origin, check_batch
 from compactd.errors import InvalidArgument, ResourceExhausted
 from compactd.v1 import session_service_pb2
 from tests.builders import (
     SessionEvent,
     assistant,
+    compaction_start,
     header,
     image_block,
     in_step,
     offload,
     replace,
+    text_block,
     tool,
     turn_start,
     user,
@@ -176,6 +178,49 @@ def test_an_event_over_the_limit_is_event_too_large() -> None:
     error = client_errors([user(blocks=[image_block("x" * 60) for _ in range(4)])])
     assert error.reason == EVENT_TOO_LARGE
     assert [v.field for v in error.violations] == ["events[0]"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 160), min_size=1, max_size=4), min_size=1, max_size=4),
+    st.integers(1, 150),
+    st.integers(1, 400),
+)
+def test_every_oversized_block_and_event_is_named_as_a_check_of_each_would_name_it(
+    texts: list[list[int]], max_block: int, max_event: int
+) -> None:
+    events = [user(blocks=[text_block("x" * n) for n in sizes]) for sizes in texts]
+    limits = AppendLimits(max_block_bytes=max_block, max_event_bytes=max_event)
+    expected = []
+    for i, event in enumerate(events):
+        if event.ByteSize() > max_event:
+            expected.append(f"events[{i}]")
+        blocks = event.user_message.content
+        expected += [
+            f"events[{i}].user_message.content[{k}]"
+            for k, b in enumerate(blocks)
+            if b.ByteSize() > max_block
+        ]
+    if not expected:
+        check_batch(events, max_events=10, origin=CLIENT, limits=limits)
+        return
+    error = client_errors(events, limits)
+    assert error.reason == EVENT_TOO_LARGE
+    assert [v.field for v in error.violations] == expected
+
+
+def test_a_server_only_event_is_refused_before_an_oversized_one() -> None:
+    error = client_errors([user("x" * 300), compaction_start("k")])
+    assert error.reason == SERVER_ONLY_EVENT
+    assert [v.field for v in error.violations] == ["events[1].compaction_start"]
+
+
+def test_an_oversized_event_is_refused_before_a_malformed_one() -> None:
+    malformed = user("fine")
+    malformed.seq = 4
+    error = client_errors([malformed, user("x" * 120)])
+    assert error.reason == EVENT_TOO_LARGE
+    assert [v.field for v in error.violations] == ["events[1].user_message.content[0]"]
 
 
 def test_sizes_bound_client_batches_only() -> None:

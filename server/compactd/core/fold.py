@@ -51,6 +51,11 @@ class AdmittedBatch:
     answered: list[int] = field(default_factory=list)  # appended assistant/messages with usage
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
+    def serialized(self) -> dict[int, bytes]:
+        """The deterministic bytes of the batch's surface events, by seq: their nodes keep them,
+        so a store need not serialize those events again (``encode_batch_in_steps``)."""
+        return {change.node.seq: change.node.data for change in self.surface_changes}
+
     def release(self) -> list[list[Any]]:
         """Empty the batch's per-event lists (its events, their surface changes, its undo
         records) into the lists returned, for the caller to free a chunk at a time: a committed
@@ -187,11 +192,14 @@ class SessionFold:
     ) -> None:
         seq = self.revision
         size: int | None = None
+        kind = ev.body_name(source)
+        surface = kind in ev.SURFACE_BODIES
         if check:
             event = SessionEvent()
             event.CopyFrom(source)
         else:  # a stored event the restore owns: kept as parsed (a copy would double its RSS)
             event = source
+        data: bytes | None = None
         if check:
             event.seq = seq
             if now is not None and not event.HasField("time"):
@@ -199,19 +207,25 @@ class SessionFold:
             if event.event_id and event.event_id in self.event_ids:
                 # The service answers retries before admitting; a known id here is a reuse.
                 _invalid("event_id", f"{event.event_id!r} is already in the log")
-            if ev.is_surface(event):
+            if surface:
                 self.surface.check(event, seq)
             if client:
-                self._check_step_rules(event)
-            self._check_log_rules(event, seq)
-            size = event.ByteSize()  # once: the surface bound and the tenant's quota use it
+                self._check_step_rules(event, kind)
+            self._check_log_rules(event, kind, seq)
+            # Once: the surface bound and the tenant's quota read its length; a surface node
+            # and the store keep these very bytes.
+            if surface:
+                data = event.SerializeToString(deterministic=True)
+                size = len(data)
+            else:
+                size = event.ByteSize()
         elif event.seq != seq:
             raise InvalidArgument(
                 f"stored log is not contiguous: expected seq {seq}, got {event.seq}"
             )
-        self._fold(event, seq, batch)
+        self._fold(event, kind, seq, batch, data)
         if size is not None:  # the fold fills in a header's reason: count the header as stored
-            batch.byte_size += event.ByteSize() if event.HasField("request_header") else size
+            batch.byte_size += event.ByteSize() if kind == "request_header" else size
         batch.events.append(event)
 
     def appended_since(self, revision: int) -> list[SurfaceNode] | None:
@@ -228,26 +242,35 @@ class SessionFold:
             first -= 1
         return list(nodes[first:])
 
-    def _fold(self, event: SessionEvent, seq: int, batch: AdmittedBatch) -> None:
+    def _fold(
+        self,
+        event: SessionEvent,
+        kind: str,
+        seq: int,
+        batch: AdmittedBatch,
+        data: bytes | None = None,
+    ) -> None:
+        """Fold ``event`` (its body is ``kind``; ``data``: its deterministic bytes, if known)."""
         self.revision += 1
         self._folded += 1
         batch._undo.append(self._undo_revision)
-        if _rewrites(event):
+        surface = kind in ev.SURFACE_BODIES
+        replace = surface and ev.is_replace(event)
+        if replace or kind in ("image_offload", "request_header"):  # a rewrite, not an append
             batch._undo.append(partial(setattr, self, "rewritten_at", self.rewritten_at))
             self.rewritten_at = seq
         if event.event_id:
             self.event_ids[event.event_id] = seq
             batch._undo.append(lambda: self._forget_event_id(event.event_id))
-        if ev.is_surface(event):
-            change = self.surface.apply(event, seq)
+        if surface:
+            change = self.surface.apply(event, seq, data)
             batch.surface_changes.append(change)
             batch._undo.append(lambda: self.surface.undo(change))
             if change.shadowed:
                 self._drop_sizes(change.shadowed, batch)
             self._resize(change.node, _node_bytes(change.node), batch, counted=False)
-        kind = ev.body_name(event)
         usage = kind == "assistant_message" and event.assistant_message.HasField("usage")
-        if usage and not ev.is_replace(event):  # what the calibration reads, not every event
+        if usage and not replace:  # what the calibration reads, not every event
             batch.answered.append(seq)
         if kind == "request_header":
             self._fold_header(event, seq, batch)
@@ -363,8 +386,8 @@ class SessionFold:
         if self.open_step != before:
             batch._undo.append(partial(setattr, self, "open_step", before))
 
-    def _check_step_rules(self, event: SessionEvent) -> None:
-        kind, open_step = ev.body_name(event), self.open_step
+    def _check_step_rules(self, event: SessionEvent, kind: str) -> None:
+        open_step = self.open_step
         if kind == "assistant_message" and not ev.is_replace(event) and open_step is None:
             _step_violation(
                 "assistant_message",
@@ -416,8 +439,7 @@ class SessionFold:
         else:
             self.offloads[seq] = previous
 
-    def _check_log_rules(self, event: SessionEvent, seq: int) -> None:
-        kind = ev.body_name(event)
+    def _check_log_rules(self, event: SessionEvent, kind: str, seq: int) -> None:
         if kind == "compaction_start":
             live = live_bracket(self.lock)
             if live is not None:
@@ -471,13 +493,6 @@ class SessionFold:
 def _node_bytes(node: SurfaceNode) -> int:
     """``node_bytes`` of a node nothing is offloaded from, from the bytes it keeps."""
     return len(node.data) + NODE_OVERHEAD_BYTES
-
-
-def _rewrites(event: SessionEvent) -> bool:
-    """Whether ``event`` changes what a request built before it showed (not just appends)."""
-    if ev.is_surface(event):
-        return ev.is_replace(event)
-    return ev.body_name(event) in ("image_offload", "request_header")
 
 
 def _invalid(field_name: str, description: str) -> NoReturn:

@@ -33,9 +33,12 @@ class SurfaceNode:
 
     __slots__ = ("answers", "calls", "data", "seq", "type")
 
-    def __init__(self, seq: int, event: SessionEvent) -> None:
+    def __init__(self, seq: int, event: SessionEvent, data: bytes | None = None) -> None:
         self.seq = seq
-        self.data = event.SerializeToString()
+        # Deterministic: the log's row of the event holds these very bytes
+        # (``AdmittedBatch.serialized``; a surface event holds no map field, so both ways of
+        # serializing it give the same bytes).
+        self.data = event.SerializeToString(deterministic=True) if data is None else data
         self.type = ev.event_type(event)
         calls = ev.tool_call_ids(event)
         self.calls: tuple[str, ...] = tuple(calls) if calls else ()
@@ -135,10 +138,11 @@ class Surface:
         if ev.body_name(event) == "tool_result":
             self._check_result_has_call(event)
 
-    def apply(self, event: SessionEvent, seq: int) -> SurfaceChange:
-        """Fold one surface event (call ``check`` first). Returns the change, for ``undo``."""
+    def apply(self, event: SessionEvent, seq: int, data: bytes | None = None) -> SurfaceChange:
+        """Fold one surface event (call ``check`` first; ``data``: its deterministic bytes, when
+        the caller has them). Returns the change, for ``undo``."""
         self.changes += 1
-        node = SurfaceNode(seq, event)
+        node = SurfaceNode(seq, event, data)
         if not ev.is_replace(event):
             position = len(self._nodes)
             self._nodes.append(node)

@@ -30,6 +30,7 @@ from compactd.v1 import events_pb2
 MAX_EVENT_ID_LENGTH = 128
 SERVER_ONLY_EVENT: Final = "SERVER_ONLY_EVENT"
 EVENT_TOO_LARGE: Final = "EVENT_TOO_LARGE"
+_BLOCK_BODIES: Final = frozenset({"user_message", "assistant_message", "tool_result"})
 _USAGE_FIELDS: Final = (
     "input_tokens",
     "output_tokens",
@@ -61,9 +62,10 @@ SERVER_ONLY_BODIES: Final[frozenset[str]] = frozenset(
 )
 
 
-def server_only_violation(event: SessionEvent) -> FieldViolation | None:
-    """Why a client may not append ``event`` (the field named is the server-only part), or None."""
-    kind = ev.body_name(event)
+def server_only_violation(event: SessionEvent, kind: str | None = None) -> FieldViolation | None:
+    """Why a client may not append ``event`` (the field named is the server-only part), or None.
+    ``kind``: the event's body (``body_name``), when the caller has it."""
+    kind = ev.body_name(event) if kind is None else kind
     if kind in SERVER_ONLY_BODIES:
         return FieldViolation(kind, f"{ev.event_type(event)} is written only by compactd")
     if kind == "user_message" and (
@@ -76,33 +78,37 @@ def server_only_violation(event: SessionEvent) -> FieldViolation | None:
     return None
 
 
-def check_origin(events: Sequence[SessionEvent], origin: Origin) -> None:
-    """Raise ``InvalidArgument`` (reason ``SERVER_ONLY_EVENT``) if ``origin`` may not write one of
-    ``events``; every server-only event of the batch is named."""
-    for _ in check_origin_in_steps(events, origin):
-        pass
-
-
 def check_origin_in_steps(
     events: Sequence[SessionEvent], origin: Origin
 ) -> Generator[None, None, None]:
-    """``check_origin``, pausing (``yield``) after each event so that a caller on an event loop
-    can let other work run between them."""
+    """Raise ``InvalidArgument`` (reason ``SERVER_ONLY_EVENT``) if ``origin`` may not write one of
+    ``events``, naming every server-only event of the batch; pausing (``yield``) after each
+    event so that a caller on an event loop can let other work run between them."""
     if origin is Origin.SERVER:
         return
     violations: list[FieldViolation] = []
     for index, event in enumerate(events):
-        violation = server_only_violation(event)
-        if violation is not None:
-            violations.append(
-                FieldViolation(f"events[{index}].{violation.field}", violation.description)
-            )
+        _origin_violation(event, ev.body_name(event), index, violations)
         yield
-    if violations:
-        summary = "; ".join(f"{v.field}: {v.description}" for v in violations[:5])
-        raise InvalidArgument(
-            f"server-only events: {summary}", violations=violations, reason=SERVER_ONLY_EVENT
-        )
+    _refuse(violations, "server-only events", SERVER_ONLY_EVENT)
+
+
+def _origin_violation(
+    event: SessionEvent, kind: str, index: int, out: list[FieldViolation]
+) -> None:
+    violation = server_only_violation(event, kind)
+    if violation is not None:
+        out.append(FieldViolation(f"events[{index}].{violation.field}", violation.description))
+
+
+def _refuse(violations: list[FieldViolation], what: str, reason: str | None = None) -> None:
+    """Raise ``InvalidArgument`` naming ``violations`` (the first five in its message), if any."""
+    if not violations:
+        return
+    summary = "; ".join(f"{v.field}: {v.description}" for v in violations[:5])
+    if reason is None:
+        raise InvalidArgument(f"{what}: {summary}", violations=violations)
+    raise InvalidArgument(f"{what}: {summary}", violations=violations, reason=reason)
 
 
 class _Bad(Protocol):
@@ -121,9 +127,9 @@ def check_batch(
     """Raise ``InvalidArgument`` listing every shape violation in the batch.
 
     A client batch holding a server-only event is refused first, with reason
-    ``SERVER_ONLY_EVENT`` (``check_origin``); then one with an oversized block or event, with
-    reason ``EVENT_TOO_LARGE`` (``check_sizes``). JSON nesting and token counts are bounded for
-    every origin.
+    ``SERVER_ONLY_EVENT`` naming every such event; then one with an oversized block or event,
+    with reason ``EVENT_TOO_LARGE`` naming every one. JSON nesting and token counts are bounded
+    for every origin.
     """
     for _ in check_batch_in_steps(events, max_events=max_events, origin=origin, limits=limits):
         pass
@@ -137,10 +143,11 @@ def check_batch_in_steps(
     limits: AppendLimits = DEFAULT_LIMITS,
 ) -> Generator[None, None, None]:
     """``check_batch``, pausing (``yield``) after each event's checks so that a caller on an
-    event loop can let other work run between them (a large batch costs milliseconds)."""
-    yield from check_origin_in_steps(events, origin)
-    if origin is Origin.CLIENT:
-        yield from _check_sizes_in_steps(events, limits)
+    event loop can let other work run between them (a large batch costs milliseconds). Every
+    rule is checked in one pass over the events; the refusals keep their order."""
+    client = origin is Origin.CLIENT
+    server_only: list[FieldViolation] = []
+    too_large: list[FieldViolation] = []
     violations: list[FieldViolation] = []
     if not events:
         violations.append(FieldViolation("events", "a batch must hold at least one event"))
@@ -152,8 +159,12 @@ def check_batch_in_steps(
         )
     ids: dict[str, int] = {}
     for index, event in enumerate(events):
+        kind = ev.body_name(event)
+        if client:
+            _origin_violation(event, kind, index, server_only)
+            _size_violations(event, kind, index, limits, too_large)
         prefix = f"events[{index}]"
-        violations.extend(_event_violations(event, prefix, limits))
+        violations.extend(_event_violations(event, kind, prefix, limits))
         if event.event_id:
             if event.event_id in ids:
                 violations.append(
@@ -161,54 +172,40 @@ def check_batch_in_steps(
                 )
             ids[event.event_id] = index
         yield
-    if violations:
-        summary = "; ".join(f"{v.field}: {v.description}" for v in violations[:5])
-        raise InvalidArgument(f"malformed events: {summary}", violations=violations)
+    _refuse(server_only, "server-only events", SERVER_ONLY_EVENT)
+    _refuse(too_large, "events too large", EVENT_TOO_LARGE)
+    _refuse(violations, "malformed events")
 
 
-def check_sizes(events: Sequence[SessionEvent], limits: AppendLimits) -> None:
-    """Raise ``InvalidArgument`` (reason ``EVENT_TOO_LARGE``) naming every content block over
-    ``limits.max_block_bytes`` and every event over ``limits.max_event_bytes``."""
-    for _ in _check_sizes_in_steps(events, limits):
-        pass
-
-
-def _check_sizes_in_steps(
-    events: Sequence[SessionEvent], limits: AppendLimits
-) -> Generator[None, None, None]:
-    violations: list[FieldViolation] = []
-    for index, event in enumerate(events):
-        yield
-        size = event.ByteSize()
-        if size > limits.max_event_bytes:
-            violations.append(
+def _size_violations(
+    event: SessionEvent, kind: str, index: int, limits: AppendLimits, out: list[FieldViolation]
+) -> None:
+    """The ``EVENT_TOO_LARGE`` violations of one event: itself over ``max_event_bytes``, each
+    content block over ``max_block_bytes``."""
+    size = event.ByteSize()
+    if size > limits.max_event_bytes:
+        out.append(
+            FieldViolation(
+                f"events[{index}]",
+                f"an event holds at most {limits.max_event_bytes} bytes, got {size}",
+            )
+        )
+    if size <= limits.max_block_bytes or kind not in _BLOCK_BODIES:
+        return  # no block of an event is larger than the event
+    for i, block in enumerate(getattr(event, kind).content):
+        block_size = block.ByteSize()
+        if block_size > limits.max_block_bytes:
+            out.append(
                 FieldViolation(
-                    f"events[{index}]",
-                    f"an event holds at most {limits.max_event_bytes} bytes, got {size}",
+                    f"events[{index}].{kind}.content[{i}]",
+                    f"a content block holds at most {limits.max_block_bytes} bytes, "
+                    f"got {block_size}",
                 )
             )
-        kind = ev.body_name(event)
-        if kind not in ("user_message", "assistant_message", "tool_result"):
-            continue
-        for i, block in enumerate(getattr(event, kind).content):
-            block_size = block.ByteSize()
-            if block_size > limits.max_block_bytes:
-                violations.append(
-                    FieldViolation(
-                        f"events[{index}].{kind}.content[{i}]",
-                        f"a content block holds at most {limits.max_block_bytes} bytes, "
-                        f"got {block_size}",
-                    )
-                )
-    if violations:
-        summary = "; ".join(f"{v.field}: {v.description}" for v in violations[:5])
-        raise InvalidArgument(
-            f"events too large: {summary}", violations=violations, reason=EVENT_TOO_LARGE
-        )
 
 
 def _event_violations(
-    event: SessionEvent, prefix: str, limits: AppendLimits
+    event: SessionEvent, kind: str, prefix: str, limits: AppendLimits
 ) -> list[FieldViolation]:
     out: list[FieldViolation] = []
 
@@ -219,11 +216,10 @@ def _event_violations(
         bad("seq", "seq is assigned by the server and must be unset")
     if len(event.event_id) > MAX_EVENT_ID_LENGTH:
         bad("event_id", f"at most {MAX_EVENT_ID_LENGTH} characters")
-    kind = ev.body_name(event)
     if not kind:
         bad("body", "exactly one event body must be set")
         return out
-    if ev.is_surface(event):
+    if kind in ev.SURFACE_BODIES:
         _surface_op_violations(event, bad)
         if event.source_event_seqs and not ev.is_replace(event):
             bad("source_event_seqs", "only a REPLACE cites source_event_seqs")

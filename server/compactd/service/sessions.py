@@ -381,7 +381,7 @@ class SessionHandle:
         try:
             rows = None
             if len(batch.events) >= ADMIT_STEP:  # serialized here in steps, not in the store
-                rows = await in_steps(encode_batch_in_steps(batch.events))
+                rows = await in_steps(encode_batch_in_steps(batch.events, batch.serialized()))
             await self._store.append(
                 self.session_id, batch.events, tenant=self.tenant, lease=lease, rows=rows
             )

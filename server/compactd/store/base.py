@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator, Callable, Generator, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import TracebackType
@@ -158,9 +158,13 @@ def encode_batch(events: Sequence[events_pb2.SessionEvent]) -> list[EventRow]:
 
 def encode_batch_in_steps(
     events: Sequence[events_pb2.SessionEvent],
+    serialized: Mapping[int, bytes] | None = None,
 ) -> Generator[None, None, list[EventRow]]:
     """``encode_batch``, pausing (``yield``) after each event, so that an event loop can run
-    other calls between steps (a caller then hands the rows to ``EventStore.append``)."""
+    other calls between steps (a caller then hands the rows to ``EventStore.append``).
+    ``serialized`` holds, by seq, events' deterministic bytes the caller already has (a surface
+    node's): they are used as they are."""
+    known = serialized or {}
     rows: list[EventRow] = []
     seen: set[str] = set()
     for i, event in enumerate(events):
@@ -177,7 +181,9 @@ def encode_batch_in_steps(
                 seq=event.seq,
                 event_id=event.event_id or None,
                 type=event_type(event),
-                data=event.SerializeToString(deterministic=True),
+                data=known[event.seq]
+                if event.seq in known
+                else event.SerializeToString(deterministic=True),
             )
         )
         yield
