@@ -391,9 +391,11 @@ def _seqs(entry: _Seqs | None) -> tuple[int, ...]:
 
 
 def _check_sources(event: SessionEvent, seq: int) -> None:
+    if not event.source_event_seqs:  # an append's (nearly every event): nothing to compare
+        if ev.is_replace(event):
+            _reject("source_event_seqs", "a replacement must cite its source_event_seqs")
+        return
     sources = list(event.source_event_seqs)
-    if ev.is_replace(event) and not sources:
-        _reject("source_event_seqs", "a replacement must cite its source_event_seqs")
     if len(set(sources)) != len(sources):
         _reject("source_event_seqs", "source_event_seqs must not repeat a seq")
     if any(s < 0 or s >= seq for s in sources):
