@@ -25,6 +25,8 @@ each interleaved round by round with its reference:
    while A is idle. Goal: ≤ 2x. A is another runtime: a child process of its own, which builds
    and serializes its batches before it sends the first, so that neither its event loop nor its
    making of events is timed in B's calls; what B meets is the service handling A's batches.
+   Each idle phase starts ``SETTLE_S`` after A stopped, once its last batch's background work
+   is done.
 
 Events are the repository's transcripts (``testdata/transcripts``), cycled. The machine is
 shared: figures move from run to run; the ratios are the point.
@@ -65,6 +67,7 @@ from compactd.v1 import (
 
 ROUTES = {"cl100k_base": ("openai", "gpt-4-turbo"), "deepseek-v4": ("deepseek", "deepseek-chat")}
 BATCH = 1000
+SETTLE_S = 0.5  # after A stops: longer than its last batch's background work takes
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -333,6 +336,9 @@ async def checks_beside_appends(bench: Bench, rounds: int, checks: int) -> tuple
         busy_samples += await _checks(bench, idle, checks)
         appender.stdin.close()
         await appender.wait()
+        # A's last batch leaves background work (its snapshot, its freeing, in steps): done
+        # before B's next idle phase, which must not time B beside it.
+        await asyncio.sleep(SETTLE_S)
     i, b = _pct(idle_samples, 0.99), _pct(busy_samples, 0.99)
     return (
         "CheckPressure p99 on B while A appends 1,000-event batches ≤ 2x idle",
