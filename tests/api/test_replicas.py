@@ -26,7 +26,15 @@ from compactd.v1 import session_service_pb2 as spb
 from tests import postgres
 from tests.api.rpc import details
 from tests.builders import assistant, step_end, step_start, turn_end, turn_start, user
-from tests.compaction_fixtures import Harness, body, opening, server_config, units
+from tests.compaction_fixtures import (
+    MODEL,
+    PROVIDER,
+    Harness,
+    body,
+    opening,
+    server_config,
+    units,
+)
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +113,38 @@ async def test_a_step_opened_through_one_replica_goes_on_through_another(
         assert kinds == [
             "turn_start", "user_message", "step_start", "assistant_message", "step_end", "turn_end"
         ]  # fmt: skip
+
+
+async def test_a_step_reads_the_sessions_revision_once_on_a_replica(
+    tmp_path: Path, loop: OpenAICompatServer, database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with replicas(tmp_path, loop, postgres.fresh_schema(database)) as (a, b):
+        await a.create(*opening())
+        await a.append(turn_start(1), user("go"))
+        await b.append(step_start(1, 1))
+        assert a.server is not None
+        # A's follower catches up on B's append: no read of its own falls in the steps below.
+        handle = await a.server.manager.get(a.session_id, fresh=False)
+        for _ in range(1000):
+            if handle.revision == len(opening()) + 3:
+                break
+            await asyncio.sleep(0.01)
+        assert handle.revision == len(opening()) + 3
+        store = a.server.store
+        reads = 0
+        get_session = store.get_session
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal reads
+            reads += 1
+            return await get_session(*args, **kwargs)
+
+        monkeypatch.setattr(store, "get_session", counted)
+        for route in (None, events_pb2.Route(provider=PROVIDER, model=MODEL)):
+            reads = 0
+            run = await a.prepare(1, route)
+            assert run.result.request_revision == len(opening()) + 3  # B's step start is in it
+            assert reads == 1  # one catch-up, not one per lookup of the session
 
 
 async def test_expected_last_seq_holds_across_replicas(

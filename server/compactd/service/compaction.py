@@ -229,6 +229,18 @@ class CompactionEngine:
             InvalidArgument: ``held_revision`` is negative or beyond the session's revision.
         """
         handle = await self._manager.get(session_id)
+        return await self.prepare_step_of(handle, turn, intended, progress, held_revision)
+
+    async def prepare_step_of(
+        self,
+        handle: SessionHandle,
+        turn: int,
+        intended: Route | None,
+        progress: Progress,
+        held_revision: int | None = None,
+    ) -> cpb.PrepareStepResult:
+        """``prepare_step`` on a handle the caller just got from the manager (on a shared
+        store, caught up: a second lookup would read the session's revision again)."""
         session_meter(handle)
         check_held_revision(handle, held_revision)
         if turn not in handle.fold.open_turns:
@@ -779,7 +791,9 @@ class CompactionEngine:
         result = cpb.PrepareStepResult(
             pruned_count=outcome.pruned, compactions=outcome.compactions, warnings=outcome.warnings
         )
-        async with handle.lock:  # the request shows committed events only
+        # The request shows committed events only, of the fold the step caught up when it began
+        # (on a shared store, catching up again would read the session's revision once more).
+        async with handle.lock.as_cached():
             fold = handle.fold
             result.request_revision = fold.revision
             appended = None if held_revision is None else fold.appended_since(held_revision)

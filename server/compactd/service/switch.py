@@ -114,8 +114,8 @@ class SwitchService:
         handle = await self._manager.get(session_id)
         session_meter(handle)
         if intended is None or not self.is_switch(handle, intended):
-            return await self._engine.prepare_step(
-                session_id, turn, intended, progress, held_revision
+            return await self._engine.prepare_step_of(
+                handle, turn, intended, progress, held_revision
             )
         check_held_revision(handle, held_revision)
         require_open_turn(handle, turn)
