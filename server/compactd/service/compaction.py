@@ -791,7 +791,7 @@ class CompactionEngine:
         result = cpb.PrepareStepResult(
             pruned_count=outcome.pruned, compactions=outcome.compactions, warnings=outcome.warnings
         )
-        # The request shows committed events only, of the fold the step caught up when it began
+        # The request shows committed events only, of the fold as the step last caught it up
         # (on a shared store, catching up again would read the session's revision once more).
         async with handle.lock.as_cached():
             fold = handle.fold
