@@ -29,6 +29,7 @@ from compactd.core.limits import NODE_OVERHEAD_BYTES, node_bytes
 from compactd.core.lock import LockState, live_bracket
 from compactd.core.offload import INPUT_KINDS, image_count
 from compactd.core.projection import Message, derive_messages
+from compactd.core.steps import run_to_end
 from compactd.core.surface import Surface, SurfaceChange, SurfaceNode
 from compactd.core.validation import Origin, check_origin_in_steps
 from compactd.errors import Busy, FieldViolation, InvalidArgument, ResourceExhausted
@@ -113,15 +114,11 @@ class SessionFold:
         (``SERVER_ONLY_EVENT``), enforces the step brackets (``STEP_BRACKET``) and refuses a
         batch that grows ``surface_bytes`` past ``max_surface_bytes`` (``SURFACE_FULL``).
         """
-        steps = self.admit_in_steps(
-            events, now=now, check=check, origin=origin, max_surface_bytes=max_surface_bytes
+        return run_to_end(
+            self.admit_in_steps(
+                events, now=now, check=check, origin=origin, max_surface_bytes=max_surface_bytes
+            )
         )
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                batch: AdmittedBatch = done.value
-                return batch
 
     def admit_in_steps(
         self,
