@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from compactd import tokenizers
 from compactd.core.fold import SessionFold
@@ -69,22 +71,90 @@ def test_a_batch_count_equals_counting_each_text_alone() -> None:
 def test_a_batch_is_counted_below_the_event_loops_cpu_priority() -> None:
     tokenizer = tiktoken_cl100k()
     seen: list[int] = []
-    encode = tokenizer._encode
+    count_joined = tokenizer._count_joined
 
-    def spying(text: str) -> list[int]:
+    def spying(texts: list[str]) -> list[int]:
         seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        ids: list[int] = encode(text)
-        return ids
+        return count_joined(texts)
 
-    tokenizer._encode = spying
+    tokenizer._count_joined = spying  # type: ignore[method-assign]
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     try:
         assert tokenizer.count_batch(["one", "two", "three"]) == [1, 1, 1]
     finally:
-        tokenizer._encode = encode
+        del tokenizer._count_joined
     assert seen
     assert set(seen) == {min(19, before + tokenizers.COUNTING_NICENESS)}
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # caller untouched
+
+
+def test_a_batch_is_one_tiktoken_call_per_thread_not_one_per_text() -> None:
+    # Each call is a GIL hand-back: per text, a count beside a busy loop waits a switch each.
+    tokenizer = tiktoken_cl100k()
+    calls: list[int] = []
+    encode = tokenizer._encoding.encode_to_numpy
+
+    def spying(text: str, **kwargs: object) -> object:
+        calls.append(len(text))
+        return encode(text, **kwargs)
+
+    texts = [sample for sample in SAMPLES.values() if "<|endoftext|>" not in sample] * 50
+    tokenizer._encoding.encode_to_numpy = spying
+    try:
+        counts = tokenizer.count_batch(texts)
+    finally:
+        del tokenizer._encoding.encode_to_numpy
+    assert counts == [tokenizer.count(text) for text in texts]
+    assert 1 <= len(calls) <= tokenizers.BATCH_THREADS
+
+
+#: Text made of what tiktoken's splitting treats apart: special-token text and its pieces, the
+#: separator's own text, whitespace runs (its lookahead), digits, letters, CJK, emoji, surrogates.
+_PIECES = st.sampled_from(
+    [
+        "<|endoftext|>",
+        "<|endoftext",
+        "|>",
+        "<|",
+        "<|fim_prefix|>",
+        "<|endofprompt|>",
+        " ",
+        "  ",
+        "\n",
+        "\r\n",
+        "\t",
+        "123456",
+        "abc",
+        "'s",
+        "中文",
+        "😀",
+        "\ud800",
+        "é",
+        "!!",
+        "x",
+    ]
+)
+_TEXTS = st.lists(st.lists(_PIECES).map("".join), max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(texts=_TEXTS)
+def test_a_joined_batch_counts_each_text_as_counting_it_alone(texts: list[str]) -> None:
+    tokenizer = tiktoken_cl100k()
+    alone = [len(tokenizer.encode(text)) for text in texts]
+    assert tokenizer._count_joined(texts) == alone
+    assert tokenizer.count_batch(texts) == alone
+
+
+@given(lengths=st.lists(st.integers(0, 50), max_size=40), runs=st.integers(1, 8))
+def test_balanced_runs_keep_every_text_in_order_in_at_most_the_runs_asked(
+    lengths: list[int], runs: int
+) -> None:
+    texts = ["x" * n for n in lengths]
+    cut = tokenizers._balanced_runs(texts, runs)
+    assert [t for run in cut for t in run] == texts
+    assert len(cut) <= max(1, runs)
+    assert all(cut) or not texts
 
 
 def test_cl100k_counts_special_token_text_as_text() -> None:
