@@ -137,13 +137,34 @@ _PIECES = st.sampled_from(
 _TEXTS = st.lists(st.lists(_PIECES).map("".join), max_size=12)
 
 
+@pytest.mark.parametrize("name", [CL100K, O200K])
 @settings(max_examples=300, deadline=None)
 @given(texts=_TEXTS)
-def test_a_joined_batch_counts_each_text_as_counting_it_alone(texts: list[str]) -> None:
-    tokenizer = tiktoken_cl100k()
+def test_a_joined_batch_counts_each_text_as_counting_it_alone(name: str, texts: list[str]) -> None:
+    tokenizer = load_tokenizer(name)
+    assert isinstance(tokenizer, TiktokenTokenizer)
     alone = [len(tokenizer.encode(text)) for text in texts]
     assert tokenizer._count_joined(texts) == alone
     assert tokenizer.count_batch(texts) == alone
+
+
+def test_a_share_whose_thread_failed_is_counted_by_the_caller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tokenizer = tiktoken_cl100k()
+    texts = [sample for sample in SAMPLES.values() if "<|endoftext|>" not in sample] * 20
+    joined = tokenizer._count_joined
+    failed: list[int] = []
+
+    def failing_once(share: list[str]) -> list[int]:
+        if not failed:
+            failed.append(len(share))
+            raise MemoryError("a share that could not be counted")
+        return joined(share)
+
+    monkeypatch.setattr(tokenizer, "_count_joined", failing_once)
+    assert tokenizer.count_batch(texts) == [tokenizer.count(text) for text in texts]
+    assert failed
 
 
 @given(lengths=st.lists(st.integers(0, 50), max_size=40), runs=st.integers(1, 8))
