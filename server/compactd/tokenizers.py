@@ -243,12 +243,9 @@ class TiktokenTokenizer:
         joined = _SEPARATOR.join(texts)
         if joined.count(_SEPARATOR) == len(texts) - 1:
             return self._count_runs(joined, texts)
-        counts = [len(self._encode(text)) if _SEPARATOR in text else 0 for text in texts]
-        plain = [i for i, text in enumerate(texts) if _SEPARATOR not in text]
-        runs = self._count_runs(_SEPARATOR.join(texts[i] for i in plain), [texts[i] for i in plain])
-        for index, count in zip(plain, runs, strict=True):
-            counts[index] = count
-        return counts
+        plain = [text for text in texts if _SEPARATOR not in text]
+        runs = iter(self._count_runs(_SEPARATOR.join(plain), plain))
+        return [len(self._encode(text)) if _SEPARATOR in text else next(runs) for text in texts]
 
     def _count_runs(self, joined: str, texts: list[str]) -> list[int]:
         """The runs of ids between separators in ``joined`` (``texts`` joined); text tiktoken
