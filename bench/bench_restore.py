@@ -19,7 +19,9 @@ events (the default). Three comparisons:
    (after a collection and ``malloc_trim``) next to the mean ``surface_bytes`` (and the log's
    bytes). Goal: ≤ 2x the surface. Their surface is their log; so the same for ``--compacting``
    sessions of ``--compacting-events`` events compacted as ``big`` is, whose log is several
-   times their surface: what grows with the log must not stay resident.
+   times their surface: what grows with the log must not stay resident. Beside it, for
+   information: the objects the cyclic collector tracks per resident surface node, and how long
+   a full collection takes with those sessions resident (a pause of the event loop).
 
     python bench/bench_restore.py [--events 100000] [--rounds 3] [--sessions 100]
                                   [--compacting 8] [--compacting-events 8000]
@@ -301,12 +303,14 @@ async def _grown(
 ) -> dict[str, float]:
     """RSS growth per session while ``names`` are restored and kept, their surfaces' and
     logs' mean bytes."""
-    before = rss_bytes()
+    before, tracked = rss_bytes(), len(gc.get_objects())
     handles = []
     for name in names:
         await service.check(name)
         handles.append(await manager.get(name))
     grown = rss_bytes() - before
+    nodes = sum(len(h.fold.surface) for h in handles)
+    tracked = len(gc.get_objects()) - tracked
     surface = statistics.mean(h.fold.surface_bytes for h in handles)
     conn = sqlite3.connect(path)
     marks = ",".join("?" * len(names))
@@ -314,7 +318,20 @@ async def _grown(
         f"SELECT SUM(LENGTH(data)) FROM events WHERE session_id IN ({marks})", names
     ).fetchone()[0]
     conn.close()
-    return {"per_session": grown / len(handles), "surface": surface, "log": log / len(names)}
+    return {
+        "per_session": grown / len(handles),
+        "surface": surface,
+        "log": log / len(names),
+        "tracked_per_node": tracked / nodes,
+        "collection": min(_timed_collection() for _ in range(3)),
+        "nodes": nodes,
+    }
+
+
+def _timed_collection() -> float:
+    started = time.perf_counter()
+    gc.collect()
+    return time.perf_counter() - started
 
 
 def memory(path: Path, sessions: int, compacting: int) -> list[tuple[str, str, str]]:
@@ -335,7 +352,10 @@ def memory(path: Path, sessions: int, compacting: int) -> list[tuple[str, str, s
             (
                 goals[group],
                 f"{per / 1024:,.0f} KiB = {per / surface:.2f}x",
-                f"surface {surface / 1024:,.0f} KiB (its log: {log / 1024:,.0f} KiB)",
+                f"surface {surface / 1024:,.0f} KiB (its log: {log / 1024:,.0f} KiB); "
+                f"objects the cyclic collector tracks: {figures['tracked_per_node']:.2f} per "
+                f"resident node, a full collection {fmt(figures['collection'])} with "
+                f"{figures['nodes']:,} nodes resident",
             )
         )
     return rows

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -188,6 +189,19 @@ def test_each_node_is_priced_once_and_a_measure_reprices_nothing() -> None:
     assert counter.calls == 1003  # a replacement prices the new node; the shadowed just leave
     session.meter.measure(session.fold, route)
     assert counter.calls == 1003
+
+
+def test_a_priced_resident_surface_leaves_the_cyclic_collector_nothing_per_node() -> None:
+    """Its nodes are untracked and their prices shared: a full collection's pause does not grow
+    with the nodes a process keeps resident."""
+    gc.collect()
+    before = len(gc.get_objects())
+    session = Session(system("s"), *(user(f"message {i % 7}") for i in range(2000)))
+    for route in (ROUTE, EXACT):
+        session.meter.measure(session.fold, route)
+    del session.events  # the test's own copies of the events, not the session's
+    gc.collect()
+    assert len(gc.get_objects()) - before < 100  # 2,001 nodes priced for two profiles
 
 
 def test_a_profile_first_measured_late_matches_a_recount() -> None:

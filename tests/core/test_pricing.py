@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from compactd.core import pricing as pricing_module
 from compactd.core.pricing import (
     HEURISTIC,
     Framing,
@@ -16,6 +18,7 @@ from compactd.core.pricing import (
     PricingProfile,
     canonical_block_json,
     heuristic_price,
+    node_cost,
     node_texts,
     price_config,
     price_message,
@@ -303,3 +306,22 @@ def test_a_node_priced_on_its_texts_counted_apart_is_priced_as_price_node_does(
             assert texts is not None
             counted = with_counted(refusing, {text: profile.count(text) for text in texts})
             assert price_node(event, counted, offloaded) == price_node(event, profile, offloaded)
+
+
+def test_equal_text_only_costs_are_one_shared_object() -> None:
+    assert node_cost(17) is node_cost(17) is node_cost(17, 0)
+    assert node_cost(17) == NodeCost(17, 0)
+    assert node_cost(17, 3) == NodeCost(17, 3)  # image costs are made as they are
+
+
+def test_costs_past_the_shared_table_are_made_unshared(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pricing_module, "_SHARED_COSTS", {})
+    monkeypatch.setattr(pricing_module, "SHARED_COSTS_MAX", 2)
+    shared = [node_cost(1), node_cost(2)]
+    past = node_cost(3)
+    assert [node_cost(1), node_cost(2)] == shared
+    assert node_cost(1) is shared[0]
+    assert node_cost(2) is shared[1]
+    assert past == NodeCost(3)
+    assert node_cost(3) is not past
+    assert len(pricing_module._SHARED_COSTS) == 2

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import tracemalloc
+
 import pytest
 
 from compactd.core.fold import SessionFold
@@ -482,3 +485,27 @@ def test_result_whose_call_was_shadowed_is_corrupt_input() -> None:
 def test_result_in_the_same_batch_as_its_call_is_paired() -> None:
     fold = folded(assistant(calls=[("c1", "t", "{}")]), tool_result("c1", "x"))
     assert seqs(fold) == [0, 1]
+
+
+# --- what a resident node costs the cyclic collector -------------------------------------------
+
+
+def test_a_node_is_not_tracked_by_the_cyclic_collector() -> None:
+    fold = folded(user("a"), assistant("b", calls=[("c1", "f", "{}")]), tool_result("c1", "out"))
+    assert [gc.is_tracked(node) for node in fold.surface] == [False, False, False]
+
+
+def test_an_untracked_node_is_freed_with_its_fold() -> None:
+    tracing = tracemalloc.is_tracing()
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        fold = folded(*[user("x" * 10_000) for _ in range(100)])
+        held = tracemalloc.get_traced_memory()[0] - start
+        del fold
+        left = tracemalloc.get_traced_memory()[0] - start
+    finally:
+        if not tracing:
+            tracemalloc.stop()
+    assert held > 100 * 10_000  # the nodes hold their events' bytes
+    assert left < held / 10  # refcounting frees them: untracked is not leaked

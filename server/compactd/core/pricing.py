@@ -28,7 +28,7 @@ import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import Final, NamedTuple, Protocol, runtime_checkable
 
 from google.protobuf import json_format
 
@@ -230,6 +230,28 @@ class NodeCost(NamedTuple):
 
 ZERO = NodeCost(0, 0)
 
+#: Shared text-only costs, by their token count (see ``node_cost``), and how many at most.
+_SHARED_COSTS: dict[int, NodeCost] = {}
+SHARED_COSTS_MAX: Final = 1 << 16
+
+
+def node_cost(messages: int, images: int = 0) -> NodeCost:
+    """``NodeCost(messages, images)``, one shared object per text-only cost.
+
+    The meter keeps a cost per resident node and pricing profile, but few distinct ones. Each
+    distinct object is one more object the cyclic collector walks on every full collection, a
+    pause on the event loop that would otherwise grow with every node of every resident session.
+    The table is bounded (``SHARED_COSTS_MAX`` entries); a cost past it is made unshared.
+    """
+    if images:
+        return NodeCost(messages, images)
+    cost = _SHARED_COSTS.get(messages)
+    if cost is None:
+        cost = NodeCost(messages)
+        if len(_SHARED_COSTS) < SHARED_COSTS_MAX:
+            cost = _SHARED_COSTS.setdefault(messages, cost)  # atomic: counting threads make costs
+    return cost
+
 
 def price_message(
     message: Message, pricing: PricingProfile, placeholders: Set[int] = frozenset()
@@ -245,13 +267,13 @@ def price_message(
     if pricing.template is not None:
         return _template_cost(message, pricing, pricing.template)
     if message.role == _SYSTEM:
-        return NodeCost(_system_tokens(message, pricing))
+        return node_cost(_system_tokens(message, pricing))
     cost = _content_cost(message.content, pricing)
     if not placeholders:
         return cost
     # Placeholder blocks are priced as the text they are, then reported with the images.
     moved = sum(_text_part(message.content[i], pricing) for i in placeholders)
-    return NodeCost(cost.messages - moved, cost.images + moved)
+    return node_cost(cost.messages - moved, cost.images + moved)
 
 
 def price_node(
@@ -406,7 +428,7 @@ def _content_cost(
             sent = True
     if drop_empty and not sent:
         return ZERO
-    return NodeCost(text, images)
+    return node_cost(text, images)
 
 
 def _text_part(block: ContentBlock, pricing: PricingProfile) -> int:
@@ -533,7 +555,7 @@ def _template_cost(
         for block in message.content
         if block.HasField("image")
     )
-    return NodeCost(template.message_tokens(chat), images)
+    return node_cost(template.message_tokens(chat), images)
 
 
 def structural_tokens(block: ContentBlock) -> int:

@@ -25,7 +25,7 @@ from compactd.core import header as hdr
 from compactd.core.events import SessionEvent
 from compactd.core.fold import SessionFold
 from compactd.core.lock import LockState
-from compactd.core.pricing import NodeCost
+from compactd.core.pricing import NodeCost, node_cost
 from compactd.core.steps import run_to_end
 from compactd.core.surface import SurfaceNode
 
@@ -88,7 +88,7 @@ class FoldSnapshot:
     def node_prices(self) -> dict[str, dict[int, NodeCost]]:
         """``prices`` keyed by node seq, as the meter takes them."""
         return {
-            key: {seq: NodeCost(m, i) for seq, (m, i) in zip(self.surface, costs, strict=True)}
+            key: {seq: node_cost(m, i) for seq, (m, i) in zip(self.surface, costs, strict=True)}
             for key, costs in self.prices.items()
         }
 

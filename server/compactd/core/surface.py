@@ -8,7 +8,8 @@ the change touches, and ``undo`` reverts a change so a batch can be applied atom
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import ctypes
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NoReturn, TypeAlias
 
@@ -22,6 +23,17 @@ from compactd.errors import FieldViolation, ReplacementRejected
 _Seqs: TypeAlias = int | tuple[int, ...]
 
 
+def _untracker() -> Callable[[object], None]:
+    """CPython's ``PyObject_GC_UnTrack`` (a no-op where the interpreter has none)."""
+    try:
+        return ctypes.PYFUNCTYPE(None, ctypes.py_object)(("PyObject_GC_UnTrack", ctypes.pythonapi))
+    except (AttributeError, OSError):
+        return lambda _: None
+
+
+_untrack = _untracker()
+
+
 class SurfaceNode:
     """One surface node: the event that created it (its ``seq`` is the node's identity).
 
@@ -29,6 +41,11 @@ class SurfaceNode:
     holds about 1 KiB of protobuf arena beyond its bytes, so a resident surface of parsed events
     costs over twice its bytes. What the fold's hot paths read of every node (its type, the calls
     it makes, the call it answers) is kept beside the bytes. Immutable.
+
+    Not tracked by the cyclic collector: a node holds an int, bytes, strings and a tuple of
+    strings, none of which can lead back to it, so it is in no reference cycle (CPython untracks
+    such tuples and dicts itself). Tracked, every resident node would lengthen each full
+    collection, a pause of the event loop (about 0.1 ms per thousand objects).
     """
 
     __slots__ = ("answers", "calls", "data", "seq", "type")
@@ -43,6 +60,7 @@ class SurfaceNode:
         calls = ev.tool_call_ids(event)
         self.calls: tuple[str, ...] = tuple(calls) if calls else ()
         self.answers = event.tool_result.tool_call_id if self.type == ev.TOOL_RESULT else ""
+        _untrack(self)
 
     @property
     def event(self) -> SessionEvent:
