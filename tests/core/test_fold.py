@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import sys
 from collections.abc import Callable
@@ -225,6 +226,23 @@ def test_rollback_reverts_an_admitted_batch() -> None:
     assert snapshot(fold) != before
     fold.rollback(batch)
     assert snapshot(fold) == before
+
+
+def test_an_admitted_batch_holds_three_collector_tracked_objects_per_event() -> None:
+    """Its event copy, its surface change and one undo record (a tuple, not closures): the
+    young collections a large batch sets off, pauses of the event loop, stay few."""
+    events = [user(f"message {i}") for i in range(500)]
+    fold = SessionFold()
+    gc.collect()
+    gc.disable()
+    try:
+        before = len(gc.get_objects())
+        batch = fold.admit(events)
+        held = len(gc.get_objects()) - before
+    finally:
+        gc.enable()
+    assert len(batch.events) == 500
+    assert held <= 3 * 500 + 20
 
 
 # --- restore ----------------------------------------------------------------------------------

@@ -14,9 +14,8 @@ the fold tracks the open step for every origin, restores included.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from itertools import pairwise
 from typing import Any, Final, NoReturn
 
@@ -50,7 +49,10 @@ class AdmittedBatch:
     header_changed: bool = False
     byte_size: int = 0  # the admitted events' ``ByteSize`` (as stored), summed; 0 for a restore
     answered: list[int] = field(default_factory=list)  # appended assistant/messages with usage
-    _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    # Undo records, ``(function, *arguments)`` each: one tuple for what ``_fold`` does to every
+    # event, where closures or partials would hold the collector's young generation several
+    # objects per event (a large batch's young collections are pauses of the event loop).
+    _undo: list[tuple[Any, ...]] = field(default_factory=list, repr=False)
 
     def serialized(self) -> dict[int, bytes]:
         """The deterministic bytes of the batch's surface events, by seq: their nodes keep them,
@@ -161,8 +163,8 @@ class SessionFold:
 
     def rollback(self, batch: AdmittedBatch) -> None:
         """Revert an admitted batch (the most recent one)."""
-        for undo in reversed(batch._undo):
-            undo()
+        for function, *arguments in reversed(batch._undo):
+            function(*arguments)
         batch._undo.clear()
 
     def _check_surface_size(self, before: int, limit: int) -> None:
@@ -250,22 +252,25 @@ class SessionFold:
         """Fold ``event`` (its body is ``kind``; ``data``: its deterministic bytes, if known)."""
         self.revision += 1
         self._folded += 1
-        batch._undo.append(self._undo_revision)
         surface = kind in ev.SURFACE_BODIES
         replace = surface and ev.is_replace(event)
         if replace or kind in ("image_offload", "request_header"):  # a rewrite, not an append
-            batch._undo.append(partial(setattr, self, "rewritten_at", self.rewritten_at))
+            batch._undo.append((setattr, self, "rewritten_at", self.rewritten_at))
             self.rewritten_at = seq
-        if event.event_id:
-            self.event_ids[event.event_id] = seq
-            batch._undo.append(lambda: self._forget_event_id(event.event_id))
+        event_id = event.event_id
+        if event_id:
+            self.event_ids[event_id] = seq
+        undo = len(batch._undo)
+        batch._undo.append((SessionFold._unfold, self, event_id, None))
         if surface:
             change = self.surface.apply(event, seq, data)
             batch.surface_changes.append(change)
-            batch._undo.append(lambda: self.surface.undo(change))
+            batch._undo[undo] = (SessionFold._unfold, self, event_id, change)
             if change.shadowed:
                 self._drop_sizes(change.shadowed, batch)
-            self._resize(change.node, _node_bytes(change.node), batch, counted=False)
+            size = _node_bytes(change.node)  # a new node: its read size is its own
+            self.surface_bytes += size
+            self._set_node_bytes(change.node, size)
         usage = kind == "assistant_message" and event.assistant_message.HasField("usage")
         if usage and not replace:  # what the calibration reads, not every event
             batch.answered.append(seq)
@@ -280,21 +285,18 @@ class SessionFold:
         if kind == "compaction_start":
             compaction_id = event.compaction_start.compaction_id
             self.compaction_ids.add(compaction_id)
-            batch._undo.append(partial(self.compaction_ids.discard, compaction_id))
+            batch._undo.append((self.compaction_ids.discard, compaction_id))
         if kind in ("compaction_start", "compaction_end", "session_end_seed"):
             before = self.lock.copy()
             self.lock.apply(event, seq)
-            batch._undo.append(lambda: setattr(self, "lock", before))
+            batch._undo.append((setattr, self, "lock", before))
 
-    def _resize(
-        self, node: SurfaceNode, size: int | None, batch: AdmittedBatch, *, counted: bool = True
-    ) -> None:
-        """Record ``node``'s read size (None: it left the surface), undoably; ``counted``: its
-        previous size is in ``surface_bytes`` (False for a node just added)."""
-        previous = self._size_of(node) if counted else None
-        self.surface_bytes += (size or 0) - (previous or 0)
+    def _resize(self, node: SurfaceNode, size: int | None, batch: AdmittedBatch) -> None:
+        """Record a resident ``node``'s new read size (None: it left the surface), undoably."""
+        previous = self._size_of(node)
+        self.surface_bytes += (size or 0) - previous
         self._set_node_bytes(node, size)
-        batch._undo.append(partial(self._undo_resize, node, size, previous))
+        batch._undo.append((SessionFold._undo_resize, self, node, size, previous))
 
     def _drop_sizes(self, nodes: Sequence[SurfaceNode], batch: AdmittedBatch) -> None:
         """``_resize(node, None, batch)`` for each of ``nodes`` (a REPLACE's shadowed span,
@@ -302,7 +304,7 @@ class SessionFold:
         sizes = self._node_bytes
         previous = [sizes.pop(node.seq, 0) or _node_bytes(node) for node in nodes]
         self.surface_bytes -= sum(previous)
-        batch._undo.append(partial(self._undo_drop_sizes, nodes, previous))
+        batch._undo.append((SessionFold._undo_drop_sizes, self, nodes, previous))
 
     def _undo_drop_sizes(self, nodes: Sequence[SurfaceNode], previous: Sequence[int]) -> None:
         self.surface_bytes += sum(previous)
@@ -322,8 +324,8 @@ class SessionFold:
         header = self.header.ByteSize() if self.header is not None else 0
         self.surface_bytes = sum(self._size_of(n) for n in self.surface) + header
 
-    def _undo_resize(self, node: SurfaceNode, size: int | None, previous: int | None) -> None:
-        self.surface_bytes -= (size or 0) - (previous or 0)
+    def _undo_resize(self, node: SurfaceNode, size: int | None, previous: int) -> None:
+        self.surface_bytes -= (size or 0) - previous
         self._set_node_bytes(node, previous)
 
     def _set_node_bytes(self, node: SurfaceNode, size: int | None) -> None:
@@ -332,12 +334,17 @@ class SessionFold:
         else:
             self._node_bytes[node.seq] = size
 
-    def _undo_revision(self) -> None:
+    def _unfold(self, event_id: str, change: SurfaceChange | None) -> None:
+        """Undo what ``_fold`` does for every event: the node it added (its size, its surface
+        change), its event id, the revision."""
+        if change is not None:
+            self.surface_bytes -= _node_bytes(change.node)
+            self._set_node_bytes(change.node, None)
+            self.surface.undo(change)
+        if event_id:
+            self.event_ids.pop(event_id, None)
         self.revision -= 1
         self._folded -= 1
-
-    def _forget_event_id(self, event_id: str) -> None:
-        self.event_ids.pop(event_id, None)
 
     def _fold_header(self, event: SessionEvent, seq: int, batch: AdmittedBatch) -> None:
         previous = (self.header, self.header_seq, self.replacements_at_header)
@@ -364,7 +371,7 @@ class SessionFold:
             self.header, self.header_seq, self.replacements_at_header = previous
             self.surface_bytes -= grown
 
-        batch._undo.append(undo)
+        batch._undo.append((undo,))
 
     def _fold_turn(self, event: SessionEvent, kind: str, batch: AdmittedBatch) -> None:
         before = set(self.open_turns)
@@ -372,7 +379,7 @@ class SessionFold:
             self.open_turns.add(event.turn_start.turn)
         else:
             self.open_turns.discard(event.turn_end.turn)
-        batch._undo.append(lambda: setattr(self, "open_turns", before))
+        batch._undo.append((setattr, self, "open_turns", before))
 
     def _fold_step(self, event: SessionEvent, kind: str, batch: AdmittedBatch) -> None:
         before = self.open_step
@@ -381,7 +388,7 @@ class SessionFold:
         elif kind == "step_end" or (before is not None and before[0] == event.turn_end.turn):
             self.open_step = None  # a trusted or stored log's stray end still closes the step
         if self.open_step != before:
-            batch._undo.append(partial(setattr, self, "open_step", before))
+            batch._undo.append((setattr, self, "open_step", before))
 
     def _check_step_rules(self, event: SessionEvent, kind: str) -> None:
         open_step = self.open_step
@@ -418,13 +425,12 @@ class SessionFold:
 
     def _fold_offload(self, event: SessionEvent, batch: AdmittedBatch) -> None:
         self.offload_generation += 1
-        undo = partial(setattr, self, "offload_generation", self.offload_generation - 1)
-        batch._undo.append(undo)
+        batch._undo.append((setattr, self, "offload_generation", self.offload_generation - 1))
         for target in event.image_offload.targets:
             previous = self.offloads.get(target.seq)
             self.offloads[target.seq] = (previous or frozenset()) | frozenset(target.image_indexes)
             batch.reprojected.add(target.seq)
-            batch._undo.append(partial(self._restore_offload, target.seq, previous))
+            batch._undo.append((SessionFold._restore_offload, self, target.seq, previous))
             position = self.surface.position_of(target.seq)
             if position is not None:  # a stored log may name a node no longer on the surface
                 node = self.surface[position]
