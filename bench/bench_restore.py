@@ -2,7 +2,8 @@
 
 A SQLite file (``synchronous=FULL``, a temporary folder) is filled through the service itself
 (``SessionManager`` + ``PressureService``, route ``openai/gpt-4-turbo``: cl100k_base) with the
-repository's transcripts (``testdata/transcripts``), cycled, as a compacting runtime logs them:
+repository's transcripts (``testdata/transcripts``), cycled, as a compacting runtime logs them
+(each event with an ``event_id``, as a runtime that retries its appends sends them):
 every 1,000 events the older part of the surface is REPLACEd by a summary, so a 100,000-event log
 keeps a surface of a few thousand nodes, as a real long session does. Snapshots every 1,000
 events (the default). Three comparisons:
@@ -24,7 +25,7 @@ events (the default). Three comparisons:
    a full collection takes with those sessions resident (a pause of the event loop).
 
     python bench/bench_restore.py [--events 100000] [--rounds 3] [--sessions 100]
-                                  [--compacting 8] [--compacting-events 8000]
+                                  [--compacting 4] [--compacting-events 32000]
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ async def build(path: Path, events: int, small: int, compacting: int = 0, length
             handle = await manager.get(f"s{index}")
             source = surface_events(f"s{index}.")
             await handle.append([header(PROVIDER, MODEL)])
-            await handle.append([next(source) for _ in range(300)])
+            await handle.append(_identified(f"s{index}", [next(source) for _ in range(300)]))
             await service.check(f"s{index}")
             await manager.snapshot(handle)
         for index in range(compacting):
@@ -96,6 +97,16 @@ async def build(path: Path, events: int, small: int, compacting: int = 0, length
         await manager.close()
     finally:
         await store.close()
+
+
+def _identified(name: str, events: list[SessionEvent]) -> list[SessionEvent]:
+    """``events``, each with an ``event_id``, as a runtime that retries its appends sends them."""
+    for event in events:
+        event.event_id = f"{name}-{next(_ids)}"
+    return events
+
+
+_ids = itertools.count()
 
 
 async def _compacting(
@@ -111,7 +122,7 @@ async def _compacting(
     summaries = itertools.count()
     while handle.revision < events:
         batch = [next(source) for _ in range(min(BATCH, events - handle.revision))]
-        result = await handle.append(batch)
+        result = await handle.append(_identified(name, batch))
         for event, seq in zip(batch, result.seqs, strict=True):
             _track(event, open_calls)
             if not open_calls:
@@ -397,8 +408,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--events", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sessions", type=int, default=100)
-    parser.add_argument("--compacting", type=int, default=8)
-    parser.add_argument("--compacting-events", type=int, default=8000)
+    parser.add_argument("--compacting", type=int, default=4)
+    parser.add_argument("--compacting-events", type=int, default=32_000)
     parser.add_argument("--rss", type=Path, help=argparse.SUPPRESS)  # the memory child
     return parser.parse_args(argv)
 

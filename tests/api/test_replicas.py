@@ -19,6 +19,7 @@ import pytest
 from opentelemetry import trace
 
 from compactd.api.server import create_server
+from compactd.core import fold as fold_module
 from compactd.testing.openai_server import OpenAICompatServer, Reply
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2
@@ -176,6 +177,25 @@ async def test_a_retried_batch_through_another_replica_is_answered_not_doubled(
 
         assert first == again
         assert [e.event_id for e in await b.events()].count("retry-me") == 1
+
+
+async def test_a_late_retry_through_another_replica_is_answered_from_the_log(
+    tmp_path: Path, loop: OpenAICompatServer, database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its ids are older than either replica's fold keeps: the store answers for them."""
+    monkeypatch.setattr(fold_module, "RECENT_EVENT_IDS", 1)
+    async with replicas(tmp_path, loop, postgres.fresh_schema(database)) as (a, b):
+        await a.create(*opening())
+        event = user("once")
+        event.event_id = "late-retry"
+        first = await a.append(event)
+        later = user("later")
+        later.event_id = "later"
+        await a.append(later)
+        again = await b.append(event)
+
+        assert first == again
+        assert [e.event_id for e in await b.events()].count("late-retry") == 1
 
 
 async def test_follow_and_watch_on_one_replica_see_appends_through_another(

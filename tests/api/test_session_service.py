@@ -10,6 +10,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from compactd import config
 from compactd.api.server import RunningServer, create_server
+from compactd.core import fold as fold_module
 from compactd.errors import Busy
 from compactd.v1 import events_pb2 as ev
 from compactd.v1 import session_service_pb2 as pb
@@ -161,6 +162,51 @@ async def test_reused_event_id_with_different_content_is_invalid(
     got = details(caught.value)
     assert got.code == grpc.StatusCode.INVALID_ARGUMENT
     assert got.fields == ["events[0].event_id"]
+
+
+def _identified(*texts: str) -> list[ev.SessionEvent]:
+    events = [user(text) for text in texts]
+    for event, text in zip(events, texts, strict=True):
+        event.event_id = f"id-{text}"
+    return events
+
+
+async def test_a_late_retry_whose_ids_the_fold_no_longer_keeps_returns_the_original_seqs(
+    sessions: SessionServiceStub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fold keeps its latest ids only; the log, asked through the store, answers older."""
+    monkeypatch.setattr(fold_module, "RECENT_EVENT_IDS", 2)
+    sid = await _create(sessions)
+    first = await _append(sessions, sid, *_identified("a", "b", "c"))
+    await _append(sessions, sid, *_identified("d", "e", "f"))  # a to c leave the fold's ids
+    retry = await _append(sessions, sid, *_identified("a", "b", "c"))
+    assert (list(retry.seqs), retry.revision) == (list(first.seqs), 6)
+    straddling = await _append(sessions, sid, *_identified("d", "e", "f"))  # d is older, f kept
+    assert list(straddling.seqs) == [3, 4, 5]
+    events = [r.event async for r in sessions.ListEvents(pb.ListEventsRequest(session_id=sid))]
+    assert len(events) == 6
+
+
+async def test_an_id_older_than_the_fold_keeps_reused_with_other_content_is_a_mismatch(
+    sessions: SessionServiceStub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fold_module, "RECENT_EVENT_IDS", 2)
+    sid = await _create(sessions)
+    await _append(sessions, sid, *_identified("a", "b", "c"))
+    changed = user("other")
+    changed.event_id = "id-a"
+    mixed = _identified("a", "new")
+    for batch, fields in (([changed], ["events[0].event_id"]), (mixed, ["events"])):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await _append(sessions, sid, *batch)
+        got = details(caught.value)
+        assert (got.code, got.reason) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "IDEMPOTENCY_MISMATCH",
+        )
+        assert got.fields == fields
+    surface = await sessions.GetSurface(pb.GetSurfaceRequest(session_id=sid))
+    assert surface.revision == 3
 
 
 async def test_malformed_batch_is_rejected_whole_with_field_paths(

@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 import compactd.core
 from compactd.core import events as events_module
-from compactd.core.fold import AdmittedBatch, SessionFold
+from compactd.core.fold import RECENT_EVENT_IDS, AdmittedBatch, SessionFold
 from compactd.core.lock import live_bracket
 from compactd.core.pairing import CorruptPairing, balanced_cuts
 from compactd.core.steps import run_to_end
@@ -708,3 +708,16 @@ def test_a_released_batch_hands_over_its_lists_and_keeps_its_first_seq() -> None
     assert undo  # the undo records go too: a committed batch is not rolled back
     assert (batch.first_seq, batch.events, batch.surface_changes) == (0, [], [])
     assert [n.seq for n in fold.surface] == [0, 1]  # the fold keeps what it folded
+
+
+def test_a_fold_keeps_its_latest_ids_and_a_rollback_takes_out_only_its_own() -> None:
+    fold = SessionFold()
+    fold.admit([with_id(user(f"m{n}"), f"e{n}") for n in range(RECENT_EVENT_IDS + 10)])
+    assert len(fold.event_ids) == RECENT_EVENT_IDS + 10  # the last batch may still roll back
+    batch = fold.admit([with_id(user("x"), "x")])
+    latest = [f"e{n}" for n in range(10, RECENT_EVENT_IDS + 10)]
+    assert list(fold.event_ids) == [*latest, "x"]
+    fold.rollback(batch)
+    assert list(fold.event_ids) == latest
+    with pytest.raises(InvalidArgument, match="already in the log"):
+        fold.admit([with_id(user("y"), "y"), with_id(user("y again"), "y")])

@@ -8,6 +8,7 @@ write that dies halfway leaves the old snapshot whole; a large batch is priced o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sqlite3
 import sys
@@ -21,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from compactd.core import snapshot as snapshots
-from compactd.core.fold import SessionFold
+from compactd.core.fold import RECENT_EVENT_IDS, SessionFold
 from compactd.core.meter import SessionMeter, recount
 from compactd.core.policy import PressurePolicy
 from compactd.core.pricing import price_node
@@ -580,7 +581,7 @@ async def _compare(ops: list[tuple[str, int]]) -> None:
 def test_snapshots_of_a_long_log_come_less_often_so_their_cost_per_event_is_bounded() -> None:
     fold = SessionFold()
     assert sessions.snapshot_due(fold, 1000) == 1000
-    # Event ids are kept for the life of the session: 64k entries to copy.
+    # 64k entries to copy (set directly: a fold keeps at most ``RECENT_EVENT_IDS`` ids).
     fold.event_ids.update({f"e{n}": n for n in range(64_000)})
     assert sessions.snapshot_due(fold, 1000) == 4000
     fold.event_ids.update({f"f{n}": n for n in range(32_000)})
@@ -623,3 +624,18 @@ def test_a_snapshot_made_in_steps_equals_one_made_at_once_byte_for_byte() -> Non
     assert paused > 2
     assert data == snapshots.encode(snap)
     assert snapshots.decode(data).surface == [n.seq for n in fold.surface]
+
+
+def test_a_snapshot_keeps_the_fold_s_ids_and_a_restore_the_latest_of_an_older_one() -> None:
+    fold = SessionFold()
+    events = [user(f"m{n}") for n in range(RECENT_EVENT_IDS + 50)]
+    for n, event in enumerate(events):
+        event.event_id = f"e{n}"
+    fold.admit(events)
+    fold.admit([user("next")])  # a batch begins: the ids beyond the latest are forgotten
+    snap = snapshots.capture(fold, "i", {}, None)
+    assert list(snap.event_ids) == [f"e{n}" for n in range(50, RECENT_EVENT_IDS + 50)]
+    # A snapshot an earlier release wrote held every id of the log: the restore keeps the latest.
+    older = dataclasses.replace(snap, event_ids={f"e{n}": n for n in range(RECENT_EVENT_IDS + 50)})
+    restored = snapshots.rebuild(older, {n.seq: n.event for n in fold.surface})
+    assert restored.event_ids == fold.event_ids

@@ -37,6 +37,11 @@ from compactd.v1 import events_pb2
 STEP_BRACKET: Final = "STEP_BRACKET"
 SURFACE_FULL: Final = "SURFACE_FULL"
 
+#: Identified events whose ids a fold keeps (``SessionFold.event_ids``): a runtime retries its
+#: latest batch, so the ids of the latest events answer nearly every retry without the store,
+#: and the map's memory follows this bound rather than the log's length.
+RECENT_EVENT_IDS: Final = 1024
+
 
 @dataclass(slots=True)
 class AdmittedBatch:
@@ -83,6 +88,9 @@ class SessionFold:
         self.open_step: tuple[int, int] | None = None  # (turn, step) between step/start and /end
         self.offloads: dict[int, frozenset[int]] = {}  # node seq -> offloaded image indexes
         self.offload_generation = 0  # image/offload events folded (they change what nodes send)
+        # Event id -> seq of the latest identified events, oldest first: at most
+        # ``RECENT_EVENT_IDS`` before a batch, and the batch's own (``_forget_older_ids``). The
+        # log holds them all; the service asks the store about older ones.
         self.event_ids: dict[str, int] = {}
         self.compaction_ids: set[str] = set()  # every bracket ever opened in this log
         self.restored_at = -1  # seq of the session/end-seed this process appended, if any
@@ -137,6 +145,7 @@ class SessionFold:
         rolls back what it admitted."""
         if check:
             yield from check_origin_in_steps(events, origin)
+        self._forget_older_ids()
         client = check and origin is Origin.CLIENT
         batch = AdmittedBatch(self.revision, [])
         before = self.surface_bytes
@@ -333,6 +342,14 @@ class SessionFold:
             self._node_bytes.pop(node.seq, None)
         else:
             self._node_bytes[node.seq] = size
+
+    def _forget_older_ids(self) -> None:
+        """Keep the ids of the latest ``RECENT_EVENT_IDS`` identified events only. Done as a
+        batch begins, when the one before it can no longer be rolled back: a rollback then
+        takes out the batch's own ids and leaves the rest as they were."""
+        ids = self.event_ids
+        for _ in range(len(ids) - RECENT_EVENT_IDS):
+            del ids[next(iter(ids))]
 
     def _unfold(self, event_id: str, change: SurfaceChange | None) -> None:
         """Undo what ``_fold`` does for every event: the node it added (its size, its surface

@@ -23,7 +23,7 @@ from typing import Any, Final
 
 from compactd.core import header as hdr
 from compactd.core.events import SessionEvent
-from compactd.core.fold import SessionFold
+from compactd.core.fold import RECENT_EVENT_IDS, SessionFold
 from compactd.core.lock import LockState
 from compactd.core.pricing import NodeCost, node_cost
 from compactd.core.steps import run_to_end
@@ -297,7 +297,9 @@ def rebuild(snapshot: FoldSnapshot, events: Mapping[int, SessionEvent]) -> Sessi
     fold.open_turns = set(snapshot.open_turns)
     fold.open_step = snapshot.open_step
     fold.offloads = offloads
-    fold.event_ids = dict(snapshot.event_ids)
+    # Oldest first, as the fold evicts them (a snapshot from before the bound kept every id).
+    by_seq = sorted(snapshot.event_ids.items(), key=lambda item: item[1])
+    fold.event_ids = dict(by_seq[-RECENT_EVENT_IDS:])
     fold.compaction_ids = set(snapshot.compaction_ids)
     fold.lock = LockState(snapshot.last_end_seed, dict(snapshot.open_starts))
     fold.restored_at = snapshot.restored_at

@@ -295,6 +295,12 @@ class SessionHandle:
             try:
                 return await self._append_once(events, expected_last_seq, origin)
             except (SeqConflict, InvalidArgument) as error:
+                # The store refused ids of the log that the fold no longer keeps (a late retry,
+                # or a reuse): decided from the log, on a fold that is current (a shared store's
+                # is once caught up, after its first attempt).
+                current = not self._store.shared or attempt > 1
+                if current and isinstance(error, InvalidArgument) and _duplicate_ids(error):
+                    return await self._logged_before(events, error)
                 # The store refused a batch decided on a fold another replica had moved past:
                 # catch up, then decide again (a retry finds its own ids, a conflict shows).
                 if not self._store.shared or not _stale_fold(error):
@@ -565,18 +571,49 @@ class SessionHandle:
             self._changed.notify_all()
 
     async def _replayed(self, events: Sequence[events_pb2.SessionEvent]) -> AppendResult | None:
-        """The original result when this batch was already committed (a retried batch)."""
-        ids = [e.event_id for e in events]
-        if self.fold.event_ids.keys().isdisjoint(ids):  # a new batch, in one C-level pass
+        """The original result when this batch was already committed (a retried batch).
+
+        Decided on the ids the fold keeps (its latest events'): a batch none of whose ids it
+        keeps goes on to its commit, where the store's unique index refuses an older id
+        (``DUPLICATE_EVENT_ID``) and ``_logged_before`` decides from the log."""
+        if self.fold.event_ids.keys().isdisjoint(e.event_id for e in events):  # one C pass
             return None
-        known = [i for i in ids if i in self.fold.event_ids]
-        if len(known) != len(ids):
+        return await self._logged(events)
+
+    async def _logged_before(
+        self, events: Sequence[events_pb2.SessionEvent], error: InvalidArgument
+    ) -> AppendResult:
+        """A batch the store refused for ids already in the log (``error``), older than the
+        fold keeps: the original result when the whole batch is logged as it is (a late
+        retry), ``IDEMPOTENCY_MISMATCH`` when only part of it is or its content differs."""
+        ids = [e.event_id for e in events]
+        if len(set(ids)) != len(ids):  # the batch reuses an id of its own
+            raise error
+        replay = await self._logged(events)
+        if replay is None:
+            raise error
+        return replay
+
+    async def _logged(self, events: Sequence[events_pb2.SessionEvent]) -> AppendResult | None:
+        """The original result of ``events`` if each of their ids is in the log (the fold's or,
+        beyond what it keeps, the store's) with the same content; None if none is."""
+        ids = [e.event_id for e in events]
+        cached = self.fold.event_ids
+        logged = {i: cached[i] for i in ids if i in cached}
+        older = [i for i in ids if i and i not in logged]
+        if older:
+            logged.update(
+                await self._store.find_event_ids(self.session_id, older, tenant=self.tenant)
+            )
+        if not logged:
+            return None
+        if len(logged) != len(ids) or not all(ids):
             raise InvalidArgument(
                 "a batch mixes events already in the log with new ones",
                 violations=[FieldViolation("events", "retry the original batch unchanged")],
                 reason="IDEMPOTENCY_MISMATCH",
             )
-        seqs = [self.fold.event_ids[i] for i in ids]
+        seqs = [logged[i] for i in ids]
         stored = await self._store.read_seqs(self.session_id, seqs, tenant=self.tenant)
         for index, (sent, kept) in enumerate(zip(events, stored, strict=True)):
             if not _same_content(sent, kept):
@@ -665,7 +702,12 @@ def _stale_fold(error: Exception) -> bool:
     """Whether the store refused a batch because another replica appended first."""
     if isinstance(error, SeqConflict):
         return "first_seq" in error.metadata  # the store's check, not ``expected_last_seq``
-    return getattr(error, "reason", "") == "DUPLICATE_EVENT_ID"
+    return _duplicate_ids(error)
+
+
+def _duplicate_ids(error: Exception) -> bool:
+    """Whether the store refused a batch for event ids already in the log."""
+    return isinstance(error, InvalidArgument) and error.reason == "DUPLICATE_EVENT_ID"
 
 
 def _same_content(sent: events_pb2.SessionEvent, kept: events_pb2.SessionEvent) -> bool:
@@ -688,9 +730,10 @@ SNAPSHOT_EVENTS_PER_ENTRY = 1 / 16
 
 def snapshot_due(fold: SessionFold, interval: int) -> int:
     """Events after the last snapshot that make the next one due: ``interval``, or more once
-    the fold's log-long map (event ids) outgrows it, so that writing snapshots costs a bounded
-    amount per event (at most 16 copied entries) at any log length; a restore then replays at
-    most a sixteenth of those entries' worth of events."""
+    what a snapshot copies (the surface's nodes and the event ids the fold keeps) outgrows it,
+    so that writing snapshots costs a bounded amount per event (at most 16 copied entries) at
+    any surface size; a restore then replays at most a sixteenth of those entries' worth of
+    events."""
     entries = len(fold.event_ids) + len(fold.surface)
     return max(interval, int(entries * SNAPSHOT_EVENTS_PER_ENTRY))
 
