@@ -51,7 +51,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Mappi
 from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeGuard, TypeVar
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -299,7 +299,7 @@ class SessionHandle:
                 # or a reuse): decided from the log, on a fold that is current (a shared store's
                 # is once caught up, after its first attempt).
                 current = not self._store.shared or attempt > 1
-                if current and isinstance(error, InvalidArgument) and _duplicate_ids(error):
+                if current and _duplicate_ids(error):
                     return await self._logged_before(events, error)
                 # The store refused a batch decided on a fold another replica had moved past:
                 # catch up, then decide again (a retry finds its own ids, a conflict shows).
@@ -705,7 +705,7 @@ def _stale_fold(error: Exception) -> bool:
     return _duplicate_ids(error)
 
 
-def _duplicate_ids(error: Exception) -> bool:
+def _duplicate_ids(error: Exception) -> TypeGuard[InvalidArgument]:
     """Whether the store refused a batch for event ids already in the log."""
     return isinstance(error, InvalidArgument) and error.reason == "DUPLICATE_EVENT_ID"
 
