@@ -7,22 +7,13 @@ input images of a node into attachment text while the node and its event stay un
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Set
+from collections.abc import Callable, Iterable, Mapping, Set
 
-from compactd.core import events as ev
 from compactd.core.events import SessionEvent
 from compactd.v1 import events_pb2, session_service_pb2
 
 Message = session_service_pb2.Message
 ContentBlock = events_pb2.ContentBlock
-
-_ROLES = {
-    "system_message": session_service_pb2.MESSAGE_ROLE_SYSTEM,
-    "developer_message": session_service_pb2.MESSAGE_ROLE_DEVELOPER,
-    "user_message": session_service_pb2.MESSAGE_ROLE_USER,
-    "assistant_message": session_service_pb2.MESSAGE_ROLE_ASSISTANT,
-    "tool_result": session_service_pb2.MESSAGE_ROLE_TOOL,
-}
 
 
 def offload_placeholder(image: events_pb2.ImageBlock) -> str:
@@ -54,31 +45,64 @@ def project_content(
 
 def project(event: SessionEvent, offloaded: Set[int] = frozenset()) -> Message | None:
     """The message a surface event projects to; None for an empty system or assistant message."""
-    kind = ev.body_name(event)
-    role = _ROLES.get(kind)
-    if role is None:
+    projector = _PROJECTORS.get(event.WhichOneof("body"))
+    return None if projector is None else projector(event, offloaded)
+
+
+# One projector per body kind, found by one dict lookup: ``project`` runs once per node of every
+# request built (a full request, a summary request's span), so it does no more than each kind
+# needs.
+
+
+def _system(event: SessionEvent, offloaded: Set[int]) -> Message | None:
+    text = event.system_message.text
+    if not text:
         return None
-    if kind in ("system_message", "developer_message"):
-        text = getattr(event, kind).text
-        if not text and kind == "system_message":
-            return None
-        message = Message(role=role)
-        message.content.add().text.text = text  # one copy of the text, not one per wrapper
-        return message
-    message = Message(role=role)
-    if kind == "user_message":
-        _copy_content(message, event.user_message.content, offloaded)
-    elif kind == "assistant_message":
-        if _all_empty_text(event.assistant_message.content):
-            return None
-        _copy_content(message, event.assistant_message.content, frozenset())
-    else:
-        result = event.tool_result
-        message.tool_call_id = result.tool_call_id
-        message.is_error = result.is_error
-        message.name = result.tool_name
-        _copy_content(message, result.content, offloaded)
+    message = Message(role=session_service_pb2.MESSAGE_ROLE_SYSTEM)
+    message.content.add().text.text = text  # one copy of the text, not one per wrapper
     return message
+
+
+def _developer(event: SessionEvent, offloaded: Set[int]) -> Message:
+    message = Message(role=session_service_pb2.MESSAGE_ROLE_DEVELOPER)
+    message.content.add().text.text = event.developer_message.text
+    return message
+
+
+def _user(event: SessionEvent, offloaded: Set[int]) -> Message:
+    message = Message(role=session_service_pb2.MESSAGE_ROLE_USER)
+    _copy_content(message, event.user_message.content, offloaded)
+    return message
+
+
+def _assistant(event: SessionEvent, offloaded: Set[int]) -> Message | None:
+    blocks = event.assistant_message.content
+    if _all_empty_text(blocks):
+        return None
+    message = Message(role=session_service_pb2.MESSAGE_ROLE_ASSISTANT)
+    _copy_content(message, blocks, frozenset())
+    return message
+
+
+def _tool(event: SessionEvent, offloaded: Set[int]) -> Message:
+    result = event.tool_result
+    message = Message(
+        role=session_service_pb2.MESSAGE_ROLE_TOOL,
+        tool_call_id=result.tool_call_id,
+        is_error=result.is_error,
+        name=result.tool_name,
+    )
+    _copy_content(message, result.content, offloaded)
+    return message
+
+
+_PROJECTORS: dict[str | None, Callable[[SessionEvent, Set[int]], Message | None]] = {
+    "system_message": _system,
+    "developer_message": _developer,
+    "user_message": _user,
+    "assistant_message": _assistant,
+    "tool_result": _tool,
+}
 
 
 def _copy_content(message: Message, blocks: Iterable[ContentBlock], offloaded: Set[int]) -> None:
