@@ -10,7 +10,9 @@ each interleaved round by round with its reference:
    committed alone by raw SQLite (``synchronous=FULL``, one fsync'd transaction, no thread, no
    service), back to back, in this process; the row prints the time an append adds over an
    empty RPC beside that commit's time. On a busy disk the commit alone exceeds 0.25x an empty
-   RPC, which puts 0.8x out of reach.
+   RPC, which puts 0.8x out of reach. Beside them, the service's own writer per commit, from the
+   server's ``/metrics`` scraped before and after each append phase (``compactd.store.*``): how
+   long an append waited for its transaction and how long the transaction took.
 2. 64 concurrent clients appending single events (one session each) against the store alone:
    64 tasks appending the same events straight to a ``SqliteEventStore`` (group commit, no
    service, no gRPC). Goal: ≥ 0.5x the store's rate. Beside it, the ceiling any RPC meets: 64
@@ -46,12 +48,15 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.corpus import SessionEvent, header, in_steps, surface_events, texts_of, turn_start
 from compactd import config
@@ -85,6 +90,11 @@ class Bench:
         self.steps: dict[str, int] = {}
         self.sources: dict[str, Iterator[SessionEvent]] = {}  # a session's own calls and results
         self.address = ""
+        self.metrics_url = ""  # the server's /metrics
+
+    async def store_figures(self) -> StoreFigures:
+        """The server's store counters now (outside any timed call)."""
+        return await asyncio.to_thread(scrape_store, self.metrics_url)
 
     async def session(self, route: tuple[str, str] | None = None) -> str:
         name = f"{self.prefix}{next(self.names)}"
@@ -141,18 +151,55 @@ async def single_client(bench: Bench, rounds: int, singles: int) -> tuple[str, s
     empty = health_pb2.HealthCheckRequest()
     insert = raw_insert(bench.folder / "raw-1.db")
     empties, appends, commits = [], [], []
+    writer = StoreFigures()  # the server's own: its writer's queue and transactions
     for _ in range(rounds):
         # Drawn before the clock starts (~0.1 ms each from the transcripts): not the call's work.
         drawn = iter([bench.user_event() for _ in range(singles)])
         empties.append(await _rate(lambda: bench.health.Check(empty), singles))
+        before = await bench.store_figures()
         appends.append(await _rate(functools.partial(_append_next, bench, name, drawn), singles))
+        writer = writer + (await bench.store_figures() - before)
         commits.append(_commit_rate(insert, bench, singles))
     e, a, c = statistics.median(empties), statistics.median(appends), statistics.median(commits)
+    each = max(writer.commits, 1)
     return (
         "single-event AppendEvents, 1 client ≥ 0.8x empty RPC",
         f"{a:,.0f} appends/s = {a / e:.2f}x; an append adds {fmt(1 / a - 1 / e)} to an empty RPC",
         f"empty RPC {e:,.0f}/s; raw SQLite fsync'd commit of one event {fmt(1 / c)} "
-        f"(0.8x needs the whole addition ≤ {fmt(0.25 / e)})",
+        f"(0.8x needs the whole addition ≤ {fmt(0.25 / e)}); the service's writer, per commit "
+        f"(its metrics): {fmt(writer.queued / each)} queued, {fmt(writer.commit / each)} in "
+        "its transaction",
+    )
+
+
+@dataclass(frozen=True)
+class StoreFigures:
+    """The server's store counters, read from its ``/metrics`` (``compactd.store.*``)."""
+
+    commits: float = 0.0
+    commit: float = 0.0  # seconds in committed write transactions
+    queued: float = 0.0  # seconds writes waited for theirs
+
+    def __add__(self, other: StoreFigures) -> StoreFigures:
+        return StoreFigures(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    def __sub__(self, other: StoreFigures) -> StoreFigures:
+        return StoreFigures(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+
+def scrape_store(url: str) -> StoreFigures:
+    """The ``compactd_store_*`` counters of a Prometheus scrape."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    values = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    return StoreFigures(
+        values.get("compactd_store_commits_total", 0.0),
+        values.get("compactd_store_commit_time_seconds_total", 0.0),
+        values.get("compactd_store_queue_time_seconds_total", 0.0),
     )
 
 
@@ -419,10 +466,12 @@ async def run(args: argparse.Namespace) -> list[tuple[str, str, str]]:
         assert child.stdout is not None
         assert child.stdin is not None
         address = (await child.stdout.readline()).decode().strip()
+        metrics_url = (await child.stdout.readline()).decode().strip()
         try:
             async with grpc.aio.insecure_channel(address) as channel:
                 bench = Bench(channel, Path(folder))
                 bench.address = address
+                bench.metrics_url = metrics_url
                 rows = [await single_client(bench, args.rounds, args.singles)]
                 rows.append(await many_clients(bench, args.rounds, args.clients, args.each))
                 for tokenizer in ROUTES:
@@ -443,10 +492,12 @@ async def serve(folder: str) -> None:
         "log_level": "WARNING",
         "max_batch_events": 4 * BATCH,  # a batch of BATCH events with its step brackets
         "max_resident_sessions": 0,
+        "metrics_listen": "127.0.0.1:0",  # its store's own figures, scraped between phases
     }
     running = await create_server(config.load(None, environ={}, overrides=overrides))
     settle_interpreter()  # as ``compactd serve`` does
-    print(running.address, flush=True)
+    assert running.prometheus is not None
+    print(running.address, running.prometheus.url, sep="\n", flush=True)
     await asyncio.to_thread(sys.stdin.read)
     await running.stop(0)
 

@@ -95,6 +95,13 @@ async def test_the_prometheus_endpoint_reports_what_compaction_did(
     (appended,) = labelled(metrics["compactd_events_appended"], "_total")
     assert appended.value == len(opening()) + len(unit(0)) + len(units(18, 1)) + 1
     assert metrics["compactd_sessions_live"][0].value == 1
+    # The store's own figures: its commits, their transactions' time and their writes' wait.
+    (commits,) = labelled(metrics["compactd_store_commits"], "_total")
+    assert commits.value >= 4  # the session, its opening batch, the bracket's three appends
+    (commit_time,) = labelled(metrics["compactd_store_commit_time_seconds"], "_total")
+    (queue_time,) = labelled(metrics["compactd_store_queue_time_seconds"], "_total")
+    assert commit_time.value > 0 and queue_time.value > 0
+    assert running.store.stats.commits >= commits.value  # read when scraped, not later
     rpcs = metrics["rpc_server_call_duration_seconds"]
     prepare = labelled(rpcs, "_count", rpc_method="PrepareStep", rpc_grpc_status_code="0")
     assert prepare[0].value == 1

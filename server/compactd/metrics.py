@@ -28,6 +28,11 @@ Instruments (attribute keys in brackets):
 ``gen_ai.client.token.usage``          histogram    tokens per model call [gen_ai.token.type]
 ``compactd.events.appended``           counter      events appended by clients
 ``compactd.sessions.live``             gauge        sessions resident in memory
+``compactd.store.commits``             counter      write transactions the store committed
+``compactd.store.commit.time``         counter      seconds those transactions took, start to
+                                                    commit (the fsync included)
+``compactd.store.queue.time``          counter      seconds writes waited for their transaction
+                                                    (SQLite's writer queue, PostgreSQL's pool)
 ``compactd.quota.refusals``            counter      calls refused over a tenant quota [tenant,
                                                     quota]
 ``rpc.server.call.duration``           histogram    seconds per RPC [rpc.method, status code]
@@ -40,7 +45,7 @@ import inspect
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from opentelemetry.metrics import CallbackOptions, MeterProvider, NoOpMeterProvider, Observation
@@ -49,6 +54,9 @@ from opentelemetry.semconv._incubating.metrics import gen_ai_metrics, rpc_metric
 from opentelemetry.trace import Span, Tracer
 
 from compactd import __version__, logs
+
+if TYPE_CHECKING:
+    from compactd.store.base import StoreStats
 
 _SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _RATIOS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)
@@ -186,6 +194,29 @@ class Metrics:
             "compactd.sessions.live", [observe], unit="{session}",
             description="Sessions resident in memory",
         )  # fmt: skip
+
+    def observe_store(self, stats: Callable[[], StoreStats]) -> None:
+        """Report the store's write counters (``stats()``, a snapshot) at every collection: its
+        commits, and the time its write transactions took and its writes waited for them. Read
+        when collected, nothing is recorded per write."""
+
+        def counter(name: str, unit: str, description: str, value: Callable[[StoreStats], float]
+                    ) -> None:  # fmt: skip
+            def observe(options: CallbackOptions) -> Iterable[Observation]:
+                yield Observation(value(stats()))
+
+            self._meter.create_observable_counter(
+                name, [observe], unit=unit, description=description
+            )
+
+        counter("compactd.store.commits", "{commit}", "Write transactions the store committed",
+                lambda s: s.commits)  # fmt: skip
+        counter("compactd.store.commit.time", "s",
+                "Time committed write transactions took, start to commit (fsync included)",
+                lambda s: s.commit_seconds)  # fmt: skip
+        counter("compactd.store.queue.time", "s",
+                "Time writes waited for their transaction to start (summed per write)",
+                lambda s: s.queued_seconds)  # fmt: skip
 
     def rpc(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         """One RPC ``/package.Service/Method`` ended with ``code``."""

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from compactd import errors
-from compactd.store import EventStore
+from compactd.store import EventStore, MemoryEventStore
 from compactd.store.base import encode_batch
 from compactd.v1 import events_pb2
 
@@ -429,6 +429,24 @@ async def test_stats_count_landed_and_failed_batches(store: EventStore) -> None:
 
     assert (stats.batches, stats.failed_batches, stats.events) == (2, 1, 3)
     assert stats.commits >= 1
+
+
+async def test_stats_time_the_durable_stores_write_transactions_and_their_queue(
+    store: EventStore,
+) -> None:
+    """SQLite and PostgreSQL add each committed append's transaction time (start to commit)
+    and its wait for that transaction; the in-memory store, which has neither, adds none."""
+    await store.create_session("s", None)
+    await store.append("s", batch(0, 3))
+    first = store.stats
+    await store.append("s", batch(3, 2))
+    second = store.stats
+
+    if isinstance(store, MemoryEventStore):
+        assert (second.commit_seconds, second.queued_seconds) == (0.0, 0.0)
+        return
+    assert 0 < first.commit_seconds < second.commit_seconds
+    assert 0 < first.queued_seconds < second.queued_seconds
 
 
 # --- properties -----------------------------------------------------------------------------------

@@ -305,6 +305,7 @@ async def _serve_on(
     manager.start()  # replicas: follow other replicas' appends (a shared store only)
     await asyncio.to_thread(warm_up, parts.routes)  # the first pressure check is not a load
     metrics.observe_sessions(lambda: manager.resident)
+    metrics.observe_store(lambda: store.stats)
     pressure = PressureService(manager, parts.routes, parts.policy)
     redactor = redaction.for_routes(parts.routes)
     summarizers = SummarizerRegistry(

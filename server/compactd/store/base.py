@@ -85,15 +85,30 @@ class StoreStats:
         failed_batches: Append batches refused by their own checks (seq conflict, unknown
             session, duplicate event id).
         events: Events that landed.
+        commit_seconds: Time committed write transactions took, from their start to their
+            commit's return (the durable commit, an fsync on SQLite, included): SQLite's groups
+            of queued writes, PostgreSQL's appends; 0 in the in-memory store.
+        queued_seconds: Time the writes of those transactions waited for them to start, summed
+            per write: SQLite's writer queue, PostgreSQL's wait for a pooled connection (its
+            appends); 0 in the in-memory store.
     """
 
     commits: int = 0
     batches: int = 0
     failed_batches: int = 0
     events: int = 0
+    commit_seconds: float = 0.0
+    queued_seconds: float = 0.0
 
     def plus(
-        self, *, commits: int = 0, batches: int = 0, failed_batches: int = 0, events: int = 0
+        self,
+        *,
+        commits: int = 0,
+        batches: int = 0,
+        failed_batches: int = 0,
+        events: int = 0,
+        commit_seconds: float = 0.0,
+        queued_seconds: float = 0.0,
     ) -> StoreStats:
         """These counters with the given increments added."""
         return StoreStats(
@@ -101,6 +116,8 @@ class StoreStats:
             batches=self.batches + batches,
             failed_batches=self.failed_batches + failed_batches,
             events=self.events + events,
+            commit_seconds=self.commit_seconds + commit_seconds,
+            queued_seconds=self.queued_seconds + queued_seconds,
         )
 
 

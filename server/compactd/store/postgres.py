@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from datetime import UTC, datetime
@@ -224,16 +225,23 @@ class PostgresEventStore(base.EventStore):
     ) -> int:
         rows = base.encode_batch(events) if rows is None else list(rows)
         key = SessionKey(tenant, session_id)
+        queued = time.perf_counter()
         try:
             with _db_errors("append"):
-                # Pipeline mode: BEGIN rides with the row lock's SELECT, and the inserts, the
-                # revision, the NOTIFY and COMMIT go in one round trip.
-                async with self._connection() as conn, conn.pipeline(), conn.transaction():
-                    revision = await self._append_locked(conn, key, rows, lease)
+                async with self._connection() as conn:
+                    started = time.perf_counter()
+                    # Pipeline mode: BEGIN rides with the row lock's SELECT, and the inserts,
+                    # the revision, the NOTIFY and COMMIT go in one round trip.
+                    async with conn.pipeline(), conn.transaction():
+                        revision = await self._append_locked(conn, key, rows, lease)
+                    committed = time.perf_counter()
         except Exception:
             self._stats = self._stats.plus(batches=1, failed_batches=1)
             raise
-        self._stats = self._stats.plus(commits=1, batches=1, events=len(rows))
+        self._stats = self._stats.plus(
+            commits=1, batches=1, events=len(rows),
+            commit_seconds=committed - started, queued_seconds=started - queued,
+        )  # fmt: skip
         return revision
 
     async def _append_locked(

@@ -20,8 +20,9 @@ import os
 import queue
 import sqlite3
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Generic, TypeVar
 
@@ -370,6 +371,7 @@ class _Job(Generic[T]):
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[T]
     events: int | None  # None: not an append batch
+    queued: float = field(default_factory=time.perf_counter)  # when the caller submitted it
 
 
 #: A job's future and what settles it: (future, value, error).
@@ -470,6 +472,7 @@ class _Writer:
         return group
 
     def _commit(self, group: list[_Job[Any]]) -> None:
+        started = time.perf_counter()
         try:
             self._conn.execute("BEGIN IMMEDIATE")
             outcomes = [self._apply(job) for job in group]
@@ -477,7 +480,7 @@ class _Writer:
         except Exception as exc:
             self._abandon(group, exc)
             return
-        self._count(group, outcomes)
+        self._count(group, outcomes, started, time.perf_counter())
         _settle(group, outcomes)
 
     def _apply(self, job: _Job[Any]) -> _Outcome:
@@ -508,7 +511,9 @@ class _Writer:
         # A fresh error each: one raised in many tasks would tangle tracebacks.
         _settle(group, [_Outcome(error=_write_failed(exc)) for _ in group])
 
-    def _count(self, group: list[_Job[Any]], outcomes: list[_Outcome]) -> None:
+    def _count(
+        self, group: list[_Job[Any]], outcomes: list[_Outcome], started: float, committed: float
+    ) -> None:
         batches = [(j, o) for j, o in zip(group, outcomes, strict=True) if j.events is not None]
         with self._stats_lock:
             self._stats = self._stats.plus(
@@ -516,6 +521,8 @@ class _Writer:
                 batches=len(batches),
                 failed_batches=sum(o.error is not None for _, o in batches),
                 events=sum(j.events or 0 for j, o in batches if o.error is None),
+                commit_seconds=committed - started,
+                queued_seconds=sum(started - job.queued for job in group),
             )
 
 
