@@ -100,7 +100,8 @@ async def test_the_prometheus_endpoint_reports_what_compaction_did(
     assert commits.value >= 4  # the session, its opening batch, the bracket's three appends
     (commit_time,) = labelled(metrics["compactd_store_commit_time_seconds"], "_total")
     (queue_time,) = labelled(metrics["compactd_store_queue_time_seconds"], "_total")
-    assert commit_time.value > 0 and queue_time.value > 0
+    assert commit_time.value > 0
+    assert queue_time.value > 0
     assert running.store.stats.commits >= commits.value  # read when scraped, not later
     rpcs = metrics["rpc_server_call_duration_seconds"]
     prepare = labelled(rpcs, "_count", rpc_method="PrepareStep", rpc_grpc_status_code="0")
