@@ -41,7 +41,9 @@ Instruments (attribute keys in brackets):
 
 from __future__ import annotations
 
+import functools
 import inspect
+import operator
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
@@ -199,24 +201,11 @@ class Metrics:
         """Report the store's write counters (``stats()``, a snapshot) at every collection: its
         commits, and the time its write transactions took and its writes waited for them. Read
         when collected, nothing is recorded per write."""
-
-        def counter(name: str, unit: str, description: str, value: Callable[[StoreStats], float]
-                    ) -> None:  # fmt: skip
-            def observe(options: CallbackOptions) -> Iterable[Observation]:
-                yield Observation(value(stats()))
-
+        for name, unit, description, field in _STORE_COUNTERS:
+            observe = functools.partial(_observed, stats, operator.attrgetter(field))
             self._meter.create_observable_counter(
                 name, [observe], unit=unit, description=description
             )
-
-        counter("compactd.store.commits", "{commit}", "Write transactions the store committed",
-                lambda s: s.commits)  # fmt: skip
-        counter("compactd.store.commit.time", "s",
-                "Time committed write transactions took, start to commit (fsync included)",
-                lambda s: s.commit_seconds)  # fmt: skip
-        counter("compactd.store.queue.time", "s",
-                "Time writes waited for their transaction to start (summed per write)",
-                lambda s: s.queued_seconds)  # fmt: skip
 
     def rpc(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         """One RPC ``/package.Service/Method`` ended with ``code``."""
@@ -366,6 +355,23 @@ class _RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 report.route.provider, report.route.model, _state_name(report.state),
                 report.measured_tokens, report.trigger_tokens,
             )  # fmt: skip
+
+
+#: ``observe_store``'s counters: name, unit, description, the ``StoreStats`` field.
+_STORE_COUNTERS = (
+    ("compactd.store.commits", "{commit}", "Write transactions the store committed", "commits"),
+    ("compactd.store.commit.time", "s",
+     "Time committed write transactions took, start to commit (fsync included)",
+     "commit_seconds"),
+    ("compactd.store.queue.time", "s",
+     "Time writes waited for their transaction to start (summed per write)", "queued_seconds"),
+)  # fmt: skip
+
+
+def _observed(
+    stats: Callable[[], StoreStats], value: Callable[[StoreStats], float], options: CallbackOptions
+) -> Iterable[Observation]:
+    yield Observation(value(stats()))
 
 
 class _ObservedWrites:
