@@ -11,7 +11,7 @@ each interleaved round by round with its reference:
    service), back to back, in this process; the row prints the time an append adds over an
    empty RPC beside that commit's time. On a busy disk the commit alone exceeds 0.25x an empty
    RPC, which puts 0.8x out of reach. Beside them, the service's own writer per commit, from the
-   server's ``/metrics`` scraped before and after each append phase (``compactd.store.*``): how
+   server's ``/metrics`` scraped before and after the appends (``compactd.store.*``): how
    long an append waited for its transaction and how long the transaction took.
 2. 64 concurrent clients appending single events (one session each) against the store alone:
    64 tasks appending the same events straight to a ``SqliteEventStore`` (group commit, no
@@ -151,15 +151,15 @@ async def single_client(bench: Bench, rounds: int, singles: int) -> tuple[str, s
     empty = health_pb2.HealthCheckRequest()
     insert = raw_insert(bench.folder / "raw-1.db")
     empties, appends, commits = [], [], []
-    writer = StoreFigures()  # the server's own: its writer's queue and transactions
+    # The server's store writes only for the appends here (the raw commits use their own file).
+    before = await bench.store_figures()
     for _ in range(rounds):
         # Drawn before the clock starts (~0.1 ms each from the transcripts): not the call's work.
         drawn = iter([bench.user_event() for _ in range(singles)])
         empties.append(await _rate(lambda: bench.health.Check(empty), singles))
-        before = await bench.store_figures()
         appends.append(await _rate(functools.partial(_append_next, bench, name, drawn), singles))
-        writer = writer + (await bench.store_figures() - before)
         commits.append(_commit_rate(insert, bench, singles))
+    writer = await bench.store_figures() - before  # its writer's queue and transactions
     e, a, c = statistics.median(empties), statistics.median(appends), statistics.median(commits)
     each = max(writer.commits, 1)
     return (
@@ -179,9 +179,6 @@ class StoreFigures:
     commits: float = 0.0
     commit: float = 0.0  # seconds in committed write transactions
     queued: float = 0.0  # seconds writes waited for theirs
-
-    def __add__(self, other: StoreFigures) -> StoreFigures:
-        return StoreFigures(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
     def __sub__(self, other: StoreFigures) -> StoreFigures:
         return StoreFigures(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
