@@ -21,7 +21,8 @@ each interleaved round by round with its reference:
 3. Batched priced appends: ``AppendEvents`` of 1,000 transcript events (with their step
    brackets) on a session routed to a tokenizer route, against raw tokenizer time (the batch API
    counting the same texts on both cores: tiktoken ``encode_ordinary_batch(num_threads=2)``, HF
-   ``encode_batch``) plus a raw SQLite insert of the same serialized rows in one transaction.
+   ``encode_batch_fast``, its batch call without offsets) plus a raw SQLite insert of the same
+   serialized rows in one transaction.
    Goal: ≥ 0.8x (reference time / append time).
 4. CheckPressure p99 on session B while session A appends 1,000-event batches, against B's p99
    while A is idle. Goal: ≤ 2x. A is another runtime: a child process of its own, which builds
@@ -291,7 +292,7 @@ def raw_batch_count(tokenizer: str) -> Callable[[list[str]], object]:
     if encoding is not None:
         return lambda texts: encoding.encode_ordinary_batch(texts, num_threads=2)
     raw = counter._tokenizer  # type: ignore[attr-defined]
-    return lambda texts: raw.encode_batch(texts, add_special_tokens=False)
+    return lambda texts: raw.encode_batch_fast(texts, add_special_tokens=False)
 
 
 def raw_insert(path: Path) -> Callable[[list[SessionEvent]], None]:

@@ -316,6 +316,7 @@ class HFTokenizer:
         self.name = name
         self._tokenizer = tokenizer
         self._encode = tokenizer.encode  # bound once: the meter counts every text
+        self._encode_batch = tokenizer.encode_batch_fast
         self._last = _LastCount()
 
     def count(self, text: str) -> int:
@@ -331,10 +332,13 @@ class HFTokenizer:
         return ids
 
     def count_batch(self, texts: list[str]) -> list[int]:
-        """Tokens of each text, by ``encode_batch`` (parallel in Rust, without the GIL), on a
-        thread pool below the event loop's CPU priority (``_start_niced_pool``)."""
+        """Tokens of each text, by ``encode_batch_fast`` (parallel in Rust, without the GIL, and
+        without the offsets ``encode_batch`` tracks: a fifth less time), on a thread pool below
+        the event loop's CPU priority (``_start_niced_pool``). ``len`` of an encoding counts
+        its ids in Rust: ``len(e.ids)`` would first make a Python int per token, with the GIL
+        held (5 ms per MB of text)."""
         _start_niced_pool(self._tokenizer)
-        return [len(e.ids) for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
+        return [len(e) for e in self._encode_batch(texts, add_special_tokens=False)]
 
 
 def is_available(name: str) -> bool:
