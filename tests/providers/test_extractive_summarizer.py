@@ -6,17 +6,19 @@ import math
 from collections.abc import Sequence
 
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from compactd.core import probes, prompts
-from compactd.core.pricing import heuristic_price
+from compactd.core.pricing import heuristic_price, utf16_length
 from compactd.providers import base
 from compactd.providers.base import SummaryError, SummaryRequest
 from compactd.providers.extractive import (
     MIN_CHECKPOINT_TOKENS,
     SPAN_SHARE,
     ExtractiveSummarizer,
+    _at_word,
+    _clip,
     _FileGroups,
     allowed_tokens,
     estimated_tokens,
@@ -422,6 +424,38 @@ def test_non_ascii_and_punctuation_are_estimated_above_the_heuristic() -> None:
     assert estimated_tokens(path) > len(path) / 4
     prose = "plain words in a long sentence, ok"
     assert len(prose) / 4 <= estimated_tokens(prose) <= len(prose) / 3
+
+
+# Text of every width: ASCII, accents, CJK, astral characters (two UTF-16 code units each).
+_MIXED = st.text(st.sampled_from("ab c.\né中\U0001f600\U00010348"), max_size=40)
+
+
+@given(_MIXED)
+def test_the_estimate_of_a_mixed_text_is_its_ascii_part_plus_two_per_other_character(
+    text: str,
+) -> None:
+    assume(not text.isascii())
+    kept = "".join(c for c in text if c.isascii())
+
+    assert estimated_tokens(text) == estimated_tokens(kept) + 2 * (len(text) - len(kept))
+
+
+@given(_MIXED, st.integers(min_value=1, max_value=50))
+def test_a_clip_keeps_the_whole_characters_that_fit_in_its_code_units(
+    text: str, max_units: int
+) -> None:
+    clipped = _clip(text, max_units)
+
+    if utf16_length(text) <= max_units:
+        assert clipped == text
+        return
+    room = max(0, max_units - 1)  # the ellipsis is one code unit
+    cut, used = 0, 0  # the longest prefix of whole characters within ``room`` units
+    while cut < len(text) and used + (2 if ord(text[cut]) > 0xFFFF else 1) <= room:
+        used += 2 if ord(text[cut]) > 0xFFFF else 1
+        cut += 1
+    assert clipped == _at_word(text[:cut], room)
+    assert utf16_length(clipped) <= max_units
 
 
 def test_a_high_reduction_ratio_asks_for_a_span_the_minimum_checkpoint_fits() -> None:
