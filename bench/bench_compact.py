@@ -12,7 +12,12 @@ own time (the default extractive summarizer, timed around its call). Interleaved
 compaction, the reference: serializing the summary request that compaction sent, as the OpenAI
 wire sends it (``encode_messages`` + ``encode_request`` + ``dumps``). Beside it, for information
 (in no ratio): extracting the span's facts (``probes.span_facts``), which the gate reuses from the
-extractive summarizer but does itself after a model-written summary.
+extractive summarizer and extracts itself, in steps, while a model writes its summary.
+
+**A model's summary.** A second server summarizes with ``ModelSummarizer``: the extractive text,
+handed back ``MODEL_LATENCY_S`` later without the span's facts, through a model's path (its GenAI
+span and metrics). Each round also compacts the same span in a session of the first length there;
+its engine time (call minus the summarizer's whole call) against its own request's serialization.
 
 **Declined Compact.** A second session of ``--declined-events`` surface nodes ends with a tool
 call still waiting for its result; ``Compact`` declines (``OPEN_TAIL``) without writing. It is
@@ -28,13 +33,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import itertools
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -85,6 +91,41 @@ class TimedSummarizer(ExtractiveSummarizer):
             self.last = request
 
 
+#: A model's own time to answer in ``ModelSummarizer``: far below any real model's (seconds).
+MODEL_LATENCY_S = 0.05
+
+
+class ModelSummarizer:
+    """A model's summarizer as the engine meets one: the extractive summary's text, handed back
+    ``latency`` seconds later (the model's own time) without the span's facts, and not an
+    extractive summarizer, so the engine takes a model's path (its GenAI client span and
+    metrics) and the gate extracts the facts while the model writes. Timed as
+    ``TimedSummarizer`` is: its whole call is what the engine's time excludes."""
+
+    name = "bench-model"
+
+    def __init__(self, latency: float = MODEL_LATENCY_S) -> None:
+        self._writer = ExtractiveSummarizer()
+        self.latency = latency
+        self.seconds = 0.0
+        self.last: SummaryRequest | None = None
+
+    async def summarize(self, request: SummaryRequest) -> SummaryResult:
+        started = time.perf_counter()
+        try:
+            written = await self._writer.summarize(request)
+            await asyncio.sleep(self.latency)
+            return dataclasses.replace(written, span_facts=None, provider=PROVIDER, model=MODEL)
+        finally:
+            self.seconds += time.perf_counter() - started
+            self.last = request
+
+
+class _Timed(Protocol):
+    seconds: float
+    last: SummaryRequest | None
+
+
 def serialize(request: SummaryRequest) -> bytes:
     """The summary request's body as a chat-completions summarizer sends it."""
     # The transcripts' images carry names only: a deployment resolves them to a URL.
@@ -109,7 +150,8 @@ class EngineRow:
     gate: float  # of ``engine``: the summary quality gate (its ``compaction.gate`` span)
     summarizer: float
     serialize: float
-    facts: float  # extracting the span's facts: the gate's own work after a model's summary
+    facts: float  # extracting the span's facts (after a model's summary: while it writes)
+    model: ModelRow | None = None  # the same span summarized by a model, at this length
 
     @property
     def ratio(self) -> float:
@@ -120,6 +162,21 @@ class EngineRow:
     def ungated_ratio(self) -> float:
         """Engine time without the quality gate / serializing the summary request."""
         return (self.engine - self.gate) / self.serialize
+
+
+@dataclass(frozen=True)
+class ModelRow:
+    """Medians over the repeats of compactions whose summary a model (``ModelSummarizer``)
+    writes, on a server of their own."""
+
+    engine: float
+    gate: float
+    serialize: float
+
+    @property
+    def ratio(self) -> float:
+        """Engine time / serializing the summary request."""
+        return self.engine / self.serialize
 
 
 @dataclass(frozen=True)
@@ -245,40 +302,53 @@ async def _grow(session: _Session, source: Iterator[SessionEvent], size: int) ->
 async def measure_engine(
     channel: grpc.aio.Channel, summarizer: TimedSummarizer, spans: InMemorySpanExporter,
     sizes: Sequence[int], span: int, repeat: int,
+    model: tuple[grpc.aio.Channel, ModelSummarizer] | None = None,
 ) -> list[EngineRow]:  # fmt: skip
     """One session per log length, grown first; then ``repeat`` rounds that each compact the
     same span in every session, in an order that rotates from round to round (so every length
-    sees the same machine load)."""
+    sees the same machine load). With ``model`` (a server summarizing with it), each round also
+    compacts the span in a session of the first length there."""
     source = answered_events()
     template = _balanced(source, span)
-    sessions = []
+    sessions: list[tuple[_Session, _Timed]] = []
     for index, size in enumerate(sizes):
         session = _Session(channel, f"engine{index}")
         await session.create()
         await _grow(session, source, size)
-        sessions.append(session)
-    for index, session in enumerate(sessions):  # a round unrecorded: checkpoints reach the cap
-        await _compaction(session, template, f".w{index}", summarizer, spans)
-    logged = [session.revision for session in sessions]
+        sessions.append((session, summarizer))
+    if model is not None:
+        session = _Session(model[0], "model")
+        await session.create()
+        await _grow(session, source, sizes[0])
+        sessions.append((session, model[1]))
+    for index, (session, writer) in enumerate(sessions):  # unrecorded: checkpoints reach the cap
+        await _compaction(session, template, f".w{index}", writer, spans)
+    logged = [session.revision for session, _ in sessions]
     samples: list[list[tuple[float, float, float, float, float, int]]] = [[] for _ in sessions]
     tags = itertools.count()
     for round_ in range(repeat):
         order = list(range(len(sessions)))
         order = order[round_ % len(order) :] + order[: round_ % len(order)]
         for index in order:
-            samples[index].append(await _compaction(sessions[index], template, f".s{next(tags)}",
-                                                    summarizer, spans))  # fmt: skip
+            session, writer = sessions[index]
+            samples[index].append(
+                await _compaction(session, template, f".s{next(tags)}", writer, spans)
+            )
     rows = []
-    for events, measured in zip(logged, samples, strict=True):
+    median = statistics.median
+    for events, measured in zip(logged[: len(sizes)], samples[: len(sizes)], strict=True):
         engine, gate, summarizing, serializing, facts, nodes = zip(*measured, strict=True)
-        median = statistics.median
         rows.append(EngineRow(events, int(median(nodes)), median(engine), median(gate),
                               median(summarizing), median(serializing), median(facts)))  # fmt: skip
+    if model is not None:
+        engine, gate, _, serializing, _, _ = zip(*samples[-1], strict=True)
+        modelled = ModelRow(median(engine), median(gate), median(serializing))
+        rows[0] = dataclasses.replace(rows[0], model=modelled)
     return rows
 
 
 async def _compaction(
-    session: _Session, template: Sequence[SessionEvent], tag: str, summarizer: TimedSummarizer,
+    session: _Session, template: Sequence[SessionEvent], tag: str, summarizer: _Timed,
     spans: InMemorySpanExporter,
 ) -> tuple[float, float, float, float, float, int]:  # fmt: skip
     """Append the span, compact it: (engine, gate, summarizer, serialize, facts seconds, nodes)."""
@@ -346,18 +416,23 @@ async def measure(
     # A summary cap the checkpoint reaches within the first batches: the span it opens every
     # measured compaction with is then the same size at every log length.
     overrides: dict[str, Any] = dict(OVERRIDES, compaction={"maxTokens": 2000})
-    running = await create_server(
-        config.load(None, environ={}, overrides=overrides),
-        summarizer=summarizer,
-        tracer_provider=tracing,
-    )
+    settings = config.load(None, environ={}, overrides=overrides)
+    running = await create_server(settings, summarizer=summarizer, tracer_provider=tracing)
+    model = ModelSummarizer()
+    modelled = await create_server(settings, summarizer=model, tracer_provider=tracing)
     settle_interpreter()  # as ``compactd serve`` does
     try:
-        async with grpc.aio.insecure_channel(running.address) as channel:
-            engine = await measure_engine(channel, summarizer, spans, sizes, span, repeat)
+        async with (
+            grpc.aio.insecure_channel(running.address) as channel,
+            grpc.aio.insecure_channel(modelled.address) as model_channel,
+        ):
+            engine = await measure_engine(
+                channel, summarizer, spans, sizes, span, repeat, (model_channel, model)
+            )
             declined = await measure_declined(channel, declined_events, calls)
     finally:
         await running.stop(0)
+        await modelled.stop(0)
     return engine, declined
 
 
@@ -377,7 +452,8 @@ def readme_rows(sizes: Sequence[int] = SIZES, **options: Any) -> list[tuple[str,
             "Compaction engine time ≤ 2x serializing the summary request it sends",
             ", ".join(f"{row.ratio:.2f}x at {row.events:,}" for row in engine)
             + "; without the quality gate "
-            + ", ".join(f"{row.ungated_ratio:.2f}x" for row in engine),
+            + ", ".join(f"{row.ungated_ratio:.2f}x" for row in engine)
+            + _modelled(first),
             "serializing that request (OpenAI wire JSON), after each compaction: "
             + ", ".join(fmt(row.serialize).strip() for row in engine),
         ),
@@ -387,6 +463,15 @@ def readme_rows(sizes: Sequence[int] = SIZES, **options: Any) -> list[tuple[str,
             f"an empty unary RPC (health check), interleaved: p50 {fmt(declined.empty[0]).strip()}",
         ),
     ]
+
+
+def _modelled(row: EngineRow) -> str:
+    if row.model is None:
+        return ""
+    return (
+        f"; a model's summary ({MODEL_LATENCY_S * 1e3:.0f} ms, the gate's span facts extracted "
+        f"meanwhile) {row.model.ratio:.2f}x at {row.events:,}"
+    )
 
 
 def main() -> None:
@@ -415,9 +500,15 @@ def main() -> None:
             for r in engine
         ],
     )  # fmt: skip
-    print("* extracting the span's facts: the extractive summarizer hands them to the gate; after "
-          "a model's summary the gate extracts them itself (in no ratio above)")  # fmt: skip
+    print("* extracting the span's facts: the extractive summarizer hands them to the gate; "
+          "while a model writes, the gate extracts them itself (in no ratio above)")  # fmt: skip
     first, last = engine[0], engine[-1]
+    if first.model is not None:
+        m = first.model
+        print(f"\na model's summary ({MODEL_LATENCY_S * 1e3:.0f} ms; a server of its own) at "
+              f"{first.events:,}: engine {fmt(m.engine).strip()} (of it: gate "
+              f"{fmt(m.gate).strip()}), serialize {fmt(m.serialize).strip()}: "
+              f"{m.ratio:.2f}x")  # fmt: skip
     print(f"\nengine time at {last.events:,} / at {first.events:,}: "
           f"{last.engine / first.engine:.2f}x")  # fmt: skip
     d = declined

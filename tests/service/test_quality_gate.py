@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from compactd.core.probes import SpanFacts
+from compactd.providers.base import SummaryRequest, SummaryResult
+from compactd.providers.openai import OpenAISummarizer
+from compactd.service import guard
 from compactd.testing.openai_server import OpenAICompatServer, Reply
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2
@@ -257,6 +261,44 @@ async def test_a_good_summary_is_committed_with_the_gates_report(
         assert not summary.HasField("fallback")
         gate = [p for p in run.progress if p.step == STEP.COMPACTION_STEP_GATE]
         assert gate[0].detail.startswith("passed: kept")
+
+
+async def test_the_spans_facts_are_extracted_while_the_model_writes_not_after_its_summary(
+    tmp_path: Path, loop: OpenAICompatServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    order: list[str] = []
+    extract = guard.span_facts_in_steps
+
+    def in_steps(messages: Any, **options: Any) -> Generator[None, None, SpanFacts]:
+        facts = yield from extract(messages, **options)
+        order.append("facts")
+        return facts
+
+    def after_the_summary(messages: Any, **options: Any) -> SpanFacts:
+        raise AssertionError("the gate extracted the span's facts after the summary came back")
+
+    summarize = OpenAISummarizer.summarize
+
+    async def summarized(self: OpenAISummarizer, request: SummaryRequest) -> SummaryResult:
+        result = await summarize(self, request)
+        order.append("summary")
+        return result
+
+    monkeypatch.setattr(guard, "span_facts_in_steps", in_steps)
+    monkeypatch.setattr(guard, "span_facts", after_the_summary)
+    monkeypatch.setattr(OpenAISummarizer, "summarize", summarized)
+    loop.enqueue(Reply(text=faithful(), delay_before=0.5))  # the model takes its time
+    async with started(tmp_path, loop) as h:
+        await h.create(*opening(), *history(20))
+        run = await h.compact()
+
+        assert run.result.HasField("outcome")
+        assert order == ["facts", "summary"]
+        (summary,) = [
+            e.compaction_summary for e in await h.events() if e.HasField("compaction_summary")
+        ]
+        assert summary.gate.probe_count > 0
+        assert summary.gate.probes_kept == summary.gate.probe_count
 
 
 async def test_with_the_gate_off_any_smaller_summary_commits(

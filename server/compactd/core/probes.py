@@ -31,7 +31,7 @@ from __future__ import annotations
 import enum
 import json
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -270,8 +270,23 @@ def span_facts(messages: Iterable[Message], *, bulk: bool = False) -> SpanFacts:
     ``bulk`` also collects what only a summary lists (``mentioned``, ``result_paths``,
     ``error_entries``); the probes never need it.
     """
+    steps = span_facts_in_steps(messages, bulk=bulk)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            facts: SpanFacts = done.value
+            return facts
+
+
+def span_facts_in_steps(
+    messages: Iterable[Message], *, bulk: bool = False
+) -> Generator[None, None, SpanFacts]:
+    """``span_facts``, a message per step: its value is the facts. A caller may run other work
+    between steps (the quality gate extracts a span's facts while a model writes its summary)."""
     facts = SpanFacts()
     for message in messages:
+        yield
         role = message.role
         if role == _ROLE.MESSAGE_ROLE_USER:
             text = message_text(message)

@@ -56,7 +56,7 @@ from compactd.metrics import Metrics
 from compactd.providers.base import Summarizer, SummaryError, SummaryRequest, SummaryResult
 from compactd.redaction import Redactor
 from compactd.routes import Route
-from compactd.service.guard import CompactionGuard, SummaryRejected
+from compactd.service.guard import CompactionGuard, SummaryRejected, drop_facts
 from compactd.service.pressure import PressureService, session_meter
 from compactd.service.requests import appended_messages, build_request
 from compactd.service.sessions import SessionHandle, SessionManager
@@ -508,22 +508,30 @@ class CompactionEngine:
         while True:
             # Re-derived on every attempt: a recovery's change (an offload) must show.
             request, serialized = _summary_request(handle, selection, target, job.policy, job.focus)
+            facts = self._guard.facts_beside(job.policy, request, writer.summarizer)
             try:
                 summary = await self._summarize(compaction_id, writer, request, progress)
                 break
             except SummaryError as error:
+                drop_facts(facts)
                 failure = SummaryFailure(compaction_id, error, attempt, selection)
                 await self._summary_error(job, failure, snapshot, progress)
                 # The recovery changed the span's projection (an offload): re-price the span
                 # and the envelope, so the figures logged with the summary are today's.
                 selection, envelope_before = await self._repriced(job, selection, envelope_before)
+            except BaseException:
+                drop_facts(facts)
+                raise
             attempt += 1
-        screened = await self._guard.screen(
-            policy=job.policy, compaction_id=compaction_id, request=request, summary=summary,
-            serialized=serialized, summarizer=writer.summarizer.name, target=target,
-            span_tokens=_span_tokens(handle, selection, job.shrink_route),
-            shrink_route=job.shrink_route, progress=progress,
-        )  # fmt: skip
+        try:
+            screened = await self._guard.screen(
+                policy=job.policy, compaction_id=compaction_id, request=request, summary=summary,
+                serialized=serialized, summarizer=writer.summarizer.name, target=target,
+                span_tokens=_span_tokens(handle, selection, job.shrink_route),
+                shrink_route=job.shrink_route, progress=progress, facts=facts,
+            )  # fmt: skip
+        finally:
+            drop_facts(facts)
         summary = screened.summary
         framed = prompts.frame_checkpoint(summary.text)
         with self._tracer.start_as_current_span("compaction.summary") as span:

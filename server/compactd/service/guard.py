@@ -35,19 +35,26 @@ from functools import partial
 
 from opentelemetry import trace
 
+from compactd import genai
 from compactd.core import bracket, gate, prompts
 from compactd.core.attempts import AttemptLedger, Backoff, span_key
 from compactd.core.meter import MeteredRoute, route_price
 from compactd.core.policy import TargetPolicy
 from compactd.core.pricing import PricingProfile, node_texts, price_node, with_counted
-from compactd.core.probes import ProbeKind, select_probes, span_facts
+from compactd.core.probes import (
+    ProbeKind,
+    SpanFacts,
+    select_probes,
+    span_facts,
+    span_facts_in_steps,
+)
 from compactd.core.selection import DeclineCode, Declined, Selection
 from compactd.errors import CompactdError
 from compactd.metrics import Metrics
-from compactd.providers.base import SummaryRequest, SummaryResult
+from compactd.providers.base import Summarizer, SummaryRequest, SummaryResult
 from compactd.providers.extractive import ExtractiveSummarizer, minimum_span_tokens
 from compactd.routes import Route
-from compactd.service.sessions import SessionHandle
+from compactd.service.sessions import SessionHandle, in_steps
 from compactd.service.summarizers import EXTRACTIVE_TARGET
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2, session_service_pb2
@@ -225,6 +232,19 @@ class CompactionGuard:
 
     # ---- 3. the quality gate ----------------------------------------------------------------
 
+    def facts_beside(
+        self, policy: TargetPolicy, request: SummaryRequest, summarizer: Summarizer
+    ) -> asyncio.Task[SpanFacts] | None:
+        """The facts of ``request``'s span for the gate, extracted on the loop in steps (other
+        calls run between them) while ``summarizer`` writes: a model's summary takes far
+        longer, so the gate no longer extracts them once it is back. None when the gate is off
+        or no model writes the summary (the extractive summarizer hands them over itself). The
+        caller ends the task with ``drop_facts`` when the gate does not take them."""
+        if policy.gate is None or not genai.calls_a_model(summarizer):
+            return None
+        steps = span_facts_in_steps(_without_head(request.messages))
+        return asyncio.ensure_future(in_steps(steps))
+
     async def screen(
         self,
         *,
@@ -238,6 +258,7 @@ class CompactionGuard:
         shrink_route: MeteredRoute,
         progress: Progress,
         serialized: Sequence[bytes] | None = None,
+        facts: asyncio.Future[SpanFacts] | None = None,
     ) -> Screened:
         """The summary to commit, after the quality gate (not judged when the policy turns the
         gate off, or when ``span_tokens`` is None: a span node is gone and the commit's
@@ -245,6 +266,8 @@ class CompactionGuard:
 
         ``serialized``: one per message of ``request``, bytes that hold its text blocks as
         ``gate.echoed_message`` takes them (None: the gate serializes the messages).
+        ``facts``: the span's facts, being extracted (``facts_beside``), for a summary that
+        brings none of its own (None: the gate extracts them).
 
         Raises:
             SummaryRejected: The summary failed the gate (reason ``SUMMARY_NOT_SMALLER`` when its
@@ -291,8 +314,11 @@ class CompactionGuard:
             trace_span.set_attribute("compactd.compaction_id", compaction_id)
             # The gate's own work, inside its span; a summarizer that extracted the span's
             # facts already (the extractive one) spares extracting them twice.
-            facts = summary.span_facts if summary.span_facts is not None else span_facts(span)
-            probes = select_probes(facts)
+            if summary.span_facts is not None:
+                found = summary.span_facts
+            else:
+                found = await facts if facts is not None else span_facts(span)
+            probes = select_probes(found)
             verdict = await verdict_of(summary.text)
             report = _report(verdict, settings)
             _gate_attributes(trace_span, verdict)
@@ -328,6 +354,13 @@ class CompactionGuard:
 
 
 _HANDOFF_SECONDS = 0.0005  # at most this long on the loop for the worker to start
+
+
+def drop_facts(facts: asyncio.Future[SpanFacts] | None) -> None:
+    """End a ``facts_beside`` task the gate did not (or no longer) need. Cancelling a task that
+    is done already also marks its failure, if any, as seen: asyncio logs none when it is freed."""
+    if facts is not None:
+        facts.cancel()
 
 
 def _price_started(
