@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from compactd.core import prompts
+from compactd.core.steps import run_to_end
 from compactd.v1 import session_service_pb2
 
 Message = session_service_pb2.Message
@@ -270,13 +271,7 @@ def span_facts(messages: Iterable[Message], *, bulk: bool = False) -> SpanFacts:
     ``bulk`` also collects what only a summary lists (``mentioned``, ``result_paths``,
     ``error_entries``); the probes never need it.
     """
-    steps = span_facts_in_steps(messages, bulk=bulk)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            facts: SpanFacts = done.value
-            return facts
+    return run_to_end(span_facts_in_steps(messages, bulk=bulk))
 
 
 def span_facts_in_steps(

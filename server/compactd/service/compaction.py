@@ -505,25 +505,27 @@ class CompactionEngine:
     ) -> cpb.CompactionOutcome:
         handle, target = job.handle, writer.target
         attempt = 1
-        while True:
-            # Re-derived on every attempt: a recovery's change (an offload) must show.
-            request, serialized = _summary_request(handle, selection, target, job.policy, job.focus)
-            facts = self._guard.facts_beside(job.policy, request, writer.summarizer)
-            try:
-                summary = await self._summarize(compaction_id, writer, request, progress)
-                break
-            except SummaryError as error:
-                drop_facts(facts)
-                failure = SummaryFailure(compaction_id, error, attempt, selection)
-                await self._summary_error(job, failure, snapshot, progress)
-                # The recovery changed the span's projection (an offload): re-price the span
-                # and the envelope, so the figures logged with the summary are today's.
-                selection, envelope_before = await self._repriced(job, selection, envelope_before)
-            except BaseException:
-                drop_facts(facts)
-                raise
-            attempt += 1
+        facts = None  # the gate's span facts, extracted while a model writes (``facts_beside``)
         try:
+            while True:
+                # Re-derived on every attempt: a recovery's change (an offload) must show.
+                request, serialized = _summary_request(
+                    handle, selection, target, job.policy, job.focus
+                )
+                facts = self._guard.facts_beside(job.policy, request, writer.summarizer)
+                try:
+                    summary = await self._summarize(compaction_id, writer, request, progress)
+                    break
+                except SummaryError as error:
+                    drop_facts(facts)
+                    failure = SummaryFailure(compaction_id, error, attempt, selection)
+                    await self._summary_error(job, failure, snapshot, progress)
+                    # The recovery changed the span's projection (an offload): re-price the
+                    # span and the envelope, so the figures logged with the summary are today's.
+                    selection, envelope_before = await self._repriced(
+                        job, selection, envelope_before
+                    )
+                attempt += 1
             screened = await self._guard.screen(
                 policy=job.policy, compaction_id=compaction_id, request=request, summary=summary,
                 serialized=serialized, summarizer=writer.summarizer.name, target=target,
