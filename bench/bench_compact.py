@@ -151,7 +151,7 @@ class EngineRow:
     summarizer: float
     serialize: float
     facts: float  # extracting the span's facts (after a model's summary: while it writes)
-    model: ModelRow | None = None  # the same span summarized by a model, at this length
+    model: ModelRow | None = None  # the same span summarized by a model (the first length's)
 
     @property
     def ratio(self) -> float:
@@ -302,12 +302,12 @@ async def _grow(session: _Session, source: Iterator[SessionEvent], size: int) ->
 async def measure_engine(
     channel: grpc.aio.Channel, summarizer: TimedSummarizer, spans: InMemorySpanExporter,
     sizes: Sequence[int], span: int, repeat: int,
-    model: tuple[grpc.aio.Channel, ModelSummarizer] | None = None,
+    model: tuple[grpc.aio.Channel, ModelSummarizer],
 ) -> list[EngineRow]:  # fmt: skip
     """One session per log length, grown first; then ``repeat`` rounds that each compact the
     same span in every session, in an order that rotates from round to round (so every length
-    sees the same machine load). With ``model`` (a server summarizing with it), each round also
-    compacts the span in a session of the first length there."""
+    sees the same machine load). Each round also compacts the span in a session of the first
+    length on ``model``'s server, which summarizes with it."""
     source = answered_events()
     template = _balanced(source, span)
     sessions: list[tuple[_Session, _Timed]] = []
@@ -316,11 +316,10 @@ async def measure_engine(
         await session.create()
         await _grow(session, source, size)
         sessions.append((session, summarizer))
-    if model is not None:
-        session = _Session(model[0], "model")
-        await session.create()
-        await _grow(session, source, sizes[0])
-        sessions.append((session, model[1]))
+    session = _Session(model[0], "model")
+    await session.create()
+    await _grow(session, source, sizes[0])
+    sessions.append((session, model[1]))
     for index, (session, writer) in enumerate(sessions):  # unrecorded: checkpoints reach the cap
         await _compaction(session, template, f".w{index}", writer, spans)
     logged = [session.revision for session, _ in sessions]
@@ -340,10 +339,9 @@ async def measure_engine(
         engine, gate, summarizing, serializing, facts, nodes = zip(*measured, strict=True)
         rows.append(EngineRow(events, int(median(nodes)), median(engine), median(gate),
                               median(summarizing), median(serializing), median(facts)))  # fmt: skip
-    if model is not None:
-        engine, gate, _, serializing, _, _ = zip(*samples[-1], strict=True)
-        modelled = ModelRow(median(engine), median(gate), median(serializing))
-        rows[0] = dataclasses.replace(rows[0], model=modelled)
+    engine, gate, _, serializing, _, _ = zip(*samples[-1], strict=True)
+    modelled = ModelRow(median(engine), median(gate), median(serializing))
+    rows[0] = dataclasses.replace(rows[0], model=modelled)
     return rows
 
 
@@ -466,8 +464,7 @@ def readme_rows(sizes: Sequence[int] = SIZES, **options: Any) -> list[tuple[str,
 
 
 def _modelled(row: EngineRow) -> str:
-    if row.model is None:
-        return ""
+    assert row.model is not None, "measure_engine measures a model's summary at the first length"
     return (
         f"; a model's summary ({MODEL_LATENCY_S * 1e3:.0f} ms, the gate's span facts extracted "
         f"meanwhile) {row.model.ratio:.2f}x at {row.events:,}"
@@ -503,12 +500,12 @@ def main() -> None:
     print("* extracting the span's facts: the extractive summarizer hands them to the gate; "
           "while a model writes, the gate extracts them itself (in no ratio above)")  # fmt: skip
     first, last = engine[0], engine[-1]
-    if first.model is not None:
-        m = first.model
-        print(f"\na model's summary ({MODEL_LATENCY_S * 1e3:.0f} ms; a server of its own) at "
-              f"{first.events:,}: engine {fmt(m.engine).strip()} (of it: gate "
-              f"{fmt(m.gate).strip()}), serialize {fmt(m.serialize).strip()}: "
-              f"{m.ratio:.2f}x")  # fmt: skip
+    m = first.model
+    assert m is not None
+    print(f"\na model's summary ({MODEL_LATENCY_S * 1e3:.0f} ms; a server of its own) at "
+          f"{first.events:,}: engine {fmt(m.engine).strip()} (of it: gate "
+          f"{fmt(m.gate).strip()}), serialize {fmt(m.serialize).strip()}: "
+          f"{m.ratio:.2f}x")  # fmt: skip
     print(f"\nengine time at {last.events:,} / at {first.events:,}: "
           f"{last.engine / first.engine:.2f}x")  # fmt: skip
     d = declined
