@@ -228,7 +228,7 @@ async def connects(deployment: Deployment, pki: Pki, count: int) -> None:
         channel = deployment.open_channel(pki)
         await CompactionServiceStub(channel).CheckPressure(request, metadata=deployment.metadata)
         deployment.connects.append(time.perf_counter() - started)
-        await channel.close()
+        await channel.close(None)
 
 
 async def interleaved(
@@ -274,7 +274,7 @@ async def run(args: argparse.Namespace) -> None:
     finally:
         for deployment in all_:
             if deployment.channel is not None:
-                await deployment.channel.close()
+                await deployment.channel.close(None)
             if deployment.server is not None:
                 await deployment.server.stop(0)
     table(

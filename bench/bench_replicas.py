@@ -252,7 +252,7 @@ async def measure(deployments: list[Deployment], args: argparse.Namespace) -> No
     finally:
         for d in deployments:
             for channel in d.channels:
-                await channel.close()
+                await channel.close(None)
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import functools
 import gc
 import itertools
 import json
@@ -43,7 +44,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from bench.corpus import SessionEvent, header, summary, surface_events
 from compactd.api.server import settle_interpreter
@@ -185,8 +188,10 @@ async def restarts(path: Path, rounds: int) -> list[tuple[str, str, str]]:
     raw, restored = [], []
     rows = 0
     for round_ in range(rounds):
-        steps = [lambda: asyncio.to_thread(read_raw, path, "big"), lambda: restart_and_check(
-            path, "big")]  # fmt: skip
+        steps: list[Callable[[], Awaitable[float | int]]] = [
+            functools.partial(asyncio.to_thread, read_raw, path, "big"),
+            functools.partial(restart_and_check, path, "big"),
+        ]
         for step in steps if round_ % 2 == 0 else steps[::-1]:
             start = time.perf_counter()
             result = await step()
@@ -264,7 +269,7 @@ async def _calls_for(service: PressureService, seconds: float) -> list[float]:
     return samples
 
 
-async def _calls_until(service: PressureService, task: asyncio.Future[object]) -> list[float]:
+async def _calls_until(service: PressureService, task: asyncio.Future[Any]) -> list[float]:
     samples: list[float] = []
     while not task.done():
         start = time.perf_counter()

@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -41,6 +41,10 @@ from compactd.v1 import events_pb2
 from compactd.v1 import session_service_pb2 as pb
 from compactd.v1.compaction_service_pb2_grpc import CompactionServiceStub
 from compactd.v1.session_service_pb2_grpc import SessionServiceStub
+
+if TYPE_CHECKING:  # the stubs' asyncio types are in their .pyi only
+    from compactd.v1.compaction_service_pb2_grpc import CompactionServiceAsyncStub
+    from compactd.v1.session_service_pb2_grpc import SessionServiceAsyncStub
 
 ROUTE = {"provider": "local", "model": "w128k", "context_window": 128_000}
 PAUSE, NOISY, UNLIMITED, STOP = 0, 1, 2, -1
@@ -92,7 +96,7 @@ async def _flood(address: str, sessions: dict[int, str], mode: Synchronized[int]
         await asyncio.gather(*(_loop(stub, sessions, mode, counts) for _ in range(flooders)))
 
 
-async def _loop(stub: SessionServiceStub, sessions: dict[int, str], mode: Synchronized[int],
+async def _loop(stub: SessionServiceAsyncStub, sessions: dict[int, str], mode: Synchronized[int],
                 counts: Any) -> None:  # fmt: skip
     index = 0
     while (current := mode.value) != STOP:
@@ -113,7 +117,7 @@ async def _loop(stub: SessionServiceStub, sessions: dict[int, str], mode: Synchr
 # ---- the quiet tenant (this process, with the server) ------------------------------------------
 
 
-async def _session(stub: SessionServiceStub, tenant: str) -> str:
+async def _session(stub: SessionServiceAsyncStub, tenant: str) -> str:
     metadata = as_tenant(tenant)
     created = await stub.CreateSession(pb.CreateSessionRequest(), metadata=metadata)
     sid = created.session.session_id
@@ -122,7 +126,7 @@ async def _session(stub: SessionServiceStub, tenant: str) -> str:
     return sid
 
 
-async def _checks(compaction: CompactionServiceStub, sid: str, count: int) -> list[float]:
+async def _checks(compaction: CompactionServiceAsyncStub, sid: str, count: int) -> list[float]:
     request, metadata, times = cpb.CheckPressureRequest(session_id=sid), as_tenant("quiet"), []
     for _ in range(count):
         started = time.perf_counter()
@@ -176,7 +180,10 @@ async def run(args: argparse.Namespace) -> None:
 
 
 async def _interleaved(
-    compaction: CompactionServiceStub, sid: str, mode: Synchronized[int], args: argparse.Namespace
+    compaction: CompactionServiceAsyncStub,
+    sid: str,
+    mode: Synchronized[int],
+    args: argparse.Namespace,
 ) -> tuple[dict[str, list[float]], dict[str, float]]:
     await _checks(compaction, sid, 50)  # warm the session and the channel
     names = list(PHASES)

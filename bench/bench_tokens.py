@@ -32,9 +32,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository
 
-from bench_pressure import (
+from bench.bench_pressure import (
     _paired_pass,
     conversations,
     samples,
@@ -42,7 +42,6 @@ from bench_pressure import (
     table,
     texts_of,
 )
-
 from compactd.core.chat_template import chat_message
 from compactd.core.fold import SessionFold
 from compactd.core.meter import SessionMeter

@@ -26,12 +26,14 @@ import asyncio
 import gzip
 import json
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench_gate import table  # bench/ is the script's folder
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository
 
+from bench.bench_gate import table
 from compactd.core import prompts
 from compactd.core.gate import DEFAULT_MIN_PROBE_RETENTION
 from compactd.core.probes import message_text, retention, select_probes, span_facts
