@@ -34,7 +34,7 @@ each interleaved round by round with its reference:
 Events are the repository's transcripts (``testdata/transcripts``), cycled. The machine is
 shared: figures move from run to run; the ratios are the point.
 
-    python bench/bench_appends.py [--rounds 4] [--singles 300] [--clients 64]
+    python -m bench.bench_appends [--rounds 4] [--singles 300] [--clients 64]
 """
 
 from __future__ import annotations

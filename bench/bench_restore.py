@@ -24,8 +24,8 @@ events (the default). Three comparisons:
    information: the objects the cyclic collector tracks per resident surface node, and how long
    a full collection takes with those sessions resident (a pause of the event loop).
 
-    python bench/bench_restore.py [--events 100000] [--rounds 3] [--sessions 100]
-                                  [--compacting 4] [--compacting-events 32000]
+    python -m bench.bench_restore [--events 100000] [--rounds 3] [--sessions 100]
+                                     [--compacting 4] [--compacting-events 32000]
 """
 
 from __future__ import annotations
