@@ -121,6 +121,10 @@ class ModelSummarizer:
             self.last = request
 
 
+#: One compaction's (engine, gate, summarizer, serialize, facts seconds, span nodes).
+Sample = tuple[float, float, float, float, float, int]
+
+
 class _Timed(Protocol):
     seconds: float
     last: SummaryRequest | None
@@ -151,7 +155,7 @@ class EngineRow:
     summarizer: float
     serialize: float
     facts: float  # extracting the span's facts (after a model's summary: while it writes)
-    model: ModelRow | None = None  # the same span summarized by a model (the first length's)
+    model: EngineRow | None = None  # the same span summarized by a model (the first length's)
 
     @property
     def ratio(self) -> float:
@@ -162,21 +166,6 @@ class EngineRow:
     def ungated_ratio(self) -> float:
         """Engine time without the quality gate / serializing the summary request."""
         return (self.engine - self.gate) / self.serialize
-
-
-@dataclass(frozen=True)
-class ModelRow:
-    """Medians over the repeats of compactions whose summary a model (``ModelSummarizer``)
-    writes, on a server of their own."""
-
-    engine: float
-    gate: float
-    serialize: float
-
-    @property
-    def ratio(self) -> float:
-        """Engine time / serializing the summary request."""
-        return self.engine / self.serialize
 
 
 @dataclass(frozen=True)
@@ -323,7 +312,7 @@ async def measure_engine(
     for index, (session, writer) in enumerate(sessions):  # unrecorded: checkpoints reach the cap
         await _compaction(session, template, f".w{index}", writer, spans)
     logged = [session.revision for session, _ in sessions]
-    samples: list[list[tuple[float, float, float, float, float, int]]] = [[] for _ in sessions]
+    samples: list[list[Sample]] = [[] for _ in sessions]
     tags = itertools.count()
     for round_ in range(repeat):
         order = list(range(len(sessions)))
@@ -333,22 +322,24 @@ async def measure_engine(
             samples[index].append(
                 await _compaction(session, template, f".s{next(tags)}", writer, spans)
             )
-    rows = []
+    rows = [_row(events, measured) for events, measured in zip(logged, samples, strict=True)]
+    *engines, modelled = rows  # the model's session is the last one
+    engines[0] = dataclasses.replace(engines[0], model=modelled)
+    return engines
+
+
+def _row(events: int, measured: Sequence[Sample]) -> EngineRow:
+    """Medians of one session's compactions."""
+    engine, gate, summarizing, serializing, facts, nodes = zip(*measured, strict=True)
     median = statistics.median
-    for events, measured in zip(logged[: len(sizes)], samples[: len(sizes)], strict=True):
-        engine, gate, summarizing, serializing, facts, nodes = zip(*measured, strict=True)
-        rows.append(EngineRow(events, int(median(nodes)), median(engine), median(gate),
-                              median(summarizing), median(serializing), median(facts)))  # fmt: skip
-    engine, gate, _, serializing, _, _ = zip(*samples[-1], strict=True)
-    modelled = ModelRow(median(engine), median(gate), median(serializing))
-    rows[0] = dataclasses.replace(rows[0], model=modelled)
-    return rows
+    return EngineRow(events, int(median(nodes)), median(engine), median(gate),
+                     median(summarizing), median(serializing), median(facts))  # fmt: skip
 
 
 async def _compaction(
     session: _Session, template: Sequence[SessionEvent], tag: str, summarizer: _Timed,
     spans: InMemorySpanExporter,
-) -> tuple[float, float, float, float, float, int]:  # fmt: skip
+) -> Sample:  # fmt: skip
     """Append the span, compact it: (engine, gate, summarizer, serialize, facts seconds, nodes)."""
     await session.append(_retagged(template, tag))
     summarizer.seconds = 0.0
