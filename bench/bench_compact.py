@@ -1,23 +1,27 @@
 """Compaction cost against log length with a fixed span, and a declined Compact, in one run.
 
-**Engine time.** One server (``create_server`` on port 0, memory store, route ``bench/wide``,
-the interpreter settled as ``compactd serve`` settles it) and sessions that grow as a long agent
-session does: batches of the shared transcripts, each in its own closed turn, each followed by a
+**Engine time.** Two servers (``create_server`` on port 0, memory store, route ``bench/wide``,
+the interpreter settled as ``compactd serve`` settles it) run in a child process, as in
+production: the client's gRPC work (reading the seven progress messages of each compaction
+among it) does not share their event loop or their GIL. Sessions grow as a long agent session
+does: batches of the shared transcripts, each in its own closed turn, each followed by a
 ``Compact`` that condenses it, so the log grows while the surface stays short: one such session
-per length (1,000 and 100,000 logged events). Then
-``--repeat`` rounds, each compacting in every session, in a rotating order: the same fixed span
-(``--span`` events of the transcripts, fresh tool-call ids) is appended and condensed by
-``Compact``. Engine time is the call's whole time seen by the client minus the summarizer's
-own time (the default extractive summarizer, timed around its call). Interleaved after each
-compaction, the reference: serializing the summary request that compaction sent, as the OpenAI
-wire sends it (``encode_messages`` + ``encode_request`` + ``dumps``). Beside it, for information
-(in no ratio): extracting the span's facts (``probes.span_facts``), which the gate reuses from the
+per length (1,000 and 100,000 logged events). Then ``--repeat`` rounds, each compacting in every
+session, in a rotating order: the same fixed span (``--span`` events of the transcripts, fresh
+tool-call ids) is appended and condensed by ``Compact``. Engine time is the call's whole time
+seen by the client minus the summarizer's own time (the default extractive summarizer, timed
+around its call in the server's process, which reports it after each compaction through a bench
+method of its own, ``bench.Figures/Take``). Interleaved after each compaction, in the server's
+process, the reference: serializing the summary request that compaction sent, as the OpenAI wire
+sends it (``encode_messages`` + ``encode_request`` + ``dumps``). Beside it, for information (in
+no ratio): extracting the span's facts (``probes.span_facts``), which the gate reuses from the
 extractive summarizer and extracts itself, in steps, while a model writes its summary.
 
-**A model's summary.** A second server summarizes with ``ModelSummarizer``: the extractive text,
-handed back ``MODEL_LATENCY_S`` later without the span's facts, through a model's path (its GenAI
-span and metrics). Each round also compacts the same span in a session of the first length there;
-its engine time (call minus the summarizer's whole call) against its own request's serialization.
+**A model's summary.** The second server summarizes with ``ModelSummarizer``: the extractive
+text, handed back ``MODEL_LATENCY_S`` later without the span's facts, through a model's path (its
+GenAI span and metrics). Each round also compacts the same span in a session of the first length
+there; its engine time (call minus the summarizer's whole call) against its own request's
+serialization.
 
 **Declined Compact.** A second session of ``--declined-events`` surface nodes ends with a tool
 call still waiting for its result; ``Compact`` declines (``OPEN_TAIL``) without writing. It is
@@ -36,10 +40,13 @@ import asyncio
 import dataclasses
 import functools
 import itertools
+import json
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
@@ -65,6 +72,7 @@ from compactd.v1 import (
 )
 
 SessionEvent = events_pb2.SessionEvent
+ROOT = Path(__file__).resolve().parents[1]
 SIZES = (1_000, 100_000)
 #: Compactions per length. One compaction's engine time moves by up to twice its neighbour's on a
 #: shared machine (1.3x to 3.0x its own request's serialization within one run), so the medians
@@ -289,28 +297,27 @@ async def _grow(session: _Session, source: Iterator[SessionEvent], size: int) ->
 
 
 async def measure_engine(
-    channel: grpc.aio.Channel, summarizer: TimedSummarizer, spans: InMemorySpanExporter,
-    sizes: Sequence[int], span: int, repeat: int,
-    model: tuple[grpc.aio.Channel, ModelSummarizer],
+    channels: tuple[grpc.aio.Channel, grpc.aio.Channel], sizes: Sequence[int], span: int,
+    repeat: int,
 ) -> list[EngineRow]:  # fmt: skip
     """One session per log length, grown first; then ``repeat`` rounds that each compact the
     same span in every session, in an order that rotates from round to round (so every length
     sees the same machine load). Each round also compacts the span in a session of the first
-    length on ``model``'s server, which summarizes with it."""
+    length on the model's server (``channels[1]``), which summarizes with ``ModelSummarizer``."""
     source = answered_events()
     template = _balanced(source, span)
-    sessions: list[tuple[_Session, _Timed]] = []
+    sessions: list[tuple[_Session, Figures]] = []
     for index, size in enumerate(sizes):
-        session = _Session(channel, f"engine{index}")
+        session = _Session(channels[0], f"engine{index}")
         await session.create()
         await _grow(session, source, size)
-        sessions.append((session, summarizer))
-    session = _Session(model[0], "model")
+        sessions.append((session, Figures(channels[0])))
+    session = _Session(channels[1], "model")
     await session.create()
     await _grow(session, source, sizes[0])
-    sessions.append((session, model[1]))
-    for index, (session, writer) in enumerate(sessions):  # unrecorded: checkpoints reach the cap
-        await _compaction(session, template, f".w{index}", writer, spans)
+    sessions.append((session, Figures(channels[1])))
+    for index, (session, figures) in enumerate(sessions):  # unrecorded: checkpoints reach the cap
+        await _compaction(session, template, f".w{index}", figures)
     logged = [session.revision for session, _ in sessions]
     samples: list[list[Sample]] = [[] for _ in sessions]
     tags = itertools.count()
@@ -318,10 +325,8 @@ async def measure_engine(
         order = list(range(len(sessions)))
         order = order[round_ % len(order) :] + order[: round_ % len(order)]
         for index in order:
-            session, writer = sessions[index]
-            samples[index].append(
-                await _compaction(session, template, f".s{next(tags)}", writer, spans)
-            )
+            session, figures = sessions[index]
+            samples[index].append(await _compaction(session, template, f".s{next(tags)}", figures))
     rows = [_row(events, measured) for events, measured in zip(logged, samples, strict=True)]
     *engines, modelled = rows  # the model's session is the last one
     engines[0] = dataclasses.replace(engines[0], model=modelled)
@@ -337,28 +342,69 @@ def _row(events: int, measured: Sequence[Sample]) -> EngineRow:
 
 
 async def _compaction(
-    session: _Session, template: Sequence[SessionEvent], tag: str, summarizer: _Timed,
-    spans: InMemorySpanExporter,
-) -> Sample:  # fmt: skip
+    session: _Session, template: Sequence[SessionEvent], tag: str, figures: Figures
+) -> Sample:
     """Append the span, compact it: (engine, gate, summarizer, serialize, facts seconds, nodes)."""
     await session.append(_retagged(template, tag))
-    summarizer.seconds = 0.0
-    spans.clear()
+    await figures.take()  # from here on: this compaction's
     started = time.perf_counter()
     result = await session.compact()
     elapsed = time.perf_counter() - started
-    gate = sum((s.end_time or 0) - (s.start_time or 0) for s in spans.get_finished_spans()
-               if s.name == "compaction.gate") / 1e9  # fmt: skip
     assert result.HasField("outcome"), result.declined_reason
-    assert summarizer.last is not None
-    encode = functools.partial(serialize, summarizer.last)
-    serializing = min(_timed_sync(encode) for _ in range(3))
-    span = summarizer.last.messages  # the gate's span: the request without its system head
-    if span and span[0].role == session_service_pb2.MESSAGE_ROLE_SYSTEM:
-        span = span[1:]
-    facts = _timed_sync(functools.partial(span_facts, span))
-    nodes = result.outcome.items_condensed
-    return elapsed - summarizer.seconds, gate, summarizer.seconds, serializing, facts, nodes
+    taken = await figures.take()
+    summarizing, nodes = taken["summarizer"], result.outcome.items_condensed
+    engine = elapsed - summarizing
+    return engine, taken["gate"], summarizing, taken["serialize"], taken["facts"], nodes
+
+
+class Figures:
+    """The server process's figures of its last compaction (``bench.Figures/Take``)."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._take = channel.unary_unary(
+            f"/{FIGURES}/Take", request_serializer=_identity, response_deserializer=json.loads
+        )
+
+    async def take(self) -> dict[str, float]:
+        """The figures since the last take (then reset)."""
+        taken: dict[str, float] = await self._take(b"")
+        return taken
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+FIGURES = "bench.Figures"
+
+
+def _figures_handler(
+    summarizer: _Timed, spans: InMemorySpanExporter
+) -> grpc.GenericRpcHandler[Any, Any]:
+    """``bench.Figures/Take``, in the server's process: the summarizer's time and the gate's
+    (its ``compaction.gate`` spans) since the last take, then serializing the last summary
+    request and extracting its span's facts, timed there (all zero before any summary)."""
+
+    async def take(request: bytes, context: object) -> bytes:
+        gate = sum((s.end_time or 0) - (s.start_time or 0) for s in spans.get_finished_spans()
+                   if s.name == "compaction.gate") / 1e9  # fmt: skip
+        figures = {"summarizer": summarizer.seconds, "gate": gate, "serialize": 0.0, "facts": 0.0}
+        summarizer.seconds = 0.0
+        spans.clear()
+        last, summarizer.last = summarizer.last, None
+        if last is not None:
+            encode = functools.partial(serialize, last)
+            figures["serialize"] = min(_timed_sync(encode) for _ in range(3))
+            span = last.messages  # the gate's span: the request without its system head
+            if span and span[0].role == session_service_pb2.MESSAGE_ROLE_SYSTEM:
+                span = span[1:]
+            figures["facts"] = _timed_sync(functools.partial(span_facts, span))
+        return json.dumps(figures).encode()
+
+    handler = grpc.unary_unary_rpc_method_handler(
+        take, request_deserializer=_identity, response_serializer=_identity
+    )
+    return grpc.method_handlers_generic_handler(FIGURES, {"Take": handler})
 
 
 def _timed_sync(call: Callable[[], object]) -> float:
@@ -398,31 +444,53 @@ async def measure(
     sizes: Sequence[int] = SIZES, span: int = 300, repeat: int = REPEAT,
     declined_events: int = 10_000, calls: int = 200,
 ) -> tuple[list[EngineRow], DeclinedRow]:  # fmt: skip
-    """Both measurements, on one server."""
-    summarizer, spans = TimedSummarizer(), InMemorySpanExporter()
-    tracing = TracerProvider()
+    """Both measurements, against the servers of one child process (``serve``)."""
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench.bench_compact", "--serve",
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, cwd=ROOT,
+    )  # fmt: skip
+    assert child.stdout is not None
+    assert child.stdin is not None
+    try:
+        addresses = [(await child.stdout.readline()).decode().strip() for _ in range(2)]
+        if not all(addresses):
+            raise RuntimeError(f"the bench's servers did not start: exit {await child.wait()}")
+        async with (
+            grpc.aio.insecure_channel(addresses[0]) as channel,
+            grpc.aio.insecure_channel(addresses[1]) as model_channel,
+        ):
+            engine = await measure_engine((channel, model_channel), sizes, span, repeat)
+            declined = await measure_declined(channel, declined_events, calls)
+    finally:
+        child.stdin.close()
+        await child.wait()
+    return engine, declined
+
+
+async def serve() -> None:
+    """The benchmarked servers (a child process): the extractive one and the model's, each with
+    ``bench.Figures``; prints both addresses, serves until stdin closes."""
+    tracing, spans = TracerProvider(), InMemorySpanExporter()
     tracing.add_span_processor(SimpleSpanProcessor(spans))
     # A summary cap the checkpoint reaches within the first batches: the span it opens every
     # measured compaction with is then the same size at every log length.
     overrides: dict[str, Any] = dict(OVERRIDES, compaction={"maxTokens": 2000})
     settings = config.load(None, environ={}, overrides=overrides)
-    running = await create_server(settings, summarizer=summarizer, tracer_provider=tracing)
-    model = ModelSummarizer()
-    modelled = await create_server(settings, summarizer=model, tracer_provider=tracing)
+    servers = []
+    for summarizer in (TimedSummarizer(), ModelSummarizer()):
+        figures = _figures_handler(summarizer, spans)
+        servers.append(
+            await create_server(
+                settings, summarizer=summarizer, tracer_provider=tracing, extra_handlers=[figures]
+            )
+        )
     settle_interpreter()  # as ``compactd serve`` does
     try:
-        async with (
-            grpc.aio.insecure_channel(running.address) as channel,
-            grpc.aio.insecure_channel(modelled.address) as model_channel,
-        ):
-            engine = await measure_engine(
-                channel, summarizer, spans, sizes, span, repeat, (model_channel, model)
-            )
-            declined = await measure_declined(channel, declined_events, calls)
+        print(*(running.address for running in servers), sep="\n", flush=True)
+        await asyncio.to_thread(sys.stdin.read)
     finally:
-        await running.stop(0)
-        await modelled.stop(0)
-    return engine, declined
+        for running in servers:
+            await running.stop(0)
 
 
 def readme_rows(sizes: Sequence[int] = SIZES, **options: Any) -> list[tuple[str, str, str]]:
@@ -471,7 +539,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=REPEAT, help="compactions per size")
     parser.add_argument("--declined-events", type=int, default=10_000)
     parser.add_argument("--calls", type=int, default=200, help="declined rounds")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child
     args = parser.parse_args()
+    if args.serve:
+        asyncio.run(serve())
+        return
     started = time.perf_counter()
     engine, declined = asyncio.run(
         measure([int(s) for s in args.sizes.split(",")], args.span, args.repeat,

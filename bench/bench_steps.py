@@ -1,8 +1,10 @@
 """PrepareStep below pressure against session length, beside an empty RPC in the same run.
 
-One server (``create_server`` on port 0, memory store) and one session that grows to 100, 1,000,
-10,000 and 100,000 events of the shared agent transcripts (as ``bench_pressure`` builds it: each
-assistant message inside its own step of one open turn). The route ``bench/wide`` has a
+One server (``create_server`` on port 0, memory store, the interpreter settled as ``compactd
+serve`` settles it), in a child process as in production (the client's gRPC work does not share
+its event loop or its GIL), and one session that grows to 100, 1,000, 10,000 and 100,000 events
+of the shared agent transcripts (as ``bench_pressure`` builds it: each assistant message inside
+its own step of one open turn). The route ``bench/wide`` has a
 10^9-token window, so every size stays below pressure: PrepareStep has nothing to do but measure.
 
 At each size, ``--calls`` rounds run call by call, each round in an order that alternates:
@@ -24,7 +26,8 @@ At each size, ``--calls`` rounds run call by call, each round in an order that a
   more than the goal's 1.2x: so the goal is measured on the unary step, and the streamed step is
   compared with the empty RPC of its own shape.
 
-Every call is timed from the client's side, its stream drained.
+Every call is timed from the client's side (this process), its stream drained; the bare server
+runs in the child process too.
 
     python -m bench.bench_steps [--sizes 100,1000,10000,100000] [--calls 400] [--full-calls 20]
 
@@ -38,9 +41,11 @@ import asyncio
 import functools
 import itertools
 import statistics
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -48,7 +53,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.bench_pressure import BATCH, conversations, fmt, in_steps, surface_events, table
 from compactd import config
-from compactd.api.server import create_server
+from compactd.api.server import create_server, settle_interpreter
 from compactd.v1 import (
     compaction_service_pb2,
     compaction_service_pb2_grpc,
@@ -57,6 +62,7 @@ from compactd.v1 import (
     session_service_pb2_grpc,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
 PROVIDER, MODEL = "bench", "wide"
 SIZES = (100, 1_000, 10_000, 100_000)
 WIDE_ROUTE = {
@@ -181,12 +187,45 @@ async def measure(
     sizes: Sequence[int] = SIZES, calls: int = 400, full_calls: int = 20
 ) -> list[StepRow]:
     """PrepareStepUnary and PrepareStep (held revision and, in the first ``full_calls`` rounds,
-    full), and the empty RPCs, interleaved at each size."""
+    full), and the empty RPCs, interleaved at each size, against the servers of one child
+    process (``serve``)."""
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench.bench_steps", "--serve",
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, cwd=ROOT,
+    )  # fmt: skip
+    assert child.stdout is not None
+    assert child.stdin is not None
+    try:
+        address, bare_address = [(await child.stdout.readline()).decode().strip() for _ in "ab"]
+        if not (address and bare_address):
+            raise RuntimeError(f"the bench's servers did not start: exit {await child.wait()}")
+        return await _measured(address, bare_address, sizes, calls, full_calls)
+    finally:
+        child.stdin.close()
+        await child.wait()
+
+
+async def serve() -> None:
+    """The benchmarked servers (a child process, as in production: the client's gRPC work does
+    not share their event loop or their GIL): compactd's, with the no-op of PrepareStep's
+    shape, and the bare one; prints both addresses, serves until stdin closes."""
     running = await create_server(
         config.load(None, environ={}, overrides=OVERRIDES),
         extra_handlers=[_empty_stream_handlers()],
     )
     bare, bare_address = await _bare_server()
+    settle_interpreter()  # as ``compactd serve`` does
+    try:
+        print(running.address, bare_address, sep="\n", flush=True)
+        await asyncio.to_thread(sys.stdin.read)
+    finally:
+        await bare.stop(0)
+        await running.stop(0)
+
+
+async def _measured(
+    address: str, bare_address: str, sizes: Sequence[int], calls: int, full_calls: int
+) -> list[StepRow]:
     bare_channel = grpc.aio.insecure_channel(bare_address)
     bare_unary_call = bare_channel.unary_unary(
         "/bench.Bare/Unary", request_serializer=_identity, response_deserializer=_identity
@@ -204,7 +243,7 @@ async def measure(
     rows: list[StepRow] = []
     try:
         unbounded = [("grpc.max_receive_message_length", -1)]  # the full request at 100k events
-        async with grpc.aio.insecure_channel(running.address, options=unbounded) as channel:
+        async with grpc.aio.insecure_channel(address, options=unbounded) as channel:
             sessions = session_service_pb2_grpc.SessionServiceStub(channel)
             compaction = compaction_service_pb2_grpc.CompactionServiceStub(channel)
             health = health_pb2_grpc.HealthStub(channel)
@@ -290,8 +329,6 @@ async def measure(
                 rows.append(StepRow(size, *(_pcts(s) for s in samples)))
     finally:
         await bare_channel.close(None)
-        await bare.stop(0)
-        await running.stop(0)
     return rows
 
 
@@ -327,7 +364,11 @@ def main() -> None:
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="session lengths")
     parser.add_argument("--calls", type=int, default=400, help="rounds per size")
     parser.add_argument("--full-calls", type=int, default=20, help="rounds with a full request")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child
     args = parser.parse_args()
+    if args.serve:
+        asyncio.run(serve())
+        return
     sizes = [int(s) for s in args.sizes.split(",")]
     started = time.perf_counter()
     measured = asyncio.run(measure(sizes, args.calls, args.full_calls))
