@@ -59,6 +59,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.children import ROOT, served, until_stdin_closes
 from bench.corpus import SessionEvent, header, in_steps, surface_events, texts_of, turn_start
 from compactd import config
 from compactd.api.server import create_server, settle_interpreter
@@ -74,7 +75,6 @@ from compactd.v1 import (
 ROUTES = {"cl100k_base": ("openai", "gpt-4-turbo"), "deepseek-v4": ("deepseek", "deepseek-chat")}
 BATCH = 1000
 SETTLE_S = 0.5  # after A stops: longer than its last batch's background work takes
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class Bench:
@@ -456,29 +456,19 @@ async def run(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     with tempfile.TemporaryDirectory(prefix="bench-appends-") as folder:
         # The server runs in its own process, as in production: the clients' gRPC work here
         # does not share its event loop.
-        child = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "bench.bench_appends", "--serve", folder,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            cwd=ROOT,
-        )  # fmt: skip
-        assert child.stdout is not None
-        assert child.stdin is not None
-        address = (await child.stdout.readline()).decode().strip()
-        metrics_url = (await child.stdout.readline()).decode().strip()
-        try:
-            async with grpc.aio.insecure_channel(address) as channel:
-                bench = Bench(channel, Path(folder))
-                bench.address = address
-                bench.metrics_url = metrics_url
-                rows = [await single_client(bench, args.rounds, args.singles)]
-                rows.append(await many_clients(bench, args.rounds, args.clients, args.each))
-                for tokenizer in ROUTES:
-                    rows.append(await priced_batches(bench, args.rounds, tokenizer))
-                rows.append(await checks_beside_appends(bench, args.rounds, args.checks))
-                return rows
-        finally:
-            child.stdin.close()
-            await child.wait()
+        async with (
+            served("bench.bench_appends", 2, folder) as (address, metrics_url),
+            grpc.aio.insecure_channel(address) as channel,
+        ):
+            bench = Bench(channel, Path(folder))
+            bench.address = address
+            bench.metrics_url = metrics_url
+            rows = [await single_client(bench, args.rounds, args.singles)]
+            rows.append(await many_clients(bench, args.rounds, args.clients, args.each))
+            for tokenizer in ROUTES:
+                rows.append(await priced_batches(bench, args.rounds, tokenizer))
+            rows.append(await checks_beside_appends(bench, args.rounds, args.checks))
+            return rows
 
 
 async def serve(folder: str) -> None:
@@ -496,7 +486,7 @@ async def serve(folder: str) -> None:
     settle_interpreter()  # as ``compactd serve`` does
     assert running.prometheus is not None
     print(running.address, running.prometheus.url, sep="\n", flush=True)
-    await asyncio.to_thread(sys.stdin.read)
+    await until_stdin_closes()
     await running.stop(0)
 
 

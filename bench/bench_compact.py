@@ -42,11 +42,9 @@ import functools
 import itertools
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
@@ -57,6 +55,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from bench.bench_pressure import BATCH, _event, conversations, fmt, table
 from bench.bench_steps import MODEL, OVERRIDES, PROVIDER, _pcts, _timed
+from bench.children import identity, served, until_stdin_closes
 from compactd import config
 from compactd.api.server import create_server, settle_interpreter
 from compactd.core.probes import span_facts
@@ -72,7 +71,6 @@ from compactd.v1 import (
 )
 
 SessionEvent = events_pb2.SessionEvent
-ROOT = Path(__file__).resolve().parents[1]
 SIZES = (1_000, 100_000)
 #: Compactions per length. One compaction's engine time moves by up to twice its neighbour's on a
 #: shared machine (1.3x to 3.0x its own request's serialization within one run), so the medians
@@ -362,17 +360,13 @@ class Figures:
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
         self._take = channel.unary_unary(
-            f"/{FIGURES}/Take", request_serializer=_identity, response_deserializer=json.loads
+            f"/{FIGURES}/Take", request_serializer=identity, response_deserializer=json.loads
         )
 
     async def take(self) -> dict[str, float]:
         """The figures since the last take (then reset)."""
         taken: dict[str, float] = await self._take(b"")
         return taken
-
-
-def _identity(data: bytes) -> bytes:
-    return data
 
 
 FIGURES = "bench.Figures"
@@ -402,7 +396,7 @@ def _figures_handler(
         return json.dumps(figures).encode()
 
     handler = grpc.unary_unary_rpc_method_handler(
-        take, request_deserializer=_identity, response_serializer=_identity
+        take, request_deserializer=identity, response_serializer=identity
     )
     return grpc.method_handlers_generic_handler(FIGURES, {"Take": handler})
 
@@ -445,25 +439,13 @@ async def measure(
     declined_events: int = 10_000, calls: int = 200,
 ) -> tuple[list[EngineRow], DeclinedRow]:  # fmt: skip
     """Both measurements, against the servers of one child process (``serve``)."""
-    child = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "bench.bench_compact", "--serve",
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, cwd=ROOT,
-    )  # fmt: skip
-    assert child.stdout is not None
-    assert child.stdin is not None
-    try:
-        addresses = [(await child.stdout.readline()).decode().strip() for _ in range(2)]
-        if not all(addresses):
-            raise RuntimeError(f"the bench's servers did not start: exit {await child.wait()}")
-        async with (
-            grpc.aio.insecure_channel(addresses[0]) as channel,
-            grpc.aio.insecure_channel(addresses[1]) as model_channel,
-        ):
-            engine = await measure_engine((channel, model_channel), sizes, span, repeat)
-            declined = await measure_declined(channel, declined_events, calls)
-    finally:
-        child.stdin.close()
-        await child.wait()
+    async with (
+        served("bench.bench_compact", 2) as addresses,
+        grpc.aio.insecure_channel(addresses[0]) as channel,
+        grpc.aio.insecure_channel(addresses[1]) as model_channel,
+    ):
+        engine = await measure_engine((channel, model_channel), sizes, span, repeat)
+        declined = await measure_declined(channel, declined_events, calls)
     return engine, declined
 
 
@@ -487,7 +469,7 @@ async def serve() -> None:
     settle_interpreter()  # as ``compactd serve`` does
     try:
         print(*(running.address for running in servers), sep="\n", flush=True)
-        await asyncio.to_thread(sys.stdin.read)
+        await until_stdin_closes()
     finally:
         for running in servers:
             await running.stop(0)

@@ -41,17 +41,16 @@ import asyncio
 import functools
 import itertools
 import statistics
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.bench_pressure import BATCH, conversations, fmt, in_steps, surface_events, table
+from bench.children import identity, served, until_stdin_closes
 from compactd import config
 from compactd.api.server import create_server, settle_interpreter
 from compactd.v1 import (
@@ -62,7 +61,6 @@ from compactd.v1 import (
     session_service_pb2_grpc,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 PROVIDER, MODEL = "bench", "wide"
 SIZES = (100, 1_000, 10_000, 100_000)
 WIDE_ROUTE = {
@@ -130,10 +128,6 @@ async def _timed(call: Callable[[], Awaitable[object]]) -> float:
     return time.perf_counter() - start
 
 
-def _identity(data: bytes) -> bytes:
-    return data
-
-
 async def _bare_server() -> tuple[grpc.aio.Server, str]:
     """A grpc.aio server with no interceptors: ``Unary`` answers an empty message, ``Stream``
     streams one; grpc.aio's own floor of each call shape (PrepareStep streams its result)."""
@@ -147,10 +141,10 @@ async def _bare_server() -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server()
     handlers = {
         "Unary": grpc.unary_unary_rpc_method_handler(
-            unary, request_deserializer=_identity, response_serializer=_identity
+            unary, request_deserializer=identity, response_serializer=identity
         ),
         "Stream": grpc.unary_stream_rpc_method_handler(
-            one, request_deserializer=_identity, response_serializer=_identity
+            one, request_deserializer=identity, response_serializer=identity
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Bare", handlers),))
@@ -189,20 +183,8 @@ async def measure(
     """PrepareStepUnary and PrepareStep (held revision and, in the first ``full_calls`` rounds,
     full), and the empty RPCs, interleaved at each size, against the servers of one child
     process (``serve``)."""
-    child = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "bench.bench_steps", "--serve",
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, cwd=ROOT,
-    )  # fmt: skip
-    assert child.stdout is not None
-    assert child.stdin is not None
-    try:
-        address, bare_address = [(await child.stdout.readline()).decode().strip() for _ in "ab"]
-        if not (address and bare_address):
-            raise RuntimeError(f"the bench's servers did not start: exit {await child.wait()}")
+    async with served("bench.bench_steps", 2) as (address, bare_address):
         return await _measured(address, bare_address, sizes, calls, full_calls)
-    finally:
-        child.stdin.close()
-        await child.wait()
 
 
 async def serve() -> None:
@@ -217,7 +199,7 @@ async def serve() -> None:
     settle_interpreter()  # as ``compactd serve`` does
     try:
         print(running.address, bare_address, sep="\n", flush=True)
-        await asyncio.to_thread(sys.stdin.read)
+        await until_stdin_closes()
     finally:
         await bare.stop(0)
         await running.stop(0)
@@ -228,10 +210,10 @@ async def _measured(
 ) -> list[StepRow]:
     bare_channel = grpc.aio.insecure_channel(bare_address)
     bare_unary_call = bare_channel.unary_unary(
-        "/bench.Bare/Unary", request_serializer=_identity, response_deserializer=_identity
+        "/bench.Bare/Unary", request_serializer=identity, response_deserializer=identity
     )
     bare_call = bare_channel.unary_stream(
-        "/bench.Bare/Stream", request_serializer=_identity, response_deserializer=_identity
+        "/bench.Bare/Stream", request_serializer=identity, response_deserializer=identity
     )
 
     async def bare_unary() -> object:
