@@ -4,8 +4,8 @@ One server (``create_server`` on port 0, memory store, the interpreter settled a
 serve`` settles it), in a child process as in production (the client's gRPC work does not share
 its event loop or its GIL), and one session that grows to 100, 1,000, 10,000 and 100,000 events
 of the shared agent transcripts (as ``bench_pressure`` builds it: each assistant message inside
-its own step of one open turn). The route ``bench/wide`` has a
-10^9-token window, so every size stays below pressure: PrepareStep has nothing to do but measure.
+its own step of one open turn). The route ``bench/wide`` has a 10^9-token window, so every size
+stays below pressure: PrepareStep has nothing to do but measure.
 
 At each size, ``--calls`` rounds run call by call, each round in an order that alternates:
 
