@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 import compactd.core
 from compactd.core import events as events_module
-from compactd.core.fold import RECENT_EVENT_IDS, AdmittedBatch, SessionFold
+from compactd.core.fold import RECENT_COMPACTION_IDS, RECENT_EVENT_IDS, AdmittedBatch, SessionFold
 from compactd.core.lock import live_bracket
 from compactd.core.pairing import CorruptPairing, balanced_cuts
 from compactd.core.steps import run_to_end
@@ -697,6 +697,27 @@ def test_a_compaction_id_is_never_reused_even_after_its_bracket_closed() -> None
     with pytest.raises(InvalidArgument, match="a compaction id is used once"):
         fold.admit([compaction_start("k1")])
     fold.admit([compaction_start("k2")])  # a fresh id still opens a bracket
+
+
+def test_a_fold_keeps_the_latest_bracket_ids_only_and_still_refuses_a_recent_one() -> None:
+    fold = SessionFold()
+    brackets = RECENT_COMPACTION_IDS + 40
+    for n in range(brackets):
+        fold.admit([compaction_start(f"k{n}"), compaction_end(f"k{n}")])
+    fold.admit([user("next")])  # a batch begins: the ids beyond the latest are forgotten
+    assert list(fold.compaction_ids) == [f"k{n}" for n in range(40, brackets)]
+    with pytest.raises(InvalidArgument, match="a compaction id is used once"):
+        fold.admit([compaction_start(f"k{brackets - RECENT_COMPACTION_IDS}")])
+    assert len(fold.compaction_ids) == RECENT_COMPACTION_IDS  # the refusal kept them as they were
+
+
+def test_a_rolled_back_start_gives_its_id_back_and_keeps_the_older_ones() -> None:
+    fold = SessionFold()
+    fold.admit([compaction_start("k0"), compaction_end("k0")])
+    with pytest.raises(InvalidArgument, match="names no open compaction/start"):
+        fold.admit([compaction_start("k1"), compaction_end("k2")])
+    assert list(fold.compaction_ids) == ["k0"]
+    fold.admit([compaction_start("k1")])  # the refused batch's id was never used
 
 
 def test_a_released_batch_hands_over_its_lists_and_keeps_its_first_seq() -> None:

@@ -22,11 +22,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from compactd.core import snapshot as snapshots
-from compactd.core.fold import RECENT_EVENT_IDS, SessionFold
+from compactd.core.fold import RECENT_COMPACTION_IDS, RECENT_EVENT_IDS, SessionFold
 from compactd.core.meter import SessionMeter, recount
 from compactd.core.policy import PressurePolicy
 from compactd.core.pricing import price_node
-from compactd.errors import Unavailable
+from compactd.errors import InvalidArgument, Unavailable
 from compactd.routes import RouteCatalog
 from compactd.service import pressure, sessions
 from compactd.service.pressure import PressureService, session_meter, warm_up
@@ -39,6 +39,7 @@ from compactd.tokenizers import load_tokenizer
 from tests.builders import (
     SessionEvent,
     assistant,
+    compaction_end,
     compaction_start,
     header,
     image_block,
@@ -99,7 +100,7 @@ def fold_state(fold: SessionFold) -> tuple[object, ...]:
         fold.open_step,
         dict(fold.offloads),
         dict(fold.event_ids),
-        sorted(fold.compaction_ids),
+        list(fold.compaction_ids),
         (fold.lock.last_end_seed, dict(fold.lock.open_starts)),
         fold.restored_at,
         fold.offload_generation,
@@ -639,3 +640,23 @@ def test_a_snapshot_keeps_the_fold_s_ids_and_a_restore_the_latest_of_an_older_on
     older = dataclasses.replace(snap, event_ids={f"e{n}": n for n in range(RECENT_EVENT_IDS + 50)})
     restored = snapshots.rebuild(older, {n.seq: n.event for n in fold.surface})
     assert restored.event_ids == fold.event_ids
+
+
+def test_a_snapshot_keeps_the_latest_bracket_ids_in_order_and_so_does_a_restore() -> None:
+    fold = SessionFold()
+    brackets = RECENT_COMPACTION_IDS + 10
+    for n in range(brackets):
+        fold.admit([compaction_start(f"k{n:03}"), compaction_end(f"k{n:03}")])
+    fold.admit([user("next")])
+    snap = snapshots.capture(fold, "i", {}, None)
+    latest = [f"k{n:03}" for n in range(10, brackets)]
+    assert snapshots.decode(snapshots.encode(snap)).compaction_ids == latest
+    restored = snapshots.rebuild(snap, {n.seq: n.event for n in fold.surface})
+    assert list(restored.compaction_ids) == latest
+    # A snapshot an earlier release wrote held every bracket id, sorted: the restore keeps a
+    # window of them, and a start reusing one it kept is still refused.
+    older = dataclasses.replace(snap, compaction_ids=sorted(f"k{n:03}" for n in range(brackets)))
+    restored = snapshots.rebuild(older, {n.seq: n.event for n in fold.surface})
+    assert list(restored.compaction_ids) == latest
+    with pytest.raises(InvalidArgument, match="a compaction id is used once"):
+        restored.admit([compaction_start(latest[-1])])

@@ -42,6 +42,12 @@ SURFACE_FULL: Final = "SURFACE_FULL"
 #: and the map's memory follows this bound rather than the log's length.
 RECENT_EVENT_IDS: Final = 1024
 
+#: Bracket ids a fold keeps (``SessionFold.compaction_ids``) to refuse a ``compaction/start``
+#: that reuses one. Only the server appends that event, with a fresh random id per bracket, so
+#: a reuse is a retried start: a recent one. The set's memory follows this bound, not the
+#: number of brackets the log ever held.
+RECENT_COMPACTION_IDS: Final = 64
+
 
 @dataclass(slots=True)
 class AdmittedBatch:
@@ -92,7 +98,9 @@ class SessionFold:
         # ``RECENT_EVENT_IDS`` before a batch, and the batch's own (``_forget_older_ids``). The
         # log holds them all; the service asks the store about older ones.
         self.event_ids: dict[str, int] = {}
-        self.compaction_ids: set[str] = set()  # every bracket ever opened in this log
+        # The latest ``RECENT_COMPACTION_IDS`` bracket ids before a batch, and the batch's own,
+        # oldest first (a dict as an ordered set).
+        self.compaction_ids: dict[str, None] = {}
         self.restored_at = -1  # seq of the session/end-seed this process appended, if any
         # Seq of the latest event that changed what an earlier request showed (a surface
         # REPLACE, an image/offload, a request/header): a request built at a later revision is
@@ -293,8 +301,8 @@ class SessionFold:
             self._fold_offload(event, batch)
         if kind == "compaction_start":
             compaction_id = event.compaction_start.compaction_id
-            self.compaction_ids.add(compaction_id)
-            batch._undo.append((self.compaction_ids.discard, compaction_id))
+            self.compaction_ids[compaction_id] = None
+            batch._undo.append((self.compaction_ids.pop, compaction_id, None))
         if kind in ("compaction_start", "compaction_end", "session_end_seed"):
             before = self.lock.copy()
             self.lock.apply(event, seq)
@@ -344,12 +352,16 @@ class SessionFold:
             self._node_bytes[node.seq] = size
 
     def _forget_older_ids(self) -> None:
-        """Keep the ids of the latest ``RECENT_EVENT_IDS`` identified events only. Done as a
-        batch begins, when the one before it can no longer be rolled back: a rollback then
-        takes out the batch's own ids and leaves the rest as they were."""
-        ids = self.event_ids
-        for _ in range(len(ids) - RECENT_EVENT_IDS):
-            del ids[next(iter(ids))]
+        """Keep the ids of the latest ``RECENT_EVENT_IDS`` identified events and of the latest
+        ``RECENT_COMPACTION_IDS`` brackets only. Done as a batch begins, when the one before it
+        can no longer be rolled back: a rollback then takes out the batch's own ids and leaves
+        the rest as they were."""
+        for ids, kept in (
+            (self.event_ids, RECENT_EVENT_IDS),
+            (self.compaction_ids, RECENT_COMPACTION_IDS),
+        ):
+            for _ in range(len(ids) - kept):
+                del ids[next(iter(ids))]
 
     def _unfold(self, event_id: str, change: SurfaceChange | None) -> None:
         """Undo what ``_fold`` does for every event: the node it added (its size, its surface

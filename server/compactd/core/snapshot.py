@@ -23,7 +23,7 @@ from typing import Any, Final
 
 from compactd.core import header as hdr
 from compactd.core.events import SessionEvent
-from compactd.core.fold import RECENT_EVENT_IDS, SessionFold
+from compactd.core.fold import RECENT_COMPACTION_IDS, RECENT_EVENT_IDS, SessionFold
 from compactd.core.lock import LockState
 from compactd.core.pricing import NodeCost, node_cost
 from compactd.core.steps import run_to_end
@@ -139,7 +139,7 @@ def capture_in_steps(
         open_step=fold.open_step,
         offloads={seq: sorted(indexes) for seq, indexes in fold.offloads.items()},
         event_ids=event_ids,
-        compaction_ids=sorted(fold.compaction_ids),
+        compaction_ids=list(fold.compaction_ids),
         last_end_seed=fold.lock.last_end_seed,
         open_starts=dict(fold.lock.open_starts),
         restored_at=fold.restored_at,
@@ -300,7 +300,9 @@ def rebuild(snapshot: FoldSnapshot, events: Mapping[int, SessionEvent]) -> Sessi
     # Oldest first, as the fold evicts them (a snapshot from before the bound kept every id).
     by_seq = sorted(snapshot.event_ids.items(), key=lambda item: item[1])
     fold.event_ids = dict(by_seq[-RECENT_EVENT_IDS:])
-    fold.compaction_ids = set(snapshot.compaction_ids)
+    # Oldest first (a snapshot from before the bound held every id, sorted: any of them makes as
+    # good a window, since no started bracket reuses an older id).
+    fold.compaction_ids = dict.fromkeys(snapshot.compaction_ids[-RECENT_COMPACTION_IDS:])
     fold.lock = LockState(snapshot.last_end_seed, dict(snapshot.open_starts))
     fold.restored_at = snapshot.restored_at
     fold.offload_generation = snapshot.offload_generation
