@@ -227,6 +227,21 @@ async def test_malformed_batch_is_rejected_whole_with_field_paths(
     assert surface.revision == 0
 
 
+async def test_a_time_protobuf_cannot_convert_or_an_unknown_enum_value_is_invalid(
+    sessions: SessionServiceStub,
+) -> None:
+    sid = await _create(sessions)
+    year_10000 = user("x")
+    year_10000.time.seconds = 253_402_300_800
+    unknown_op = user("y")
+    unknown_op.surface_op.kind = 9  # type: ignore[assignment]
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _append(sessions, sid, year_10000, unknown_op)
+    got = details(caught.value)
+    assert got.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert got.fields == ["events[0].time", "events[1].surface_op.kind"]
+
+
 async def test_broken_replacement_rule_leaves_nothing_half_written(
     sessions: SessionServiceStub,
 ) -> None:

@@ -55,6 +55,37 @@ def test_a_seq_set_by_the_client_is_rejected() -> None:
     assert "assigned by the server" in violation.description
 
 
+@pytest.mark.parametrize(
+    ("seconds", "nanos"),
+    [(253_402_300_800, 0), (-62_135_596_801, 0), (2**62, 0), (1, 1_000_000_000), (1, -1)],
+)
+def test_a_time_outside_the_timestamp_range_is_rejected(seconds: int, nanos: int) -> None:
+    event = user("a")
+    event.time.seconds, event.time.nanos = seconds, nanos
+    (violation,) = violations([event])
+    assert violation.field == "events[0].time"
+
+
+@pytest.mark.parametrize(
+    ("seconds", "nanos"), [(253_402_300_799, 999_999_999), (-62_135_596_800, 0), (0, 0)]
+)
+def test_a_time_at_the_ends_of_the_timestamp_range_is_accepted(seconds: int, nanos: int) -> None:
+    event = user("a")
+    event.time.seconds, event.time.nanos = seconds, nanos
+    check_batch([event], max_events=1)
+
+
+def test_unknown_enum_values_are_rejected_with_their_field() -> None:
+    surface = user("a")
+    surface.surface_op.kind = 9  # type: ignore[assignment]  # what a newer or hostile peer sends
+    reason = header("p", "m")
+    reason.request_header.reason = 99  # type: ignore[assignment]
+    assert fields([surface, reason]) == [
+        "events[0].surface_op.kind",
+        "events[1].request_header.reason",
+    ]
+
+
 def test_an_event_without_a_body_is_rejected() -> None:
     assert fields([SessionEvent(event_id="x")]) == ["events[0].body"]
 

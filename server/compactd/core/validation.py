@@ -19,7 +19,7 @@ import math
 from collections.abc import Generator, Iterator, Sequence
 from typing import Final, Protocol
 
-from google.protobuf import struct_pb2
+from google.protobuf import struct_pb2, timestamp_pb2
 
 from compactd.core import events as ev
 from compactd.core.events import SessionEvent
@@ -31,6 +31,15 @@ MAX_EVENT_ID_LENGTH = 128
 SERVER_ONLY_EVENT: Final = "SERVER_ONLY_EVENT"
 EVENT_TOO_LARGE: Final = "EVENT_TOO_LARGE"
 _BLOCK_BODIES: Final = frozenset({"user_message", "assistant_message", "tool_result"})
+
+# A Timestamp's valid range (google/protobuf/timestamp.proto): 0001-01-01T00:00:00Z to
+# 9999-12-31T23:59:59.999999999Z. Outside it, protobuf refuses to convert the value.
+_MIN_TIMESTAMP_SECONDS: Final = -62_135_596_800
+_MAX_TIMESTAMP_SECONDS: Final = 253_402_300_799
+_MAX_NANOS: Final = 999_999_999
+
+_SURFACE_OP_KINDS: Final = frozenset(events_pb2.SurfaceOpKind.values())
+_HEADER_REASONS: Final = frozenset(events_pb2.HeaderReason.values())
 _USAGE_FIELDS: Final = (
     "input_tokens",
     "output_tokens",
@@ -216,6 +225,8 @@ def _event_violations(
         bad("seq", "seq is assigned by the server and must be unset")
     if len(event.event_id) > MAX_EVENT_ID_LENGTH:
         bad("event_id", f"at most {MAX_EVENT_ID_LENGTH} characters")
+    if event.HasField("time") and not _valid_timestamp(event.time):
+        bad("time", "a Timestamp from 0001-01-01 to 9999-12-31 UTC, nanos 0..999999999")
     if not kind:
         bad("body", "exactly one event body must be set")
         return out
@@ -235,10 +246,19 @@ def _event_violations(
     return out
 
 
+def _valid_timestamp(stamp: timestamp_pb2.Timestamp) -> bool:
+    return (
+        _MIN_TIMESTAMP_SECONDS <= stamp.seconds <= _MAX_TIMESTAMP_SECONDS
+        and 0 <= stamp.nanos <= _MAX_NANOS
+    )
+
+
 def _surface_op_violations(event: SessionEvent, bad: _Bad) -> None:
     if not event.HasField("surface_op"):
         return
     op = event.surface_op
+    if op.kind not in _SURFACE_OP_KINDS:
+        bad("surface_op.kind", f"unknown SurfaceOpKind {op.kind}")
     if op.kind != events_pb2.SURFACE_OP_KIND_REPLACE and (op.start_seq or op.end_seq):
         bad("surface_op", "start_seq and end_seq belong to REPLACE only")
     if op.kind == events_pb2.SURFACE_OP_KIND_REPLACE and (op.start_seq < 0 or op.end_seq < 0):
@@ -297,6 +317,8 @@ def _usage_violations(usage: events_pb2.Usage, field: str, bad: _Bad) -> None:
 
 
 def _header_violations(header: events_pb2.RequestHeader, bad: _Bad, limits: AppendLimits) -> None:
+    if header.reason not in _HEADER_REASONS:
+        bad("request_header.reason", f"unknown HeaderReason {header.reason}")
     config = header.config
     if config.HasField("max_output_tokens") and not (
         0 <= config.max_output_tokens <= MAX_TOKEN_COUNT

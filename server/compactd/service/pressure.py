@@ -339,9 +339,9 @@ def _anchor_age(handle: SessionHandle, measured: Measurement) -> tuple[int, floa
     if position is None:
         return None
     stamp = handle.fold.surface[position].event.time
-    seconds = (
-        max(0.0, time.time() - stamp.ToSeconds() - stamp.nanos / 1e9) if stamp.seconds else 0.0
-    )
+    # From the fields, not ``ToSeconds``: that refuses a time outside Timestamp's range, which
+    # a log written before AppendEvents checked times may hold.
+    seconds = max(0.0, time.time() - stamp.seconds - stamp.nanos / 1e9) if stamp.seconds else 0.0
     return measured.revision - 1 - seq, seconds
 
 
