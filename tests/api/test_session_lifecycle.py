@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 from dataclasses import replace
 from typing import Any
 
@@ -23,6 +24,10 @@ LOCAL = {"provider": "local", "model": "w128k", "context_window": 128000}
 def server_config(server_config: config.ServerConfig) -> config.ServerConfig:
     """The shared test configuration with one declared route (for WatchPressure)."""
     return replace(server_config, routes=(LOCAL,))
+
+
+def _token(text: str) -> str:
+    return base64.urlsafe_b64encode(text.encode()).decode()
 
 
 async def _create(sessions: SessionServiceStub, *ids: str) -> None:
@@ -58,6 +63,8 @@ async def test_list_sessions_refuses_a_forged_page_token_and_a_negative_size(
 ) -> None:
     for request in (
         pb.ListSessionsRequest(page_token="not-a-token"),
+        pb.ListSessionsRequest(page_token=_token("after:' OR 1=1 --")),  # no session id
+        pb.ListSessionsRequest(page_token=_token("after:")),
         pb.ListSessionsRequest(page_size=-1),
     ):
         with pytest.raises(grpc.aio.AioRpcError) as caught:

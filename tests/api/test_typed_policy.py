@@ -62,6 +62,12 @@ def test_the_typed_form_converts_to_the_settings_and_back() -> None:
     assert policy_of(settings_of(TYPED)) == TYPED
 
 
+def test_a_stored_policy_from_before_the_bounds_still_reads_as_a_typed_policy() -> None:
+    # Settings validated before token counts were bounded: 2**63 does not fit the int64 field.
+    policy = policy_of({"headroomTokens": float(2**63), "retainTokens": -float(2**64)})
+    assert (policy.headroom_tokens, policy.retain_tokens) == (2**63 - 1, -(2**63))
+
+
 async def test_a_typed_policy_is_stored_and_answered_in_both_forms(
     sessions: SessionServiceStub,
 ) -> None:
@@ -147,10 +153,29 @@ async def test_both_forms_at_once_are_invalid_argument_naming_policy(
             "policy.model_policies[0].max_tokens",
             "compaction_policy.modelPolicies[0].maxTokens",
         ),
+        (
+            pb.CompactionPolicy(headroom_tokens=2**63 - 1),
+            {"headroomTokens": 1e300},
+            "policy.headroom_tokens",
+            "compaction_policy.headroomTokens",
+        ),
+        (
+            pb.CompactionPolicy(compaction_retries=2**63 - 1),
+            {"compactionRetries": 101},
+            "policy.compaction_retries",
+            "compaction_policy.compactionRetries",
+        ),
+        (
+            pb.CompactionPolicy(failure_backoff_max_seconds=1e300),
+            {"failureBackoffMaxSeconds": 1e300},
+            "policy.failure_backoff_max_seconds",
+            "compaction_policy.failureBackoffMaxSeconds",
+        ),
     ],
     ids=[
         "threshold", "retain-above-threshold", "both-retentions", "half-a-pair", "backoff",
-        "probe-retention", "model-without-provider", "model-max-tokens",
+        "probe-retention", "model-without-provider", "model-max-tokens", "int64-max-headroom",
+        "retries-above-the-bound", "backoff-above-the-bound",
     ],
 )  # fmt: skip
 async def test_a_bad_typed_policy_fails_as_the_struct_form_does_naming_its_field(

@@ -267,6 +267,12 @@ def test_duplicate_model_overrides_are_rejected() -> None:
         ({"failureBackoffSeconds": -1}, "failureBackoffSeconds"),
         ({"failureBackoffSeconds": float("inf")}, "failureBackoffSeconds"),
         ({"failureBackoffMaxSeconds": "1h"}, "failureBackoffMaxSeconds"),
+        ({"failureBackoffMaxSeconds": 1e10}, "failureBackoffMaxSeconds"),
+        ({"headroomTokens": 10**12 + 1}, "headroomTokens"),
+        ({"retainTokens": 2**63}, "retainTokens"),
+        ({"maxTokens": 1e300}, "maxTokens"),
+        ({"compactionRetries": 101}, "compactionRetries"),
+        ({"maxOverflowRetries": 2**62}, "maxOverflowRetries"),
         (
             {"failureBackoffSeconds": 120, "failureBackoffMaxSeconds": 60},
             "failureBackoffMaxSeconds",

@@ -47,8 +47,8 @@ type SessionServiceClient interface {
 	// Errors: NOT_FOUND.
 	BuildRequest(ctx context.Context, in *BuildRequestRequest, opts ...grpc.CallOption) (*BuildRequestResponse, error)
 	// Lists the caller's tenant's sessions in id order, a page at a time.
-	// Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` this server did not
-	// issue.
+	// Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` that is not of the
+	// form this server issues (it names the last session id of the previous page).
 	ListSessions(ctx context.Context, in *ListSessionsRequest, opts ...grpc.CallOption) (*ListSessionsResponse, error)
 	// Deletes a session: its log and everything derived from it are removed durably. Followers
 	// of the session (ListEvents with `follow`, WatchPressure) end with NOT_FOUND; afterwards the
@@ -184,8 +184,8 @@ type SessionServiceServer interface {
 	// Errors: NOT_FOUND.
 	BuildRequest(context.Context, *BuildRequestRequest) (*BuildRequestResponse, error)
 	// Lists the caller's tenant's sessions in id order, a page at a time.
-	// Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` this server did not
-	// issue.
+	// Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` that is not of the
+	// form this server issues (it names the last session id of the previous page).
 	ListSessions(context.Context, *ListSessionsRequest) (*ListSessionsResponse, error)
 	// Deletes a session: its log and everything derived from it are removed durably. Followers
 	// of the session (ListEvents with `follow`, WatchPressure) end with NOT_FOUND; afterwards the

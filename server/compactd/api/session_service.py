@@ -188,7 +188,8 @@ def _after(page_token: str) -> str:
         text = base64.urlsafe_b64decode(page_token.encode("ascii")).decode()
     except (ValueError, UnicodeError):
         text = ""
-    if not text.startswith(_TOKEN_PREFIX):
+    # A token names the last session id of a page: anything else was not issued here.
+    if not text.startswith(_TOKEN_PREFIX) or not _SESSION_ID.match(text[len(_TOKEN_PREFIX) :]):
         raise InvalidArgument(
             "page_token is not a token this server issued",
             violations=[FieldViolation("page_token", "not issued by ListSessions")],

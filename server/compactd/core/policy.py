@@ -28,7 +28,9 @@ The summary quality gate and failure memory (``core.gate``, ``core.attempts``):
 ============================  =======  ===================================================
 
 ``W`` is the route's context window and ``O`` the effective output reservation (the envelope's
-max output tokens, else the route's default, else 0). Parsing fails fast with a ``ConfigError``
+max output tokens, else the route's default, else 0). Token settings are at most
+``MAX_TOKEN_COUNT``, retries at most ``MAX_RETRIES``, backoffs at most ``MAX_BACKOFF_SECONDS``.
+Parsing fails fast with a ``ConfigError``
 naming the field; the rules that need ``W`` and ``O`` are checked at first use by
 ``compact_spec``. All arithmetic on ratios is exact (decimal ratios are read as fractions), so a
 ratio written ``0.29`` never floors ``100 * 0.29`` to 28.
@@ -47,6 +49,7 @@ from compactd.core.gate import (
     DEFAULT_MIN_REDUCTION_RATIO,
     GateSettings,
 )
+from compactd.core.limits import MAX_TOKEN_COUNT
 from compactd.errors import CapacityUnknown, ConfigError, FailedPrecondition
 
 POLICY_INVALID: Final = "POLICY_INVALID"
@@ -417,7 +420,16 @@ def _ratio(*, low_open: bool, high: float, high_open: bool) -> _Validator:
     return check
 
 
-def _count(minimum: int) -> _Validator:
+#: The most retries a policy may ask for: each is a compaction or a provider call.
+MAX_RETRIES: Final = 100
+#: The longest failure backoff a policy may set (about 31 years): any wait a clock can add.
+MAX_BACKOFF_SECONDS: Final = 10**9
+
+
+def _count(minimum: int, maximum: int) -> _Validator:
+    """An integer in ``[minimum, maximum]``: the maximum keeps every value inside the typed
+    policy's int64 fields and the arithmetic done on them."""
+
     def check(value: object, path: str) -> int:
         if isinstance(value, float) and value.is_integer():
             value = int(value)  # JSON and protobuf Structs carry every number as a float
@@ -427,6 +439,8 @@ def _count(minimum: int) -> _Validator:
         if number < minimum:
             kind = "positive" if minimum > 0 else "non-negative"
             _bad(path, f"must be a {kind} integer, got {number}")
+        if number > maximum:
+            _bad(path, f"must be at most {maximum:,}, got {number:,}")
         return number
 
     return check
@@ -435,8 +449,8 @@ def _count(minimum: int) -> _Validator:
 def _seconds(value: object, path: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
         _bad(path, f"must be a number of seconds, got {value!r}")
-    if value < 0 or math.isinf(value):
-        _bad(path, f"must be a finite number of seconds >= 0, got {value!r}")
+    if not 0 <= value <= MAX_BACKOFF_SECONDS:
+        _bad(path, f"must be a number of seconds in [0, {MAX_BACKOFF_SECONDS:,}], got {value!r}")
     return float(value)
 
 
@@ -454,14 +468,14 @@ def _flag(value: object, path: str) -> bool:
 
 _VALIDATORS: Final[dict[str, _Validator]] = {
     "threshold_ratio": _ratio(low_open=True, high=1.0, high_open=False),
-    "headroom_tokens": _count(0),
+    "headroom_tokens": _count(0, MAX_TOKEN_COUNT),
     "retain_ratio": _ratio(low_open=False, high=1.0, high_open=True),
-    "retain_tokens": _count(0),
+    "retain_tokens": _count(0, MAX_TOKEN_COUNT),
     "summarization_provider": _text,
     "summarization_model": _text,
-    "max_tokens": _count(1),
-    "compaction_retries": _count(0),
-    "max_overflow_retries": _count(0),
+    "max_tokens": _count(1, MAX_TOKEN_COUNT),
+    "compaction_retries": _count(0, MAX_RETRIES),
+    "max_overflow_retries": _count(0, MAX_RETRIES),
     "auto": _flag,
     "summary_gate": _flag,
     "min_reduction_ratio": _ratio(low_open=False, high=1.0, high_open=True),

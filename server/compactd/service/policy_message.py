@@ -20,6 +20,7 @@ from compactd.v1 import session_service_pb2 as pb
 
 _ROUTE_KEYS = ("provider", "model")
 _CAMEL = re.compile(r"(?<!^)(?=[A-Z])")
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def settings_of(policy: pb.CompactionPolicy) -> dict[str, object]:
@@ -76,8 +77,9 @@ def _fill(message: Message, settings: Mapping[str, Any]) -> None:
         field = by_json.get(key)
         if field is None or field.is_repeated:
             continue
-        if field.type in (FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_INT32):
-            value = int(value)
+        if field.type == FieldDescriptor.TYPE_INT64:
+            # Within int64: a policy stored before its settings were bounded may exceed it.
+            value = min(max(int(value), _INT64_MIN), _INT64_MAX)
         elif field.type == FieldDescriptor.TYPE_DOUBLE:
             value = float(value)
         setattr(message, field.name, value)

@@ -148,8 +148,8 @@ class SessionServiceServicer:
 
     def ListSessions(self, request, context):
         """Lists the caller's tenant's sessions in id order, a page at a time.
-        Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` this server did not
-        issue.
+        Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` that is not of the
+        form this server issues (it names the last session id of the previous page).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -78,8 +78,8 @@ class SessionServiceStub:
     """
     ListSessions: _grpc.UnaryUnaryMultiCallable[_session_service_pb2.ListSessionsRequest, _session_service_pb2.ListSessionsResponse]
     """Lists the caller's tenant's sessions in id order, a page at a time.
-    Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` this server did not
-    issue.
+    Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` that is not of the
+    form this server issues (it names the last session id of the previous page).
     """
     DeleteSession: _grpc.UnaryUnaryMultiCallable[_session_service_pb2.DeleteSessionRequest, _session_service_pb2.DeleteSessionResponse]
     """Deletes a session: its log and everything derived from it are removed durably. Followers
@@ -137,8 +137,8 @@ class SessionServiceAsyncStub(SessionServiceStub):
     """
     ListSessions: _aio.UnaryUnaryMultiCallable[_session_service_pb2.ListSessionsRequest, _session_service_pb2.ListSessionsResponse]  # type: ignore[assignment]
     """Lists the caller's tenant's sessions in id order, a page at a time.
-    Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` this server did not
-    issue.
+    Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` that is not of the
+    form this server issues (it names the last session id of the previous page).
     """
     DeleteSession: _aio.UnaryUnaryMultiCallable[_session_service_pb2.DeleteSessionRequest, _session_service_pb2.DeleteSessionResponse]  # type: ignore[assignment]
     """Deletes a session: its log and everything derived from it are removed durably. Followers
@@ -229,8 +229,8 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_session_service_pb2.ListSessionsResponse, _abc.Awaitable[_session_service_pb2.ListSessionsResponse]]:
         """Lists the caller's tenant's sessions in id order, a page at a time.
-        Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` this server did not
-        issue.
+        Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` that is not of the
+        form this server issues (it names the last session id of the previous page).
         """
 
     @_abc_1.abstractmethod

@@ -1175,8 +1175,8 @@ export const SessionService: GenService<{
   },
   /**
    * Lists the caller's tenant's sessions in id order, a page at a time.
-   * Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` this server did not
-   * issue.
+   * Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` that is not of the
+   * form this server issues (it names the last session id of the previous page).
    *
    * @generated from rpc compactd.v1.SessionService.ListSessions
    */
