@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncGenerator
 
 from compactd.tenancy import DEFAULT_TENANT, Tenant, bound_tenant, current_tenant
 
@@ -29,3 +30,19 @@ def test_concurrent_calls_each_see_their_own_tenant() -> None:
         return list(await asyncio.gather(call("a"), call("b")))
 
     assert asyncio.run(both()) == ["a", "b"]
+
+
+def test_a_stream_closed_from_another_task_ends_without_an_error() -> None:
+    async def stream() -> AsyncGenerator[str, None]:
+        with bound_tenant(Tenant("a")):
+            yield current_tenant().id
+            yield "never"
+
+    async def read_one_then_go_away() -> str:
+        responses = stream()
+        first = await anext(responses)
+        # grpc closes an abandoned handler's generator from a task of its own (another context).
+        await asyncio.create_task(responses.aclose())
+        return first
+
+    assert asyncio.run(read_one_then_go_away()) == "a"

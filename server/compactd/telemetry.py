@@ -159,14 +159,37 @@ class _CancelledStreamDetach(logging.Filter):
         return record.getMessage() != "Failed to detach context"
 
 
+class _AbandonedSend(logging.Filter):
+    """Turns grpc's "ExecuteBatchError raised in core by servicer method" ERROR, with its
+    traceback, into one DEBUG line.
+
+    grpc.aio logs it when a handler's pending send fails in gRPC core, which is what a client
+    that cancels a stream (or goes away) while a large response is being written causes: the
+    call is over, the client knows why, and the server has nothing to mend.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith("ExecuteBatchError raised in core by servicer"):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            record.exc_info, record.exc_text = None, None
+            record.msg, record.args = "%s (the call ended meanwhile)", (record.getMessage(),)
+        return True
+
+
 _DETACH_FILTER = _CancelledStreamDetach()
+_SEND_FILTER = _AbandonedSend()
 
 
 def quiet_cancelled_stream_detach() -> None:
-    """Install the filter above on the ``opentelemetry.context`` logger (idempotent)."""
-    context_log = logging.getLogger("opentelemetry.context")
-    if _DETACH_FILTER not in context_log.filters:
-        context_log.addFilter(_DETACH_FILTER)
+    """Install the filters above on the ``opentelemetry.context`` and grpc's own loggers
+    (idempotent)."""
+    for name, quiet in (
+        ("opentelemetry.context", _DETACH_FILTER),
+        ("grpc._cython.cygrpc", _SEND_FILTER),
+    ):
+        logger = logging.getLogger(name)
+        if quiet not in logger.filters:
+            logger.addFilter(quiet)
 
 
 def shutdown(provider: Any) -> None:

@@ -8,7 +8,7 @@ store read it through ``current_tenant``. With authentication off every call run
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -37,4 +37,7 @@ def bound_tenant(tenant: Tenant) -> Iterator[Tenant]:
     try:
         yield tenant
     finally:
-        _current.reset(token)
+        # A stream's generator may be closed from another task's context (its client went
+        # away): the binding belongs to the finished call's context, nothing to restore here.
+        with suppress(ValueError):
+            _current.reset(token)
