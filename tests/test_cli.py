@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -26,6 +28,8 @@ def test_serve_help_documents_its_options(capsys: pytest.CaptureFixture[str]) ->
     out = capsys.readouterr().out
     for option in ("--listen", "--store", "--config", "--log-level", "--log-format"):
         assert option in out
+    for store in ("sqlite:///PATH", "postgresql://...", "memory://"):
+        assert store in out
 
 
 def test_check_config_prints_the_error_and_exits_2(
@@ -43,11 +47,59 @@ def test_check_config_validates_the_policy_and_routes(
     bad = tmp_path / "bad.toml"
     bad.write_text("[compaction]\nthresholdRatio = 0.5\nretainRatio = 0.6\n")
     assert main(["check-config", "--config", str(bad)]) == 2
-    assert "retainRatio" in capsys.readouterr().err
+    assert "compaction.retainRatio: " in capsys.readouterr().err
     routes = tmp_path / "routes.toml"
     routes.write_text('[[routes]]\nprovider = "p"\nmodel = "m"\ncontext_window = -1\n')
     assert main(["check-config", "--config", str(routes)]) == 2
     assert "routes[0].context_window" in capsys.readouterr().err
+
+
+def test_check_config_names_a_bad_policy_key_under_its_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[compaction]\nbogus = 1\n")
+    assert main(["check-config", "--config", str(bad)]) == 2
+    assert capsys.readouterr().err == (
+        "compactd: configuration error: compaction.bogus: unknown setting\n"
+    )
+
+
+#: Configurations only serve's loading of the TLS, tokens and JWKS files refuses.
+_REFUSED_WHEN_LOADED = {
+    "jwt-without-audience": '[auth_jwt]\nissuer = "https://idp.example.org"\n',
+    "token-not-hex": '[auth_tokens]\na = "nothex"\n',
+    "tokens-file-missing": 'auth_tokens_file = "{tmp}/absent-tokens"\n',
+    "cert-file-missing": 'tls_cert_file = "{tmp}/absent.pem"\ntls_key_file = "{tmp}/absent.key"\n',
+}
+
+
+@pytest.mark.parametrize("text", _REFUSED_WHEN_LOADED.values(), ids=_REFUSED_WHEN_LOADED.keys())
+def test_check_config_refuses_what_serve_refuses_with_its_exit_code_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str
+) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text.format(tmp=tmp_path))
+    served = subprocess.run(
+        [sys.executable, "-m", "compactd.cli", "serve", "--config", str(path), "--store",
+         "memory://"], capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert served.returncode == 2, served.stderr
+    assert main(["check-config", "--config", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", served.stderr)
+    assert err.startswith("compactd: configuration error: ")
+    assert err.count("\n") == 1
+
+
+def test_bad_json_in_a_table_variable_exits_2_naming_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COMPACTD_PRUNER", "{bad")
+    assert main(["check-config"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("compactd: configuration error: COMPACTD_PRUNER: expected JSON")
+    assert err.count("\n") == 1
 
 
 def test_check_config_prints_the_effective_configuration_as_toml(

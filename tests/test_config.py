@@ -81,6 +81,13 @@ def test_errors_name_the_bad_key(
         config.load(path, environ=environ)
 
 
+@pytest.mark.parametrize("table", ["PRUNER", "ROUTES", "COMPACTION", "AUTH_TOKENS"])
+def test_bad_json_in_a_table_variable_is_a_config_error_naming_it(table: str) -> None:
+    variable = f"COMPACTD_{table}"
+    with pytest.raises(ConfigError, match=f"^{variable}: expected JSON"):
+        config.load(None, environ={variable: "{bad"})
+
+
 def test_a_bad_flag_is_named_as_the_flag() -> None:
     with pytest.raises(ConfigError, match="--metrics-listen: expected HOST:PORT"):
         config.load(None, environ={}, overrides={"metrics_listen": "nowhere"})

@@ -15,12 +15,15 @@ import pytest
 from compactd import inspect
 from compactd.api.auth import hash_token
 from compactd.api.server import create_server
+from compactd.cli import main
 from compactd.testing.openai_server import OpenAICompatServer
 from tests.builders import compaction_start, turn_start, user
 from tests.compaction_fixtures import (
+    PROVIDER,
     Harness,
     loopback,
     opening,
+    route_table,
     server_config,
     started,
     unit,
@@ -95,6 +98,39 @@ async def test_inspect_json_holds_every_part_as_the_rpcs_answer_it(
     assert got["pressure"]["state"] == "PRESSURE_STATE_ABOVE"
     assert got["surface"]["detail"]["replacement_generation"] == "1"
     assert got["request"]["messages"]
+
+
+async def test_inspect_plans_the_switch_to_the_route_given_with_to(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    small = {**route_table(loop), "model": "small", "context_window": 8000}
+    async with started(tmp_path, loop, kind="extractive", routes=[small]) as h:
+        await h.create(*opening(), *units(12))
+        to = f"{PROVIDER}/small"
+        code, out = await _cli(h.address, h.session_id, "--json", "--mode", "switch", "--to", to)
+    assert code == 0, out
+    plan = json.loads(out)["plan"]
+    assert plan["mode"] == "PLAN_MODE_SWITCH"
+    assert plan["route"] == {"provider": PROVIDER, "model": "small"}
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--mode", "switch"], "--mode switch needs --to PROVIDER/MODEL"),
+        (["--mode", "switch", "--to", "small"], "--to: expected PROVIDER/MODEL, got 'small'"),
+        (["--mode", "manual", "--to", "p/m"], "--to: --mode manual plans for the logged route"),
+    ],
+)
+def test_inspect_refuses_a_plan_route_it_cannot_send_in_one_line_exiting_2(
+    capsys: pytest.CaptureFixture[str], options: list[str], message: str
+) -> None:
+    # Refused before any call: nothing listens on port 1.
+    assert main(["inspect", "s1", "--address", "127.0.0.1:1", *options]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("compactd inspect: ")
+    assert message in err
+    assert err.count("\n") == 1
 
 
 async def test_inspect_of_an_unknown_session_says_not_found_and_exits_1(

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from compactd.api.server import RunningServer
 
@@ -55,3 +59,17 @@ def test_every_reason_the_service_can_answer_is_documented() -> None:
     found.update(_CONSTANT.findall((SERVER / "providers" / "base.py").read_text(encoding="utf-8")))
     assert {"SEQ_CONFLICT", "SUMMARIZER_MISCONFIGURED", "TIMEOUT"} <= found
     assert sorted(found - documented) == []
+
+
+@pytest.mark.skipif(
+    shutil.which("git") is None or not (README.parent / ".git").exists(),
+    reason="needs git and a checkout",
+)
+def test_git_ignores_the_files_the_readmes_commands_leave() -> None:
+    # `compactd serve` leaves its store and the store's lock, `compactd replay` its report.
+    left = ["compactd.db", "compactd.db-wal", "compactd.db.lock", "replay-report.html"]
+    checked = subprocess.run(
+        ["git", "check-ignore", "--no-index", *left], cwd=README.parent, capture_output=True,
+        text=True, check=False,
+    )  # fmt: skip
+    assert checked.stdout.split() == left

@@ -229,6 +229,31 @@ def test_bad_arguments_exit_2_naming_the_problem(
     assert message in capsys.readouterr().err
 
 
+def test_an_unwritable_report_path_exits_2_before_replaying(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    page = tmp_path / "missing" / "r.html"
+    argv = ["replay", str(TRANSCRIPTS / "coding.jsonl"), "--match", SHORT, "--html", str(page),
+            "--no-progress"]  # fmt: skip
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # nothing was replayed
+    assert err == f"compactd replay: --html: cannot write {page}: No such file or directory\n"
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+def test_a_report_that_fails_to_write_after_the_replay_exits_2_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # /dev/full opens for writing (the check passes) and refuses every byte written.
+    argv = ["replay", str(TRANSCRIPTS / "coding.jsonl"), "--match", SHORT, "--window",
+            str(WINDOW), "--html", "/dev/full", "--no-progress"]  # fmt: skip
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out.startswith("conversation")  # the replay ran and printed its table
+    assert err == "compactd replay: --html: cannot write /dev/full: No space left on device\n"
+
+
 def test_a_missing_transcript_file_exits_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     _config_option(serve)
     serve.add_argument("--listen", help="HOST:PORT to bind (default 127.0.0.1:50051)")
     serve.add_argument(
-        "--store", help="event store URL: sqlite:///PATH (default sqlite:///./compactd.db)"
+        "--store",
+        help="event store URL: sqlite:///PATH, postgresql://... or memory:// "
+        "(default sqlite:///./compactd.db)",
     )
     serve.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     serve.add_argument("--log-format", choices=("json", "text"), help="log format (default json)")
@@ -72,9 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser(
         "check-config",
         help="validate the configuration and print it as TOML",
-        description="Load and validate the configuration exactly as `serve` would; print the "
-        "effective configuration as TOML (defaults filled in, built-in routes included) and "
-        "exit 0, or print the error naming the bad key and exit 2.",
+        description="Load and validate the configuration exactly as `serve` would (the TLS, "
+        "tokens and JWKS files read; nothing bound, the store not opened); print the effective "
+        "configuration as TOML (defaults filled in, built-in routes included) and exit 0, or "
+        "print the error naming the bad key and exit 2.",
     )
     _config_option(check)
     commands.add_parser(
@@ -98,8 +101,9 @@ def _inspect_command(commands: argparse._SubParsersAction[argparse.ArgumentParse
         help="show a session of a running service: log, surface, brackets, pressure, plan",
         description="Show one session of a running compactd: the log beside the surface (seq, "
         "position, type, price, shadowed-by), each bracket as one row, the current pressure, "
-        "the plan of the next compaction (nothing is appended) and the rebuilt request. Exits "
-        "1 when the service refuses (an unknown session, say).",
+        "the plan of the next compaction (nothing is appended; `--mode switch --to "
+        "PROVIDER/MODEL` plans a switch to that route) and the rebuilt request. Exits 2 on a "
+        "bad option, 1 when the service refuses (an unknown session, say).",
     )
     inspect.add_argument("session", metavar="SESSION", help="the session id")
     inspect.add_argument(
@@ -122,28 +126,60 @@ def _inspect_command(commands: argparse._SubParsersAction[argparse.ArgumentParse
     inspect.add_argument(
         "--mode", choices=MODES, default="auto", help="the compaction to plan (default auto)"
     )
+    inspect.add_argument(
+        "--to",
+        metavar="PROVIDER/MODEL",
+        help="the route to plan for: the destination of --mode switch (required there); with "
+        "auto, the step's intended route (another than the logged one plans the switch)",
+    )
 
 
 def _inspect(args: argparse.Namespace) -> int:
     from compactd import inspect
 
-    tls_ca = None
-    if args.tls_ca:
-        try:
-            with open(args.tls_ca, "rb") as file:
-                tls_ca = file.read()
-        except OSError as error:
-            print(f"compactd inspect: --tls-ca: {error.strerror}: {args.tls_ca}", file=sys.stderr)
-            return EXIT_CONFIG
+    try:
+        to = _destination(args.mode, args.to)
+        tls_ca = _read_tls_ca(args.tls_ca)
+    except ConfigError as error:
+        print(f"compactd inspect: {error.message}", file=sys.stderr)
+        return EXIT_CONFIG
     try:
         return asyncio.run(
             inspect.run(
                 args.address, args.session, as_json=args.json, follow=args.follow,
-                mode=args.mode, token=args.token, tls_ca=tls_ca, out=sys.stdout,
+                mode=args.mode, to=to, token=args.token, tls_ca=tls_ca, out=sys.stdout,
             )
         )  # fmt: skip
     except KeyboardInterrupt:
         return 0
+
+
+def _destination(mode: str, to: str | None) -> tuple[str, str] | None:
+    """``--to`` as (provider, model); a switch must name it, manual and overflow ignore it.
+
+    Raises:
+        ConfigError: ``--mode switch`` without ``--to``, ``--to`` with a mode that plans for
+            the logged route, or a ``--to`` that is not PROVIDER/MODEL.
+    """
+    if to is None:
+        if mode == "switch":
+            raise ConfigError("--mode switch needs --to PROVIDER/MODEL, the route to switch to")
+        return None
+    if mode not in ("auto", "switch"):
+        raise ConfigError(f"--to: --mode {mode} plans for the logged route; drop --to")
+    from compactd.routes import parse_route  # only here: the catalog takes a while to import
+
+    return parse_route(to, option="--to")
+
+
+def _read_tls_ca(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as file:
+            return file.read()
+    except OSError as error:
+        raise ConfigError(f"--tls-ca: {error.strerror}: {path}") from None
 
 
 def _config_option(parser: argparse.ArgumentParser) -> None:
@@ -173,10 +209,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "migrate":  # needs the store only: no provider keys, no routes
             print(asyncio.run(_migrate(settings)))
             return 0
-        from compactd.api.server import components, serve
+        from compactd.api.server import serve, validate
         from compactd.effective import effective_toml
 
-        parts = components(settings)  # routes, policy, pruner, summarizer: named errors now
+        parts = validate(settings)  # what serve checks before it listens: named errors now
         ignored = config.unknown_variables()
         if args.command == "check-config":
             for name in ignored:

@@ -219,6 +219,13 @@ class _EnvironSource(EnvSettingsSource):
             self._environ, self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str
         )
 
+    def decode_complex_value(self, field_name: str, field: FieldInfo, value: Any) -> Any:
+        try:
+            return super().decode_complex_value(field_name, field, value)
+        except ValueError as err:  # pydantic-settings would raise SettingsError, unnamed
+            variable = ENV_PREFIX + field_name.upper()
+            raise ConfigError(f"{variable}: expected JSON ({err})") from None
+
 
 def load(
     path: str | Path | None = None,

@@ -16,11 +16,14 @@ from typing import Any
 import tomli_w
 
 from compactd import __version__
-from compactd.config import SCALARS, ServerConfig
+from compactd.config import SCALARS, TABLES, ServerConfig
 from compactd.routes import Route
 
 #: Route attributes whose config key differs from the attribute name.
 _ROUTE_KEYS = {"default_output_tokens": "max_output_tokens"}
+#: Tables printed from what their owner parsed (defaults filled in); every other table in
+#: ``TABLES`` is printed as set, so a table added to ``ServerConfig`` is never dropped.
+_PARSED = frozenset({"routes", "summarizer", "pruner"})
 
 
 def route_table(route: Route) -> dict[str, Any]:
@@ -50,15 +53,15 @@ def effective_toml(
     for route in routes:
         (active if (route.provider, route.model) in named else builtin).append(route_table(route))
     document: dict[str, Any] = {name: getattr(config, name) for name in SCALARS}
-    document["compaction"] = dict(config.compaction)
+    document.update({name: dict(getattr(config, name)) for name in TABLES if name not in _PARSED})
     document["summarizer"] = dataclasses.asdict(summarizer)
     document["pruner"] = dataclasses.asdict(pruner)
     if active:
         document["routes"] = active
     header = (
         f"# compactd {__version__}: the effective configuration (defaults, then the file, then\n"
-        "# COMPACTD_* variables, then flags). [compaction] holds the keys set; the others are\n"
-        "# the README's defaults.\n"
+        "# COMPACTD_* variables, then flags). [summarizer] and [pruner] have the README's\n"
+        "# defaults filled in; the other tables hold the keys set.\n"
     )
     commented = "".join(
         "\n# built-in route (always present; uncomment to override):\n"

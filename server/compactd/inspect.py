@@ -69,10 +69,17 @@ def channel(address: str, *, tls_ca: bytes | None = None) -> grpc.aio.Channel:
 
 
 class Inspector:
-    """A client of one service for one session (stubs on ``channel``)."""
+    """A client of one service for one session (stubs on ``channel``); ``to`` is the
+    ``(provider, model)`` the plan is for (required by ``switch``: the destination)."""
 
     def __init__(
-        self, channel: grpc.aio.Channel, session_id: str, *, mode: str = "auto", token: str = ""
+        self,
+        channel: grpc.aio.Channel,
+        session_id: str,
+        *,
+        mode: str = "auto",
+        to: tuple[str, str] | None = None,
+        token: str = "",
     ) -> None:
         sessions = session_service_pb2_grpc.SessionServiceStub(channel)
         compaction = compaction_service_pb2_grpc.CompactionServiceStub(channel)
@@ -81,6 +88,7 @@ class Inspector:
         self._compaction: Any = _Authorized(compaction, metadata)
         self.session_id = session_id
         self.mode = _MODES[mode]
+        self.to = to
 
     async def snapshot(self) -> Snapshot:
         """Read every part once (NOT_FOUND and other errors raise ``grpc.aio.AioRpcError``)."""
@@ -93,11 +101,15 @@ class Inspector:
         ]
         brackets = await self._compaction.ListBrackets(cpb.ListBracketsRequest(session_id=sid))
         pressure, error = await self._pressure()
-        plan = await self._compaction.PlanCompaction(
-            cpb.PlanCompactionRequest(session_id=sid, mode=self.mode)
-        )
+        plan = await self._compaction.PlanCompaction(self._plan_request())
         request = await self._sessions.BuildRequest(spb.BuildRequestRequest(session_id=sid))
         return Snapshot(events, surface, brackets, pressure, error, plan.plan, request)
+
+    def _plan_request(self) -> cpb.PlanCompactionRequest:
+        request = cpb.PlanCompactionRequest(session_id=self.session_id, mode=self.mode)
+        if self.to is not None:
+            request.route.provider, request.route.model = self.to
+        return request
 
     async def _pressure(self) -> tuple[cpb.PressureReport | None, str]:
         try:
@@ -381,6 +393,7 @@ async def run(
     as_json: bool = False,
     follow: bool = False,
     mode: str = "auto",
+    to: tuple[str, str] | None = None,
     token: str = "",
     tls_ca: bytes | None = None,
     out: TextIO,
@@ -389,7 +402,7 @@ async def run(
     """Print the session once, then (``follow``) what comes, until cancelled or ``until``
     holds of the lines followed so far. Returns the exit code (1: the service refused)."""
     async with channel(address, tls_ca=tls_ca) as opened:
-        inspector = Inspector(opened, session_id, mode=mode, token=token)
+        inspector = Inspector(opened, session_id, mode=mode, to=to, token=token)
         try:
             snapshot = await inspector.snapshot()
         except grpc.aio.AioRpcError as error:

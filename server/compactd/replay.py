@@ -499,18 +499,3 @@ async def replay_all(
                 )
             )
     return results
-
-
-# ---- the command -------------------------------------------------------------------------------
-
-
-def parse_route(text: str) -> tuple[str, str]:
-    """``PROVIDER/MODEL`` split at the first slash (models may hold slashes).
-
-    Raises:
-        ConfigError: No slash, or an empty part.
-    """
-    provider, _, model = text.partition("/")
-    if not provider or not model:
-        raise ConfigError(f"--route: expected PROVIDER/MODEL, got {text!r}")
-    return provider, model

@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
 
         from compactd import replay as rp
         from compactd import replay_report as report
+        from compactd.routes import parse_route
     except ModuleNotFoundError as err:
         if err.name != "compactd_client":
             raise
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     try:
-        route = rp.parse_route(args.route)
+        route = parse_route(args.route, option="--route")
         transcripts = rp.read_transcripts(args.transcripts, match=args.match, limit=args.limit)
         if not transcripts:
             raise ConfigError(f"{args.transcripts}: no conversation matches")
@@ -93,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
                 "routes and summarizer are its own configuration"
             )
         args.credentials, args.token = _security(args)
+        _check_writable(args.html)  # now, not after a replay that may take minutes
         replays, where = asyncio.run(_replay(args, route, transcripts))
     except ConfigError as err:
         print(f"compactd replay: {err.message}", file=sys.stderr)
@@ -107,11 +109,36 @@ def run(args: argparse.Namespace) -> int:
         for warning in result.warnings:  # a route without a window, a bracket that failed, ...
             print(f"warning ({number}): {warning}", file=sys.stderr)
     settings = f"{len(replays)} conversations of {args.transcripts}, route {args.route}, {where}"
-    args.html.write_text(
-        report.render_html(replays, title="compactd replay", settings=settings), encoding="utf-8"
-    )
+    try:
+        args.html.write_text(
+            report.render_html(replays, title="compactd replay", settings=settings),
+            encoding="utf-8",
+        )
+    except OSError as err:  # the folder went away or filled up during the replay
+        print(f"compactd replay: {_unwritable(args.html, err).message}", file=sys.stderr)
+        return 2
     print(f"report: {args.html}")
     return 0
+
+
+def _check_writable(path: Path) -> None:
+    """Open ``path`` for appending (which changes no content), removing it again if it is new.
+
+    Raises:
+        ConfigError: It cannot be written (a missing folder, a directory, no permission).
+    """
+    existed = path.exists()
+    try:
+        with path.open("a", encoding="utf-8"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as err:
+        raise _unwritable(path, err) from None
+
+
+def _unwritable(path: Path, err: OSError) -> ConfigError:
+    return ConfigError(f"--html: cannot write {path}: {err.strerror}")
 
 
 def _security(args: argparse.Namespace) -> tuple[Any, str | None]:

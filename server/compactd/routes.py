@@ -237,6 +237,18 @@ BUILTIN_ROUTES: Final[tuple[Route, ...]] = (
 )
 
 
+def parse_route(text: str, *, option: str) -> tuple[str, str]:
+    """A command line's ``PROVIDER/MODEL``, split at the first slash (models may hold slashes).
+
+    Raises:
+        ConfigError: No slash, or an empty part (the message names ``option``).
+    """
+    provider, _, model = text.partition("/")
+    if not provider or not model:
+        raise ConfigError(f"{option}: expected PROVIDER/MODEL, got {text!r}")
+    return provider, model
+
+
 class RouteCatalog:
     """The routes the service knows, by exact provider/model."""
 

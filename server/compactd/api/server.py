@@ -35,7 +35,7 @@ from compactd.config import ServerConfig
 from compactd.core.policy import PressurePolicy
 from compactd.core.pruner import PrunerConfig
 from compactd.effective import startup_report
-from compactd.errors import StartupError
+from compactd.errors import ConfigError, StartupError
 from compactd.metrics import Metrics
 from compactd.providers.base import Summarizer
 from compactd.routes import RouteCatalog
@@ -139,12 +139,39 @@ def components(config: ServerConfig) -> Components:
     settings.check_transport(config)
     return Components(
         routes=RouteCatalog.from_config(config.routes),
-        policy=PressurePolicy.from_settings(config.compaction),
+        policy=_service_policy(config.compaction),
         pruner=PrunerConfig.from_mapping(config.pruner, prefix="pruner"),
         summarizer=SummarizerSettings.from_mapping(config.summarizer),
         quotas=QuotaSettings.from_mapping(config.quotas),
         retention=periods_from(config.session_retention_s),
     )
+
+
+def _service_policy(table: Mapping[str, Any]) -> PressurePolicy:
+    """The ``[compaction]`` table's policy; a bad key is named under the table, as in every
+    other table (the core names it bare: a session's overrides are reported under their field)."""
+    try:
+        return PressurePolicy.from_settings(table)
+    except ConfigError as error:
+        raise ConfigError(f"compaction.{error.message}", metadata=error.metadata) from None
+
+
+def validate(config: ServerConfig) -> Components:
+    """Everything ``create_server`` checks before it opens the store or binds, doing neither:
+    the owned sections, the TLS files, the tokens file and the JWT key set (``check-config``).
+
+    Raises:
+        ConfigError: A setting is invalid or a file it names is unusable (the message names it).
+    """
+    parts = components(config)
+    _trust(config)
+    return parts
+
+
+def _trust(config: ServerConfig) -> _Trust:
+    """The listener's TLS and authentication (``ConfigError`` for a missing or bad file)."""
+    tls = ServerTls.from_config(config)
+    return _Trust(tls, auth.Authentication(auth.credentials_from(config)))
 
 
 async def create_server(
@@ -192,19 +219,18 @@ async def create_server(
         readers = [prometheus.reader] if prometheus is not None else []
         meter_provider = owned_meter = telemetry.meter_provider_from_env(readers)
     metrics = Metrics(meter_provider)
-    tls = ServerTls.from_config(config)  # ConfigError for a missing or non-PEM file
-    authentication = auth.Authentication(auth.credentials_from(config))
+    trust = _trust(config)
     store = store_for(config, clock=wall_clock)
     await store.open()
     async with contextlib.AsyncExitStack() as refused:  # a start that fails closes the store
         refused.push_async_callback(store.close)
         running = await _serve_on(
             config, parts, store, provider, owns_provider, owned_meter, prometheus, metrics,
-            summarizer, summary_recoveries, clock, _Trust(tls, authentication), tenant_binding,
+            summarizer, summary_recoveries, clock, trust, tenant_binding,
             extra_handlers=extra_handlers,
         )  # fmt: skip
         refused.pop_all()
-    await _start_trust(running, parts, tls, authentication, wall_clock)
+    await _start_trust(running, parts, trust.tls, trust.authentication, wall_clock)
     return running
 
 
