@@ -31,6 +31,7 @@ from compactd import config
 from compactd.api.server import RunningServer, create_server
 from compactd.core.validation import Origin
 from compactd.service.compaction import SummaryErrorRecovery
+from compactd.store.base import Clock, utc_now
 from compactd.testing.openai_server import OpenAICompatServer
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import compaction_service_pb2_grpc, events_pb2, session_service_pb2_grpc
@@ -303,6 +304,7 @@ async def started(
     tracer_provider: trace.TracerProvider | None = None,
     recoveries: Sequence[SummaryErrorRecovery] = (),
     clock: Callable[[], float] = time.monotonic,
+    wall_clock: Clock = utc_now,
     meter_provider: metrics.MeterProvider | None = None,
     **options: Any,
 ) -> AsyncIterator[Harness]:
@@ -314,6 +316,7 @@ async def started(
         tracer_provider=provider,
         summary_recoveries=recoveries,
         clock=clock,
+        wall_clock=wall_clock,
         meter_provider=meter_provider,
     )
     try:

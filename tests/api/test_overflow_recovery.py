@@ -34,6 +34,7 @@ from tests.compaction_fixtures import (
     PROVIDER,
     RELAXED,
     TOOLS,
+    WINDOW,
     body,
     opening,
     started,
@@ -115,7 +116,7 @@ async def test_an_indivisible_unit_keeps_the_error_with_its_figures_and_writes_n
 
         assert (result.retry, result.decline) == (False, DECLINE.RECOVERY_DECLINE_INDIVISIBLE_UNIT)
         figures = result.figures
-        assert (figures.context_window, figures.window_source) == (2048, "provider")
+        assert (figures.context_window, figures.window_source) == (WINDOW, "route")  # declared
         assert figures.prompt_tokens == 3270
         assert figures.unit_tokens == heuristic_price(huge)
         assert figures.unit_range.start_seq == figures.unit_range.end_seq == before[-1].seq
@@ -295,3 +296,74 @@ async def test_recovery_needs_an_open_turn_and_a_known_session(
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await recover(dataclasses.replace(h, session_id="nope"), 1, overflow_error())
         assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_routes_declared_window_decides_over_the_one_the_caller_states(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    huge = user("Summarize this whole report: " + "The quarterly figures grew. " * 450)
+    async with started(tmp_path, loop, kind="extractive") as h:  # the built-in route, no key
+        await h.create(system("Be brief."), header("openai", "gpt-4o"), turn_start(1), huge)
+
+        stated = overflow_error(context_window=100, prompt_tokens=3000)
+        result = (await recover(h, 1, stated)).result
+
+        assert result.decline == DECLINE.RECOVERY_DECLINE_INDIVISIBLE_UNIT  # not ENVELOPE_ONLY
+        figures = result.figures
+        assert (figures.context_window, figures.window_source) == (128_000, "route")
+        assert figures.prompt_tokens == 3000
+
+
+@pytest.mark.parametrize(
+    "stated",
+    [{"context_window": 2**63 - 1, "prompt_tokens": -1}, {"context_window": -5}],
+    ids=["above-any-window", "negative"],
+)
+async def test_a_figure_no_request_can_have_counts_as_not_stated(
+    tmp_path: Path, loop: OpenAICompatServer, stated: dict[str, int]
+) -> None:
+    nocap = {"provider": "llama", "model": "smollm2", "base_url": loop.base_url}
+    huge = user("Summarize this whole report: " + "The quarterly figures grew. " * 450)
+    async with started(tmp_path, loop, routes=[nocap]) as h:
+        await h.create(system("Be brief."), header("llama", "smollm2"), turn_start(1), huge)
+
+        result = (await recover(h, 1, overflow_error(**stated))).result
+
+        assert result.decline == DECLINE.RECOVERY_DECLINE_INDIVISIBLE_UNIT
+        figures = result.figures
+        assert (figures.context_window, figures.window_source, figures.prompt_tokens) == (0, "", 0)
+        assert "an unknown window" in result.reason
+
+
+HUGE = 10**20  # above int64
+
+
+@pytest.mark.parametrize(
+    ("reply", "decline"),
+    [
+        (pe.overflow("llama.cpp", window=HUGE, prompt_tokens=HUGE), "INDIVISIBLE_UNIT"),
+        (pe.overflow("anthropic", window=HUGE, prompt_tokens=HUGE), "INDIVISIBLE_UNIT"),
+        (pe.gateway_image_budget(99_999_999_999), "OFFLOAD_COUNT_UNKNOWN"),
+        (Reply(status=400, body="[" * 100_000), "NOT_RECOVERABLE"),
+    ],
+    ids=["llama-above-int64", "anthropic-above-int64", "offload-above-int32", "deep-nesting"],
+)
+async def test_a_hostile_raw_error_is_classified_and_recovered_against_the_route(
+    tmp_path: Path, loop: OpenAICompatServer, reply: Reply, decline: str
+) -> None:
+    huge = user("Summarize this whole report: " + "The quarterly figures grew. " * 450)
+    loop.enqueue(reply)
+    async with started(tmp_path, loop) as h:
+        await h.create(*opening(), turn_start(1), huge)
+        refused = await send(loop, await h.build())
+
+        result = (await recover(h, 1, raw_error(refused))).result
+
+        got = result.classification
+        assert (got.context_window, got.prompt_tokens, got.offload_images) == (0, 0, 0)
+        assert DECLINE.Name(result.decline) == f"RECOVERY_DECLINE_{decline}"
+        if decline == "INDIVISIBLE_UNIT":
+            assert (result.figures.context_window, result.figures.window_source) == (
+                WINDOW,
+                "route",
+            )

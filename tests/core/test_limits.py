@@ -58,6 +58,8 @@ def client_errors(events: list[SessionEvent], limits: AppendLimits = SMALL) -> I
         ('{"a": "escaped \\" [[[ quote"}', 1),
         ("[[[[", 4),  # invalid JSON still counts
         ("]]]][", 1),
+        ('[ "unterminated [[[', 1),  # no parser reads past an unterminated string
+        ('[ "ends in a backslash \\', 1),
     ],
 )
 def test_json_depth_counts_brackets_outside_strings(text: str, depth: int) -> None:
@@ -66,6 +68,11 @@ def test_json_depth_counts_brackets_outside_strings(text: str, depth: int) -> No
 
 def test_json_depth_of_a_hostile_megabyte_needs_no_recursion() -> None:
     assert json_depth("[" * 1_000_000) == 1_000_000
+
+
+def test_json_depth_of_an_unterminated_megabyte_string_is_linear() -> None:
+    # Each escaped quote used to restart a scan of the rest: over an hour for this megabyte.
+    assert json_depth('["' + '\\"' * 500_000 + "[[") == 1
 
 
 @settings(max_examples=100)

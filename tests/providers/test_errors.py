@@ -12,6 +12,7 @@ import random
 import pytest
 
 from compactd.core import prompts
+from compactd.core.limits import MAX_TOKEN_COUNT
 from compactd.providers import base, errors
 from compactd.providers.base import SummaryError, SummaryRequest
 from compactd.providers.errors import ProviderFailure, classify, parse_retry_after
@@ -181,6 +182,74 @@ def test_retry_after_accepts_milliseconds_seconds_and_http_dates() -> None:
     date = "Wed, 21 Oct 2015 07:28:10 GMT"
     assert parse_retry_after({"retry-after": date}, now=1445412480.0) == 10.0
     assert parse_retry_after({"retry-after": "soon"}) is None
+
+
+def test_a_zoneless_http_date_is_gmt_and_one_beyond_any_calendar_is_none() -> None:
+    zoneless = "Wed, 21 Oct 2015 07:28:10 -0000"
+    assert parse_retry_after({"retry-after": zoneless}, now=1445412480.0) == 10.0
+    beyond = "1 Jan 99999999999999999999 0:0:0 GMT"
+    assert parse_retry_after({"retry-after": beyond}, now=0.0) is None
+
+
+# ---- hostile bodies ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("stated", "read"),
+    [(MAX_TOKEN_COUNT, MAX_TOKEN_COUNT), (MAX_TOKEN_COUNT + 1, 0), (0, 0)],
+    ids=["at-the-bound", "above-it", "zero"],
+)
+def test_a_stated_window_is_read_up_to_the_largest_real_token_count(stated: int, read: int) -> None:
+    worded = classify(400, f"This model's maximum context length is {stated:09d} tokens.")
+    fields = {"type": "exceed_context_size_error", "n_ctx": stated, "n_prompt_tokens": stated}
+    llama = classify(400, json.dumps({"error": fields}))
+
+    assert (worded.reason, worded.context_window) == (errors.CONTEXT_WINDOW_EXCEEDED, read)
+    assert (llama.context_window, llama.prompt_tokens) == (read, read)
+
+
+def test_an_image_count_is_read_up_to_int32() -> None:
+    def stated(count: int) -> ProviderFailure:
+        return classify(413, json.dumps({"error": {"offload_images": count}}), request_images=3)
+
+    at, above = stated(errors.MAX_IMAGE_COUNT), stated(errors.MAX_IMAGE_COUNT + 1)
+    limit = classify(400, f"At most {errors.MAX_IMAGE_COUNT + 1} image(s) may be provided.")
+
+    assert (at.rule, at.offload_images) == ("compactd/offload_images", errors.MAX_IMAGE_COUNT)
+    assert (above.reason, above.rule, above.offload_images) == (
+        errors.IMAGE_OFFLOAD_REQUIRED,
+        "http/413_with_images",
+        0,
+    )
+    assert (limit.rule, limit.offload_images) == ("vllm/image_limit", 0)
+
+
+def test_only_the_first_max_body_bytes_of_a_body_are_read() -> None:
+    padding = " " * errors.MAX_BODY_BYTES
+
+    assert classify(400, "context length exceeded" + padding).reason == (
+        errors.CONTEXT_WINDOW_EXCEEDED
+    )
+    assert classify(400, padding + "context length exceeded").reason == errors.PROVIDER_ERROR
+
+
+def test_json_nested_beyond_max_body_depth_is_read_as_text() -> None:
+    def nested(depth: int) -> str:  # the error object and its message at depth 2
+        details = "[" * (depth - 2) + "]" * (depth - 2)
+        return '{"error":{"message":"context length exceeded","details":' + details + "}}"
+
+    parsed = classify(400, nested(errors.MAX_BODY_DEPTH))
+    text = classify(400, nested(errors.MAX_BODY_DEPTH + 1))
+
+    assert parsed.reason == text.reason == errors.CONTEXT_WINDOW_EXCEEDED  # wording in both
+    assert parsed.message == "HTTP 400: context length exceeded"
+    assert text.message.startswith('HTTP 400: {"error":{"message":')
+
+
+def test_a_lone_surrogate_in_a_json_message_becomes_a_replacement() -> None:
+    failure = classify(400, '{"error":{"message":"\\ud800 context length exceeded"}}')
+
+    assert failure.message == "HTTP 400: ? context length exceeded"
 
 
 # ---- the summarizer classifies through the table, over real HTTP ---------------------------

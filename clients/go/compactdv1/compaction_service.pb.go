@@ -1916,9 +1916,10 @@ type ProviderError struct {
 	// The provider's message, for the log.
 	Message string `protobuf:"bytes,3,opt,name=message,proto3" json:"message,omitempty"`
 	// CONTEXT_WINDOW_EXCEEDED: the window the provider stated, in tokens (0: not stated). Used
-	// when the route declares none.
+	// when the route declares none. Not positive or above 10^12: not stated.
 	ContextWindow int64 `protobuf:"varint,20,opt,name=context_window,json=contextWindow,proto3" json:"context_window,omitempty"`
-	// CONTEXT_WINDOW_EXCEEDED: the size of the refused prompt the provider stated (0: not stated).
+	// CONTEXT_WINDOW_EXCEEDED: the size of the refused prompt the provider stated (0: not stated;
+	// not positive or above 10^12: not stated).
 	PromptTokens int64 `protobuf:"varint,21,opt,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
 	// The provider's response as received; classified when `kind` is UNSPECIFIED.
 	Raw *RawProviderError `protobuf:"bytes,22,opt,name=raw,proto3" json:"raw,omitempty"`
@@ -2006,7 +2007,7 @@ type RawProviderError struct {
 
 	// HTTP status; 0 for an error object received inside a 200 event stream.
 	HttpStatus int32 `protobuf:"varint,1,opt,name=http_status,json=httpStatus,proto3" json:"http_status,omitempty"`
-	// The response body, byte for byte (JSON or text).
+	// The response body, byte for byte (JSON or text). Classification reads its first 16 KiB.
 	Body []byte `protobuf:"bytes,2,opt,name=body,proto3" json:"body,omitempty"`
 	// Response headers (names in any case), e.g. `retry-after`, `retry-after-ms`.
 	Headers map[string]string `protobuf:"bytes,3,rep,name=headers,proto3" json:"headers,omitempty" protobuf_key:"bytes,1,opt,name=key,proto3" protobuf_val:"bytes,2,opt,name=value,proto3"`
@@ -2091,11 +2092,12 @@ type ProviderErrorClassification struct {
 	Retryable bool `protobuf:"varint,3,opt,name=retryable,proto3" json:"retryable,omitempty"`
 	// Seconds the provider asked to wait, when it said.
 	RetryAfterSeconds *float64 `protobuf:"fixed64,4,opt,name=retry_after_seconds,json=retryAfterSeconds,proto3,oneof" json:"retry_after_seconds,omitempty"`
-	// IMAGE_OFFLOAD_REQUIRED: input images to offload (0: the provider did not say).
+	// IMAGE_OFFLOAD_REQUIRED: input images to offload (0: the provider did not say, or stated
+	// more than an int32 holds).
 	OffloadImages int32 `protobuf:"varint,5,opt,name=offload_images,json=offloadImages,proto3" json:"offload_images,omitempty"`
-	// The window the provider stated, in tokens (0: not stated).
+	// The window the provider stated, in tokens (0: not stated, or above 10^12: no real window).
 	ContextWindow int64 `protobuf:"varint,6,opt,name=context_window,json=contextWindow,proto3" json:"context_window,omitempty"`
-	// The refused prompt's size the provider stated, in tokens (0: not stated).
+	// The refused prompt's size the provider stated, in tokens (0: not stated, or above 10^12).
 	PromptTokens int64 `protobuf:"varint,7,opt,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
 	// `HTTP <status>: <provider message>`, clipped.
 	Message string `protobuf:"bytes,8,opt,name=message,proto3" json:"message,omitempty"`

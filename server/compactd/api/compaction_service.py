@@ -14,7 +14,7 @@ from compactd.routes import Route
 from compactd.service.compaction import CompactionEngine, Progress
 from compactd.service.inspection import MODES, InspectionService
 from compactd.service.pressure import PressureService
-from compactd.service.recovery import RecoveryService, classification, classify_raw
+from compactd.service.recovery import RecoveryService
 from compactd.service.switch import SwitchService
 from compactd.v1 import compaction_service_pb2 as pb
 from compactd.v1 import compaction_service_pb2_grpc, events_pb2
@@ -144,8 +144,7 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
                 "a provider error needs its HTTP status or its body",
                 violations=[FieldViolation("raw", "set http_status, body, or both")],
             )
-        failure = classify_raw(raw, redact=self._engine.redact)
-        return pb.ClassifyProviderErrorResponse(classification=classification(failure))
+        return pb.ClassifyProviderErrorResponse(classification=self._recovery.classify(raw))
 
     @handle_errors
     async def PlanCompaction(

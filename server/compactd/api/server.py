@@ -195,9 +195,10 @@ async def create_server(
     run in the bracket's summary-error step (see ``SummaryErrorRecovery``), before the always-on
     ``ImageOffloadRecovery``. ``clock`` (monotonic seconds) times the failure memory's
     backoffs and the quotas' append buckets; ``wall_clock`` stamps sessions' create and
-    last-append times and runs the retention sweep. ``tenant_binding`` interceptors bind the
-    caller's tenant (``compactd.tenancy``) after the configured authentication, before the
-    limits and quotas count it (a test's own binding: ``testing.tenants.MetadataTenants``).
+    last-append times, runs the retention sweep and reads providers' HTTP-date
+    ``retry-after``. ``tenant_binding`` interceptors bind the caller's tenant
+    (``compactd.tenancy``) after the configured authentication, before the limits and quotas
+    count it (a test's own binding: ``testing.tenants.MetadataTenants``).
     ``extra_handlers`` serve methods of their own behind the same interceptors, after compactd's
     (a benchmark's no-op references).
 
@@ -227,7 +228,7 @@ async def create_server(
         running = await _serve_on(
             config, parts, store, provider, owns_provider, owned_meter, prometheus, metrics,
             summarizer, summary_recoveries, clock, trust, tenant_binding,
-            extra_handlers=extra_handlers,
+            extra_handlers=extra_handlers, wall_clock=wall_clock,
         )  # fmt: skip
         refused.pop_all()
     await _start_trust(running, parts, trust.tls, trust.authentication, wall_clock)
@@ -316,6 +317,7 @@ async def _serve_on(
     tenant_binding: Sequence[interceptors.Interceptor],
     *,
     extra_handlers: Sequence[grpc.GenericRpcHandler[Any, Any]] = (),
+    wall_clock: Clock = utc_now,
 ) -> RunningServer:
     quotas = QuotaBook(parts.quotas, clock=clock, metrics=metrics)
     await quotas.load(store)
@@ -352,7 +354,7 @@ async def _serve_on(
         redact=redactor,
         clock=clock,
     )
-    recovery = RecoveryService(manager, pressure, engine, parts.pruner)
+    recovery = RecoveryService(manager, pressure, engine, parts.pruner, wall_clock)
     switch = SwitchService(manager, pressure, engine)
     telemetry.quiet_cancelled_stream_detach()
     chain = interceptors.chain(

@@ -35,7 +35,9 @@ NODE_OVERHEAD_BYTES: Final = 128
 #: Framing of a placeholder text block (block and text tags and lengths).
 PLACEHOLDER_FRAMING_BYTES: Final = 16
 
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+# An unterminated string runs to the end (no parser reads past it): each quote then starts one
+# scan, never a rescan of the rest, so the sub stays linear on hostile text.
+_JSON_STRING = re.compile(r'"(?:[^"\\]+|\\.)*(?:"|\\?\Z)', re.DOTALL)
 _BRACKET = re.compile(r"[\[\]{}]")
 
 
@@ -53,7 +55,8 @@ DEFAULT_LIMITS: Final = AppendLimits()
 
 
 def json_depth(text: str) -> int:
-    """How deep brackets nest in ``text`` outside JSON strings (valid JSON or not).
+    """How deep brackets nest in ``text`` outside JSON strings (valid JSON or not; an
+    unterminated string hides the rest).
 
     Linear and without recursion, so hostile input costs what its length costs.
     """

@@ -22,6 +22,12 @@ against (the test suite replays those bodies through a real HTTP server):
 
 Provider wording changes: a failure no rule recognizes is ``PROVIDER_ERROR`` (never a guess), and
 a new provider is one more rule with its real body in the tests. Pure functions, no I/O.
+
+Bodies come from providers and from runtimes' callers, so nothing in them is trusted: the table
+reads at most the first ``MAX_BODY_BYTES`` of a body, JSON nesting deeper than
+``MAX_BODY_DEPTH`` is read as text, and a stated figure no real request can have (above
+``MAX_TOKEN_COUNT`` tokens, or ``MAX_IMAGE_COUNT`` images) counts as not stated. Classifying
+any body therefore raises nothing and costs what those bounds cost.
 """
 
 from __future__ import annotations
@@ -32,8 +38,10 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC
 from typing import Any, Final
 
+from compactd.core.limits import MAX_TOKEN_COUNT, json_depth
 from compactd.providers.base import (
     CONTEXT_WINDOW_EXCEEDED,
     IMAGE_OFFLOAD_REQUIRED,
@@ -46,6 +54,9 @@ from compactd.providers.base import (
 __all__ = [
     "CONTEXT_WINDOW_EXCEEDED",
     "IMAGE_OFFLOAD_REQUIRED",
+    "MAX_BODY_BYTES",
+    "MAX_BODY_DEPTH",
+    "MAX_IMAGE_COUNT",
     "PROVIDER_ERROR",
     "PROVIDER_UNAVAILABLE",
     "RATE_LIMITED",
@@ -60,6 +71,14 @@ __all__ = [
 
 #: A failure no rule recognizes.
 PROVIDER_ERROR: Final = "PROVIDER_ERROR"
+#: The bytes of a body the table reads (real error bodies hold a few hundred): a longer body is
+#: read by its start, so every rule's cost is bounded whatever the body's size.
+MAX_BODY_BYTES: Final = 16 * 1024
+#: The JSON nesting read as an error object (providers nest about five levels); deeper is text,
+#: so a hostile body never makes the parser recurse.
+MAX_BODY_DEPTH: Final = 32
+#: The most images a figure may state (``offload_images`` is an int32 on the wire).
+MAX_IMAGE_COUNT: Final = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -148,57 +167,88 @@ class ProviderFailure:
 
 # --- figures ---------------------------------------------------------------------------------
 
+#: The figures a wording states, in order; None for one no real request can have.
+Stated = tuple[int | None, ...]
 
-def _ints(pattern: str) -> Callable[[str], tuple[int, ...] | None]:
+
+def _ints(pattern: str, bound: int = MAX_TOKEN_COUNT) -> Callable[[str], Stated | None]:
     compiled = re.compile(pattern, re.IGNORECASE)
 
-    def find(text: str) -> tuple[int, ...] | None:
+    def find(text: str) -> Stated | None:
         found = compiled.search(text)
-        return tuple(int(g) for g in found.groups()) if found else None
+        return tuple(_figure(g, bound) for g in found.groups()) if found else None
 
     return find
+
+
+def _figure(digits: str, bound: int) -> int | None:
+    """``digits`` as a count up to ``bound``, else None (the length test also spares ``int`` a
+    digit run beyond its limit)."""
+    digits = digits.lstrip("0") or "0"
+    if len(digits) > len(str(bound)):
+        return None
+    value = int(digits)
+    return value if value <= bound else None
+
+
+def _nth(stated: Stated | None, index: int) -> int:
+    """The ``index``th stated figure (0: not stated, or not a real one)."""
+    return (stated[index] or 0) if stated else 0
+
+
+def _count(value: Any, bound: int = MAX_TOKEN_COUNT) -> int:
+    """A JSON figure: a positive integer up to ``bound``, else 0 (not stated)."""
+    real = isinstance(value, int) and not isinstance(value, bool) and 0 < value <= bound
+    return value if real else 0
 
 
 _WINDOW_IS = _ints(r"maximum context length is (\d+) tokens")
 _PROMPT_IS = _ints(
     r"(?:you requested|messages resulted in|request has|prompt contains) (\d+)(?: input)? tokens"
 )
-_ANTHROPIC_SIZES = _ints(r"(\d+) tokens > (\d+) maximum")
+# Only a digit run's first digit starts a match (the lookbehind): one attempt per run, not one per
+# digit, so a long run costs its length, not its square.
+_ANTHROPIC_SIZES = _ints(r"(?<!\d)(\d+) tokens > (\d+) maximum")
 _GEMINI_SIZES = _ints(
     r"input token count \(?(\d+)\)? exceeds the maximum number of tokens allowed \(?(\d+)"
 )
 _IMAGE_LIMIT = _ints(
-    r"(?:at most|maximum of|max(?:imum)?(?: is)?|up to|limit(?: is| of)?)\s*(\d+)\s*images?"
+    r"(?:at most|maximum of|max(?:imum)?(?: is)?|up to|limit(?: is| of)?)\s*(\d+)\s*images?",
+    MAX_IMAGE_COUNT,
 )
 
 
 def _worded_figures(body: ErrorBody) -> Figures:
     window, prompt = _WINDOW_IS(body.message), _PROMPT_IS(body.message)
-    return Figures(window[0] if window else 0, prompt[0] if prompt else 0)
+    return Figures(_nth(window, 0), _nth(prompt, 0))
 
 
 def _llama_figures(body: ErrorBody) -> Figures:
-    return Figures(_int(body.fields.get("n_ctx")), _int(body.fields.get("n_prompt_tokens")))
+    return Figures(_count(body.fields.get("n_ctx")), _count(body.fields.get("n_prompt_tokens")))
 
 
 def _anthropic_figures(body: ErrorBody) -> Figures:
     sizes = _ANTHROPIC_SIZES(body.message)
-    return Figures(sizes[1], sizes[0]) if sizes else _NO_FIGURES
+    return Figures(_nth(sizes, 1), _nth(sizes, 0))
 
 
 def _gemini_figures(body: ErrorBody) -> Figures:
     sizes = _GEMINI_SIZES(body.message)
-    return Figures(sizes[1], sizes[0]) if sizes else _NO_FIGURES
+    return Figures(_nth(sizes, 1), _nth(sizes, 0))
+
+
+def _offload_count(body: ErrorBody) -> int:
+    return _count(body.fields.get("offload_images"), MAX_IMAGE_COUNT)
 
 
 def _stated_offload(body: ErrorBody) -> Figures:
-    return Figures(offload_images=_int(body.fields.get("offload_images")))
+    return Figures(offload_images=_offload_count(body))
 
 
 def _offload_over_limit(body: ErrorBody) -> Figures:
     """Images beyond a stated limit, when the request's image count is known."""
     limit = _IMAGE_LIMIT(body.message)
-    if limit is None or not body.request_images:
+    if limit is None or limit[0] is None or not body.request_images:
         return _NO_FIGURES
     return Figures(offload_images=max(1, body.request_images - limit[0]))
 
@@ -258,7 +308,8 @@ TABLE: Final[tuple[Rule, ...]] = (
         "gemini/input_token_count",
         CONTEXT_WINDOW_EXCEEDED,
         False,
-        _not_rate_limit(_worded(r"input token count.*exceeds the maximum number of tokens")),
+        # A bounded gap: ``.*`` rescans the line after every "input token count" (quadratic).
+        _not_rate_limit(_worded(r"input token count.{0,64}exceeds the maximum number of tokens")),
         _gemini_figures,
     ),
     Rule(
@@ -273,7 +324,7 @@ TABLE: Final[tuple[Rule, ...]] = (
         "compactd/offload_images",
         IMAGE_OFFLOAD_REQUIRED,
         False,
-        lambda b: _int(b.fields.get("offload_images")) > 0,
+        lambda b: _offload_count(b) > 0,
         _stated_offload,
     ),
     Rule(
@@ -332,11 +383,11 @@ def classify(
     request_images: int | None = None,
     now: float | None = None,
 ) -> ProviderFailure:
-    """Classify one provider error response with ``TABLE``.
+    """Classify one provider error response with ``TABLE``; raises nothing, whatever the body.
 
     Args:
         status: HTTP status, or None for an error object inside a 200 stream.
-        body: The response body (provider JSON or text).
+        body: The response body (provider JSON or text); its first ``MAX_BODY_BYTES`` are read.
         headers: Response headers (``retry-after-ms`` / ``retry-after`` are honoured).
         request_images: Input images the failed request carried, when known; with a stated limit
             this gives ``offload_images``.
@@ -349,7 +400,7 @@ def classify(
     figures = rule.figures(parsed) if rule is not None else _NO_FIGURES
     return ProviderFailure(
         reason=rule.reason if rule is not None else PROVIDER_ERROR,
-        message=prefix + _clip(parsed.message),
+        message=prefix + _wire_text(_clip(parsed.message)),
         retryable=rule.retryable if rule is not None else False,
         status=status,
         rule=rule.name if rule is not None else "",
@@ -363,11 +414,11 @@ def classify(
 def read_body(status: int | None, body: bytes | str, request_images: int | None) -> ErrorBody:
     """The provider's error object from a JSON body (OpenAI's ``{"error": {...}}``, Anthropic's
     ``{"type": "error", "error": {...}}``, vLLM's bare object, Gemini's one-element list) or a
-    text body."""
-    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
-    try:
-        parsed: Any = json.loads(text)
-    except ValueError:
+    text body, from the body's first ``MAX_BODY_BYTES``."""
+    start = body[:MAX_BODY_BYTES]
+    text = start.decode("utf-8", "replace") if isinstance(start, bytes) else start
+    parsed = _json(text)
+    if parsed is _NOT_JSON:
         return ErrorBody(status, text.strip() or "(empty body)", request_images=request_images)
     if isinstance(parsed, list) and len(parsed) == 1:
         parsed = parsed[0]
@@ -389,8 +440,25 @@ def read_body(status: int | None, body: bytes | str, request_images: int | None)
     )
 
 
+_NOT_JSON: Final = object()
+
+
+def _json(text: str) -> Any:
+    """``text``'s JSON value, or ``_NOT_JSON`` (also for nesting beyond ``MAX_BODY_DEPTH``, and
+    for an integer beyond ``int``'s digit limit, which ``json`` refuses with a ValueError)."""
+    if json_depth(text) > MAX_BODY_DEPTH:
+        return _NOT_JSON
+    try:
+        return json.loads(text)
+    except ValueError:
+        return _NOT_JSON
+
+
 def parse_retry_after(headers: Mapping[str, str], *, now: float | None = None) -> float | None:
-    """Seconds to wait from lower-cased ``retry-after-ms`` or ``retry-after`` headers, if any."""
+    """Seconds to wait from lower-cased ``retry-after-ms`` or ``retry-after`` headers, if any.
+
+    An HTTP date (always GMT; a zone-less one is read as GMT) needs ``now``, POSIX seconds.
+    """
     milliseconds = headers.get("retry-after-ms")
     if milliseconds is not None:
         seconds = _float(milliseconds)
@@ -402,11 +470,17 @@ def parse_retry_after(headers: Mapping[str, str], *, now: float | None = None) -
     seconds = _float(value)
     if seconds is not None:
         return max(0.0, seconds)
+    when = _http_date(value)
+    return None if when is None or now is None else max(0.0, when - now)
+
+
+def _http_date(value: str) -> float | None:
+    """POSIX seconds of an HTTP date, or None for text that is none (or beyond ``datetime``)."""
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+        return (when if when.tzinfo is not None else when.replace(tzinfo=UTC)).timestamp()
+    except (TypeError, ValueError, OverflowError):
         return None
-    return None if now is None else max(0.0, when.timestamp() - now)
 
 
 def _float(value: str) -> float | None:
@@ -417,9 +491,10 @@ def _float(value: str) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def _int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
-
-
 def _clip(text: str, limit: int = 500) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _wire_text(text: str) -> str:
+    """``text`` as a proto string takes it: JSON escapes can make lone surrogates."""
+    return text.encode("utf-8", "replace").decode("utf-8")

@@ -19,7 +19,8 @@ the one provider error table (``providers.errors``). Two failures have a recover
 
 The window is the route's declared one, else the one the provider stated in its error (llama.cpp
 ``n_ctx``, "maximum context length is N tokens", ...): overflow recovery works for a route
-without declared capacity.
+without declared capacity. A caller's figure no real request can have (not positive, or above
+``MAX_TOKEN_COUNT``) counts as not stated, like one the table reads from a hostile body.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass, replace
 
 from compactd.core.events import SessionEvent
 from compactd.core.fold import SessionFold
+from compactd.core.limits import MAX_TOKEN_COUNT
 from compactd.core.meter import route_price
 from compactd.core.offload import offloadable
 from compactd.core.planner import SHAPES, PlanMode
@@ -57,6 +59,7 @@ from compactd.service.offload import offload_oldest
 from compactd.service.pressure import PressureService, session_meter
 from compactd.service.requests import build_request
 from compactd.service.sessions import SessionHandle, SessionManager
+from compactd.store.base import Clock, utc_now
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2
 
@@ -77,14 +80,18 @@ def classify_raw(
     request_images: int | None = None,
     *,
     redact: Callable[[str], str] = PATTERNS_ONLY,
+    now: float | None = None,
 ) -> ProviderFailure:
     """Classify a runtime's raw provider error with the table (status 0: inside a stream).
 
     The failure's message (the provider's text, returned to the caller) is ``redact``ed.
+    ``request_images`` counts the images when ``raw`` states none (a negative count is none);
+    ``now`` (POSIX seconds) reads an HTTP-date ``retry-after``.
     """
-    images = raw.request_images if raw.HasField("request_images") else request_images
+    stated = raw.HasField("request_images") and raw.request_images >= 0
+    images = raw.request_images if stated else request_images
     failure = errors.classify(
-        raw.http_status or None, raw.body, dict(raw.headers), request_images=images
+        raw.http_status or None, raw.body, dict(raw.headers), request_images=images, now=now
     )
     return replace(failure, message=redact(failure.message))
 
@@ -140,6 +147,7 @@ class RecoveryService:
         pressure: Routes, policies and the session meters.
         engine: Pruning and the bracket.
         pruner: The ``[pruner]`` thresholds (their head:tail ratio shapes window-sized prunes).
+        wall_clock: Now, for an HTTP-date ``retry-after`` (the server's; tests pin it).
     """
 
     def __init__(
@@ -148,11 +156,21 @@ class RecoveryService:
         pressure: PressureService,
         engine: CompactionEngine,
         pruner: PrunerConfig | None = None,
+        wall_clock: Clock = utc_now,
     ) -> None:
         self._manager = manager
         self._pressure = pressure
         self._engine = engine
         self._pruner = pruner or PrunerConfig()
+        self._wall_clock = wall_clock
+
+    def classify(
+        self, raw: cpb.RawProviderError, request_images: int | None = None
+    ) -> cpb.ProviderErrorClassification:
+        """ClassifyProviderError's answer for ``raw``: redacted, ``retry-after`` read at now."""
+        now = self._wall_clock().timestamp()
+        failure = classify_raw(raw, request_images, redact=self._engine.redact, now=now)
+        return classification(failure)
 
     async def recover(
         self,
@@ -176,8 +194,7 @@ class RecoveryService:
         result = cpb.RecoverFromErrorResult()
         if error.kind == cpb.PROVIDER_ERROR_KIND_UNSPECIFIED:
             images = offloadable(handle.fold.surface.nodes, handle.fold.offloads)
-            classified = classify_raw(error.raw, images, redact=self._engine.redact)
-            result.classification.CopyFrom(classification(classified))
+            result.classification.CopyFrom(self.classify(error.raw, images))
             error = result.classification.error
         result.kind = error.kind
         if error.kind == IMAGES:
@@ -292,7 +309,8 @@ class RecoveryService:
         self._declined(handle, route, window, committed, result)
 
     def window_of(self, handle: SessionHandle, route: Route, error: cpb.ProviderError) -> _Window:
-        """The window to recover against (the provider's statement wins) and today's figures."""
+        """The window to recover against (the route's declared one, else the one the provider
+        stated) and today's figures."""
         header = handle.fold.header
         max_output = (
             header.config.max_output_tokens
@@ -301,10 +319,11 @@ class RecoveryService:
         )
         reservation = output_reservation(max_output, route.default_output_tokens)
         measured = session_meter(handle).measure(handle.fold, route)
-        if error.context_window > 0:
-            window, source = error.context_window, "provider"
-        elif route.context_window is not None:
+        stated = _token_figure(error.context_window)
+        if route.context_window is not None:
             window, source = route.context_window, "route"
+        elif stated:
+            window, source = stated, "provider"
         else:
             window, source = 0, ""
         figures = cpb.OverflowFigures(
@@ -316,7 +335,7 @@ class RecoveryService:
             config_tokens=measured.config,
             envelope_tokens=measured.system + measured.tools + measured.config,
             measured_tokens=measured.total,
-            prompt_tokens=error.prompt_tokens,
+            prompt_tokens=_token_figure(error.prompt_tokens),
         )
         return _Window(figures)
 
@@ -367,6 +386,11 @@ class RecoveryService:
             _decline(result, Decline.RECOVERY_DECLINE_INDIVISIBLE_UNIT, _indivisible(figures))
             return
         _decline(result, Decline.RECOVERY_DECLINE_NOTHING_SELECTABLE, declined.reason)
+
+
+def _token_figure(stated: int) -> int:
+    """A caller's token figure, or 0 (not stated) when no real request has it."""
+    return stated if 0 < stated <= MAX_TOKEN_COUNT else 0
 
 
 def _decline(

@@ -1039,10 +1039,12 @@ class ProviderError(_message.Message):
     """The provider's message, for the log."""
     context_window: _builtins.int
     """CONTEXT_WINDOW_EXCEEDED: the window the provider stated, in tokens (0: not stated). Used
-    when the route declares none.
+    when the route declares none. Not positive or above 10^12: not stated.
     """
     prompt_tokens: _builtins.int
-    """CONTEXT_WINDOW_EXCEEDED: the size of the refused prompt the provider stated (0: not stated)."""
+    """CONTEXT_WINDOW_EXCEEDED: the size of the refused prompt the provider stated (0: not stated;
+    not positive or above 10^12: not stated).
+    """
     @_builtins.property
     def raw(self) -> Global___RawProviderError:
         """The provider's response as received; classified when `kind` is UNSPECIFIED."""
@@ -1098,7 +1100,7 @@ class RawProviderError(_message.Message):
     http_status: _builtins.int
     """HTTP status; 0 for an error object received inside a 200 event stream."""
     body: _builtins.bytes
-    """The response body, byte for byte (JSON or text)."""
+    """The response body, byte for byte (JSON or text). Classification reads its first 16 KiB."""
     request_images: _builtins.int
     """Input images the failed request carried, when known (with a limit the provider states,
     this gives `offload_images`). RecoverFromError counts the session's own when absent.
@@ -1153,11 +1155,13 @@ class ProviderErrorClassification(_message.Message):
     retry_after_seconds: _builtins.float
     """Seconds the provider asked to wait, when it said."""
     offload_images: _builtins.int
-    """IMAGE_OFFLOAD_REQUIRED: input images to offload (0: the provider did not say)."""
+    """IMAGE_OFFLOAD_REQUIRED: input images to offload (0: the provider did not say, or stated
+    more than an int32 holds).
+    """
     context_window: _builtins.int
-    """The window the provider stated, in tokens (0: not stated)."""
+    """The window the provider stated, in tokens (0: not stated, or above 10^12: no real window)."""
     prompt_tokens: _builtins.int
-    """The refused prompt's size the provider stated, in tokens (0: not stated)."""
+    """The refused prompt's size the provider stated, in tokens (0: not stated, or above 10^12)."""
     message: _builtins.str
     """`HTTP <status>: <provider message>`, clipped."""
     rule: _builtins.str

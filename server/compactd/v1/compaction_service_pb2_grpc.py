@@ -217,8 +217,11 @@ class CompactionServiceServicer:
         """Classifies a provider's error response (HTTP status, body, headers) with compactd's one
         table of recognized provider failures, so runtimes in every language get the same answer
         (OpenAI, DeepSeek, vLLM, llama.cpp, Anthropic, Gemini overflow bodies; image budgets; rate
-        limits; authentication; unavailability). Needs no session. Errors: INVALID_ARGUMENT when
-        neither a status nor a body is given.
+        limits; authentication; unavailability). Needs no session. Any body classifies: the table
+        reads its first 16 KiB, JSON nested deeper than 32 levels as text, and a figure no real
+        request has (more than 10^12 tokens, more than int32 images) as not stated. An HTTP-date
+        `retry-after` counts from the server's clock. Errors: INVALID_ARGUMENT when neither a status
+        nor a body is given.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

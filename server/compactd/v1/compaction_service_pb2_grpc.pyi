@@ -127,8 +127,11 @@ class CompactionServiceStub:
     """Classifies a provider's error response (HTTP status, body, headers) with compactd's one
     table of recognized provider failures, so runtimes in every language get the same answer
     (OpenAI, DeepSeek, vLLM, llama.cpp, Anthropic, Gemini overflow bodies; image budgets; rate
-    limits; authentication; unavailability). Needs no session. Errors: INVALID_ARGUMENT when
-    neither a status nor a body is given.
+    limits; authentication; unavailability). Needs no session. Any body classifies: the table
+    reads its first 16 KiB, JSON nested deeper than 32 levels as text, and a figure no real
+    request has (more than 10^12 tokens, more than int32 images) as not stated. An HTTP-date
+    `retry-after` counts from the server's clock. Errors: INVALID_ARGUMENT when neither a status
+    nor a body is given.
     """
     PlanCompaction: _grpc.UnaryUnaryMultiCallable[_compaction_service_pb2.PlanCompactionRequest, _compaction_service_pb2.PlanCompactionResponse]
     """A dry run: what a compaction in `mode` would do now, decided by the same code the real
@@ -246,8 +249,11 @@ class CompactionServiceAsyncStub(CompactionServiceStub):
     """Classifies a provider's error response (HTTP status, body, headers) with compactd's one
     table of recognized provider failures, so runtimes in every language get the same answer
     (OpenAI, DeepSeek, vLLM, llama.cpp, Anthropic, Gemini overflow bodies; image budgets; rate
-    limits; authentication; unavailability). Needs no session. Errors: INVALID_ARGUMENT when
-    neither a status nor a body is given.
+    limits; authentication; unavailability). Needs no session. Any body classifies: the table
+    reads its first 16 KiB, JSON nested deeper than 32 levels as text, and a figure no real
+    request has (more than 10^12 tokens, more than int32 images) as not stated. An HTTP-date
+    `retry-after` counts from the server's clock. Errors: INVALID_ARGUMENT when neither a status
+    nor a body is given.
     """
     PlanCompaction: _aio.UnaryUnaryMultiCallable[_compaction_service_pb2.PlanCompactionRequest, _compaction_service_pb2.PlanCompactionResponse]  # type: ignore[assignment]
     """A dry run: what a compaction in `mode` would do now, decided by the same code the real
@@ -410,8 +416,11 @@ class CompactionServiceServicer(metaclass=_abc_1.ABCMeta):
         """Classifies a provider's error response (HTTP status, body, headers) with compactd's one
         table of recognized provider failures, so runtimes in every language get the same answer
         (OpenAI, DeepSeek, vLLM, llama.cpp, Anthropic, Gemini overflow bodies; image budgets; rate
-        limits; authentication; unavailability). Needs no session. Errors: INVALID_ARGUMENT when
-        neither a status nor a body is given.
+        limits; authentication; unavailability). Needs no session. Any body classifies: the table
+        reads its first 16 KiB, JSON nested deeper than 32 levels as text, and a figure no real
+        request has (more than 10^12 tokens, more than int32 images) as not stated. An HTTP-date
+        `retry-after` counts from the server's clock. Errors: INVALID_ARGUMENT when neither a status
+        nor a body is given.
         """
 
     @_abc_1.abstractmethod

@@ -792,14 +792,15 @@ export type ProviderError = Message<"compactd.v1.ProviderError"> & {
 
   /**
    * CONTEXT_WINDOW_EXCEEDED: the window the provider stated, in tokens (0: not stated). Used
-   * when the route declares none.
+   * when the route declares none. Not positive or above 10^12: not stated.
    *
    * @generated from field: int64 context_window = 20;
    */
   contextWindow: bigint;
 
   /**
-   * CONTEXT_WINDOW_EXCEEDED: the size of the refused prompt the provider stated (0: not stated).
+   * CONTEXT_WINDOW_EXCEEDED: the size of the refused prompt the provider stated (0: not stated;
+   * not positive or above 10^12: not stated).
    *
    * @generated from field: int64 prompt_tokens = 21;
    */
@@ -834,7 +835,7 @@ export type RawProviderError = Message<"compactd.v1.RawProviderError"> & {
   httpStatus: number;
 
   /**
-   * The response body, byte for byte (JSON or text).
+   * The response body, byte for byte (JSON or text). Classification reads its first 16 KiB.
    *
    * @generated from field: bytes body = 2;
    */
@@ -900,21 +901,22 @@ export type ProviderErrorClassification = Message<"compactd.v1.ProviderErrorClas
   retryAfterSeconds?: number | undefined;
 
   /**
-   * IMAGE_OFFLOAD_REQUIRED: input images to offload (0: the provider did not say).
+   * IMAGE_OFFLOAD_REQUIRED: input images to offload (0: the provider did not say, or stated
+   * more than an int32 holds).
    *
    * @generated from field: int32 offload_images = 5;
    */
   offloadImages: number;
 
   /**
-   * The window the provider stated, in tokens (0: not stated).
+   * The window the provider stated, in tokens (0: not stated, or above 10^12: no real window).
    *
    * @generated from field: int64 context_window = 6;
    */
   contextWindow: bigint;
 
   /**
-   * The refused prompt's size the provider stated, in tokens (0: not stated).
+   * The refused prompt's size the provider stated, in tokens (0: not stated, or above 10^12).
    *
    * @generated from field: int64 prompt_tokens = 7;
    */
@@ -2634,8 +2636,11 @@ export const CompactionService: GenService<{
    * Classifies a provider's error response (HTTP status, body, headers) with compactd's one
    * table of recognized provider failures, so runtimes in every language get the same answer
    * (OpenAI, DeepSeek, vLLM, llama.cpp, Anthropic, Gemini overflow bodies; image budgets; rate
-   * limits; authentication; unavailability). Needs no session. Errors: INVALID_ARGUMENT when
-   * neither a status nor a body is given.
+   * limits; authentication; unavailability). Needs no session. Any body classifies: the table
+   * reads its first 16 KiB, JSON nested deeper than 32 levels as text, and a figure no real
+   * request has (more than 10^12 tokens, more than int32 images) as not stated. An HTTP-date
+   * `retry-after` counts from the server's clock. Errors: INVALID_ARGUMENT when neither a status
+   * nor a body is given.
    *
    * @generated from rpc compactd.v1.CompactionService.ClassifyProviderError
    */
