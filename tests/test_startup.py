@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 
 from compactd.api.server import create_server
 from compactd.testing.openai_server import OpenAICompatServer
+from compactd.tokenizers import QWEN3_TOKENIZER
 from tests.compaction_fixtures import loopback, server_config
 
 _LISTENING = re.compile(r"compactd listening on (\S+)")
@@ -72,6 +73,8 @@ def test_serve_logs_what_it_will_do_and_warns_about_foreign_variables(tmp_path: 
     routes = {e["route"]: e for e in entries if e["message"] == "route"}
     assert routes["deepseek/deepseek-chat"]["tokenizer"] == "deepseek-v4"
     assert routes["openai/gpt-4o"]["tokenizer"] == "o200k_base"
+    qwen = routes["vllm/Qwen/Qwen3-8B"]  # priced exactly, through its chat template
+    assert (qwen["tokenizer"], qwen["tokenizer_file"]) == ("chat template", QWEN3_TOKENIZER)
     assert not [r for r in routes.values() if "summary_endpoint" in r]  # no public endpoint
 
 

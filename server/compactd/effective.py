@@ -124,6 +124,8 @@ def startup_report(running: Any, parts: Any, summarizers: Any) -> list[tuple[str
     for route in parts.routes:
         fields: dict[str, Any] = {"route": route.name, "tokenizer": route.tokenizer,
                                   "context_window": route.context_window}  # fmt: skip
+        if route.tokenizer_file:  # priced through its chat template; ``tokenizer`` is ignored
+            fields.update(tokenizer="chat template", tokenizer_file=route.tokenizer_file)
         if summarizers.may_send(route):
             fields["summary_endpoint"] = route.base_url
         lines.append(("route", fields))

@@ -181,6 +181,22 @@ async def test_the_health_only_listener_answers_probes_in_plaintext(
         await running.stop(0)
 
 
+async def test_the_start_up_log_names_the_addresses_the_listeners_bound(
+    server_config: config.ServerConfig, served: Pem, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="compactd.api.server"):
+        running = await create_server(
+            _tls_config(server_config, served, health_listen="127.0.0.1:0")
+        )
+    try:
+        (security,) = [r for r in caplog.records if r.getMessage() == "listener security"]
+        assert security.listen == running.address  # type: ignore[attr-defined]
+        assert not running.address.endswith(":0")
+        assert security.health_listen == f"127.0.0.1:{running.health_port}"  # type: ignore[attr-defined]
+    finally:
+        await running.stop(0)
+
+
 def test_a_missing_certificate_file_is_a_config_error_naming_it(
     server_config: config.ServerConfig, tmp_path: Path
 ) -> None:

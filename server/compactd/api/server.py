@@ -264,20 +264,25 @@ async def _start_trust(
         running.health_server, running.health_port = await _health_only(
             config.health_listen, running.health
         )
-    _log_transport(config, tls, authentication.credentials)
+    _log_transport(running, tls, authentication.credentials)
 
 
 def _log_transport(
-    config: ServerConfig, tls: ServerTls | None, credentials: auth.Credentials
+    running: RunningServer, tls: ServerTls | None, credentials: auth.Credentials
 ) -> None:
+    """Say how the listeners are protected, at the addresses they bound (port 0 picks one)."""
+    config = running.config
     transport = "plaintext" if tls is None else ("mutual TLS" if tls.mutual else "TLS")
-    fields = {
-        "listen": config.listen,
+    fields: dict[str, object] = {
+        "listen": running.address,
         "transport": transport,
         "authentication": "on" if credentials.enabled else "off",
         "tokens": len(credentials.token_digests),
         "identities": len(credentials.identities),
     }
+    if running.health_server is not None:
+        health_host = config.health_listen.rpartition(":")[0]
+        fields["health_listen"] = f"{health_host}:{running.health_port}"
     host, _ = config.host_port
     if tls is None and not settings.is_loopback(host):
         log.warning(
