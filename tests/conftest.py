@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -19,6 +20,18 @@ from compactd.v1 import compaction_service_pb2_grpc, session_service_pb2_grpc
 # Property tests are bounded by example counts, never by wall time: these machines are noisy.
 settings.register_profile("compactd", deadline=None)
 settings.load_profile("compactd")
+
+
+@pytest.fixture(autouse=True)
+def _root_log_handlers() -> Iterator[None]:
+    """Each test starts and ends with the root logger's handlers as they were: a command that
+    configures logging (``compactd serve``) binds a handler to that test's captured stderr,
+    which is closed once the test ends."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture
