@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from compactd.reasons import Reason
+
 
 @dataclass(frozen=True)
 class FieldViolation:
@@ -22,7 +24,7 @@ class FieldViolation:
 class CompactdError(Exception):
     """Root of every error compactd reports."""
 
-    reason: str = "INTERNAL"
+    reason: str = Reason.INTERNAL
 
     def __init__(
         self,
@@ -41,7 +43,7 @@ class CompactdError(Exception):
 class InvalidArgument(CompactdError):
     """Malformed input; ``violations`` name the fields."""
 
-    reason = "INVALID_ARGUMENT"
+    reason = Reason.INVALID_ARGUMENT
 
     def __init__(
         self,
@@ -58,61 +60,61 @@ class InvalidArgument(CompactdError):
 class ReplacementRejected(InvalidArgument):
     """A surface REPLACE broke one of the replacement rules (the message names the rule)."""
 
-    reason = "REPLACEMENT_REJECTED"
+    reason = Reason.REPLACEMENT_REJECTED
 
 
 class NotFound(CompactdError):
     """A named resource does not exist."""
 
-    reason = "NOT_FOUND"
+    reason = Reason.NOT_FOUND
 
 
 class AlreadyExists(CompactdError):
     """A resource with that name already exists."""
 
-    reason = "ALREADY_EXISTS"
+    reason = Reason.ALREADY_EXISTS
 
 
 class SeqConflict(CompactdError):
     """``expected_last_seq`` did not match the log."""
 
-    reason = "SEQ_CONFLICT"
+    reason = Reason.SEQ_CONFLICT
 
 
-class Busy(CompactdError):
+class CompactionBusy(CompactdError):
     """Another operation holds the session (a live compaction bracket or an open turn)."""
 
-    reason = "COMPACTION_BUSY"
+    reason = Reason.COMPACTION_BUSY
 
 
 class FailedPrecondition(CompactdError):
     """The session or configuration is not in a state that allows the operation."""
 
-    reason = "FAILED_PRECONDITION"
+    reason = Reason.FAILED_PRECONDITION
 
 
 class CapacityUnknown(FailedPrecondition):
     """A route has no declared context window."""
 
-    reason = "CAPACITY_UNKNOWN"
+    reason = Reason.CAPACITY_UNKNOWN
 
 
 class ConfigError(CompactdError):
     """Invalid configuration; the message names the bad key."""
 
-    reason = "CONFIG_INVALID"
+    reason = Reason.CONFIG_INVALID
 
 
 class Unavailable(CompactdError):
     """A dependency (store, provider) is temporarily unreachable."""
 
-    reason = "UNAVAILABLE"
+    reason = Reason.UNAVAILABLE
 
 
 class ResourceExhausted(CompactdError):
     """A limit was exceeded (batch size, message size, rate)."""
 
-    reason = "RESOURCE_EXHAUSTED"
+    reason = Reason.RESOURCE_EXHAUSTED
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,7 @@ class QuotaViolation:
 class QuotaExceeded(ResourceExhausted):
     """A tenant went over one of its quotas; ``retry_after`` (seconds) is set for a rate."""
 
-    reason = "QUOTA_EXCEEDED"
+    reason = Reason.QUOTA_EXCEEDED
 
     def __init__(
         self,
@@ -155,19 +157,19 @@ class Unauthenticated(CompactdError):
     """The call carries no credentials, or ones the server does not accept (one fixed message,
     whatever was wrong)."""
 
-    reason = "CREDENTIALS_INVALID"
+    reason = Reason.CREDENTIALS_INVALID
 
 
 class Internal(CompactdError):
     """A bug or broken invariant: the details are logged, the caller gets the reason."""
 
-    reason = "INTERNAL"
+    reason = Reason.INTERNAL
 
 
 class StartupError(CompactdError):
     """The server cannot start here: its port or its store is taken (the message says which)."""
 
-    reason = "STARTUP_FAILED"
+    reason = Reason.STARTUP_FAILED
 
 
 # --- replicas and the PostgreSQL store (issue 12) ------------------------------------------------
@@ -179,10 +181,10 @@ class StoreUnavailable(Unavailable):
     Retry later: the store recovers by itself once the database answers again.
     """
 
-    reason = "STORE_UNAVAILABLE"
+    reason = Reason.STORE_UNAVAILABLE
 
 
 class Fenced(CompactdError):
     """A compaction bracket's write came after its lease was lost to another replica."""
 
-    reason = "LEASE_LOST"
+    reason = Reason.LEASE_LOST

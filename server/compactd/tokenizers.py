@@ -57,6 +57,7 @@ from compactd.core.pricing import (
     Tokenizer,
 )
 from compactd.errors import ConfigError
+from compactd.reasons import Reason
 
 __all__ = [
     "CL100K",
@@ -151,7 +152,7 @@ def yield_cpu() -> None:
 class TokenizerUnavailable(ConfigError):
     """A known tokenizer whose data is not available locally."""
 
-    reason = "TOKENIZER_UNAVAILABLE"
+    reason = Reason.TOKENIZER_UNAVAILABLE
 
 
 #: Texts at least this long have their count kept (the latest one per tokenizer).

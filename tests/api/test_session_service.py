@@ -11,7 +11,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from compactd import config
 from compactd.api.server import RunningServer, create_server
 from compactd.core import fold as fold_module
-from compactd.errors import Busy
+from compactd.errors import CompactionBusy
 from compactd.v1 import events_pb2 as ev
 from compactd.v1 import session_service_pb2 as pb
 from compactd.v1.session_service_pb2_grpc import SessionServiceStub
@@ -380,7 +380,7 @@ async def test_restore_appends_end_seed_and_stale_bracket_no_longer_blocks(
         await _append(stub, sid, user("a"))
         handle = await running.manager.get(sid)  # brackets are the server's: its trusted path
         await handle.append([compaction_start("k1")])
-        with pytest.raises(Busy):
+        with pytest.raises(CompactionBusy):
             await handle.append([compaction_start("k2")])
     await running.stop(0)
 

@@ -23,7 +23,7 @@ from compactd.core.lock import live_bracket
 from compactd.core.pairing import CorruptPairing, balanced_cuts
 from compactd.core.steps import run_to_end
 from compactd.core.surface import SurfaceNode, shadow_history
-from compactd.errors import Busy, CompactdError, InvalidArgument, ReplacementRejected
+from compactd.errors import CompactdError, CompactionBusy, InvalidArgument, ReplacementRejected
 from compactd.store.base import encode_batch, encode_batch_in_steps
 from compactd.v1 import events_pb2
 from tests.builders import (
@@ -168,7 +168,7 @@ GOOD_PAIR = [user("fine"), header("p", "m2")]
         (replace(user("x"), start=3, end=3, sources=[3]), ReplacementRejected),
         (replace(user("x"), start=0, end=2, sources=[0, 2]), ReplacementRejected),
         (tool_result("nope", "x"), CorruptPairing),
-        (compaction_start("k2"), Busy),
+        (compaction_start("k2"), CompactionBusy),
         (compaction_end("k9"), InvalidArgument),
         (offload({3: [0]}), InvalidArgument),
         (with_id(user("dup"), "t1"), InvalidArgument),

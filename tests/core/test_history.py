@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from compactd.core.history import bracket_history
+from compactd.reasons import Reason
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2
 from tests.builders import (
@@ -34,7 +35,7 @@ def summary(compaction_id: str) -> SessionEvent:
 
 def summary_error(compaction_id: str) -> SessionEvent:
     body = events_pb2.CompactionSummaryError(
-        compaction_id=compaction_id, error="boom", reason="TIMEOUT", attempt=1
+        compaction_id=compaction_id, error="boom", reason=Reason.TIMEOUT, attempt=1
     )
     return SessionEvent(compaction_summary_error=body)
 

@@ -9,16 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compactd.api.status import code_for
-from compactd.core.fold import SURFACE_FULL, SessionFold
-from compactd.core.limits import (
-    MAX_TOKEN_COUNT,
-    AppendLimits,
-    json_depth,
-    node_bytes,
-)
+from compactd.core.fold import SessionFold
+from compactd.core.limits import MAX_TOKEN_COUNT, AppendLimits, json_depth, node_bytes
 from compactd.core.projection import offload_placeholder, project
-from compactd.core.validation import EVENT_TOO_LARGE, SERVER_ONLY_EVENT, Origin, check_batch
+from compactd.core.validation import Origin, check_batch
 from compactd.errors import InvalidArgument, ResourceExhausted
+from compactd.reasons import Reason
 from compactd.v1 import session_service_pb2
 from tests.builders import (
     SessionEvent,
@@ -177,13 +173,13 @@ def test_non_finite_header_numbers_are_refused_naming_each() -> None:
 
 def test_a_block_over_the_limit_is_event_too_large() -> None:
     error = client_errors([user("fine"), user("x" * 120)])
-    assert error.reason == EVENT_TOO_LARGE
+    assert error.reason == Reason.EVENT_TOO_LARGE
     assert [v.field for v in error.violations] == ["events[1].user_message.content[0]"]
 
 
 def test_an_event_over_the_limit_is_event_too_large() -> None:
     error = client_errors([user(blocks=[image_block("x" * 60) for _ in range(4)])])
-    assert error.reason == EVENT_TOO_LARGE
+    assert error.reason == Reason.EVENT_TOO_LARGE
     assert [v.field for v in error.violations] == ["events[0]"]
 
 
@@ -212,13 +208,13 @@ def test_every_oversized_block_and_event_is_named_as_a_check_of_each_would_name_
         check_batch(events, max_events=10, origin=CLIENT, limits=limits)
         return
     error = client_errors(events, limits)
-    assert error.reason == EVENT_TOO_LARGE
+    assert error.reason == Reason.EVENT_TOO_LARGE
     assert [v.field for v in error.violations] == expected
 
 
 def test_a_server_only_event_is_refused_before_an_oversized_one() -> None:
     error = client_errors([user("x" * 300), compaction_start("k")])
-    assert error.reason == SERVER_ONLY_EVENT
+    assert error.reason == Reason.SERVER_ONLY_EVENT
     assert [v.field for v in error.violations] == ["events[1].compaction_start"]
 
 
@@ -226,7 +222,7 @@ def test_an_oversized_event_is_refused_before_a_malformed_one() -> None:
     malformed = user("fine")
     malformed.seq = 4
     error = client_errors([malformed, user("x" * 120)])
-    assert error.reason == EVENT_TOO_LARGE
+    assert error.reason == Reason.EVENT_TOO_LARGE
     assert [v.field for v in error.violations] == ["events[1].user_message.content[0]"]
 
 
@@ -270,7 +266,7 @@ def test_a_batch_growing_the_surface_past_its_limit_is_surface_full() -> None:
     before = (fold.revision, fold.surface_bytes)
     with pytest.raises(ResourceExhausted) as caught:
         fold.admit([user("b" * 300), user("c" * 300)], origin=CLIENT, max_surface_bytes=1000)
-    assert caught.value.reason == SURFACE_FULL
+    assert caught.value.reason == Reason.SURFACE_FULL
     assert caught.value.metadata["limit"] == "1000"
     assert code_for(caught.value).name == "RESOURCE_EXHAUSTED"
     assert (fold.revision, fold.surface_bytes) == before

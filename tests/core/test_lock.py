@@ -6,7 +6,7 @@ import pytest
 
 from compactd.core.fold import SessionFold
 from compactd.core.lock import LiveBracket, LockState, live_bracket, stale_brackets
-from compactd.errors import Busy, InvalidArgument
+from compactd.errors import CompactionBusy, InvalidArgument
 from tests.builders import SessionEvent, compaction_end, compaction_start, end_seed, user
 
 
@@ -67,7 +67,7 @@ def test_lock_copy_is_independent() -> None:
 def test_a_second_start_while_one_is_live_is_busy() -> None:
     fold = SessionFold()
     fold.admit([user("a"), compaction_start("k1")])
-    with pytest.raises(Busy, match="k1") as caught:
+    with pytest.raises(CompactionBusy, match="k1") as caught:
         fold.admit([user("b"), compaction_start("k2")])
     assert caught.value.reason == "COMPACTION_BUSY"
     assert caught.value.metadata == {"compaction_id": "k1", "start_seq": "1"}
@@ -93,7 +93,7 @@ def test_a_restored_live_start_blocks_until_an_end_seed() -> None:
     log = SessionFold().admit([user("a"), compaction_start("k1")]).events
     restored = SessionFold()
     restored.admit(log, check=False)
-    with pytest.raises(Busy):
+    with pytest.raises(CompactionBusy):
         restored.admit([compaction_start("k2")])
     restored.admit([end_seed(), compaction_start("k2")])
     assert live_bracket(restored.lock) == LiveBracket("k2", 3)
@@ -129,7 +129,7 @@ def test_a_start_reusing_an_open_compaction_id_is_rejected() -> None:
 def test_a_busy_batch_leaves_the_lock_unchanged() -> None:
     fold = SessionFold()
     fold.admit([compaction_start("k1")])
-    with pytest.raises(Busy):
+    with pytest.raises(CompactionBusy):
         fold.admit(
             [compaction_end("k1"), end_seed(), compaction_start("k2"), compaction_start("k3")]
         )

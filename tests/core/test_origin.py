@@ -11,9 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compactd.core.fold import STEP_BRACKET, SessionFold
-from compactd.core.validation import SERVER_ONLY_EVENT, Origin, check_batch
+from compactd.core.fold import SessionFold
+from compactd.core.validation import Origin, check_batch
 from compactd.errors import InvalidArgument
+from compactd.reasons import Reason
 from compactd.v1 import events_pb2
 from tests.builders import (
     SessionEvent,
@@ -68,7 +69,7 @@ def test_a_client_batch_carrying_a_server_only_event_is_refused_naming_the_field
 ) -> None:
     with pytest.raises(InvalidArgument) as caught:
         check_batch([user("fine"), event], max_events=10, origin=CLIENT)
-    assert caught.value.reason == SERVER_ONLY_EVENT
+    assert caught.value.reason == Reason.SERVER_ONLY_EVENT
     assert [v.field for v in caught.value.violations] == [f"events[1].{field}"]
 
 
@@ -78,7 +79,7 @@ def test_a_checkpoint_replacement_from_a_client_is_refused() -> None:
     forged = replace(checkpoint("k", "summary"), start=0, end=1, sources=[0, 1])
     with pytest.raises(InvalidArgument) as caught:
         fold.admit([forged], origin=CLIENT)
-    assert caught.value.reason == SERVER_ONLY_EVENT
+    assert caught.value.reason == Reason.SERVER_ONLY_EVENT
     assert fold.revision == 2
 
 
@@ -86,7 +87,7 @@ def test_the_fold_refuses_server_only_events_from_a_client_even_without_check_ba
     fold = SessionFold()
     with pytest.raises(InvalidArgument) as caught:
         fold.admit([user("a"), compaction_start("k")], origin=CLIENT)
-    assert caught.value.reason == SERVER_ONLY_EVENT
+    assert caught.value.reason == Reason.SERVER_ONLY_EVENT
     assert caught.value.violations[0].field == "events[1].compaction_start"
     assert (fold.revision, fold.lock.open_starts) == (0, {})
 
@@ -130,7 +131,7 @@ def step_error(fold: SessionFold, *events: SessionEvent) -> InvalidArgument:
     before = fold.revision
     with pytest.raises(InvalidArgument) as caught:
         fold.admit(list(events), origin=CLIENT)
-    assert caught.value.reason == STEP_BRACKET
+    assert caught.value.reason == Reason.STEP_BRACKET
     assert fold.revision == before
     return caught.value
 

@@ -9,7 +9,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from compactd.core.policy import (
-    POLICY_INVALID,
     CompactSpec,
     PressurePolicy,
     TargetPolicy,
@@ -17,6 +16,7 @@ from compactd.core.policy import (
     output_reservation,
 )
 from compactd.errors import CapacityUnknown, ConfigError, FailedPrecondition
+from compactd.reasons import Reason
 
 
 def spec(
@@ -106,20 +106,20 @@ def test_missing_capacity_names_the_route() -> None:
 def test_output_and_headroom_exhausting_the_window_fail_at_first_use() -> None:
     with pytest.raises(FailedPrecondition) as caught:
         spec(window=65536)  # the default headroom alone fills it
-    assert caught.value.reason == POLICY_INVALID
+    assert caught.value.reason == Reason.POLICY_INVALID
     assert "headroomTokens" in caught.value.message
 
 
 def test_a_retained_budget_not_below_the_trigger_fails_at_first_use() -> None:
     with pytest.raises(FailedPrecondition) as caught:
         spec({"retainTokens": 54272}, window=128_000, output=8192)
-    assert caught.value.reason == POLICY_INVALID
+    assert caught.value.reason == Reason.POLICY_INVALID
 
 
 def test_a_negative_output_reservation_fails_at_first_use() -> None:
     with pytest.raises(FailedPrecondition) as caught:
         spec(window=128_000, output=-1)
-    assert caught.value.reason == POLICY_INVALID
+    assert caught.value.reason == Reason.POLICY_INVALID
 
 
 def test_model_policies_override_exact_routes_only() -> None:

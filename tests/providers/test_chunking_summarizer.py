@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compactd.core import prompts
-from compactd.providers import base
 from compactd.providers.base import SummaryError, SummaryRequest
 from compactd.providers.chunking import TRUNCATION_MARKER, ChunkingSummarizer, split_units
 from compactd.providers.extractive import ExtractiveSummarizer
 from compactd.providers.openai import OpenAISummarizer
 from compactd.providers.openai_wire import dumps, encode_messages, encode_tools
+from compactd.reasons import Reason
 from compactd.testing import OpenAICompatServer, Reply
 from compactd.testing.messages import assistant, system, tool, tool_result, user
 from compactd.v1 import events_pb2
@@ -146,7 +146,7 @@ async def test_no_room_for_the_instruction_and_cap_fails_without_a_call(
     with pytest.raises(SummaryError) as caught:
         await chunker.summarize(_request(_span(3), max_tokens=500))
 
-    assert caught.value.reason == base.CONTEXT_WINDOW_EXCEEDED
+    assert caught.value.reason == Reason.CONTEXT_WINDOW_EXCEEDED
     assert loopback.requests == []
 
 

@@ -13,10 +13,11 @@ import pytest
 
 from compactd.core import prompts
 from compactd.core.limits import MAX_TOKEN_COUNT
-from compactd.providers import base, errors
+from compactd.providers import errors
 from compactd.providers.base import SummaryError, SummaryRequest
 from compactd.providers.errors import ProviderFailure, classify, parse_retry_after
 from compactd.providers.openai import OpenAISummarizer, RetryPolicy
+from compactd.reasons import Reason
 from compactd.testing import OpenAICompatServer, Reply
 from compactd.testing import provider_errors as pe
 from compactd.testing.messages import image_block, system, user
@@ -37,7 +38,7 @@ def test_each_providers_overflow_is_context_window_exceeded_with_its_figures(
     failure = _classify(pe.overflow(provider, window=8192, prompt_tokens=9731))
 
     assert (failure.reason, failure.rule, failure.status) == (
-        errors.CONTEXT_WINDOW_EXCEEDED,
+        Reason.CONTEXT_WINDOW_EXCEEDED,
         rule,
         400,
     )
@@ -57,7 +58,7 @@ def test_llama_server_overflow_body_recorded_from_the_real_server() -> None:
     failure = classify(400, body)
 
     assert (failure.reason, failure.rule) == (
-        errors.CONTEXT_WINDOW_EXCEEDED,
+        Reason.CONTEXT_WINDOW_EXCEEDED,
         "llama.cpp/exceed_context_size",
     )
     assert (failure.context_window, failure.prompt_tokens) == (2048, 3031)
@@ -73,7 +74,7 @@ def test_vllm_max_tokens_variant_and_an_unknown_servers_wording_are_overflow() -
 
     first, second = classify(400, vllm), classify(400, generic)
 
-    assert first.reason == second.reason == errors.CONTEXT_WINDOW_EXCEEDED
+    assert first.reason == second.reason == Reason.CONTEXT_WINDOW_EXCEEDED
     assert (first.context_window, first.prompt_tokens) == (32768, 32000)
     assert second.rule == "generic/context_wording"
 
@@ -93,7 +94,7 @@ def test_image_budget_failures_require_offload_with_a_count(
     failure = _classify(reply, request_images=request_images)
 
     assert (failure.reason, failure.offload_images, failure.rule) == (
-        errors.IMAGE_OFFLOAD_REQUIRED,
+        Reason.IMAGE_OFFLOAD_REQUIRED,
         offload,
         rule,
     )
@@ -101,10 +102,10 @@ def test_image_budget_failures_require_offload_with_a_count(
 
 def test_a_413_is_an_image_budget_failure_only_when_the_request_carries_images() -> None:
     assert classify(413, "Request Entity Too Large", request_images=3).reason == (
-        errors.IMAGE_OFFLOAD_REQUIRED
+        Reason.IMAGE_OFFLOAD_REQUIRED
     )
     assert classify(413, "Request Entity Too Large", request_images=0).reason == (
-        errors.CONTEXT_WINDOW_EXCEEDED
+        Reason.CONTEXT_WINDOW_EXCEEDED
     )
 
 
@@ -115,7 +116,7 @@ def test_rate_limits_are_retryable_with_retry_after_even_when_they_mention_token
     failure = _classify(pe.rate_limited(provider, retry_after=2))
 
     assert (failure.reason, failure.retryable, failure.retry_after) == (
-        errors.RATE_LIMITED,
+        Reason.RATE_LIMITED,
         True,
         2.0,
     )
@@ -125,7 +126,7 @@ def test_an_exhausted_quota_is_a_rate_limit_that_retrying_does_not_fix() -> None
     failure = _classify(pe.quota_exhausted())
 
     assert (failure.reason, failure.retryable, failure.rule) == (
-        errors.RATE_LIMITED,
+        Reason.RATE_LIMITED,
         False,
         "openai/insufficient_quota",
     )
@@ -135,7 +136,7 @@ def test_an_exhausted_quota_is_a_rate_limit_that_retrying_does_not_fix() -> None
 def test_authentication_failures_are_not_retryable(provider: str) -> None:
     failure = _classify(pe.unauthenticated(provider))
 
-    assert (failure.reason, failure.retryable) == (errors.UNAUTHENTICATED, False)
+    assert (failure.reason, failure.retryable) == (Reason.UNAUTHENTICATED, False)
 
 
 @pytest.mark.parametrize(("provider", "status"), [("anthropic", 529), ("openai", 503), ("x", 500)])
@@ -145,17 +146,17 @@ def test_overload_and_server_errors_are_unavailable_and_retryable(
     failure = _classify(pe.unavailable(provider))
 
     assert (failure.reason, failure.retryable, failure.status) == (
-        errors.PROVIDER_UNAVAILABLE,
+        Reason.PROVIDER_UNAVAILABLE,
         True,
         status,
     )
 
 
 def test_timeouts_stream_errors_and_unrecognized_failures() -> None:
-    assert classify(408, "Request Timeout").reason == errors.TIMEOUT
+    assert classify(408, "Request Timeout").reason == Reason.TIMEOUT
     stream = classify(None, '{"message":"upstream closed","type":"server_error"}')
     assert (stream.reason, stream.message) == (
-        errors.PROVIDER_UNAVAILABLE,
+        Reason.PROVIDER_UNAVAILABLE,
         "stream error: upstream closed",
     )
     unknown = classify(400, '{"error":{"message":"temperature must be <= 2"}}')
@@ -166,12 +167,12 @@ def test_every_rule_has_a_unique_name_and_a_canonical_reason() -> None:
     names = [rule.name for rule in errors.TABLE]
     assert len(names) == len(set(names))
     canonical = {
-        errors.CONTEXT_WINDOW_EXCEEDED,
-        errors.IMAGE_OFFLOAD_REQUIRED,
-        errors.RATE_LIMITED,
-        errors.UNAUTHENTICATED,
-        errors.TIMEOUT,
-        errors.PROVIDER_UNAVAILABLE,
+        Reason.CONTEXT_WINDOW_EXCEEDED,
+        Reason.IMAGE_OFFLOAD_REQUIRED,
+        Reason.RATE_LIMITED,
+        Reason.UNAUTHENTICATED,
+        Reason.TIMEOUT,
+        Reason.PROVIDER_UNAVAILABLE,
     }
     assert {rule.reason for rule in errors.TABLE} == canonical
 
@@ -204,7 +205,7 @@ def test_a_stated_window_is_read_up_to_the_largest_real_token_count(stated: int,
     fields = {"type": "exceed_context_size_error", "n_ctx": stated, "n_prompt_tokens": stated}
     llama = classify(400, json.dumps({"error": fields}))
 
-    assert (worded.reason, worded.context_window) == (errors.CONTEXT_WINDOW_EXCEEDED, read)
+    assert (worded.reason, worded.context_window) == (Reason.CONTEXT_WINDOW_EXCEEDED, read)
     assert (llama.context_window, llama.prompt_tokens) == (read, read)
 
 
@@ -217,7 +218,7 @@ def test_an_image_count_is_read_up_to_int32() -> None:
 
     assert (at.rule, at.offload_images) == ("compactd/offload_images", errors.MAX_IMAGE_COUNT)
     assert (above.reason, above.rule, above.offload_images) == (
-        errors.IMAGE_OFFLOAD_REQUIRED,
+        Reason.IMAGE_OFFLOAD_REQUIRED,
         "http/413_with_images",
         0,
     )
@@ -228,7 +229,7 @@ def test_only_the_first_max_body_bytes_of_a_body_are_read() -> None:
     padding = " " * errors.MAX_BODY_BYTES
 
     assert classify(400, "context length exceeded" + padding).reason == (
-        errors.CONTEXT_WINDOW_EXCEEDED
+        Reason.CONTEXT_WINDOW_EXCEEDED
     )
     assert classify(400, padding + "context length exceeded").reason == errors.PROVIDER_ERROR
 
@@ -241,7 +242,7 @@ def test_json_nested_beyond_max_body_depth_is_read_as_text() -> None:
     parsed = classify(400, nested(errors.MAX_BODY_DEPTH))
     text = classify(400, nested(errors.MAX_BODY_DEPTH + 1))
 
-    assert parsed.reason == text.reason == errors.CONTEXT_WINDOW_EXCEEDED  # wording in both
+    assert parsed.reason == text.reason == Reason.CONTEXT_WINDOW_EXCEEDED  # wording in both
     assert parsed.message == "HTTP 400: context length exceeded"
     assert text.message.startswith('HTTP 400: {"error":{"message":')
 
@@ -280,7 +281,7 @@ async def test_the_summarizer_reports_each_providers_overflow_without_retrying(
     with pytest.raises(SummaryError) as caught:
         await _summarizer(loopback).summarize(_request())
 
-    assert caught.value.reason == base.CONTEXT_WINDOW_EXCEEDED
+    assert caught.value.reason == Reason.CONTEXT_WINDOW_EXCEEDED
     assert caught.value.metadata["rule"]
     assert len(loopback.requests) == 1
 
@@ -293,7 +294,7 @@ async def test_the_summarizer_derives_the_offload_count_from_its_own_images(
     with pytest.raises(SummaryError) as caught:
         await _summarizer(loopback).summarize(_request(images=3))
 
-    assert (caught.value.reason, caught.value.offload_images) == (base.IMAGE_OFFLOAD_REQUIRED, 2)
+    assert (caught.value.reason, caught.value.offload_images) == (Reason.IMAGE_OFFLOAD_REQUIRED, 2)
 
 
 async def test_an_unrecognized_provider_failure_is_summary_failed(
@@ -304,4 +305,4 @@ async def test_an_unrecognized_provider_failure_is_summary_failed(
     with pytest.raises(SummaryError) as caught:
         await _summarizer(loopback).summarize(_request())
 
-    assert caught.value.reason == base.SUMMARY_FAILED
+    assert caught.value.reason == Reason.SUMMARY_FAILED

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from compactd.core import probes, prompts
 from compactd.core.pricing import heuristic_price, utf16_length
-from compactd.providers import base
 from compactd.providers.base import SummaryError, SummaryRequest
 from compactd.providers.extractive import (
     MIN_CHECKPOINT_TOKENS,
@@ -24,6 +23,7 @@ from compactd.providers.extractive import (
     estimated_tokens,
     minimum_span_tokens,
 )
+from compactd.reasons import Reason
 from compactd.testing.messages import assistant, developer, system, tool_result, user
 from compactd.v1 import events_pb2
 from compactd.v1.session_service_pb2 import Message
@@ -135,7 +135,7 @@ async def test_too_small_a_budget_for_the_skeleton_fails_clearly() -> None:
     with pytest.raises(SummaryError, match="eight sections") as caught:
         await _summary(SPAN, max_tokens=10)
 
-    assert caught.value.reason == base.SUMMARIZER_MISCONFIGURED
+    assert caught.value.reason == Reason.SUMMARIZER_MISCONFIGURED
 
 
 async def test_a_prior_checkpoint_is_folded_not_nested() -> None:

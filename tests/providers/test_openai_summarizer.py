@@ -12,7 +12,6 @@ import httpx
 import pytest
 
 from compactd.core import prompts
-from compactd.providers import base
 from compactd.providers.base import SummaryError, SummaryRequest
 from compactd.providers.openai import OpenAISummarizer, RetryPolicy, Timeouts
 from compactd.providers.openai_wire import (
@@ -22,6 +21,7 @@ from compactd.providers.openai_wire import (
     encode_tools,
     user_text_message,
 )
+from compactd.reasons import Reason
 from compactd.testing import OpenAICompatServer, Reply, ScriptedToolCall
 from compactd.testing.messages import assistant, image_block, system, tool, tool_result, user
 from compactd.v1 import events_pb2
@@ -117,7 +117,7 @@ async def test_image_output_fails_with_unsupported_content(loopback: OpenAICompa
     with pytest.raises(SummaryError) as caught:
         await _summarizer(loopback).summarize(_request())
 
-    assert caught.value.reason == base.UNSUPPORTED_CONTENT
+    assert caught.value.reason == Reason.UNSUPPORTED_CONTENT
     assert len(loopback.requests) == 1
 
 
@@ -137,7 +137,7 @@ async def test_server_errors_exhaust_the_attempts(loopback: OpenAICompatServer) 
     with pytest.raises(SummaryError) as caught:
         await _summarizer(loopback).summarize(_request())
 
-    assert caught.value.reason == base.PROVIDER_UNAVAILABLE
+    assert caught.value.reason == Reason.PROVIDER_UNAVAILABLE
     assert caught.value.retryable
     assert caught.value.status == 500
     assert "gave up after 3 attempts" in caught.value.message
@@ -151,7 +151,7 @@ async def test_a_retry_after_beyond_the_cap_fails_at_once(loopback: OpenAICompat
     with pytest.raises(SummaryError) as caught:
         await _summarizer(loopback, retry=retry).summarize(_request())
 
-    assert caught.value.reason == base.RATE_LIMITED
+    assert caught.value.reason == Reason.RATE_LIMITED
     assert caught.value.retry_after == 3600
     assert len(loopback.requests) == 1
 
@@ -165,7 +165,7 @@ async def test_a_silent_provider_times_out(loopback: OpenAICompatServer) -> None
             _request()
         )
 
-    assert caught.value.reason == base.TIMEOUT
+    assert caught.value.reason == Reason.TIMEOUT
     assert caught.value.retryable
 
 
@@ -178,7 +178,7 @@ async def test_a_slow_stream_hits_the_total_timeout(loopback: OpenAICompatServer
             _request()
         )
 
-    assert caught.value.reason == base.TIMEOUT
+    assert caught.value.reason == Reason.TIMEOUT
     assert "0.3s" in caught.value.message
 
 
@@ -190,7 +190,7 @@ async def test_a_context_length_error_is_classified_and_not_retried(
     with pytest.raises(SummaryError) as caught:
         await _summarizer(loopback).summarize(_request())
 
-    assert caught.value.reason == base.CONTEXT_WINDOW_EXCEEDED
+    assert caught.value.reason == Reason.CONTEXT_WINDOW_EXCEEDED
     assert not caught.value.retryable
     assert "8192" in caught.value.message
     assert len(loopback.requests) == 1
@@ -203,7 +203,7 @@ async def test_too_many_images_asks_for_offload(loopback: OpenAICompatServer) ->
     with pytest.raises(SummaryError) as caught:
         await _summarizer(loopback).summarize(_request([user("look", *pictures)]))
 
-    assert caught.value.reason == base.IMAGE_OFFLOAD_REQUIRED
+    assert caught.value.reason == Reason.IMAGE_OFFLOAD_REQUIRED
     assert caught.value.offload_images == 3
 
 
@@ -214,7 +214,7 @@ async def test_an_error_inside_the_stream_is_classified(loopback: OpenAICompatSe
     with pytest.raises(SummaryError) as caught:
         await _summarizer(loopback).summarize(_request())
 
-    assert caught.value.reason == base.CONTEXT_WINDOW_EXCEEDED
+    assert caught.value.reason == Reason.CONTEXT_WINDOW_EXCEEDED
 
 
 async def test_a_stream_cut_short_is_retried(loopback: OpenAICompatServer) -> None:
@@ -232,7 +232,7 @@ async def test_a_summary_cut_at_max_tokens_fails(loopback: OpenAICompatServer) -
     with pytest.raises(SummaryError) as caught:
         await _summarizer(loopback).summarize(_request())
 
-    assert caught.value.reason == base.SUMMARY_TRUNCATED
+    assert caught.value.reason == Reason.SUMMARY_TRUNCATED
 
 
 async def test_tool_calls_without_text_fail_clearly(loopback: OpenAICompatServer) -> None:
@@ -260,7 +260,7 @@ async def test_a_missing_api_key_variable_fails_before_any_request(
     with pytest.raises(SummaryError, match="COMPACTD_TEST_MISSING_KEY") as caught:
         await _summarizer(loopback, api_key_env="COMPACTD_TEST_MISSING_KEY").summarize(_request())
 
-    assert caught.value.reason == base.SUMMARIZER_MISCONFIGURED
+    assert caught.value.reason == Reason.SUMMARIZER_MISCONFIGURED
     assert loopback.requests == []
 
 
@@ -322,7 +322,7 @@ async def test_an_unreachable_provider_is_unavailable() -> None:
     with pytest.raises(SummaryError) as caught:
         await OpenAISummarizer(base_url=base_url, retry=FAST_RETRY).summarize(_request())
 
-    assert caught.value.reason == base.PROVIDER_UNAVAILABLE
+    assert caught.value.reason == Reason.PROVIDER_UNAVAILABLE
     assert "gave up after 3 attempts" in caught.value.message
 
 
@@ -338,7 +338,7 @@ async def test_a_request_without_a_model_says_what_to_configure() -> None:
     with pytest.raises(SummaryError, match="summarizationModel") as caught:
         await OpenAISummarizer(base_url="http://127.0.0.1:9/v1").summarize(request)
 
-    assert caught.value.reason == base.SUMMARIZER_MISCONFIGURED
+    assert caught.value.reason == Reason.SUMMARIZER_MISCONFIGURED
 
 
 async def test_deepseek_style_usage_is_parsed() -> None:

@@ -11,7 +11,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from compactd.errors import InvalidArgument
-from compactd.providers import base
 from compactd.providers.openai_wire import (
     Completion,
     SSEDecoder,
@@ -23,6 +22,7 @@ from compactd.providers.openai_wire import (
     parse_usage,
     user_text_message,
 )
+from compactd.reasons import Reason
 from compactd.testing.messages import (
     assistant,
     developer,
@@ -121,7 +121,7 @@ def test_content_a_role_cannot_carry_is_rejected_with_unsupported_content() -> N
 
     with pytest.raises(UnsupportedContent) as caught:
         encode_messages([bad_assistant])
-    assert caught.value.reason == base.UNSUPPORTED_CONTENT
+    assert caught.value.reason == Reason.UNSUPPORTED_CONTENT
 
 
 def test_tools_keep_their_schema_key_order() -> None:

@@ -23,8 +23,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from compactd.api.server import create_server
 from compactd.core import prompts
 from compactd.logs import JsonFormatter
-from compactd.providers.base import SUMMARIZER_MISCONFIGURED, SummaryError, SummaryRequest
+from compactd.providers.base import SummaryError, SummaryRequest
 from compactd.providers.openai import OpenAISummarizer, RetryPolicy
+from compactd.reasons import Reason
 from compactd.redaction import REDACTED, Redactor, for_routes
 from compactd.routes import RouteCatalog
 from compactd.testing.openai_server import OpenAICompatServer, Reply
@@ -87,7 +88,7 @@ async def test_a_missing_or_empty_key_file_is_misconfigured_and_named(
     )
     with pytest.raises(SummaryError) as caught:
         await summarizer.summarize(summary_request())
-    assert caught.value.reason == SUMMARIZER_MISCONFIGURED
+    assert caught.value.reason == Reason.SUMMARIZER_MISCONFIGURED
     assert str(key_file) in caught.value.message
     assert loop.requests == []
 

@@ -36,7 +36,7 @@ def test_a_broken_or_taken_lease_never_accepts_its_old_holders_writes(
         before = lease
         try:
             lease = apply("s", lease, op, now)
-        except (errors.Fenced, errors.Busy):
+        except (errors.Fenced, errors.CompactionBusy):
             assert lease is before
             continue
         if action in (LeaseAction.HOLD, LeaseAction.RELEASE):

@@ -62,9 +62,9 @@ async def test_a_renewal_extends_only_the_lease_it_names(store: EventStore) -> N
 async def test_an_unexpired_lease_cannot_be_broken_or_taken(store: EventStore) -> None:
     await _opened(store)
 
-    with pytest.raises(errors.Busy):
+    with pytest.raises(errors.CompactionBusy):
         await store.append("s", batch(1, 1), lease=op(LeaseAction.BREAK, "b"))
-    with pytest.raises(errors.Busy):
+    with pytest.raises(errors.CompactionBusy):
         await store.append("s", batch(1, 1), lease=op(LeaseAction.ACQUIRE, "b", "k2"))
     assert (await store.get_session("s")).revision == 1  # type: ignore[union-attr]
 

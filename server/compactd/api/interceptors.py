@@ -45,6 +45,7 @@ from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
 from compactd.api import status
 from compactd.errors import InvalidArgument, QuotaExceeded, ResourceExhausted
+from compactd.reasons import Reason
 from compactd.service.quotas import QuotaBook
 from compactd.tenancy import current_tenant
 
@@ -61,8 +62,6 @@ Guard = Callable[[Any, Any], AbstractAsyncContextManager[Any]]
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[Handler]]
 
 APPEND_EVENTS = "/compactd.v1.SessionService/AppendEvents"
-UNDECODABLE_REQUEST = "UNDECODABLE_REQUEST"
-TOO_MANY_STREAMS = "TOO_MANY_STREAMS"
 _SESSION_SERVICES = ("/compactd.v1.SessionService/", "/compactd.v1.CompactionService/")
 
 
@@ -432,7 +431,7 @@ async def _refuse_undecodable(context: Any, request: Undecodable) -> None:
         context,
         InvalidArgument(
             f"the request message could not be decoded ({request.error})",
-            reason=UNDECODABLE_REQUEST,
+            reason=Reason.UNDECODABLE_REQUEST,
         ),
     )
 
@@ -533,7 +532,7 @@ class StreamLimits(Interceptor):
             ResourceExhausted(
                 f"{where} already serves {limit} streams, the most it allows ({setting}); "
                 "close one or retry later",
-                reason=TOO_MANY_STREAMS,
+                reason=Reason.TOO_MANY_STREAMS,
                 metadata=metadata,
             ),
         )

@@ -38,6 +38,7 @@ from compactd.effective import startup_report
 from compactd.errors import ConfigError, StartupError
 from compactd.metrics import Metrics
 from compactd.providers.base import Summarizer
+from compactd.reasons import Reason
 from compactd.routes import RouteCatalog
 from compactd.service.compaction import CompactionEngine, SummaryErrorRecovery
 from compactd.service.inspection import InspectionService
@@ -434,7 +435,7 @@ def _bind(server: grpc.aio.Server, host: str, port: int, tls: ServerTls | None) 
         raise StartupError(
             f"cannot listen on {address}: the address is in use by another process or not "
             "available on this host (choose another --listen)",
-            reason="ADDRESS_IN_USE",
+            reason=Reason.ADDRESS_IN_USE,
             metadata={"listen": address},
         )
     return bound

@@ -15,6 +15,7 @@ from google.protobuf import json_format, struct_pb2
 from compactd.api.status import handle_errors
 from compactd.core.validation import Origin, non_finite_paths
 from compactd.errors import FieldViolation, InvalidArgument
+from compactd.reasons import Reason
 from compactd.service.inspection import InspectionService
 from compactd.service.policy_message import field_path, policy_of, settings_of
 from compactd.service.requests import build_request, surface_response
@@ -161,7 +162,7 @@ def _requested_policy(request: pb.CreateSessionRequest) -> dict[str, object] | N
         raise InvalidArgument(
             "set policy or the deprecated compaction_policy, not both",
             violations=[FieldViolation("policy", "set either policy or compaction_policy")],
-            reason="POLICY_INVALID",
+            reason=Reason.POLICY_INVALID,
         )
     if typed:
         return settings_of(request.policy)
@@ -204,7 +205,7 @@ def _policy(struct: struct_pb2.Struct) -> dict[str, object]:
         raise InvalidArgument(
             f"{bad[0]}: numbers in a policy must be finite",
             violations=[FieldViolation(path, "must be a finite number") for path in bad],
-            reason="POLICY_INVALID",
+            reason=Reason.POLICY_INVALID,
         )
     policy: dict[str, object] = json_format.MessageToDict(struct)
     return policy

@@ -22,6 +22,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from compactd import errors
+from compactd.reasons import TRANSIENT
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ _CODES: list[tuple[type[errors.CompactdError], grpc.StatusCode]] = [
     (errors.NotFound, grpc.StatusCode.NOT_FOUND),
     (errors.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
     (errors.SeqConflict, grpc.StatusCode.ABORTED),
-    (errors.Busy, grpc.StatusCode.ABORTED),
+    (errors.CompactionBusy, grpc.StatusCode.ABORTED),
     (errors.Fenced, grpc.StatusCode.ABORTED),
     (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
@@ -44,13 +45,9 @@ _CODES: list[tuple[type[errors.CompactdError], grpc.StatusCode]] = [
 ]
 
 
-# Failures of a dependency that may pass: retrying later can succeed.
-_TRANSIENT_REASONS = frozenset({"TIMEOUT", "PROVIDER_UNAVAILABLE", "RATE_LIMITED"})
-
-
 def code_for(error: errors.CompactdError) -> grpc.StatusCode:
     """The gRPC code for a domain error: transient reasons are UNAVAILABLE, else by class."""
-    if error.reason in _TRANSIENT_REASONS:
+    if error.reason in TRANSIENT:
         return grpc.StatusCode.UNAVAILABLE
     for kind, code in _CODES:
         if isinstance(error, kind):

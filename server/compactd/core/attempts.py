@@ -24,8 +24,10 @@ from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Final
 
+from compactd.reasons import Reason
+
 #: Close reasons that say nothing about the span or its summary target.
-NOT_REMEMBERED: Final = frozenset({"SPAN_DRIFT", "CANCELLED"})
+NOT_REMEMBERED: Final = frozenset({Reason.SPAN_DRIFT, Reason.CANCELLED})
 MAX_ENTRIES: Final = 64
 
 

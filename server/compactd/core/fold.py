@@ -31,11 +31,9 @@ from compactd.core.projection import Message, derive_messages
 from compactd.core.steps import run_to_end
 from compactd.core.surface import Surface, SurfaceChange, SurfaceNode
 from compactd.core.validation import Origin, check_origin_in_steps
-from compactd.errors import Busy, FieldViolation, InvalidArgument, ResourceExhausted
+from compactd.errors import CompactionBusy, FieldViolation, InvalidArgument, ResourceExhausted
+from compactd.reasons import Reason
 from compactd.v1 import events_pb2
-
-STEP_BRACKET: Final = "STEP_BRACKET"
-SURFACE_FULL: Final = "SURFACE_FULL"
 
 #: Identified events whose ids a fold keeps (``SessionFold.event_ids``): a runtime retries its
 #: latest batch, so the ids of the latest events answer nearly every retry without the store,
@@ -126,9 +124,9 @@ class SessionFold:
     ) -> AdmittedBatch:
         """Assign seqs to copies of ``events``, check them against the state, and fold them.
 
-        Raises ``InvalidArgument`` (or a subclass), ``Busy`` or ``ResourceExhausted`` and leaves
-        the state unchanged when any event may not fold. Events already stored keep their seq
-        when ``check`` is off. ``origin`` CLIENT refuses server-only events
+        Raises ``InvalidArgument`` (or a subclass), ``CompactionBusy`` or ``ResourceExhausted``
+        and leaves the state unchanged when any event may not fold. Events already stored keep
+        their seq when ``check`` is off. ``origin`` CLIENT refuses server-only events
         (``SERVER_ONLY_EVENT``), enforces the step brackets (``STEP_BRACKET``) and refuses a
         batch that grows ``surface_bytes`` past ``max_surface_bytes`` (``SURFACE_FULL``).
         """
@@ -190,7 +188,7 @@ class SessionFold:
             raise ResourceExhausted(
                 f"the session's surface and header would hold {after} bytes, more than its "
                 f"{limit}-byte limit (max_surface_bytes); compact the session or start a new one",
-                reason=SURFACE_FULL,
+                reason=Reason.SURFACE_FULL,
                 metadata={"limit": str(limit), "surface_bytes": str(before), "after": str(after)},
             )
 
@@ -475,7 +473,7 @@ class SessionFold:
         if kind == "compaction_start":
             live = live_bracket(self.lock)
             if live is not None:
-                raise Busy(
+                raise CompactionBusy(
                     f"compaction {live.compaction_id} (seq {live.start_seq}) is still open",
                     metadata={
                         "compaction_id": live.compaction_id,
@@ -537,5 +535,5 @@ def _step_violation(field_name: str, description: str) -> NoReturn:
     raise InvalidArgument(
         f"step bracket broken: {field_name}: {description}",
         violations=[FieldViolation(field_name, description)],
-        reason=STEP_BRACKET,
+        reason=Reason.STEP_BRACKET,
     )

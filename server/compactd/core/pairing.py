@@ -11,12 +11,13 @@ from collections.abc import Iterable, Sequence
 
 from compactd.core.events import SessionEvent, body_name, tool_call_ids
 from compactd.errors import InvalidArgument
+from compactd.reasons import Reason
 
 
 class CorruptPairing(InvalidArgument):
     """A ``tool/result`` answers a call that no earlier surface node made."""
 
-    reason = "TOOL_RESULT_WITHOUT_CALL"
+    reason = Reason.TOOL_RESULT_WITHOUT_CALL
 
 
 def balanced_cuts(events: Sequence[SessionEvent]) -> list[bool]:

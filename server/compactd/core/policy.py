@@ -51,8 +51,7 @@ from compactd.core.gate import (
 )
 from compactd.core.limits import MAX_TOKEN_COUNT
 from compactd.errors import CapacityUnknown, ConfigError, FailedPrecondition
-
-POLICY_INVALID: Final = "POLICY_INVALID"
+from compactd.reasons import Reason
 
 DEFAULT_THRESHOLD_RATIO: Final = 0.8
 DEFAULT_HEADROOM_TOKENS: Final = 65536
@@ -277,7 +276,7 @@ def _exact(ratio: float) -> Fraction:
 def _invalid(route: str, detail: str) -> NoReturn:
     raise FailedPrecondition(
         f"pressure policy does not fit route {route}: {detail}",
-        reason=POLICY_INVALID,
+        reason=Reason.POLICY_INVALID,
         metadata={"route": route},
     )
 

@@ -25,11 +25,10 @@ from compactd.core import events as ev
 from compactd.core.events import SessionEvent
 from compactd.core.limits import DEFAULT_LIMITS, MAX_TOKEN_COUNT, AppendLimits, json_depth
 from compactd.errors import FieldViolation, InvalidArgument
+from compactd.reasons import Reason
 from compactd.v1 import events_pb2
 
 MAX_EVENT_ID_LENGTH = 128
-SERVER_ONLY_EVENT: Final = "SERVER_ONLY_EVENT"
-EVENT_TOO_LARGE: Final = "EVENT_TOO_LARGE"
 _BLOCK_BODIES: Final = frozenset({"user_message", "assistant_message", "tool_result"})
 
 # A Timestamp's valid range (google/protobuf/timestamp.proto): 0001-01-01T00:00:00Z to
@@ -99,7 +98,7 @@ def check_origin_in_steps(
     for index, event in enumerate(events):
         _origin_violation(event, ev.body_name(event), index, violations)
         yield
-    _refuse(violations, "server-only events", SERVER_ONLY_EVENT)
+    _refuse(violations, "server-only events", Reason.SERVER_ONLY_EVENT)
 
 
 def _origin_violation(
@@ -181,8 +180,8 @@ def check_batch_in_steps(
                 )
             ids[event.event_id] = index
         yield
-    _refuse(server_only, "server-only events", SERVER_ONLY_EVENT)
-    _refuse(too_large, "events too large", EVENT_TOO_LARGE)
+    _refuse(server_only, "server-only events", Reason.SERVER_ONLY_EVENT)
+    _refuse(too_large, "events too large", Reason.EVENT_TOO_LARGE)
     _refuse(violations, "malformed events")
 
 

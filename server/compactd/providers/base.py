@@ -18,19 +18,8 @@ from typing import Protocol, runtime_checkable
 
 from compactd.core.probes import SpanFacts
 from compactd.errors import CompactdError
+from compactd.reasons import Reason
 from compactd.v1 import events_pb2, session_service_pb2
-
-# Canonical failure reasons a summarizer reports (AIP-193 style identifiers).
-SUMMARY_FAILED = "SUMMARY_FAILED"
-SUMMARY_TRUNCATED = "SUMMARY_TRUNCATED"
-UNSUPPORTED_CONTENT = "UNSUPPORTED_CONTENT"
-CONTEXT_WINDOW_EXCEEDED = "CONTEXT_WINDOW_EXCEEDED"
-IMAGE_OFFLOAD_REQUIRED = "IMAGE_OFFLOAD_REQUIRED"
-RATE_LIMITED = "RATE_LIMITED"
-PROVIDER_UNAVAILABLE = "PROVIDER_UNAVAILABLE"
-TIMEOUT = "TIMEOUT"
-UNAUTHENTICATED = "UNAUTHENTICATED"
-SUMMARIZER_MISCONFIGURED = "SUMMARIZER_MISCONFIGURED"
 
 
 @dataclass(frozen=True)
@@ -105,7 +94,7 @@ class SummaryError(CompactdError):
         retry_after: Seconds the provider asked us to wait, when it said.
     """
 
-    reason = SUMMARY_FAILED
+    reason = Reason.SUMMARY_FAILED
 
     def __init__(
         self,

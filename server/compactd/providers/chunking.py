@@ -32,9 +32,9 @@ import json
 from collections.abc import Callable, Sequence
 
 from compactd.core import prompts
-from compactd.providers import base
 from compactd.providers.base import Summarizer, SummaryError, SummaryRequest, SummaryResult
 from compactd.providers.openai_wire import add_usage
+from compactd.reasons import Reason
 from compactd.v1 import events_pb2, session_service_pb2
 
 Message = session_service_pb2.Message
@@ -142,7 +142,7 @@ class ChunkingSummarizer:
                 f"{len(partials)} partial summaries still exceed the summarizer window of "
                 f"{self._window} tokens after {round_} merge rounds; lower maxTokens or use a "
                 "summary route with a larger window",
-                reason=base.CONTEXT_WINDOW_EXCEEDED,
+                reason=Reason.CONTEXT_WINDOW_EXCEEDED,
             )
         return await self._chunked(merge, round_ + 1)
 
@@ -152,7 +152,7 @@ class ChunkingSummarizer:
                 f"the instruction, {len(request.tools)} tool declarations and max_tokens="
                 f"{request.max_tokens} alone exceed the summarizer window of {self._window} "
                 "tokens",
-                reason=base.CONTEXT_WINDOW_EXCEEDED,
+                reason=Reason.CONTEXT_WINDOW_EXCEEDED,
             )
 
     def _shrink_unit(
@@ -166,7 +166,7 @@ class ChunkingSummarizer:
         raise SummaryError(
             f"one message (role {unit[0].role}) cannot fit the summarizer window of "
             f"{self._window} tokens even truncated",
-            reason=base.CONTEXT_WINDOW_EXCEEDED,
+            reason=Reason.CONTEXT_WINDOW_EXCEEDED,
         )
 
     def _shrink(

@@ -42,27 +42,14 @@ from datetime import UTC
 from typing import Any, Final
 
 from compactd.core.limits import MAX_TOKEN_COUNT, json_depth
-from compactd.providers.base import (
-    CONTEXT_WINDOW_EXCEEDED,
-    IMAGE_OFFLOAD_REQUIRED,
-    PROVIDER_UNAVAILABLE,
-    RATE_LIMITED,
-    TIMEOUT,
-    UNAUTHENTICATED,
-)
+from compactd.reasons import Reason
 
 __all__ = [
-    "CONTEXT_WINDOW_EXCEEDED",
-    "IMAGE_OFFLOAD_REQUIRED",
     "MAX_BODY_BYTES",
     "MAX_BODY_DEPTH",
     "MAX_IMAGE_COUNT",
     "PROVIDER_ERROR",
-    "PROVIDER_UNAVAILABLE",
-    "RATE_LIMITED",
     "TABLE",
-    "TIMEOUT",
-    "UNAUTHENTICATED",
     "ProviderFailure",
     "Rule",
     "classify",
@@ -285,28 +272,28 @@ TABLE: Final[tuple[Rule, ...]] = (
     # --- the context window ---
     Rule(
         "openai/context_length_exceeded",
-        CONTEXT_WINDOW_EXCEEDED,
+        Reason.CONTEXT_WINDOW_EXCEEDED,
         False,
         _not_rate_limit(lambda b: b.code == "context_length_exceeded"),
         _worded_figures,
     ),
     Rule(
         "llama.cpp/exceed_context_size",
-        CONTEXT_WINDOW_EXCEEDED,
+        Reason.CONTEXT_WINDOW_EXCEEDED,
         False,
         lambda b: b.type == "exceed_context_size_error",
         _llama_figures,
     ),
     Rule(
         "anthropic/prompt_too_long",
-        CONTEXT_WINDOW_EXCEEDED,
+        Reason.CONTEXT_WINDOW_EXCEEDED,
         False,
         _not_rate_limit(_worded(r"prompt is too long")),
         _anthropic_figures,
     ),
     Rule(
         "gemini/input_token_count",
-        CONTEXT_WINDOW_EXCEEDED,
+        Reason.CONTEXT_WINDOW_EXCEEDED,
         False,
         # A bounded gap: ``.*`` rescans the line after every "input token count" (quadratic).
         _not_rate_limit(_worded(r"input token count.{0,64}exceeds the maximum number of tokens")),
@@ -314,7 +301,7 @@ TABLE: Final[tuple[Rule, ...]] = (
     ),
     Rule(
         "deepseek-vllm/maximum_context_length",
-        CONTEXT_WINDOW_EXCEEDED,
+        Reason.CONTEXT_WINDOW_EXCEEDED,
         False,
         _not_rate_limit(_worded(r"maximum context length is \d+ tokens")),
         _worded_figures,
@@ -322,53 +309,53 @@ TABLE: Final[tuple[Rule, ...]] = (
     # --- the image budget (before the generic wording: "exceeds the maximum" of images) ---
     Rule(
         "compactd/offload_images",
-        IMAGE_OFFLOAD_REQUIRED,
+        Reason.IMAGE_OFFLOAD_REQUIRED,
         False,
         lambda b: _offload_count(b) > 0,
         _stated_offload,
     ),
     Rule(
         "vllm/image_limit",
-        IMAGE_OFFLOAD_REQUIRED,
+        Reason.IMAGE_OFFLOAD_REQUIRED,
         False,
         _worded(r"at most \d+ image\(s\) may be provided"),
         _offload_over_limit,
     ),
     Rule(
         "generic/too_many_images",
-        IMAGE_OFFLOAD_REQUIRED,
+        Reason.IMAGE_OFFLOAD_REQUIRED,
         False,
         _IMAGE_WORDING,
         _offload_over_limit,
     ),
     Rule(
         "generic/context_wording",
-        CONTEXT_WINDOW_EXCEEDED,
+        Reason.CONTEXT_WINDOW_EXCEEDED,
         False,
         _not_rate_limit(_GENERIC_CONTEXT),
         _worded_figures,
     ),
     Rule(
         "http/413_with_images",
-        IMAGE_OFFLOAD_REQUIRED,
+        Reason.IMAGE_OFFLOAD_REQUIRED,
         False,
         lambda b: b.status == 413 and b.request_images != 0,
         _offload_over_limit,
     ),
-    Rule("http/413", CONTEXT_WINDOW_EXCEEDED, False, _status(413)),
+    Rule("http/413", Reason.CONTEXT_WINDOW_EXCEEDED, False, _status(413)),
     # --- transient and account failures ---
     Rule(
         "openai/insufficient_quota",
-        RATE_LIMITED,
+        Reason.RATE_LIMITED,
         False,
         lambda b: b.status == 429 and b.code == "insufficient_quota",
     ),
-    Rule("http/429", RATE_LIMITED, True, _status(429)),
-    Rule("http/401_403", UNAUTHENTICATED, False, _status(401, 403)),
-    Rule("http/408", TIMEOUT, True, _status(408)),
+    Rule("http/429", Reason.RATE_LIMITED, True, _status(429)),
+    Rule("http/401_403", Reason.UNAUTHENTICATED, False, _status(401, 403)),
+    Rule("http/408", Reason.TIMEOUT, True, _status(408)),
     Rule(
         "http/5xx",
-        PROVIDER_UNAVAILABLE,
+        Reason.PROVIDER_UNAVAILABLE,
         True,
         lambda b: b.status is None or b.status >= 500,
     ),

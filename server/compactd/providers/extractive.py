@@ -38,8 +38,8 @@ from dataclasses import dataclass, field, replace
 
 from compactd.core import probes, prompts
 from compactd.core.pricing import heuristic_price, utf16_length
-from compactd.providers import base
 from compactd.providers.base import SummaryError, SummaryRequest, SummaryResult
+from compactd.reasons import Reason
 from compactd.v1 import session_service_pb2
 
 Message = session_service_pb2.Message
@@ -160,7 +160,7 @@ class ExtractiveSummarizer:
             raise SummaryError(
                 f"max_tokens={max_tokens} cannot hold the summary's eight sections (needs at "
                 f"least {-(-utf16_length(skeleton) // _UNITS_PER_TOKEN)})",
-                reason=base.SUMMARIZER_MISCONFIGURED,
+                reason=Reason.SUMMARIZER_MISCONFIGURED,
             )
         span = _span(messages)
         found = probes.span_facts(span, bulk=True)

@@ -27,9 +27,10 @@ import httpx
 
 import compactd
 from compactd.errors import InvalidArgument
-from compactd.providers import base, errors, openai_wire
+from compactd.providers import errors, openai_wire
 from compactd.providers.base import SummaryError, SummaryRequest, SummaryResult
 from compactd.providers.openai_wire import Completion, SSEDecoder
+from compactd.reasons import Reason
 
 _log = logging.getLogger(__name__)
 
@@ -173,7 +174,9 @@ class OpenAISummarizer:
                 max_tokens_field=self._max_tokens_field,
             )
         except InvalidArgument as exc:
-            reason = exc.reason if exc.reason == base.UNSUPPORTED_CONTENT else base.SUMMARY_FAILED
+            reason = (
+                exc.reason if exc.reason == Reason.UNSUPPORTED_CONTENT else Reason.SUMMARY_FAILED
+            )
             raise SummaryError(f"cannot encode the summary request: {exc}", reason=reason) from exc
 
     async def summarize(self, request: SummaryRequest) -> SummaryResult:
@@ -214,12 +217,12 @@ class OpenAISummarizer:
                 raise SummaryError(
                     f"cannot read the API key file {self._api_key_file} named by the summary "
                     f"route ({type(exc).__name__})",
-                    reason=base.SUMMARIZER_MISCONFIGURED,
+                    reason=Reason.SUMMARIZER_MISCONFIGURED,
                 ) from None
             if not key:
                 raise SummaryError(
                     f"the API key file {self._api_key_file} named by the summary route is empty",
-                    reason=base.SUMMARIZER_MISCONFIGURED,
+                    reason=Reason.SUMMARIZER_MISCONFIGURED,
                 )
             return key
         if self._api_key_env is None:
@@ -229,7 +232,7 @@ class OpenAISummarizer:
             raise SummaryError(
                 f"the API key variable {self._api_key_env} named by the summary route is not "
                 "set in the environment",
-                reason=base.SUMMARIZER_MISCONFIGURED,
+                reason=Reason.SUMMARIZER_MISCONFIGURED,
             )
         return key
 
@@ -286,19 +289,19 @@ class OpenAISummarizer:
         except TimeoutError as exc:
             raise SummaryError(
                 f"the summary request took longer than {self._timeouts.total}s",
-                reason=base.TIMEOUT,
+                reason=Reason.TIMEOUT,
                 retryable=True,
             ) from exc
         except httpx.TimeoutException as exc:
             raise SummaryError(
                 f"the summary request timed out ({type(exc).__name__})",
-                reason=base.TIMEOUT,
+                reason=Reason.TIMEOUT,
                 retryable=True,
             ) from exc
         except httpx.TransportError as exc:
             raise SummaryError(
                 f"cannot reach the summary provider at {self._url}: {type(exc).__name__}: {exc}",
-                reason=base.PROVIDER_UNAVAILABLE,
+                reason=Reason.PROVIDER_UNAVAILABLE,
                 retryable=True,
             ) from exc
 
@@ -329,7 +332,7 @@ class OpenAISummarizer:
             raise SummaryError(
                 f"the summary was cut off at max_tokens={request.max_tokens} (reasoning tokens "
                 "count against it); raise maxTokens for this route",
-                reason=base.SUMMARY_TRUNCATED,
+                reason=Reason.SUMMARY_TRUNCATED,
             )
         if completion.finish_reason == "content_filter":
             raise SummaryError("the provider's content filter stopped the summary")
@@ -362,7 +365,7 @@ async def _read_stream(response: httpx.Response, images: int) -> Completion:
     if not done and not completion.finish_reason:
         raise SummaryError(
             "the summary stream ended before the model finished",
-            reason=base.PROVIDER_UNAVAILABLE,
+            reason=Reason.PROVIDER_UNAVAILABLE,
             retryable=True,
         )
     return completion
@@ -387,7 +390,7 @@ def _raise_on_output(completion: Completion, images: int) -> None:
         kinds = ", ".join(completion.unsupported_output)
         raise SummaryError(
             f"the summary model returned {kinds} output; a summary can only be text",
-            reason=base.UNSUPPORTED_CONTENT,
+            reason=Reason.UNSUPPORTED_CONTENT,
         )
 
 
@@ -404,7 +407,7 @@ def _json(raw: bytes) -> dict[str, Any]:
 def _classified(error: errors.ProviderFailure) -> SummaryError:
     """The summarizer's error for a classified provider failure (an unrecognized one is
     ``SUMMARY_FAILED``), naming the table rule that recognized it."""
-    reason = base.SUMMARY_FAILED if error.reason == errors.PROVIDER_ERROR else error.reason
+    reason = Reason.SUMMARY_FAILED if error.reason == errors.PROVIDER_ERROR else error.reason
     return SummaryError(
         error.message,
         reason=reason,
@@ -433,12 +436,12 @@ def _check_request(request: SummaryRequest) -> None:
         raise SummaryError(
             "no summary model: set summarizationProvider and summarizationModel, or route one "
             "request first so the latest routed model can be used",
-            reason=base.SUMMARIZER_MISCONFIGURED,
+            reason=Reason.SUMMARIZER_MISCONFIGURED,
         )
     if request.max_tokens <= 0:
         raise SummaryError(
             f"max_tokens must be positive, got {request.max_tokens}",
-            reason=base.SUMMARIZER_MISCONFIGURED,
+            reason=Reason.SUMMARIZER_MISCONFIGURED,
         )
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from compactd.errors import InvalidArgument
-from compactd.providers import base
+from compactd.reasons import Reason
 from compactd.v1 import events_pb2, session_service_pb2
 
 JSONObject = dict[str, Any]
@@ -42,7 +42,7 @@ _RESERVED_REQUEST_KEYS = frozenset({"model", "messages", "stream"})
 class UnsupportedContent(InvalidArgument):
     """A message holds content the OpenAI wire format cannot carry for its role."""
 
-    reason = base.UNSUPPORTED_CONTENT
+    reason = Reason.UNSUPPORTED_CONTENT
 
 
 # --- encoding -------------------------------------------------------------------------------

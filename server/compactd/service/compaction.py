@@ -51,9 +51,16 @@ from compactd.core.selection import (
     surface_snapshot,
 )
 from compactd.core.surface import SurfaceNode
-from compactd.errors import Busy, CompactdError, FailedPrecondition, FieldViolation, InvalidArgument
+from compactd.errors import (
+    CompactdError,
+    CompactionBusy,
+    FailedPrecondition,
+    FieldViolation,
+    InvalidArgument,
+)
 from compactd.metrics import Metrics
 from compactd.providers.base import Summarizer, SummaryError, SummaryRequest, SummaryResult
+from compactd.reasons import Reason
 from compactd.redaction import Redactor
 from compactd.routes import Route
 from compactd.service.guard import CompactionGuard, SummaryRejected, drop_facts
@@ -72,12 +79,14 @@ Planner = Callable[[SessionFold, Callable[[SurfaceNode], int]], list[PrunePlan]]
 AUTO = SHAPES[PlanMode.AUTO]
 MANUAL = SHAPES[PlanMode.MANUAL]
 _WARNED_KEY = "warned_targets"
+#: Why a step could not be priced: it warns once per target and goes on unpriced.
+_UNPRICEABLE = frozenset({Reason.CAPACITY_UNKNOWN, Reason.POLICY_INVALID, Reason.ROUTE_UNKNOWN})
 
 
 class BracketFailed(CompactdError):
     """A bracket closed without committing; ``reason`` says why (the log says the same)."""
 
-    reason = "SUMMARY_FAILED"
+    reason = Reason.SUMMARY_FAILED
 
 
 @dataclass
@@ -246,7 +255,7 @@ class CompactionEngine:
         if turn not in handle.fold.open_turns:
             raise FailedPrecondition(
                 f"turn {turn} is not open: automatic compaction runs only inside an open turn",
-                reason="NO_OPEN_TURN",
+                reason=Reason.NO_OPEN_TURN,
                 metadata={"turn": str(turn)},
             )
         _refuse_live_bracket(handle)
@@ -255,7 +264,7 @@ class CompactionEngine:
             route = intended or self._pressure.logged_route(handle)
             before = self._pressure.report(handle, route)
         except CompactdError as error:
-            if error.reason not in ("CAPACITY_UNKNOWN", "POLICY_INVALID", "ROUTE_UNKNOWN"):
+            if error.reason not in _UNPRICEABLE:
                 raise
             self._warn_once(handle, _target_key(intended), error.message, outcome)
             return await self._step_result(handle, None, None, outcome, held_revision)
@@ -340,7 +349,7 @@ class CompactionEngine:
         session_meter(handle)
         if handle.fold.open_turns:
             turns = ", ".join(str(t) for t in sorted(handle.fold.open_turns))
-            raise Busy(
+            raise CompactionBusy(
                 f"condensation is unavailable while turn {turns} is open; retry after it ends",
                 metadata={"open_turns": turns},
             )
@@ -418,7 +427,7 @@ class CompactionEngine:
         writes nothing to the log.
 
         Raises:
-            Busy: Another bracket is live.
+            CompactionBusy: Another bracket is live.
             FailedPrecondition: No model can write the summary (``SUMMARY_TARGET_UNKNOWN``) or
                 its summarizer is misconfigured; nothing was written.
             BracketFailed: The bracket closed without committing (summary failed, span drifted,
@@ -543,7 +552,9 @@ class CompactionEngine:
                 scope = revalidation_for(job.trigger)
                 stale = drift(handle.fold, selection, snapshot, scope)
                 if stale is not None:
-                    raise BracketFailed(f"stale summary rejected: {stale}", reason="SPAN_DRIFT")
+                    raise BracketFailed(
+                        f"stale summary rejected: {stale}", reason=Reason.SPAN_DRIFT
+                    )
                 checkpoint = bracket.checkpoint_message(compaction_id, framed)
                 checkpoint_route = (
                     screened.checkpoint_tokens
@@ -557,7 +568,7 @@ class CompactionEngine:
                     raise BracketFailed(
                         f"the summary ({checkpoint_route} tokens framed) is not smaller than "
                         f"the span it replaces ({shadowed_route} tokens)",
-                        reason="SUMMARY_NOT_SMALLER",
+                        reason=Reason.SUMMARY_NOT_SMALLER,
                         metadata={
                             "checkpoint_tokens": str(checkpoint_route),
                             "shadowed_tokens": str(shadowed_route),
@@ -666,7 +677,7 @@ class CompactionEngine:
             stale = drift(handle.fold, failure.selection, snapshot, revalidation_for(job.trigger))
             if stale is not None:
                 raise BracketFailed(
-                    f"stale span after a failed summary: {stale}", reason="SPAN_DRIFT"
+                    f"stale span after a failed summary: {stale}", reason=Reason.SPAN_DRIFT
                 )
             event = bracket.summary_error_event(
                 failure.compaction_id, error.message, error.reason,
@@ -844,7 +855,7 @@ def _still_above(report: cpb.PressureReport, attempts: int, policy: TargetPolicy
 def _refuse_live_bracket(handle: SessionHandle) -> None:
     live = live_bracket(handle.fold.lock)
     if live is not None:
-        raise Busy(
+        raise CompactionBusy(
             f"compaction {live.compaction_id} (started at seq {live.start_seq}) is still running",
             metadata={"compaction_id": live.compaction_id, "start_seq": str(live.start_seq)},
         )
@@ -964,10 +975,10 @@ def _close_reason(error: BaseException | None) -> tuple[str, str]:
     if error is None:
         return "", ""
     if isinstance(error, asyncio.CancelledError):
-        return "cancelled by the caller", "CANCELLED"
+        return "cancelled by the caller", Reason.CANCELLED
     if isinstance(error, CompactdError):
         return error.message, error.reason
-    return f"internal error: {type(error).__name__}", "INTERNAL"
+    return f"internal error: {type(error).__name__}", Reason.INTERNAL
 
 
 def _redact_error(error: CompactdError, redact: Callable[[str], str]) -> None:

@@ -53,6 +53,7 @@ from compactd.errors import CompactdError
 from compactd.metrics import Metrics
 from compactd.providers.base import Summarizer, SummaryRequest, SummaryResult
 from compactd.providers.extractive import ExtractiveSummarizer, minimum_span_tokens
+from compactd.reasons import Reason
 from compactd.routes import Route
 from compactd.service.sessions import SessionHandle, in_steps
 from compactd.service.summarizers import EXTRACTIVE_TARGET
@@ -60,8 +61,6 @@ from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2, session_service_pb2
 
 Progress = Callable[[cpb.CompactionProgress], Awaitable[None]]
-SUMMARY_REJECTED = "SUMMARY_REJECTED"
-SUMMARY_NOT_SMALLER = "SUMMARY_NOT_SMALLER"
 BUDGET_SPENT = "BUDGET_SPENT"  # a skip's reason in metrics and spans (never an error's)
 _LEDGER_KEY = "compaction_attempts"
 _PROBE_TEXT = 200  # characters of a probe in a report
@@ -82,14 +81,14 @@ _KINDS = {
 class SummaryRejected(CompactdError):
     """The quality gate rejected the summary; ``gate`` holds the failed checks."""
 
-    reason = SUMMARY_REJECTED
+    reason = Reason.SUMMARY_REJECTED
 
     def __init__(
         self,
         message: str,
         *,
         gate_report: events_pb2.SummaryGateReport,
-        reason: str = SUMMARY_REJECTED,
+        reason: str = Reason.SUMMARY_REJECTED,
         metadata: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message, reason=reason, metadata=metadata)
@@ -409,7 +408,7 @@ def _rejection(verdict: gate.Verdict, report: events_pb2.SummaryGateReport) -> S
         return SummaryRejected(
             f"the summary is not smaller than the span it replaces: {verdict.describe()}",
             gate_report=report,
-            reason=SUMMARY_NOT_SMALLER,
+            reason=Reason.SUMMARY_NOT_SMALLER,
             metadata=metadata,
         )
     return SummaryRejected(

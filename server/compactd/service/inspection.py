@@ -25,6 +25,7 @@ from compactd.core.pruner import PrunePlan, plan_prunes
 from compactd.core.selection import Declined, Selection
 from compactd.core.surface import ShadowHistory, SurfaceChange, SurfaceNode
 from compactd.errors import CompactdError, FieldViolation, InvalidArgument
+from compactd.reasons import Reason
 from compactd.routes import Route
 from compactd.service.compaction import CompactionEngine, shadow_price_of
 from compactd.service.guard import ledger
@@ -177,17 +178,17 @@ class InspectionService:
         live = live_bracket(fold.lock)
         if live is not None:
             why = f"compaction {live.compaction_id} (seq {live.start_seq}) is live"
-            return "COMPACTION_BUSY", why
+            return Reason.COMPACTION_BUSY, why
         if mode is PlanMode.MANUAL:
             if fold.open_turns:
                 turns = ", ".join(str(t) for t in sorted(fold.open_turns))
-                return "COMPACTION_BUSY", f"turn {turns} is open; Compact runs between turns"
+                return Reason.COMPACTION_BUSY, f"turn {turns} is open; Compact runs between turns"
             return "", ""
         if not job.policy.auto and mode is not PlanMode.SWITCH:
             return "AUTO_DISABLED", f"auto is off for {_name(job.route)}"
         if mode is PlanMode.OVERFLOW:
             if job.policy.max_overflow_retries == 0:
-                return "RETRIES_EXHAUSTED", "maxOverflowRetries is 0: overflow recovery is off"
+                return Reason.RETRIES_EXHAUSTED, "maxOverflowRetries is 0: overflow recovery is off"
             window = self._recovery.window_of(job.handle, job.route, cpb.ProviderError())
             if window.window and window.room <= 0:
                 return "ENVELOPE_ONLY", envelope_only(window)

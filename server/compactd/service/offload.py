@@ -16,8 +16,8 @@ compaction restores an occurrence.
 from __future__ import annotations
 
 from compactd.core.offload import OffloadSelection, offload_event, select_offload
-from compactd.providers import base
 from compactd.providers.base import SummaryError
+from compactd.reasons import Reason
 from compactd.service.compaction import SummaryFailure
 from compactd.service.sessions import SessionHandle
 
@@ -47,7 +47,7 @@ class ImageOffloadRecovery:
 
     def wants(self, error: SummaryError) -> bool:
         """Image-budget failures with a count."""
-        return error.reason == base.IMAGE_OFFLOAD_REQUIRED and error.offload_images > 0
+        return error.reason == Reason.IMAGE_OFFLOAD_REQUIRED and error.offload_images > 0
 
     async def recover(self, handle: SessionHandle, failure: SummaryFailure) -> bool:
         """Offload the oldest ``offload_images`` images of the span; False when none is left."""

@@ -27,6 +27,7 @@ from compactd.core.policy import (
 )
 from compactd.core.pricing import NodeCost, PricingProfile
 from compactd.errors import FailedPrecondition
+from compactd.reasons import Reason
 from compactd.routes import Route, RouteCatalog
 from compactd.service.calibration import UsageCalibration, annotate, estimated
 from compactd.service.sessions import SessionHandle, SessionManager, in_steps
@@ -286,7 +287,7 @@ class PressureService:
         if header is None or not (header.config.provider and header.config.model):
             raise FailedPrecondition(
                 "no route given and no request/header names one; pass a destination route",
-                reason="ROUTE_UNKNOWN",
+                reason=Reason.ROUTE_UNKNOWN,
             )
         return self.routes.resolve(header.config.provider, header.config.model)
 

@@ -36,16 +36,12 @@ from compactd.core.offload import offloadable
 from compactd.core.planner import SHAPES, PlanMode
 from compactd.core.policy import output_reservation
 from compactd.core.pruner import PrunePlan, PrunerConfig, plan_window_prunes
-from compactd.core.selection import (
-    DeclineCode,
-    Declined,
-    head_length,
-    unit_boundaries,
-)
+from compactd.core.selection import DeclineCode, Declined, head_length, unit_boundaries
 from compactd.core.surface import SurfaceNode
-from compactd.errors import Busy, CompactdError, FailedPrecondition
+from compactd.errors import CompactdError, CompactionBusy, FailedPrecondition
 from compactd.providers import errors
 from compactd.providers.errors import ProviderFailure
+from compactd.reasons import Reason
 from compactd.redaction import Redactor
 from compactd.routes import Route
 from compactd.service.compaction import (
@@ -67,8 +63,8 @@ OVERFLOW = events_pb2.COMPACTION_TRIGGER_OVERFLOW
 CONTEXT = cpb.PROVIDER_ERROR_KIND_CONTEXT_WINDOW_EXCEEDED
 IMAGES = cpb.PROVIDER_ERROR_KIND_IMAGE_OFFLOAD_REQUIRED
 _KINDS: Mapping[str, cpb.ProviderErrorKind.ValueType] = {
-    errors.CONTEXT_WINDOW_EXCEEDED: CONTEXT,
-    errors.IMAGE_OFFLOAD_REQUIRED: IMAGES,
+    Reason.CONTEXT_WINDOW_EXCEEDED: CONTEXT,
+    Reason.IMAGE_OFFLOAD_REQUIRED: IMAGES,
 }
 Decline = cpb.RecoveryDecline
 #: Redaction by credential shapes alone (no configured key values), for callers without routes.
@@ -185,7 +181,7 @@ class RecoveryService:
         Raises:
             NotFound: The session does not exist.
             FailedPrecondition: ``NO_OPEN_TURN`` when ``turn`` is not open.
-            Busy: A bracket is live.
+            CompactionBusy: A bracket is live.
         """
         handle = await self._manager.get(session_id)
         session_meter(handle)
@@ -286,7 +282,7 @@ class RecoveryService:
         job = Bracket(handle, shape.trigger, shape.selection, route, route, policy, 0, turn)
         try:
             committed = await self._engine.run_bracket(job, progress)
-        except Busy:
+        except CompactionBusy:
             raise
         except CompactdError as failure:
             result.cause = failure.reason
@@ -431,7 +427,7 @@ def _indivisible(figures: cpb.OverflowFigures) -> str:
 
 
 def _not_recoverable(reason: str) -> str:
-    if reason in (errors.RATE_LIMITED, errors.TIMEOUT, errors.PROVIDER_UNAVAILABLE):
+    if reason in (Reason.RATE_LIMITED, Reason.TIMEOUT, Reason.PROVIDER_UNAVAILABLE):
         return f"{reason} is transient: retry the same request later, per the classification"
     return f"{reason or 'the error'} is not one compactd recovers from"
 
@@ -441,6 +437,6 @@ def require_open_turn(handle: SessionHandle, turn: int) -> None:
     if turn not in handle.fold.open_turns:
         raise FailedPrecondition(
             f"turn {turn} is not open: recovery runs for a step of an open turn",
-            reason="NO_OPEN_TURN",
+            reason=Reason.NO_OPEN_TURN,
             metadata={"turn": str(turn)},
         )

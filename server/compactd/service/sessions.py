@@ -64,8 +64,8 @@ from compactd.core.pricing import NodeCost
 from compactd.core.validation import Origin, check_batch, check_batch_in_steps
 from compactd.errors import (
     AlreadyExists,
-    Busy,
     CompactdError,
+    CompactionBusy,
     ConfigError,
     Fenced,
     FieldViolation,
@@ -74,6 +74,7 @@ from compactd.errors import (
     QuotaExceeded,
     SeqConflict,
 )
+from compactd.reasons import Reason
 from compactd.service.quotas import QuotaBook, Reservation
 from compactd.service.replicas import (
     MAX_APPEND_ATTEMPTS,
@@ -479,7 +480,10 @@ class SessionHandle:
         breaking = LeaseOp(LeaseAction.BREAK, self.owner, live.compaction_id)
         try:
             await self._append_once([seed], None, Origin.SERVER, lease=breaking)
-        except (Busy, SeqConflict):  # renewed meanwhile, or another replica took it over first
+        except (
+            CompactionBusy,
+            SeqConflict,
+        ):  # renewed meanwhile, or another replica took it over first
             self._next_lease_check = 0.0
             return
         log.warning(
@@ -611,7 +615,7 @@ class SessionHandle:
             raise InvalidArgument(
                 "a batch mixes events already in the log with new ones",
                 violations=[FieldViolation("events", "retry the original batch unchanged")],
-                reason="IDEMPOTENCY_MISMATCH",
+                reason=Reason.IDEMPOTENCY_MISMATCH,
             )
         seqs = [logged[i] for i in ids]
         stored = await self._store.read_seqs(self.session_id, seqs, tenant=self.tenant)
@@ -620,7 +624,7 @@ class SessionHandle:
                 raise InvalidArgument(
                     f"event_id {sent.event_id!r} is already in the log with different content",
                     violations=[FieldViolation(f"events[{index}].event_id", "reused id")],
-                    reason="IDEMPOTENCY_MISMATCH",
+                    reason=Reason.IDEMPOTENCY_MISMATCH,
                 )
         return AppendResult(seqs, self.fold.revision, replayed=True)
 
@@ -707,7 +711,7 @@ def _stale_fold(error: Exception) -> bool:
 
 def _duplicate_ids(error: Exception) -> TypeGuard[InvalidArgument]:
     """Whether the store refused a batch for event ids already in the log."""
-    return isinstance(error, InvalidArgument) and error.reason == "DUPLICATE_EVENT_ID"
+    return isinstance(error, InvalidArgument) and error.reason == Reason.DUPLICATE_EVENT_ID
 
 
 def _same_content(sent: events_pb2.SessionEvent, kept: events_pb2.SessionEvent) -> bool:
@@ -826,7 +830,7 @@ class SessionManager:
             raise InvalidArgument(
                 f"{path.split('.')[0]}: {error.message}",
                 violations=[FieldViolation(path, error.message)],
-                reason="POLICY_INVALID",
+                reason=Reason.POLICY_INVALID,
             ) from error
 
     async def create(

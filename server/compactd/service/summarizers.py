@@ -31,6 +31,7 @@ from compactd.providers.base import Summarizer
 from compactd.providers.chunking import ChunkingSummarizer
 from compactd.providers.extractive import ExtractiveSummarizer
 from compactd.providers.openai import OpenAISummarizer, RetryPolicy, Timeouts
+from compactd.reasons import Reason
 from compactd.routes import Route, RouteCatalog
 from compactd.v1 import events_pb2, session_service_pb2
 
@@ -144,7 +145,7 @@ class SummarizerRegistry:
             "no model can write the summary: set compaction.summarizationProvider and "
             "compaction.summarizationModel (or [summarizer] provider/model), or log a "
             "request/header that routes a model first",
-            reason="SUMMARY_TARGET_UNKNOWN",
+            reason=Reason.SUMMARY_TARGET_UNKNOWN,
         )
 
     def for_route(self, route: Route) -> Summarizer:
@@ -165,7 +166,7 @@ class SummarizerRegistry:
         if not route.base_url:
             raise FailedPrecondition(
                 f"summarizer kind 'openai' needs a base_url for route {route.name}",
-                reason="SUMMARIZER_MISCONFIGURED",
+                reason=Reason.SUMMARIZER_MISCONFIGURED,
             )
         if not self.may_send(route):
             raise FailedPrecondition(
@@ -173,7 +174,7 @@ class SummarizerRegistry:
                 "catalog, and compactd sends conversations only to endpoints its configuration "
                 f"names: add a [[routes]] table for {route.name}, or name it in [summarizer] "
                 "provider/model or compaction.summarizationProvider/summarizationModel",
-                reason="SUMMARIZER_MISCONFIGURED",
+                reason=Reason.SUMMARIZER_MISCONFIGURED,
                 metadata={"route": route.name},
             )
         model: Summarizer = OpenAISummarizer(

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 from compactd.core.planner import SHAPES, PlanMode
 from compactd.core.selection import Declined
-from compactd.errors import Busy, CompactdError, FailedPrecondition
+from compactd.errors import CompactdError, CompactionBusy, FailedPrecondition
+from compactd.reasons import Reason
 from compactd.routes import Route
 from compactd.service.compaction import (
     Bracket,
@@ -43,7 +44,6 @@ from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2
 
 SWITCH = SHAPES[PlanMode.SWITCH]
-SWITCH_FAILED = "MODEL_SWITCH_COMPACTION_FAILED"
 ABOVE = cpb.PRESSURE_STATE_ABOVE
 
 
@@ -77,7 +77,7 @@ class SwitchService:
             NotFound: The session does not exist.
             FailedPrecondition: ``NO_OPEN_TURN`` when ``turn`` is set and not open;
                 ``MODEL_SWITCH_COMPACTION_FAILED`` when the switch cannot be made.
-            Busy: A bracket is live.
+            CompactionBusy: A bracket is live.
         """
         handle = await self._manager.get(session_id)
         session_meter(handle)
@@ -178,7 +178,7 @@ class SwitchService:
             if attempts > policy.compaction_retries:
                 raise _failed(
                     destination,
-                    "RETRIES_EXHAUSTED",
+                    Reason.RETRIES_EXHAUSTED,
                     f"history stays above the trigger after {attempts} compaction(s): measured "
                     f"{report.measured_tokens} >= trigger {report.trigger_tokens} "
                     f"(compactionRetries={policy.compaction_retries})",
@@ -190,7 +190,7 @@ class SwitchService:
             )  # fmt: skip
             try:
                 committed = await self._engine.run_bracket(job, progress)
-            except Busy:
+            except CompactionBusy:
                 raise
             except CompactdError as error:
                 raise _failed(destination, error.reason, error.message, error.metadata) from error
@@ -263,6 +263,6 @@ def _failed(
     """The switch's failure: the cause's reason and metadata, and the destination."""
     return FailedPrecondition(
         f"cannot switch to {destination.name}: {message}",
-        reason=SWITCH_FAILED,
+        reason=Reason.MODEL_SWITCH_COMPACTION_FAILED,
         metadata={**(details or {}), "cause": cause, "destination": destination.name},
     )

@@ -23,6 +23,7 @@ from typing import NamedTuple, Self
 
 from compactd import errors
 from compactd.core.steps import run_to_end
+from compactd.reasons import Reason
 from compactd.store.leases import Lease, LeaseOp
 from compactd.tenancy import DEFAULT_TENANT
 from compactd.v1 import events_pb2
@@ -270,7 +271,7 @@ def duplicate_event_ids(session_id: str, event_ids: Sequence[str]) -> errors.Inv
         violations=[
             errors.FieldViolation("event_id", f"{i!r} already exists") for i in sorted(event_ids)
         ],
-        reason="DUPLICATE_EVENT_ID",
+        reason=Reason.DUPLICATE_EVENT_ID,
         metadata={"session_id": session_id},
     )
 
@@ -366,7 +367,7 @@ class EventStore(abc.ABC):
                 ``DUPLICATE_EVENT_ID``).
             Unavailable: if the store is closed or the database failed; nothing was appended.
             Fenced: if ``lease`` holds or releases a lease another replica took over.
-            Busy: if ``lease`` acquires or breaks a lease that is still held.
+            CompactionBusy: if ``lease`` acquires or breaks a lease that is still held.
         """
 
     @abc.abstractmethod

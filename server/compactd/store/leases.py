@@ -21,11 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import Enum
-from typing import Final
 
-from compactd.errors import Busy, Fenced
-
-LEASE_LOST: Final = "LEASE_LOST"
+from compactd.errors import CompactionBusy, Fenced
+from compactd.reasons import Reason
 
 Key = tuple[str, str]
 """A session's key in the in-process lease table: (tenant, session id)."""
@@ -85,7 +83,7 @@ def apply(session_id: str, current: Lease | None, op: LeaseOp, now: datetime) ->
 
     Raises:
         Fenced: HOLD or RELEASE when the lease no longer names ``op``'s owner and token.
-        Busy: ACQUIRE while another bracket's lease is unexpired; BREAK while the lease is
+        CompactionBusy: ACQUIRE while another bracket's lease is unexpired; BREAK while the lease is
             unexpired or covers another bracket.
     """
     live = current is not None and current.expires > now
@@ -112,7 +110,7 @@ def fenced(session_id: str, token: str, current: Lease | None) -> Fenced:
     return Fenced(
         f"compaction {token} of session {session_id!r} lost its lease (now held by {holder}); "
         "another replica took the session over, so this bracket's late writes are refused",
-        reason=LEASE_LOST,
+        reason=Reason.LEASE_LOST,
         metadata={"session_id": session_id, "compaction_id": token},
     )
 
@@ -122,9 +120,9 @@ def _lease(op: LeaseOp, now: datetime) -> Lease:
     return Lease(op.owner, op.token, expires, op.ttl_s)
 
 
-def _busy(session_id: str, current: Lease, now: datetime) -> Busy:
+def _busy(session_id: str, current: Lease, now: datetime) -> CompactionBusy:
     left = (current.expires - now).total_seconds()
-    return Busy(
+    return CompactionBusy(
         f"compaction {current.token} of session {session_id!r} is held by replica "
         f"{current.owner} for {max(left, 0):.1f}s more",
         metadata={"session_id": session_id, "compaction_id": current.token},

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import fcntl
 import os
-from typing import Final
 
 from compactd.errors import StartupError
-
-STORE_LOCKED: Final = "STORE_LOCKED"
+from compactd.reasons import Reason
 
 
 class OwnerLock:
@@ -44,7 +42,7 @@ class OwnerLock:
             raise StartupError(
                 f"the store {self.path.removesuffix('.lock')} is already owned by another "
                 f"compactd{holder}; one store has one owner: stop it or choose another --store",
-                reason=STORE_LOCKED,
+                reason=Reason.STORE_LOCKED,
                 metadata={"lock_file": self.path},
             ) from None
         except BaseException:

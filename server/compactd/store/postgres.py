@@ -38,6 +38,7 @@ import psycopg_pool
 from psycopg.rows import TupleRow
 
 from compactd import errors
+from compactd.reasons import Reason
 from compactd.store import base, postgres_schema
 from compactd.store.base import DEFAULT_TENANT_ID, SessionKey
 from compactd.store.leases import Lease, LeaseAction, LeaseOp, apply
@@ -140,7 +141,7 @@ class PostgresEventStore(base.EventStore):
                 await pool.close()
                 raise errors.StartupError(
                     f"cannot open the PostgreSQL store {_redacted(self._url)}: {error}",
-                    reason="STORE_UNAVAILABLE",
+                    reason=Reason.STORE_UNAVAILABLE,
                 ) from None
             except BaseException:
                 await pool.close()

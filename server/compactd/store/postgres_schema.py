@@ -18,9 +18,7 @@ import psycopg
 from psycopg.rows import TupleRow
 
 from compactd.errors import StartupError
-
-SCHEMA_TOO_OLD: Final = "SCHEMA_TOO_OLD"
-SCHEMA_TOO_NEW: Final = "SCHEMA_TOO_NEW"
+from compactd.reasons import Reason
 
 # Any constant: every compactd that migrates this database takes the same advisory lock.
 _MIGRATION_LOCK: Final = 0x636F6D70  # "comp"
@@ -123,7 +121,7 @@ async def check(conn: psycopg.AsyncConnection[TupleRow], *, apply: bool) -> int:
             f"the PostgreSQL store's schema is at version {current}, older than the version "
             f"{SCHEMA_VERSION} this compactd serves: run `compactd migrate --store URL` (or "
             "start with `serve --migrate`) first",
-            reason=SCHEMA_TOO_OLD,
+            reason=Reason.SCHEMA_TOO_OLD,
             metadata={"schema_version": str(current), "server_version": str(SCHEMA_VERSION)},
         )
     if current > SCHEMA_VERSION:
@@ -137,6 +135,6 @@ def too_new(current: int) -> StartupError:
         f"the PostgreSQL store's schema is at version {current}, newer than the version "
         f"{SCHEMA_VERSION} this compactd understands: upgrade this replica (a newer compactd "
         "migrated the database), or point it at another database",
-        reason=SCHEMA_TOO_NEW,
+        reason=Reason.SCHEMA_TOO_NEW,
         metadata={"schema_version": str(current), "server_version": str(SCHEMA_VERSION)},
     )

@@ -27,6 +27,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Generic, TypeVar
 
 from compactd import errors
+from compactd.reasons import Reason
 from compactd.store import base
 from compactd.store.base import DEFAULT_TENANT_ID, SessionKey
 from compactd.store.leases import Lease, LeaseOp, ProcessLeases
@@ -180,7 +181,7 @@ class SqliteEventStore(base.EventStore):
                 self._owner.release()
                 raise errors.StartupError(
                     f"cannot open the store sqlite:///{self._path}: {error}",
-                    reason="STORE_UNAVAILABLE",
+                    reason=Reason.STORE_UNAVAILABLE,
                 ) from None
             except BaseException:
                 self._owner.release()
