@@ -13,7 +13,7 @@ from compactd.core.meter import SessionMeter, recount
 from compactd.core.policy import PressurePolicy
 from compactd.errors import CapacityUnknown, ConfigError, FailedPrecondition, NotFound
 from compactd.routes import Route, RouteCatalog
-from compactd.service.pressure import METER_KEY, PressureService
+from compactd.service.pressure import PressureService
 from compactd.service.sessions import SessionManager
 from compactd.store.memory import MemoryEventStore
 from compactd.v1 import compaction_service_pb2, events_pb2
@@ -204,7 +204,7 @@ async def test_a_restored_session_gets_a_meter_that_matches_a_recount(
     restarted_service = PressureService(restarted, service.routes, service.policy)
     report = await restarted_service.check(sid)
     handle = await restarted.get(sid)
-    assert isinstance(handle.extensions[METER_KEY], SessionMeter)
+    assert isinstance(handle.context.meter, SessionMeter)
     route = service.route_for("deepseek", "deepseek-chat")
     assert report.measured_tokens == recount(handle.fold, route).total
     assert report.revision == handle.fold.revision  # includes the restore's session/end-seed

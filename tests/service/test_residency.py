@@ -28,8 +28,8 @@ from compactd.core.policy import PressurePolicy
 from compactd.core.pricing import price_node
 from compactd.errors import InvalidArgument, Unavailable
 from compactd.routes import RouteCatalog
-from compactd.service import pressure, sessions
-from compactd.service.pressure import PressureService, session_meter, warm_up
+from compactd.service import sessions
+from compactd.service.pressure import PressureService, warm_up
 from compactd.service.sessions import SessionHandle, SessionManager
 from compactd.store import sqlite as sqlite_store
 from compactd.store.base import EventStore
@@ -156,7 +156,7 @@ async def test_a_large_batch_is_priced_in_steps_on_the_loop_and_reports_equal_a_
     await handle.append([header(PROVIDER, MODEL)])
     await service.check("s")  # the route's ledger exists: the next batch is priced ahead
     steps: list[int] = []
-    meter = session_meter(handle)
+    meter = handle.context.meter
     original = meter.prepare_in_steps
 
     def spy(*args: Any) -> Generator[None, None, None]:
@@ -198,7 +198,7 @@ async def test_texts_nothing_counted_ahead_are_counted_in_a_worker_thread(
     await handle.run_preparers(batch)  # as an append's: in steps on the loop
     assert threads
     assert threading.get_ident() not in threads  # not on the loop: it would hold it throughout
-    meter = session_meter(handle)
+    meter = handle.context.meter
     priced: list[int] = []
     prepare = meter.prepare
 
@@ -294,14 +294,16 @@ async def test_an_evicted_session_keeps_its_in_process_memory(store: MemoryEvent
     await manager.create("s", None)
     handle = await manager.get("s")
     await handle.append([user("hello")])
-    memory = object()
-    handle.extensions["failure_memory"] = memory
+    memory = handle.context.memory
+    memory.warned_targets.add("local/small")
+    handle_context = handle.context
     assert await manager.evict("s")
     del handle
     manager._alive.clear()
     restored = await manager.get("s")
-    assert restored.extensions["failure_memory"] is memory  # eviction is not a restart
-    assert session_meter(restored) is restored.extensions[pressure.METER_KEY]
+    assert restored.context is not handle_context  # a new residency: a new meter
+    assert restored.context.memory is memory  # eviction is not a restart
+    assert restored.context.memory.warned_targets == {"local/small"}
 
 
 async def test_deleting_a_session_deletes_its_snapshot(store: MemoryEventStore) -> None:
@@ -568,13 +570,12 @@ async def _compare(ops: list[tuple[str, int]]) -> None:
     for report in reports:
         report.breakdown.ClearField("anchor_age_seconds")  # wall time
     assert reports[0] == reports[1]
-    meter_a, meter_b = session_meter(a), session_meter(b)
+    meter_a, meter_b = a.context.meter, b.context.meter
     assert isinstance(meter_b, SessionMeter)
     assert meter_a.measure(a.fold, route, anchored=False) == meter_b.measure(
         b.fold, route, anchored=False
     )
     assert meter_b.measure(b.fold, route, anchored=False).total == recount(b.fold, route).total
-    assert pressure.METER_KEY in b.extensions
     for store in stores:
         await store.close()
 

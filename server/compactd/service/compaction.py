@@ -64,7 +64,7 @@ from compactd.reasons import Reason
 from compactd.redaction import Redactor
 from compactd.routes import Route
 from compactd.service.guard import CompactionGuard, SummaryRejected, drop_facts
-from compactd.service.pressure import PressureService, session_meter
+from compactd.service.pressure import PressureService
 from compactd.service.requests import appended_messages, build_request
 from compactd.service.sessions import SessionHandle, SessionManager
 from compactd.service.summarizers import SummarizerRegistry
@@ -78,7 +78,6 @@ Progress = Callable[[cpb.CompactionProgress], Awaitable[None]]
 Planner = Callable[[SessionFold, Callable[[SurfaceNode], int]], list[PrunePlan]]
 AUTO = SHAPES[PlanMode.AUTO]
 MANUAL = SHAPES[PlanMode.MANUAL]
-_WARNED_KEY = "warned_targets"
 #: Why a step could not be priced: it warns once per target and goes on unpriced.
 _UNPRICEABLE = frozenset({Reason.CAPACITY_UNKNOWN, Reason.POLICY_INVALID, Reason.ROUTE_UNKNOWN})
 
@@ -250,7 +249,6 @@ class CompactionEngine:
     ) -> cpb.PrepareStepResult:
         """``prepare_step`` on a handle the caller just got from the manager (on a shared
         store, caught up: a second lookup would read the session's revision again)."""
-        session_meter(handle)
         check_held_revision(handle, held_revision)
         if turn not in handle.fold.open_turns:
             raise FailedPrecondition(
@@ -346,7 +344,6 @@ class CompactionEngine:
     ) -> cpb.CompactResult:
         """On-demand compaction (see ``CompactionService.Compact``)."""
         handle = await self._manager.get(session_id)
-        session_meter(handle)
         if handle.fold.open_turns:
             turns = ", ".join(str(t) for t in sorted(handle.fold.open_turns))
             raise CompactionBusy(
@@ -482,7 +479,7 @@ class CompactionEngine:
             span.set_attribute("compactd.compaction_id", compaction_id)
             async with handle.lock:
                 _refuse_live_bracket(handle)
-                meter = session_meter(handle)
+                meter = handle.context.meter
                 chosen = choose_span(
                     handle.fold, node_pricer(meter, handle.fold, job.route),
                     selection=job.mode, retained_budget=job.retained_budget,
@@ -561,7 +558,7 @@ class CompactionEngine:
                     if screened.checkpoint_tokens is not None
                     else route_price(checkpoint, job.shrink_route)
                 )
-                shadowed_route = session_meter(handle).route_price_of_nodes(
+                shadowed_route = handle.context.meter.route_price_of_nodes(
                     handle.fold, selection.shadowed_seqs, job.shrink_route
                 )
                 if not bracket.shrinks(checkpoint_route, shadowed_route):
@@ -741,7 +738,7 @@ class CompactionEngine:
         """``selection`` with the span's current route price, and the envelope measured now
         (unchanged when a span node is gone: the commit's revalidation rejects the span)."""
         handle = job.handle
-        meter = session_meter(handle)
+        meter = handle.context.meter
         async with handle.lock:
             try:
                 price = meter.route_price_of_nodes(handle.fold, selection.shadowed_seqs, job.route)
@@ -792,8 +789,7 @@ class CompactionEngine:
     def _warn_once(
         self, handle: SessionHandle, target: str, message: str, outcome: StepOutcome
     ) -> None:
-        warned = handle.extensions.setdefault(_WARNED_KEY, set())
-        assert isinstance(warned, set)
+        warned = handle.context.memory.warned_targets
         if target not in warned:
             warned.add(target)
             outcome.warnings.append(f"pressure check skipped for {target}: {message}")
@@ -904,14 +900,14 @@ def shadow_price_of_nodes(meter: SessionMeter, fold: SessionFold, seqs: Iterable
 
 
 def _shadow_price(handle: SessionHandle, selection: Selection) -> int:
-    return shadow_price_of_nodes(session_meter(handle), handle.fold, selection.shadowed_seqs)
+    return shadow_price_of_nodes(handle.context.meter, handle.fold, selection.shadowed_seqs)
 
 
 def _span_tokens(handle: SessionHandle, selection: Selection, route: Route) -> int | None:
     """The span's route price now; None when a node of it is gone (the commit then fails the
     span's revalidation, so the quality gate need not judge it)."""
     try:
-        return session_meter(handle).route_price_of_nodes(
+        return handle.context.meter.route_price_of_nodes(
             handle.fold, selection.shadowed_seqs, route
         )
     except ValueError:

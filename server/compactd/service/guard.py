@@ -14,8 +14,8 @@ The engine (``service.compaction``) asks the guard four things, each at one poin
    the bracket closes with ``SUMMARY_REJECTED`` and the failed checks (``SummaryRejected``).
 4. **What failed?** ``failed`` remembers a bracket that closed without committing.
 
-The memory lives in the session's in-process state (``SessionHandle.extensions``): a restart, or
-a session evicted from the resident cache, forgets it, so a failing span may be sent once more
+The memory lives in the session's in-process state (``SessionContext.memory``): it outlives an
+eviction from the resident cache, but a restart forgets it, so a failing span may be sent once more
 after a restart (the log keeps every failed bracket's ``compaction/end`` for audit).
 
 Every decision is observable: the ``compaction.gate`` and ``compaction.skip`` spans (failed
@@ -37,7 +37,7 @@ from opentelemetry import trace
 
 from compactd import genai
 from compactd.core import bracket, gate, prompts
-from compactd.core.attempts import AttemptLedger, Backoff, span_key
+from compactd.core.attempts import Backoff, span_key
 from compactd.core.meter import MeteredRoute, route_price
 from compactd.core.policy import TargetPolicy
 from compactd.core.pricing import PricingProfile, node_texts, price_node, with_counted
@@ -62,7 +62,6 @@ from compactd.v1 import events_pb2, session_service_pb2
 
 Progress = Callable[[cpb.CompactionProgress], Awaitable[None]]
 BUDGET_SPENT = "BUDGET_SPENT"  # a skip's reason in metrics and spans (never an error's)
-_LEDGER_KEY = "compaction_attempts"
 _PROBE_TEXT = 200  # characters of a probe in a report
 _CHECKS = {
     gate.GateCheck.SECTIONS: events_pb2.SUMMARY_CHECK_SECTIONS,
@@ -159,7 +158,7 @@ class CompactionGuard:
         if not policy.remembers_failures:
             return None
         key = span_key(selection.shadowed_seqs, handle.fold.offloads)
-        held = ledger(handle).hold(key, target.name, self._clock())
+        held = handle.context.memory.failures.hold(key, target.name, self._clock())
         if held is None:
             return None
         return Declined(
@@ -180,19 +179,19 @@ class CompactionGuard:
         """Remember a bracket on ``selection`` that closed without committing."""
         backoff = Backoff(policy.failure_backoff_seconds, policy.failure_backoff_max_seconds)
         key = span_key(selection.shadowed_seqs, handle.fold.offloads)
-        ledger(handle).remember(key, target.name, reason, self._clock(), backoff)
+        handle.context.memory.failures.remember(key, target.name, reason, self._clock(), backoff)
 
     def may_open(self, handle: SessionHandle, policy: TargetPolicy) -> bool:
         """Whether the current threshold crossing may open another bracket."""
         if not policy.remembers_failures:
             return True
-        crossing = ledger(handle).open_crossing()
+        crossing = handle.context.memory.failures.open_crossing()
         return crossing.may_open(1 + policy.compaction_retries, self._clock())
 
     def opened(self, handle: SessionHandle, policy: TargetPolicy) -> None:
         """Count a bracket the current crossing opened."""
         if policy.remembers_failures:
-            ledger(handle).open_crossing().opened()
+            handle.context.memory.failures.open_crossing().opened()
 
     def exhausted(
         self, handle: SessionHandle, policy: TargetPolicy, report: cpb.PressureReport, why: str
@@ -201,7 +200,7 @@ class CompactionGuard:
         first time only (None afterwards, or when the budget is not the limit)."""
         if not policy.remembers_failures:
             return None
-        crossing = ledger(handle).open_crossing()
+        crossing = handle.context.memory.failures.open_crossing()
         backoff = Backoff(policy.failure_backoff_seconds, policy.failure_backoff_max_seconds)
         now = self._clock()
         first = crossing.exhaust(now, backoff)
@@ -227,7 +226,7 @@ class CompactionGuard:
 
     def end_crossing(self, handle: SessionHandle) -> None:
         """Pressure is below the trigger, or the runtime compacted explicitly."""
-        ledger(handle).close_crossing()
+        handle.context.memory.failures.close_crossing()
 
     # ---- 3. the quality gate ----------------------------------------------------------------
 
@@ -374,14 +373,6 @@ def _count_started(
 ) -> dict[str, int]:
     running.set()
     return {text: count(text) for text in texts}
-
-
-def ledger(handle: SessionHandle) -> AttemptLedger:
-    """The session's failure memory and crossing (in-process; see the module docstring)."""
-    found = handle.extensions.get(_LEDGER_KEY)
-    if not isinstance(found, AttemptLedger):
-        found = handle.extensions[_LEDGER_KEY] = AttemptLedger()
-    return found
 
 
 def _without_head(

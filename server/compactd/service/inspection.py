@@ -28,9 +28,7 @@ from compactd.errors import CompactdError, FieldViolation, InvalidArgument
 from compactd.reasons import Reason
 from compactd.routes import Route
 from compactd.service.compaction import CompactionEngine, shadow_price_of
-from compactd.service.guard import ledger
 from compactd.service.policy_message import resolved_policy
-from compactd.service.pressure import session_meter
 from compactd.service.recovery import RecoveryService, envelope_only
 from compactd.service.requests import surface_response
 from compactd.service.sessions import SessionHandle
@@ -99,7 +97,6 @@ class InspectionService:
                 violations=[FieldViolation("route", "required for PLAN_MODE_SWITCH")],
             )
         handle = await self._engine.manager.get(session_id)
-        session_meter(handle)
         async with handle.lock:  # one committed revision, and no await below: nothing moves
             return self._plan(self._inputs(handle, mode, route))
 
@@ -205,7 +202,7 @@ class InspectionService:
         return "", ""
 
     def _may_open(self, job: _Inputs) -> bool:
-        if ledger(job.handle).crossing is None:
+        if job.handle.context.memory.failures.crossing is None:
             return True  # a crossing would start afresh (not started here: nothing is recorded)
         return self._engine.guard.may_open(job.handle, job.policy)
 
@@ -235,7 +232,7 @@ class InspectionService:
     ) -> None:
         """Each prune as folded: the node it shadows and its replacement, priced for the route."""
         fold = job.handle.fold
-        price = node_pricer(session_meter(job.handle), fold, job.route)
+        price = node_pricer(job.handle.context.meter, fold, job.route)
         for change, prune in zip(changes, prunes, strict=True):
             body = prune.prune.compaction_prune
             (shadowed,) = change.shadowed
@@ -253,7 +250,7 @@ class InspectionService:
         """Whether a prune replaces a node at or before the usage anchor (the meter then drops
         the anchor and measures its own estimate)."""
         handle = job.handle
-        anchor = session_meter(handle).measure(handle.fold, job.route).anchor_seq
+        anchor = handle.context.meter.measure(handle.fold, job.route).anchor_seq
         if anchor is None:
             return False
         surface = handle.fold.surface
@@ -270,7 +267,7 @@ class InspectionService:
     ) -> cpb.PressureReport | None:
         """The envelope once the prunes are committed, measured as the meter would measure it."""
         handle = job.handle
-        raw = session_meter(handle).measure(handle.fold, job.route, anchored=not drops_anchor)
+        raw = handle.context.meter.measure(handle.fold, job.route, anchored=not drops_anchor)
         saved = sum(p.tokens_before - p.tokens_after for p in plan.prunes)
         raw = replace(raw, total=raw.total - saved, messages=raw.messages - saved)
         if report is None:
@@ -309,7 +306,7 @@ class InspectionService:
                 return engine.guard.hold(handle, chosen, target, job.policy)
 
         chosen = choose_span(
-            fold, node_pricer(session_meter(handle), fold, job.route),
+            fold, node_pricer(handle.context.meter, fold, job.route),
             selection=shape.selection, retained_budget=retained, min_span_tokens=min_span,
             hold=hold,
         )  # fmt: skip
@@ -350,7 +347,7 @@ class InspectionService:
                 "a route names both provider and model",
                 violations=[FieldViolation("route", "provider and model are required")],
             )
-        meter = session_meter(handle)
+        meter = handle.context.meter
         async with handle.lock:
             response = surface_response(handle)
             fold = handle.fold

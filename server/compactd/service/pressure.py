@@ -1,9 +1,10 @@
 """CheckPressure and WatchPressure: a session's envelope measured against a route's policy.
 
-``PressureService`` gives every session one ``SessionMeter`` (in ``handle.extensions["meter"]``,
-fed by the session's commit observer), resolves the route (the destination asked for, else the
-latest logged header's), layers the session's policy over the service's, and turns a measurement
-into a ``PressureReport``. A report is computed synchronously, so it describes one revision.
+``PressureService`` builds every restored session's context (``service.context``: its
+``SessionMeter``, fed by the session's commits, and the usage calibration), resolves the route
+(the destination asked for, else the latest logged header's), layers the session's policy over
+the service's, and turns a measurement into a ``PressureReport``. A report is computed
+synchronously, so it describes one revision.
 """
 
 from __future__ import annotations
@@ -30,15 +31,19 @@ from compactd.errors import FailedPrecondition
 from compactd.reasons import Reason
 from compactd.routes import Route, RouteCatalog
 from compactd.service.calibration import UsageCalibration, annotate, estimated
-from compactd.service.sessions import SessionHandle, SessionManager, in_steps
+from compactd.service.context import (
+    ResolvedPolicy,
+    SessionContext,
+    SessionMemory,
+    metered_context,
+)
+from compactd.service.sessions import Restored, SessionHandle, SessionManager, in_steps
 from compactd.tokenizers import unavailable
 from compactd.v1 import compaction_service_pb2, events_pb2
 
 PressureReport = compaction_service_pb2.PressureReport
 log = logging.getLogger(__name__)
 
-METER_KEY = "meter"
-_POLICY_KEY = "pressure_policy"
 
 _METHODS = {
     Method.EXACT: compaction_service_pb2.MEASUREMENT_METHOD_EXACT,
@@ -47,32 +52,7 @@ _METHODS = {
     Method.ESTIMATED: compaction_service_pb2.MEASUREMENT_METHOD_ESTIMATED,
     Method.TOKENIZER: compaction_service_pb2.MEASUREMENT_METHOD_TOKENIZER,
 }
-_CALIBRATION_KEY = "calibration"
 _RESOLVED_CACHE = 1024  # resolved policies and specs kept (cleared when full)
-
-
-def session_meter(handle: SessionHandle) -> SessionMeter:
-    """The session's meter, attached on first use (it prices the existing nodes lazily, per
-    pricing profile, and every later batch as it commits: a large batch's texts counted in a
-    worker thread and its prices made in steps on the loop, see ``SessionHandle.add_preparer``).
-    A session restored from a snapshot starts from the prices the snapshot kept."""
-    meter = handle.extensions.get(METER_KEY)
-    if isinstance(meter, SessionMeter):
-        return meter
-    restored, handle.restored = handle.restored, None
-    if restored is not None:
-        meter = SessionMeter(handle.fold, persisted=restored.prices, anchor=restored.anchor)
-    else:
-        meter = SessionMeter(handle.fold)
-    handle.extensions[METER_KEY] = meter
-    handle.prices = meter
-    handle.add_observer(meter.observe, replays=True)
-    calibration = handle.extensions.get(_CALIBRATION_KEY)
-    if isinstance(calibration, UsageCalibration):  # after the meter: it reads the new revision
-        handle.add_observer(calibration.observer(handle.session_id, meter))
-        handle.add_preparer(partial(_prepare, meter, calibration.routes))
-        handle.add_precounter(meter.count_ahead)
-    return meter
 
 
 async def _prepare(
@@ -135,8 +115,8 @@ class PressureService:
         # Resolved once per policy and route (per step they cost more than the measurement).
         self._targets: dict[tuple[int, str, str], tuple[PressurePolicy, TargetPolicy]] = {}
         self._specs: dict[tuple[int, str, int | None, int], tuple[TargetPolicy, CompactSpec]] = {}
+        manager.build_contexts(self._context)
         manager.on_restore(self._attach)
-        manager.rebuilds(METER_KEY, _POLICY_KEY, _CALIBRATION_KEY)
         self.fallbacks = route_fallbacks(routes)
         if self.fallbacks:
             log.warning(
@@ -145,12 +125,25 @@ class PressureService:
                 "; ".join(f"{name}: {why}" for name, why in self.fallbacks.items()),
             )
 
+    def _context(
+        self, handle: SessionHandle, restored: Restored | None, memory: SessionMemory | None
+    ) -> SessionContext:
+        """A restored session's context: its meter (``metered_context``), which also prices a
+        large batch's texts ahead of its commit (counted in a worker thread, priced in steps on
+        the loop, see ``SessionHandle.add_preparer``), and the usage calibration after it."""
+        context = metered_context(handle, restored, memory)
+        meter = context.meter
+        # After the meter's observer: the calibration reads the new revision's prices.
+        handle.add_observer(self.calibration.observer(handle.session_id, meter))
+        handle.add_preparer(partial(_prepare, meter, self.routes))
+        handle.add_precounter(meter.count_ahead)
+        return context
+
     async def _attach(self, handle: SessionHandle) -> None:
-        """Give a restored session its meter, and price its nodes for the logged route in a
-        worker thread (persisted prices where a snapshot kept them), so its first pressure
-        check is O(1) and no restore holds the event loop."""
-        handle.extensions[_CALIBRATION_KEY] = self.calibration
-        meter = session_meter(handle)
+        """Price a restored session's nodes for the logged route in a worker thread (persisted
+        prices where a snapshot kept them), so its first pressure check is O(1) and no restore
+        holds the event loop."""
+        meter = handle.context.meter
         await _ensure_ledgers(meter, _logged_profiles(meter.header, self.routes))
 
     def calibration_stats(self, route: Route) -> CalibrationStats | None:
@@ -176,7 +169,7 @@ class PressureService:
         """Price the session for ``destination`` (default: the logged route) in a worker thread
         when its meter has no ledger for that pricing yet (the first check of a new route), so
         the synchronous report that follows is O(1)."""
-        meter = session_meter(handle)
+        meter = handle.context.meter
         profiles = (
             [destination.pricing]
             if destination is not None
@@ -212,7 +205,7 @@ class PressureService:
 
     def report(self, handle: SessionHandle, destination: Route | None = None) -> PressureReport:
         """The pressure report of ``handle``'s last committed revision (synchronous)."""
-        meter = session_meter(handle)
+        meter = handle.context.meter
         route = destination or self._logged_route(meter)
         return self.report_of(handle, route, meter.measure(handle.fold, route))
 
@@ -237,7 +230,7 @@ class PressureService:
 
     def spec(self, handle: SessionHandle, route: Route) -> CompactSpec:
         """Trigger and retained budget of ``route`` for this session (errors as ``check``)."""
-        meter = session_meter(handle)
+        meter = handle.context.meter
         target = self.target_policy(handle, route)
         reservation = output_reservation(
             _envelope_max_output(meter.header, route), route.default_output_tokens
@@ -254,11 +247,11 @@ class PressureService:
 
     def logged_route(self, handle: SessionHandle) -> Route:
         """The route of the latest logged header (``ROUTE_UNKNOWN`` when none names one)."""
-        return self._logged_route(session_meter(handle))
+        return self._logged_route(handle.context.meter)
 
     def logged_route_or_heuristic(self, handle: SessionHandle) -> Route:
         """The logged route, or an undeclared heuristic route when no header names one."""
-        header = session_meter(handle).header
+        header = handle.context.meter.header
         if header is None or not (header.config.provider and header.config.model):
             return Route("", "")
         return self.routes.resolve(header.config.provider, header.config.model)
@@ -295,12 +288,12 @@ class PressureService:
         overrides = handle.policy_overrides
         if not overrides:
             return self.policy
-        cached = handle.extensions.get(_POLICY_KEY)
-        if isinstance(cached, tuple) and cached[0] is overrides and cached[1] is self.policy:
-            policy: PressurePolicy = cached[2]
-            return policy
+        context = handle.context
+        cached = context.policy
+        if cached is not None and cached.overrides is overrides and cached.service is self.policy:
+            return cached.policy
         policy = self.policy.with_overrides(overrides)
-        handle.extensions[_POLICY_KEY] = (overrides, self.policy, policy)
+        context.policy = ResolvedPolicy(overrides, self.policy, policy)
         return policy
 
 

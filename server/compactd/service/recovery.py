@@ -52,7 +52,7 @@ from compactd.service.compaction import (
     refuse_live_bracket,
 )
 from compactd.service.offload import offload_oldest
-from compactd.service.pressure import PressureService, session_meter
+from compactd.service.pressure import PressureService
 from compactd.service.requests import build_request
 from compactd.service.sessions import SessionHandle, SessionManager
 from compactd.store.base import Clock, utc_now
@@ -184,7 +184,6 @@ class RecoveryService:
             CompactionBusy: A bracket is live.
         """
         handle = await self._manager.get(session_id)
-        session_meter(handle)
         require_open_turn(handle, turn)
         refuse_live_bracket(handle)
         result = cpb.RecoverFromErrorResult()
@@ -314,7 +313,7 @@ class RecoveryService:
             else None
         )
         reservation = output_reservation(max_output, route.default_output_tokens)
-        measured = session_meter(handle).measure(handle.fold, route)
+        measured = handle.context.meter.measure(handle.fold, route)
         stated = _token_figure(error.context_window)
         if route.context_window is not None:
             window, source = route.context_window, "route"
@@ -368,7 +367,7 @@ class RecoveryService:
             figures = result.figures
             figures.CopyFrom(window.figures)
             seqs = [node.seq for node in nodes[start:]]
-            figures.unit_tokens = session_meter(handle).route_price_of_nodes(
+            figures.unit_tokens = handle.context.meter.route_price_of_nodes(
                 handle.fold, seqs, route
             )
             figures.unit_range.CopyFrom(

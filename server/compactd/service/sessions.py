@@ -75,6 +75,7 @@ from compactd.errors import (
     SeqConflict,
 )
 from compactd.reasons import Reason
+from compactd.service.context import ContextBuilder, SessionContext, SessionMemory, metered_context
 from compactd.service.quotas import QuotaBook, Reservation
 from compactd.service.replicas import (
     MAX_APPEND_ATTEMPTS,
@@ -177,7 +178,7 @@ class SessionHandle:
         self.policy_overrides: dict[str, object] | None = (
             json.loads(record.policy_json) if record.policy_json else None
         )
-        self.extensions: dict[str, object] = {}
+        self._context: SessionContext | None = None  # set once, by the manager's restore
         # Held, the fold is as new as the store's log (``service.replicas``).
         self.lock = CatchUpLock(self.catch_up_locked)
         self.owner = owner
@@ -196,7 +197,17 @@ class SessionHandle:
         self.followers = 0  # streams following the revisions (``revisions``)
         self.snapshot_revision = 0  # the revision of the latest snapshot written (or read)
         self.prices: PriceSource | None = None  # the meter a snapshot takes prices from
-        self.restored: Restored | None = None  # what a snapshot restore left for the meter
+
+    @property
+    def context(self) -> SessionContext:
+        """The session's service state (``service.context``), built when it was restored."""
+        if self._context is None:
+            raise RuntimeError(f"session {self.session_id} has no context: not restored")
+        return self._context
+
+    @context.setter
+    def context(self, context: SessionContext) -> None:
+        self._context = context
 
     def add_observer(self, observer: Observer, *, replays: bool = False) -> None:
         """Call ``observer(fold, batch)`` after every batch commits (while the lock is held).
@@ -777,10 +788,9 @@ class SessionManager:
             weakref.WeakValueDictionary()
         )
         self._evicted: set[_Key] = set()  # sessions this process evicted (no new lifecycle)
-        # What an evicted session's extensions held (its failure memory, say), handed to its
-        # next handle; keys in ``_rebuilt`` are rebuilt on restore instead (the meter).
-        self._carried: dict[_Key, dict[str, object]] = {}
-        self._rebuilt: set[str] = set()
+        # An evicted session's memory (its failure memory, say), handed to its next context.
+        self._carried: dict[_Key, SessionMemory] = {}
+        self._contexts: ContextBuilder = metered_context
         self._loading: dict[_Key, asyncio.Future[SessionHandle]] = {}
         self._on_restore: list[Callable[[SessionHandle], Awaitable[None] | None]] = []
         self._snapshotting: dict[_Key, asyncio.Task[None]] = {}
@@ -801,10 +811,11 @@ class SessionManager:
         """How many sessions are held in memory (the live-sessions gauge)."""
         return len(self._handles)
 
-    def rebuilds(self, *keys: str) -> None:
-        """Extension keys a restore rebuilds (``on_restore``); every other key of an evicted
-        session's ``extensions`` is carried to its next handle, as if it had never left."""
-        self._rebuilt.update(keys)
+    def build_contexts(self, builder: ContextBuilder) -> None:
+        """Build every session restored from now on a context with ``builder`` (default:
+        ``metered_context``). An evicted session's memory is handed to its next context, as if
+        it had never left."""
+        self._contexts = builder
 
     def on_restore(self, callback: Callable[[SessionHandle], Awaitable[None] | None]) -> None:
         """Call ``callback(handle)`` for every session restored from now on, before the session
@@ -1013,8 +1024,7 @@ class SessionManager:
             owner=self.instance_id,
             lease_s=self.lease_s,
         )
-        handle.extensions.update(self._carried.pop(handle.key, {}))
-        handle.restored = restored
+        handle.context = self._contexts(handle, restored, self._carried.pop(handle.key, None))
         handle.snapshot_revision = fold.revision if restored is not None else 0
         handle.add_observer(partial(self._committed, weakref.ref(handle)))
         same_lifecycle = same_lifecycle or handle.key in self._evicted
@@ -1163,9 +1173,7 @@ class SessionManager:
             return False
         del self._handles[key]
         self._evicted.add(key)
-        carried = {k: v for k, v in handle.extensions.items() if k not in self._rebuilt}
-        if carried:
-            self._carried[key] = carried
+        self._carried[key] = handle.context.memory
         self.evictions += 1
         return True
 

@@ -36,7 +36,7 @@ from compactd.service.compaction import (
     check_held_revision,
     refuse_live_bracket,
 )
-from compactd.service.pressure import PressureService, session_meter
+from compactd.service.pressure import PressureService
 from compactd.service.recovery import require_open_turn
 from compactd.service.requests import build_request
 from compactd.service.sessions import SessionHandle, SessionManager
@@ -80,7 +80,6 @@ class SwitchService:
             CompactionBusy: A bracket is live.
         """
         handle = await self._manager.get(session_id)
-        session_meter(handle)
         if turn is not None:
             require_open_turn(handle, turn)
         refuse_live_bracket(handle)
@@ -112,7 +111,6 @@ class SwitchService:
             ``MODEL_SWITCH_COMPACTION_FAILED`` when the switch cannot be made.
         """
         handle = await self._manager.get(session_id)
-        session_meter(handle)
         if intended is None or not self.is_switch(handle, intended):
             return await self._engine.prepare_step_of(
                 handle, turn, intended, progress, held_revision

@@ -1,0 +1,78 @@
+"""A session's service state, typed and built once: its meter, its policy, its memory.
+
+Every resident session (``SessionHandle``) holds one ``SessionContext``, built when the session is
+restored (``SessionManager`` calls its ``ContextBuilder``) and never replaced while the session
+stays in memory:
+
+- ``meter``: the session's ``SessionMeter``. It starts from the node prices a snapshot kept, and
+  follows every commit (an observer that also follows a restore's tail); the builder that the
+  pressure service installs also prices large batches ahead of their commit and feeds the
+  service's usage calibration.
+- ``policy``: the session's policy resolved over the service's, kept until either changes.
+- ``memory``: what the session's compactions learned in this process (``SessionMemory``: the
+  failure memory and crossing budget of ``core.attempts``, the targets already warned about). It
+  outlives an eviction (the manager hands it to the next context of the session) but not a
+  restart; the log keeps every failed bracket for audit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from compactd.core.attempts import AttemptLedger
+from compactd.core.meter import SessionMeter
+from compactd.core.policy import PressurePolicy
+
+if TYPE_CHECKING:
+    from compactd.service.sessions import Restored, SessionHandle
+
+
+@dataclass(eq=False)
+class SessionMemory:
+    """What a session's compactions learned in this process (kept across an eviction)."""
+
+    #: Failed spans per summary target, and the current threshold crossing's budget.
+    failures: AttemptLedger = field(default_factory=AttemptLedger)
+    #: Targets whose pressure could not be checked, already warned about once.
+    warned_targets: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class ResolvedPolicy:
+    """A session's overrides resolved over a service policy (valid while both are the same)."""
+
+    overrides: dict[str, object]
+    service: PressurePolicy
+    policy: PressurePolicy
+
+
+@dataclass(eq=False)
+class SessionContext:
+    """One resident session's service state (see the module docstring)."""
+
+    meter: SessionMeter
+    memory: SessionMemory = field(default_factory=SessionMemory)
+    policy: ResolvedPolicy | None = None
+
+
+#: Builds a restored session's context: ``(handle, what a snapshot restore left for the meter,
+#: the memory an eviction carried over)``. It registers whatever observers the context needs.
+ContextBuilder = Callable[
+    ["SessionHandle", "Restored | None", "SessionMemory | None"], SessionContext
+]
+
+
+def metered_context(
+    handle: SessionHandle, restored: Restored | None, memory: SessionMemory | None
+) -> SessionContext:
+    """A context whose meter follows the session's commits (and a restore's tail), starting
+    from the prices a snapshot kept; the snapshots take their prices from it."""
+    if restored is not None:
+        meter = SessionMeter(handle.fold, persisted=restored.prices, anchor=restored.anchor)
+    else:
+        meter = SessionMeter(handle.fold)
+    handle.prices = meter
+    handle.add_observer(meter.observe, replays=True)
+    return SessionContext(meter, memory or SessionMemory())
