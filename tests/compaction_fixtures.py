@@ -30,7 +30,7 @@ from opentelemetry import metrics, trace
 from compactd import config
 from compactd.api.server import RunningServer, create_server
 from compactd.core.validation import Origin
-from compactd.service.compaction import SummaryErrorRecovery
+from compactd.service.bracket import SummaryErrorRecovery
 from compactd.store.base import Clock, utc_now
 from compactd.testing.openai_server import OpenAICompatServer
 from compactd.v1 import compaction_service_pb2 as cpb

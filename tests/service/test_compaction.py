@@ -22,7 +22,7 @@ from compactd.core import prompts
 from compactd.core.pruner import PRUNE_MARKER
 from compactd.providers import openai_wire
 from compactd.providers.base import SummaryError
-from compactd.service.compaction import SummaryFailure
+from compactd.service.bracket import SummaryFailure
 from compactd.service.sessions import SessionHandle
 from compactd.testing.openai_server import OpenAICompatServer, Reply, ScriptedToolCall
 from compactd.v1 import compaction_service_pb2 as cpb

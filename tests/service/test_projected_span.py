@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from compactd.core.gate import echoed_message
 from compactd.core.probes import message_text
-from compactd.service.compaction import projected_span
+from compactd.service.bracket import projected_span
 from tests.builders import system
 from tests.core.test_meter import Driver, Session, routed
 

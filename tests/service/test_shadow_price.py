@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from compactd.core.fold import SessionFold
 from compactd.core.pricing import heuristic_price
 from compactd.core.surface import SurfaceNode
-from compactd.service.compaction import shadow_price_of_nodes
+from compactd.service.bracket import shadow_price_of_nodes
 from tests.builders import system
 from tests.core.test_meter import Driver, Session, routed
 

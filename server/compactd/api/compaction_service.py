@@ -11,10 +11,11 @@ from compactd.api.session_service import require_session_id
 from compactd.api.status import handle_errors
 from compactd.errors import FieldViolation, InvalidArgument
 from compactd.routes import Route
-from compactd.service.compaction import CompactionEngine, Progress
+from compactd.service.bracket import Progress
 from compactd.service.inspection import MODES, InspectionService
 from compactd.service.pressure import PressureService
 from compactd.service.recovery import RecoveryService
+from compactd.service.steps import StepService
 from compactd.service.switch import SwitchService
 from compactd.v1 import compaction_service_pb2 as pb
 from compactd.v1 import compaction_service_pb2_grpc, events_pb2
@@ -27,20 +28,20 @@ MAX_FOCUS_CHARS = 4096
 
 
 class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
-    """Adapter from the wire to ``PressureService``, ``CompactionEngine``, ``RecoveryService``
-    and ``SwitchService``."""
+    """Adapter from the wire to ``PressureService``, ``StepService``, ``RecoveryService``,
+    ``SwitchService`` and ``InspectionService``."""
 
     def __init__(
         self,
         pressure: PressureService,
-        engine: CompactionEngine,
+        steps: StepService,
         recovery: RecoveryService,
         switch: SwitchService,
         inspection: InspectionService,
     ) -> None:
         self._inspection = inspection
         self._pressure = pressure
-        self._engine = engine
+        self._steps = steps
         self._recovery = recovery
         self._switch = switch
 
@@ -84,7 +85,7 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
         held = request.held_revision if request.HasField("held_revision") else None
 
         def run(progress: Progress) -> Awaitable[pb.PrepareStepResult]:
-            return self._switch.prepare_step(
+            return self._steps.prepare_step(
                 request.session_id, request.turn, intended, progress, held
             )
 
@@ -102,7 +103,7 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
             )
 
         def run(progress: Progress) -> Awaitable[pb.CompactResult]:
-            return self._engine.compact(request.session_id, request.focus or None, progress)
+            return self._steps.compact(request.session_id, request.focus or None, progress)
 
         await _streamed(run, pb.CompactResponse, context)
 

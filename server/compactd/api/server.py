@@ -40,14 +40,17 @@ from compactd.metrics import Metrics
 from compactd.providers.base import Summarizer
 from compactd.reasons import Reason
 from compactd.routes import RouteCatalog
-from compactd.service.compaction import CompactionEngine, SummaryErrorRecovery
+from compactd.service.bracket import Brackets, SummaryErrorRecovery
+from compactd.service.guard import CompactionGuard
 from compactd.service.inspection import InspectionService
 from compactd.service.offload import ImageOffloadRecovery
 from compactd.service.pressure import PressureService, warm_up
+from compactd.service.pruning import Pruning
 from compactd.service.quotas import QuotaBook, QuotaSettings
 from compactd.service.recovery import RecoveryService
 from compactd.service.retention import RetentionSweeper, periods_from
 from compactd.service.sessions import SessionManager
+from compactd.service.steps import StepService
 from compactd.service.summarizers import SummarizerRegistry, SummarizerSettings, named_routes
 from compactd.service.switch import SwitchService
 from compactd.store.base import Clock, EventStore, utc_now
@@ -349,19 +352,16 @@ async def _serve_on(
         override=summarizer,
         on_client=telemetry.instrument_http_client(provider),
     )
-    engine = CompactionEngine(
-        manager,
-        pressure,
-        summarizers,
-        pruner=parts.pruner,
-        tracer_provider=provider,
+    tracer = metrics.timed(provider.get_tracer("compactd"))  # each compaction.<step> is timed
+    guard = CompactionGuard(clock=clock, tracer=tracer, metrics=metrics)
+    brackets = Brackets(
+        summarizers, guard, tracer=tracer, metrics=metrics, redact=redactor,
         recoveries=(*summary_recoveries, ImageOffloadRecovery()),
-        metrics=metrics,
-        redact=redactor,
-        clock=clock,
-    )
-    recovery = RecoveryService(manager, pressure, engine, parts.pruner, wall_clock)
-    switch = SwitchService(manager, pressure, engine)
+    )  # fmt: skip
+    pruning = Pruning(parts.pruner, tracer=tracer, metrics=metrics)
+    recovery = RecoveryService(manager, pressure, brackets, pruning, wall_clock)
+    switch = SwitchService(manager, pressure, brackets, pruning)
+    steps = StepService(manager, pressure, brackets, pruning, switch)
     telemetry.quiet_cancelled_stream_detach()
     chain = interceptors.chain(
         provider,
@@ -374,14 +374,14 @@ async def _serve_on(
     )
     server = grpc.aio.server(options=_channel_options(config), interceptors=chain)
     inspection = InspectionService(
-        engine, recovery, switch
+        manager, pressure, brackets, parts.pruner, recovery, switch
     )  # plans, surface detail, bracket history
     session_service_pb2_grpc.add_SessionServiceServicer_to_server(
         SessionServicer(manager, max_batch_events=config.max_batch_events, inspection=inspection),
         server,
     )
     compaction_service_pb2_grpc.add_CompactionServiceServicer_to_server(
-        CompactionServicer(pressure, engine, recovery, switch, inspection), server
+        CompactionServicer(pressure, steps, recovery, switch, inspection), server
     )
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -1,6 +1,6 @@
 """``CompactionGuard``: compaction never makes a session worse.
 
-The engine (``service.compaction``) asks the guard four things, each at one point of a bracket:
+The bracket (``service.bracket``) asks the guard four things, each at one point of its steps:
 
 1. **Is the span worth a bracket?** ``min_span_tokens`` prices the minimum useful checkpoint (the
    framing plus the eight empty sections) on the selection route; selection declines a smaller

@@ -1,10 +1,10 @@
-"""Reading the engine's mind: the dry-run plan, the surface's prices, the bracket history.
+"""Reading compaction's mind: the dry-run plan, the surface's prices, the bracket history.
 
 ``plan`` answers what a compaction would do now without appending anything. It decides with
-the parts the real paths use (``core.planner``'s shapes, pricer and span choice, the engine's
-pruner, guard and summary target, the recovery's window): under the session's lock, without
-awaiting, it folds the planned prunes tentatively, chooses the span on that fold, and rolls the
-prunes back, so a real bracket run on the same log chooses the same span.
+the parts the real paths use (``core.planner``'s shapes, pricer and span choice, the pruner's
+thresholds, the bracket's guard and summary target, the recovery's window): under the session's
+lock, without awaiting, it folds the planned prunes tentatively, chooses the span on that fold,
+and rolls the prunes back, so a real bracket run on the same log chooses the same span.
 """
 
 from __future__ import annotations
@@ -21,17 +21,18 @@ from compactd.core.lock import live_bracket
 from compactd.core.meter import route_price
 from compactd.core.planner import SHAPES, PlanMode, choose_span, node_pricer, tentatively
 from compactd.core.policy import TargetPolicy, resolved_settings, setting_origins
-from compactd.core.pruner import PrunePlan, plan_prunes
+from compactd.core.pruner import PrunePlan, PrunerConfig, plan_prunes
 from compactd.core.selection import Declined, Selection
 from compactd.core.surface import ShadowHistory, SurfaceChange, SurfaceNode
 from compactd.errors import CompactdError, FieldViolation, InvalidArgument
 from compactd.reasons import Reason
 from compactd.routes import Route
-from compactd.service.compaction import CompactionEngine, shadow_price_of
+from compactd.service.bracket import Brackets, shadow_price_of
 from compactd.service.policy_message import resolved_policy
+from compactd.service.pressure import PressureService
 from compactd.service.recovery import RecoveryService, envelope_only
 from compactd.service.requests import surface_response
-from compactd.service.sessions import SessionHandle
+from compactd.service.sessions import SessionHandle, SessionManager
 from compactd.service.switch import SwitchService
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2
@@ -73,12 +74,20 @@ class InspectionService:
     """Plans, surface detail and bracket history for sessions; one instance per server."""
 
     def __init__(
-        self, engine: CompactionEngine, recovery: RecoveryService, switch: SwitchService
+        self,
+        manager: SessionManager,
+        pressure: PressureService,
+        brackets: Brackets,
+        pruner: PrunerConfig,
+        recovery: RecoveryService,
+        switch: SwitchService,
     ) -> None:
-        self._engine = engine
+        self._manager = manager
+        self._brackets = brackets
+        self._pruner = pruner
         self._recovery = recovery
         self._switch = switch
-        self._pressure = engine.pressure
+        self._pressure = pressure
 
     # ---- PlanCompaction ---------------------------------------------------------------------
 
@@ -96,7 +105,7 @@ class InspectionService:
                 "a switch plan needs the destination route",
                 violations=[FieldViolation("route", "required for PLAN_MODE_SWITCH")],
             )
-        handle = await self._engine.manager.get(session_id)
+        handle = await self._manager.get(session_id)
         async with handle.lock:  # one committed revision, and no await below: nothing moves
             return self._plan(self._inputs(handle, mode, route))
 
@@ -204,14 +213,14 @@ class InspectionService:
     def _may_open(self, job: _Inputs) -> bool:
         if job.handle.context.memory.failures.crossing is None:
             return True  # a crossing would start afresh (not started here: nothing is recorded)
-        return self._engine.guard.may_open(job.handle, job.policy)
+        return self._brackets.guard.may_open(job.handle, job.policy)
 
     # ---- prunes ---------------------------------------------------------------------------
 
     def _prunes(self, job: _Inputs) -> list[PrunePlan]:
         handle = job.handle
         shadow = shadow_price_of(handle)
-        prunes = plan_prunes(handle.fold, self._engine.pruner, shadow)
+        prunes = plan_prunes(handle.fold, self._pruner, shadow)
         if not SHAPES[job.mode].window_prunes:
             return prunes
         window = self._recovery.window_of(handle, job.route, cpb.ProviderError())
@@ -282,17 +291,17 @@ class InspectionService:
     def _span(
         self, plan: cpb.CompactionPlan, job: _Inputs, report: cpb.PressureReport | None
     ) -> None:
-        handle, shape, engine = job.handle, SHAPES[job.mode], self._engine
+        handle, shape, brackets = job.handle, SHAPES[job.mode], self._brackets
         fold = handle.fold
         try:
-            target = engine.summarizers.target(job.writer_policy, fold.header)
+            target = brackets.summarizers.target(job.writer_policy, fold.header)
             plan.summary_target.CopyFrom(
                 events_pb2.Route(provider=target.provider, model=target.model)
             )
         except CompactdError as error:
             target = None
             plan.warnings.append(f"{error.reason}: {error.message}")
-        min_span = engine.guard.min_span_tokens(job.route, job.policy) if shape.min_span else 0
+        min_span = brackets.guard.min_span_tokens(job.route, job.policy) if shape.min_span else 0
         plan.min_span_tokens = min_span
         retained = report.retained_budget if report is not None and shape.retains else 0
         if shape.retains and report is None:
@@ -303,7 +312,7 @@ class InspectionService:
         if shape.guarded and target is not None:
 
             def hold(chosen: Selection) -> Declined | None:
-                return engine.guard.hold(handle, chosen, target, job.policy)
+                return brackets.guard.hold(handle, chosen, target, job.policy)
 
         chosen = choose_span(
             fold, node_pricer(handle.context.meter, fold, job.route),
@@ -377,7 +386,7 @@ class InspectionService:
 
     async def brackets(self, session_id: str) -> cpb.ListBracketsResponse:
         """Every bracket of the session's committed log (``NotFound`` when it does not exist)."""
-        handle = await self._engine.manager.get(session_id)
+        handle = await self._manager.get(session_id)
         end = handle.revision  # committed events only
         history = bracket_history([e async for e in handle.read(0, end)])
         history.revision = end

@@ -18,7 +18,7 @@ from __future__ import annotations
 from compactd.core.offload import OffloadSelection, offload_event, select_offload
 from compactd.providers.base import SummaryError
 from compactd.reasons import Reason
-from compactd.service.compaction import SummaryFailure
+from compactd.service.bracket import SummaryFailure
 from compactd.service.sessions import SessionHandle
 
 

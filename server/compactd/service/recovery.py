@@ -35,24 +35,20 @@ from compactd.core.meter import route_price
 from compactd.core.offload import offloadable
 from compactd.core.planner import SHAPES, PlanMode
 from compactd.core.policy import output_reservation
-from compactd.core.pruner import PrunePlan, PrunerConfig, plan_window_prunes
+from compactd.core.pruner import PrunePlan, plan_window_prunes
 from compactd.core.selection import DeclineCode, Declined, head_length, unit_boundaries
 from compactd.core.surface import SurfaceNode
-from compactd.errors import CompactdError, CompactionBusy, FailedPrecondition
+from compactd.errors import CompactdError, CompactionBusy
 from compactd.providers import errors
 from compactd.providers.errors import ProviderFailure
 from compactd.reasons import Reason
 from compactd.redaction import Redactor
 from compactd.routes import Route
-from compactd.service.compaction import (
-    Bracket,
-    CompactionEngine,
-    Planner,
-    Progress,
-    refuse_live_bracket,
-)
+from compactd.service.bracket import Bracket, Brackets, Progress
 from compactd.service.offload import offload_oldest
+from compactd.service.preconditions import refuse_live_bracket, require_open_turn
 from compactd.service.pressure import PressureService
+from compactd.service.pruning import Planner, Pruning
 from compactd.service.requests import build_request
 from compactd.service.sessions import SessionHandle, SessionManager
 from compactd.store.base import Clock, utc_now
@@ -67,6 +63,7 @@ _KINDS: Mapping[str, cpb.ProviderErrorKind.ValueType] = {
     Reason.IMAGE_OFFLOAD_REQUIRED: IMAGES,
 }
 Decline = cpb.RecoveryDecline
+_IN_A_STEP = "recovery runs for a step of an open turn"
 #: Redaction by credential shapes alone (no configured key values), for callers without routes.
 PATTERNS_ONLY = Redactor()
 
@@ -141,8 +138,8 @@ class RecoveryService:
     Args:
         manager: Where sessions live.
         pressure: Routes, policies and the session meters.
-        engine: Pruning and the bracket.
-        pruner: The ``[pruner]`` thresholds (their head:tail ratio shapes window-sized prunes).
+        brackets: The bracket.
+        pruning: Pruning (its ``[pruner]`` head:tail ratio shapes window-sized prunes).
         wall_clock: Now, for an HTTP-date ``retry-after`` (the server's; tests pin it).
     """
 
@@ -150,14 +147,14 @@ class RecoveryService:
         self,
         manager: SessionManager,
         pressure: PressureService,
-        engine: CompactionEngine,
-        pruner: PrunerConfig | None = None,
+        brackets: Brackets,
+        pruning: Pruning,
         wall_clock: Clock = utc_now,
     ) -> None:
         self._manager = manager
         self._pressure = pressure
-        self._engine = engine
-        self._pruner = pruner or PrunerConfig()
+        self._brackets = brackets
+        self._pruning = pruning
         self._wall_clock = wall_clock
 
     def classify(
@@ -165,7 +162,7 @@ class RecoveryService:
     ) -> cpb.ProviderErrorClassification:
         """ClassifyProviderError's answer for ``raw``: redacted, ``retry-after`` read at now."""
         now = self._wall_clock().timestamp()
-        failure = classify_raw(raw, request_images, redact=self._engine.redact, now=now)
+        failure = classify_raw(raw, request_images, redact=self._brackets.redact, now=now)
         return classification(failure)
 
     async def recover(
@@ -184,7 +181,7 @@ class RecoveryService:
             CompactionBusy: A bracket is live.
         """
         handle = await self._manager.get(session_id)
-        require_open_turn(handle, turn)
+        require_open_turn(handle, turn, _IN_A_STEP)
         refuse_live_bracket(handle)
         result = cpb.RecoverFromErrorResult()
         if error.kind == cpb.PROVIDER_ERROR_KIND_UNSPECIFIED:
@@ -272,15 +269,15 @@ class RecoveryService:
             _decline(result, Decline.RECOVERY_DECLINE_ENVELOPE_ONLY, _envelope_only(window))
             return
         generation = handle.fold.surface.replacements
-        result.pruned_count = await self._engine.prune(handle, progress)
+        result.pruned_count = await self._pruning.prune(handle, progress)
         if window.window:
-            result.pruned_count += await self._engine.prune(
+            result.pruned_count += await self._pruning.prune(
                 handle, progress, planner=self.window_planner(route, window.room)
             )
         shape = SHAPES[PlanMode.OVERFLOW]
         job = Bracket(handle, shape.trigger, shape.selection, route, route, policy, 0, turn)
         try:
-            committed = await self._engine.run_bracket(job, progress)
+            committed = await self._brackets.run(job, progress)
         except CompactionBusy:
             raise
         except CompactdError as failure:
@@ -336,7 +333,7 @@ class RecoveryService:
 
     def window_planner(self, route: Route, room: int) -> Planner:
         """Plans of the tool results whose route price alone exceeds ``room``."""
-        config = self._pruner
+        config = self._pruning.config
 
         def price(event: SessionEvent, offloaded: Set[int]) -> int:
             return route_price(event, route, offloaded)
@@ -429,13 +426,3 @@ def _not_recoverable(reason: str) -> str:
     if reason in (Reason.RATE_LIMITED, Reason.TIMEOUT, Reason.PROVIDER_UNAVAILABLE):
         return f"{reason} is transient: retry the same request later, per the classification"
     return f"{reason or 'the error'} is not one compactd recovers from"
-
-
-def require_open_turn(handle: SessionHandle, turn: int) -> None:
-    """FAILED_PRECONDITION ``NO_OPEN_TURN`` unless ``turn`` is open."""
-    if turn not in handle.fold.open_turns:
-        raise FailedPrecondition(
-            f"turn {turn} is not open: recovery runs for a step of an open turn",
-            reason=Reason.NO_OPEN_TURN,
-            metadata={"turn": str(turn)},
-        )

@@ -29,15 +29,10 @@ from compactd.core.selection import Declined
 from compactd.errors import CompactdError, CompactionBusy, FailedPrecondition
 from compactd.reasons import Reason
 from compactd.routes import Route
-from compactd.service.compaction import (
-    Bracket,
-    CompactionEngine,
-    Progress,
-    check_held_revision,
-    refuse_live_bracket,
-)
+from compactd.service.bracket import Bracket, Brackets, Progress
+from compactd.service.preconditions import refuse_live_bracket, require_open_turn
 from compactd.service.pressure import PressureService
-from compactd.service.recovery import require_open_turn
+from compactd.service.pruning import Pruning
 from compactd.service.requests import build_request
 from compactd.service.sessions import SessionHandle, SessionManager
 from compactd.v1 import compaction_service_pb2 as cpb
@@ -48,7 +43,7 @@ ABOVE = cpb.PRESSURE_STATE_ABOVE
 
 
 @dataclass
-class _Switched:
+class Switched:
     """What one switch did."""
 
     before: cpb.PressureReport
@@ -57,16 +52,32 @@ class _Switched:
     compactions: list[cpb.CompactionOutcome] = field(default_factory=list)
     header_seq: int | None = None
 
+    def lead(self, step: cpb.PrepareStepResult) -> None:
+        """Put the switch before the step that followed it: the step's report before is the
+        switch's, its prunes and compactions come after the switch's."""
+        step.before.CopyFrom(self.before)
+        step.pruned_count += self.pruned
+        committed = [*self.compactions, *step.compactions]
+        del step.compactions[:]
+        step.compactions.extend(committed)
+        if self.header_seq is not None:
+            step.header_seq = self.header_seq
+
 
 class SwitchService:
     """Runs model switches for sessions; one instance per server."""
 
     def __init__(
-        self, manager: SessionManager, pressure: PressureService, engine: CompactionEngine
+        self,
+        manager: SessionManager,
+        pressure: PressureService,
+        brackets: Brackets,
+        pruning: Pruning,
     ) -> None:
         self._manager = manager
         self._pressure = pressure
-        self._engine = engine
+        self._brackets = brackets
+        self._pruning = pruning
 
     async def switch_model(
         self, session_id: str, destination: Route, turn: int | None, progress: Progress
@@ -81,9 +92,9 @@ class SwitchService:
         """
         handle = await self._manager.get(session_id)
         if turn is not None:
-            require_open_turn(handle, turn)
+            require_open_turn(handle, turn, "a model switch runs for a step of an open turn")
         refuse_live_bracket(handle)
-        switched = await self._switch(handle, destination, turn, progress)
+        switched = await self.fit(handle, destination, turn, progress)
         result = cpb.SwitchModelResult(
             before=switched.before,
             after=switched.after,
@@ -96,42 +107,6 @@ class SwitchService:
             result.request.CopyFrom(build_request(handle))
         return result
 
-    async def prepare_step(
-        self,
-        session_id: str,
-        turn: int,
-        intended: Route | None,
-        progress: Progress,
-        held_revision: int | None = None,
-    ) -> cpb.PrepareStepResult:
-        """PrepareStep: a changed ``intended`` route (with ``auto``) switches first.
-
-        Raises:
-            As ``CompactionEngine.prepare_step``, and FailedPrecondition
-            ``MODEL_SWITCH_COMPACTION_FAILED`` when the switch cannot be made.
-        """
-        handle = await self._manager.get(session_id)
-        if intended is None or not self.is_switch(handle, intended):
-            return await self._engine.prepare_step_of(
-                handle, turn, intended, progress, held_revision
-            )
-        check_held_revision(handle, held_revision)
-        require_open_turn(handle, turn)
-        refuse_live_bracket(handle)
-        switched = await self._switch(handle, intended, turn, progress)
-        # The switch logged a header: the result carries the full request whatever was held.
-        result = await self._engine.prepare_step(
-            session_id, turn, intended, progress, held_revision
-        )
-        result.before.CopyFrom(switched.before)
-        result.pruned_count += switched.pruned
-        committed = [*switched.compactions, *result.compactions]
-        del result.compactions[:]
-        result.compactions.extend(committed)
-        if switched.header_seq is not None:
-            result.header_seq = switched.header_seq
-        return result
-
     def is_switch(self, handle: SessionHandle, intended: Route) -> bool:
         """Whether a step to ``intended`` changes the logged route (and ``auto`` checks it)."""
         header = handle.fold.header
@@ -141,14 +116,21 @@ class SwitchService:
             return False
         return self._pressure.target_policy(handle, intended).auto
 
-    async def _switch(
+    async def fit(
         self, handle: SessionHandle, destination: Route, turn: int | None, progress: Progress
-    ) -> _Switched:
+    ) -> Switched:
+        """Fit history to ``destination`` and log its header (``PrepareStep`` to a changed route
+        calls it first).
+
+        Raises:
+            FailedPrecondition: ``MODEL_SWITCH_COMPACTION_FAILED`` naming the cause.
+            CompactionBusy: A bracket went live meanwhile.
+        """
         try:
             before = self._pressure.report(handle, destination)
         except CompactdError as error:
             raise _failed(destination, error.reason, error.message) from error
-        switched = _Switched(before, before)
+        switched = Switched(before, before)
         if before.state == ABOVE:
             await self._fit(handle, destination, turn, switched, progress)
         switched.header_seq = await self._log_header(handle, destination, progress)
@@ -160,7 +142,7 @@ class SwitchService:
         handle: SessionHandle,
         destination: Route,
         turn: int | None,
-        switched: _Switched,
+        switched: Switched,
         progress: Progress,
     ) -> None:
         """Prune, then compact until history is below the destination trigger (or fail)."""
@@ -169,7 +151,7 @@ class SwitchService:
         writer_policy = self._pressure.target_policy(handle, previous)  # its summary settings
         shrink = previous if previous.model else destination
         retained = self._pressure.spec(handle, destination).retained_budget
-        switched.pruned = await self._engine.prune(handle, progress)
+        switched.pruned = await self._pruning.prune(handle, progress)
         report = await self._measured(handle, destination, progress, "after pruning")
         attempts = 0
         while report.state == ABOVE:
@@ -187,7 +169,7 @@ class SwitchService:
                 writer_policy, retained, turn,
             )  # fmt: skip
             try:
-                committed = await self._engine.run_bracket(job, progress)
+                committed = await self._brackets.run(job, progress)
             except CompactionBusy:
                 raise
             except CompactdError as error:
