@@ -7,6 +7,7 @@ show up in the scrape with the instruments and attributes ``compactd.metrics`` d
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import urllib.request
@@ -122,7 +123,12 @@ async def test_a_failed_rpc_is_timed_with_its_status_code(
             h = Harness(channel, loop, running, session_id="missing")
             with pytest.raises(grpc.aio.AioRpcError):
                 await h.pressure()
-            metrics = scrape(running.prometheus.url)
+            # The server times a call once it has answered: the client may scrape first.
+            for _ in range(100):
+                metrics = scrape(running.prometheus.url)
+                if "rpc_server_call_duration_seconds" in metrics:
+                    break
+                await asyncio.sleep(0.02)
     finally:
         await running.stop(0)
     not_found = str(grpc.StatusCode.NOT_FOUND.value[0])

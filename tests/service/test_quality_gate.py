@@ -26,7 +26,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from compactd.core.probes import SpanFacts
 from compactd.providers.base import SummaryRequest, SummaryResult
 from compactd.providers.openai import OpenAISummarizer
-from compactd.service import guard
+from compactd.service import screening
 from compactd.testing.openai_server import OpenAICompatServer, Reply
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2
@@ -267,7 +267,7 @@ async def test_the_spans_facts_are_extracted_while_the_model_writes_not_after_it
     tmp_path: Path, loop: OpenAICompatServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     order: list[str] = []
-    extract = guard.span_facts_in_steps
+    extract = screening.span_facts_in_steps
 
     def in_steps(messages: Any, **options: Any) -> Generator[None, None, SpanFacts]:
         facts = yield from extract(messages, **options)
@@ -284,8 +284,8 @@ async def test_the_spans_facts_are_extracted_while_the_model_writes_not_after_it
         order.append("summary")
         return result
 
-    monkeypatch.setattr(guard, "span_facts_in_steps", in_steps)
-    monkeypatch.setattr(guard, "span_facts", after_the_summary)
+    monkeypatch.setattr(screening, "span_facts_in_steps", in_steps)
+    monkeypatch.setattr(screening, "span_facts", after_the_summary)
     monkeypatch.setattr(OpenAISummarizer, "summarize", summarized)
     loop.enqueue(Reply(text=faithful(), delay_before=0.5))  # the model takes its time
     async with started(tmp_path, loop) as h:

@@ -278,7 +278,7 @@ async def test_restoring_after_an_eviction_starts_no_new_lifecycle(
     assert await manager.evict("s")
     assert manager.resident == 0
     del handle
-    manager._alive.clear()  # no finished future may hand the old handle back
+    manager.residency._alive.clear()  # no finished future may hand the old handle back
     restored = await manager.get("s")
     types = [e.WhichOneof("body") async for e in store.read("s")]
     assert "session_end_seed" not in types
@@ -299,7 +299,7 @@ async def test_an_evicted_session_keeps_its_in_process_memory(store: MemoryEvent
     handle_context = handle.context
     assert await manager.evict("s")
     del handle
-    manager._alive.clear()
+    manager.residency._alive.clear()
     restored = await manager.get("s")
     assert restored.context is not handle_context  # a new residency: a new meter
     assert restored.context.memory is memory  # eviction is not a restart
@@ -343,8 +343,8 @@ async def test_resident_sessions_stay_within_the_bound(store: MemoryEventStore) 
         await handle.append([user(f"hello {name}")])
         del handle
         await asyncio.sleep(0)
-        if manager._evicting is not None:
-            await manager._evicting
+        if manager.residency._evicting is not None:
+            await manager.residency._evicting
     assert manager.resident <= 2
     assert manager.evictions >= 3
     assert (await manager.get("a")).fold.revision == 1  # restored on demand, as it was
@@ -556,7 +556,7 @@ async def _compare(ops: list[tuple[str, int]]) -> None:
                 # Nothing here holds the handle; a finished future the loop has not dropped yet
                 # may, which would hand the same handle back: forget it, so the next get
                 # restores the session from its snapshot.
-                evicting._alive.clear()
+                evicting.residency._alive.clear()
             continue
         for manager, cursor in ((kept, cursors[0]), (evicting, cursors[1])):
             await _apply(await manager.get("s"), op, arg, cursor)

@@ -10,17 +10,12 @@ from typing import Any
 
 import pytest
 
+from compactd import speed
 from compactd.core.fold import AdmittedBatch
 from compactd.errors import NotFound, Unavailable
-from compactd.service import sessions
-from compactd.service.sessions import (
-    ADMIT_STEP,
-    FREE_STEP,
-    STEP_S,
-    YIELD_TURNS,
-    SessionManager,
-    in_steps,
-)
+from compactd.service.sessions import SessionManager
+from compactd.service.sessions.handle import ADMIT_STEP
+from compactd.speed import FREE_STEP, STEP_S, YIELD_TURNS, in_steps
 from compactd.store.base import EventRow
 from compactd.store.leases import LeaseOp
 from compactd.store.memory import MemoryEventStore
@@ -218,7 +213,7 @@ async def test_a_committed_large_batch_is_freed_in_the_background_a_chunk_at_a_t
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Every step pauses: how many fit in one pause's time depends on the machine's speed.
-    monkeypatch.setattr(sessions, "STEP_S", 0.0)
+    monkeypatch.setattr(speed, "STEP_S", 0.0)
     store = GatedStore()
     store.gate.set()
     handle = await (await _session(store)).get("s")
@@ -249,7 +244,7 @@ async def test_a_committed_large_batch_is_freed_in_the_background_a_chunk_at_a_t
 async def test_a_flood_of_ready_calls_leaves_a_large_batch_a_share_of_the_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(sessions, "YIELD_TURNS", 10**9)  # only the time bound holds it back
+    monkeypatch.setattr(speed, "YIELD_TURNS", 10**9)  # only the time bound holds it back
     done: list[int] = []
     batch = asyncio.ensure_future(in_steps(_long_steps(done, 3)))
     for _ in range(10**6):  # a flood: always a callback ready

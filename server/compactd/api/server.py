@@ -49,6 +49,7 @@ from compactd.service.pruning import Pruning
 from compactd.service.quotas import QuotaBook, QuotaSettings
 from compactd.service.recovery import RecoveryService
 from compactd.service.retention import RetentionSweeper, periods_from
+from compactd.service.screening import Screener
 from compactd.service.sessions import SessionManager
 from compactd.service.steps import StepService
 from compactd.service.summarizers import SummarizerRegistry, SummarizerSettings, named_routes
@@ -354,8 +355,9 @@ async def _serve_on(
     )
     tracer = metrics.timed(provider.get_tracer("compactd"))  # each compaction.<step> is timed
     guard = CompactionGuard(clock=clock, tracer=tracer, metrics=metrics)
+    screener = Screener(tracer=tracer, metrics=metrics)
     brackets = Brackets(
-        summarizers, guard, tracer=tracer, metrics=metrics, redact=redactor,
+        summarizers, guard, screener, tracer=tracer, metrics=metrics, redact=redactor,
         recoveries=(*summary_recoveries, ImageOffloadRecovery()),
     )  # fmt: skip
     pruning = Pruning(parts.pruner, tracer=tracer, metrics=metrics)

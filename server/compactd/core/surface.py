@@ -8,8 +8,7 @@ the change touches, and ``undo`` reverts a change so a batch can be applied atom
 
 from __future__ import annotations
 
-import ctypes
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NoReturn, TypeAlias
 
@@ -17,21 +16,11 @@ from compactd.core import events as ev
 from compactd.core.events import SessionEvent
 from compactd.core.pairing import CorruptPairing
 from compactd.errors import FieldViolation, ReplacementRejected
+from compactd.speed import untrack
 
 #: A call index entry: the one seq of a call id's node, or the seqs of several (a tuple of one
 #: costs 56 bytes, a set 216; a bare int is the node's own ``seq`` object).
 _Seqs: TypeAlias = int | tuple[int, ...]
-
-
-def _untracker() -> Callable[[object], None]:
-    """CPython's ``PyObject_GC_UnTrack`` (a no-op where the interpreter has none)."""
-    try:
-        return ctypes.PYFUNCTYPE(None, ctypes.py_object)(("PyObject_GC_UnTrack", ctypes.pythonapi))
-    except (AttributeError, OSError):
-        return lambda _: None
-
-
-_untrack = _untracker()
 
 
 class SurfaceNode:
@@ -60,7 +49,7 @@ class SurfaceNode:
         calls = ev.tool_call_ids(event)
         self.calls: tuple[str, ...] = tuple(calls) if calls else ()
         self.answers = event.tool_result.tool_call_id if self.type == ev.TOOL_RESULT else ""
-        _untrack(self)
+        untrack(self)  # compactd.speed: see the class docstring
 
     @property
     def event(self) -> SessionEvent:

@@ -58,8 +58,9 @@ from compactd.providers.base import Summarizer, SummaryError, SummaryRequest, Su
 from compactd.reasons import Reason
 from compactd.redaction import Redactor
 from compactd.routes import Route
-from compactd.service.guard import CompactionGuard, Screened, SummaryRejected, drop_facts
+from compactd.service.guard import CompactionGuard
 from compactd.service.preconditions import refuse_live_bracket
+from compactd.service.screening import Screened, Screener, SummaryRejected, drop_facts
 from compactd.service.sessions import SessionHandle
 from compactd.service.summarizers import SummarizerRegistry
 from compactd.v1 import compaction_service_pb2 as cpb
@@ -160,7 +161,8 @@ class Brackets:
 
     Args:
         summarizers: Summary targets and their summarizers.
-        guard: Minimum spans, failure memory, crossing budgets and the quality gate.
+        guard: Minimum spans, failure memory and crossing budgets.
+        screener: The quality gate.
         tracer: Where the ``compaction.<step>`` spans go (timed by ``metrics``).
         metrics: Where the compactions' outcomes go.
         redact: Applied to provider error text before it is logged, stored, traced or returned.
@@ -171,6 +173,7 @@ class Brackets:
         self,
         summarizers: SummarizerRegistry,
         guard: CompactionGuard,
+        screener: Screener,
         *,
         tracer: trace.Tracer,
         metrics: Metrics,
@@ -179,6 +182,7 @@ class Brackets:
     ) -> None:
         self.summarizers = summarizers
         self.guard = guard
+        self._screener = screener
         self._tracer = tracer
         self._metrics = metrics
         self.redact = redact
@@ -319,7 +323,7 @@ class Brackets:
             request, serialized = summary_request(
                 job.handle, selection, writer.target, job.policy, job.focus
             )
-            facts = self.guard.facts_beside(job.policy, request, writer.summarizer)
+            facts = self._screener.facts_beside(job.policy, request, writer.summarizer)
             try:
                 summary = await self._summarize(opened.compaction_id, writer, request, progress)
             except BaseException as error:
@@ -432,8 +436,8 @@ class Brackets:
         written: _Written,
         progress: Progress,
     ) -> Screened:
-        """The summary the quality gate lets commit (``CompactionGuard.screen``)."""
-        return await self.guard.screen(
+        """The summary the quality gate lets commit (``Screener.screen``)."""
+        return await self._screener.screen(
             policy=job.policy, compaction_id=opened.compaction_id, request=written.request,
             summary=written.summary, serialized=written.serialized,
             summarizer=writer.summarizer.name, target=writer.target,

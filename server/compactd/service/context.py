@@ -1,8 +1,8 @@
 """A session's service state, typed and built once: its meter, its policy, its memory.
 
-Every resident session (``SessionHandle``) holds one ``SessionContext``, built when the session is
-restored (``SessionManager`` calls its ``ContextBuilder``) and never replaced while the session
-stays in memory:
+Every resident session (``SessionHandle``) holds one ``SessionContext``, built when the session
+is restored (``SessionManager`` calls its ``sessions.ContextBuilder``) and never replaced while
+the session stays in memory:
 
 - ``meter``: the session's ``SessionMeter``. It starts from the node prices a snapshot kept, and
   follows every commit (an observer that also follows a restore's tail); the builder that the
@@ -17,16 +17,11 @@ stays in memory:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from compactd.core.attempts import AttemptLedger
 from compactd.core.meter import SessionMeter
 from compactd.core.policy import PressurePolicy
-
-if TYPE_CHECKING:
-    from compactd.service.sessions import Restored, SessionHandle
 
 
 @dataclass(eq=False)
@@ -55,24 +50,3 @@ class SessionContext:
     meter: SessionMeter
     memory: SessionMemory = field(default_factory=SessionMemory)
     policy: ResolvedPolicy | None = None
-
-
-#: Builds a restored session's context: ``(handle, what a snapshot restore left for the meter,
-#: the memory an eviction carried over)``. It registers whatever observers the context needs.
-ContextBuilder = Callable[
-    ["SessionHandle", "Restored | None", "SessionMemory | None"], SessionContext
-]
-
-
-def metered_context(
-    handle: SessionHandle, restored: Restored | None, memory: SessionMemory | None
-) -> SessionContext:
-    """A context whose meter follows the session's commits (and a restore's tail), starting
-    from the prices a snapshot kept; the snapshots take their prices from it."""
-    if restored is not None:
-        meter = SessionMeter(handle.fold, persisted=restored.prices, anchor=restored.anchor)
-    else:
-        meter = SessionMeter(handle.fold)
-    handle.prices = meter
-    handle.add_observer(meter.observe, replays=True)
-    return SessionContext(meter, memory or SessionMemory())

@@ -31,13 +31,9 @@ from compactd.errors import FailedPrecondition
 from compactd.reasons import Reason
 from compactd.routes import Route, RouteCatalog
 from compactd.service.calibration import UsageCalibration, annotate, estimated
-from compactd.service.context import (
-    ResolvedPolicy,
-    SessionContext,
-    SessionMemory,
-    metered_context,
-)
-from compactd.service.sessions import Restored, SessionHandle, SessionManager, in_steps
+from compactd.service.context import ResolvedPolicy, SessionContext, SessionMemory
+from compactd.service.sessions import Restored, SessionHandle, SessionManager, metered_context
+from compactd.speed import in_steps
 from compactd.tokenizers import unavailable
 from compactd.v1 import compaction_service_pb2, events_pb2
 

@@ -34,7 +34,7 @@ from compactd.core.limits import MAX_TOKEN_COUNT
 from compactd.core.meter import route_price
 from compactd.core.offload import offloadable
 from compactd.core.planner import SHAPES, PlanMode
-from compactd.core.policy import output_reservation
+from compactd.core.policy import TargetPolicy, output_reservation
 from compactd.core.pruner import PrunePlan, plan_window_prunes
 from compactd.core.selection import DeclineCode, Declined, head_length, unit_boundaries
 from compactd.core.surface import SurfaceNode
@@ -248,25 +248,8 @@ class RecoveryService:
     ) -> None:
         route = self._pressure.logged_route_or_heuristic(handle)
         policy = self._pressure.target_policy(handle, route)
-        if not policy.auto:
-            _decline(
-                result,
-                Decline.RECOVERY_DECLINE_AUTO_DISABLED,
-                f"automatic compaction and overflow recovery are off for {route.name} (auto)",
-            )
-            return
-        if retries_so_far >= policy.max_overflow_retries:
-            _decline(
-                result,
-                Decline.RECOVERY_DECLINE_RETRIES_EXHAUSTED,
-                f"{retries_so_far} overflow retr{'y' if retries_so_far == 1 else 'ies'} already "
-                f"made for this step (maxOverflowRetries={policy.max_overflow_retries})",
-            )
-            return
         window = self.window_of(handle, route, error)
-        if window.window and window.room <= 0:
-            result.figures.CopyFrom(window.figures)
-            _decline(result, Decline.RECOVERY_DECLINE_ENVELOPE_ONLY, _envelope_only(window))
+        if _overflow_declined(route, policy, window, retries_so_far, result):
             return
         generation = handle.fold.surface.replacements
         result.pruned_count = await self._pruning.prune(handle, progress)
@@ -281,16 +264,9 @@ class RecoveryService:
         except CompactionBusy:
             raise
         except CompactdError as failure:
-            result.cause = failure.reason
-            if handle.fold.surface.replacements == generation:
-                _decline(
-                    result,
-                    Decline.RECOVERY_DECLINE_COMPACTION_FAILED,
-                    f"the overflow compaction failed ({failure.reason}): {failure.message}",
-                )
-                return
-            result.retry = True
-            result.reason = f"pruned; the compaction then failed ({failure.reason})"
+            _compaction_failed(
+                result, failure, advanced=handle.fold.surface.replacements > generation
+            )
             return
         if isinstance(committed, cpb.CompactionOutcome):
             result.compactions.append(committed)
@@ -378,6 +354,52 @@ class RecoveryService:
             _decline(result, Decline.RECOVERY_DECLINE_INDIVISIBLE_UNIT, _indivisible(figures))
             return
         _decline(result, Decline.RECOVERY_DECLINE_NOTHING_SELECTABLE, declined.reason)
+
+
+def _overflow_declined(
+    route: Route,
+    policy: TargetPolicy,
+    window: _Window,
+    retries_so_far: int,
+    result: cpb.RecoverFromErrorResult,
+) -> bool:
+    """Decline an overflow recovery the policy or the envelope rules out (before any work)."""
+    if not policy.auto:
+        _decline(
+            result,
+            Decline.RECOVERY_DECLINE_AUTO_DISABLED,
+            f"automatic compaction and overflow recovery are off for {route.name} (auto)",
+        )
+        return True
+    if retries_so_far >= policy.max_overflow_retries:
+        _decline(
+            result,
+            Decline.RECOVERY_DECLINE_RETRIES_EXHAUSTED,
+            f"{retries_so_far} overflow retr{'y' if retries_so_far == 1 else 'ies'} already "
+            f"made for this step (maxOverflowRetries={policy.max_overflow_retries})",
+        )
+        return True
+    if window.window and window.room <= 0:
+        result.figures.CopyFrom(window.figures)
+        _decline(result, Decline.RECOVERY_DECLINE_ENVELOPE_ONLY, _envelope_only(window))
+        return True
+    return False
+
+
+def _compaction_failed(
+    result: cpb.RecoverFromErrorResult, failure: CompactdError, *, advanced: bool
+) -> None:
+    """An overflow compaction failed: a retry only when pruning advanced the surface first."""
+    result.cause = failure.reason
+    if not advanced:
+        _decline(
+            result,
+            Decline.RECOVERY_DECLINE_COMPACTION_FAILED,
+            f"the overflow compaction failed ({failure.reason}): {failure.message}",
+        )
+        return
+    result.retry = True
+    result.reason = f"pruned; the compaction then failed ({failure.reason})"
 
 
 def _token_figure(stated: int) -> int:

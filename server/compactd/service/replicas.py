@@ -27,15 +27,12 @@ import logging
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from compactd.core import events as ev
 from compactd.store.base import EventStore
 from compactd.store.leases import LeaseAction, LeaseOp
 from compactd.v1 import events_pb2
-
-if TYPE_CHECKING:
-    from compactd.service.sessions import SessionHandle
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +186,16 @@ class LeaseKeeper:
                 return
 
 
+class Followed(Protocol):
+    """What ``ChangeListener`` needs of a resident session (``SessionHandle``): its lock, which
+    catches its fold up when taken."""
+
+    @property
+    def lock(self) -> CatchUpLock:
+        """The session's lock."""
+        ...
+
+
 class ChangeListener:
     """Catches resident sessions up when other replicas append to them (store notifications).
 
@@ -198,8 +205,8 @@ class ChangeListener:
     def __init__(
         self,
         store: EventStore,
-        find: Callable[[str, str], SessionHandle | None],
-        resident: Callable[[], Iterable[SessionHandle]],
+        find: Callable[[str, str], Followed | None],
+        resident: Callable[[], Iterable[Followed]],
     ) -> None:
         self._store = store
         self._find = find
@@ -234,14 +241,14 @@ class ChangeListener:
                 if id(handle) not in self._pending:
                     self._schedule(handle)
 
-    def _schedule(self, handle: SessionHandle) -> None:
+    def _schedule(self, handle: Followed) -> None:
         # Coalesced: one refresh in flight per session; it reads everything up to the revision.
         self._pending.add(id(handle))
         task = asyncio.ensure_future(self._refresh(handle))
         self._refreshes.add(task)
         task.add_done_callback(self._refreshes.discard)
 
-    async def _refresh(self, handle: SessionHandle) -> None:
+    async def _refresh(self, handle: Followed) -> None:
         self._pending.discard(id(handle))
         try:
             async with handle.lock:
