@@ -166,12 +166,7 @@ class Screener:
         span_bytes = serialized[len(serialized) - len(span) :] if serialized is not None else None
         with self._tracer.start_as_current_span("compaction.gate") as trace_span:
             trace_span.set_attribute("compactd.compaction_id", compaction_id)
-            # The gate's own work, inside its span; a summarizer that extracted the span's
-            # facts already (the extractive one) spares extracting them twice.
-            if summary.span_facts is not None:
-                found = summary.span_facts
-            else:
-                found = await facts if facts is not None else span_facts(span)
+            found = await _facts_of(summary, span, facts)  # the gate's own work, in its span
             judging = _Judging(
                 compaction_id, span, span_bytes, select_probes(found), settings, span_tokens,
                 shrink_route,
@@ -186,11 +181,7 @@ class Screener:
                     summary, summarizer, target, report, checkpoint_tokens=verdict.checkpoint_tokens
                 )
             if policy.extractive_fallback:
-                rejected = events_pb2.SummaryFallback(
-                    rejected_summarizer=summarizer,
-                    rejected_target=events_pb2.Route(provider=target.provider, model=target.model),
-                    rejected=report,
-                )
+                rejected = _fallback_record(summarizer, target, report)
                 screened = await self._fallback(judging, request, verdict, rejected, progress)
                 trace_span.set_attribute("compactd.gate.fallback_passed", screened is not None)
                 if screened is not None:
@@ -219,6 +210,29 @@ class Screener:
             fallback, self._extractive.name, EXTRACTIVE_TARGET, _report(second, judging.settings),
             rejected, checkpoint_tokens=second.checkpoint_tokens,
         )  # fmt: skip
+
+
+async def _facts_of(
+    summary: SummaryResult,
+    span: Sequence[session_service_pb2.Message],
+    facts: asyncio.Future[SpanFacts] | None,
+) -> SpanFacts:
+    """The span's facts: a summarizer that extracted them already (the extractive one) spares
+    extracting them twice; else those extracted while a model wrote, else extracted now."""
+    if summary.span_facts is not None:
+        return summary.span_facts
+    return await facts if facts is not None else span_facts(span)
+
+
+def _fallback_record(
+    summarizer: str, target: Route, report: events_pb2.SummaryGateReport
+) -> events_pb2.SummaryFallback:
+    """What ``compaction/summary.fallback`` keeps of a summary the extractive one replaced."""
+    return events_pb2.SummaryFallback(
+        rejected_summarizer=summarizer,
+        rejected_target=events_pb2.Route(provider=target.provider, model=target.model),
+        rejected=report,
+    )
 
 
 async def _verdict(judging: _Judging, text: str) -> gate.Verdict:
