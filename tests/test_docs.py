@@ -1,6 +1,7 @@
 """The docs hold together and match the code: every page is reachable from the README and links
-back, every link lands on a file and a heading, every Python block compiles, every TOML block is a
-configuration ``compactd serve`` accepts, the tables that list the code's settings and RPCs are
+back, every link lands on a file and a heading, every Python block compiles, every TypeScript
+block type-checks against the TypeScript client, every TOML block is a configuration
+``compactd serve`` accepts, the tables that list the code's settings and RPCs are
 complete, and the runnable examples run against a live server.
 
 (README's own example, the errors table, the recovery loop and the secure configuration have
@@ -11,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import re
+import subprocess
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,7 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
 MARKDOWN = [README, ROOT / "CONTRIBUTING.md", *PAGES]
+TYPESCRIPT = ROOT / "clients" / "typescript"
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -102,6 +106,31 @@ def test_every_toml_block_is_a_configuration_serve_accepts(path: Path, tmp_path:
         file.write_text(code, encoding="utf-8")
         settings = config.load(file, environ={})
         components(settings)  # routes, policy, summarizer: as `compactd serve` validates them
+
+
+def test_every_typescript_block_typechecks_against_the_typescript_client(tmp_path: Path) -> None:
+    tsc = TYPESCRIPT / "node_modules" / ".bin" / "tsc"
+    if not (tsc.exists() and (TYPESCRIPT / "lib" / "index.d.ts").exists()):
+        message = "the TypeScript client is not built: run clients/setup"
+        if os.environ.get("CI") == "true":  # as tests/clients/test_suites.py: CI must have it
+            pytest.fail(message)
+        pytest.skip(message)
+    blocks = [code for path in MARKDOWN for code in _blocks(path, "ts")]
+    assert blocks
+    package = tmp_path / "node_modules" / "@compactd" / "client"
+    package.parent.mkdir(parents=True)
+    package.symlink_to(TYPESCRIPT)  # `import ... from "@compactd/client"` as an installed package
+    files = []
+    for number, code in enumerate(blocks):
+        file = tmp_path / f"block{number}.ts"
+        file.write_text(code, encoding="utf-8")
+        files.append(str(file))
+    options = ["--noEmit", "--strict", "--module", "nodenext", "--moduleResolution", "nodenext",
+               "--target", "es2022", "--skipLibCheck", "--types", "node",
+               "--typeRoots", str(TYPESCRIPT / "node_modules" / "@types")]  # fmt: skip
+    done = subprocess.run([str(tsc), *options, *files], cwd=tmp_path, capture_output=True,
+                          text=True, check=False, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_the_settings_table_names_every_server_setting() -> None:
