@@ -1,12 +1,17 @@
 # syntax=docker/dockerfile:1
-# Build stage: install compactd and its dependencies into a virtual environment.
+# Build stage: install compactd into a virtual environment, its dependencies at the versions and
+# hashes of the lock (requirements/runtime.txt, made by scripts/lock), so that two builds of one
+# commit install the same packages.
 FROM python:3.11-slim AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
+COPY requirements/runtime.txt ./requirements/
+RUN python -m venv /opt/compactd \
+ && /opt/compactd/bin/pip install --require-hashes -r requirements/runtime.txt
 COPY pyproject.toml README.md ./
 COPY server ./server
-RUN python -m venv /opt/compactd \
- && /opt/compactd/bin/pip install .
+RUN /opt/compactd/bin/pip install --no-deps . \
+ && /opt/compactd/bin/pip check
 
 # Runtime stage: the venv only, a non-root user with a numeric UID (Kubernetes' runAsNonRoot can
 # verify a number, not a name), the log on a volume.

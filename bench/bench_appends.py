@@ -504,7 +504,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def readme_rows() -> list[tuple[str, str, str]]:
-    """This benchmark's README rows, (goal, measured, reference), at its defaults."""
+    """This benchmark's rows of docs/benchmarks.md, (goal, measured, reference), at its defaults."""
     return asyncio.run(run(parse_args([])))
 
 

@@ -30,7 +30,8 @@ timed call by call, interleaved with an empty unary RPC (a health check).
     python -m bench.bench_compact [--sizes 1000,100000] [--span 300] [--repeat 11]
                                   [--declined-events 10000] [--calls 200]
 
-``readme_rows()`` returns the README rows (goal, measured, reference): ``python -m bench.readme``.
+``readme_rows()`` returns rows of docs/benchmarks.md (goal, measured, reference):
+``python -m bench.readme``.
 """
 
 from __future__ import annotations
@@ -476,7 +477,7 @@ async def serve() -> None:
 
 
 def readme_rows(sizes: Sequence[int] = SIZES, **options: Any) -> list[tuple[str, str, str]]:
-    """README rows (goal, measured, reference), from one run of ``measure``."""
+    """docs/benchmarks.md rows (goal, measured, reference), from one run of ``measure``."""
     engine, declined = asyncio.run(measure(sizes, **options))
     first, last = engine[0], engine[-1]
     return [

@@ -4,7 +4,7 @@ The large transcripts of the shared set are replayed as agent sessions through a
 (``create_server`` on port 0, SQLite, the loopback OpenAI-compatible provider), each twice in the
 same run, interleaved conversation by conversation: once with the gate and failure memory off
 (``summaryGate = false``, ``failureBackoffSeconds = 0``: compactd before issue 16) and once with
-the defaults. The runtime loop is the README's: a turn per user message, ``PrepareStep`` before
+the defaults. The runtime loop is docs/clients.md's: a turn per user message, ``PrepareStep`` before
 every model step, the step's ``assistant/message`` inside ``step/start`` ... ``step/end``, the tool
 results after it. The route has a 16,000-token window (trigger 12,800, retained budget 2,400).
 

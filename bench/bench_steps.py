@@ -31,7 +31,8 @@ runs in the child process too.
 
     python -m bench.bench_steps [--sizes 100,1000,10000,100000] [--calls 400] [--full-calls 20]
 
-``readme_rows()`` returns the README rows (goal, measured, reference): ``python -m bench.readme``.
+``readme_rows()`` returns rows of docs/benchmarks.md (goal, measured, reference):
+``python -m bench.readme``.
 """
 
 from __future__ import annotations
@@ -315,7 +316,7 @@ async def _measured(
 
 
 def readme_rows(sizes: Sequence[int] = SIZES, calls: int = 400) -> list[tuple[str, str, str]]:
-    """README rows (goal, measured, reference), from one run of ``measure``."""
+    """docs/benchmarks.md rows (goal, measured, reference), from one run of ``measure``."""
     measured = asyncio.run(measure(sizes, calls))
 
     def each(ratio: Callable[[StepRow], float]) -> str:

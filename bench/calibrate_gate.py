@@ -14,7 +14,7 @@ shared agent transcripts, and how many of them a threshold of 0.3 ... 0.6 lets t
   SmolLM2-135M on llama.cpp): that model's summaries of spans of at most ``--model-chars``
   characters, through compactd's own summarizer and instruction. Slow on a CPU; never in CI.
 
-The default threshold is the highest that passes every good summary: see the README.
+The default threshold is the highest that passes every good summary: see docs/benchmarks.md.
 
     python bench/calibrate_gate.py [--model-url http://127.0.0.1:PORT/v1] [--model-spans 12]
 """

@@ -1,6 +1,6 @@
-"""Regenerate the README's performance table from the benchmarks: ``python -m bench.readme``.
+"""Regenerate the performance table of docs/benchmarks.md: ``python -m bench.readme``.
 
-The protocol: a module ``bench/bench_*.py`` that publishes README rows defines
+The protocol: a module ``bench/bench_*.py`` that publishes rows defines
 
     def readme_rows() -> list[tuple[str, str, str]]:
         '''(goal, measured, reference) per row, from one run at the module's defaults.'''
@@ -8,14 +8,14 @@ The protocol: a module ``bench/bench_*.py`` that publishes README rows defines
 where ``goal`` states the target (``... ≤ 2x ...``), ``measured`` the figure and its ratio, and
 ``reference`` the physical reference the ratio is taken against, measured in the same run and
 interleaved with what it is compared to. This command imports every such module (in name order),
-calls ``readme_rows()`` once, and rewrites the table between the README's
+calls ``readme_rows()`` once, and rewrites the table between docs/benchmarks.md's
 ``<!-- bench:table:start -->`` and ``<!-- bench:table:end -->`` markers, one row per figure,
 the module named in the first column, with the date, the core count and the load average (the
 machine may be shared: the ratios are the point).
 
     python -m bench.readme                       # every module with readme_rows
     python -m bench.readme --only bench_restore  # rerun some; the other modules' rows are kept
-    python -m bench.readme --print               # print the table, leave README.md alone
+    python -m bench.readme --print               # print the table, leave the page alone
 
 A benchmark that fails keeps its earlier rows (the command then exits non-zero, naming it). Some
 read the shared trajectories beside the repository (``COMPACTD_SHARED`` names that ``shared``
@@ -35,7 +35,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+#: The page that holds the table (``readme`` in the names is from when the README held it).
+PAGE = ROOT / "docs" / "benchmarks.md"
 START, END = "<!-- bench:table:start -->", "<!-- bench:table:end -->"
 HEADER = "| benchmark | goal | measured | reference (same run) |\n|---|---|---|---|"
 
@@ -67,7 +68,7 @@ def table(rows: Sequence[tuple[str, Row]], note: str) -> str:
 
 
 def kept_rows(text: str) -> list[tuple[str, Row]]:
-    """The rows the README's table holds now."""
+    """The rows the page's table holds now."""
     if START not in text or END not in text:
         return []
     body = text[text.index(START) + len(START) : text.index(END)]
@@ -82,7 +83,7 @@ def kept_rows(text: str) -> list[tuple[str, Row]]:
 def rewrite(text: str, rendered: str) -> str:
     """``text`` with the table between the markers replaced (the markers appended if absent)."""
     if START not in text or END not in text:
-        raise SystemExit(f"README.md has no {START} ... {END} markers")
+        raise SystemExit(f"{PAGE.relative_to(ROOT)} has no {START} ... {END} markers")
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
     return f"{head}{START}\n{rendered}\n{END}{tail}"
@@ -91,11 +92,11 @@ def rewrite(text: str, rendered: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--only", nargs="*", default=None, help="modules to rerun")
-    parser.add_argument("--print", action="store_true", help="print, leave README.md alone")
+    parser.add_argument("--print", action="store_true", help="print, leave the page alone")
     args = parser.parse_args(argv)
     names = publishers()
     chosen = names if not args.only else [n for n in names if n in args.only]
-    text = README.read_text(encoding="utf-8")
+    text = PAGE.read_text(encoding="utf-8")
     fresh: dict[str, list[Row]] = {}
     failed: list[str] = []
     for name in chosen:
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.print:
         print(rendered)
     else:
-        README.write_text(rewrite(text, rendered), encoding="utf-8")
+        PAGE.write_text(rewrite(text, rendered), encoding="utf-8")
         print(rendered)
     if failed:
         raise SystemExit(f"failed (their earlier rows kept): {', '.join(failed)}")

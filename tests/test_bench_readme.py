@@ -1,4 +1,5 @@
-"""``python -m bench.readme``: finds the modules that publish rows and rewrites only its table."""
+"""``python -m bench.readme``: finds the modules that publish rows and rewrites only its table
+(in docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ def test_the_table_between_the_markers_is_replaced_and_its_rows_read_back() -> N
     assert readme.kept_rows(rewritten) == rows
 
 
-def test_the_readme_has_the_markers() -> None:
-    text = readme.README.read_text(encoding="utf-8")
+def test_the_benchmarks_page_has_the_markers_and_names_the_command() -> None:
+    text = readme.PAGE.read_text(encoding="utf-8")
+    assert "`python -m bench.readme`" in text[: text.index(readme.START)]
     assert text.index(readme.START) < text.index(readme.END)

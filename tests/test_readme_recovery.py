@@ -1,5 +1,5 @@
-"""README's "Recovering from provider errors" loop runs as written against a live server and a
-provider that overflows, then answers."""
+"""The "Recovering from provider errors" loop of docs/recovery.md runs as written against a live
+server and a provider that overflows, then answers."""
 
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ from tests.builders import turn_start, user
 from tests.compaction_fixtures import RELAXED, loopback, opening, started
 from tests.runtime import closed_turns, of_type
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "recovery.md"
 
 
 def readme_step() -> Callable[..., Any]:
-    """The README's ``step`` function, executed from its Python block."""
-    text = README.read_text(encoding="utf-8")
+    """The page's ``step`` function, executed from its Python block."""
+    text = PAGE.read_text(encoding="utf-8")
     section = text[text.index("## Recovering from provider errors") :]
     match = re.search(r"```python\n(.*?)```", section, re.DOTALL)
     assert match is not None, "the section has no Python loop"

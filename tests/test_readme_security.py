@@ -1,6 +1,6 @@
-"""The README's secure configuration runs as written: with its paths pointed at files the test
-makes, it starts a server that serves health in plaintext, refuses a caller without credentials,
-and admits a token's tenant and a certificate's, each held to the quota."""
+"""The secure configuration of docs/security.md runs as written: with its paths pointed at files
+the test makes, it starts a server that serves health in plaintext, refuses a caller without
+credentials, and admits a token's tenant and a certificate's, each held to the quota."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from compactd.v1 import session_service_pb2 as pb
 from compactd.v1.session_service_pb2_grpc import SessionServiceStub
 from tests.certs import Authority
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "security.md"
 SPIFFE_ID = "spiffe://example.org/ns/agents/sa/runner"
 
 
 def _secure_toml() -> str:
-    text = README.read_text(encoding="utf-8")
+    text = PAGE.read_text(encoding="utf-8")
     section = text.split("## Secure configuration", 1)[1]
     match = re.search(r"```toml\n(.*?)```", section, re.DOTALL)
     assert match is not None, "the secure configuration section has no TOML block"

@@ -19,8 +19,7 @@ _VALUES = {reason.value for reason in Reason}
 
 def _documented() -> dict[str, str]:
     """reason -> its code column, from the docs' table (``| reason | code | when |``)."""
-    doc = ERRORS_DOC if ERRORS_DOC.exists() else ROOT / "README.md"
-    text = doc.read_text(encoding="utf-8")
+    text = ERRORS_DOC.read_text(encoding="utf-8")
     table = text[text.index("| reason | code | when |") :]
     table = table[: table.index("\n\n")] if "\n\n" in table else table
     codes: dict[str, str] = {}

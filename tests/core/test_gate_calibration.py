@@ -1,6 +1,6 @@
 """The default probe threshold against real summaries: Claude Code's own compaction summaries
 of three real sessions pass it; an echo of the span's last message and the empty skeleton of the
-same spans do not (see README, "Summary quality gate", for the whole measurement)."""
+same spans do not (see docs/benchmarks.md, "The quality gate", for the whole measurement)."""
 
 from __future__ import annotations
 

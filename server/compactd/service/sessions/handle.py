@@ -238,7 +238,7 @@ class SessionHandle:
         expected_last_seq: int | None = None,
         origin: Origin = Origin.SERVER,
     ) -> AppendResult:
-        """``append`` for a caller that already holds ``self.lock`` (the compaction engine)."""
+        """``append`` for a caller that already holds ``self.lock`` (a bracket, a prune, an offload)."""
         for attempt in range(1, MAX_APPEND_ATTEMPTS + 1):
             try:
                 return await self._append_once(events, expected_last_seq, origin)
