@@ -73,6 +73,7 @@ from compactd.errors import (
     NotFound,
     QuotaExceeded,
     SeqConflict,
+    ServerShuttingDown,
 )
 from compactd.service.quotas import QuotaBook, Reservation
 from compactd.service.replicas import (
@@ -169,6 +170,7 @@ class SessionHandle:
         self.tenant = record.tenant
         self.key: _Key = (record.tenant, record.session_id)
         self.deleted = False  # set (under the lock) by ``SessionManager.delete``
+        self.stopping = False  # set by ``SessionManager.end_streams``: the server is stopping
         self._quotas = quotas
         self.limits = limits
         self.record = record
@@ -536,6 +538,7 @@ class SessionHandle:
 
         Raises:
             NotFound: once the session is deleted (a follower's stream ends with it).
+            Unavailable: ``SERVER_SHUTTING_DOWN`` once the server stops (``end_streams``).
         """
         seen = -1
         self.followers += 1
@@ -545,6 +548,8 @@ class SessionHandle:
                     await self._changed.wait_for(partial(self._moved_past, seen))
                     if self.deleted:
                         raise session_not_found(self.session_id)
+                    if self.stopping:
+                        raise ServerShuttingDown()
                     seen = self.revision
                 yield seen
         finally:
@@ -561,8 +566,13 @@ class SessionHandle:
         self.deleted = True
         await self._notify()
 
+    async def end_streams(self) -> None:
+        """Called by the manager when the server stops: end every follower's stream now."""
+        self.stopping = True
+        await self._notify()
+
     def _moved_past(self, seen: int) -> bool:
-        return self.deleted or self.revision != seen
+        return self.deleted or self.stopping or self.revision != seen
 
     async def _notify(self) -> None:
         if not self.followers:  # only ``revisions`` waits, and it counts itself a follower first
@@ -782,6 +792,7 @@ class SessionManager:
         self._snapshotting: dict[_Key, asyncio.Task[None]] = {}
         self._evicting: asyncio.Task[None] | None = None
         self.evictions = 0
+        self._stopping = False  # ``end_streams`` was called
         self._listener = ChangeListener(
             store,
             lambda tenant, session_id: self._handles.get((tenant, session_id)),
@@ -1009,6 +1020,7 @@ class SessionManager:
             owner=self.instance_id,
             lease_s=self.lease_s,
         )
+        handle.stopping = self._stopping
         handle.extensions.update(self._carried.pop(handle.key, {}))
         handle.restored = restored
         handle.snapshot_revision = fold.revision if restored is not None else 0
@@ -1178,6 +1190,14 @@ class SessionManager:
                 except Exception as err:  # a snapshot that failed: keep the session resident
                     log.warning("eviction failed: %s", err, extra={"session_id": key[1]})
                     return
+
+    async def end_streams(self) -> None:
+        """End every stream that follows a session's revisions (``revisions``), now and for
+        sessions restored from here on: the server is stopping, and a follower would otherwise
+        hold its stream for the whole grace period, then lose it without a reason."""
+        self._stopping = True
+        for handle in list(self._alive.values()):
+            await handle.end_streams()
 
     async def close(self) -> None:
         """Finish snapshots under way, then forget every handle (the store is closed by its
