@@ -229,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"compactd: configuration error: {err.message}", file=sys.stderr)
         return EXIT_CONFIG
     except StartupError as err:
-        print(f"compactd: cannot start: {err.message}", file=sys.stderr)
+        print(f"compactd: cannot start: {err.message} ({err.reason})", file=sys.stderr)
         return EXIT_STARTUP
     return 0
 
