@@ -215,7 +215,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parts = validate(settings)  # what serve checks before it listens: named errors now
         ignored = config.unknown_variables()
         if args.command == "check-config":
-            for name in ignored:
+            for name in ignored:  # a warning as serve logs one, and a comment in the TOML
+                print(f"compactd: warning: ignored: {name} is not a compactd setting",
+                      file=sys.stderr)  # fmt: skip
                 print(f"# ignored: {name} is not a compactd setting")
             print(effective_toml(settings, routes=list(parts.routes), summarizer=parts.summarizer,
                                  pruner=parts.pruner), end="")  # fmt: skip
