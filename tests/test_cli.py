@@ -135,7 +135,10 @@ def test_check_config_names_ignored_variables(
 ) -> None:
     monkeypatch.setenv("COMPACTD_ADDRESS", "127.0.0.1:1")
     assert main(["check-config"]) == 0
-    assert "# ignored: COMPACTD_ADDRESS is not a compactd setting" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "# ignored: COMPACTD_ADDRESS is not a compactd setting" in printed.out
+    # Warned where a check reads its warnings, also when the TOML goes to a file.
+    assert printed.err == "compactd: warning: ignored: COMPACTD_ADDRESS is not a compactd setting\n"
 
 
 def test_config_schema_prints_the_json_schema(capsys: pytest.CaptureFixture[str]) -> None:

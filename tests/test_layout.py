@@ -50,7 +50,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         on_path.add(module)
         for imported in sorted(graph[module]):
             if imported in on_path:
-                return path[path.index(imported) :] + [imported]
+                return [*path[path.index(imported) :], imported]
             if imported not in done:
                 found = visit(imported)
                 if found is not None:

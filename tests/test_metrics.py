@@ -134,3 +134,30 @@ async def test_a_failed_rpc_is_timed_with_its_status_code(
     not_found = str(grpc.StatusCode.NOT_FOUND.value[0])
     rpcs = metrics["rpc_server_call_duration_seconds"]
     assert labelled(rpcs, "_count", rpc_method="CheckPressure", rpc_grpc_status_code=not_found)
+
+
+async def test_with_the_sdk_disabled_the_prometheus_endpoint_keeps_compactd_s_metrics(
+    tmp_path: Path,
+    loop: OpenAICompatServer,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """OTEL_SDK_DISABLED turns OpenTelemetry's exporters off, not compactd's own endpoint."""
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    settings = dataclasses.replace(server_config(tmp_path, loop), metrics_listen="127.0.0.1:0")
+    caplog.set_level(logging.INFO, logger="compactd")
+    running = await create_server(settings)
+    try:
+        assert running.prometheus is not None
+        async with grpc.aio.insecure_channel(running.address) as channel:
+            await Harness(channel, loop, running).create(*opening())
+        metrics = scrape(running.prometheus.url)
+    finally:
+        await running.stop(0)
+    (appended,) = labelled(metrics["compactd_events_appended"], "_total")
+    assert appended.value == len(opening())
+    (serving,) = [r for r in caplog.records if r.getMessage() == "compactd serving"]
+    assert serving.__dict__["tracing"] == "off (OTEL_SDK_DISABLED)"
+    assert serving.__dict__["metrics"] == f"prometheus {running.prometheus.url}"

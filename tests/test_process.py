@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -147,3 +149,33 @@ def test_a_store_in_a_missing_folder_is_a_clear_configuration_error(tmp_path: Pa
         result.stderr
     )
     assert "Traceback" not in result.stderr + result.stdout
+
+
+@contextlib.contextmanager
+def _read_only_folder(folder: Path) -> Iterator[Path]:
+    """``folder`` on a read-only file system (a read-only tmpfs mounted over it, as root), or
+    without write permission (not root: the same failure, EACCES instead of EROFS)."""
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        yield folder
+        folder.chmod(0o755)
+        return
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(folder)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr!r}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_store_on_a_read_only_file_system_is_a_named_start_up_failure(tmp_path: Path) -> None:
+    with _read_only_folder(tmp_path / "ro") as folder:
+        result = _serve("--listen", "127.0.0.1:0", "--store", f"sqlite:///{folder / 's.db'}")
+    assert result.returncode == 3, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert f"cannot start: cannot open the store sqlite:///{folder / 's.db'}" in result.stderr
+    assert "STORE_UNAVAILABLE" in result.stderr

@@ -111,3 +111,16 @@ def test_the_log_filter_redacts_messages_extras_and_tracebacks() -> None:
     assert KEY not in record.exc_text
     assert "RuntimeError" in record.exc_text
     assert not any(isinstance(f, RedactingFilter) for f in handler.filters)
+
+
+def test_the_log_filter_redacts_strings_inside_structured_extras() -> None:
+    record = logging.LogRecord("compactd.test", logging.INFO, "", 0, "summaries", (), None)
+    url = f"https://user:{KEY}@host/v1"
+    record.endpoints = {"local/m": url, "nested": [url, (url, 3)]}
+    record.count = 3
+
+    assert RedactingFilter(Redactor([KEY])).filter(record)
+
+    assert KEY not in repr(record.__dict__)
+    assert record.endpoints["local/m"] == f"https://{REDACTED}@host/v1"
+    assert record.count == 3

@@ -11,6 +11,7 @@ import asyncio
 import re
 import subprocess
 import sys
+import tomllib
 import xml.etree.ElementTree as ET
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -30,7 +31,8 @@ from compactd.v1 import session_service_pb2 as spb
 from compactd.v1 import session_service_pb2_grpc as sgrpc
 from tests.certs import Authority
 
-TRANSCRIPTS = Path(__file__).resolve().parents[1] / "testdata" / "transcripts"
+ROOT = Path(__file__).resolve().parents[1]
+TRANSCRIPTS = ROOT / "testdata" / "transcripts"
 SHIPPED = [
     *rp.read_transcripts(TRANSCRIPTS / "openai.jsonl"),
     *rp.read_transcripts(TRANSCRIPTS / "coding.jsonl"),
@@ -259,6 +261,39 @@ def test_a_missing_transcript_file_exits_2(
 ) -> None:
     assert cli.main(["replay", str(tmp_path / "none.jsonl")]) == 2
     assert "none.jsonl" in capsys.readouterr().err
+
+
+def test_a_server_only_install_names_the_extra_that_brings_the_client(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in [n for n in sys.modules if n.startswith("compactd_client")] + ["compactd_client"]:
+        monkeypatch.setitem(sys.modules, name, None)  # not installed
+    assert cli.main(["replay", str(TRANSCRIPTS / "coding.jsonl"), "--no-progress"]) == 2
+    assert "pip install 'compactd[client]'" in capsys.readouterr().err
+
+
+def test_the_client_extra_declares_the_client_package() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    (client,) = pyproject["project"]["optional-dependencies"]["client"]
+    assert client.startswith("compactd-client")
+    assert "client" in (ROOT / "scripts" / "setup").read_text(encoding="utf-8").split("'.[")[1]
+
+
+def test_the_report_counts_in_words_and_names_the_file_as_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    one = tmp_path / "one.jsonl"
+    line = (TRANSCRIPTS / "openai.jsonl").read_text(encoding="utf-8").splitlines()[0]
+    one.write_text(line + "\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    argv = ["replay", "one.jsonl", "--window", "3000", "--html", "r.html", "--no-progress"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    page = (tmp_path / "r.html").read_text(encoding="utf-8")
+    assert "1 conversation of one.jsonl, route" in page
+    assert " 0 prunes, 1 compaction;" in page
+    assert "1 conversations" not in page
+    assert str(tmp_path) not in out + page  # the path as given, never made absolute
 
 
 def test_the_server_commands_never_import_the_python_client() -> None:

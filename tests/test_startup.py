@@ -103,6 +103,20 @@ def test_serve_names_the_configured_summary_endpoint(tmp_path: Path) -> None:
     )
 
 
+def test_a_key_in_a_summary_routes_url_is_in_no_start_up_field(tmp_path: Path) -> None:
+    key = "url-key-0123456789abcdef"
+    config = tmp_path / "c.toml"
+    config.write_text(
+        '[summarizer]\nprovider = "local"\nmodel = "m"\n'
+        '[[routes]]\nprovider = "local"\nmodel = "m"\ncontext_window = 32768\n'
+        f'tokenizer = "cl100k_base"\nbase_url = "https://user:{key}@127.0.0.1:9/v1"\n'
+    )
+    _, entries = start_up_lines(tmp_path, "--config", str(config))
+    (summaries,) = [e for e in entries if e["message"].startswith("summaries:")]
+    assert summaries["endpoints"] == {"local/m": "https://[REDACTED]@127.0.0.1:9/v1"}
+    assert not [e for e in entries if key in json.dumps(e)]
+
+
 @pytest.mark.parametrize("version", ["v1", "v1alpha"])
 async def test_server_reflection_answers_on_v1_and_v1alpha(
     tmp_path: Path, loop: OpenAICompatServer, version: str

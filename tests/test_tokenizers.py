@@ -452,7 +452,34 @@ def test_hf_tokenizers_count_a_batch_on_threads_below_the_event_loops_cpu_priori
         [sys.executable, "-c", _POOL_NICENESS], capture_output=True, text=True, check=True
     )
     pool, caller = done.stdout.split("\n")[:2]
-    niceness = min(19, tokenizers.COUNTING_NICENESS)
+    loop = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # the child's, inherited
+    niceness = min(19, loop + tokenizers.COUNTING_NICENESS)
     assert pool.startswith(f"[{niceness}]")  # every thread the batch made
     assert pool.split()[-1] != "0"
-    assert caller == "0"  # the caller untouched
+    assert caller == str(loop)  # the caller untouched
+
+
+_NICED_SERVER = """
+import os, threading
+os.nice(max(0, 15 - os.nice(0)))  # a server started with `nice -n 15`: its loop (this thread)
+from compactd import tokenizers
+seen = []
+def count():
+    tokenizers.yield_cpu()
+    tokenizers.yield_cpu()  # a pool thread asked again: no further down than once
+    seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+helper = threading.Thread(target=count)
+helper.start()
+helper.join()
+print(seen[0], os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_counting_runs_below_the_loop_of_a_server_started_niced() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _NICED_SERVER], capture_output=True, text=True, check=True
+    )
+    counting, loop = map(int, done.stdout.split())
+    assert loop >= 15
+    assert counting == min(19, loop + tokenizers.COUNTING_NICENESS)  # relative: never above it

@@ -196,6 +196,7 @@ async def test_the_summary_call_is_a_genai_client_span_whose_request_carries_tra
         "server.port": int(port),
     }
     assert {key: attrs(chat).get(key) for key in expected} == expected
+    assert str(attrs(chat)[genai.GEN_AI_RESPONSE_ID]).startswith("chatcmpl-loopback-")
     assert "gen_ai.operation.name" not in attrs(one(spans, "compaction.summarize"))
 
     # httpx's client span is the chat span's child, and its context is what the provider got.

@@ -215,7 +215,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parts = validate(settings)  # what serve checks before it listens: named errors now
         ignored = config.unknown_variables()
         if args.command == "check-config":
-            for name in ignored:
+            for name in ignored:  # a warning as serve logs one, and a comment in the TOML
+                print(f"compactd: warning: ignored: {name} is not a compactd setting",
+                      file=sys.stderr)  # fmt: skip
                 print(f"# ignored: {name} is not a compactd setting")
             print(effective_toml(settings, routes=list(parts.routes), summarizer=parts.summarizer,
                                  pruner=parts.pruner), end="")  # fmt: skip
@@ -229,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"compactd: configuration error: {err.message}", file=sys.stderr)
         return EXIT_CONFIG
     except StartupError as err:
-        print(f"compactd: cannot start: {err.message}", file=sys.stderr)
+        print(f"compactd: cannot start: {err.message} ({err.reason})", file=sys.stderr)
         return EXIT_STARTUP
     return 0
 

@@ -93,7 +93,7 @@ def startup_report(running: Any, parts: Any, summarizers: Any) -> list[tuple[str
     metrics = telemetry.export_target("metrics")
     if running.prometheus is not None:
         metrics = f"prometheus {running.prometheus.url}" + (
-            "" if metrics == "off" else f", {metrics}"
+            "" if metrics.startswith("off") else f", {metrics}"
         )
     lines: list[tuple[str, dict[str, Any]]] = [
         (

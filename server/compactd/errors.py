@@ -111,6 +111,16 @@ class Unavailable(CompactdError):
     reason = Reason.UNAVAILABLE
 
 
+class ServerShuttingDown(Unavailable):
+    """The server is stopping: a stream that follows a session ends at once; reconnect (the
+    client's channel picks another replica, or this one once it is back)."""
+
+    reason = Reason.SERVER_SHUTTING_DOWN
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down: reconnect to continue the stream")
+
+
 class ResourceExhausted(CompactdError):
     """A limit was exceeded (batch size, message size, rate)."""
 

@@ -56,6 +56,8 @@ class SummaryCall:
         outputs = usage.output_tokens if usage is not None else 0
         self.span.set_attribute(genai.GEN_AI_RESPONSE_MODEL, result.model)
         self.span.set_attribute(genai.GEN_AI_RESPONSE_FINISH_REASONS, [result.finish_reason])
+        if result.response_id:
+            self.span.set_attribute(genai.GEN_AI_RESPONSE_ID, result.response_id)
         if usage is not None:
             self.span.set_attribute(genai.GEN_AI_USAGE_INPUT_TOKENS, inputs)
             self.span.set_attribute(genai.GEN_AI_USAGE_OUTPUT_TOKENS, outputs)

@@ -17,7 +17,8 @@ The compaction engine redacts a failed summary's error before it reaches the log
 ``compaction/summary-error`` and ``compaction/end`` events, the span or the caller, and removes
 the literal secrets (``Redactor.literals``: the keys themselves, not the patterns, which would
 also cut ordinary text a summary must keep) from a summary before it is stored;
-``RedactingFilter`` does the same as ``Redactor`` for every log record a handler emits.
+``RedactingFilter`` does the same as ``Redactor`` for every log record a handler emits (its
+message, and the strings of its extra fields, inside mappings and lists too).
 """
 
 from __future__ import annotations
@@ -190,14 +191,34 @@ class RedactingFilter(logging.Filter):
         record.msg = self._redact(message)
         record.args = None
         for key, value in list(record.__dict__.items()):
-            if key not in _STANDARD_RECORD and isinstance(value, str):
-                setattr(record, key, self._redact(value))
+            if key not in _STANDARD_RECORD:
+                setattr(record, key, self._redacted(value))
         if record.exc_info:
             record.exc_text = self._redact(logging.Formatter().formatException(record.exc_info))
             record.exc_info = None
         elif record.exc_text:
             record.exc_text = self._redact(record.exc_text)
         return True
+
+    def _redacted(self, value: object, depth: int = 0) -> object:
+        """``value`` with its strings redacted, inside mappings, lists and tuples too (a
+        start-up field maps route names to URLs); copies, never the caller's objects."""
+        if isinstance(value, str):
+            return self._redact(value)
+        if depth >= _MAX_EXTRA_DEPTH:
+            return value
+        if isinstance(value, Mapping):
+            return {
+                self._redacted(k, depth + 1): self._redacted(v, depth + 1) for k, v in value.items()
+            }
+        if isinstance(value, list | tuple):
+            items = [self._redacted(v, depth + 1) for v in value]
+            return items if isinstance(value, list) else tuple(items)
+        return value
+
+
+#: How deep ``RedactingFilter`` looks into an extra's containers (log fields are shallow).
+_MAX_EXTRA_DEPTH: Final = 8
 
 
 def install(

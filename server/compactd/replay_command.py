@@ -1,8 +1,8 @@
 """The ``compactd replay`` command: arguments, the embedded or target server, the outputs.
 
-Replay drives compactd through its Python client (``compactd_client``), which a server-only
-install (the Docker image) lacks: it is imported when the command runs, never by ``compactd
-serve``, and its absence is an error that says how to install it.
+Replay drives compactd through its Python client (``compactd_client``, the ``client`` extra:
+``compactd[client]``), which a server-only install (the Docker image) lacks: it is imported when
+the command runs, never by ``compactd serve``, and its absence is an error naming the extra.
 """
 
 from __future__ import annotations
@@ -78,9 +78,10 @@ def run(args: argparse.Namespace) -> int:
         from compactd import replay_report as report
         from compactd.routes import parse_route
     except ModuleNotFoundError as err:
-        if err.name != "compactd_client":
+        if (err.name or "").partition(".")[0] != "compactd_client":
             raise
-        print("compactd replay: needs the Python client: pip install ./clients/python",
+        print("compactd replay: needs the Python client (compactd-client): pip install "
+              "'compactd[client]' (from a checkout: pip install ./clients/python)",
               file=sys.stderr)  # fmt: skip
         return 2
     try:
@@ -108,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
     for number, result in enumerate(replays, 1):
         for warning in result.warnings:  # a route without a window, a bracket that failed, ...
             print(f"warning ({number}): {warning}", file=sys.stderr)
-    settings = f"{len(replays)} conversations of {args.transcripts}, route {args.route}, {where}"
+    conversations = report.counted(len(replays), "conversation")
+    settings = f"{conversations} of {args.transcripts}, route {args.route}, {where}"
     try:
         args.html.write_text(
             report.render_html(replays, title="compactd replay", settings=settings),

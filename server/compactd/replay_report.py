@@ -215,12 +215,18 @@ def _summary_table(replays: Sequence[SessionReplay]) -> str:
     return f"<table><tr>{header}</tr>{''.join(body)}</table>"
 
 
+def counted(number: int, noun: str) -> str:
+    """``1 prune``, ``2 prunes``: ``number`` and ``noun``, plural but for one."""
+    return f"{number:,} {noun}" if number == 1 else f"{number:,} {noun}s"
+
+
 def _session(number: int, result: SessionReplay) -> str:
     committed = len(result.committed)
     facts = (
-        f"session <code>{html.escape(result.session_id)}</code>: {result.messages} messages, "
-        f"{len(result.steps)} steps, {result.events} events in the log, {len(result.prunes)} "
-        f"prunes, {committed} compactions; {result.tokens_sent:,} input tokens sent; "
+        f"session <code>{html.escape(result.session_id)}</code>: "
+        f"{counted(result.messages, 'message')}, {counted(len(result.steps), 'step')}, "
+        f"{counted(result.events, 'event')} in the log, {counted(len(result.prunes), 'prune')}, "
+        f"{counted(committed, 'compaction')}; {result.tokens_sent:,} input tokens sent; "
         f"{result.seconds:.1f} s"
     )
     return (

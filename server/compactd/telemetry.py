@@ -1,7 +1,9 @@
 """Traces and metrics set up the standard way, once, at the composition root.
 
 Business code depends on ``opentelemetry-api`` only and receives providers; this module builds the
-SDK ones from the standard ``OTEL_*`` variables, through the SDK's own configuration code:
+SDK ones from the standard ``OTEL_*`` variables, as the SDK's own configuration reads them (the
+exporters are the packages' ``opentelemetry_{traces,metrics}_exporter`` entry points; the SDK's
+configuration module is private, so it is not used):
 
 * the exporters are the ones ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER`` name (``otlp``,
   ``console``, ``prometheus``, ``none``), with ``otlp`` meaning gRPC or HTTP/protobuf as
@@ -10,7 +12,8 @@ SDK ones from the standard ``OTEL_*`` variables, through the SDK's own configura
 * each exporter reads its own endpoint, headers, TLS, timeout and compression variables
   (``OTEL_EXPORTER_OTLP_ENDPOINT`` and the per-signal ones);
 * the resource reads ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` (default service name
-  ``compactd``); the sampler ``OTEL_TRACES_SAMPLER``; ``OTEL_SDK_DISABLED=true`` turns it all off.
+  ``compactd``); the sampler ``OTEL_TRACES_SAMPLER``; ``OTEL_SDK_DISABLED=true`` turns every
+  OpenTelemetry export off (the start-up log says so), but not compactd's own ``/metrics``.
 
 Nothing is exported when no variable asks for it. The Prometheus endpoint is compactd's own
 setting (``metrics_listen``), so its address is logged at start and can be port 0 in tests.
@@ -21,14 +24,15 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from importlib.metadata import entry_points
 from typing import Any, Literal
 
 import httpx
 from opentelemetry import trace
 from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
 from opentelemetry.metrics import MeterProvider
-from opentelemetry.sdk import _configuration as sdk_configuration
 from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
 from opentelemetry.sdk.metrics.export import (
     MetricExporter,
@@ -40,6 +44,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from compactd import __version__
+from compactd.errors import ConfigError
 
 INSTRUMENTATION = "compactd"
 Signal = Literal["traces", "metrics"]
@@ -48,6 +53,11 @@ _ENDPOINTS = {
     "metrics": "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
 }
 _EXPORTER_VARIABLES = {"traces": "OTEL_TRACES_EXPORTER", "metrics": "OTEL_METRICS_EXPORTER"}
+_PROTOCOLS = {
+    "traces": "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+    "metrics": "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL",
+}
+_OTLP_BY_PROTOCOL = {"grpc": "otlp_proto_grpc", "http/protobuf": "otlp_proto_http"}
 
 
 def resource() -> Resource:
@@ -60,41 +70,106 @@ def resource() -> Resource:
     return detected.merge(Resource({SERVICE_NAME: INSTRUMENTATION}))
 
 
+def sdk_disabled() -> bool:
+    """Whether ``OTEL_SDK_DISABLED`` is ``true``: no OpenTelemetry exporter runs, and the SDK's
+    providers hand out no-op tracers and meters."""
+    return os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
+
+
 def exporter_names(signal: Signal) -> list[str]:
-    """The SDK exporter entry points the environment selects for ``signal`` (maybe none)."""
-    if os.environ.get(_EXPORTER_VARIABLES[signal]):
-        return list(sdk_configuration._get_exporter_names(signal))
-    if os.environ.get(_ENDPOINTS[signal]) or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-        return [sdk_configuration._get_exporter_entry_point("otlp", signal)]
-    return []
+    """The SDK exporter entry points the environment selects for ``signal`` (maybe none).
+
+    Raises:
+        ConfigError: ``otlp`` with a protocol variable naming neither ``grpc`` nor
+            ``http/protobuf``.
+    """
+    if sdk_disabled():
+        return []
+    names = os.environ.get(_EXPORTER_VARIABLES[signal], "")
+    if not names.strip():
+        endpoint = os.environ.get(_ENDPOINTS[signal]) or os.environ.get(
+            "OTEL_EXPORTER_OTLP_ENDPOINT"
+        )
+        names = "otlp" if endpoint else ""
+    selected = [name.strip() for name in names.split(",") if name.strip()]
+    return [_entry_point(name, signal) for name in selected if name.lower() != "none"]
+
+
+def _entry_point(name: str, signal: Signal) -> str:
+    """``otlp`` as the entry point its protocol variable selects (gRPC unless it says HTTP)."""
+    if name != "otlp":
+        return name
+    for variable in (_PROTOCOLS[signal], "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        protocol = os.environ.get(variable, "").strip()
+        if protocol:
+            if protocol not in _OTLP_BY_PROTOCOL:
+                raise ConfigError(
+                    f"{variable}={protocol!r}: expected one of {', '.join(_OTLP_BY_PROTOCOL)}"
+                )
+            return _OTLP_BY_PROTOCOL[protocol]
+    return _OTLP_BY_PROTOCOL["grpc"]
+
+
+def _exporters(signal: Signal) -> list[type]:
+    """The exporter classes of ``exporter_names(signal)``, from their packages' entry points."""
+    group = f"opentelemetry_{signal}_exporter"
+    found = []
+    for name in exporter_names(signal):
+        points = entry_points(group=group, name=name)
+        if not points:
+            raise ConfigError(
+                f"{_EXPORTER_VARIABLES[signal]}: no installed exporter is named {name!r}"
+            )
+        found.append(next(iter(points)).load())
+    return found
 
 
 def tracer_provider_from_env() -> trace.TracerProvider:
     """An SDK tracer provider exporting to what the ``OTEL_*`` variables select."""
     provider = TracerProvider(resource=resource())
-    exporters, _, _ = sdk_configuration._import_exporters(exporter_names("traces"), [], [])
-    for exporter in exporters.values():
+    for exporter in _exporters("traces"):
         provider.add_span_processor(BatchSpanProcessor(exporter()))
     return provider
 
 
 def meter_provider_from_env(readers: Sequence[MetricReader] = ()) -> MeterProvider:
-    """An SDK meter provider with ``readers`` and what the ``OTEL_*`` variables select."""
-    _, exporters, _ = sdk_configuration._import_exporters([], exporter_names("metrics"), [])
+    """An SDK meter provider with ``readers`` and what the ``OTEL_*`` variables select.
+
+    ``readers`` are compactd's own (the ``metrics_listen`` endpoint): with ``OTEL_SDK_DISABLED``
+    the provider still records for them, and exports nowhere else.
+    """
     selected: list[MetricReader] = list(readers)
-    for exporter in exporters.values():
+    for exporter in _exporters("metrics"):
         if issubclass(exporter, MetricExporter):
             selected.append(PeriodicExportingMetricReader(exporter()))
-        else:  # a pull reader (prometheus on OTEL_EXPORTER_PROMETHEUS_HOST/PORT)
+        elif issubclass(exporter, MetricReader):  # a pull reader (prometheus on its own port)
             selected.append(exporter())
+        else:
+            name = exporter.__name__
+            raise ConfigError(f"OTEL_METRICS_EXPORTER: {name} is not a metric exporter")
+    if readers and sdk_disabled():
+        with _sdk_enabled():
+            return SdkMeterProvider(resource=resource(), metric_readers=selected)
     return SdkMeterProvider(resource=resource(), metric_readers=selected)
 
 
+@contextmanager
+def _sdk_enabled() -> Iterator[None]:
+    """``OTEL_SDK_DISABLED`` unset while an SDK provider is built (it reads the variable once,
+    in its constructor, and offers no argument for it); set again right after."""
+    value = os.environ.pop("OTEL_SDK_DISABLED")
+    try:
+        yield
+    finally:
+        os.environ["OTEL_SDK_DISABLED"] = value
+
+
 def export_target(signal: Signal) -> str:
-    """Where ``signal`` goes, for the start-up log: ``otlp_proto_http http://...`` or ``off``."""
+    """Where ``signal`` goes, for the start-up log: ``otlp_proto_http http://...`` or ``off``
+    (``off (OTEL_SDK_DISABLED)`` when the variable turned exporting off)."""
     names = exporter_names(signal)
     if not names:
-        return "off"
+        return "off (OTEL_SDK_DISABLED)" if sdk_disabled() else "off"
     endpoint = os.environ.get(_ENDPOINTS[signal]) or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     return ", ".join(
         f"{name} {endpoint}" if endpoint and "otlp" in name else name for name in names

@@ -137,16 +137,21 @@ _DEEPSEEK_TOOL_CALL: Final = (
 BATCH_THREADS: Final = max(1, min(8, os.cpu_count() or 1))
 
 
-#: The niceness batch counting runs at: below the event loop's, so that a core taken by a large
-#: batch's counting is handed back at once to a call waking up on the loop.
+#: How far below the event loop's priority batch counting runs (niceness added to the loop's,
+#: up to 19), so that a core taken by a large batch's counting is handed back at once to a call
+#: waking up on the loop; relative, so a server started under ``nice`` still counts below it.
 COUNTING_NICENESS: Final = 10
 
 
 def yield_cpu() -> None:
-    """Lower the calling thread's CPU priority (Linux schedules threads by their own niceness);
-    a no-op where that is not allowed."""
+    """Set the calling thread's niceness ``COUNTING_NICENESS`` above the event loop's (the main
+    thread's: Linux schedules threads by their own niceness), however often it is called; a
+    no-op where that is not allowed."""
     with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COUNTING_NICENESS)
+        loop = os.getpriority(os.PRIO_PROCESS, os.getpid())  # the main thread's, on Linux
+        os.setpriority(
+            os.PRIO_PROCESS, threading.get_native_id(), min(19, loop + COUNTING_NICENESS)
+        )
 
 
 class TokenizerUnavailable(ConfigError):

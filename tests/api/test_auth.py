@@ -17,6 +17,7 @@ from compactd.errors import ConfigError
 from compactd.tenancy import Tenant
 from compactd.v1 import session_service_pb2 as pb
 from compactd.v1.session_service_pb2_grpc import SessionServiceStub
+from tests.api.rpc import details
 from tests.certs import Authority
 
 TOKEN_A, TOKEN_B = "alpha-" + "1" * 30, "bravo-" + "2" * 30
@@ -112,6 +113,27 @@ async def test_a_known_token_is_served_and_anything_else_is_unauthenticated(
                 pb.CreateSessionRequest(), metadata=(("authorization", f"Basic {TOKEN_A}"),)
             )
     assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize("second", [TOKEN_B, TOKEN_A])
+async def test_a_call_with_more_than_one_authorization_header_is_refused(
+    tokened: RunningServer, second: str
+) -> None:
+    """Two headers naming different tenants (or even one twice) never pick one: refused."""
+    _rewrite(tokened, f"a {hash_token(TOKEN_A)}\nb {hash_token(TOKEN_B)}\n")
+    assert await tokened.reload() is True
+    headers = (("authorization", f"Bearer {TOKEN_A}"), ("authorization", f"Bearer {second}"))
+    async with grpc.aio.insecure_channel(tokened.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await SessionServiceStub(channel).CreateSession(
+                pb.CreateSessionRequest(), metadata=headers, timeout=10
+            )
+    refusal = details(caught.value)
+    assert (refusal.code, refusal.reason) == (
+        grpc.StatusCode.UNAUTHENTICATED,
+        "CREDENTIALS_INVALID",
+    )
+    assert refusal.message == REFUSAL
 
 
 def _rewrite(running: RunningServer, text: str) -> None:

@@ -91,10 +91,11 @@ def test_the_typescript_package_installs_into_a_fresh_folder_and_its_readme_exam
     assert example is not None, "clients/typescript/README.md has no js example"
     install = re.search(r"^npm install .*$", readme, re.MULTILINE)
     assert install is not None, "clients/typescript/README.md has no npm install line"
+    _run(["npm", "pack", "--pack-destination", str(tmp_path)], CLIENTS / "typescript")
     app = tmp_path / "app"
     app.mkdir()
     _run(["npm", "init", "-y"], app)
-    command = install.group(0).replace("/path/to/compactd", str(ROOT)).split()
+    command = install.group(0).replace("/path/to", str(tmp_path)).split()
     _run([*command, "--no-audit", "--no-fund", "--prefer-offline"], app)
     sys.path.insert(0, str(CLIENTS))
     from harness import LoopbackStack

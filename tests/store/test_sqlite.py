@@ -202,8 +202,9 @@ async def test_a_file_from_a_newer_schema_is_refused(tmp_path: Path) -> None:
     with contextlib.closing(sqlite3.connect(path)) as raw:
         raw.execute("PRAGMA user_version = 99")
 
-    with pytest.raises(errors.Unavailable):
+    with pytest.raises(errors.StartupError) as raised:  # exit 3 at start, no traceback
         await SqliteEventStore(str(path)).open()
+    assert raised.value.reason == "SCHEMA_TOO_NEW"
 
 
 async def test_stats_survive_close(tmp_path: Path) -> None:

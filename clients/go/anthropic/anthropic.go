@@ -5,7 +5,8 @@
 // The mapping is the Python client's (compactd_client.anthropic), both ways, so import then
 // render gives the original messages: system text; a user message's tool_result blocks become
 // tool/results, the rest one user/message (consecutive user-side messages render back as one
-// user message, tool results first); each assistant message is one step of a turn with thinking
+// user message, tool results first, also after a system message logged between a call and its
+// result); each assistant message is one step of a turn with thinking
 // (signed; redacted_thinking as a reasoning block holding only its data), text and tool_use
 // blocks in order; base64 images inline, url images as the path. A user message or tool result
 // that is one text block renders as a string. Thinking blocks are always sent back. Messages are
@@ -349,11 +350,27 @@ func render(messages []*v1.Message) (Rendered, error) {
 	for _, p := range rendered {
 		var content interface{} = p.content
 		if p.role == "user" {
-			content = asText(p.content)
+			content = asText(toolResultsFirst(p.content))
 		}
 		out.Messages = append(out.Messages, Message{"role": p.role, "content": content})
 	}
 	return out, nil
+}
+
+// toolResultsFirst puts a user message's tool_result blocks before its other blocks, each kind in
+// order: Anthropic requires the results to open the user message that follows a tool_use, and a
+// system message or user text logged between the call and its result would otherwise come first.
+func toolResultsFirst(blocks []interface{}) []interface{} {
+	results := make([]interface{}, 0, len(blocks))
+	var rest []interface{}
+	for _, b := range blocks {
+		if m, ok := b.(map[string]interface{}); ok && m["type"] == "tool_result" {
+			results = append(results, b)
+		} else {
+			rest = append(rest, b)
+		}
+	}
+	return append(results, rest...)
 }
 
 func encodeBlocks(blocks []*v1.ContentBlock) ([]interface{}, error) {

@@ -6,6 +6,8 @@ import (
 	"testing"
 
 	"compactd.dev/client/anthropic"
+	"compactd.dev/client/compactd"
+	"compactd.dev/client/compactdv1"
 	"compactd.dev/client/internal/convert"
 	"compactd.dev/client/internal/transcripts"
 )
@@ -58,5 +60,38 @@ func TestToolResultsAndTextOfOneUserMessageRenderBackTogether(t *testing.T) {
 	}
 	if rendered.System != "Be brief." || !reflect.DeepEqual(transcripts.Normalized(t, rendered.Messages), transcripts.Normalized(t, messages)) {
 		t.Fatalf("got %+v", rendered)
+	}
+}
+
+// Anthropic requires the tool_result blocks first in the user message after a tool_use.
+func TestASystemMessageBetweenACallAndItsResultRendersAfterTheToolResult(t *testing.T) {
+	var messages []map[string]interface{}
+	_ = json.Unmarshal([]byte(`[
+	  {"role": "user", "content": "Read it."},
+	  {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "read", "input": {}}]},
+	  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}]`), &messages)
+	events, err := anthropic.EventsFromMessages(messages, anthropic.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var logged []*compactdv1.SessionEvent
+	for _, e := range events {
+		if compactd.EventType(e) == "tool/result" {
+			logged = append(logged, compactd.SystemMessage("Be careful."))
+		}
+		logged = append(logged, e)
+	}
+	rendered, err := anthropic.MessagesFromEvents(logged)
+	if err != nil {
+		t.Fatal(err)
+	}
+	last := rendered.Messages[len(rendered.Messages)-1]
+	want := []interface{}{
+		map[string]interface{}{"type": "tool_result", "tool_use_id": "t1", "content": "x"},
+		map[string]interface{}{"type": "text", "text": "Be careful."},
+	}
+	if !reflect.DeepEqual(transcripts.Normalized(t, []anthropic.Message{{"role": "user", "content": want}}),
+		transcripts.Normalized(t, []anthropic.Message{last})) {
+		t.Fatalf("got %+v", last)
 	}
 }

@@ -88,6 +88,30 @@ def test_tool_results_and_text_of_one_user_message_render_back_together() -> Non
     assert anthropic.messages_from_events(events) == {"system": "Be brief.", "messages": messages}
 
 
+def test_a_system_message_between_a_call_and_its_result_renders_after_the_tool_result() -> None:
+    """Anthropic requires the tool_result blocks first in the user message after a tool_use."""
+    messages = [
+        {"role": "user", "content": "Read it."},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t1", "name": "read", "input": {}}],
+        },
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x"}]},
+    ]
+    events = anthropic.events_from_messages(messages, close_turn=False)
+    note = events_pb2.SessionEvent(system_message=events_pb2.SystemMessage(text="Be careful."))
+    at = [event_type(e) for e in events].index("tool/result")
+    events.insert(at, note)
+    rendered = anthropic.messages_from_events(events)["messages"]
+    assert rendered[-1] == {
+        "role": "user",
+        "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": "x"},
+            {"type": "text", "text": "Be careful."},
+        ],
+    }
+
+
 def test_a_request_body_needs_max_tokens_and_carries_the_system_text() -> None:
     text = events_pb2.ContentBlock(text=events_pb2.TextBlock(text="hi"))
     request = session_service_pb2.BuildRequestResponse(

@@ -3,9 +3,9 @@
 // The mapping is the Python client's (compactd_client.anthropic), both ways, so import then
 // render gives the original messages: system text; a user message's tool_result blocks become
 // tool/results, the rest one user/message (consecutive user-side messages render back as one user
-// message, tool results first); each assistant message is one step of a turn with thinking
-// (signed; redacted_thinking as a reasoning block holding only its data), text and tool_use
-// blocks in order; base64 images inline, url images as the path. A user message or tool result
+// message, tool results first, also after a system message logged between a call and its result);
+// each assistant message is one step of a turn with thinking (signed; redacted_thinking as a
+// reasoning block holding only its data), text and tool_use blocks in order; base64 images inline, url images as the path. A user message or tool result
 // that is one text block renders as a string. Thinking blocks are always sent back.
 
 import { create, type JsonObject, type JsonValue } from "@bufbuild/protobuf";
@@ -284,12 +284,22 @@ function render(messages: Message[]): Rendered {
     }
   }
   const result: Rendered = {
-    messages: rendered.map((m) => ({ role: m.role, content: m.role === "user" ? asText(m.content) : m.content })),
+    messages: rendered.map((m) => ({
+      role: m.role,
+      content: m.role === "user" ? asText(toolResultsFirst(m.content)) : m.content,
+    })),
   };
   if (system.length > 0) {
     result.system = system.join(JOIN);
   }
   return result;
+}
+
+// A user message's tool_result blocks before its other blocks, each kind in order: Anthropic
+// requires the results to open the user message that follows a tool_use, and a system message or
+// user text logged between the call and its result would otherwise come first.
+function toolResultsFirst(blocks: AnthropicBlock[]): AnthropicBlock[] {
+  return [...blocks.filter((b) => b.type === "tool_result"), ...blocks.filter((b) => b.type !== "tool_result")];
 }
 
 function toolResultBlock(message: Message): AnthropicBlock {

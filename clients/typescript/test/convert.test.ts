@@ -4,7 +4,7 @@
 import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 import { describe, test } from "node:test";
-import { anthropic, eventType, openai, type SessionEvent } from "../src/index.js";
+import { anthropic, eventType, openai, type SessionEvent, systemMessage } from "../src/index.js";
 
 const TESTDATA = new URL("../../../../testdata/transcripts/", import.meta.url);
 
@@ -142,5 +142,26 @@ describe("Anthropic messages", () => {
     const events = anthropic.eventsFromMessages(messages, { system: "Be brief." });
     assert.deepEqual(stepRuleViolations(events), []);
     assert.deepEqual(anthropic.messagesFromEvents(events), { system: "Be brief.", messages });
+  });
+
+  test("a system message between a call and its result renders after the tool_result", () => {
+    // Anthropic requires the tool_result blocks first in the user message after a tool_use.
+    const events = anthropic.eventsFromMessages(
+      [
+        { role: "user", content: "Read it." },
+        { role: "assistant", content: [{ type: "tool_use", id: "t1", name: "read", input: {} }] },
+        { role: "user", content: [{ type: "tool_result", tool_use_id: "t1", content: "x" }] },
+      ],
+      { closeTurn: false },
+    );
+    events.splice(events.map(eventType).indexOf("tool/result"), 0, systemMessage("Be careful."));
+    const rendered = anthropic.messagesFromEvents(events).messages;
+    assert.deepEqual(rendered[rendered.length - 1], {
+      role: "user",
+      content: [
+        { type: "tool_result", tool_use_id: "t1", content: "x" },
+        { type: "text", text: "Be careful." },
+      ],
+    });
   });
 });

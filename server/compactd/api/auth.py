@@ -244,14 +244,17 @@ def _caller(credentials: Credentials, context: Any) -> Tenant | None:
 
 
 def _bearer_token(metadata: Iterable[Any]) -> str | None:
-    """The token of the ``authorization: Bearer <token>`` header; "" for a malformed one."""
-    for key, value in metadata:
-        if key != "authorization":
-            continue
-        text = value.decode("latin-1") if isinstance(value, bytes) else str(value)
-        scheme, _, token = text.strip().partition(" ")
-        return token.strip() if scheme.lower() == "bearer" else ""
-    return None
+    """The token of the ``authorization: Bearer <token>`` header; None without one, "" for a
+    malformed one or for more than one header (a call never names two callers: whichever the
+    server picked, the other tenant's token would ride along unchecked)."""
+    values = [value for key, value in metadata if key == "authorization"]
+    if not values:
+        return None
+    if len(values) > 1:
+        return ""
+    text = values[0].decode("latin-1") if isinstance(values[0], bytes) else str(values[0])
+    scheme, _, token = text.strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
 
 
 def _identities(auth_context: Mapping[str, Iterable[bytes]]) -> list[str]:

@@ -106,8 +106,11 @@ class RunningServer:
         return f"{host}:{self.port}"
 
     async def stop(self, grace: float | None = None) -> None:
-        """Graceful stop: NOT_SERVING, refuse new calls, finish in-flight ones, close the store."""
+        """Graceful stop: NOT_SERVING, end the following streams (``SERVER_SHUTTING_DOWN``:
+        they would last the whole grace), refuse new calls, finish in-flight ones, close the
+        store."""
         await self.health.enter_graceful_shutdown()
+        await self.manager.end_streams()
         for background in (self.reloader, self.retention):
             if background is not None:
                 await background.stop()

@@ -53,6 +53,8 @@ class SummaryResult:
         provider: Provider that wrote the summary.
         model: Model that wrote the summary (as reported by the provider when it says).
         finish_reason: The provider's stop reason for the final call, e.g. ``stop``.
+        response_id: The provider's id of the final call's response (``chatcmpl-...``); empty
+            when it sent none or no model was called.
         span_facts: The facts of the span (``probes.span_facts`` of ``request.messages`` without
             the system head) when the summarizer extracted them anyway: the quality gate then
             reuses them instead of extracting them again. None otherwise.
@@ -64,6 +66,7 @@ class SummaryResult:
     model: str
     finish_reason: str
     span_facts: SpanFacts | None = None
+    response_id: str = ""
 
 
 @runtime_checkable

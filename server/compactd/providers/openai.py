@@ -347,6 +347,7 @@ class OpenAISummarizer:
             provider=self._provider or request.config.provider,
             model=completion.model or request.config.model,
             finish_reason=completion.finish_reason or "stop",
+            response_id=completion.id,
         )
 
 

@@ -328,6 +328,7 @@ class Completion:
         usage: The raw usage object, when reported.
         finish_reason: The last stop reason reported.
         model: The model the provider reported.
+        id: The completion's id (``chatcmpl-...``), when the provider sends one.
         error: An error object sent inside a 200 stream, if any.
     """
 
@@ -338,6 +339,7 @@ class Completion:
     usage: JSONObject | None = None
     finish_reason: str = ""
     model: str = ""
+    id: str = ""
     error: JSONObject | None = None
     _text_parts: list[str] = field(default_factory=list, repr=False)
     _reasoning_parts: list[str] = field(default_factory=list, repr=False)
@@ -365,6 +367,8 @@ class Completion:
     def _add_envelope(self, obj: Mapping[str, Any]) -> None:
         if isinstance(obj.get("model"), str) and obj["model"]:
             self.model = obj["model"]
+        if isinstance(obj.get("id"), str) and obj["id"]:
+            self.id = obj["id"]
         if isinstance(obj.get("usage"), Mapping):
             self.usage = dict(obj["usage"])
         error = obj.get("error")

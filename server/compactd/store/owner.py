@@ -30,10 +30,21 @@ class OwnerLock:
         return self._fd is not None
 
     def acquire(self) -> None:
-        """Take the lock or raise ``StartupError`` (``STORE_LOCKED``) without waiting."""
+        """Take the lock or raise ``StartupError`` without waiting: ``STORE_LOCKED`` (another
+        process holds it) or ``STORE_UNAVAILABLE`` (the lock file cannot be opened: a read-only
+        file system, a folder the server may not write)."""
         if self._fd is not None:
             return
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as error:  # a read-only file system, a folder the server cannot write
+            database = self.path.removesuffix(".lock")
+            raise StartupError(
+                f"cannot open the store sqlite:///{database}: its lock file {self.path}: "
+                f"{error.strerror}",
+                reason=Reason.STORE_UNAVAILABLE,
+                metadata={"lock_file": self.path},
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

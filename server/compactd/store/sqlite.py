@@ -167,9 +167,9 @@ class SqliteEventStore(base.EventStore):
 
         Raises:
             ConfigError: The database's folder does not exist.
-            StartupError: Another process owns the file (``STORE_LOCKED``), or SQLite cannot
-                open it (``STORE_UNAVAILABLE``).
-            Unavailable: The file cannot be used (a newer schema, no WAL).
+            StartupError: Another process owns the file (``STORE_LOCKED``), or it cannot be
+                opened or used (``STORE_UNAVAILABLE``: a read-only file system, no WAL), or it
+                was written by a newer compactd (``SCHEMA_TOO_NEW``).
         """
         async with self._lifecycle:
             if self._writer is not None:
@@ -177,7 +177,7 @@ class SqliteEventStore(base.EventStore):
             await asyncio.to_thread(self._take_ownership)
             try:
                 conn, self._writer_pragmas = await asyncio.to_thread(self._connect_writer)
-            except sqlite3.Error as error:
+            except (sqlite3.Error, errors.Unavailable) as error:  # a read-only file, no WAL
                 self._owner.release()
                 raise errors.StartupError(
                     f"cannot open the store sqlite:///{self._path}: {error}",
@@ -778,8 +778,9 @@ def _migrate(conn: sqlite3.Connection, path: str) -> None:
     default tenant); refuses a file written by a newer version."""
     version = int(conn.execute("PRAGMA user_version").fetchone()[0])
     if version > SCHEMA_VERSION:
-        raise errors.Unavailable(
-            f"{path}: schema version {version} is newer than this server's ({SCHEMA_VERSION})"
+        raise errors.StartupError(
+            f"{path}: schema version {version} is newer than this server's ({SCHEMA_VERSION})",
+            reason=Reason.SCHEMA_TOO_NEW,
         )
     conn.execute("BEGIN IMMEDIATE")
     try:

@@ -18,7 +18,8 @@ the original messages):
 * ``system`` (a string, or text blocks joined with a blank line): ``system/message``;
 * a ``user`` message: its ``tool_result`` blocks become ``tool/result`` events (content a string
   or text and image blocks; ``is_error``), the rest one ``user/message`` (text and image blocks);
-  consecutive user-side messages render back as one user message, tool results first;
+  consecutive user-side messages render back as one user message, tool results first (also
+  when a system message or user text was logged between a call and its result);
 * an ``assistant`` message: ``assistant/message`` inside a step of a turn, blocks in order:
   ``thinking`` (text and signature; ``redacted_thinking`` as a reasoning block with only its
   data as signature), ``text``, ``tool_use`` (id, name, ``input`` as JSON text);
@@ -290,11 +291,20 @@ def _render(messages: Sequence[Message]) -> JSON:
             rendered.append({"role": role, "content": blocks})
     for entry in rendered:
         if entry["role"] == "user":
-            entry["content"] = _as_text(entry["content"])
+            entry["content"] = _as_text(_tool_results_first(entry["content"]))
     body: JSON = {"messages": rendered}
     if system:
         body = {"system": _JOIN.join(system), **body}
     return body
+
+
+def _tool_results_first(blocks: list[JSON]) -> list[JSON]:
+    """A user message's ``tool_result`` blocks before its other blocks, each kind in order.
+
+    Anthropic requires the results to open the user message that follows a ``tool_use``; a
+    system message or user text logged between the call and its result would come first."""
+    results = [b for b in blocks if b.get("type") == "tool_result"]
+    return results + [b for b in blocks if b.get("type") != "tool_result"]
 
 
 def _tool_result_block(message: Message) -> JSON:

@@ -33,6 +33,7 @@ from compactd.errors import (
     InvalidArgument,
     QuotaExceeded,
     SeqConflict,
+    ServerShuttingDown,
 )
 from compactd.reasons import Reason
 from compactd.service.context import SessionContext
@@ -107,6 +108,7 @@ class SessionHandle:
         self.tenant = record.tenant
         self.key: Key = (record.tenant, record.session_id)
         self.deleted = False  # set (under the lock) by ``SessionManager.delete``
+        self.stopping = False  # set by ``SessionManager.end_streams``: the server is stopping
         self._quotas = quotas
         self.limits = limits
         self.record = record
@@ -238,7 +240,7 @@ class SessionHandle:
         expected_last_seq: int | None = None,
         origin: Origin = Origin.SERVER,
     ) -> AppendResult:
-        """``append`` for a caller that already holds ``self.lock`` (a bracket, a prune, an offload)."""
+        """``append`` for a caller that holds ``self.lock`` already (a bracket, a prune)."""
         for attempt in range(1, MAX_APPEND_ATTEMPTS + 1):
             try:
                 return await self._append_once(events, expected_last_seq, origin)
@@ -487,6 +489,7 @@ class SessionHandle:
 
         Raises:
             NotFound: once the session is deleted (a follower's stream ends with it).
+            Unavailable: ``SERVER_SHUTTING_DOWN`` once the server stops (``end_streams``).
         """
         seen = -1
         self.followers += 1
@@ -496,6 +499,8 @@ class SessionHandle:
                     await self._changed.wait_for(partial(self._moved_past, seen))
                     if self.deleted:
                         raise session_not_found(self.session_id)
+                    if self.stopping:
+                        raise ServerShuttingDown()
                     seen = self.revision
                 yield seen
         finally:
@@ -512,8 +517,13 @@ class SessionHandle:
         self.deleted = True
         await self._notify()
 
+    async def end_streams(self) -> None:
+        """Called by the manager when the server stops: end every follower's stream now."""
+        self.stopping = True
+        await self._notify()
+
     def _moved_past(self, seen: int) -> bool:
-        return self.deleted or self.revision != seen
+        return self.deleted or self.stopping or self.revision != seen
 
     async def _notify(self) -> None:
         if not self.followers:  # only ``revisions`` waits, and it counts itself a follower first

@@ -80,6 +80,7 @@ class SessionManager:
         self._contexts: ContextBuilder = metered_context
         self._loading: dict[Key, asyncio.Future[SessionHandle]] = {}
         self._on_restore: list[Callable[[SessionHandle], Awaitable[None] | None]] = []
+        self._stopping = False  # ``end_streams`` was called
         self._listener = ChangeListener(
             store,
             lambda tenant, session_id: self.residency.handles.get((tenant, session_id)),
@@ -285,6 +286,7 @@ class SessionManager:
             record, self.store, fold, self.limits, self.quotas, owner=self.instance_id,
             lease_s=self.lease_s,
         )  # fmt: skip
+        handle.stopping = self._stopping
         handle.context = self._contexts(handle, restored, self.residency.carried(handle.key))
         handle.snapshot_revision = fold.revision if restored is not None else 0
         self.residency.follow(handle)
@@ -328,6 +330,14 @@ class SessionManager:
         """Snapshot the session and drop it from memory if it is idle (False: in use, or not
         resident). The next ``get`` restores it, in the same lifecycle."""
         return await self.residency.evict((_tenant_id(tenant), session_id))
+
+    async def end_streams(self) -> None:
+        """End every stream that follows a session's revisions (``revisions``), now and for
+        sessions restored from here on: the server is stopping, and a follower would otherwise
+        hold its stream for the whole grace period, then lose it without a reason."""
+        self._stopping = True
+        for handle in self.residency.held_handles():
+            await handle.end_streams()
 
     async def close(self) -> None:
         """Finish snapshots under way, then forget every handle (the store is closed by its

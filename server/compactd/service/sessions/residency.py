@@ -99,6 +99,10 @@ class Residency:
         """Snapshot ``handle``'s session as it grows (a commit observer)."""
         handle.add_observer(partial(self._committed, weakref.ref(handle)))
 
+    def held_handles(self) -> list[SessionHandle]:
+        """Every handle in memory or still held by someone."""
+        return list(self._alive.values())
+
     def carried(self, key: Key) -> SessionMemory | None:
         """The memory an eviction of the session kept for its next context (once)."""
         return self._carried.pop(key, None)
