@@ -54,6 +54,7 @@ class DeclineCode(enum.StrEnum):
     NOTHING_SELECTABLE = "NOTHING_SELECTABLE"
     SPAN_TOO_SMALL = "SPAN_TOO_SMALL"
     KNOWN_FAILURE = "KNOWN_FAILURE"  # the caller's failure memory holds this span back
+    FLOOR_ABOVE_TRIGGER = "FLOOR_ABOVE_TRIGGER"  # no compaction can bring pressure below it
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +143,15 @@ def select_range(
             f"smaller than the minimum useful checkpoint ({min_span_tokens} tokens)",
         )
     return chosen
+
+
+def last_unit_start(fold: SessionFold) -> int:
+    """The position where the last indivisible unit begins: what no compaction replaces (the
+    system head's length when the history is one unit)."""
+    nodes = fold.surface.nodes
+    start = head_length(nodes)
+    cut = next((c for c, bound in boundaries_from_end(fold) if bound and c < len(nodes)), 0)
+    return max(cut, start)
 
 
 def head_length(nodes: Sequence[SurfaceNode]) -> int:

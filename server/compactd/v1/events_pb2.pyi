@@ -125,6 +125,39 @@ COMPACTION_TRIGGER_MODEL_SWITCH: CompactionTrigger.ValueType  # 4
 """A model switch to a destination whose threshold the history exceeds."""
 Global___CompactionTrigger: _TypeAlias = CompactionTrigger  # noqa: Y015
 
+class _CompactionRung:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CompactionRungEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CompactionRung.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    COMPACTION_RUNG_UNSPECIFIED: _CompactionRung.ValueType  # 0
+    """Not recorded (brackets logged before rungs were)."""
+    COMPACTION_RUNG_SUMMARY: _CompactionRung.ValueType  # 1
+    """The summary target's own summary (a model's, or the extractive one when it is the target)."""
+    COMPACTION_RUNG_EXTRACTIVE: _CompactionRung.ValueType  # 2
+    """The extractive checkpoint, written after the target's summary failed or was rejected, or
+    without a model call (the span already failed with the target, or nothing a model could
+    write brings pressure below the trigger).
+    """
+
+class CompactionRung(_CompactionRung, metaclass=_CompactionRungEnumTypeWrapper):
+    """The rungs a compaction goes down instead of sending a request over the window: the summary
+    target's summary, then the extractive checkpoint, then masking older tool outputs
+    (`compaction/prune` with `masked`), then overflow recovery's maximal reduction.
+    """
+
+COMPACTION_RUNG_UNSPECIFIED: CompactionRung.ValueType  # 0
+"""Not recorded (brackets logged before rungs were)."""
+COMPACTION_RUNG_SUMMARY: CompactionRung.ValueType  # 1
+"""The summary target's own summary (a model's, or the extractive one when it is the target)."""
+COMPACTION_RUNG_EXTRACTIVE: CompactionRung.ValueType  # 2
+"""The extractive checkpoint, written after the target's summary failed or was rejected, or
+without a model call (the span already failed with the target, or nothing a model could
+write brings pressure below the trigger).
+"""
+Global___CompactionRung: _TypeAlias = CompactionRung  # noqa: Y015
+
 class _SummaryCheck:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -1236,6 +1269,7 @@ class CompactionPrune(_message.Message):
     SHADOWED_TOKENS_FIELD_NUMBER: _builtins.int
     ORIGINAL_CODE_POINTS_FIELD_NUMBER: _builtins.int
     RETAINED_CODE_POINTS_FIELD_NUMBER: _builtins.int
+    MASKED_FIELD_NUMBER: _builtins.int
     compaction_id: _builtins.str
     """The bracket or step the prune belongs to, if any."""
     shadowed_seq: _builtins.int
@@ -1246,6 +1280,11 @@ class CompactionPrune(_message.Message):
     """Text code points before pruning."""
     retained_code_points: _builtins.int
     """Text code points kept (head + tail, without the marker)."""
+    masked: _builtins.bool
+    """True when the result was masked rather than pruned: the ladder's masking rung (the request
+    would otherwise have gone out over the window) cut an older result to a short head and tail
+    whatever its size.
+    """
     def __init__(
         self,
         *,
@@ -1254,10 +1293,11 @@ class CompactionPrune(_message.Message):
         shadowed_tokens: _builtins.int = ...,
         original_code_points: _builtins.int = ...,
         retained_code_points: _builtins.int = ...,
+        masked: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "original_code_points", b"original_code_points", "retained_code_points", b"retained_code_points", "shadowed_seq", b"shadowed_seq", "shadowed_tokens", b"shadowed_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "masked", b"masked", "original_code_points", b"original_code_points", "retained_code_points", b"retained_code_points", "shadowed_seq", b"shadowed_seq", "shadowed_tokens", b"shadowed_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1347,12 +1387,15 @@ class CompactionSummary(_message.Message):
     SUMMARIZER_FIELD_NUMBER: _builtins.int
     GATE_FIELD_NUMBER: _builtins.int
     FALLBACK_FIELD_NUMBER: _builtins.int
+    RUNG_FIELD_NUMBER: _builtins.int
     compaction_id: _builtins.str
     """The bracket id."""
     summary: _builtins.str
     """Raw summary text as returned by the summarizer."""
     summarizer: _builtins.str
     """Name of the summarizer (`openai`, `extractive`, ...)."""
+    rung: Global___CompactionRung.ValueType
+    """Which rung of the ladder wrote the checkpoint."""
     @_builtins.property
     def range(self) -> Global___SurfaceRange:
         """The replaced span."""
@@ -1379,8 +1422,8 @@ class CompactionSummary(_message.Message):
 
     @_builtins.property
     def fallback(self) -> Global___SummaryFallback:
-        """Set when the gate rejected the target's summary and the policy's extractive fallback wrote
-        this one (`summarizer` is then `extractive`).
+        """Set when the target's summary failed or the gate rejected it and the policy's extractive
+        fallback wrote this one (`summarizer` is then `extractive`).
         """
 
     def __init__(
@@ -1396,10 +1439,11 @@ class CompactionSummary(_message.Message):
         summarizer: _builtins.str = ...,
         gate: Global___SummaryGateReport | None = ...,
         fallback: Global___SummaryFallback | None = ...,
+        rung: Global___CompactionRung.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fallback", b"fallback", "gate", b"gate", "range", b"range", "target", b"target", "tokens", b"tokens", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "fallback", b"fallback", "gate", b"gate", "range", b"range", "shadowed_seqs", b"shadowed_seqs", "summarizer", b"summarizer", "summary", b"summary", "target", b"target", "tokens", b"tokens", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "fallback", b"fallback", "gate", b"gate", "range", b"range", "rung", b"rung", "shadowed_seqs", b"shadowed_seqs", "summarizer", b"summarizer", "summary", b"summary", "target", b"target", "tokens", b"tokens", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1516,15 +1560,23 @@ class SummaryFallback(_message.Message):
     REJECTED_SUMMARIZER_FIELD_NUMBER: _builtins.int
     REJECTED_TARGET_FIELD_NUMBER: _builtins.int
     REJECTED_FIELD_NUMBER: _builtins.int
+    FAILURE_REASON_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
     rejected_summarizer: _builtins.str
     """The summarizer whose summary was rejected."""
+    failure_reason: _builtins.str
+    """The failure's reason when the target's summary failed (`TIMEOUT`, `SUMMARY_TRUNCATED`, ...)
+    or was not sent (`KNOWN_FAILURE`: the same span failed with the same target before).
+    """
+    failure: _builtins.str
+    """The failure's text."""
     @_builtins.property
     def rejected_target(self) -> Global___Route:
         """The route that wrote it."""
 
     @_builtins.property
     def rejected(self) -> Global___SummaryGateReport:
-        """Why it was rejected."""
+        """Why it was rejected (the gate's report; absent when the summary failed instead)."""
 
     def __init__(
         self,
@@ -1532,10 +1584,12 @@ class SummaryFallback(_message.Message):
         rejected_summarizer: _builtins.str = ...,
         rejected_target: Global___Route | None = ...,
         rejected: Global___SummaryGateReport | None = ...,
+        failure_reason: _builtins.str = ...,
+        failure: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["rejected", b"rejected", "rejected_target", b"rejected_target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["rejected", b"rejected", "rejected_summarizer", b"rejected_summarizer", "rejected_target", b"rejected_target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failure", b"failure", "failure_reason", b"failure_reason", "rejected", b"rejected", "rejected_summarizer", b"rejected_summarizer", "rejected_target", b"rejected_target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1589,12 +1643,15 @@ class CompactionEnd(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     ERROR_REASON_FIELD_NUMBER: _builtins.int
     GATE_FIELD_NUMBER: _builtins.int
+    RUNG_FIELD_NUMBER: _builtins.int
     compaction_id: _builtins.str
     """The bracket id."""
     error: _builtins.str
     """Error text when the bracket failed or declined; empty on success."""
     error_reason: _builtins.str
     """Canonical reason of the failure, when there is one."""
+    rung: Global___CompactionRung.ValueType
+    """The rung that wrote the committed checkpoint (unset when the bracket failed)."""
     @_builtins.property
     def gate(self) -> Global___SummaryGateReport:
         """`SUMMARY_REJECTED` (and a `SUMMARY_NOT_SMALLER` found by the gate): the failed checks."""
@@ -1606,10 +1663,11 @@ class CompactionEnd(_message.Message):
         error: _builtins.str = ...,
         error_reason: _builtins.str = ...,
         gate: Global___SummaryGateReport | None = ...,
+        rung: Global___CompactionRung.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["gate", b"gate"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "error", b"error", "error_reason", b"error_reason", "gate", b"gate"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "error", b"error", "error_reason", b"error_reason", "gate", b"gate", "rung", b"rung"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
