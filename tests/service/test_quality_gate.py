@@ -584,9 +584,7 @@ async def test_a_rejected_bracket_traces_its_failed_checks_and_missed_probes(
     provider.shutdown()
 
 
-async def test_a_held_back_bracket_is_traced(
-    tmp_path: Path, loop: OpenAICompatServer
-) -> None:
+async def test_a_held_back_bracket_is_traced(tmp_path: Path, loop: OpenAICompatServer) -> None:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
