@@ -216,3 +216,5 @@ def test_held_requests_apply_appended_messages_only_at_the_revision_sent() -> No
     assert request is not None
     assert (request.revision, list(request.messages)) == (4, [message("a"), message("b")])
     assert held.revision("s") == 4
+    assert held.update("s", 4, PrepareStepResult(request_revision=4)) is None  # no request
+    assert held.revision("s") == 4

@@ -90,10 +90,13 @@ class HeldRequests:
             The result's request when it carries one; else the held request extended in place
             with ``appended_messages`` at ``request_revision``. None when the result omits the
             request and the held one is no longer at ``sent`` (dropped, or moved on by a
-            concurrent step): the caller then needs the full request another way.
+            concurrent step), or carries neither: the caller then needs the full request
+            another way.
         """
         with self._lock:
             if not result.request_unchanged:
+                if not result.HasField("request"):  # not a step's answer: hold nothing
+                    return None
                 self._hold(session_id, result.request)
                 return result.request
             held = self._requests.get(session_id)
