@@ -123,6 +123,18 @@ async def test_a_replay_reports_the_brackets_and_prunes_its_log_holds(address: s
         assert result.steps[record.step - 1].first_seq <= seq < steps[record.step - 1].seq
 
 
+async def test_kept_requests_are_each_steps_own(address: str) -> None:
+    """The client's default step extends its held request in place: the replay keeps copies."""
+    [transcript] = [t for t in SHIPPED if SHORT in t.source]
+    [result] = await rp.replay_all(
+        address, [transcript], policy=rp.window_policy(WINDOW), keep_requests=True
+    )
+    assert len(result.requests) == len(result.steps) > 2
+    assert [len(r.messages) for r in result.requests] == [s.request_messages for s in result.steps]
+    revisions = [r.revision for r in result.requests]
+    assert revisions == sorted(set(revisions))
+
+
 async def test_the_report_shows_the_log_figures(address: str) -> None:
     [transcript] = [t for t in SHIPPED if SHORT in t.source]
     result = await _replayed(address, transcript)

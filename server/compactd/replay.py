@@ -262,9 +262,10 @@ async def _prepare(
     """``PrepareStep`` for the next step of ``turn``; records it (and, with ``keep_request``,
     the request it rebuilt) and encodes what it rebuilt."""
     started = time.perf_counter()
-    prepared = await client.prepare_step(result.session_id, turn).result()
+    answer = await client.prepare_step(result.session_id, turn)  # the client holds the request
     seconds = time.perf_counter() - started
-    body = openai.request_body(prepared.request)
+    prepared, request = answer.result, answer.request
+    body = openai.request_body(request)
     encoded = json.dumps(body, ensure_ascii=False)
     before = prepared.before if prepared.HasField("before") else prepared.after
     after = prepared.after
@@ -277,15 +278,17 @@ async def _prepare(
         window=after.context_window,
         pruned=prepared.pruned_count,
         compactions=len(prepared.compactions),
-        request_messages=len(prepared.request.messages),
+        request_messages=len(request.messages),
         request_bytes=len(encoded.encode()),
         seconds=seconds,
         first_seq=log_length,
         broken_pairs=broken_tool_pairs(body["messages"], answered),
     )
     result.steps.append(step)
-    if keep_request:
-        result.requests.append(prepared.request)
+    if keep_request:  # a copy: the session's next step extends the client's held request
+        kept = BuildRequestResponse()
+        kept.CopyFrom(request)
+        result.requests.append(kept)
     result.warnings.update(dict.fromkeys(prepared.warnings))
     return step
 
