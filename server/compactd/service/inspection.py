@@ -347,7 +347,8 @@ class InspectionService:
             floor = 0 if fold.surface.unanswered_calls() else floor_tokens(
                 fold, after.measured_tokens, price, span_pricer(meter, fold, job.route)
             )  # fmt: skip
-            if floor >= after.trigger_tokens and not over:
+            limit = after.context_window - after.output_reservation
+            if floor >= after.trigger_tokens and (not over or floor > limit):
                 return Declined(DeclineCode.FLOOR_ABOVE_TRIGGER, f"the floor ({floor} tokens) "
                                 "alone is at or above the trigger: no compaction runs")  # fmt: skip
             if over:

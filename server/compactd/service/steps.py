@@ -186,7 +186,7 @@ class StepService:
         older tool outputs, then the overflow path's maximal extractive bracket. No model call
         when the floor alone is at or above the trigger; no work repeated (``guard``)."""
         committed = await self._compact_once(relief, first=True)
-        if committed is None or not _over_window(relief.report):
+        if committed is None or not _over_window(relief.report) or self._irreducible(relief):
             return
         await self._mask(relief)
         if _over_window(relief.report) and relief.brackets <= relief.policy.compaction_retries:
@@ -243,11 +243,15 @@ class StepService:
         if relief.report.state != ABOVE:
             return True
         relief.floor = self._floor(relief)
-        if relief.floor >= relief.report.trigger_tokens and not _over_window(relief.report):
+        if self._floor_above_trigger(relief) and (
+            not _over_window(relief.report) or self._irreducible(relief)
+        ):
             relief.why = (
                 f"the floor ({relief.floor} tokens: the system head, the tools, the framing and "
                 "the last unit) alone is at or above the trigger: no compaction brings pressure "
-                "below it, so none runs"
+                "below it"
+                + (" or makes the request fit" if self._irreducible(relief) else "")
+                + ", so none runs"
             )
             return Declined(DeclineCode.FLOOR_ABOVE_TRIGGER, relief.why)
         return self._job(relief, first=True)
@@ -256,6 +260,11 @@ class StepService:
         """Whether no summary can bring pressure below the trigger (then the extractive
         checkpoint, without a model call, is the only rung worth running)."""
         return relief.floor >= relief.report.trigger_tokens
+
+    def _irreducible(self, relief: _Relief) -> bool:
+        """Whether the floor alone does not fit the window: no rung can make the request fit."""
+        report = relief.report
+        return relief.floor > report.context_window - report.output_reservation
 
     def _floor(self, relief: _Relief) -> int:
         """The tokens no reduction removes from the step's request, measured now (0 while a
