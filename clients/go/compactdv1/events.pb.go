@@ -1053,7 +1053,10 @@ func (x *ReasoningBlock) GetSignature() string {
 	return ""
 }
 
-// An image, referenced or inline.
+// An image, referenced or inline. It carries `data` (with `media_type`), an `attachment_id` or
+// a `path`: `AppendEvents` refuses one with none of them (a name alone), INVALID_ARGUMENT naming
+// the block. A summary sends inline data; a reference the summarizer cannot fetch goes as text
+// (its name, attachment and path, as an offload writes it).
 type ImageBlock struct {
 	state         protoimpl.MessageState
 	sizeCache     protoimpl.SizeCache

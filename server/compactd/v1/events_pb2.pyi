@@ -517,7 +517,11 @@ Global___ReasoningBlock: _TypeAlias = ReasoningBlock  # noqa: Y015
 
 @_typing.final
 class ImageBlock(_message.Message):
-    """An image, referenced or inline."""
+    """An image, referenced or inline. It carries `data` (with `media_type`), an `attachment_id` or
+    a `path`: `AppendEvents` refuses one with none of them (a name alone), INVALID_ARGUMENT naming
+    the block. A summary sends inline data; a reference the summarizer cannot fetch goes as text
+    (its name, attachment and path, as an offload writes it).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 

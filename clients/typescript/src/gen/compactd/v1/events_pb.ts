@@ -408,7 +408,10 @@ export const ReasoningBlockSchema: GenMessage<ReasoningBlock> = /*@__PURE__*/
   messageDesc(file_compactd_v1_events, 4);
 
 /**
- * An image, referenced or inline.
+ * An image, referenced or inline. It carries `data` (with `media_type`), an `attachment_id` or
+ * a `path`: `AppendEvents` refuses one with none of them (a name alone), INVALID_ARGUMENT naming
+ * the block. A summary sends inline data; a reference the summarizer cannot fetch goes as text
+ * (its name, attachment and path, as an offload writes it).
  *
  * @generated from message compactd.v1.ImageBlock
  */
