@@ -38,6 +38,7 @@ _CODES: list[tuple[type[errors.CompactdError], grpc.StatusCode]] = [
     (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.DataLoss, grpc.StatusCode.DATA_LOSS),
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (errors.Internal, grpc.StatusCode.INTERNAL),
