@@ -351,6 +351,8 @@ class SessionHandle:
         except asyncio.CancelledError:
             # The caller went away, but the store may still commit the batch: finish the commit
             # (or its rollback) before the lock is released, so the fold never leaves the log.
+            # Its outcome is nobody's now (a shield drops a cancelled caller's claim to it).
+            commit.add_done_callback(_retrieve_outcome)
             await asyncio.wait([commit])
             raise
 
@@ -623,6 +625,15 @@ class SessionHandle:
                     reason="IDEMPOTENCY_MISMATCH",
                 )
         return AppendResult(seqs, self.fold.revision, replayed=True)
+
+
+def _retrieve_outcome(future: asyncio.Future[Any]) -> None:
+    """Mark a shielded task's failure as seen: when every caller awaiting it through
+    ``asyncio.shield`` went away, nothing else retrieves it, and asyncio would log it as
+    "Task exception was never retrieved" with a traceback. The failure itself was handled (a
+    commit rolls back its batch; a restore leaves nothing behind)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _priced_ahead(events: Sequence[events_pb2.SessionEvent], size: int | None = None) -> bool:
@@ -907,6 +918,7 @@ class SessionManager:
             restoring = asyncio.ensure_future(self._restore_once(key))
             self._loading[key] = restoring
             restoring.add_done_callback(lambda _: self._loading.pop(key, None))
+            restoring.add_done_callback(_retrieve_outcome)  # its callers may all have gone
         return await asyncio.shield(restoring)
 
     async def _caught_up(self, key: _Key, handle: SessionHandle) -> SessionHandle | None:
