@@ -21,7 +21,7 @@ from google.protobuf import any_pb2, duration_pb2, message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from compactd import errors
+from compactd import deadlines, errors
 
 log = logging.getLogger(__name__)
 
@@ -176,11 +176,13 @@ Handler = TypeVar("Handler", bound=Callable[..., Any])
 
 
 def handle_errors(handler: Handler) -> Handler:
-    """Wrap a unary or server-streaming servicer method so errors map to statuses."""
+    """Wrap a unary or server-streaming servicer method so errors map to statuses; the call's
+    deadline is bound for the work under it (``compactd.deadlines``)."""
     if _is_async_gen(handler):
 
         @functools.wraps(handler)
         async def stream(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
+            deadlines.bind(context.time_remaining())
             try:
                 async for item in handler(self, request, context):
                     yield item
@@ -195,6 +197,7 @@ def handle_errors(handler: Handler) -> Handler:
 
     @functools.wraps(handler)
     async def unary(self: Any, request: Any, context: Any) -> Any:
+        deadlines.bind(context.time_remaining())
         try:
             return await handler(self, request, context)
         except grpc.aio.AbortError:
