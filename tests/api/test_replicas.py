@@ -120,6 +120,31 @@ async def test_appends_abandoned_under_contention_leave_no_unretrieved_task_exce
     assert [c.get("message") for c in unretrieved] == []
 
 
+async def test_three_replicas_share_one_append_rate_per_tenant(
+    tmp_path: Path, loop: OpenAICompatServer, database: str
+) -> None:
+    # Each replica used to keep its own bucket: behind three, a tenant had three times its rate.
+    quotas = {"appends_per_second": 1, "append_burst": 4}
+    schema = postgres.fresh_schema(database)
+    async with replicas(tmp_path, loop, schema, count=3, quotas=quotas) as three:
+        await three[0].create()
+
+        async def append(h: Harness, i: int) -> str:
+            try:
+                await h.append(user(f"{i}"))
+            except grpc.aio.AioRpcError as error:
+                return details(error).reason
+            return "OK"
+
+        started = asyncio.get_running_loop().time()
+        answers = await asyncio.gather(*(append(h, i) for i, h in enumerate(three * 4)))
+        elapsed = asyncio.get_running_loop().time() - started
+
+    assert set(answers) <= {"OK", "QUOTA_EXCEEDED"}
+    # The burst, and what one a second refills meanwhile (a refused call is held up to 0.25 s).
+    assert 4 <= answers.count("OK") <= 4 + int(elapsed) + 1
+
+
 async def test_a_read_through_one_replica_shows_what_another_just_appended(
     tmp_path: Path, loop: OpenAICompatServer, database: str
 ) -> None:

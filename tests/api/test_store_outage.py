@@ -36,7 +36,9 @@ async def test_calls_answer_store_unavailable_within_their_deadlines_when_the_da
     target = urllib.parse.urlsplit(database)
     async with BlackHoleRelay(target.hostname or "127.0.0.1", target.port or 5432) as relay:
         url = relay.url(postgres.fresh_schema(database))
-        settings = dataclasses.replace(server_config(tmp_path, loop), store=url)
+        # An append rate, shared through the database: its token is taken before the handler.
+        quotas = {"appends_per_second": 100}
+        settings = dataclasses.replace(server_config(tmp_path, loop), store=url, quotas=quotas)
         running = await create_server(settings, tracer_provider=trace.NoOpTracerProvider())
         try:
             async with grpc.aio.insecure_channel(running.address) as channel:

@@ -266,3 +266,25 @@ async def test_an_operation_ends_before_the_calls_deadline(url: str) -> None:
 async def _drain(events: AsyncIterator[object]) -> None:
     async for _ in events:
         pass
+
+
+# ---- the append rate every replica shares (audit item 15) ------------------------------------
+
+
+async def test_replicas_take_append_tokens_from_one_bucket_per_tenant(url: str) -> None:
+    async with PostgresEventStore(url) as a, PostgresEventStore(url) as b:
+        # A burst of 3 at 0.01 a second: no refill to speak of during the test.
+        taken = [await store.take_append_token("t", 0.01, 3) for store in [a, b] * 3]
+        other = await b.take_append_token("u", 0.01, 3)  # another tenant's own bucket
+
+    assert taken[:3] == [0.0, 0.0, 0.0]
+    assert all(wait is not None and 90 < wait <= 100 for wait in taken[3:])  # ~1 token / 0.01
+    assert other == 0.0
+
+
+async def test_concurrent_takes_never_hand_out_more_than_the_bucket_holds(url: str) -> None:
+    async with PostgresEventStore(url, pool_max=8) as a, PostgresEventStore(url) as b:
+        waits = await asyncio.gather(
+            *(store.take_append_token("t", 0.01, 5) for store in [a, b] * 20)
+        )
+    assert sum(wait == 0.0 for wait in waits) == 5

@@ -418,6 +418,21 @@ class PostgresEventStore(base.EventStore):
                 rows = await cursor.fetchall()
         return {str(t): base.StoreUsage(int(n), int(b)) for t, n, b in rows}
 
+    # --- the shared append rate (issue 15) ------------------------------------------------------
+
+    @_bounded("take an append token")
+    async def take_append_token(self, tenant: str, rate: float, burst: float) -> float | None:
+        # One statement under the tenant's row lock: refill by the database's clock since the
+        # last take, take a token if one is there, and say whether it did.
+        with _db_errors("take an append token"):
+            async with self._connection() as conn:
+                params = {"tenant": tenant, "rate": float(rate), "burst": float(burst)}
+                cursor = await conn.execute(_TAKE_TOKEN, params)
+                row = await cursor.fetchone()
+        assert row is not None  # an upsert always answers its row
+        taken, tokens = bool(row[0]), float(row[1])
+        return 0.0 if taken else (1.0 - tokens) / rate
+
     # --- fold snapshots (issue 11) ---------------------------------------------------------------
 
     @_bounded("write a snapshot")
@@ -552,6 +567,23 @@ class PostgresEventStore(base.EventStore):
 
 
 _WHERE_KEY = "tenant = %s AND session_id = %s"
+
+# The bucket's tokens now: what it held plus the refill since its last take, at most a burst.
+# statement_timestamp() is one instant per statement; a take that waited for the row lock may
+# read an ``updated`` later than it, hence GREATEST.
+_REFILLED = (
+    "LEAST(%(burst)s, b.tokens + %(rate)s * GREATEST(0, EXTRACT(EPOCH FROM"
+    " statement_timestamp() - b.updated)::float8))"
+)
+_TAKE_TOKEN = (
+    "INSERT INTO append_buckets AS b (tenant, tokens, updated, taken)"
+    " VALUES (%(tenant)s, %(burst)s - 1, statement_timestamp(), true)"
+    " ON CONFLICT (tenant) DO UPDATE SET"
+    f" tokens = {_REFILLED} - CASE WHEN {_REFILLED} >= 1 THEN 1 ELSE 0 END,"
+    " updated = GREATEST(b.updated, statement_timestamp()),"
+    f" taken = {_REFILLED} >= 1"
+    " RETURNING taken, tokens"
+)
 
 
 async def _apply_lease(
