@@ -293,3 +293,17 @@ async def test_a_version_1_database_migrates_its_sessions_to_the_default_tenant(
     assert tables == {"sessions", "events", "snapshots"}  # snapshots: issue 11
     assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
     conn.close()
+
+
+async def test_a_stored_event_that_no_longer_parses_is_store_corrupt(tmp_path: Path) -> None:
+    path = tmp_path / "e.db"
+    async with SqliteEventStore(str(path)) as store:
+        await store.create_session("s", None)
+        await store.append("s", batch(0, 2))
+    with contextlib.closing(sqlite3.connect(path)) as raw, raw:
+        raw.execute("UPDATE events SET data = x'ffffffff' WHERE seq = 1")
+
+    async with SqliteEventStore(str(path)) as store:
+        with pytest.raises(errors.StoreCorrupt) as caught:
+            _ = [event async for event in store.read("s")]
+        assert caught.value.reason == "STORE_CORRUPT"

@@ -67,6 +67,16 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
                 ON DELETE CASCADE
         )""",
     ),
+    # 4: the append rate every replica shares: one token bucket per tenant (``taken``: whether
+    # the last take found a token, so one statement both takes and answers).
+    (
+        """CREATE TABLE append_buckets (
+            tenant  TEXT COLLATE "C" PRIMARY KEY,
+            tokens  DOUBLE PRECISION NOT NULL,
+            updated TIMESTAMPTZ NOT NULL,
+            taken   BOOLEAN NOT NULL
+        )""",
+    ),
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)

@@ -51,9 +51,9 @@ export const file_compactd_v1_events: GenFile = /*@__PURE__*/
  *
  * Step brackets (checked on runtime appends; violations are INVALID_ARGUMENT with reason
  * `STEP_BRACKET`): an `assistant/message` APPEND is accepted only inside an open step
- * (`step/start` ... `step/end`) of an open turn; `step/start` needs its turn open and no other
- * step open; `step/end` names the open step; `turn/end` needs that turn's step ended. A
- * `tool/result` comes after the step that made its call (inside it or after it).
+ * (`step/start` ... `step/end`); `step/start` needs no other step open (its turn need not have
+ * been opened with `turn/start`); `step/end` names the open step; `turn/end` needs that turn's
+ * step ended. A `tool/result` comes after the step that made its call (inside it or after it).
  *
  * @generated from message compactd.v1.SessionEvent
  */
@@ -408,7 +408,10 @@ export const ReasoningBlockSchema: GenMessage<ReasoningBlock> = /*@__PURE__*/
   messageDesc(file_compactd_v1_events, 4);
 
 /**
- * An image, referenced or inline.
+ * An image, referenced or inline. It carries `data` (with `media_type`), an `attachment_id` or
+ * a `path`: `AppendEvents` refuses one with none of them (a name alone), INVALID_ARGUMENT naming
+ * the block. A summary sends inline data; a reference the summarizer cannot fetch goes as text
+ * (its name, attachment and path, as an offload writes it).
  *
  * @generated from message compactd.v1.ImageBlock
  */
