@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from functools import partial
@@ -195,8 +196,11 @@ class StepService:
     def _job(self, relief: _Relief, *, first: bool) -> Bracket:
         """The relief's next bracket, on what the step measured last: a request over the window
         reaches for everything but the last unit; the overflow path's (not first) and one whose
-        floor alone is above the trigger write the extractive checkpoint, no model call."""
+        floor alone is above the trigger write the extractive checkpoint, no model call; the
+        overflow path's is not judged by the quality gate (only the shrink check holds)."""
         handle, route, policy = relief.handle, relief.route, relief.policy
+        if not first:  # the last rung: any checkpoint that fits beats a request over the window
+            policy = dataclasses.replace(policy, summary_gate=False)
         maximal = _over_window(relief.report)
         retained = 0 if maximal else self._pressure.spec(handle, route).retained_budget
         return Bracket(
