@@ -52,12 +52,12 @@ _EXTENSIONS = (
 )
 # A slashed token: absolute, home- or dot-relative, or two segments or more.
 _SLASHED = re.compile(r"(?<![\w/.~@+:-])(?:~|\.{1,2})?/?[\w.@+-]+(?:/[\w.@+-]+)+/?")
-_BARE = re.compile(rf"(?<![\w/.@+-])[\w-]+(?:\.[\w-]+)*\.(?:{_EXTENSIONS})(?![\w/])", re.I)
+_BARE = re.compile(rf"(?<![\w/.@+-])[\w-]+(?:\.[\w-]+)*\.(?:{_EXTENSIONS})(?![\w/])")
 _URL_HEAD = re.compile(r"[a-z][a-z0-9+.-]*://\S*", re.I)
 # A line that states an error (after an optional marker: ``E   ``, ``** (``, ``✗ ``).
 _STATES_ERROR = re.compile(
     r"^[^\w]*(?:E\s+)?(?:"
-    r"\w*(?:Error|Exception)\b"
+    r"\w+(?:Error|Exception)\b|(?:Error|Exception)\s*:"
     r"|(?i:error|fatal|panic)\b\s*[:!\]\[(]"
     r"|(?i:traceback)\b|FAILED\b|FAIL\b|ERROR\b|npm ERR!"
     r")"
@@ -162,7 +162,7 @@ def call_facts(arguments_json: str) -> tuple[list[str], list[str]]:
             command = " ".join(strings)
             if editor and len(command.split()) == 1:
                 continue
-            commands += _lines(command) if "\n" in command else [command]
+            commands.append(command)  # a script or a heredoc is one command: its first
             paths += paths_in(command)
         elif key in PATH_KEYS:
             paths += [s for s in strings if s.strip()]
