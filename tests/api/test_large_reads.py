@@ -76,3 +76,20 @@ async def test_build_request_of_a_large_surface_lets_the_loop_run_while_it_is_bu
     assert await _turns_while_locked(handle, read) > 0
     assert replies[0] == build_request(handle)
     assert len(replies[0].messages) == NODES
+
+
+async def test_get_surface_with_detail_of_a_large_surface_lets_the_loop_run_while_it_is_built(
+    server: RunningServer, sessions: SessionServiceStub
+) -> None:
+    handle = await _large(server, sessions)
+    replies: list[pb.GetSurfaceResponse] = []
+
+    async def read() -> None:
+        request = pb.GetSurfaceRequest(session_id="large", detail=True)
+        replies.append(await sessions.GetSurface(request))
+
+    assert await _turns_while_locked(handle, read) > 0
+    (reply,) = replies
+    assert [n.seq for n in reply.nodes] == [n.seq for n in handle.fold.surface]
+    assert all(n.detail.route_tokens > 0 for n in reply.nodes)
+    assert (reply.detail.route.provider, reply.detail.route.model) == ("openai", "gpt-4o")

@@ -15,10 +15,12 @@ from compactd.core import events as ev
 from compactd.core.fold import SessionFold
 from compactd.core.projection import project
 from compactd.core.steps import run_to_end
+from compactd.core.surface import SurfaceNode
 from compactd.errors import InvalidArgument
 from compactd.service.requests import (
     REPLY_CHUNK,
     build_request,
+    detail_reply_in_steps,
     request_reply_in_steps,
     surface_reply_in_steps,
     surface_response,
@@ -144,3 +146,39 @@ def test_a_reply_pauses_once_per_chunk_of_surface_nodes() -> None:
     assert len(fold.surface) == nodes
     assert _steps(surface_reply_in_steps(fold)) == math.ceil(nodes / REPLY_CHUNK)
     assert _steps(request_reply_in_steps(fold)) == math.ceil(nodes / REPLY_CHUNK)
+
+
+def _priced(node: SurfaceNode) -> tuple[int, int]:
+    return node.seq * 7 + len(node.data), len(node.data)
+
+
+@given(
+    st.lists(st.integers(0, 8), max_size=3 * REPLY_CHUNK),
+    st.lists(
+        st.tuples(st.integers(0, 10**6), st.integers(-1, 10**6), st.sampled_from(["", "c1"])),
+        max_size=3 * REPLY_CHUNK,
+    ),
+    st.integers(0, 300),
+    st.booleans(),
+)
+def test_a_surface_with_detail_made_in_steps_is_the_bytes_of_the_reply_built_at_once(
+    kinds: list[int], shadows: list[tuple[int, int, str]], generation: int, anchored: bool
+) -> None:
+    fold = _fold(kinds)
+    shadowed = sorted({seq: (by, "user/message", cid) for seq, by, cid in shadows}.items())
+    # As GetSurface's detail was built before: the message whole, then serialized.
+    expected = _old_surface(fold)
+    for wire, node in zip(expected.nodes, fold.surface, strict=True):
+        wire.detail.route_tokens, wire.detail.shadow_tokens = _priced(node)
+    head = pb.SurfaceDetail(replacement_generation=generation, content_generation=generation)
+    head.route.provider, head.route.model = "", ""  # the heuristic's empty route
+    if anchored:
+        head.anchor.seq, head.anchor.usage_tokens, head.anchor.delta_tokens = 3, 5007, 12
+    expected.detail.CopyFrom(head)
+    for seq, (by, kind, compaction_id) in shadowed:
+        expected.detail.shadowed.add(
+            seq=seq, type=kind, shadowed_by_seq=by, compaction_id=compaction_id
+        )
+    made = run_to_end(surface_reply_in_steps(fold, _priced))
+    made += run_to_end(detail_reply_in_steps(head, shadowed))
+    assert made == expected.SerializeToString()

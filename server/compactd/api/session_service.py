@@ -106,7 +106,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         handle = await self._handle(request.session_id)
         if request.detail:
             route = request.route if request.HasField("route") else None
-            return await self._inspection.surface(handle, route)
+            return Serialized(await self._inspection.surface(handle, route))
         # Under the lock: never show a batch that is admitted but not yet durable. In steps: a
         # large surface's reply never holds the loop for long (``service.requests``).
         async with handle.lock:

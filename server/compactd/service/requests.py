@@ -12,7 +12,7 @@ serializes as its part of the repeated field).
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Sequence
 
 from compactd.core import events as ev
 from compactd.core.fold import SessionFold
@@ -21,8 +21,14 @@ from compactd.core.surface import SurfaceNode
 from compactd.service.sessions import SessionHandle
 from compactd.v1 import session_service_pb2 as pb
 
-#: Surface nodes made into a reply between pauses.
+#: Surface nodes (or shadowed nodes of a surface's detail) made into a reply between pauses.
 REPLY_CHUNK = 32
+#: A surface node's detail: its (route tokens, shadow tokens).
+NodeDetail = Callable[[SurfaceNode], tuple[int, int]]
+#: A shadowed node of a surface's detail: (seq, (shadowed by seq, its type, compaction id)).
+Shadowed = tuple[int, tuple[int, str, str]]
+# GetSurfaceResponse.detail's tag: field 100, length-delimited.
+_DETAIL_TAG = bytes([(100 << 3 | 2) & 0x7F | 0x80, (100 << 3 | 2) >> 7])
 
 
 def surface_response(handle: SessionHandle) -> pb.GetSurfaceResponse:
@@ -33,17 +39,52 @@ def surface_response(handle: SessionHandle) -> pb.GetSurfaceResponse:
     return response
 
 
-def surface_reply_in_steps(fold: SessionFold) -> Generator[None, None, bytes]:
-    """``surface_response`` of the session of ``fold``, serialized, made ``REPLY_CHUNK`` nodes
-    at a time with a pause (``yield``) after each. The caller keeps the fold still (the
-    session's lock)."""
+def surface_reply_in_steps(
+    fold: SessionFold, detail: NodeDetail | None = None
+) -> Generator[None, None, bytes]:
+    """``surface_response`` of the session of ``fold`` serialized (each node's ``detail`` set
+    from ``detail`` when given), made ``REPLY_CHUNK`` nodes at a time with a pause (``yield``)
+    after each. The caller keeps the fold still (the session's lock)."""
     parts = [pb.GetSurfaceResponse(revision=fold.revision).SerializeToString()]
     for start in range(0, len(fold.surface), REPLY_CHUNK):
         chunk = pb.GetSurfaceResponse()
         _add_nodes(chunk, fold, range(start, min(start + REPLY_CHUNK, len(fold.surface))))
+        if detail is not None:
+            for wire in chunk.nodes:
+                wire.detail.route_tokens, wire.detail.shadow_tokens = detail(
+                    fold.surface[wire.position]
+                )
         parts.append(chunk.SerializeToString())
         yield
     return b"".join(parts)
+
+
+def detail_reply_in_steps(
+    head: pb.SurfaceDetail, shadowed: Sequence[Shadowed]
+) -> Generator[None, None, bytes]:
+    """A ``GetSurfaceResponse`` holding only its ``detail``, serialized: ``head`` (route,
+    generations, anchor) with ``shadowed`` added in order, ``REPLY_CHUNK`` of them at a time
+    with a pause (``yield``) after each. Appended to ``surface_reply_in_steps``'s bytes, the
+    response with both."""
+    parts = [head.SerializeToString()]
+    for start in range(0, len(shadowed), REPLY_CHUNK):
+        chunk = pb.SurfaceDetail()
+        for seq, (by, kind, compaction_id) in shadowed[start : start + REPLY_CHUNK]:
+            chunk.shadowed.add(seq=seq, type=kind, shadowed_by_seq=by, compaction_id=compaction_id)
+        parts.append(chunk.SerializeToString())
+        yield
+    body = b"".join(parts)
+    return b"".join((_DETAIL_TAG, _varint(len(body)), body))
+
+
+def _varint(value: int) -> bytes:
+    """``value`` (>= 0) as a protobuf varint."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 def _add_nodes(response: pb.GetSurfaceResponse, fold: SessionFold, positions: range) -> None:
