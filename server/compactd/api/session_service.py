@@ -102,7 +102,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
     @handle_errors
     async def GetSurface(  # type: ignore[override]  # grpc sends Serialized as it is (replies)
         self, request: pb.GetSurfaceRequest, context: Context
-    ) -> pb.GetSurfaceResponse | Serialized:
+    ) -> Serialized:
         handle = await self._handle(request.session_id)
         if request.detail:
             route = request.route if request.HasField("route") else None
@@ -115,7 +115,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
     @handle_errors
     async def BuildRequest(  # type: ignore[override]  # grpc sends Serialized as it is
         self, request: pb.BuildRequestRequest, context: Context
-    ) -> pb.BuildRequestResponse | Serialized:
+    ) -> Serialized:
         handle = await self._handle(request.session_id)
         async with handle.lock:
             return Serialized(await in_steps(request_reply_in_steps(handle.fold)))
