@@ -292,3 +292,29 @@ async def test_recovery_and_switches_wait_for_a_live_bracket(
             got = details(caught.value)
             assert (got.code, got.reason) == (grpc.StatusCode.ABORTED, "COMPACTION_BUSY")
         assert (await step).result.compactions
+
+
+async def test_a_switch_replaces_the_single_older_unit_the_retained_tail_reaches_into(
+    tmp_path: Path, loop: OpenAICompatServer, small: dict[str, Any]
+) -> None:
+    # One unit before the last: a long request (~2400 tokens), then the answer (~500 tokens).
+    # The destination's retained budget (1200) reaches back into the request, so a pressure
+    # selection finds nothing older than it; the switch replaces the request all the same.
+    request = "Review the design of the module and list every risk you see. " * 150
+    async with started(tmp_path, loop, routes=[small]) as h:
+        await h.create(
+            *opening(),
+            turn_start(1),
+            user(request),
+            *in_step(1, 1, assistant(text="The module holds three risks. " * 65)),
+            turn_end(1),
+        )
+        before = (await h.surface()).nodes
+
+        result = (await switch(h, route("small"))).result
+
+        assert (result.before.state, result.after.state) == (ABOVE, BELOW)
+        (outcome,) = result.compactions
+        assert outcome.items_condensed == 1
+        assert (outcome.range.start_seq, outcome.range.end_seq) == (before[1].seq, before[1].seq)
+        assert await logged_model(h) == "small"

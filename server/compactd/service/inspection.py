@@ -363,6 +363,11 @@ class InspectionService:
             fold, price, selection=selection, retained_budget=retained,
             min_span_tokens=plan.min_span_tokens,
         )  # fmt: skip
+        if shape.widened(selection, chosen):  # a switch reaches past the retained tail
+            chosen = choose_span(
+                fold, price, selection=SelectionMode.MAXIMAL, retained_budget=0,
+                min_span_tokens=plan.min_span_tokens,
+            )  # fmt: skip
         if isinstance(chosen, Declined) or not shape.guarded or target is None:
             return chosen
         held = guard.hold(handle, chosen, target, job.policy)
