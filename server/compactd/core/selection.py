@@ -76,10 +76,15 @@ class Selection:
 
 @dataclass(frozen=True, slots=True)
 class Declined:
-    """Nothing was selected: the caller writes nothing to the log and reports ``reason``."""
+    """Nothing was selected: the caller writes nothing to the log and reports ``reason``.
+
+    ``cause``: for ``KNOWN_FAILURE``, the reason the span's bracket failed with before
+    (``SUMMARY_NOT_SMALLER``, say): what holds it back, reported as that failure; "" else.
+    """
 
     code: DeclineCode
     reason: str
+    cause: str = ""
 
 
 @dataclass(frozen=True, slots=True)
