@@ -37,7 +37,8 @@ Every request is priced alike, with the route's tokenizer (``o200k_base``, the r
   segments, a command by program and first argument, an error by its first 60 characters) that
   the model-visible request still shows right after that compaction and after two more
   compactions of the same session; a request over the window shows nothing. Every strategy is
-  checked on compactd's spans at compactd's steps;
+  checked on compactd's spans at compactd's steps. "all" pools every fact (a span naming hundreds
+  of paths weighs hundreds of times a small one); "span mean" averages each span's share;
 - **checkpoint/span**: each committed checkpoint's route tokens over its span's, max and mean;
 - **input tokens**: summed over every step of every session.
 
@@ -305,10 +306,20 @@ class Tally:
     kept: dict[tuple[int, fx.FactKind], list[bool]] = field(default_factory=dict)
     managed: bool = False  # compactd: the bracket columns apply
 
+    per_span: dict[int, list[float]] = field(default_factory=dict)  # after -> each span's share
+
     def see(self, after: int, found: Sequence[fx.Fact], text: str) -> None:
         """Record which of ``found`` a request's ``text`` shows, ``after`` 1 or 3 compactions."""
-        for fact, hit in zip(found, fx.kept(found, text), strict=True):
+        hits = fx.kept(found, text)
+        for fact, hit in zip(found, hits, strict=True):
             self.kept.setdefault((after, fact.kind), []).append(hit)
+        if hits:
+            self.per_span.setdefault(after, []).append(sum(hits) / len(hits))
+
+    def span_mean(self, after: int) -> str:
+        """The share of its facts a compacted span keeps, averaged over the spans."""
+        shares = self.per_span.get(after, [])
+        return f"{sum(shares) / len(shares):.0%}" if shares else "-"
 
     def share(self, after: int, kinds: Sequence[fx.FactKind] = tuple(fx.FactKind)) -> str:
         hits = [hit for kind in kinds for hit in self.kept.get((after, kind), [])]
@@ -516,8 +527,9 @@ def tally_strategy(
 
 KINDS = (fx.FactKind.PATH, fx.FactKind.COMMAND, fx.FactKind.ERROR)
 HEADER = ("window", "clock", "strategy", "over W (irreducible)", "untyped ABOVE",
-          "max brackets/step", "re-sent", "rejected", "facts 1x: all", "paths", "commands",
-          "errors", "facts 3x: all", "paths", "commands", "errors", "checkpoint/span max",
+          "max brackets/step", "re-sent", "rejected", "facts 1x: all", "span mean", "paths",
+          "commands", "errors", "facts 3x: all", "span mean", "paths", "commands", "errors",
+          "checkpoint/span max",
           "mean", "input tokens")  # fmt: skip
 
 
@@ -525,8 +537,8 @@ def row(window: int, clock: str, name: str, t: Tally) -> tuple[str, ...]:
     """One strategy's cells."""
     managed = (str(t.untyped_above), str(t.max_brackets), str(t.resent), str(t.rejected))
     over = f"{t.over_window}/{t.steps}" + (f" ({t.irreducible})" if t.managed else "")
-    facts = [t.share(1), *(t.share(1, (k,)) for k in KINDS)]
-    facts += [t.share(3), *(t.share(3, (k,)) for k in KINDS)]
+    facts = [t.share(1), t.span_mean(1), *(t.share(1, (k,)) for k in KINDS)]
+    facts += [t.share(3), t.span_mean(3), *(t.share(3, (k,)) for k in KINDS)]
     shares = (
         (f"{max(t.shares):.1%}", f"{sum(t.shares) / len(t.shares):.1%}") if t.shares else ("-", "-")
     )

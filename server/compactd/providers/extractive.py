@@ -59,6 +59,9 @@ _UNITS_PER_TOKEN = 4
 #: The largest share of its span a framed checkpoint takes (below the 15% the summary-quality
 #: goal allows: the span is priced with the heuristic, which a route may count a little lower).
 SPAN_SHARE = 0.135
+#: The share of the policy's allowance (``1 - minReductionRatio``) a smallest checkpoint may take
+#: of the smallest span selection accepts: at 0.85, 250 tokens of 1,852 (13.5%, as SPAN_SHARE).
+_SPAN_MARGIN = 0.9
 _FRAME_UNITS = utf16_length(prompts.frame_checkpoint(""))
 #: The least a framed checkpoint may take (estimated tokens) when ``SPAN_SHARE`` of its span is
 #: less: the eight sections with the current state and the first probes (about a hundred tokens
@@ -230,10 +233,12 @@ def allowed_tokens(span_tokens: float, share: float = SPAN_SHARE) -> float:
 def minimum_span_tokens(min_reduction_ratio: float | None) -> int:
     """The smallest span whose extractive checkpoint reduces it by ``min_reduction_ratio``: every
     span when the checkpoint may take half of it or more, else the span that
-    ``MIN_CHECKPOINT_TOKENS`` fits (selection declines a smaller one, ``SPAN_TOO_SMALL``)."""
+    ``MIN_CHECKPOINT_TOKENS`` fits with ``_SPAN_MARGIN`` to spare (selection declines a smaller
+    one, ``SPAN_TOO_SMALL``): the route may count the checkpoint higher than its estimate and the
+    span lower than the heuristic prices it."""
     if min_reduction_ratio is None or 1 - min_reduction_ratio >= 0.5:
         return 0
-    return math.ceil(MIN_CHECKPOINT_TOKENS / (1 - min_reduction_ratio))
+    return math.ceil(MIN_CHECKPOINT_TOKENS / ((1 - min_reduction_ratio) * _SPAN_MARGIN))
 
 
 def _tightened(limits: _Limits, content_units: int) -> _Limits:
