@@ -274,16 +274,12 @@ class StepEnd:
 
 
 def step_end(step: rp.StepRecord) -> StepEnd:
-    """How ``step`` ended.
-
-    THE ONE PLACE TO SWITCH to the typed ``PrepareStepResult.outcome`` (``PressureOutcome``) when
-    it lands on main: until then a step is ABOVE without a reason when ``after.state`` is ABOVE
-    and ``warnings`` is empty, and irreducible when a warning says nothing is left to compact.
-    """
-    above = step.state == "above"
-    nothing_left = any("nothing to compact" in w or "nothing more to compact" in w
-                       for w in step.warnings)  # fmt: skip
-    return StepEnd(step.sent_tokens > step.window, nothing_left, above and not step.warnings)
+    """How ``step`` ended, by the typed ``PrepareStepResult.outcome`` (``PressureOutcome``): sent
+    over the window ``W - O`` (the request a provider would refuse), irreducible (the outcome says
+    nothing reducible is left), or ABOVE the trigger without a typed outcome at all."""
+    over = step.sent_tokens > (step.limit or step.window)
+    irreducible = step.outcome == "OVER_WINDOW_IRREDUCIBLE"
+    return StepEnd(over, irreducible, step.state == "above" and not step.outcome)
 
 
 # ---- the tally ---------------------------------------------------------------------------------

@@ -115,6 +115,10 @@ class StepRecord:
     broken_pairs: int = 0
     state: str = ""  # the pressure after PrepareStep: "above" or "below"
     warnings: tuple[str, ...] = ()  # PrepareStep's warnings for this step
+    #: ``PressureOutcome``'s name after PrepareStep (``FITS``, ``ABOVE_TRIGGER``,
+    #: ``OVER_WINDOW_IRREDUCIBLE``, ``OVER_WINDOW``, ``UNPRICED``; "" from a server before it).
+    outcome: str = ""
+    limit: int = 0  # the window less the output reservation: what a request sent must fit
 
 
 @dataclass(frozen=True)
@@ -287,6 +291,8 @@ async def _prepare(
         broken_pairs=broken_tool_pairs(body["messages"], answered),
         state=_state_name(after.state),
         warnings=tuple(prepared.warnings),
+        outcome=_outcome_name(prepared.outcome),
+        limit=after.context_window - after.output_reservation,
     )
     result.steps.append(step)
     if keep_request:  # a copy: the session's next step extends the client's held request
@@ -295,6 +301,13 @@ async def _prepare(
         result.requests.append(kept)
     result.warnings.update(dict.fromkeys(prepared.warnings))
     return step
+
+
+def _outcome_name(outcome: compaction_service_pb2.PressureOutcome.ValueType) -> str:
+    """``PressureOutcome``'s short name (``ABOVE_TRIGGER``), or "" when the server sent none."""
+    if not outcome:
+        return ""
+    return compaction_service_pb2.PressureOutcome.Name(outcome).removeprefix("PRESSURE_OUTCOME_")
 
 
 def broken_tool_pairs(messages: Sequence[Mapping[str, Any]], answered: Container[str]) -> int:
