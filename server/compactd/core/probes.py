@@ -397,6 +397,20 @@ def select_probes(facts: SpanFacts, limits: ProbeLimits = ProbeLimits()) -> tupl
     return tuple(probes)
 
 
+def without_pinned(probes: Sequence[Probe], pins: Iterable[str]) -> tuple[Probe, ...]:
+    """``probes`` without those whose fact a pin in force holds (``pins``: their texts, compared
+    case- and whitespace-blind): the pins are kept outside every checkpoint, so a summary is not
+    asked to repeat them."""
+    pinned = [" ".join(text.split()).casefold() for text in pins]
+    if not pinned:
+        return tuple(probes)
+    return tuple(
+        probe
+        for probe in probes
+        if not any(" ".join(probe.text.split()).casefold() in text for text in pinned)
+    )
+
+
 def _requests_in_order(requests: Sequence[str]) -> Iterator[str]:
     """The requests worth probing (``_is_request``), the first and the latest first, then the
     others newest first; each checked only when ``_distinct`` reads that far."""

@@ -12,6 +12,8 @@ deterministic extractive summarizer writes the same structure a model is asked f
 
 from __future__ import annotations
 
+from compactd.core.pins import PINS_OPEN_TAG
+
 SUMMARY_OPEN_TAG = "<compacted-summary>"
 SUMMARY_CLOSE_TAG = "</compacted-summary>"
 
@@ -60,6 +62,9 @@ _RULES = (
     f"A {SUMMARY_OPEN_TAG} block earlier in the conversation is an older checkpoint. Do not "
     "copy it as it stands: keep what is still true, drop what is outdated, and merge it with the "
     "newer messages into one checkpoint with the same sections.",
+    f"A {PINS_OPEN_TAG} block near the top of the conversation holds the task's pinned state "
+    "(goal, plan, constraints, corrections). The runtime keeps it word for word outside every "
+    "checkpoint: do not repeat it; record what it does not already say.",
 )
 
 

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from compactd.core import probes, prompts
+from compactd.core.pins import head_length
 from compactd.core.pricing import heuristic_price, utf16_length
 from compactd.providers.base import SummaryError, SummaryRequest, SummaryResult
 from compactd.reasons import Reason
@@ -247,10 +248,8 @@ def estimated_tokens(text: str) -> float:
 
 
 def _span(messages: Sequence[Message]) -> Sequence[Message]:
-    """The messages to summarize: the system head stays outside every summary."""
-    if messages and messages[0].role == _ROLE.MESSAGE_ROLE_SYSTEM:
-        return messages[1:]
-    return messages
+    """The messages to summarize: the system head and the pins stay outside every summary."""
+    return messages[head_length(messages) :]
 
 
 def _extract(messages: Sequence[Message], found: probes.SpanFacts, limits: _Limits) -> _Facts:

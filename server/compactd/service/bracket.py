@@ -663,9 +663,9 @@ def summary_request(
     policy: TargetPolicy,
     focus: str | None,
 ) -> tuple[SummaryRequest, list[bytes]]:
-    """System head, then the span's messages exactly as the conversation sends them; and, one
-    per message, bytes that hold its text blocks verbatim (the gate's echo check reads them).
-    """
+    """System head and pins, then the span's messages exactly as the conversation sends them;
+    and, one per message, bytes that hold its text blocks verbatim (the gate's echo check reads
+    them)."""
     fold = handle.fold
     nodes = fold.surface.nodes
     span_nodes: list[SurfaceNode] = list(
@@ -674,6 +674,11 @@ def summary_request(
     if nodes and selection.start_position > 0 and nodes[0].type == ev.SYSTEM_MESSAGE:
         span_nodes.insert(0, nodes[0])
     messages, serialized = projected_span(fold, span_nodes)
+    pinned = fold.pins_message()  # where the conversation has it: the prefix stays the same
+    if pinned is not None:
+        at = 1 if span_nodes and span_nodes[0] is nodes[0] and fold.head_projects() else 0
+        messages.insert(at, pinned)
+        serialized.insert(at, pinned.SerializeToString())
     config = events_pb2.RequestConfig(provider=target.provider, model=target.model)
     header = fold.header
     if header is not None and (header.config.provider, header.config.model) == (
@@ -688,6 +693,7 @@ def summary_request(
         config=config,
         instruction=prompts.compaction_instruction(focus),
         max_tokens=policy.max_tokens,
+        pins=fold.pin_texts(),
     )
     return request, serialized
 

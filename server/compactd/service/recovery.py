@@ -301,7 +301,8 @@ class RecoveryService:
             system_tokens=measured.system,
             tools_tokens=measured.tools,
             config_tokens=measured.config,
-            envelope_tokens=measured.system + measured.tools + measured.config,
+            envelope_tokens=measured.system + measured.tools + measured.config + measured.pins,
+            pins_tokens=measured.pins,
             measured_tokens=measured.total,
             prompt_tokens=_token_figure(error.prompt_tokens),
         )

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from compactd.core import events as ev
 from compactd.core.fold import SessionFold
+from compactd.core.pins import pin_list
 from compactd.core.projection import Message, derive_messages, project
 from compactd.core.surface import SurfaceNode
 from compactd.service.sessions import SessionHandle
@@ -36,7 +37,10 @@ def build_request(handle: SessionHandle) -> pb.BuildRequestResponse:
     """The reconstructed model request: derived messages plus the folded header."""
     fold = handle.fold
     response = pb.BuildRequestResponse(
-        revision=fold.revision, messages=fold.messages(), header_seq=fold.header_seq
+        revision=fold.revision,
+        messages=fold.messages(),
+        header_seq=fold.header_seq,
+        pins=pin_list(fold.pin_texts()),
     )
     if fold.header is not None:
         if fold.header.HasField("config"):

@@ -22,6 +22,7 @@ from opentelemetry import trace
 from compactd import genai
 from compactd.core import bracket, gate, prompts
 from compactd.core.meter import MeteredRoute, route_price
+from compactd.core.pins import head_length
 from compactd.core.policy import TargetPolicy
 from compactd.core.pricing import node_texts, price_node, with_counted
 from compactd.core.probes import (
@@ -31,6 +32,7 @@ from compactd.core.probes import (
     select_probes,
     span_facts,
     span_facts_in_steps,
+    without_pinned,
 )
 from compactd.errors import CompactdError
 from compactd.metrics import Metrics
@@ -168,7 +170,8 @@ class Screener:
             trace_span.set_attribute("compactd.compaction_id", compaction_id)
             found = await _facts_of(summary, span, facts)  # the gate's own work, in its span
             judging = _Judging(
-                compaction_id, span, span_bytes, select_probes(found), settings, span_tokens,
+                compaction_id, span, span_bytes,
+                without_pinned(select_probes(found), request.pins.values()), settings, span_tokens,
                 shrink_route,
             )  # fmt: skip
             verdict = await _verdict(judging, summary.text)
@@ -276,9 +279,7 @@ def drop_facts(facts: asyncio.Future[SpanFacts] | None) -> None:
 def _without_head(
     messages: Sequence[session_service_pb2.Message],
 ) -> Sequence[session_service_pb2.Message]:
-    if messages and messages[0].role == session_service_pb2.MESSAGE_ROLE_SYSTEM:
-        return messages[1:]
-    return messages
+    return messages[head_length(messages) :]  # the system head and the pins
 
 
 def _rejection(verdict: gate.Verdict, report: events_pb2.SummaryGateReport) -> SummaryRejected:
