@@ -17,13 +17,14 @@ import pytest
 from opentelemetry import trace
 
 from compactd.api.server import create_server
+from compactd.core import prompts
 from compactd.core.fold import SessionFold
 from compactd.testing.openai_server import OpenAICompatServer
 from compactd.testing.tenants import MetadataTenants, as_tenant
 from compactd.v1 import session_service_pb2 as spb
 from compactd.v1.session_service_pb2_grpc import SessionServiceStub
 from tests.api.rpc import details
-from tests.builders import pin
+from tests.builders import pin, subagent_end, subagent_start
 from tests.compaction_fixtures import (
     RELAXED,
     Harness,
@@ -198,3 +199,36 @@ async def test_a_session_of_another_tenant_is_never_a_parent(
             assert [s.session_id for s in ours.sessions] == ["c"]
     finally:
         await server.stop(0)
+
+
+async def test_open_subagent_handles_survive_ten_compactions_of_the_parent(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    async with started(tmp_path, loop, policy=RELAXED) as h:
+        await h.create(*opening(), *units(3))
+        await _create(h, "s1.a", "s1")
+        await _create(h, "s1.b", "s1")
+        await h.append(
+            subagent_start("s1.a", "call-0", "audit src/mod0.py"),
+            subagent_start("s1.b", "call-1", "write the changelog"),
+            pin("goal", "every module green"),
+        )
+        a = "- sub-agent `s1.a` still running (spawned by tool call `call-0`): audit src/mod0.py"
+        b = "- sub-agent `s1.b` still running (spawned by tool call `call-1`): write the changelog"
+        for round in range(10):
+            await h.append(*units(3, start=10 + 3 * round))
+            if round == 4:
+                await h.append(subagent_end("s1.b", "changelog written"))
+            run = await h.compact()
+            assert run.result.outcome.checkpoint_seq, round
+            built = await h.build()
+            [checkpoint] = [
+                m.content[0].text.text
+                for m in built.messages
+                if m.content and prompts.SUMMARY_OPEN_TAG in m.content[0].text.text
+            ]
+            handles = checkpoint.split("## Open Handles\n", 1)[1]
+            assert a in handles, round
+            assert (b in handles) == (round < 4), round
+            assert "`goal`" in handles
+            assert checkpoint.count("## Open Handles") == 1

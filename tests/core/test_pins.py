@@ -111,7 +111,7 @@ def test_a_pin_change_is_a_rewrite_of_the_request() -> None:
 
 def test_subagents_open_and_end_once() -> None:
     fold = folded(subagent_start("child-1", "call-1", "find the bug"))
-    assert fold.open_subagents == {"child-1": 0}
+    assert fold.open_subagents == {"child-1": (0, "call-1", "find the bug")}
     with pytest.raises(InvalidArgument, match="already open"):
         fold.admit([subagent_start("child-1")], origin=Origin.CLIENT)
     fold.admit([subagent_end("child-1", "found it")], origin=Origin.CLIENT)
@@ -134,7 +134,7 @@ def test_a_snapshot_keeps_the_pins_and_open_subagents() -> None:
     rebuilt = _snapshot_round_trip(fold, batch.events)
     assert rebuilt.pins == fold.pins
     assert rebuilt.pins_seq == fold.pins_seq
-    assert rebuilt.open_subagents == {"c1": 3}
+    assert rebuilt.open_subagents == {"c1": (3, "", "")}
     assert rebuilt.messages() == fold.messages()
     assert rebuilt.surface_bytes == fold.surface_bytes
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import Any, Final, NoReturn
+from typing import Any, Final, NamedTuple, NoReturn
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -46,6 +46,15 @@ RECENT_EVENT_IDS: Final = 1024
 #: a reuse is a retried start: a recent one. The set's memory follows this bound, not the
 #: number of brackets the log ever held.
 RECENT_COMPACTION_IDS: Final = 64
+
+
+class OpenSubagent(NamedTuple):
+    """A sub-agent started and not ended: its ``subagent/start``'s seq, spawning tool call and
+    one-line task."""
+
+    seq: int
+    tool_call_id: str
+    task: str
 
 
 @dataclass(slots=True)
@@ -97,8 +106,8 @@ class SessionFold:
         # and the seq of the latest ``state/pin`` folded (-1: none), which the meter keys on.
         self.pins: dict[str, tuple[int, str]] = {}
         self.pins_seq = -1
-        # Sub-agents started and not ended: child session id -> seq of its ``subagent/start``.
-        self.open_subagents: dict[str, int] = {}
+        # Sub-agents started and not ended: child session id -> its ``subagent/start``.
+        self.open_subagents: dict[str, OpenSubagent] = {}
         # Event id -> seq of the latest identified events, oldest first: at most
         # ``RECENT_EVENT_IDS`` before a batch, and the batch's own (``_forget_older_ids``). The
         # log holds them all; the service asks the store about older ones.
@@ -520,12 +529,13 @@ class SessionFold:
         child = getattr(event, kind).child_session_id
         previous = self.open_subagents.get(child)
         if kind == "subagent_start":
-            self.open_subagents[child] = seq
+            start = event.subagent_start
+            self.open_subagents[child] = OpenSubagent(seq, start.tool_call_id, start.task)
         else:
             self.open_subagents.pop(child, None)
         batch._undo.append((SessionFold._restore_subagent, self, child, previous))
 
-    def _restore_subagent(self, child: str, previous: int | None) -> None:
+    def _restore_subagent(self, child: str, previous: OpenSubagent | None) -> None:
         if previous is None:
             self.open_subagents.pop(child, None)
         else:
@@ -565,7 +575,7 @@ class SessionFold:
             if child in self.open_subagents:
                 _invalid(
                     "subagent_start.child_session_id",
-                    f"sub-agent {child!r} is already open (seq {self.open_subagents[child]})",
+                    f"sub-agent {child!r} is already open (seq {self.open_subagents[child].seq})",
                 )
         elif kind == "subagent_end":
             child = event.subagent_end.child_session_id

@@ -23,7 +23,12 @@ from typing import Any, Final
 
 from compactd.core import header as hdr
 from compactd.core.events import SessionEvent
-from compactd.core.fold import RECENT_COMPACTION_IDS, RECENT_EVENT_IDS, SessionFold
+from compactd.core.fold import (
+    RECENT_COMPACTION_IDS,
+    RECENT_EVENT_IDS,
+    OpenSubagent,
+    SessionFold,
+)
 from compactd.core.lock import LockState
 from compactd.core.pricing import NodeCost, node_cost
 from compactd.core.steps import run_to_end
@@ -78,12 +83,12 @@ class FoldSnapshot:
     rewritten_at: int = -1
     pins: dict[str, int] = field(default_factory=dict)  # key -> seq of the pin in force
     pins_seq: int = -1
-    open_subagents: dict[str, int] = field(default_factory=dict)
+    open_subagents: dict[str, int] = field(default_factory=dict)  # child -> its start's seq
 
     def needed_seqs(self) -> list[int]:
         """The seqs of the stored events ``rebuild`` needs: the nodes, the header, the
-        anchor's header and the pins in force."""
-        seqs = set(self.surface) | set(self.pins.values())
+        anchor's header, the pins in force and the open sub-agents' starts."""
+        seqs = set(self.surface) | set(self.pins.values()) | set(self.open_subagents.values())
         if self.header_seq >= 0:
             seqs.add(self.header_seq)
         if self.anchor is not None and self.anchor[1] >= 0:
@@ -154,7 +159,7 @@ def capture_in_steps(
         rewritten_at=fold.rewritten_at,
         pins={key: seq for key, (seq, _) in fold.pins.items()},
         pins_seq=fold.pins_seq,
-        open_subagents=dict(fold.open_subagents),
+        open_subagents={child: open.seq for child, open in fold.open_subagents.items()},
     )
 
 
@@ -327,6 +332,11 @@ def rebuild(snapshot: FoldSnapshot, events: Mapping[int, SessionEvent]) -> Sessi
             raise SnapshotInvalid(f"seq {seq} is not a state/pin of key {key!r}")
         fold.pins[key] = (seq, stored.state_pin.text)
     fold.pins_seq = snapshot.pins_seq
-    fold.open_subagents = dict(snapshot.open_subagents)
+    for child, seq in sorted(snapshot.open_subagents.items()):
+        start = events[seq]
+        if start.subagent_start.child_session_id != child:
+            raise SnapshotInvalid(f"seq {seq} is not the subagent/start of {child!r}")
+        body = start.subagent_start
+        fold.open_subagents[child] = OpenSubagent(seq, body.tool_call_id, body.task)
     fold.restore_sizes()
     return fold

@@ -336,7 +336,8 @@ def _checkpoint_summary(text: str) -> str | None:
     """
     framed = len(text) >= len(_CHECKPOINT_HEAD) + len(_CHECKPOINT_TAIL)
     if framed and text.startswith(_CHECKPOINT_HEAD) and text.endswith(_CHECKPOINT_TAIL):
-        return text[len(_CHECKPOINT_HEAD) : len(text) - len(_CHECKPOINT_TAIL)]
+        inner = text[len(_CHECKPOINT_HEAD) : len(text) - len(_CHECKPOINT_TAIL)]
+        return prompts.without_open_handles(inner)
     return None
 
 

@@ -35,6 +35,7 @@ from compactd import genai, logs
 from compactd.core import bracket, prompts
 from compactd.core import events as ev
 from compactd.core.fold import SessionFold
+from compactd.core.handles import open_handles
 from compactd.core.meter import SessionMeter, route_price
 from compactd.core.planner import choose_span, node_pricer, span_pricer
 from compactd.core.policy import TargetPolicy
@@ -496,7 +497,9 @@ class Brackets:
         stale = drift(handle.fold, selection, opened.snapshot, revalidation_for(job.trigger))
         if stale is not None:
             raise BracketFailed(f"stale summary rejected: {stale}", reason=Reason.SPAN_DRIFT)
-        framed = prompts.frame_checkpoint(screened.summary.text)
+        span = handle.fold.surface.nodes[selection.start_position : selection.end_position + 1]
+        handles = prompts.open_handles_section(open_handles(handle.fold, span))
+        framed = prompts.frame_checkpoint(screened.summary.text, handles)
         checkpoint = bracket.checkpoint_message(compaction_id, framed)
         tokens = _measurement(job, selection, written.envelope_before, checkpoint, screened)
         summary_seq = handle.fold.revision
