@@ -31,6 +31,13 @@ strategy is probed with the same facts at the same steps; a request larger than 
 as showing nothing, since the provider refuses it. The checkpoint's share of its span is
 the committed checkpoints' route tokens over their spans' route tokens.
 
+Task state is planted in every compactd replay (``plant_task_state``): after the first user
+message, two pins (``goal``: that message's first 200 characters; ``constraint/1``: a planted
+sentence) and a sub-agent started and never ended. At the same probe steps, compactd's rebuilt
+request (whatever its size: the steps over the window are in the cost table) must still hold
+each pin's text verbatim and name the open sub-agent (the checkpoint's "Open Handles" section):
+the goal is 100% of both, after one compaction and after three.
+
 Token counts are exact and deterministic, not timed, so the machine's load does not move them.
 
     python bench/strategies.py [--window 8000] [--keep-messages 20] [--keep-outputs 10]
@@ -49,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from compactd_client import AsyncCompactdClient, openai
+from compactd_client.events import pin, subagent_start
 
 from compactd import replay as rp
 from compactd.core import probes
@@ -238,6 +246,38 @@ def chat(talk: Conversation, shown: Shown) -> list[dict[str, Any]]:
     return [talk.transcript.messages[i] for i, _ in shown]
 
 
+# ---- planted task state -----------------------------------------------------------------------
+
+GOAL_CHARS = 200
+CONSTRAINT = "Planted constraint: never edit files outside the repository; report in English."
+
+
+def planted_pins(transcript: rp.Transcript) -> dict[str, str]:
+    """The pins planted in ``transcript``'s replay: its goal and a constraint."""
+    users = [m for m in transcript.messages if m.get("role") == "user"]
+    first = openai.messages_from_events(openai.events_from_messages(users[:1]))
+    goal = " ".join(str(first[0].get("content") or "").split())[:GOAL_CHARS] if first else ""
+    return {"goal": goal or f"Finish the task of {transcript.source}", "constraint/1": CONSTRAINT}
+
+
+def planted_child(transcript: rp.Transcript) -> str:
+    """The id of the sub-agent planted (started, never ended) in ``transcript``'s replay."""
+    return f"bench-sub-{abs(hash(transcript.source)) % 10**8:08d}"
+
+
+def plant_task_state(transcript: rp.Transcript, events: list[Any]) -> list[Any]:
+    """``events`` with the planted pins and open sub-agent after the first user message."""
+    at = next((i + 1 for i, e in enumerate(events) if e.HasField("user_message")), 0)
+    planted = [pin(key, text) for key, text in planted_pins(transcript).items()]
+    planted.append(subagent_start(planted_child(transcript), task="re-run the failing check"))
+    return [*events[:at], *planted, *events[at:]]
+
+
+def handle_line(child: str) -> str:
+    """How a checkpoint names an open sub-agent (``prompts.open_handles_section``)."""
+    return f"sub-agent `{child}` still running"
+
+
 # ---- the tally ---------------------------------------------------------------------------------
 
 
@@ -256,6 +296,8 @@ class Tally:
     worst_share: float = 0.0
     checkpoints: int = 0
     over_share: int = 0  # checkpoints above 15% of their span
+    pins: dict[int, list[bool]] = field(default_factory=dict)  # 1|3 -> planted pins kept
+    handles: dict[int, list[bool]] = field(default_factory=dict)  # 1|3 -> open sub-agent named
 
     def probe(self, after: int, retained: probes.Retention) -> None:
         """Record which probes one request kept, ``after`` 1 or 3 compactions."""
@@ -309,7 +351,8 @@ def probe_plan(log: Sequence[Any], steps: Sequence[rp.StepRecord]) -> list[Probe
 async def compactd_runs(
     transcripts: Sequence[rp.Transcript], window: int, summarizer: dict[str, Any] | None
 ) -> list[tuple[rp.SessionReplay, list[Any]]]:
-    """Replay every transcript through an embedded server; each replay with its log."""
+    """Replay every transcript (task state planted: ``plant_task_state``) through an embedded
+    server; each replay with its log."""
     async with rp.temporary_store() as folder:
         config = rp.embedded_config(None, folder, window=window, environ={})
         if summarizer is not None:
@@ -323,7 +366,9 @@ async def compactd_runs(
                 route = summarizer["route"]
                 policy |= {"summarizationProvider": route["provider"],
                            "summarizationModel": route["model"]}  # fmt: skip
-            results = await rp.replay_all(address, transcripts, policy=policy, keep_requests=True)
+            results = await rp.replay_all(
+                address, transcripts, policy=policy, keep_requests=True, plant=plant_task_state
+            )
             logs = []
             async with AsyncCompactdClient(address) as client:
                 for result in results:
@@ -358,6 +403,7 @@ def tally_compactd(
     tally = Tally()
     for (result, log), talk in zip(runs, talks, strict=True):
         texts: dict[int, str] = {}
+        rebuilt: dict[int, str] = {}  # every request's text, over the window or not
         for index, (step, request) in enumerate(zip(result.steps, result.requests, strict=True)):
             messages = [Message.FromString(m.SerializeToString()) for m in request.messages]
             tokens = talk.envelope + sum(price_message(m, profile).total for m in messages)
@@ -366,7 +412,8 @@ def tally_compactd(
             tally.over_window += tokens > step.window
             tally.broken += step.broken_pairs
             # A request over the window is refused by the provider: the model sees nothing.
-            texts[index] = visible_text(messages) if tokens <= step.window else ""
+            rebuilt[index] = visible_text(messages)
+            texts[index] = rebuilt[index] if tokens <= step.window else ""
         tally.summary_calls += sum(
             e.HasField("compaction_summary") or e.HasField("compaction_summary_error") for e in log
         )
@@ -378,8 +425,45 @@ def tally_compactd(
                 tally.worst_share = max(tally.worst_share, share)
                 tally.checkpoints += 1
                 tally.over_share += share > 0.15
-        _probe(tally, probe_plan(log, result.steps), texts.__getitem__)
+        plan = probe_plan(log, result.steps)
+        _probe(tally, plan, texts.__getitem__)
+        _probe_task_state(tally, plan, rebuilt.__getitem__, talk.transcript)
     return tally
+
+
+def _probe_task_state(
+    tally: Tally,
+    plan: Sequence[Probed],
+    text: Callable[[int], str],
+    transcript: rp.Transcript,
+) -> None:
+    """Record whether the planted pins and the open sub-agent are in the rebuilt request at each
+    probe step (1 and 3 compactions after one), whatever its size: a step over the window is
+    counted in the cost table."""
+    pins = planted_pins(transcript).values()
+    child = handle_line(planted_child(transcript))
+    for probed in plan:
+        for after, step in ((1, probed.after_one), (3, probed.after_three)):
+            if step is None:
+                continue
+            seen = text(step)
+            tally.pins.setdefault(after, []).extend(value in seen for value in pins)
+            tally.handles.setdefault(after, []).append(child in seen)
+
+
+def task_state_rows(tallies: dict[str, Tally]) -> list[tuple[str, ...]]:
+    """Per compactd run: planted pins and open sub-agent handles kept, after 1 and 3."""
+    rows = []
+    for name, t in tallies.items():
+        if not t.pins:
+            continue
+        cells = [name]
+        for kept in (t.pins, t.handles):
+            for after in (1, 3):
+                hits = kept.get(after, [])
+                cells.append(f"{_pct(sum(hits) / len(hits) if hits else None)} ({len(hits)})")
+        rows.append(tuple(cells))
+    return rows
 
 
 def tally_strategy(
@@ -494,6 +578,9 @@ async def run(args: argparse.Namespace) -> None:
           "request over the window shows nothing)",
           ("strategy", *(f"{k} 1x" for k in kinds), *(f"{k} 3x" for k in kinds)),
           quality_rows(tallies))  # fmt: skip
+    table("Planted task state compactd's request still holds (goal 100%; probes in brackets)",
+          ("strategy", "pins 1x", "pins 3x", "open sub-agents 1x", "open sub-agents 3x"),
+          task_state_rows(tallies))  # fmt: skip
     extractive = tallies["compactd (extractive)"]
     counts = [extractive.probes(after, ("request", *PCE)) for after in (1, 3)]
     print(
