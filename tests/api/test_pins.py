@@ -9,8 +9,10 @@ shadowed a pin.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
+import sqlite3
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,14 +20,25 @@ from typing import Any
 import grpc
 import pytest
 from compactd_client import openai
+from opentelemetry import trace
 
+from compactd.api.server import create_server
 from compactd.core.pins import pins_message, render_pins
 from compactd.replay import Transcript, read_transcripts
 from compactd.testing.openai_server import OpenAICompatServer
 from compactd.v1 import events_pb2
 from tests.api.rpc import details
-from tests.builders import pin, user
-from tests.compaction_fixtures import MODEL, PROVIDER, Harness, loopback, opening, started, units
+from tests.builders import pin, subagent_start, user
+from tests.compaction_fixtures import (
+    MODEL,
+    PROVIDER,
+    Harness,
+    loopback,
+    opening,
+    server_config,
+    started,
+    units,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 TRANSCRIPTS = [
@@ -200,3 +213,43 @@ async def test_the_summary_request_carries_the_pins_and_is_told_they_are_kept(
         assert "<pinned-state>" in messages[-1]["content"]  # the instruction's rule
         built = await h.build()
         assert built.messages[1].pinned_state
+
+
+async def test_pins_and_open_subagents_survive_a_restart_from_a_snapshot(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    settings = dataclasses.replace(
+        server_config(tmp_path, loop, policy=POLICY), snapshot_interval_events=5
+    )
+
+    async def serve() -> Any:
+        return await create_server(settings, tracer_provider=trace.NoOpTracerProvider())
+
+    first = await serve()
+    try:
+        async with grpc.aio.insecure_channel(first.address) as channel:
+            h = Harness(channel, loop, first)
+            await h.create(*opening(), *units(4), pin("goal", "ship it"))
+            await h.append(subagent_start("s1.sub", "call-1", "audit"), *units(2, start=4))
+            await h.compact()
+            before = await h.build()
+    finally:
+        await first.stop(0)
+    with sqlite3.connect(tmp_path / "compactd.db") as db:
+        assert db.execute("SELECT count(*) FROM snapshots").fetchone()[0] == 1
+    again = await serve()
+    try:
+        async with grpc.aio.insecure_channel(again.address) as channel:
+            h = Harness(channel, loop, again)
+            restored = await h.build()
+            assert list(restored.messages) == list(before.messages)
+            assert list(restored.pins) == list(before.pins)
+            await h.append(*units(3, start=10))
+            run = await h.compact()
+            assert run.result.outcome.checkpoint_seq
+            checkpoint = (await h.build()).messages[2].content[0].text.text
+            assert "sub-agent `s1.sub` still running" in checkpoint
+            with pytest.raises(grpc.aio.AioRpcError):  # the restored fold knows it is open
+                await h.append(subagent_start("s1.sub"))
+    finally:
+        await again.stop(0)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from compactd.core import snapshot
 from compactd.core.fold import SessionFold
-from compactd.core.pins import PINS_OPEN_TAG, render_pins
+from compactd.core.pins import PINS_OPEN_TAG, pins_message, render_pins
 from compactd.core.validation import Origin, check_batch
 from compactd.errors import InvalidArgument
 from compactd.v1 import session_service_pb2
@@ -150,3 +152,39 @@ def test_a_version_2_snapshot_still_restores_with_no_pins() -> None:
     rebuilt = snapshot.rebuild(decoded, {e.seq: e for e in batch.events})
     assert rebuilt.pins == {}
     assert rebuilt.messages() == fold.messages()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_the_pins_message_is_always_the_rendering_of_the_pins_in_force(
+    data: st.DataObject,
+) -> None:
+    """Whatever appends, pins, clears and checkpoints came before, the request holds exactly one
+    pinned-state message, right after the head, whose bytes are ``pins_message`` of the pins in
+    force; and no surface node is ever a pin."""
+    fold = folded(system("head"))
+    expected: dict[str, str] = {}
+    for _ in range(data.draw(st.integers(1, 25))):
+        action = data.draw(st.sampled_from(["user", "pin", "clear", "checkpoint"]))
+        if action == "user":
+            fold.admit([user(data.draw(st.text(min_size=1, max_size=20)))])
+        elif action == "pin":
+            key = data.draw(st.sampled_from(["goal", "plan", "fix/1"]))
+            expected[key] = "p:" + data.draw(st.text(max_size=30))
+            fold.admit([pin(key, expected[key])])
+        elif action == "clear" and expected:
+            key = data.draw(st.sampled_from(sorted(expected)))
+            del expected[key]
+            fold.admit([pin(key, clear=True)])
+        elif action == "checkpoint" and len(fold.surface) > 2:
+            nodes = fold.surface.nodes
+            i = data.draw(st.integers(1, len(nodes) - 1))
+            j = data.draw(st.integers(i, len(nodes) - 1))
+            seqs = [n.seq for n in nodes[i : j + 1]]
+            fold.admit([replace(checkpoint(f"k{fold.revision}", "s"), seqs[0], seqs[-1], seqs)])
+        messages = fold.messages()
+        pinned = [i for i, m in enumerate(messages) if m.pinned_state]
+        assert pinned == ([1] if expected else [])
+        if expected:
+            assert messages[1] == pins_message(expected)
+        assert all(node.type != "state/pin" for node in fold.surface)
