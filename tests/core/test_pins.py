@@ -86,6 +86,7 @@ def test_clear_removes_a_key_and_clearing_a_key_not_in_force_is_refused() -> Non
         (pin("goal", "  "), "state_pin.text"),
         (pin("goal", "text", clear=True), "state_pin.text"),
         (subagent_start(""), "subagent_start.child_session_id"),
+        (subagent_start("c", task="two\nlines"), "subagent_start.task"),
     ],
 )
 def test_a_malformed_pin_or_subagent_event_names_its_field(event: SessionEvent, field: str) -> None:

@@ -3836,7 +3836,7 @@ type SubagentStart struct {
 	ChildSessionId string `protobuf:"bytes,1,opt,name=child_session_id,json=childSessionId,proto3" json:"child_session_id,omitempty"`
 	// The tool call of this session that spawned the sub-agent, if any.
 	ToolCallId string `protobuf:"bytes,2,opt,name=tool_call_id,json=toolCallId,proto3" json:"tool_call_id,omitempty"`
-	// One line saying what the sub-agent was asked to do.
+	// One line saying what the sub-agent was asked to do (no line breaks).
 	Task string `protobuf:"bytes,3,opt,name=task,proto3" json:"task,omitempty"`
 }
 

@@ -286,8 +286,11 @@ def _body_violations(event: SessionEvent, kind: str, bad: _Bad, limits: AppendLi
     elif kind == "state_pin":
         for field, description in pin_violations(event.state_pin):
             bad(f"state_pin.{field}", description)
-    elif kind in ("subagent_start", "subagent_end") and not getattr(event, kind).child_session_id:
-        bad(f"{kind}.child_session_id", "required")
+    elif kind in ("subagent_start", "subagent_end"):
+        if not getattr(event, kind).child_session_id:
+            bad(f"{kind}.child_session_id", "required")
+        if kind == "subagent_start" and any(c in event.subagent_start.task for c in "\r\n"):
+            bad("subagent_start.task", "one line: no line breaks")
 
 
 def _block_violations(

@@ -1843,7 +1843,7 @@ class SubagentStart(_message.Message):
     tool_call_id: _builtins.str
     """The tool call of this session that spawned the sub-agent, if any."""
     task: _builtins.str
-    """One line saying what the sub-agent was asked to do."""
+    """One line saying what the sub-agent was asked to do (no line breaks)."""
     def __init__(
         self,
         *,

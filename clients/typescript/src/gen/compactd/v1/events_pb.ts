@@ -1887,7 +1887,7 @@ export type SubagentStart = Message<"compactd.v1.SubagentStart"> & {
   toolCallId: string;
 
   /**
-   * One line saying what the sub-agent was asked to do.
+   * One line saying what the sub-agent was asked to do (no line breaks).
    *
    * @generated from field: string task = 3;
    */
