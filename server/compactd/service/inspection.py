@@ -301,7 +301,8 @@ class InspectionService:
         except CompactdError as error:
             target = None
             plan.warnings.append(f"{error.reason}: {error.message}")
-        min_span = brackets.guard.min_span_tokens(job.route, job.policy) if shape.min_span else 0
+        guard = brackets.guard
+        min_span = guard.min_span_tokens(job.route, job.policy, fold) if shape.min_span else 0
         plan.min_span_tokens = min_span
         retained = report.retained_budget if report is not None and shape.retains else 0
         if shape.retains and report is None:

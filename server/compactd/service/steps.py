@@ -185,7 +185,7 @@ class StepService:
         job = Bracket(
             handle, AUTO.trigger, AUTO.selection_for(relief.attempts), route,
             self._shrink_route(handle, route), policy, spec.retained_budget, relief.turn,
-            min_span_tokens=self._guard.min_span_tokens(route, policy), guarded=True,
+            min_span_tokens=self._guard.min_span_tokens(route, policy, handle.fold), guarded=True,
         )  # fmt: skip
         prelude = partial(self._prune_first, relief) if relief.attempts == 0 else None
         try:
@@ -297,7 +297,7 @@ class StepService:
         policy = self._pressure.target_policy(handle, route)
         job = Bracket(
             handle, MANUAL.trigger, MANUAL.selection, route, route, policy, focus=focus,
-            min_span_tokens=self._guard.min_span_tokens(route, policy),
+            min_span_tokens=self._guard.min_span_tokens(route, policy, handle.fold),
         )  # fmt: skip
         committed = await self._brackets.run(job, progress)
         result = cpb.CompactResult()
