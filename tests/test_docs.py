@@ -157,7 +157,7 @@ def test_the_telemetry_page_names_every_metric_and_span() -> None:
     metrics |= set(re.findall(r'\(\s*"(compactd\.store\.[a-z_.]+)", "', code))
     spans = set(re.findall(r'start_as_current_span\(\s*"([a-z_.]+)"', code))
     assert {"compactd.compactions", "compactd.sessions.live", "compactd.store.commits"} <= metrics
-    assert {"compaction.bracket", "compaction.skip"} <= spans
+    assert {"compaction.bracket", "compaction.gate"} <= spans
     page = _text(DOCS / "telemetry.md")
     assert sorted(name for name in metrics | spans if f"`{name}`" not in page) == []
 

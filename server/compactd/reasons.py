@@ -72,6 +72,9 @@ class Reason(StrEnum):
     TOO_MANY_STREAMS = "TOO_MANY_STREAMS"
     QUOTA_EXCEEDED = "QUOTA_EXCEEDED"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    # DATA_LOSS: the store's file is damaged where the call reads or writes.
+    DATA_LOSS = "DATA_LOSS"
+    STORE_CORRUPT = "STORE_CORRUPT"
     # INTERNAL: a bug.
     INTERNAL = "INTERNAL"
     # The log only: a bracket whose caller went away.

@@ -37,7 +37,7 @@ from typing import Any
 
 import grpc
 from compactd_client import AsyncCompactdClient, openai
-from compactd_client.v1 import events_pb2
+from compactd_client.v1 import compaction_service_pb2, events_pb2
 from compactd_client.v1.events_pb2 import SessionEvent
 from compactd_client.v1.session_service_pb2 import BuildRequestResponse
 
@@ -117,6 +117,8 @@ class StepRecord:
     seconds: float
     first_seq: int
     broken_pairs: int = 0
+    state: str = ""  # the pressure after PrepareStep: "above" or "below"
+    warnings: tuple[str, ...] = ()  # PrepareStep's warnings for this step
 
 
 @dataclass(frozen=True)
@@ -271,9 +273,10 @@ async def _prepare(
     """``PrepareStep`` for the next step of ``turn``; records it (and, with ``keep_request``,
     the request it rebuilt) and encodes what it rebuilt."""
     started = time.perf_counter()
-    prepared = await client.prepare_step(result.session_id, turn).result()
+    answer = await client.prepare_step(result.session_id, turn)  # the client holds the request
     seconds = time.perf_counter() - started
-    body = openai.request_body(prepared.request)
+    prepared, request = answer.result, answer.request
+    body = openai.request_body(request)
     encoded = json.dumps(body, ensure_ascii=False)
     before = prepared.before if prepared.HasField("before") else prepared.after
     after = prepared.after
@@ -286,15 +289,19 @@ async def _prepare(
         window=after.context_window,
         pruned=prepared.pruned_count,
         compactions=len(prepared.compactions),
-        request_messages=len(prepared.request.messages),
+        request_messages=len(request.messages),
         request_bytes=len(encoded.encode()),
         seconds=seconds,
         first_seq=log_length,
         broken_pairs=broken_tool_pairs(body["messages"], answered),
+        state=_state_name(after.state),
+        warnings=tuple(prepared.warnings),
     )
     result.steps.append(step)
-    if keep_request:
-        result.requests.append(prepared.request)
+    if keep_request:  # a copy: the session's next step extends the client's held request
+        kept = BuildRequestResponse()
+        kept.CopyFrom(request)
+        result.requests.append(kept)
     result.warnings.update(dict.fromkeys(prepared.warnings))
     return step
 
@@ -392,6 +399,12 @@ def _bracket(
     )
 
 
+def _state_name(value: int) -> str:
+    """``PRESSURE_STATE_ABOVE`` -> ``above``."""
+    name: str = compaction_service_pb2.PressureState.Name(value)  # type: ignore[arg-type]
+    return name.removeprefix("PRESSURE_STATE_").lower()
+
+
 def _trigger_name(value: events_pb2.CompactionTrigger.ValueType) -> str:
     name: str = events_pb2.CompactionTrigger.Name(value)
     return name.removeprefix("COMPACTION_TRIGGER_").lower()
@@ -452,16 +465,23 @@ def embedded_config(
 
 
 @contextlib.asynccontextmanager
-async def embedded_server(config: settings.ServerConfig) -> AsyncIterator[str]:
-    """A compactd started in this process on ``config``; yields its address, stops it after."""
+async def embedded_server(
+    config: settings.ServerConfig, *, clock: Callable[[], float] | None = None
+) -> AsyncIterator[str]:
+    """A compactd started in this process on ``config``; yields its address, stops it after.
+
+    ``clock`` (monotonic seconds) replaces ``time.monotonic`` as the server's guard clock (the
+    failure memory's backoffs, the quotas' buckets): a benchmark replays agent time with it.
+    """
     from opentelemetry import trace
     from opentelemetry.metrics import NoOpMeterProvider
 
     from compactd.api.server import create_server
 
     running = await create_server(
-        config, tracer_provider=trace.NoOpTracerProvider(), meter_provider=NoOpMeterProvider()
-    )
+        config, tracer_provider=trace.NoOpTracerProvider(), meter_provider=NoOpMeterProvider(),
+        clock=clock or time.monotonic,
+    )  # fmt: skip
     try:
         yield running.address
     finally:

@@ -150,11 +150,12 @@ async def test_the_unary_step_answers_what_the_step_stream_ends_with(
         session = (await client.create_session()).session_id
         opening = [request_header("openai", "gpt-4o"), turn_start(1), user_message("look")]
         await client.append_events(session, opening)
-        streamed = await client.prepare_step(session, 1).result()
+        streamed = await client.prepare_step_stream(session, 1).result()
         assert await client.prepare_step_unary(session, 1) == streamed
         held = streamed.request_revision
         held_step = await client.prepare_step_unary(session, 1, held_revision=held)
-        assert held_step == await client.prepare_step(session, 1, held_revision=held).result()
+        streamed_held = client.prepare_step_stream(session, 1, held_revision=held)
+        assert held_step == await streamed_held.result()
         assert held_step.request_unchanged
         with pytest.raises(NotFoundError):
             await client.prepare_step_unary("no-such-session", 1)

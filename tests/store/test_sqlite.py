@@ -317,3 +317,17 @@ async def test_a_version_2_database_gains_the_parent_columns(tmp_path: Path) -> 
     conn = sqlite3.connect(path)
     assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
     conn.close()
+
+
+async def test_a_stored_event_that_no_longer_parses_is_store_corrupt(tmp_path: Path) -> None:
+    path = tmp_path / "e.db"
+    async with SqliteEventStore(str(path)) as store:
+        await store.create_session("s", None)
+        await store.append("s", batch(0, 2))
+    with contextlib.closing(sqlite3.connect(path)) as raw, raw:
+        raw.execute("UPDATE events SET data = x'ffffffff' WHERE seq = 1")
+
+    async with SqliteEventStore(str(path)) as store:
+        with pytest.raises(errors.StoreCorrupt) as caught:
+            _ = [event async for event in store.read("s")]
+        assert caught.value.reason == "STORE_CORRUPT"

@@ -63,11 +63,8 @@ _RULES = (
     f"A {SUMMARY_OPEN_TAG} block earlier in the conversation is an older checkpoint. Do not "
     "copy it as it stands: keep what is still true, drop what is outdated, and merge it with the "
     "newer messages into one checkpoint with the same sections.",
-    f"A {PINS_OPEN_TAG} block near the top of the conversation holds the task's pinned state "
-    "(goal, plan, constraints, corrections). The runtime keeps it word for word outside every "
-    "checkpoint: do not repeat it; record what it does not already say.",
-    'Write no "Open Handles" section: the runtime appends the handles still open (running '
-    "sub-agents, tool calls without a result, pinned keys) to the checkpoint itself.",
+    f"The runtime keeps the {PINS_OPEN_TAG} block (pinned task state) and appends an "
+    '"Open Handles" section itself: write neither.',
 )
 
 

@@ -299,6 +299,8 @@ def _block_violations(
     which = block.WhichOneof("block")
     if which is None:
         bad(field, "a content block must set exactly one kind")
+    elif which == "image":
+        _image_violations(block.image, f"{field}.image", bad)
     elif which == "tool_call":
         if not block.tool_call.id:
             bad(f"{field}.tool_call.id", "required")
@@ -306,6 +308,21 @@ def _block_violations(
             bad(f"{field}.tool_call.name", "required")
         _depth_violation(
             block.tool_call.arguments_json, f"{field}.tool_call.arguments_json", bad, limits
+        )
+
+
+def _image_violations(image: events_pb2.ImageBlock, field: str, bad: _Bad) -> None:
+    """An image must be readable again: a request or a summary sends its inline bytes (which
+    need their media type) or a reference (attachment id, path); a name alone is neither, and a
+    summary that cannot carry an image stops the session's compaction."""
+    if image.data:
+        if not image.media_type:
+            bad(f"{field}.media_type", "required with inline data (e.g. image/png)")
+    elif not (image.attachment_id or image.path):
+        bad(
+            field,
+            "an image carries its bytes (data and media_type), an attachment_id or a path "
+            f"to read it again; {'a name' if image.name else 'nothing'} alone cannot be sent",
         )
 
 

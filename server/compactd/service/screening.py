@@ -32,7 +32,6 @@ from compactd.core.probes import (
     select_probes,
     span_facts,
     span_facts_in_steps,
-    without_pinned,
 )
 from compactd.errors import CompactdError
 from compactd.metrics import Metrics
@@ -103,6 +102,7 @@ class _Judging:
     settings: gate.GateSettings
     span_tokens: int
     shrink_route: MeteredRoute
+    pinned: str = ""  # the pins' texts: a probe they hold is kept (``gate.examine``)
 
 
 class Screener:
@@ -170,9 +170,8 @@ class Screener:
             trace_span.set_attribute("compactd.compaction_id", compaction_id)
             found = await _facts_of(summary, span, facts)  # the gate's own work, in its span
             judging = _Judging(
-                compaction_id, span, span_bytes,
-                without_pinned(select_probes(found), request.pins.values()), settings, span_tokens,
-                shrink_route,
+                compaction_id, span, span_bytes, select_probes(found), settings, span_tokens,
+                shrink_route, "\n".join(request.pins.values()),
             )  # fmt: skip
             verdict = await _verdict(judging, summary.text)
             report = _report(verdict, settings)
@@ -255,7 +254,9 @@ async def _verdict(judging: _Judging, text: str) -> gate.Verdict:
         else (lambda: {t: route.pricing.count(t) for t in texts}),
     )
     try:
-        findings = gate.examine(text, judging.span, judging.probes, judging.span_bytes)
+        findings = gate.examine(
+            text, judging.span, judging.probes, judging.span_bytes, judging.pinned
+        )
     finally:
         counted = await counting
     checkpoint_tokens = (

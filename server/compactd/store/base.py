@@ -450,6 +450,15 @@ class EventStore(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not report usage")
 
+    async def take_append_token(self, tenant: str, rate: float, burst: float) -> float | None:
+        """Take one ``AppendEvents`` token from ``tenant``'s bucket kept in the store, the one
+        every replica shares (``burst`` tokens at most, refilled at ``rate`` a second).
+
+        Returns 0.0 when taken, else the seconds until a token is there; None when the store
+        keeps no buckets (the default: a store one process owns, whose quota book counts alone).
+        """
+        return None
+
     # ---- fold snapshots (issue 11): optional; a store without them restores by replay ----
 
     async def put_snapshot(

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Generic, TypeVar
 
+from google.protobuf.message import DecodeError
+
 from compactd import errors
 from compactd.reasons import Reason
 from compactd.store import base
@@ -195,7 +197,9 @@ class SqliteEventStore(base.EventStore):
                 self._owner.release()
                 raise errors.StartupError(
                     f"cannot open the store sqlite:///{self._path}: {error}",
-                    reason=Reason.STORE_UNAVAILABLE,
+                    reason=Reason.STORE_CORRUPT
+                    if is_corruption(error)
+                    else Reason.STORE_UNAVAILABLE,
                 ) from None
             except BaseException:
                 self._owner.release()
@@ -386,7 +390,10 @@ class SqliteEventStore(base.EventStore):
 
     async def _read(self, query: Callable[[sqlite3.Connection], T]) -> T:
         self._check_open()
-        return await asyncio.to_thread(self._readers.run, query)
+        try:
+            return await asyncio.to_thread(self._readers.run, query)
+        except (sqlite3.Error, DecodeError) as exc:
+            raise _store_failed("read", exc) from None
 
 
 # --- the writer ---------------------------------------------------------------------------------
@@ -520,8 +527,13 @@ class _Writer:
         self._conn.execute(f"SAVEPOINT {_SAVEPOINT}")
         try:
             value = job.op(self._conn)
-        except sqlite3.Error:
-            raise
+        except sqlite3.Error as exc:
+            if not is_corruption(exc):
+                raise
+            # Damaged pages of this job's session: it fails alone, the others commit.
+            self._conn.execute(f"ROLLBACK TO {_SAVEPOINT}")
+            self._conn.execute(f"RELEASE {_SAVEPOINT}")
+            return _Outcome(error=_store_failed("write", exc))
         except Exception as exc:  # a domain refusal (or a bug): this job alone fails
             self._conn.execute(f"ROLLBACK TO {_SAVEPOINT}")
             self._conn.execute(f"RELEASE {_SAVEPOINT}")
@@ -557,8 +569,35 @@ class _Writer:
 
 def _write_failed(exc: Exception) -> errors.CompactdError:
     if isinstance(exc, sqlite3.Error):
-        return errors.Unavailable(f"event store write failed: {exc}")
+        return _store_failed("write", exc)
     return errors.Internal(f"event store write failed: {exc!r}")
+
+
+# SQLITE_CORRUPT and SQLITE_NOTADB (primary codes: the low byte of an extended one).
+_CORRUPTION_CODES = frozenset({11, 26})
+
+
+def is_corruption(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database file is damaged (not merely busy or unreachable)."""
+    if isinstance(exc, DecodeError):
+        return True  # a stored event that no longer parses
+    if not isinstance(exc, sqlite3.DatabaseError):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in _CORRUPTION_CODES
+    return "malformed" in str(exc) or "not a database" in str(exc)
+
+
+def _store_failed(action: str, exc: Exception) -> errors.CompactdError:
+    """The domain error for a failed ``action``: ``STORE_CORRUPT`` (DATA_LOSS) when the file is
+    damaged, ``STORE_UNAVAILABLE`` otherwise; never an internal error with a traceback."""
+    if is_corruption(exc):
+        return errors.StoreCorrupt(
+            f"event store {action} failed: the database file is damaged ({exc}); "
+            "restore it from a backup"
+        )
+    return errors.StoreUnavailable(f"event store {action} failed: {exc}")
 
 
 # --- write operations (run on the writer thread, inside a savepoint) ----------------------------

@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol, TypeGuard
+from typing import Any, Protocol, TypeGuard
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -313,6 +313,8 @@ class SessionHandle:
         except asyncio.CancelledError:
             # The caller went away, but the store may still commit the batch: finish the commit
             # (or its rollback) before the lock is released, so the fold never leaves the log.
+            # Its outcome is nobody's now (a shield drops a cancelled caller's claim to it).
+            commit.add_done_callback(retrieve_outcome)
             await asyncio.wait([commit])
             raise
 
@@ -605,6 +607,15 @@ class SessionHandle:
                     reason=Reason.IDEMPOTENCY_MISMATCH,
                 )
         return AppendResult(seqs, self.fold.revision, replayed=True)
+
+
+def retrieve_outcome(future: asyncio.Future[Any]) -> None:
+    """Mark a shielded task's failure as seen: when every caller awaiting it through
+    ``asyncio.shield`` went away, nothing else retrieves it, and asyncio would log it as
+    "Task exception was never retrieved" with a traceback. The failure itself was handled (a
+    commit rolls back its batch; a restore leaves nothing behind)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _priced_ahead(events: Sequence[events_pb2.SessionEvent], size: int | None = None) -> bool:

@@ -30,7 +30,7 @@ from compactd.errors import (
 from compactd.reasons import Reason
 from compactd.service.quotas import QuotaBook
 from compactd.service.replicas import ChangeListener
-from compactd.service.sessions.handle import Key, SessionHandle
+from compactd.service.sessions.handle import Key, SessionHandle, retrieve_outcome
 from compactd.service.sessions.residency import Residency
 from compactd.service.sessions.restore import (
     ContextBuilder,
@@ -241,6 +241,7 @@ class SessionManager:
             restoring = asyncio.ensure_future(self._restore_once(key))
             self._loading[key] = restoring
             restoring.add_done_callback(lambda _: self._loading.pop(key, None))
+            restoring.add_done_callback(retrieve_outcome)  # its callers may all have gone
         return await asyncio.shield(restoring)
 
     async def _caught_up(self, key: Key, handle: SessionHandle) -> SessionHandle | None:

@@ -125,6 +125,39 @@ COMPACTION_TRIGGER_MODEL_SWITCH: CompactionTrigger.ValueType  # 4
 """A model switch to a destination whose threshold the history exceeds."""
 Global___CompactionTrigger: _TypeAlias = CompactionTrigger  # noqa: Y015
 
+class _CompactionRung:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CompactionRungEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CompactionRung.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    COMPACTION_RUNG_UNSPECIFIED: _CompactionRung.ValueType  # 0
+    """Not recorded (brackets logged before rungs were)."""
+    COMPACTION_RUNG_SUMMARY: _CompactionRung.ValueType  # 1
+    """The summary target's own summary (a model's, or the extractive one when it is the target)."""
+    COMPACTION_RUNG_EXTRACTIVE: _CompactionRung.ValueType  # 2
+    """The extractive checkpoint, written after the target's summary failed or was rejected, or
+    without a model call (the span already failed with the target, or nothing a model could
+    write brings pressure below the trigger).
+    """
+
+class CompactionRung(_CompactionRung, metaclass=_CompactionRungEnumTypeWrapper):
+    """The rungs a compaction goes down instead of sending a request over the window: the summary
+    target's summary, then the extractive checkpoint, then masking older tool outputs
+    (`compaction/prune` with `masked`), then overflow recovery's maximal reduction.
+    """
+
+COMPACTION_RUNG_UNSPECIFIED: CompactionRung.ValueType  # 0
+"""Not recorded (brackets logged before rungs were)."""
+COMPACTION_RUNG_SUMMARY: CompactionRung.ValueType  # 1
+"""The summary target's own summary (a model's, or the extractive one when it is the target)."""
+COMPACTION_RUNG_EXTRACTIVE: CompactionRung.ValueType  # 2
+"""The extractive checkpoint, written after the target's summary failed or was rejected, or
+without a model call (the span already failed with the target, or nothing a model could
+write brings pressure below the trigger).
+"""
+Global___CompactionRung: _TypeAlias = CompactionRung  # noqa: Y015
+
 class _SummaryCheck:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -270,9 +303,9 @@ class SessionEvent(_message.Message):
 
     Step brackets (checked on runtime appends; violations are INVALID_ARGUMENT with reason
     `STEP_BRACKET`): an `assistant/message` APPEND is accepted only inside an open step
-    (`step/start` ... `step/end`) of an open turn; `step/start` needs its turn open and no other
-    step open; `step/end` names the open step; `turn/end` needs that turn's step ended. A
-    `tool/result` comes after the step that made its call (inside it or after it).
+    (`step/start` ... `step/end`); `step/start` needs no other step open (its turn need not have
+    been opened with `turn/start`); `step/end` names the open step; `turn/end` needs that turn's
+    step ended. A `tool/result` comes after the step that made its call (inside it or after it).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -589,7 +622,11 @@ Global___ReasoningBlock: _TypeAlias = ReasoningBlock  # noqa: Y015
 
 @_typing.final
 class ImageBlock(_message.Message):
-    """An image, referenced or inline."""
+    """An image, referenced or inline. It carries `data` (with `media_type`), an `attachment_id` or
+    a `path`: `AppendEvents` refuses one with none of them (a name alone), INVALID_ARGUMENT naming
+    the block. A summary sends inline data; a reference the summarizer cannot fetch goes as text
+    (its name, attachment and path, as an offload writes it).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1308,6 +1345,7 @@ class CompactionPrune(_message.Message):
     SHADOWED_TOKENS_FIELD_NUMBER: _builtins.int
     ORIGINAL_CODE_POINTS_FIELD_NUMBER: _builtins.int
     RETAINED_CODE_POINTS_FIELD_NUMBER: _builtins.int
+    MASKED_FIELD_NUMBER: _builtins.int
     compaction_id: _builtins.str
     """The bracket or step the prune belongs to, if any."""
     shadowed_seq: _builtins.int
@@ -1318,6 +1356,11 @@ class CompactionPrune(_message.Message):
     """Text code points before pruning."""
     retained_code_points: _builtins.int
     """Text code points kept (head + tail, without the marker)."""
+    masked: _builtins.bool
+    """True when the result was masked rather than pruned: the ladder's masking rung (the request
+    would otherwise have gone out over the window) cut an older result to a short head and tail
+    whatever its size.
+    """
     def __init__(
         self,
         *,
@@ -1326,10 +1369,11 @@ class CompactionPrune(_message.Message):
         shadowed_tokens: _builtins.int = ...,
         original_code_points: _builtins.int = ...,
         retained_code_points: _builtins.int = ...,
+        masked: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "original_code_points", b"original_code_points", "retained_code_points", b"retained_code_points", "shadowed_seq", b"shadowed_seq", "shadowed_tokens", b"shadowed_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "masked", b"masked", "original_code_points", b"original_code_points", "retained_code_points", b"retained_code_points", "shadowed_seq", b"shadowed_seq", "shadowed_tokens", b"shadowed_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1419,12 +1463,15 @@ class CompactionSummary(_message.Message):
     SUMMARIZER_FIELD_NUMBER: _builtins.int
     GATE_FIELD_NUMBER: _builtins.int
     FALLBACK_FIELD_NUMBER: _builtins.int
+    RUNG_FIELD_NUMBER: _builtins.int
     compaction_id: _builtins.str
     """The bracket id."""
     summary: _builtins.str
     """Raw summary text as returned by the summarizer."""
     summarizer: _builtins.str
     """Name of the summarizer (`openai`, `extractive`, ...)."""
+    rung: Global___CompactionRung.ValueType
+    """Which rung of the ladder wrote the checkpoint."""
     @_builtins.property
     def range(self) -> Global___SurfaceRange:
         """The replaced span."""
@@ -1451,8 +1498,8 @@ class CompactionSummary(_message.Message):
 
     @_builtins.property
     def fallback(self) -> Global___SummaryFallback:
-        """Set when the gate rejected the target's summary and the policy's extractive fallback wrote
-        this one (`summarizer` is then `extractive`).
+        """Set when the target's summary failed or the gate rejected it and the policy's extractive
+        fallback wrote this one (`summarizer` is then `extractive`).
         """
 
     def __init__(
@@ -1468,10 +1515,11 @@ class CompactionSummary(_message.Message):
         summarizer: _builtins.str = ...,
         gate: Global___SummaryGateReport | None = ...,
         fallback: Global___SummaryFallback | None = ...,
+        rung: Global___CompactionRung.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fallback", b"fallback", "gate", b"gate", "range", b"range", "target", b"target", "tokens", b"tokens", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "fallback", b"fallback", "gate", b"gate", "range", b"range", "shadowed_seqs", b"shadowed_seqs", "summarizer", b"summarizer", "summary", b"summary", "target", b"target", "tokens", b"tokens", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "fallback", b"fallback", "gate", b"gate", "range", b"range", "rung", b"rung", "shadowed_seqs", b"shadowed_seqs", "summarizer", b"summarizer", "summary", b"summary", "target", b"target", "tokens", b"tokens", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1588,15 +1636,23 @@ class SummaryFallback(_message.Message):
     REJECTED_SUMMARIZER_FIELD_NUMBER: _builtins.int
     REJECTED_TARGET_FIELD_NUMBER: _builtins.int
     REJECTED_FIELD_NUMBER: _builtins.int
+    FAILURE_REASON_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
     rejected_summarizer: _builtins.str
     """The summarizer whose summary was rejected."""
+    failure_reason: _builtins.str
+    """The failure's reason when the target's summary failed (`TIMEOUT`, `SUMMARY_TRUNCATED`, ...)
+    or was not sent (`KNOWN_FAILURE`: the same span failed with the same target before).
+    """
+    failure: _builtins.str
+    """The failure's text."""
     @_builtins.property
     def rejected_target(self) -> Global___Route:
         """The route that wrote it."""
 
     @_builtins.property
     def rejected(self) -> Global___SummaryGateReport:
-        """Why it was rejected."""
+        """Why it was rejected (the gate's report; absent when the summary failed instead)."""
 
     def __init__(
         self,
@@ -1604,10 +1660,12 @@ class SummaryFallback(_message.Message):
         rejected_summarizer: _builtins.str = ...,
         rejected_target: Global___Route | None = ...,
         rejected: Global___SummaryGateReport | None = ...,
+        failure_reason: _builtins.str = ...,
+        failure: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["rejected", b"rejected", "rejected_target", b"rejected_target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["rejected", b"rejected", "rejected_summarizer", b"rejected_summarizer", "rejected_target", b"rejected_target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failure", b"failure", "failure_reason", b"failure_reason", "rejected", b"rejected", "rejected_summarizer", b"rejected_summarizer", "rejected_target", b"rejected_target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1661,12 +1719,15 @@ class CompactionEnd(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     ERROR_REASON_FIELD_NUMBER: _builtins.int
     GATE_FIELD_NUMBER: _builtins.int
+    RUNG_FIELD_NUMBER: _builtins.int
     compaction_id: _builtins.str
     """The bracket id."""
     error: _builtins.str
     """Error text when the bracket failed or declined; empty on success."""
     error_reason: _builtins.str
     """Canonical reason of the failure, when there is one."""
+    rung: Global___CompactionRung.ValueType
+    """The rung that wrote the committed checkpoint (unset when the bracket failed)."""
     @_builtins.property
     def gate(self) -> Global___SummaryGateReport:
         """`SUMMARY_REJECTED` (and a `SUMMARY_NOT_SMALLER` found by the gate): the failed checks."""
@@ -1678,10 +1739,11 @@ class CompactionEnd(_message.Message):
         error: _builtins.str = ...,
         error_reason: _builtins.str = ...,
         gate: Global___SummaryGateReport | None = ...,
+        rung: Global___CompactionRung.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["gate", b"gate"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "error", b"error", "error_reason", b"error_reason", "gate", b"gate"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "error", b"error", "error_reason", b"error_reason", "gate", b"gate", "rung", b"rung"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
