@@ -39,6 +39,12 @@ Every request is priced alike, with the route's tokenizer (``o200k_base``, the r
   compactions of the same session; a request over the window shows nothing. Every strategy is
   checked on compactd's spans at compactd's steps. "all" pools every fact (a span naming hundreds
   of paths weighs hundreds of times a small one); "span mean" averages each span's share;
+- **pins 1x / 3x**, **open sub-agents 1x / 3x** (compactd only): task state planted in every
+  compactd replay (``plant_task_state``: after the first user message, a ``goal`` pin holding
+  that message's first 200 characters, a ``constraint/1`` pin and a sub-agent started and never
+  ended), looked for at the same steps in the rebuilt request whatever its size (a step over the
+  window is counted in "over W"): each pin's text verbatim, the sub-agent named by the
+  checkpoint's "Open Handles" section (goal 100%);
 - **checkpoint/span**: each committed checkpoint's route tokens over its span's, max and mean;
 - **input tokens**: summed over every step of every session.
 
@@ -64,6 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from compactd_client import AsyncCompactdClient, anthropic, openai
+from compactd_client.events import pin, subagent_start
 
 from bench import facts as fx
 from compactd import replay as rp
@@ -90,7 +97,8 @@ SURFACE = ("system_message", "developer_message", "user_message", "assistant_mes
 GOALS = (
     "Goals: no step ABOVE without a typed reason; one bracket a step at most; no identical "
     "summary request sent twice; no extractive checkpoint rejected; >= 90% of paths, commands "
-    "and errors after one compaction, >= 80% after three; each checkpoint <= 15% of its span."
+    "and errors after one compaction, >= 80% after three; each checkpoint <= 15% of its span; "
+    "every planted pin and open sub-agent kept (100%)."
 )
 
 
@@ -282,6 +290,38 @@ def step_end(step: rp.StepRecord) -> StepEnd:
     return StepEnd(over, irreducible, step.state == "above" and not step.outcome)
 
 
+# ---- planted task state -----------------------------------------------------------------------
+
+GOAL_CHARS = 200
+CONSTRAINT = "Planted constraint: never edit files outside the repository; report in English."
+
+
+def planted_pins(transcript: rp.Transcript) -> dict[str, str]:
+    """The pins planted in ``transcript``'s replay: its goal and a constraint."""
+    users = [m for m in transcript.messages if m.get("role") == "user"]
+    first = openai.messages_from_events(openai.events_from_messages(users[:1]))
+    goal = " ".join(str(first[0].get("content") or "").split())[:GOAL_CHARS] if first else ""
+    return {"goal": goal or f"Finish the task of {transcript.source}", "constraint/1": CONSTRAINT}
+
+
+def planted_child(transcript: rp.Transcript) -> str:
+    """The id of the sub-agent planted (started, never ended) in ``transcript``'s replay."""
+    return f"bench-sub-{abs(hash(transcript.source)) % 10**8:08d}"
+
+
+def plant_task_state(transcript: rp.Transcript, events: list[Any]) -> list[Any]:
+    """``events`` with the planted pins and open sub-agent after the first user message."""
+    at = next((i + 1 for i, e in enumerate(events) if e.HasField("user_message")), 0)
+    planted = [pin(key, text) for key, text in planted_pins(transcript).items()]
+    planted.append(subagent_start(planted_child(transcript), task="re-run the failing check"))
+    return [*events[:at], *planted, *events[at:]]
+
+
+def handle_line(child: str) -> str:
+    """How a checkpoint names an open sub-agent (``prompts.open_handles_section``)."""
+    return f"sub-agent `{child}` still running"
+
+
 # ---- the tally ---------------------------------------------------------------------------------
 
 
@@ -301,6 +341,8 @@ class Tally:
     shares: list[float] = field(default_factory=list)
     kept: dict[tuple[int, fx.FactKind], list[bool]] = field(default_factory=dict)
     managed: bool = False  # compactd: the bracket columns apply
+    pins: dict[int, list[bool]] = field(default_factory=dict)  # 1|3 -> planted pins kept
+    handles: dict[int, list[bool]] = field(default_factory=dict)  # 1|3 -> open sub-agent named
 
     per_span: dict[int, list[float]] = field(default_factory=dict)  # after -> each span's share
 
@@ -323,6 +365,11 @@ class Tally:
 
     def counted(self, after: int) -> int:
         return sum(len(self.kept.get((after, kind), [])) for kind in fx.FactKind)
+
+    def task_state(self, kept: dict[int, list[bool]], after: int) -> str:
+        """The share of planted pins (or open sub-agents) kept ``after`` compactions."""
+        hits = kept.get(after, [])
+        return f"{sum(hits) / len(hits):.0%}" if hits else "-"
 
 
 @dataclass(frozen=True)
@@ -354,6 +401,21 @@ def fact_plan(log: Sequence[Any], steps: Sequence[rp.StepRecord]) -> list[Planne
         later = committed[number + 2].step - 1 if number + 2 < len(committed) else None
         plan.append(Planned(tuple(fx.span_facts(messages)), record.step - 1, later))
     return plan
+
+
+def _look_for_task_state(
+    tally: Tally, plan: Sequence[Planned], text: Callable[[int], str], transcript: rp.Transcript
+) -> None:
+    """Record whether the planted pins and the open sub-agent are in the rebuilt request at each
+    step ``plan`` looks at (1 and 3 compactions after one)."""
+    pins = planted_pins(transcript).values()
+    child = handle_line(planted_child(transcript))
+    for planned in plan:
+        for after, step in ((1, planned.after_one), (3, planned.after_three)):
+            if step is not None:
+                seen = text(step)
+                tally.pins.setdefault(after, []).extend(value in seen for value in pins)
+                tally.handles.setdefault(after, []).append(child in seen)
 
 
 def _look(tally: Tally, plan: Sequence[Planned], text: Callable[[int], str]) -> None:
@@ -414,8 +476,9 @@ async def compactd_run(
                     clock.advance(AGENT_STEP_SECONDS)
 
             results = await rp.replay_all(
-                address, transcripts, policy=policy, keep_requests=True, on_step=tick
-            )
+                address, transcripts, policy=policy, keep_requests=True, on_step=tick,
+                plant=plant_task_state,
+            )  # fmt: skip
             logs = []
             async with AsyncCompactdClient(address) as client:
                 for result in results:
@@ -466,6 +529,7 @@ def tally_compactd(run: Run, talks: Sequence[Conversation], profile: PricingProf
     tally = Tally(managed=True, resent=run.resent)
     for (result, log), talk in zip(run.replays, talks, strict=True):
         texts: dict[int, str] = {}
+        rebuilt: dict[int, str] = {}  # every request's text, over the window or not
         for index, (step, request) in enumerate(zip(result.steps, result.requests, strict=True)):
             messages = [Message.FromString(m.SerializeToString()) for m in request.messages]
             tokens = talk.envelope + sum(price_message(m, profile).total for m in messages)
@@ -476,7 +540,8 @@ def tally_compactd(run: Run, talks: Sequence[Conversation], profile: PricingProf
             tally.irreducible += tokens > step.window and ended.irreducible
             tally.untyped_above += ended.untyped_above
             # A request over the window is refused by the provider: the model sees nothing.
-            texts[index] = visible_text(messages) if tokens <= step.window else ""
+            rebuilt[index] = visible_text(messages)
+            texts[index] = rebuilt[index] if tokens <= step.window else ""
         per_step = Counter(record.step for record in result.compactions if record.step)
         tally.max_brackets = max(tally.max_brackets, *per_step.values(), 0)
         spans = Counter((r.start_seq, r.end_seq) for r in result.compactions)
@@ -487,7 +552,9 @@ def tally_compactd(run: Run, talks: Sequence[Conversation], profile: PricingProf
             tally.compactions += 1
             if record.span_tokens:
                 tally.shares.append(record.checkpoint_tokens / record.span_tokens)
-        _look(tally, fact_plan(log, result.steps), texts.__getitem__)
+        plan = fact_plan(log, result.steps)
+        _look(tally, plan, texts.__getitem__)
+        _look_for_task_state(tally, plan, rebuilt.__getitem__, talk.transcript)
     return tally
 
 
@@ -525,7 +592,7 @@ KINDS = (fx.FactKind.PATH, fx.FactKind.COMMAND, fx.FactKind.ERROR)
 HEADER = ("window", "clock", "strategy", "over W (irreducible)", "untyped ABOVE",
           "max brackets/step", "re-sent", "rejected", "facts 1x: all", "span mean", "paths",
           "commands", "errors", "facts 3x: all", "span mean", "paths", "commands", "errors",
-          "checkpoint/span max",
+          "pins 1x / 3x", "open sub-agents 1x / 3x", "checkpoint/span max",
           "mean", "input tokens")  # fmt: skip
 
 
@@ -535,6 +602,8 @@ def row(window: int, clock: str, name: str, t: Tally) -> tuple[str, ...]:
     over = f"{t.over_window}/{t.steps}" + (f" ({t.irreducible})" if t.managed else "")
     facts = [t.share(1), t.span_mean(1), *(t.share(1, (k,)) for k in KINDS)]
     facts += [t.share(3), t.span_mean(3), *(t.share(3, (k,)) for k in KINDS)]
+    planted = [f"{t.task_state(kept, 1)} / {t.task_state(kept, 3)}" for kept in (t.pins, t.handles)]
+    facts += planted if t.managed else ["-", "-"]
     shares = (
         (f"{max(t.shares):.1%}", f"{sum(t.shares) / len(t.shares):.1%}") if t.shares else ("-", "-")
     )

@@ -50,6 +50,10 @@ DEFAULT_ROUTE = ("openai", "gpt-4o")
 BATCH = 500
 
 
+#: Rewrites a transcript's converted events before a replay plays them (``replay``'s ``plant``).
+Plant = Callable[["Transcript", list[SessionEvent]], list[SessionEvent]]
+
+
 @dataclass(frozen=True)
 class Transcript:
     """One recorded conversation."""
@@ -205,6 +209,7 @@ async def replay(
     session_id: str = "",
     on_step: Progress | None = None,
     keep_requests: bool = False,
+    plant: Plant | None = None,
 ) -> SessionReplay:
     """Play ``transcript`` as one new session; returns its steps and what the log says.
 
@@ -216,6 +221,8 @@ async def replay(
         session_id: The session's id (default: ``replay-`` and a random suffix).
         on_step: Called after each step's ``PrepareStep``.
         keep_requests: Keep each step's rebuilt request (``SessionReplay.requests``).
+        plant: Rewrites the converted events before they are played (a benchmark plants pins
+            and sub-agent events this way); it must keep the log valid.
 
     Raises:
         ValueError: The transcript holds a message the converter does not carry (named).
@@ -226,6 +233,8 @@ async def replay(
     events = openai.events_from_messages(
         transcript.messages, tools=transcript.tools, provider=provider, model=model
     )
+    if plant is not None:
+        events = plant(transcript, events)
     session = await client.create_session(
         session_id or f"replay-{uuid.uuid4().hex[:12]}", compaction_policy=dict(policy or {})
     )
@@ -509,6 +518,7 @@ async def replay_all(
     keep_requests: bool = False,
     credentials: grpc.ChannelCredentials | None = None,
     token: str | None = None,
+    plant: Plant | None = None,
 ) -> list[SessionReplay]:
     """Replay every transcript against ``address``, one session each, in order.
 
@@ -529,6 +539,7 @@ async def replay_all(
                     policy=policy,
                     on_step=step,
                     keep_requests=keep_requests,
+                    plant=plant,
                 )
             )
     return results

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, replace
 
 from compactd.core import probes, prompts
 from compactd.core.gate import DEFAULT_MIN_PROBE_RETENTION
+from compactd.core.pins import head_length
 from compactd.core.pricing import heuristic_price, utf16_length
 from compactd.providers.base import SummaryError, SummaryRequest, SummaryResult
 from compactd.reasons import Reason
@@ -292,10 +293,8 @@ def estimated_tokens(text: str) -> float:
 
 
 def _span(messages: Sequence[Message]) -> Sequence[Message]:
-    """The messages to summarize: the system head stays outside every summary."""
-    if messages and messages[0].role == _ROLE.MESSAGE_ROLE_SYSTEM:
-        return messages[1:]
-    return messages
+    """The messages to summarize: the system head and the pins stay outside every summary."""
+    return messages[head_length(messages) :]
 
 
 def _extract(messages: Sequence[Message], found: probes.SpanFacts, limits: _Limits) -> _Facts:
@@ -398,7 +397,8 @@ def _checkpoint_summary(text: str) -> str | None:
     """
     framed = len(text) >= len(_CHECKPOINT_HEAD) + len(_CHECKPOINT_TAIL)
     if framed and text.startswith(_CHECKPOINT_HEAD) and text.endswith(_CHECKPOINT_TAIL):
-        return text[len(_CHECKPOINT_HEAD) : len(text) - len(_CHECKPOINT_TAIL)]
+        inner = text[len(_CHECKPOINT_HEAD) : len(text) - len(_CHECKPOINT_TAIL)]
+        return prompts.without_open_handles(inner)
     return None
 
 

@@ -206,7 +206,9 @@ class StepService:
         return Bracket(
             handle, AUTO.trigger, SelectionMode.MAXIMAL if maximal else AUTO.selection, route,
             self._shrink_route(handle, route), policy, retained, relief.turn,
-            min_span_tokens=0 if maximal else self._guard.min_span_tokens(route, policy),
+            min_span_tokens=(
+                0 if maximal else self._guard.min_span_tokens(route, policy, handle.fold)
+            ),
             guarded=True, extractive=not first or self._floor_above_trigger(relief),
         )  # fmt: skip
 
@@ -380,7 +382,7 @@ class StepService:
         policy = self._pressure.target_policy(handle, route)
         job = Bracket(
             handle, MANUAL.trigger, MANUAL.selection, route, route, policy, focus=focus,
-            min_span_tokens=self._guard.min_span_tokens(route, policy),
+            min_span_tokens=self._guard.min_span_tokens(route, policy, handle.fold),
         )  # fmt: skip
         committed = await self._brackets.run(job, progress)
         result = cpb.CompactResult()
