@@ -19,6 +19,7 @@ from compactd.core.fold import SessionFold
 from compactd.core.projection import Message, derive_messages, project
 from compactd.core.surface import SurfaceNode
 from compactd.service.sessions import SessionHandle
+from compactd.speed import in_steps
 from compactd.v1 import session_service_pb2 as pb
 
 #: Surface nodes (or shadowed nodes of a surface's detail) made into a reply between pauses.
@@ -124,6 +125,13 @@ def request_reply_in_steps(fold: SessionFold) -> Generator[None, None, bytes]:
         yield
     parts.append(_request_header(fold).SerializeToString())
     return b"".join(parts)
+
+
+async def request_in_steps(fold: SessionFold) -> bytes:
+    """``request_reply_in_steps(fold)`` run on the loop (``in_steps``): the request's bytes, for
+    a result that carries the request (``MergeFromString`` parses them in one call, a fraction
+    of building the message on the loop). The caller holds the session's lock."""
+    return await in_steps(request_reply_in_steps(fold))
 
 
 def _request_header(fold: SessionFold) -> pb.BuildRequestResponse:
