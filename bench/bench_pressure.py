@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import functools
 import itertools
 import json
@@ -85,8 +86,19 @@ def _blocks(content: object) -> list[ContentBlock]:
         if part.get("type") == "text":
             blocks.append(ContentBlock(text=events_pb2.TextBlock(text=part["text"])))
         elif part.get("type") == "image_url":
-            blocks.append(ContentBlock(image=events_pb2.ImageBlock(name="image.png")))
+            blocks.append(ContentBlock(image=_image(str(part["image_url"]["url"]))))
     return blocks
+
+
+def _image(url: str) -> events_pb2.ImageBlock:
+    """The image a chat part carries: a ``data:`` URL inline, any other URL as its path (a
+    block with a name only is refused by ``AppendEvents``: nothing could read it again)."""
+    header, comma, payload = url.partition(",")
+    if url.startswith("data:") and comma and header.endswith(";base64"):
+        data = base64.b64decode(payload)
+        media_type = header.removeprefix("data:").removesuffix(";base64")
+        return events_pb2.ImageBlock(media_type=media_type, data=data, size_bytes=len(data))
+    return events_pb2.ImageBlock(name=url.rsplit("/", 1)[-1], path=url)
 
 
 def _event(message: dict[str, Any], prefix: str, calls: set[str]) -> SessionEvent | None:

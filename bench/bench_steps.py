@@ -20,6 +20,9 @@ At each size, ``--calls`` rounds run call by call, each round in an order that a
   server behind the same interceptors (named under ``compactd.v1.CompactionService`` so the
   per-session stream limit and the tenant's stream quota count it as they count PrepareStep; it
   decodes a ``PrepareStepRequest`` and writes one empty ``PrepareStepResponse``);
+- the Python client's default step, ``prepare_step(session, turn)`` (asyncio and blocking
+  clients, each on its own channel): the call a runtime makes, which holds the session's
+  request, sends its revision and appends the answered messages to it (one PrepareStepUnary);
 - grpc.aio's own floor: one empty unary call and one server-streaming call of one empty message
   on a bare grpc.aio server (no interceptors). A server-streaming call costs 1.2 to 1.5x a unary one
   there (two batches on the server, message then status, and more reads on the client), up to
@@ -48,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from compactd_client import AsyncCompactdClient, CompactdClient, PreparedStep
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.bench_pressure import BATCH, conversations, fmt, in_steps, surface_events, table
@@ -96,6 +100,8 @@ class StepRow:
     empty_stream: tuple[float, float]  # a no-op of PrepareStep's shape behind the interceptors
     bare_unary: tuple[float, float]  # one empty unary call on a bare grpc.aio server
     bare_stream: tuple[float, float]  # one empty message streamed by a bare grpc.aio server
+    client: tuple[float, float]  # AsyncCompactdClient.prepare_step, the default (held) path
+    sync_client: tuple[float, float]  # CompactdClient.prepare_step, the default (held) path
 
     @property
     def ratio(self) -> float:
@@ -111,6 +117,16 @@ class StepRow:
     def stream_ratio(self) -> float:
         """PrepareStep (streamed, held revision) p50 / empty server-streaming RPC p50."""
         return self.held[0] / self.empty_stream[0]
+
+    @property
+    def client_ratio(self) -> float:
+        """The asyncio client's default ``prepare_step`` p50 / empty unary RPC p50."""
+        return self.client[0] / self.empty[0]
+
+    @property
+    def sync_client_ratio(self) -> float:
+        """The blocking client's default ``prepare_step`` p50 / empty unary RPC p50."""
+        return self.sync_client[0] / self.empty[0]
 
     @property
     def floor(self) -> float:
@@ -224,9 +240,15 @@ async def _measured(
         return [message async for message in bare_call(b"")]
 
     rows: list[StepRow] = []
+    unbounded = [("grpc.max_receive_message_length", -1)]  # the full request at 100k events
+    # The clients' first step receives the full request (68.9 MB at 100k events, over their
+    # 64 MiB default): the options lift it as the bench's own channel does.
+    sync_client = CompactdClient(address, options=unbounded)
     try:
-        unbounded = [("grpc.max_receive_message_length", -1)]  # the full request at 100k events
-        async with grpc.aio.insecure_channel(address, options=unbounded) as channel:
+        async with (
+            grpc.aio.insecure_channel(address, options=unbounded) as channel,
+            AsyncCompactdClient(address, options=unbounded) as client,
+        ):
             sessions = session_service_pb2_grpc.SessionServiceStub(channel)
             compaction = compaction_service_pb2_grpc.CompactionServiceStub(channel)
             health = health_pb2_grpc.HealthStub(channel)
@@ -267,6 +289,12 @@ async def _measured(
             async def empty() -> object:
                 return await health.Check(health_pb2.HealthCheckRequest())
 
+            async def client_step() -> PreparedStep:
+                return await client.prepare_step("bench", 1)
+
+            async def sync_client_step() -> PreparedStep:
+                return sync_client.prepare_step("bench", 1)  # blocks: nothing else runs here
+
             empty_step = channel.unary_stream(
                 f"/compactd.v1.CompactionService/{EMPTY_STREAM}",
                 request_serializer=compaction_service_pb2.PrepareStepRequest.SerializeToString,
@@ -292,6 +320,11 @@ async def _measured(
                 assert again.request_unchanged
                 assert not again.HasField("request")
                 assert await unary_step(held) == again  # the same step, answered in one message
+                for default_step in (client_step, sync_client_step):
+                    await default_step()  # holds the request (the full one the first time)
+                    prepared = await default_step()
+                    assert prepared.result.request_unchanged  # a reply the size of the step
+                    assert prepared.request.revision == held
                 kinds: list[Callable[[], Awaitable[object]]] = [
                     empty,
                     functools.partial(unary_step, held),
@@ -300,6 +333,8 @@ async def _measured(
                     functools.partial(empty_stream, held),
                     bare_unary,
                     bare_stream,
+                    client_step,
+                    sync_client_step,
                 ]
                 samples: list[list[float]] = [[] for _ in kinds]
                 forward = list(range(len(kinds)))
@@ -311,6 +346,7 @@ async def _measured(
                         samples[kind].append(await _timed(kinds[kind]))
                 rows.append(StepRow(size, *(_pcts(s) for s in samples)))
     finally:
+        sync_client.close()
         await bare_channel.close(None)
     return rows
 
@@ -336,7 +372,15 @@ def readme_rows(sizes: Sequence[int] = SIZES, calls: int = 400) -> list[tuple[st
             "server-streaming RPC (one empty message) behind the same interceptors: "
             f"{each(lambda r: r.empty_stream[0] / r.empty[0])}; grpc.aio's floor, a bare "
             f"server-streaming call / a bare unary one: {each(lambda r: r.floor)}",
-        )
+        ),
+        (
+            "The Python client's default prepare_step(session, turn) ≤ 1.3x an empty RPC at "
+            "100 and 100k events, its reply the size of the step",
+            f"AsyncCompactdClient.prepare_step: p50 {each(lambda r: r.client_ratio)}; "
+            f"CompactdClient.prepare_step: {each(lambda r: r.sync_client_ratio)} (at "
+            f"{', '.join(f'{row.events:,}' for row in measured)} events)",
+            f"the same empty unary RPC, interleaved call by call: p50 {empties}",
+        ),
     ]
 
 
@@ -359,7 +403,8 @@ def main() -> None:
         "PrepareStep below pressure vs an empty RPC, interleaved call by call (p50 / p99)",
         ["events", "empty RPC", "StepUnary held", "unary/empty", "PrepareStep held",
          "held/empty", "PrepareStep full", "full/empty", "empty stream", "held/empty stream",
-         "bare unary", "bare stream", "bare stream/unary"],
+         "bare unary", "bare stream", "bare stream/unary", "client step", "client/empty",
+         "sync client step", "sync/empty"],
         [
             (
                 f"{row.events:,}",
@@ -375,6 +420,10 @@ def main() -> None:
                 f"{fmt(row.bare_unary[0])} / {fmt(row.bare_unary[1])}",
                 f"{fmt(row.bare_stream[0])} / {fmt(row.bare_stream[1])}",
                 f"{row.floor:5.2f}x",
+                f"{fmt(row.client[0])} / {fmt(row.client[1])}",
+                f"{row.client_ratio:5.2f}x",
+                f"{fmt(row.sync_client[0])} / {fmt(row.sync_client[1])}",
+                f"{row.sync_client_ratio:5.2f}x",
             )
             for row in measured
         ],
@@ -383,7 +432,10 @@ def main() -> None:
         "\nunary/empty: PrepareStepUnary (held revision) / an empty unary RPC (health check), "
         "both behind compactd's interceptors: the goal (<= 1.2x). held/empty stream: the streamed "
         "PrepareStep / a no-op server-streaming RPC behind the same interceptors. bare stream/"
-        "unary: grpc.aio's own cost of a server-streaming call over a unary one, no interceptors."
+        "unary: grpc.aio's own cost of a server-streaming call over a unary one, no interceptors. "
+        "client/empty, sync/empty: the Python clients' default prepare_step (the held request: "
+        "one PrepareStepUnary with held_revision, the answered messages appended) / the empty "
+        "unary RPC: the goal (<= 1.3x)."
     )
     print(f"\ndone in {time.perf_counter() - started:.0f} s")
 

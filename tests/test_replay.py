@@ -123,6 +123,18 @@ async def test_a_replay_reports_the_brackets_and_prunes_its_log_holds(address: s
         assert result.steps[record.step - 1].first_seq <= seq < steps[record.step - 1].seq
 
 
+async def test_kept_requests_are_each_steps_own(address: str) -> None:
+    """The client's default step extends its held request in place: the replay keeps copies."""
+    [transcript] = [t for t in SHIPPED if SHORT in t.source]
+    [result] = await rp.replay_all(
+        address, [transcript], policy=rp.window_policy(WINDOW), keep_requests=True
+    )
+    assert len(result.requests) == len(result.steps) > 2
+    assert [len(r.messages) for r in result.requests] == [s.request_messages for s in result.steps]
+    revisions = [r.revision for r in result.requests]
+    assert revisions == sorted(set(revisions))
+
+
 async def test_the_report_shows_the_log_figures(address: str) -> None:
     [transcript] = [t for t in SHIPPED if SHORT in t.source]
     result = await _replayed(address, transcript)
@@ -276,7 +288,8 @@ def test_the_client_extra_declares_the_client_package() -> None:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
     (client,) = pyproject["project"]["optional-dependencies"]["client"]
     assert client.startswith("compactd-client")
-    assert "client" in (ROOT / "scripts" / "setup").read_text(encoding="utf-8").split("'.[")[1]
+    # scripts/setup installs the locked dependencies, then the client editable beside compactd.
+    assert "-e clients/python" in (ROOT / "scripts" / "setup").read_text(encoding="utf-8")
 
 
 def test_the_report_counts_in_words_and_names_the_file_as_given(
@@ -291,7 +304,10 @@ def test_the_report_counts_in_words_and_names_the_file_as_given(
     out = capsys.readouterr().out
     page = (tmp_path / "r.html").read_text(encoding="utf-8")
     assert "1 conversation of one.jsonl, route" in page
-    assert " 0 prunes, 1 compaction;" in page
+    counts = re.search(r" (\d+) (prunes?), (\d+) (compactions?);", page)
+    assert counts is not None
+    for number, noun in ((counts[1], counts[2]), (counts[3], counts[4])):
+        assert noun.endswith("s") == (number != "1")  # "1 compaction", "0 prunes"
     assert "1 conversations" not in page
     assert str(tmp_path) not in out + page  # the path as given, never made absolute
 

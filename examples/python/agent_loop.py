@@ -2,7 +2,8 @@
 
 For each turn of the script: open the turn, then step until the model answers without tool
 calls. Each step asks compactd to prepare it (PrepareStep prunes and compacts when the request
-is above pressure, streaming each bracket step), sends the request compactd rebuilt to the
+is above pressure, streaming each bracket step; the client holds the request and compactd
+answers only what the step added), sends the request compactd rebuilt to the
 model (an OpenAI-compatible endpoint), logs the reply with its usage, runs the tools (scripted:
 the recorded outputs) and logs their results. Prints pressure per step, every compaction, and
 the final surface.
@@ -109,9 +110,13 @@ class Agent:
 
     def prepare(self, turn: int, step: int) -> session_service_pb2.BuildRequestResponse:
         """PrepareStep: prints pressure and what compactd did; returns the request to send."""
-        stream = self.client.prepare_step(self.session_id, turn)
-        updates = [progress_line(p) for p in stream]
-        result = stream.result()
+        updates: list[str] = []
+        # The client holds the session's last request and sends its revision: compactd answers
+        # only what this step added (or the full request after a compaction).
+        prepared = self.client.prepare_step(
+            self.session_id, turn, on_progress=lambda p: updates.append(progress_line(p))
+        )
+        result = prepared.result
         self.prunes += result.pruned_count
         self.compactions += len(result.compactions)
         line = pressure_line(f"turn {turn} step {step:2}", result.before)
@@ -124,7 +129,7 @@ class Agent:
                   f" condensed, ~{outcome.tokens_freed} tokens freed")  # fmt: skip
         for warning in result.warnings:
             print(f"    warning: {warning}")
-        return result.request
+        return prepared.request
 
     def report(self) -> None:
         """Prints the totals, the final pressure and the final surface."""

@@ -2,7 +2,8 @@
 //
 // For each turn of the script: open the turn, then step until the model answers without tool
 // calls. Each step asks compactd to prepare it (PrepareStep prunes and compacts when the request
-// is above pressure, streaming each bracket step), sends the request compactd rebuilt to the
+// is above pressure, streaming each bracket step; the client holds the request and compactd
+// answers only what the step added), sends the request compactd rebuilt to the
 // model (an OpenAI-compatible endpoint), logs the reply with its usage, runs the tools (scripted:
 // the recorded outputs) and logs their results. Prints pressure per step, every compaction, and
 // the final surface. Run through examples/run (it starts compactd and the scripted model).
@@ -156,10 +157,14 @@ class Agent {
     turn: number,
     step: number,
   ): Promise<BuildRequestResponse> {
-    const stream = this.client.prepareStep(this.sessionId, turn);
+    // The client holds the session's last request and sends its revision:
+    // compactd answers only what this step added (or the full request after a
+    // compaction).
     const updates: string[] = [];
-    for await (const progress of stream) updates.push(progressLine(progress));
-    const result = await stream.result();
+    const prepared = await this.client.prepareStep(this.sessionId, turn, {
+      onProgress: (progress) => updates.push(progressLine(progress)),
+    });
+    const result = prepared.result;
     this.prunes += Number(result.prunedCount);
     this.compactions += result.compactions.length;
     let line = pressureLine(
@@ -177,8 +182,7 @@ class Agent {
     }
     for (const warning of result.warnings)
       console.log(`    warning: ${warning}`);
-    if (!result.request) throw new Error("PrepareStep returned no request");
-    return result.request;
+    return prepared.request;
   }
 
   /** Prints the totals, the final pressure and the final surface. */

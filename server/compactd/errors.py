@@ -194,6 +194,20 @@ class StoreUnavailable(Unavailable):
     reason = Reason.STORE_UNAVAILABLE
 
 
+class DataLoss(CompactdError):
+    """Stored data cannot be read back as it was written: retrying does not help."""
+
+    reason = Reason.DATA_LOSS
+
+
+class StoreCorrupt(DataLoss):
+    """The store's file is damaged where the call reads or writes (SQLite finds its pages
+    malformed, or a stored event does not parse). Other sessions keep working; restoring the
+    file from a backup is the remedy."""
+
+    reason = Reason.STORE_CORRUPT
+
+
 class Fenced(CompactdError):
     """A compaction bracket's write came after its lease was lost to another replica."""
 

@@ -139,12 +139,17 @@ class Metrics:
         if trigger > 0:
             self._pressure_ratio.record(measured / trigger, attributes)
 
-    def compaction(self, trigger: str, outcome: str, *, reason: str = "", freed: int = 0) -> None:
-        """One bracket ended: ``committed``, ``declined``, ``relieved``, ``failed``, or was
-        ``skipped`` (failure memory held its span back, or the crossing's budget is spent)."""
+    def compaction(
+        self, trigger: str, outcome: str, *, reason: str = "", freed: int = 0, rung: str = ""
+    ) -> None:
+        """One bracket ended: ``committed`` (by the ladder's ``rung``: ``summary`` or
+        ``extractive``), ``declined``, ``relieved``, ``failed``; or older tool outputs were
+        ``masked`` (the ladder's masking rung)."""
         attributes = {"compactd.trigger": trigger, "compactd.outcome": outcome}
         if reason:
             attributes["compactd.reason"] = reason
+        if rung:
+            attributes["compactd.rung"] = rung
         self._compactions.add(1, attributes)
         if freed > 0:
             self._freed.add(freed, {"compactd.trigger": trigger})

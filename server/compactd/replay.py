@@ -37,7 +37,7 @@ from typing import Any
 
 import grpc
 from compactd_client import AsyncCompactdClient, openai
-from compactd_client.v1 import events_pb2
+from compactd_client.v1 import compaction_service_pb2, events_pb2
 from compactd_client.v1.events_pb2 import SessionEvent
 from compactd_client.v1.session_service_pb2 import BuildRequestResponse
 
@@ -48,6 +48,10 @@ from compactd.errors import ConfigError
 DEFAULT_ROUTE = ("openai", "gpt-4o")
 #: Events per ``AppendEvents`` (well under the default ``max_batch_events``).
 BATCH = 500
+
+
+#: Rewrites a transcript's converted events before a replay plays them (``replay``'s ``plant``).
+Plant = Callable[["Transcript", list[SessionEvent]], list[SessionEvent]]
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,12 @@ class StepRecord:
     seconds: float
     first_seq: int
     broken_pairs: int = 0
+    state: str = ""  # the pressure after PrepareStep: "above" or "below"
+    warnings: tuple[str, ...] = ()  # PrepareStep's warnings for this step
+    #: ``PressureOutcome``'s name after PrepareStep (``FITS``, ``ABOVE_TRIGGER``,
+    #: ``OVER_WINDOW_IRREDUCIBLE``, ``OVER_WINDOW``, ``UNPRICED``; "" from a server before it).
+    outcome: str = ""
+    limit: int = 0  # the window less the output reservation: what a request sent must fit
 
 
 @dataclass(frozen=True)
@@ -199,6 +209,7 @@ async def replay(
     session_id: str = "",
     on_step: Progress | None = None,
     keep_requests: bool = False,
+    plant: Plant | None = None,
 ) -> SessionReplay:
     """Play ``transcript`` as one new session; returns its steps and what the log says.
 
@@ -210,6 +221,8 @@ async def replay(
         session_id: The session's id (default: ``replay-`` and a random suffix).
         on_step: Called after each step's ``PrepareStep``.
         keep_requests: Keep each step's rebuilt request (``SessionReplay.requests``).
+        plant: Rewrites the converted events before they are played (a benchmark plants pins
+            and sub-agent events this way); it must keep the log valid.
 
     Raises:
         ValueError: The transcript holds a message the converter does not carry (named).
@@ -220,6 +233,8 @@ async def replay(
     events = openai.events_from_messages(
         transcript.messages, tools=transcript.tools, provider=provider, model=model
     )
+    if plant is not None:
+        events = plant(transcript, events)
     session = await client.create_session(
         session_id or f"replay-{uuid.uuid4().hex[:12]}", compaction_policy=dict(policy or {})
     )
@@ -262,9 +277,10 @@ async def _prepare(
     """``PrepareStep`` for the next step of ``turn``; records it (and, with ``keep_request``,
     the request it rebuilt) and encodes what it rebuilt."""
     started = time.perf_counter()
-    prepared = await client.prepare_step(result.session_id, turn).result()
+    answer = await client.prepare_step(result.session_id, turn)  # the client holds the request
     seconds = time.perf_counter() - started
-    body = openai.request_body(prepared.request)
+    prepared, request = answer.result, answer.request
+    body = openai.request_body(request)
     encoded = json.dumps(body, ensure_ascii=False)
     before = prepared.before if prepared.HasField("before") else prepared.after
     after = prepared.after
@@ -277,17 +293,30 @@ async def _prepare(
         window=after.context_window,
         pruned=prepared.pruned_count,
         compactions=len(prepared.compactions),
-        request_messages=len(prepared.request.messages),
+        request_messages=len(request.messages),
         request_bytes=len(encoded.encode()),
         seconds=seconds,
         first_seq=log_length,
         broken_pairs=broken_tool_pairs(body["messages"], answered),
+        state=_state_name(after.state),
+        warnings=tuple(prepared.warnings),
+        outcome=_outcome_name(prepared.outcome),
+        limit=after.context_window - after.output_reservation,
     )
     result.steps.append(step)
-    if keep_request:
-        result.requests.append(prepared.request)
+    if keep_request:  # a copy: the session's next step extends the client's held request
+        kept = BuildRequestResponse()
+        kept.CopyFrom(request)
+        result.requests.append(kept)
     result.warnings.update(dict.fromkeys(prepared.warnings))
     return step
+
+
+def _outcome_name(outcome: compaction_service_pb2.PressureOutcome.ValueType) -> str:
+    """``PressureOutcome``'s short name (``ABOVE_TRIGGER``), or "" when the server sent none."""
+    if not outcome:
+        return ""
+    return compaction_service_pb2.PressureOutcome.Name(outcome).removeprefix("PRESSURE_OUTCOME_")
 
 
 def broken_tool_pairs(messages: Sequence[Mapping[str, Any]], answered: Container[str]) -> int:
@@ -383,6 +412,12 @@ def _bracket(
     )
 
 
+def _state_name(value: int) -> str:
+    """``PRESSURE_STATE_ABOVE`` -> ``above``."""
+    name: str = compaction_service_pb2.PressureState.Name(value)  # type: ignore[arg-type]
+    return name.removeprefix("PRESSURE_STATE_").lower()
+
+
 def _trigger_name(value: events_pb2.CompactionTrigger.ValueType) -> str:
     name: str = events_pb2.CompactionTrigger.Name(value)
     return name.removeprefix("COMPACTION_TRIGGER_").lower()
@@ -443,16 +478,23 @@ def embedded_config(
 
 
 @contextlib.asynccontextmanager
-async def embedded_server(config: settings.ServerConfig) -> AsyncIterator[str]:
-    """A compactd started in this process on ``config``; yields its address, stops it after."""
+async def embedded_server(
+    config: settings.ServerConfig, *, clock: Callable[[], float] | None = None
+) -> AsyncIterator[str]:
+    """A compactd started in this process on ``config``; yields its address, stops it after.
+
+    ``clock`` (monotonic seconds) replaces ``time.monotonic`` as the server's guard clock (the
+    failure memory's backoffs, the quotas' buckets): a benchmark replays agent time with it.
+    """
     from opentelemetry import trace
     from opentelemetry.metrics import NoOpMeterProvider
 
     from compactd.api.server import create_server
 
     running = await create_server(
-        config, tracer_provider=trace.NoOpTracerProvider(), meter_provider=NoOpMeterProvider()
-    )
+        config, tracer_provider=trace.NoOpTracerProvider(), meter_provider=NoOpMeterProvider(),
+        clock=clock or time.monotonic,
+    )  # fmt: skip
     try:
         yield running.address
     finally:
@@ -476,6 +518,7 @@ async def replay_all(
     keep_requests: bool = False,
     credentials: grpc.ChannelCredentials | None = None,
     token: str | None = None,
+    plant: Plant | None = None,
 ) -> list[SessionReplay]:
     """Replay every transcript against ``address``, one session each, in order.
 
@@ -496,6 +539,7 @@ async def replay_all(
                     policy=policy,
                     on_step=step,
                     keep_requests=keep_requests,
+                    plant=plant,
                 )
             )
     return results

@@ -317,3 +317,57 @@ async def test_a_malformed_recovery_request_is_invalid_argument_naming_the_field
         got = details(caught.value)
         assert got.code == grpc.StatusCode.INVALID_ARGUMENT
         assert got.fields == [field]
+
+
+# ---- images a summary cannot carry (audit item 0) -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("image", "field"),
+    [
+        (events_pb2.ImageBlock(name="image.png"), "image"),
+        (events_pb2.ImageBlock(), "image"),
+        (events_pb2.ImageBlock(name="raw.png", data=b"\x89PNG"), "image.media_type"),
+    ],
+    ids=["name-only", "empty", "inline-without-media-type"],
+)
+async def test_an_image_that_cannot_be_read_again_is_refused_at_append_naming_it(
+    tmp_path: Path, loop: OpenAICompatServer, image: events_pb2.ImageBlock, field: str
+) -> None:
+    # Accepted, it would stop every later model summary of the session (UNSUPPORTED_CONTENT).
+    async with started(tmp_path, loop, routes=[vision_route(loop)]) as h:
+        await h.create(*opening(), turn_start(1))
+        block = events_pb2.ContentBlock(image=image)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await h.append(user("see"), user("this", blocks=[block]))
+        got = details(caught.value)
+        assert got.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert got.fields == [f"events[1].user_message.content[1].{field}"]
+        assert len(await h.events()) == 3  # nothing of the batch was written
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        events_pb2.ImageBlock(media_type="image/png", name="inline.png", data=b"\x89PNG i"),
+        events_pb2.ImageBlock(name="linked.png", path="/attachments/linked.png"),
+        events_pb2.ImageBlock(attachment_id="att-7"),
+    ],
+    ids=["inline", "path", "attachment"],
+)
+async def test_a_readable_image_is_accepted_and_a_model_summary_still_runs(
+    tmp_path: Path, loop: OpenAICompatServer, image: events_pb2.ImageBlock
+) -> None:
+    async with started(tmp_path, loop, routes=[vision_route(loop)]) as h:
+        block = events_pb2.ContentBlock(image=image)
+        await h.create(*opening(), turn_start(1), user("Look.", blocks=[block]))
+        await h.append(*in_step(1, 1, assistant(text="Seen.")), turn_end(1))
+        await h.append(*closed_turns(12, start=2))
+
+        run = await h.compact()
+
+        assert run.result.outcome.items_condensed > 0
+        (summary,) = summary_requests(loop)
+        assert sent_images(summary) == (1 if image.data else 0)
+        if not image.data:  # a reference the endpoint cannot fetch goes as its offload text
+            assert offload_placeholder(image) in json.dumps(summary["messages"])

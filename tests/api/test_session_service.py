@@ -459,10 +459,10 @@ async def test_a_forged_checkpoint_replacement_is_refused(sessions: SessionServi
     ("events", "field"),
     [
         ([turn_start(1), assistant("outside any step")], "events[1].assistant_message"),
-        ([step_start(1, 1)], "events[0].step_start.turn"),
+        ([step_end(1, 1)], "events[0].step_end"),
         ([turn_start(1), step_start(1, 1), step_start(1, 2)], "events[2].step_start"),
     ],
-    ids=["assistant-outside-a-step", "step-of-a-closed-turn", "overlapping-steps"],
+    ids=["assistant-outside-a-step", "end-of-no-open-step", "overlapping-steps"],
 )
 async def test_append_enforces_the_step_brackets(
     sessions: SessionServiceStub, events: list[ev.SessionEvent], field: str
@@ -473,6 +473,16 @@ async def test_append_enforces_the_step_brackets(
     got = details(caught.value)
     assert (got.code, got.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "STEP_BRACKET")
     assert got.fields == [field]
+
+
+async def test_append_accepts_a_step_whose_turn_was_never_opened(
+    sessions: SessionServiceStub,
+) -> None:
+    # The reference accepts it (its own tests build such logs); the step still brackets.
+    sid = await _create(sessions)
+    events = [user("hi"), step_start(1, 1), assistant("hello"), step_end(1, 1)]
+    reply = await _append(sessions, sid, *events)
+    assert list(reply.seqs) == [0, 1, 2, 3]
 
 
 async def test_only_replacements_cite_sources(sessions: SessionServiceStub) -> None:

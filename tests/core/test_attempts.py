@@ -1,8 +1,11 @@
-"""Failure memory and crossing budgets: a failing span waits for its backoff or a change."""
+"""Failure memory: a failing span is not sent to its target again while it stays the same
+(after a transient provider failure, until its backoff elapses)."""
 
 from __future__ import annotations
 
-from compactd.core.attempts import MAX_ENTRIES, AttemptLedger, Backoff, Crossing, span_key
+import math
+
+from compactd.core.attempts import MAX_ENTRIES, AttemptLedger, Backoff, span_key
 
 BACKOFF = Backoff(base=60, cap=240)
 
@@ -21,16 +24,30 @@ def test_a_span_key_changes_with_its_nodes_and_its_offloaded_images() -> None:
     assert span_key([3, 4, 5], {9: frozenset({0})}) == key  # offloads outside the span
 
 
-def test_a_failed_span_is_held_back_from_its_target_until_the_backoff_elapses() -> None:
+def test_a_transient_failure_holds_the_span_back_from_its_target_until_the_backoff_elapses() -> (
+    None
+):
     ledger = AttemptLedger()
-    ledger.remember("s", "loop/m", "SUMMARY_REJECTED", 100.0, BACKOFF)
+    ledger.remember("s", "loop/m", "TIMEOUT", 100.0, BACKOFF)
 
     held = ledger.hold("s", "loop/m", 130.0)
     assert held is not None
-    assert (held.reason, held.failures, held.retry_in) == ("SUMMARY_REJECTED", 1, 30.0)
+    assert (held.reason, held.failures, held.retry_in) == ("TIMEOUT", 1, 30.0)
     assert ledger.hold("s", "loop/m", 160.0) is None
     assert ledger.hold("s", "other/model", 130.0) is None
     assert ledger.hold("changed", "loop/m", 130.0) is None
+
+
+def test_a_failure_of_the_span_or_its_summary_holds_it_back_until_it_changes() -> None:
+    # The same request would get the same answer: it is never sent again, only a new span is.
+    ledger = AttemptLedger()
+    for reason in ("SUMMARY_REJECTED", "SUMMARY_TRUNCATED", "SUMMARY_FAILED"):
+        ledger.remember("s", "loop/m", reason, 100.0, BACKOFF)
+
+    held = ledger.hold("s", "loop/m", 10.0**9)
+    assert held is not None
+    assert held.retry_in == math.inf
+    assert ledger.hold("grown", "loop/m", 130.0) is None
 
 
 def test_consecutive_failures_of_one_kind_wait_longer() -> None:
@@ -47,11 +64,11 @@ def test_consecutive_failures_of_one_kind_wait_longer() -> None:
 def test_the_longest_wait_of_any_kind_holds() -> None:
     ledger = AttemptLedger()
     ledger.remember("s", "t", "TIMEOUT", 0.0, Backoff(10, 10))
-    ledger.remember("s", "t", "SUMMARY_REJECTED", 0.0, BACKOFF)
+    ledger.remember("s", "t", "RATE_LIMITED", 0.0, BACKOFF)
 
     held = ledger.hold("s", "t", 5.0)
     assert held is not None
-    assert held.reason == "SUMMARY_REJECTED"
+    assert held.reason == "RATE_LIMITED"
 
 
 def test_drift_and_cancellation_are_not_remembered_nor_anything_with_memory_off() -> None:
@@ -70,36 +87,3 @@ def test_the_memory_keeps_the_most_recent_entries_only() -> None:
 
     assert ledger.hold("span-0", "t", MAX_ENTRIES + 5.0) is None
     assert ledger.hold(f"span-{MAX_ENTRIES + 4}", "t", MAX_ENTRIES + 5.0) is not None
-
-
-def test_a_crossing_opens_its_budget_then_reports_exhaustion_once() -> None:
-    crossing = Crossing()
-    for _ in range(2):
-        assert crossing.may_open(2, 0.0)
-        crossing.opened()
-
-    assert not crossing.may_open(2, 0.0)
-    assert crossing.exhaust(10.0, BACKOFF) is True
-    assert crossing.exhaust(20.0, BACKOFF) is False
-    assert crossing.retry_in(40.0) == 30.0
-
-
-def test_an_exhausted_crossing_is_renewed_after_a_backoff_that_doubles() -> None:
-    crossing = Crossing()
-    crossing.opened()
-    crossing.exhaust(0.0, BACKOFF)
-
-    assert not crossing.may_open(1, 59.0)
-    assert crossing.may_open(1, 60.0)
-    crossing.opened()
-    assert crossing.exhaust(60.0, BACKOFF) is True
-    assert not crossing.may_open(1, 179.0)
-    assert crossing.may_open(1, 180.0)
-
-
-def test_closing_a_crossing_starts_the_next_one_with_a_fresh_budget() -> None:
-    ledger = AttemptLedger()
-    ledger.open_crossing().opened()
-    ledger.close_crossing()
-
-    assert ledger.open_crossing().brackets == 0

@@ -107,6 +107,24 @@ async def test_a_span_larger_than_the_window_is_chunked_then_merged(
     )
 
 
+async def test_a_chunk_summarized_before_is_not_sent_again_when_its_span_grew(
+    loopback: OpenAICompatServer,
+) -> None:
+    # A bracket whose merged summary failed leaves its span to the next one, grown: its first
+    # chunks are the same requests, and the model is not asked the same thing twice.
+    window = _instruction_tokens() + 200 + 900
+    chunker = _chunker(loopback, window)
+    first = _request(_span(8))
+    await chunker.summarize(first)
+    sent = len(loopback.requests)
+
+    await chunker.summarize(_request(_span(12)))  # the same first turns, then four more
+
+    bodies = [call.body for call in loopback.requests]
+    assert len(bodies) == len(set(bodies))  # no identical request went out twice
+    assert len(loopback.requests) - sent < len(chunker.chunks(_request(_span(12)))) + 1
+
+
 async def test_chunks_never_separate_a_tool_call_from_its_result(
     loopback: OpenAICompatServer,
 ) -> None:

@@ -422,10 +422,10 @@ async def test_a_summary_not_smaller_than_its_span_is_rejected_and_nothing_repla
         assert (await h.surface()).nodes == surface.nodes
 
 
-# ---- convergence ---------------------------------------------------------------------------------
+# ---- one bracket a step, the outcome typed ------------------------------------------------------
 
 
-async def test_a_convergence_retry_keeps_the_retained_budget(
+async def test_a_step_runs_one_bracket_and_keeps_the_retained_tail_verbatim(
     tmp_path: Path, loop: OpenAICompatServer
 ) -> None:
     async with started(tmp_path, loop, policy={**POLICY, "compactionRetries": 1}) as h:
@@ -434,11 +434,8 @@ async def test_a_convergence_retry_keeps_the_retained_budget(
         run = await h.prepare(1)
 
         result = run.result
-        (outcome,) = result.compactions  # the retry found nothing outside the retained tail
+        (outcome,) = result.compactions  # one bracket; the retained tail is new work's later
         assert (result.before.state, result.after.state) == (ABOVE, ABOVE)
-        (warning,) = result.warnings
-        assert "nothing more to compact" in warning
-        assert "after 1 compaction" in warning
         assert len(summary_requests(loop)) == 1
         after = await h.surface()
         kept = before.nodes[outcome.range.end_position + 1 :]
@@ -451,20 +448,19 @@ async def test_a_convergence_retry_keeps_the_retained_budget(
         assert tail_tokens // 4 >= result.after.retained_budget
 
 
-async def test_exhausted_retries_are_reported_with_the_figures(
+async def test_pressure_left_above_the_trigger_is_a_typed_outcome_with_the_figures(
     tmp_path: Path, loop: OpenAICompatServer
 ) -> None:
     async with started(tmp_path, loop, policy={**POLICY, "compactionRetries": 0}) as h:
         await h.create(*opening(), *units(10), *HUGE, *units(1, 10), turn_start(1))
-        run = await h.prepare(1)
-        result = run.result
+        result = (await h.prepare(1)).result
         assert len(result.compactions) == 1
         assert result.after.state == ABOVE
-        (warning,) = result.warnings
-        assert f"measured {result.after.measured_tokens}" in warning
-        assert f"trigger {result.after.trigger_tokens}" in warning
-        assert "compactionRetries=0" in warning
-        assert "after 1 compaction" in warning
+        assert result.outcome == cpb.PRESSURE_OUTCOME_ABOVE_TRIGGER
+        assert f"measured {result.after.measured_tokens}" in result.outcome_detail
+        assert f"trigger {result.after.trigger_tokens}" in result.outcome_detail
+        assert 0 < result.floor_tokens < result.after.measured_tokens
+        assert result.warnings == []  # the outcome says it; no free text needed
 
 
 async def test_a_later_compaction_folds_the_first_checkpoint(

@@ -509,7 +509,7 @@ async def _apply(handle: SessionHandle, op: str, arg: int, cursor: list[int]) ->
         message.assistant_message.usage.input_tokens = 50_000 + arg
         await handle.append([message])
     elif op == "image":
-        await handle.append([user(f"look {arg}", blocks=[image_block("a.png")])])
+        await handle.append([user(f"look {arg}", blocks=[image_block("a.png", path="/att/a.png")])])
     elif op == "offload":
         images = [n for n in nodes if n.event.HasField("user_message") and len(
             n.event.user_message.content) > 1 and n.seq not in fold.offloads]  # fmt: skip

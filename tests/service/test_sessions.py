@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import itertools
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -97,6 +99,72 @@ async def test_a_cancelled_append_whose_commit_fails_rolls_back() -> None:
     with pytest.raises(asyncio.CancelledError):
         await append
     assert (handle.revision, handle.fold.revision) == (0, 0)
+
+
+@contextlib.contextmanager
+def unretrieved_task_exceptions() -> Iterator[list[str]]:
+    """What asyncio reports about the loop's futures meanwhile ("Task exception was never
+    retrieved": logged at ERROR with a traceback), checked after the unreferenced ones are
+    freed."""
+    reported: list[str] = []
+    loop = asyncio.get_running_loop()
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: reported.append(str(context.get("message"))))
+    try:
+        yield reported
+        gc.collect()
+    finally:
+        loop.set_exception_handler(previous)
+
+
+async def test_a_failed_commit_whose_caller_went_away_is_not_reported_unretrieved() -> None:
+    store = GatedStore()
+    handle = await (await _session(store)).get("s")
+
+    async def abandoned() -> None:  # its frame (and the commit task it names) freed on return
+        append = asyncio.create_task(handle.append([user("a")]))
+        await store.entered.wait()
+        append.cancel()  # the caller's deadline passed mid-commit
+        store.fail = True
+        store.gate.set()
+        await asyncio.wait([append])
+        assert append.cancelled()
+
+    with unretrieved_task_exceptions() as reported:
+        await abandoned()
+    assert reported == []
+
+
+class FailingRestoreStore(MemoryEventStore):
+    """An in-memory store whose session reads wait for a gate, then fail."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    async def get_session(self, session_id: str, *, tenant: str = "default") -> Any:
+        self.entered.set()
+        await self.gate.wait()
+        raise Unavailable("disk went away")
+
+
+async def test_a_failed_restore_whose_callers_went_away_is_not_reported_unretrieved() -> None:
+    store = FailingRestoreStore()
+    await store.open()
+
+    async def abandoned() -> None:
+        getting = asyncio.create_task(SessionManager(store).get("s"))
+        await store.entered.wait()
+        getting.cancel()  # the only caller goes away
+        store.gate.set()
+        await asyncio.wait([getting])
+        assert getting.cancelled()
+        await asyncio.sleep(0)  # the restore fails
+
+    with unretrieved_task_exceptions() as reported:
+        await abandoned()
+    assert reported == []
 
 
 async def test_concurrent_first_uses_restore_a_session_once() -> None:

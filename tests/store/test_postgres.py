@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+import time
+import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import psycopg
 import pytest
 
-from compactd import cli, errors
+from compactd import cli, deadlines, errors
 from compactd.store import base, postgres_schema
 from compactd.store import postgres as postgres_store
 from compactd.store.postgres import PostgresEventStore
 from compactd.v1 import events_pb2
 from tests import postgres
+from tests.blackhole import BlackHoleRelay
 
 from .builders import batch
 
@@ -222,3 +226,90 @@ async def test_read_seqs_parses_the_events_off_the_event_loop(
     assert [e.seq for e in found] == list(range(600))
     assert parsed_in
     assert threading.get_ident() not in parsed_in
+
+
+# ---- a database that stops answering (audit item 4) ------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def behind_a_black_hole(url: str) -> AsyncIterator[tuple[BlackHoleRelay, str]]:
+    target = urllib.parse.urlsplit(url)
+    async with BlackHoleRelay(target.hostname or "127.0.0.1", target.port or 5432) as relay:
+        yield relay, relay.url(url)
+
+
+async def _timed(call: Awaitable[object]) -> tuple[float, BaseException | None]:
+    started = time.monotonic()
+    try:
+        await asyncio.wait_for(call, 20)  # a hang fails the test (TimeoutError) rather than it
+    except BaseException as error:  # what it raised is the measurement
+        return time.monotonic() - started, error
+    return time.monotonic() - started, None
+
+
+async def test_every_operation_on_a_database_that_stops_answering_ends_within_its_budget(
+    url: str,
+) -> None:
+    async with behind_a_black_hole(url) as (relay, relayed):
+        store = PostgresEventStore(relayed, connect_timeout_s=0.5, statement_timeout_ms=500)
+        await store.open()
+        await store.create_session("s", None)
+        await store.append("s", batch(0, 2))
+        relay.swallow()  # the host goes silent: no reset, no answer
+
+        calls = {
+            "get_session": lambda: store.get_session("s"),
+            "append": lambda: store.append("s", batch(2, 1)),
+            "read": lambda: _drain(store.read("s")),
+            "read_seqs": lambda: store.read_seqs("s", [0]),
+            "create_session": lambda: store.create_session("t", None),
+            "get_lease": lambda: store.get_lease("s"),
+        }
+        for name, call in calls.items():
+            took, error = await _timed(call())
+            assert isinstance(error, errors.StoreUnavailable), (name, error)
+            assert took < store.budget_s() + 0.5, (name, took)
+        await asyncio.wait_for(store.close(), 30)
+
+
+async def test_an_operation_ends_before_the_calls_deadline(url: str) -> None:
+    async with behind_a_black_hole(url) as (relay, relayed):
+        store = PostgresEventStore(relayed, connect_timeout_s=3, statement_timeout_ms=5000)
+        await store.open()
+        await store.create_session("s", None)
+        relay.swallow()
+
+        deadlines.bind(1.0)  # the call being served has a second left
+        took, error = await _timed(store.get_session("s"))
+
+        assert isinstance(error, errors.StoreUnavailable)
+        assert 0.8 < took < 1.0  # answered before the deadline, not at the pool's 8 s
+        deadlines.bind(None)
+        await asyncio.wait_for(store.close(), 30)
+
+
+async def _drain(events: AsyncIterator[object]) -> None:
+    async for _ in events:
+        pass
+
+
+# ---- the append rate every replica shares (audit item 15) ------------------------------------
+
+
+async def test_replicas_take_append_tokens_from_one_bucket_per_tenant(url: str) -> None:
+    async with PostgresEventStore(url) as a, PostgresEventStore(url) as b:
+        # A burst of 3 at 0.01 a second: no refill to speak of during the test.
+        taken = [await store.take_append_token("t", 0.01, 3) for store in [a, b] * 3]
+        other = await b.take_append_token("u", 0.01, 3)  # another tenant's own bucket
+
+    assert taken[:3] == [0.0, 0.0, 0.0]
+    assert all(wait is not None and 90 < wait <= 100 for wait in taken[3:])  # ~1 token / 0.01
+    assert other == 0.0
+
+
+async def test_concurrent_takes_never_hand_out_more_than_the_bucket_holds(url: str) -> None:
+    async with PostgresEventStore(url, pool_max=8) as a, PostgresEventStore(url) as b:
+        waits = await asyncio.gather(
+            *(store.take_append_token("t", 0.01, 5) for store in [a, b] * 20)
+        )
+    assert sum(wait == 0.0 for wait in waits) == 5

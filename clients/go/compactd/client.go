@@ -13,7 +13,6 @@ import (
 
 	v1 "compactd.dev/client/compactdv1"
 	"google.golang.org/grpc"
-	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/structpb"
 )
 
@@ -46,6 +45,11 @@ type Client struct {
 	Compaction v1.CompactionServiceClient
 	// Timeout is the default deadline of unary calls (0: none).
 	Timeout time.Duration
+	// HeldSessions is how many sessions' last request PrepareStep holds (Dial sets
+	// DefaultHeldSessions; the least recently stepped is dropped first; ForgetHeldRequest and
+	// Close drop them too). 0 holds none: every step then answers the full request.
+	HeldSessions int
+	held         heldRequests
 }
 
 // Dial connects (plaintext, lazily) to target ("host:port") with the retrying service config.
@@ -61,15 +65,19 @@ func Dial(target string, opts ...grpc.DialOption) (*Client, error) {
 		return nil, fmt.Errorf("compactd: dial %s: %w", target, err)
 	}
 	return &Client{
-		conn:       conn,
-		Sessions:   v1.NewSessionServiceClient(conn),
-		Compaction: v1.NewCompactionServiceClient(conn),
-		Timeout:    30 * time.Second,
+		conn:         conn,
+		Sessions:     v1.NewSessionServiceClient(conn),
+		Compaction:   v1.NewCompactionServiceClient(conn),
+		Timeout:      30 * time.Second,
+		HeldSessions: DefaultHeldSessions,
 	}, nil
 }
 
-// Close closes the connection.
-func (c *Client) Close() error { return c.conn.Close() }
+// Close closes the connection and drops the held requests.
+func (c *Client) Close() error {
+	c.held.clear()
+	return c.conn.Close()
+}
 
 func (c *Client) unaryContext(ctx context.Context) (context.Context, context.CancelFunc) {
 	if _, ok := ctx.Deadline(); ok || c.Timeout <= 0 {
@@ -117,6 +125,32 @@ func (c *Client) GetSurface(ctx context.Context, sessionID string) (*v1.GetSurfa
 	ctx, cancel := c.unaryContext(ctx)
 	defer cancel()
 	resp, err := c.Sessions.GetSurface(ctx, &v1.GetSurfaceRequest{SessionId: sessionID})
+	return resp, FromError(err)
+}
+
+// CreateChildSession creates a sub-agent's session: a child of parentSessionID (of the same
+// tenant; ErrNotFound when it does not exist). With forkAtSeq (nil: none) the child starts with
+// a copy of the parent's surface as it stood right after that seq.
+func (c *Client) CreateChildSession(ctx context.Context, sessionID, parentSessionID string, forkAtSeq *int64) (*v1.Session, error) {
+	ctx, cancel := c.unaryContext(ctx)
+	defer cancel()
+	resp, err := c.Sessions.CreateSession(ctx, &v1.CreateSessionRequest{
+		SessionId: sessionID, ParentSessionId: parentSessionID, ForkAtSeq: forkAtSeq,
+	})
+	if err != nil {
+		return nil, FromError(err)
+	}
+	return resp.GetSession(), nil
+}
+
+// ListSessions returns one page of the caller's tenant's sessions in id order (NextPageToken ""
+// at the end); with parentSessionID, that session's children only.
+func (c *Client) ListSessions(ctx context.Context, pageSize int32, pageToken, parentSessionID string) (*v1.ListSessionsResponse, error) {
+	ctx, cancel := c.unaryContext(ctx)
+	defer cancel()
+	resp, err := c.Sessions.ListSessions(ctx, &v1.ListSessionsRequest{
+		PageSize: pageSize, PageToken: pageToken, ParentSessionId: parentSessionID,
+	})
 	return resp, FromError(err)
 }
 
@@ -225,20 +259,85 @@ func newStream[M update[R], R comparable](recv func() (M, error), err error) (*C
 	return &CompactionStream[M, R]{recv: recv}, nil
 }
 
-// PrepareStep runs the pre-step check for an open turn; the result carries the request to send.
-func (c *Client) PrepareStep(ctx context.Context, sessionID string, turn int64, intended *v1.Route) (*CompactionStream[*v1.PrepareStepResponse, *v1.PrepareStepResult], error) {
+// PrepareStep runs the pre-step check for an open turn (prunes and compacts when above
+// pressure) and answers the full request to send. opts may be nil.
+//
+// The client holds the session's last request (see HeldSessions) and sends its revision as the
+// held revision: while compactd changed nothing it shows, the server answers only the messages
+// appended since, which the client appends to the held request. A step that compacted, pruned
+// or switched routes answers the full request, which the client then holds instead. So a step
+// costs what it adds, never the session's length. Without opts.OnProgress the step is one
+// PrepareStepUnary call; give ctx a deadline a compaction fits in. Errors as PrepareStepStream
+// (ErrCompactionBusy while a bracket is live).
+func (c *Client) PrepareStep(ctx context.Context, sessionID string, turn int64, opts *StepOptions) (*PreparedStep, error) {
+	var o StepOptions
+	if opts != nil {
+		o = *opts
+	}
+	sent := c.held.revision(sessionID)
+	var result *v1.PrepareStepResult
+	var progress []*v1.CompactionProgress
+	var err error
+	if o.OnProgress == nil {
+		result, err = c.PrepareStepUnary(ctx, sessionID, turn, o.IntendedRoute, sent)
+	} else {
+		result, progress, err = c.streamStep(ctx, &v1.PrepareStepRequest{SessionId: sessionID, Turn: turn, IntendedRoute: o.IntendedRoute, HeldRevision: sent}, o.OnProgress)
+	}
+	if err != nil {
+		return nil, err
+	}
+	request := c.held.update(sessionID, sent, result, c.HeldSessions)
+	if request == nil { // the held request moved on meanwhile (a concurrent step): rebuild it
+		full, err := c.BuildRequest(ctx, sessionID)
+		if err != nil {
+			return nil, err
+		}
+		request = c.held.put(sessionID, full, c.HeldSessions)
+	}
+	return &PreparedStep{Request: request, Result: result, Progress: progress}, nil
+}
+
+// streamStep runs the PrepareStep stream to its result, passing each update to onProgress.
+func (c *Client) streamStep(ctx context.Context, request *v1.PrepareStepRequest, onProgress func(*v1.CompactionProgress)) (*v1.PrepareStepResult, []*v1.CompactionProgress, error) {
+	ctx, cancel := context.WithCancel(ctx) // ends the call on an early return
+	defer cancel()
+	stream, err := c.prepareStep(ctx, request)
+	if err != nil {
+		return nil, nil, err
+	}
+	for {
+		p, err := stream.Next()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return nil, nil, err
+		}
+		onProgress(p)
+	}
+	result, err := stream.Result()
+	return result, stream.Progress, err
+}
+
+// ForgetHeldRequest drops the request the client holds for the session (a runtime done with
+// it); the session's next PrepareStep answers the full request.
+func (c *Client) ForgetHeldRequest(sessionID string) { c.held.forget(sessionID) }
+
+// PrepareStepStream is the PrepareStep stream as the server sends it: Next for the progress,
+// Result for the result. Nothing is held: the result carries the full request.
+func (c *Client) PrepareStepStream(ctx context.Context, sessionID string, turn int64, intended *v1.Route) (*CompactionStream[*v1.PrepareStepResponse, *v1.PrepareStepResult], error) {
 	return c.prepareStep(ctx, &v1.PrepareStepRequest{SessionId: sessionID, Turn: turn, IntendedRoute: intended})
 }
 
-// PrepareStepHeld is PrepareStep for a runtime that holds the request built at heldRevision:
+// PrepareStepHeld is PrepareStepStream for a runtime that holds the request built at heldRevision:
 // the result omits the full request while compactd changed none of it (StepRequest gives the
 // request to send either way).
 func (c *Client) PrepareStepHeld(ctx context.Context, sessionID string, turn int64, intended *v1.Route, heldRevision int64) (*CompactionStream[*v1.PrepareStepResponse, *v1.PrepareStepResult], error) {
 	return c.prepareStep(ctx, &v1.PrepareStepRequest{SessionId: sessionID, Turn: turn, IntendedRoute: intended, HeldRevision: &heldRevision})
 }
 
-// PrepareStepUnary is PrepareStep in one call (the PrepareStepUnary RPC): the same result, no
-// step updates. It is cheaper than the stream for a runtime that shows no compaction progress
+// PrepareStepUnary is the PrepareStepUnary RPC as the server answers it: PrepareStepStream's
+// result in one call, no step updates, nothing held. It is cheaper than the stream for a runtime that shows no compaction progress
 // (most steps are below pressure); a compaction it runs happens inside the call, so give ctx a
 // deadline a compaction fits in. heldRevision may be nil (the result then carries the full
 // request).
@@ -252,22 +351,6 @@ func (c *Client) PrepareStepUnary(ctx context.Context, sessionID string, turn in
 		return nil, ErrIncompleteStream
 	}
 	return response.GetResult(), nil
-}
-
-// StepRequest is the request a step sends: the result's full request or, when the result says
-// RequestUnchanged, held with the messages appended since. Its Revision is the next step's
-// heldRevision. held may be nil only when the result carries the full request.
-func StepRequest(held *v1.BuildRequestResponse, result *v1.PrepareStepResult) (*v1.BuildRequestResponse, error) {
-	if !result.GetRequestUnchanged() {
-		return result.GetRequest(), nil
-	}
-	if held == nil {
-		return nil, fmt.Errorf("the PrepareStep result omits the request: pass the request heldRevision named")
-	}
-	request := proto.Clone(held).(*v1.BuildRequestResponse)
-	request.Messages = append(request.Messages, result.GetAppendedMessages()...)
-	request.Revision = result.GetRequestRevision()
-	return request, nil
 }
 
 func (c *Client) prepareStep(ctx context.Context, request *v1.PrepareStepRequest) (*CompactionStream[*v1.PrepareStepResponse, *v1.PrepareStepResult], error) {

@@ -2,7 +2,7 @@
 // compactd (COMPACTD_ADDRESS; the routed model from COMPACTD_PROVIDER / COMPACTD_MODEL). Same
 // list as the Python and TypeScript suites: create, append, rebuild request, pressure check, a
 // watch receiving updates, a compaction with its streamed steps, a busy error with its reason,
-// a SEQ_CONFLICT.
+// a SEQ_CONFLICT, held steps across a compaction.
 package scenarios
 
 import (
@@ -20,6 +20,7 @@ import (
 	"compactd.dev/client/compactd"
 	v1 "compactd.dev/client/compactdv1"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/protobuf/proto"
 )
 
 var bracket = []v1.CompactionStep{
@@ -300,5 +301,65 @@ func TestSeqConflict(t *testing.T) {
 	next, err := c.AppendEvents(context.Background(), id, []*v1.SessionEvent{compactd.TurnStart(9)}, compactd.Seq(revision-1))
 	if err != nil || len(next.GetSeqs()) != 1 || next.GetSeqs()[0] != revision {
 		t.Fatalf("append after conflict: %v %v", next, err)
+	}
+}
+
+// workStep is what one step of an open turn logs (~390 tokens): a reply calling a tool, its result.
+func workStep(turn, step int64) []*v1.SessionEvent {
+	callID := fmt.Sprintf("fix-%d", step)
+	var output []string
+	for i := 0; i < 40; i++ {
+		output = append(output, fmt.Sprintf("src/module_%d_%d.py: fixed handler_%d", step, i, i))
+	}
+	return []*v1.SessionEvent{
+		compactd.StepStart(turn, step),
+		compactd.AssistantMessage(fmt.Sprintf("Fixing batch %d.", step), compactd.ToolCallBlock(callID, "edit", compactd.JSON(map[string]int64{"batch": step}))),
+		compactd.StepEnd(turn, step),
+		compactd.ToolResult(callID, "edit", strings.Join(output, "\n")),
+	}
+}
+
+func TestHeldStepsAcrossACompaction(t *testing.T) {
+	c := connect(t)
+	ctx := context.Background()
+	id := newSession(t, c)
+	seed(t, c, id, 8) // ~8,000 tokens: five steps below the trigger (9,830)
+	if _, err := c.AppendEvents(ctx, id, []*v1.SessionEvent{compactd.TurnStart(9), compactd.UserMessage("Now fix every handler.")}, nil); err != nil {
+		t.Fatal(err)
+	}
+	var full, compacted []int
+	for step := int64(1); step <= 9; step++ {
+		prepared, err := c.PrepareStep(ctx, id, 9, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		built, err := c.BuildRequest(ctx, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !proto.Equal(prepared.Request, built) {
+			t.Fatalf("step %d: the held request differs from BuildRequest's", step)
+		}
+		result := prepared.Result
+		if result.GetRequestUnchanged() {
+			appended, messages := result.GetAppendedMessages(), built.GetMessages()
+			if len(appended) != 2 || !proto.Equal(appended[0], messages[len(messages)-2]) || !proto.Equal(appended[1], messages[len(messages)-1]) {
+				t.Fatalf("step %d: appended %d messages, not the step's two", step, len(appended))
+			}
+		} else {
+			full = append(full, int(step-1))
+		}
+		if len(result.GetCompactions()) > 0 {
+			compacted = append(compacted, int(step-1))
+		}
+		if _, err := c.AppendEvents(ctx, id, workStep(9, step), nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if len(compacted) == 0 || compacted[0] < 2 || compacted[0] > 7 {
+		t.Fatalf("compactions at steps %v", compacted)
+	}
+	if fmt.Sprint(full) != fmt.Sprint(append([]int{0}, compacted...)) {
+		t.Fatalf("full requests at steps %v, compactions at %v", full, compacted)
 	}
 }

@@ -3,8 +3,8 @@
 Every client (Python, TypeScript, Go) runs the same list against the one server that
 ``clients/run-scenarios`` starts: create (idempotent), append, rebuild request, pressure check, a
 watch receiving updates, a compaction with its streamed steps, a busy error with its reason, a
-SEQ_CONFLICT. The server comes from ``COMPACTD_ADDRESS``; the routed model from
-``COMPACTD_PROVIDER`` / ``COMPACTD_MODEL`` (a route with a declared window).
+SEQ_CONFLICT, held steps across a compaction. The server comes from ``COMPACTD_ADDRESS``; the
+routed model from ``COMPACTD_PROVIDER`` / ``COMPACTD_MODEL`` (a route with a declared window).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from compactd_client.events import (
     user_message,
 )
 from compactd_client.v1 import compaction_service_pb2 as cpb
+from compactd_client.v1 import events_pb2
 from compactd_client.v1 import session_service_pb2 as spb
 
 ADDRESS = os.environ.get("COMPACTD_ADDRESS", "")
@@ -197,3 +198,39 @@ def test_seq_conflict(client: CompactdClient) -> None:
     assert caught.value.reason == "SEQ_CONFLICT"
     after = client.append_events(session_id, [turn_start(9)], expected_last_seq=revision - 1)
     assert list(after.seqs) == [revision]
+
+
+def work_step(turn: int, step: int) -> list[events_pb2.SessionEvent]:
+    """What one step of an open turn logs (~390 tokens): a reply calling a tool, its result."""
+    call_id = f"fix-{step}"
+    output = "\n".join(f"src/module_{step}_{i}.py: fixed handler_{i}" for i in range(40))
+    return [
+        step_start(turn, step),
+        assistant_message(
+            f"Fixing batch {step}.", tool_calls=[tool_call_block(call_id, "edit", {"batch": step})]
+        ),
+        step_end(turn, step),
+        tool_result(call_id, output, tool_name="edit"),
+    ]
+
+
+def test_held_steps_across_a_compaction(client: CompactdClient) -> None:
+    """The default step holds the request: every step's is BuildRequest's, while the server
+    answers only the messages each step added, except the step that compacts."""
+    session_id = new_session(client)
+    seed(client, session_id, turns=8)  # ~8,000 tokens: five steps below the trigger (9,830)
+    client.append_events(session_id, [turn_start(9), user_message("Now fix every handler.")])
+    answers: list[cpb.PrepareStepResult] = []
+    for step in range(1, 10):
+        prepared = client.prepare_step(session_id, 9)
+        built = client.build_request(session_id)
+        assert prepared.request == built, f"step {step}"
+        answers.append(prepared.result)
+        if prepared.result.request_unchanged:
+            assert list(prepared.result.appended_messages) == list(built.messages[-2:])
+        client.append_events(session_id, work_step(9, step))
+    compacted = [i for i, a in enumerate(answers) if a.compactions]
+    assert compacted, "no step compacted"
+    assert 1 < compacted[0] < len(answers) - 1
+    full = [i for i, a in enumerate(answers) if not a.request_unchanged]
+    assert full == [0, *compacted]  # the first step held nothing; a compaction rewrites

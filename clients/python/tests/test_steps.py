@@ -1,4 +1,4 @@
-"""``step_request``: the request a step sends, from a PrepareStep result and the held request."""
+"""The request a step sends: the client's held requests (``prepare_step``) and ``step_request``."""
 
 from __future__ import annotations
 
@@ -8,15 +8,24 @@ import grpc
 import pytest
 from fake_compactd import FakeCompactd, abort_rich
 
-from compactd_client import CompactdClient, CompactionBusyError, step_request
+from compactd_client import CompactdClient, CompactionBusyError, HeldRequests, step_request
 from compactd_client._requests import prepare_step
 from compactd_client.v1.compaction_service_pb2 import (
+    COMPACTION_STEP_PRUNE,
+    CompactionProgress,
+    PrepareStepRequest,
+    PrepareStepResponse,
     PrepareStepResult,
     PrepareStepUnaryRequest,
     PrepareStepUnaryResponse,
 )
 from compactd_client.v1.events_pb2 import ContentBlock, RequestConfig, TextBlock
-from compactd_client.v1.session_service_pb2 import BuildRequestResponse, Message
+from compactd_client.v1.session_service_pb2 import (
+    BuildRequestRequest,
+    BuildRequestResponse,
+    DeleteSessionResponse,
+    Message,
+)
 
 
 def message(text: str) -> Message:
@@ -75,3 +84,137 @@ def test_the_unary_step_sends_the_held_revision_and_returns_the_result(
         ("busy", 3, 0),
     ]
     assert not seen[1].HasField("held_revision")
+
+
+class Log:
+    """A scripted session on the fake server, answering steps by the held-revision contract:
+    the full request without ``held_revision`` (or once ``rewrite`` is set), else the
+    messages appended since."""
+
+    def __init__(self) -> None:
+        self.messages = [message("a")]
+        self.rewrite = False
+        self.sent: list[int | None] = []
+
+    def result(self, request: PrepareStepRequest | PrepareStepUnaryRequest) -> PrepareStepResult:
+        self.sent.append(request.held_revision if request.HasField("held_revision") else None)
+        revision = len(self.messages)  # one message per revision, enough for the client
+        if not request.HasField("held_revision") or self.rewrite:
+            self.rewrite = False
+            full = BuildRequestResponse(revision=revision, messages=self.messages, config=CONFIG)
+            return PrepareStepResult(request=full, request_revision=revision)
+        appended = self.messages[request.held_revision :]
+        return PrepareStepResult(
+            request_unchanged=True, appended_messages=appended, request_revision=revision
+        )
+
+    def unary(self, request: Any, context: grpc.ServicerContext) -> PrepareStepUnaryResponse:
+        return PrepareStepUnaryResponse(result=self.result(request))
+
+    def stream(self, request: Any, context: grpc.ServicerContext) -> Any:
+        yield PrepareStepResponse(progress=CompactionProgress(step=COMPACTION_STEP_PRUNE))
+        yield PrepareStepResponse(result=self.result(request))
+
+
+CONFIG = RequestConfig(provider="p", model="m")
+
+
+def test_each_step_sends_the_held_revision_and_answers_the_full_request(
+    fake: FakeCompactd,
+) -> None:
+    log = Log()
+    fake.on("PrepareStepUnary", log.unary)
+    with CompactdClient(fake.target) as client:
+        first = client.prepare_step("s", 1)
+        log.messages += [message("b"), message("c")]
+        second = client.prepare_step("s", 1)
+        log.rewrite, log.messages = True, [message("summary")]
+        third = client.prepare_step("s", 1)
+        log.messages.append(message("d"))
+        fourth = client.prepare_step("s", 1)
+    assert log.sent == [None, 1, 3, 1]
+    assert second.request is first.request  # the held request, extended in place
+    assert list(second.request.messages) == [message("a"), message("b"), message("c")]
+    assert (second.request.revision, second.request.config) == (3, CONFIG)
+    assert second.result.request_unchanged
+    assert list(fourth.request.messages) == [message("summary"), message("d")]
+    assert fourth.request is third.request
+    assert fake.calls["PrepareStep"] == 0  # no progress asked: one unary call per step
+
+
+def test_a_step_with_on_progress_is_streamed_and_held_alike(fake: FakeCompactd) -> None:
+    log = Log()
+    fake.on("PrepareStep", log.stream)
+    seen: list[CompactionProgress] = []
+    with CompactdClient(fake.target) as client:
+        client.prepare_step("s", 1, on_progress=seen.append)
+        log.messages.append(message("b"))
+        step = client.prepare_step("s", 1, on_progress=seen.append)
+    assert log.sent == [None, 1]
+    assert list(step.request.messages) == [message("a"), message("b")]
+    assert step.progress == (CompactionProgress(step=COMPACTION_STEP_PRUNE),)
+    assert len(seen) == 2
+    assert fake.calls["PrepareStepUnary"] == 0
+
+
+def test_held_requests_are_bounded_and_dropped_with_their_session(fake: FakeCompactd) -> None:
+    log = Log()
+    fake.on("PrepareStepUnary", log.unary)
+    fake.on("DeleteSession", lambda request, context: DeleteSessionResponse())
+    with CompactdClient(fake.target, held_sessions=1) as client:
+        for session in ("s1", "s2", "s1", "s1"):  # s2 pushes s1 out of one slot
+            client.prepare_step(session, 1)
+        client.delete_session("s1")
+        client.prepare_step("s1", 1)
+        client.forget_held_request("s1")
+        client.prepare_step("s1", 1)
+    assert log.sent == [None, None, None, 1, None, None]
+    with CompactdClient(fake.target, held_sessions=0) as client:
+        client.prepare_step("s", 1)
+        client.prepare_step("s", 1)
+    assert log.sent[-2:] == [None, None]
+    with pytest.raises(ValueError, match="capacity"):
+        HeldRequests(-1)
+
+
+def test_an_answer_to_a_request_no_longer_held_is_rebuilt(fake: FakeCompactd) -> None:
+    """A concurrent step moved the held request on (here: dropped it) while this step ran:
+    the appended messages no longer apply, so the client asks BuildRequest."""
+    log = Log()
+    with CompactdClient(fake.target) as client:
+
+        def concurrent(request: Any, context: grpc.ServicerContext) -> PrepareStepUnaryResponse:
+            client.forget_held_request("s")
+            return log.unary(request, context)
+
+        def build(request: BuildRequestRequest, context: grpc.ServicerContext) -> Any:
+            return BuildRequestResponse(revision=len(log.messages), messages=log.messages)
+
+        fake.on("PrepareStepUnary", log.unary)
+        fake.on("BuildRequest", build)
+        client.prepare_step("s", 1)
+        log.messages.append(message("b"))
+        fake.on("PrepareStepUnary", concurrent)
+        step = client.prepare_step("s", 1)
+        assert step.result.request_unchanged
+        assert list(step.request.messages) == [message("a"), message("b")]
+        fake.on("PrepareStepUnary", log.unary)
+        assert client.prepare_step("s", 1).request is step.request  # the rebuilt one is held
+    assert log.sent == [None, 1, 2]
+
+
+def test_held_requests_apply_appended_messages_only_at_the_revision_sent() -> None:
+    held = HeldRequests()
+    held.hold("s", BuildRequestResponse(revision=3, messages=[message("a")]))
+    unchanged = PrepareStepResult(
+        request_unchanged=True, appended_messages=[message("b")], request_revision=4
+    )
+    assert held.update("s", 2, unchanged) is None
+    assert held.update("s", None, unchanged) is None
+    assert held.update("other", 3, unchanged) is None
+    request = held.update("s", 3, unchanged)
+    assert request is not None
+    assert (request.revision, list(request.messages)) == (4, [message("a"), message("b")])
+    assert held.revision("s") == 4
+    assert held.update("s", 4, PrepareStepResult(request_revision=4)) is None  # no request
+    assert held.revision("s") == 4

@@ -2,7 +2,7 @@
 // (COMPACTD_ADDRESS; the routed model from COMPACTD_PROVIDER / COMPACTD_MODEL). Same list as
 // clients/python/scenarios and clients/go/scenarios: create, append, rebuild request, pressure
 // check, a watch receiving updates, a compaction with its streamed steps, a busy error with its
-// reason, a SEQ_CONFLICT.
+// reason, a SEQ_CONFLICT, held steps across a compaction.
 
 import assert from "node:assert/strict";
 import { randomUUID } from "node:crypto";
@@ -10,6 +10,7 @@ import { after, describe, test } from "node:test";
 import { Code } from "@connectrpc/connect";
 import {
   AlreadyExistsError,
+  type PrepareStepResult,
   assistantMessage,
   CompactdClient,
   CompactionBusyError,
@@ -205,5 +206,40 @@ describe("scenarios", { skip: address === "" ? "COMPACTD_ADDRESS is not set" : f
     assert.equal(err.reason, "SEQ_CONFLICT");
     const next = await client.appendEvents(sessionId, [turnStart(9)], { expectedLastSeq: revision - 1n });
     assert.deepEqual(next.seqs, [revision]);
+  });
+
+  /** What one step of an open turn logs (~390 tokens): a reply calling a tool, its result. */
+  function workStep(turn: number, step: number): SessionEvent[] {
+    const callId = `fix-${step}`;
+    const output = Array.from({ length: 40 }, (_, i) => `src/module_${step}_${i}.py: fixed handler_${i}`).join("\n");
+    return [
+      stepStart(turn, step),
+      assistantMessage({ text: `Fixing batch ${step}.`, toolCalls: [toolCallBlock(callId, "edit", { batch: step })] }),
+      stepEnd(turn, step),
+      toolResult(callId, output, { toolName: "edit" }),
+    ];
+  }
+
+  test("held steps across a compaction", async () => {
+    const sessionId = await newSession();
+    await seed(sessionId, 8); // ~8,000 tokens: five steps below the trigger (9,830)
+    await client.appendEvents(sessionId, [turnStart(9), userMessage("Now fix every handler.")]);
+    const answers: PrepareStepResult[] = [];
+    for (let step = 1; step <= 9; step++) {
+      const prepared = await client.prepareStep(sessionId, 9);
+      const built = await client.buildRequest(sessionId);
+      assert.deepEqual(prepared.request, built, `step ${step}`);
+      answers.push(prepared.result);
+      if (prepared.result.requestUnchanged) {
+        assert.deepEqual(prepared.result.appendedMessages, built.messages.slice(-2));
+      }
+      await client.appendEvents(sessionId, workStep(9, step));
+    }
+    const compacted = answers.flatMap((a, i) => (a.compactions.length > 0 ? [i] : []));
+    assert.ok(compacted.length > 0, "no step compacted");
+    const first = compacted[0] ?? 0;
+    assert.ok(first > 1 && first < answers.length - 1, String(compacted));
+    const full = answers.flatMap((a, i) => (a.requestUnchanged ? [] : [i]));
+    assert.deepEqual(full, [0, ...compacted]); // the first step held nothing; a compaction rewrites
   });
 });

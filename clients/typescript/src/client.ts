@@ -2,7 +2,7 @@
 // (connect-node's gRPC transport). Every method throws a CompactdError subclass on failure.
 
 import type * as http2 from "node:http2";
-import { clone, type JsonObject } from "@bufbuild/protobuf";
+import type { JsonObject } from "@bufbuild/protobuf";
 import { type CallOptions, type Client, Code, ConnectError, createClient, type Interceptor } from "@connectrpc/connect";
 import { createGrpcTransport, Http2SessionManager } from "@connectrpc/connect-node";
 import {
@@ -19,12 +19,13 @@ import type { Route, SessionEvent } from "./gen/compactd/v1/events_pb.js";
 import {
   type AppendEventsResponse,
   type BuildRequestResponse,
-  BuildRequestResponseSchema,
   type GetSurfaceResponse,
+  type ListSessionsResponse,
   type Session,
   SessionService,
 } from "./gen/compactd/v1/session_service_pb.js";
 import { IncompleteStreamError, toCompactdError } from "./errors.js";
+import { DEFAULT_HELD_SESSIONS, HeldRequests, type PreparedStep } from "./steps.js";
 
 /** Retries of idempotent unary calls on UNAVAILABLE, with jittered exponential backoff. */
 export interface RetryPolicy {
@@ -70,6 +71,12 @@ export interface ClientOptions {
   retry?: RetryPolicy | null;
   /** More interceptors, run inside the retry interceptor. */
   interceptors?: Interceptor[];
+  /**
+   * Most sessions whose last request `prepareStep` holds (default 64; the least recently stepped
+   * is dropped first; `forgetHeldRequest` and `close` drop them too). 0 holds none: every step
+   * then answers the full request.
+   */
+  heldSessions?: number;
 }
 
 /** Per-call options. */
@@ -144,6 +151,7 @@ export class CompactdClient {
   private readonly streamTimeoutMs: number | undefined;
   private readonly headers: Record<string, string>;
   private readonly connection: Http2SessionManager;
+  private readonly held: HeldRequests;
 
   constructor(options: ClientOptions | string) {
     const opts = typeof options === "string" ? { target: options } : options;
@@ -157,6 +165,7 @@ export class CompactdClient {
     this.timeoutMs = opts.timeoutMs ?? 30_000;
     this.streamTimeoutMs = opts.streamTimeoutMs;
     this.headers = { ...(opts.headers ?? {}), ...(opts.token ? { authorization: `Bearer ${opts.token}` } : {}) };
+    this.held = new HeldRequests(opts.heldSessions ?? DEFAULT_HELD_SESSIONS);
   }
 
   private unaryOptions(opts: CallOpts = {}): CallOptions {
@@ -168,23 +177,58 @@ export class CompactdClient {
     return { headers: this.headers, signal: opts.signal, timeoutMs: opts.timeoutMs ?? this.streamTimeoutMs };
   }
 
-  /** Closes the connection; calls still in flight fail. (An idle connection never keeps Node alive.) */
+  /**
+   * Closes the connection; calls still in flight fail; the held requests are dropped. (An idle
+   * connection never keeps Node alive.)
+   */
   close(): void {
+    this.held.clear();
     this.connection.abort();
   }
 
-  /** Creates an empty session. Throws AlreadyExistsError when the id is taken. */
+  /**
+   * Creates an empty session, or a sub-agent's child session with `parentSessionId` (of the same
+   * tenant; NotFoundError when it does not exist); with `forkAtSeq` too, the child starts with a
+   * copy of the parent's surface as it stood right after that seq. Throws AlreadyExistsError when
+   * the id is taken with another policy or parent.
+   */
   async createSession(
-    init: { sessionId?: string; compactionPolicy?: JsonObject } = {},
+    init: {
+      sessionId?: string;
+      compactionPolicy?: JsonObject;
+      parentSessionId?: string;
+      forkAtSeq?: number | bigint;
+    } = {},
     opts?: CallOpts,
   ): Promise<Session> {
     // google.protobuf.Struct fields are plain JSON objects in protobuf-es.
-    const request = { sessionId: init.sessionId ?? "", compactionPolicy: init.compactionPolicy };
+    const request = {
+      sessionId: init.sessionId ?? "",
+      compactionPolicy: init.compactionPolicy,
+      parentSessionId: init.parentSessionId ?? "",
+      forkAtSeq: init.forkAtSeq === undefined ? undefined : BigInt(init.forkAtSeq),
+    };
     const response = await call(() => this.sessions.createSession(request, this.unaryOptions(opts)));
     if (!response.session) {
       throw new IncompleteStreamError("CreateSession answered without a session", { code: Code.Internal });
     }
     return response.session;
+  }
+
+  /**
+   * One page of the caller's tenant's sessions in id order (`nextPageToken` "" at the end); with
+   * `parentSessionId`, that session's children only.
+   */
+  async listSessions(
+    init: { pageSize?: number; pageToken?: string; parentSessionId?: string } = {},
+    opts?: CallOpts,
+  ): Promise<ListSessionsResponse> {
+    const request = {
+      pageSize: init.pageSize ?? 0,
+      pageToken: init.pageToken ?? "",
+      parentSessionId: init.parentSessionId ?? "",
+    };
+    return call(() => this.sessions.listSessions(request, this.unaryOptions(opts)));
   }
 
   /**
@@ -245,11 +289,50 @@ export class CompactdClient {
   }
 
   /**
-   * The pre-step check; the result carries the request to send. With `heldRevision` (the
-   * revision of the request the runtime holds) the result omits the full request while compactd
-   * changed none of it: `stepRequest` gives the request to send either way.
+   * The pre-step check (prunes and compacts when above pressure) and the full request to send.
+   *
+   * The client holds the session's last request (see `heldSessions`) and sends its revision as
+   * `heldRevision`: while compactd changed nothing it shows, the server answers only the messages
+   * appended since, which the client appends to the held request. A step that compacted, pruned
+   * or switched routes answers the full request, which the client then holds instead. So a step
+   * costs what it adds, never the session's length. With `onProgress` (called with each
+   * CompactionProgress as it arrives) the step is streamed (PrepareStep); without, it is one
+   * PrepareStepUnary call, the cheaper one. Its default deadline is `streamTimeoutMs` (a
+   * compaction may run inside it). Throws CompactionBusyError while a bracket is live.
    */
-  prepareStep(
+  async prepareStep(
+    sessionId: string,
+    turn: number | bigint,
+    init: { intendedRoute?: Route; onProgress?: (progress: CompactionProgress) => void } = {},
+    opts?: CallOpts,
+  ): Promise<PreparedStep> {
+    const sent = this.held.revision(sessionId);
+    const step = { intendedRoute: init.intendedRoute, heldRevision: sent };
+    let result: PrepareStepResult;
+    let progress: CompactionProgress[] = [];
+    if (init.onProgress === undefined) {
+      result = await this.prepareStepUnary(sessionId, turn, step, opts);
+    } else {
+      const stream = this.prepareStepStream(sessionId, turn, step, opts);
+      for await (const update of stream) init.onProgress(update);
+      result = await stream.result();
+      progress = stream.progress;
+    }
+    let request = this.held.update(sessionId, sent, result);
+    if (request === undefined) {
+      // The held request moved on meanwhile (a concurrent step of the session): rebuild it.
+      request = await this.buildRequest(sessionId, opts);
+      this.held.hold(sessionId, request);
+    }
+    return { request, result, progress };
+  }
+
+  /**
+   * The PrepareStep stream as the server sends it: `for await` the progress, `result()` for the
+   * result. Nothing is held: without `heldRevision` the result carries the full request; with
+   * it, `stepRequest` gives the request to send.
+   */
+  prepareStepStream(
     sessionId: string,
     turn: number | bigint,
     init: { intendedRoute?: Route; heldRevision?: number | bigint } = {},
@@ -265,8 +348,17 @@ export class CompactdClient {
   }
 
   /**
-   * `prepareStep` in one call (PrepareStepUnary): the same result, no step updates. Cheaper than
-   * the stream for a runtime that shows no compaction progress (most steps are below pressure).
+   * Drops the request the client holds for the session (a runtime done with it); the session's
+   * next `prepareStep` answers the full request.
+   */
+  forgetHeldRequest(sessionId: string): void {
+    this.held.forget(sessionId);
+  }
+
+  /**
+   * PrepareStepUnary as the server answers it: the result of `prepareStepStream`, no step updates,
+   * nothing held. Cheaper than the stream for a runtime that shows no compaction progress (most
+   * steps are below pressure).
    * A compaction it runs happens inside the call, so its default deadline is `streamTimeoutMs`.
    */
   async prepareStepUnary(
@@ -386,21 +478,4 @@ function sleep(ms: number, signal: AbortSignal): Promise<void> {
       { once: true },
     );
   });
-}
-
-/**
- * The request a step sends: the result's full request, or (`requestUnchanged`) the held request
- * with the messages appended since. Its `revision` is the next step's `heldRevision`. Throws when
- * the result omits the request and no held request is given.
- */
-export function stepRequest(held: BuildRequestResponse | undefined, result: PrepareStepResult): BuildRequestResponse {
-  if (!result.requestUnchanged) {
-    if (result.request === undefined) throw new Error("the PrepareStep result carries no request");
-    return result.request;
-  }
-  if (held === undefined) throw new Error("the result omits the request: pass the request heldRevision named");
-  const request = clone(BuildRequestResponseSchema, held);
-  request.messages.push(...result.appendedMessages);
-  request.revision = result.requestRevision;
-  return request;
 }

@@ -1,6 +1,8 @@
-// compactd's TypeScript client: the thin wrapper, typed errors, event builders, the OpenAI and
-// Anthropic converters, and the generated messages (re-exported so callers need no deep imports).
+// compactd's TypeScript client: the thin wrapper, its held step requests, typed errors, event
+// builders, the OpenAI and Anthropic converters, and the generated messages (re-exported so
+// callers need no deep imports).
 
 export * from "./client.js";
 export * from "./convert.js";
 export * from "./errors.js";
+export * from "./steps.js";

@@ -7,7 +7,10 @@ import { create } from "@bufbuild/protobuf";
 import { Code, ConnectError } from "@connectrpc/connect";
 import {
   AppendEventsResponseSchema,
+  type BuildRequestResponse,
   BuildRequestResponseSchema,
+  type CompactionProgress,
+  CompactionProgressSchema,
   CompactdClient,
   CompactionBusyError,
   CompactionStep,
@@ -15,11 +18,16 @@ import {
   DeadlineExceededError,
   errorClass,
   GetSurfaceResponseSchema,
+  HeldRequests,
   IncompleteStreamError,
   InvalidArgumentError,
   MessageSchema,
   NotFoundError,
+  type PrepareStepRequest,
+  PrepareStepResponseSchema,
+  type PrepareStepResult,
   PrepareStepResultSchema,
+  type PrepareStepUnaryRequest,
   PrepareStepUnaryResponseSchema,
   SeqConflictError,
   stepRequest,
@@ -272,5 +280,142 @@ describe("stepRequest", () => {
     const full = create(BuildRequestResponseSchema, { revision: 9n });
     assert.equal(stepRequest(held, create(PrepareStepResultSchema, { request: full })), full);
     assert.throws(() => stepRequest(undefined, create(PrepareStepResultSchema, { requestUnchanged: true })));
+  });
+});
+
+/**
+ * A scripted session answering steps by the held-revision contract: the full request without
+ * `heldRevision` (or once `rewrite` is set), else the messages appended since (one message per
+ * revision).
+ */
+class Log {
+  messages = [create(MessageSchema, { toolCallId: "a" })];
+  rewrite = false;
+  readonly sent: (bigint | undefined)[] = [];
+
+  result(req: PrepareStepRequest | PrepareStepUnaryRequest): PrepareStepResult {
+    this.sent.push(req.heldRevision);
+    const revision = BigInt(this.messages.length);
+    if (req.heldRevision === undefined || this.rewrite) {
+      this.rewrite = false;
+      const request = create(BuildRequestResponseSchema, { revision, messages: [...this.messages] });
+      return create(PrepareStepResultSchema, { request, requestRevision: revision });
+    }
+    const appendedMessages = this.messages.slice(Number(req.heldRevision));
+    return create(PrepareStepResultSchema, { requestUnchanged: true, appendedMessages, requestRevision: revision });
+  }
+
+  build(): BuildRequestResponse {
+    return create(BuildRequestResponseSchema, { revision: BigInt(this.messages.length), messages: [...this.messages] });
+  }
+
+  add(toolCallId: string): void {
+    this.messages.push(create(MessageSchema, { toolCallId }));
+  }
+}
+
+const ids = (request: BuildRequestResponse) => request.messages.map((m) => m.toolCallId);
+
+describe("prepareStep", () => {
+  test("holds the request, sends its revision and extends it with what the step added", async () => {
+    const log = new Log();
+    const fake = await startFake(
+      {},
+      { prepareStepUnary: (req) => create(PrepareStepUnaryResponseSchema, { result: log.result(req) }) },
+    );
+    const client = new CompactdClient(fake.target);
+    try {
+      const first = await client.prepareStep("s", 1);
+      log.add("b");
+      log.add("c");
+      const second = await client.prepareStep("s", 1);
+      log.rewrite = true;
+      log.messages = [create(MessageSchema, { toolCallId: "summary" })];
+      const third = await client.prepareStep("s", 1);
+      log.add("d");
+      const fourth = await client.prepareStep("s", 1);
+      assert.deepEqual(log.sent, [undefined, 1n, 3n, 1n]);
+      assert.equal(second.request, first.request); // the held request, extended in place
+      assert.deepEqual(ids(second.request), ["a", "b", "c"]);
+      assert.equal(second.request.revision, 3n);
+      assert.ok(second.result.requestUnchanged);
+      assert.equal(fourth.request, third.request);
+      assert.deepEqual(ids(fourth.request), ["summary", "d"]);
+      assert.equal(fake.calls.get("PrepareStep"), undefined); // no progress asked: unary
+    } finally {
+      client.close();
+      await fake.close();
+    }
+  });
+
+  test("with onProgress the step is streamed and held alike", async () => {
+    const log = new Log();
+    const fake = await startFake(
+      {},
+      {
+        prepareStep: async function* (req) {
+          yield create(PrepareStepResponseSchema, {
+            update: { case: "progress", value: create(CompactionProgressSchema, { step: CompactionStep.START }) },
+          });
+          yield create(PrepareStepResponseSchema, { update: { case: "result", value: log.result(req) } });
+        },
+      },
+    );
+    const client = new CompactdClient(fake.target);
+    try {
+      const seen: CompactionProgress[] = [];
+      await client.prepareStep("s", 1, { onProgress: (p) => seen.push(p) });
+      log.add("b");
+      const step = await client.prepareStep("s", 1, { onProgress: (p) => seen.push(p) });
+      assert.deepEqual(log.sent, [undefined, 1n]);
+      assert.deepEqual(ids(step.request), ["a", "b"]);
+      assert.deepEqual(
+        step.progress.map((p) => p.step),
+        [CompactionStep.START],
+      );
+      assert.equal(seen.length, 2);
+      assert.equal(fake.calls.get("PrepareStepUnary"), undefined);
+    } finally {
+      client.close();
+      await fake.close();
+    }
+  });
+
+  test("holds a bounded number of sessions, and rebuilds an answer to a request no longer held", async () => {
+    const log = new Log();
+    let client: CompactdClient | undefined;
+    let concurrent = false;
+    const fake = await startFake(
+      { buildRequest: () => log.build() },
+      {
+        prepareStepUnary: (req) => {
+          if (concurrent) client?.forgetHeldRequest(req.sessionId); // another step moved it on
+          return create(PrepareStepUnaryResponseSchema, { result: log.result(req) });
+        },
+      },
+    );
+    client = new CompactdClient({ target: fake.target, heldSessions: 1 });
+    try {
+      for (const session of ["s1", "s2", "s1", "s1"]) await client.prepareStep(session, 1);
+      assert.deepEqual(log.sent, [undefined, undefined, undefined, 1n]);
+      log.add("b");
+      concurrent = true;
+      const step = await client.prepareStep("s1", 1);
+      assert.ok(step.result.requestUnchanged);
+      assert.deepEqual(ids(step.request), ["a", "b"]); // BuildRequest's
+      concurrent = false;
+      assert.equal((await client.prepareStep("s1", 1)).request, step.request); // held
+      assert.equal(fake.calls.get("BuildRequest"), 1);
+      client.forgetHeldRequest("s1");
+      await client.prepareStep("s1", 1);
+      assert.deepEqual(log.sent.slice(4), [1n, 2n, undefined]);
+    } finally {
+      client.close();
+      await fake.close();
+    }
+    const none = new HeldRequests(0);
+    none.hold("s", log.build());
+    assert.equal(none.size, 0);
+    assert.throws(() => new HeldRequests(-1), RangeError);
   });
 });

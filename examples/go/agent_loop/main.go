@@ -2,7 +2,8 @@
 //
 // For each turn of the script: open the turn, then step until the model answers without tool
 // calls. Each step asks compactd to prepare it (PrepareStep prunes and compacts when the request
-// is above pressure, streaming each bracket step), sends the request compactd rebuilt to the
+// is above pressure, streaming each bracket step; the client holds the request and compactd
+// answers only what the step added), sends the request compactd rebuilt to the
 // model (an OpenAI-compatible endpoint), logs the reply with its usage, runs the tools (scripted:
 // the recorded outputs) and logs their results. Prints pressure per step, every compaction, and
 // the final surface. Run through examples/run (it starts compactd and the scripted model).
@@ -140,14 +141,16 @@ func (a *agent) step(turn, step int64) bool {
 
 // prepare runs PrepareStep, prints pressure and what compactd did, returns the request to send.
 func (a *agent) prepare(turn, step int64) *v1.BuildRequestResponse {
-	stream, err := a.client.PrepareStep(context.Background(), a.sessionID, turn, nil)
+	// The client holds the session's last request and sends its revision: compactd answers
+	// only what this step added (or the full request after a compaction).
+	var updates []string
+	prepared, err := a.client.PrepareStep(context.Background(), a.sessionID, turn, &compactd.StepOptions{
+		OnProgress: func(p *v1.CompactionProgress) { updates = append(updates, progressLine(p)) },
+	})
 	if err != nil {
 		log.Fatal(err)
 	}
-	result, err := stream.Result()
-	if err != nil {
-		log.Fatal(err)
-	}
+	result := prepared.Result
 	a.prune += result.GetPrunedCount()
 	a.compactions += int64(len(result.GetCompactions()))
 	line := pressureLine(fmt.Sprintf("turn %d step %2d", turn, step), result.GetBefore())
@@ -156,8 +159,8 @@ func (a *agent) prepare(turn, step int64) *v1.BuildRequestResponse {
 			result.GetPrunedCount(), len(result.GetCompactions()))
 	}
 	fmt.Println(line)
-	for _, p := range stream.Progress {
-		fmt.Println(progressLine(p))
+	for _, u := range updates {
+		fmt.Println(u)
 	}
 	for _, o := range result.GetCompactions() {
 		fmt.Printf("    compaction %s: %d items condensed, ~%d tokens freed\n", o.GetCompactionId(), o.GetItemsCondensed(), o.GetTokensFreed())
@@ -165,7 +168,7 @@ func (a *agent) prepare(turn, step int64) *v1.BuildRequestResponse {
 	for _, w := range result.GetWarnings() {
 		fmt.Printf("    warning: %s\n", w)
 	}
-	return result.GetRequest()
+	return prepared.Request
 }
 
 // report prints the totals, the final pressure and the final surface.

@@ -21,7 +21,7 @@ from google.protobuf import any_pb2, duration_pb2, message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from compactd import errors
+from compactd import deadlines, errors
 from compactd.reasons import TRANSIENT
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ _CODES: list[tuple[type[errors.CompactdError], grpc.StatusCode]] = [
     (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.DataLoss, grpc.StatusCode.DATA_LOSS),
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (errors.Internal, grpc.StatusCode.INTERNAL),
@@ -172,11 +173,13 @@ Handler = TypeVar("Handler", bound=Callable[..., Any])
 
 
 def handle_errors(handler: Handler) -> Handler:
-    """Wrap a unary or server-streaming servicer method so errors map to statuses."""
+    """Wrap a unary or server-streaming servicer method so errors map to statuses; the call's
+    deadline is bound for the work under it (``compactd.deadlines``)."""
     if _is_async_gen(handler):
 
         @functools.wraps(handler)
         async def stream(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
+            deadlines.bind(context.time_remaining())
             try:
                 async for item in handler(self, request, context):
                     yield item
@@ -191,6 +194,7 @@ def handle_errors(handler: Handler) -> Handler:
 
     @functools.wraps(handler)
     async def unary(self: Any, request: Any, context: Any) -> Any:
+        deadlines.bind(context.time_remaining())
         try:
             return await handler(self, request, context)
         except grpc.aio.AbortError:

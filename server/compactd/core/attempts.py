@@ -1,30 +1,32 @@
-"""Bounded compaction attempts: which failed spans wait, and how many brackets a crossing gets.
+"""Failure memory: the same work is never done twice with the same result.
 
-**Failure memory.** A bracket that closes without committing is remembered per (span, summary
-target, failure kind). A span's key names its nodes and their projections (``span_key``), so any
-change to it (a node appended to it or replaced, an image offloaded) makes a new span. A known
-failing span is not sent to the same target again until its backoff elapses: after the n-th
-consecutive failure of one kind, ``backoffSeconds * 2 ** (n - 1)``, at most ``maxSeconds``. An
-explicit request (``Compact``) is never held back; its failures are remembered like any other.
+A bracket that closes without committing is remembered per (span, summary target, failure kind).
+A span's key names its nodes and their projections (``span_key``), so any change to it (a node
+appended to it or replaced, an image offloaded) makes a new span: new history is new work. A
+known failing span is not sent to the same target again:
 
-**Crossing budget.** A *threshold crossing* runs from the first step measured above the trigger to
-the next one measured below it. It gets ``1 + compactionRetries`` brackets, committed or failed.
-When they are spent and pressure is still above, the crossing is *exhausted*: it is reported once
-and no bracket opens until a backoff elapses (the same formula, n counting the exhaustions of this
-crossing), when the crossing gets a fresh budget. ``Compact`` ends the crossing.
+- after a failure of the span or its summary (``SUMMARY_REJECTED``, ``SUMMARY_TRUNCATED``,
+  ``SUMMARY_NOT_SMALLER``, a provider refusing the request, ...) never, while the span stays
+  the same: the same request would get the same answer;
+- after a transient failure of the provider (``reasons.TRANSIENT``: a timeout, a rate limit, an
+  outage) once its backoff elapses: after the n-th consecutive failure of one kind,
+  ``backoffSeconds * 2 ** (n - 1)``, at most ``maxSeconds``.
 
-Not remembered: a bracket whose span drifted (it changed anyway) or that was cancelled. The memory
-is a plain value the caller keeps per session; time is passed in (seconds on any monotonic clock).
+An explicit request (``Compact``) is never held back; its failures are remembered like any other.
+Not remembered: a bracket whose span drifted (it changed anyway) or that was cancelled, and
+nothing at all with a backoff of 0 (memory off). The memory is a plain value the caller keeps
+per session; time is passed in (seconds on any monotonic clock).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Final
 
-from compactd.reasons import Reason
+from compactd.reasons import TRANSIENT, Reason
 
 #: Close reasons that say nothing about the span or its summary target.
 NOT_REMEMBERED: Final = frozenset({Reason.SPAN_DRIFT, Reason.CANCELLED})
@@ -60,7 +62,7 @@ class Hold:
 
     reason: str  # the failure kind, e.g. SUMMARY_REJECTED
     failures: int  # consecutive failures of that kind
-    retry_in: float  # seconds until the backoff elapses
+    retry_in: float  # seconds until the backoff elapses (``math.inf``: until the span changes)
 
 
 @dataclass(slots=True)
@@ -70,48 +72,10 @@ class _Failures:
     touched: float
 
 
-@dataclass(slots=True)
-class Crossing:
-    """One threshold crossing's budget.
-
-    Attributes:
-        brackets: Brackets opened in the current budget.
-        exhaustions: How many times the budget ran out in this crossing.
-        renew_at: When an exhausted crossing gets a fresh budget (None: not exhausted).
-    """
-
-    brackets: int = 0
-    exhaustions: int = 0
-    renew_at: float | None = None
-
-    def may_open(self, budget: int, now: float) -> bool:
-        """Whether a bracket may open now (a crossing whose backoff elapsed is renewed)."""
-        if self.renew_at is not None and now >= self.renew_at:
-            self.brackets, self.renew_at = 0, None
-        return self.renew_at is None and self.brackets < budget
-
-    def opened(self) -> None:
-        """Count a bracket that opened (whatever its outcome)."""
-        self.brackets += 1
-
-    def exhaust(self, now: float, backoff: Backoff) -> bool:
-        """Mark the spent budget; True the first time (the caller reports it then, only)."""
-        if self.renew_at is not None:
-            return False
-        self.exhaustions += 1
-        self.renew_at = now + backoff.delay(self.exhaustions)
-        return True
-
-    def retry_in(self, now: float) -> float:
-        """Seconds until an exhausted crossing is renewed (0 when it is not exhausted)."""
-        return max(0.0, self.renew_at - now) if self.renew_at is not None else 0.0
-
-
 @dataclass
 class AttemptLedger:
-    """One session's failure memory and current crossing."""
+    """One session's failure memory."""
 
-    crossing: Crossing | None = None
     _failures: dict[tuple[str, str, str], _Failures] = field(default_factory=dict)
 
     def hold(self, span: str, target: str, now: float) -> Hold | None:
@@ -133,20 +97,10 @@ class AttemptLedger:
         key = (span, target, reason)
         entry = self._failures.get(key)
         count = 1 if entry is None else entry.count + 1
-        until = now + backoff.delay(count)
+        until = now + backoff.delay(count) if reason in TRANSIENT else math.inf
         self._failures[key] = _Failures(count, until, now)
         self._forget_oldest()
         return until
-
-    def open_crossing(self) -> Crossing:
-        """The current crossing, started now if there is none."""
-        if self.crossing is None:
-            self.crossing = Crossing()
-        return self.crossing
-
-    def close_crossing(self) -> None:
-        """End the current crossing (pressure measured below, or an explicit ``Compact``)."""
-        self.crossing = None
 
     def _forget_oldest(self) -> None:
         while len(self._failures) > MAX_ENTRIES:

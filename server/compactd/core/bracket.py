@@ -63,6 +63,7 @@ def summary_event(
     summarizer: str = "",
     gate: events_pb2.SummaryGateReport | None = None,
     fallback: events_pb2.SummaryFallback | None = None,
+    rung: events_pb2.CompactionRung.ValueType = events_pb2.COMPACTION_RUNG_SUMMARY,
 ) -> SessionEvent:
     """Step 3: ``compaction/summary`` with the raw summary and its accounting (log-only).
 
@@ -77,6 +78,7 @@ def summary_event(
         summarizer: The summarizer's name (``openai``, ``extractive``, ...).
         gate: The quality gate's report on this summary, when the gate ran.
         fallback: The rejected summary this one replaced (extractive fallback), if any.
+        rung: The rung of the ladder that wrote the summary.
     """
     body = events_pb2.CompactionSummary(
         compaction_id=compaction_id,
@@ -85,6 +87,7 @@ def summary_event(
         shadowed_seqs=selection.shadowed_seqs,
         tokens=tokens,
         summarizer=summarizer,
+        rung=rung,
     )
     if target is not None:
         body.target.CopyFrom(target)
@@ -135,10 +138,14 @@ def end_event(
     reason: str = "",
     *,
     gate: events_pb2.SummaryGateReport | None = None,
+    rung: events_pb2.CompactionRung.ValueType = events_pb2.COMPACTION_RUNG_UNSPECIFIED,
 ) -> SessionEvent:
     """Step 5: ``compaction/end``; ``error`` and ``reason`` when the bracket failed or declined,
-    ``gate`` with the failed checks when the quality gate rejected the summary."""
-    body = events_pb2.CompactionEnd(compaction_id=compaction_id, error=error, error_reason=reason)
+    ``gate`` with the failed checks when the quality gate rejected the summary, ``rung`` the
+    ladder's rung that wrote a committed checkpoint."""
+    body = events_pb2.CompactionEnd(
+        compaction_id=compaction_id, error=error, error_reason=reason, rung=rung
+    )
     if gate is not None:
         body.gate.CopyFrom(gate)
     return SessionEvent(compaction_end=body)

@@ -108,6 +108,7 @@ def _summary(event: SessionEvent, records: dict[str, cpb.BracketRecord]) -> None
     record.tokens.CopyFrom(summary.tokens)
     record.summary_target.CopyFrom(summary.target)
     record.summarizer = summary.summarizer
+    record.rung = summary.rung
     record.usage.CopyFrom(summary.usage)
     if summary.HasField("gate"):
         record.gate.CopyFrom(summary.gate)

@@ -36,6 +36,11 @@ PRUNE_MARKER: Final = (
     "the start and the end are kept ...]\n\n"
 )
 
+#: What the ladder's masking rung keeps of an older tool output (code points): its start and its
+#: end, enough to say what it was (``mask_config``).
+MASK_HEAD_CODE_POINTS: Final = 256
+MASK_TAIL_CODE_POINTS: Final = 128
+
 _SURROGATE_PAIR = re.compile("[\ud800-\udbff][\udc00-\udfff]")
 
 
@@ -150,6 +155,7 @@ def plan_prune(
     compaction_id: str = "",
     *,
     again: bool = False,
+    masked: bool = False,
 ) -> PrunePlan | None:
     """The prune of one surface node, or None when it is not an oversized, unpruned result.
 
@@ -160,7 +166,8 @@ def plan_prune(
         config: The thresholds.
         shadow_price: The fixed heuristic price of a node, logged on ``compaction/prune``.
         compaction_id: The bracket or step the prune belongs to, if any.
-        again: Also prune a result that is already a REPLACE (window-sized prunes only).
+        again: Also prune a result that is already a REPLACE (window-sized prunes, masks).
+        masked: Record the prune as the masking rung's (``compaction/prune.masked``).
     """
     if node.type != ev.TOOL_RESULT or (ev.is_replace(node.event) and not again):
         return None  # a tool/result REPLACE is a pruned result: never pruned again
@@ -183,6 +190,7 @@ def plan_prune(
             shadowed_tokens=shadow_price(node),
             original_code_points=pruned.original_code_points,
             retained_code_points=pruned.retained_code_points,
+            masked=masked,
         )
     )
     return PrunePlan(node.seq, prune, replacement)
@@ -208,12 +216,30 @@ def plan_prunes(
     return plans
 
 
+def plan_masks(
+    fold: SessionFold, before: int, shadow_price: Callable[[SurfaceNode], int]
+) -> list[PrunePlan]:
+    """The masking rung's prunes: every ``tool/result`` at a position before ``before`` (the
+    last unit's start) cut to ``MASK_HEAD_CODE_POINTS`` and ``MASK_TAIL_CODE_POINTS`` when its
+    text is longer, a pruned one included, in surface order."""
+    config = _scaled_config(MASK_HEAD_CODE_POINTS, MASK_TAIL_CODE_POINTS)
+    plans = []
+    for node in fold.surface.nodes[:before]:
+        offloaded = fold.offloads.get(node.seq, frozenset())
+        plan = plan_prune(node, offloaded, config, shadow_price, again=True, masked=True)
+        if plan is not None:
+            plans.append(plan)
+    return plans
+
+
 def plan_window_prunes(
     fold: SessionFold,
     config: PrunerConfig,
     price: Callable[[SessionEvent, Set[int]], int],
     room: int,
     shadow_price: Callable[[SurfaceNode], int],
+    *,
+    masked: bool = False,
 ) -> list[PrunePlan]:
     """Prunes of every ``tool/result`` whose price alone exceeds ``room`` tokens.
 
@@ -231,13 +257,15 @@ def plan_window_prunes(
         price: The route price of an event projected with the given offloaded image indexes.
         room: Tokens the window leaves for history.
         shadow_price: The fixed heuristic price of a node, logged on ``compaction/prune``.
+        masked: Record the prunes as the masking rung's (``compaction/prune.masked``).
     """
     plans = []
     for node in fold.surface:
         offloaded = fold.offloads.get(node.seq, frozenset())
         if node.type != ev.TOOL_RESULT or price(node.event, offloaded) <= room:
             continue
-        plan = _fit_prune(node, offloaded, config, price, max(room // 2, 0), shadow_price)
+        target = max(room // 2, 0)
+        plan = _fit_prune(node, offloaded, config, price, target, shadow_price, masked)
         if plan is not None:
             plans.append(plan)
     return plans
@@ -250,6 +278,7 @@ def _fit_prune(
     price: Callable[[SessionEvent, Set[int]], int],
     target: int,
     shadow_price: Callable[[SurfaceNode], int],
+    masked: bool = False,
 ) -> PrunePlan | None:
     """The largest head-and-tail prune of ``node`` that costs at most ``target`` tokens."""
     kept = config.head_code_points + config.tail_code_points
@@ -259,7 +288,7 @@ def _fit_prune(
     while True:
         head = int(budget * share)
         scaled = _scaled_config(head, budget - head)
-        plan = plan_prune(node, offloaded, scaled, shadow_price, again=True)
+        plan = plan_prune(node, offloaded, scaled, shadow_price, again=True, masked=masked)
         if plan is not None and price(plan.replacement, frozenset()) <= target:
             return plan
         if budget == 0:

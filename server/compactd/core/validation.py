@@ -24,6 +24,7 @@ from google.protobuf import struct_pb2, timestamp_pb2
 from compactd.core import events as ev
 from compactd.core.events import SessionEvent
 from compactd.core.limits import DEFAULT_LIMITS, MAX_TOKEN_COUNT, AppendLimits, json_depth
+from compactd.core.pins import pin_violations
 from compactd.errors import FieldViolation, InvalidArgument
 from compactd.reasons import Reason
 from compactd.v1 import events_pb2
@@ -66,6 +67,7 @@ SERVER_ONLY_BODIES: Final[frozenset[str]] = frozenset(
         "compaction_end",
         "session_end_seed",
         "image_offload",
+        "session_fork",
     }
 )
 
@@ -281,6 +283,14 @@ def _body_violations(event: SessionEvent, kind: str, bad: _Bad, limits: AppendLi
         for i, target in enumerate(event.image_offload.targets):
             if not target.image_indexes or min(target.image_indexes) < 0:
                 bad(f"image_offload.targets[{i}].image_indexes", "non-empty, non-negative")
+    elif kind == "state_pin":
+        for field, description in pin_violations(event.state_pin):
+            bad(f"state_pin.{field}", description)
+    elif kind in ("subagent_start", "subagent_end"):
+        if not getattr(event, kind).child_session_id:
+            bad(f"{kind}.child_session_id", "required")
+        if kind == "subagent_start" and any(c in event.subagent_start.task for c in "\r\n"):
+            bad("subagent_start.task", "one line: no line breaks")
 
 
 def _block_violations(
@@ -289,6 +299,8 @@ def _block_violations(
     which = block.WhichOneof("block")
     if which is None:
         bad(field, "a content block must set exactly one kind")
+    elif which == "image":
+        _image_violations(block.image, f"{field}.image", bad)
     elif which == "tool_call":
         if not block.tool_call.id:
             bad(f"{field}.tool_call.id", "required")
@@ -296,6 +308,21 @@ def _block_violations(
             bad(f"{field}.tool_call.name", "required")
         _depth_violation(
             block.tool_call.arguments_json, f"{field}.tool_call.arguments_json", bad, limits
+        )
+
+
+def _image_violations(image: events_pb2.ImageBlock, field: str, bad: _Bad) -> None:
+    """An image must be readable again: a request or a summary sends its inline bytes (which
+    need their media type) or a reference (attachment id, path); a name alone is neither, and a
+    summary that cannot carry an image stops the session's compaction."""
+    if image.data:
+        if not image.media_type:
+            bad(f"{field}.media_type", "required with inline data (e.g. image/png)")
+    elif not (image.attachment_id or image.path):
+        bad(
+            field,
+            "an image carries its bytes (data and media_type), an attachment_id or a path "
+            f"to read it again; {'a name' if image.name else 'nothing'} alone cannot be sent",
         )
 
 

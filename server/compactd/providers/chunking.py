@@ -16,7 +16,10 @@ summary route, so sending it in one request would fail. This wrapper bounds the 
    images become a short placeholder as a last resort. If it still does not fit, the summary fails
    with ``CONTEXT_WINDOW_EXCEEDED``.
 4. **Summarize each chunk** with the inner summarizer and the original instruction, one call at a
-   time, in order.
+   time, in order. A chunk summarized before (the same messages, instruction, tools and cap: the
+   first chunk of a span that grew since its bracket failed, say) is not sent again: the last
+   ``CHUNK_CACHE`` chunk summaries are kept (merges' too), so no identical request goes to the
+   model twice.
 5. **Merge.** One final call receives the partial summaries, each framed as a prior checkpoint
    (``prompts.frame_checkpoint``), with the same instruction, which already tells the model to fold
    prior checkpoints into one. If the partial summaries themselves do not fit, they are chunked
@@ -28,10 +31,13 @@ Usage is summed over every call; provider, model and finish reason are the final
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from compactd.core import prompts
+from compactd.core.pins import head_length
 from compactd.providers.base import Summarizer, SummaryError, SummaryRequest, SummaryResult
 from compactd.providers.openai_wire import add_usage
 from compactd.reasons import Reason
@@ -45,6 +51,8 @@ TokenCounter = Callable[
 TRUNCATION_MARKER = "\n[... truncated by compactd to fit the summarizer's context window ...]"
 IMAGE_PLACEHOLDER = "[image omitted to fit the summarizer's context window]"
 _MAX_SHRINK_STEPS = 64
+#: Chunk summaries kept per summarizer (least recently used dropped first).
+CHUNK_CACHE = 64
 
 
 class ChunkingSummarizer:
@@ -74,6 +82,7 @@ class ChunkingSummarizer:
         self._window = window_tokens
         self._count = count_tokens
         self._max_rounds = max_rounds
+        self._partials: OrderedDict[str, SummaryResult] = OrderedDict()
 
     async def summarize(self, request: SummaryRequest) -> SummaryResult:
         """Summarize in one call when the request fits, otherwise chunk and merge.
@@ -122,7 +131,7 @@ class ChunkingSummarizer:
         usage: events_pb2.Usage | None = None
         partials: list[SummaryResult] = []
         for chunk in chunks:
-            result = await self._inner.summarize(dataclasses.replace(request, messages=chunk))
+            result = await self._partial(dataclasses.replace(request, messages=chunk))
             usage = add_usage(usage, result.usage)
             partials.append(result)
         if len(partials) == 1:
@@ -130,13 +139,27 @@ class ChunkingSummarizer:
         final = await self._merge(request, partials, round_)
         return dataclasses.replace(final, usage=add_usage(usage, final.usage))
 
+    async def _partial(self, chunk: SummaryRequest) -> SummaryResult:
+        """One chunk's summary: the inner summarizer's, or the one it wrote for the same chunk
+        before (its usage is then not counted again)."""
+        key = _digest(chunk)
+        kept = self._partials.get(key)
+        if kept is not None:
+            self._partials.move_to_end(key)
+            return dataclasses.replace(kept, usage=None)
+        result = await self._inner.summarize(chunk)
+        self._partials[key] = result
+        while len(self._partials) > CHUNK_CACHE:
+            self._partials.popitem(last=False)
+        return result
+
     async def _merge(
         self, request: SummaryRequest, partials: Sequence[SummaryResult], round_: int
     ) -> SummaryResult:
         framed = [_user(prompts.frame_checkpoint(partial.text)) for partial in partials]
         merge = dataclasses.replace(request, messages=framed, tools=())
         if self.fits(framed, merge):
-            return await self._inner.summarize(merge)
+            return await self._partial(merge)
         if round_ >= self._max_rounds:
             raise SummaryError(
                 f"{len(partials)} partial summaries still exceed the summarizer window of "
@@ -186,15 +209,28 @@ class ChunkingSummarizer:
         return messages if self.fits([*prefix, *messages], request) else None
 
 
+def _digest(request: SummaryRequest) -> str:
+    """A chunk request's identity: everything the provider would be sent."""
+    digest = hashlib.blake2b(digest_size=16)
+    for message in request.messages:
+        digest.update(message.SerializeToString(deterministic=True))
+    for declaration in request.tools:
+        digest.update(declaration.SerializeToString(deterministic=True))
+    digest.update(request.config.SerializeToString(deterministic=True))
+    digest.update(f"{request.max_tokens}\0{request.instruction}".encode())
+    return digest.hexdigest()
+
+
 def split_units(
     messages: Sequence[Message],
 ) -> tuple[list[Message], list[list[Message]]]:
-    """The system head (a leading system message, if any) and the span's indivisible units.
+    """The head (a leading system message and the pinned-state message, if any: ``head_length``)
+    and the span's indivisible units.
 
     A unit is one message, or an assistant message with tool calls followed by the tool results
     that answer those calls.
     """
-    head = [messages[0]] if messages and messages[0].role == _SYSTEM else []
+    head = list(messages[: head_length(messages)])
     units: list[list[Message]] = []
     open_calls: set[str] = set()
     for message in messages[len(head) :]:

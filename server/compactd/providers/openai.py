@@ -18,7 +18,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,11 +26,13 @@ from typing import Any
 import httpx
 
 import compactd
+from compactd.core.projection import offload_placeholder
 from compactd.errors import InvalidArgument
 from compactd.providers import errors, openai_wire
 from compactd.providers.base import SummaryError, SummaryRequest, SummaryResult
 from compactd.providers.openai_wire import Completion, SSEDecoder
 from compactd.reasons import Reason
+from compactd.v1 import events_pb2
 
 _log = logging.getLogger(__name__)
 
@@ -118,7 +120,8 @@ class OpenAISummarizer:
             include_reasoning: Replay assistant reasoning (for routes that require it back).
             developer_role: Wire role of developer messages.
             max_tokens_field: Body key of the output cap.
-            resolve_image: URL for images without inline data; None rejects them.
+            resolve_image: URL for images without inline data; an image it gives none for
+                is sent as its offload text.
             extra_headers: Further request headers.
             allow_truncated: Accept a summary cut at ``max_tokens`` instead of failing with
                 ``SUMMARY_TRUNCATED``.
@@ -154,10 +157,15 @@ class OpenAISummarizer:
             SummaryError: The request cannot be encoded (``UNSUPPORTED_CONTENT``) or names no
                 model (``SUMMARIZER_MISCONFIGURED``).
         """
+        return self._body(request, self._sendable(request.messages))
+
+    def _body(
+        self, request: SummaryRequest, sendable: Sequence[openai_wire.Message]
+    ) -> dict[str, Any]:
         _check_request(request)
         try:
             messages = openai_wire.encode_messages(
-                request.messages,
+                sendable,
                 include_reasoning=self._include_reasoning,
                 developer_role=self._developer_role,
                 resolve_image=self._resolve_image,
@@ -185,12 +193,41 @@ class OpenAISummarizer:
         Raises:
             SummaryError: Classified failure; for retryable reasons, after the last attempt.
         """
-        body = openai_wire.dumps(self.build_body(request))
+        sendable = self._sendable(request.messages)
+        body = openai_wire.dumps(self._body(request, sendable))
         headers = self._headers()
-        images = _count_images(request)
+        images = _count_images(sendable)
         async with self._client() as client:
             completion = await self._with_retries(client, body, headers, images)
         return self._result(request, completion)
+
+    def _sendable(self, messages: Sequence[openai_wire.Message]) -> Sequence[openai_wire.Message]:
+        """``messages`` with each image the endpoint cannot be sent (neither inline data with
+        its media type nor a URL from ``resolve_image``) carried as its offload text (name,
+        attachment, path): a span holding a reference-only image is still summarized, where
+        refusing it would stop every later summary of the session. Unchanged messages are
+        returned as they are."""
+        out: list[openai_wire.Message] | None = None
+        for index, message in enumerate(messages):
+            blocks = message.content
+            if not any(b.HasField("image") and not self._can_send(b.image) for b in blocks):
+                if out is not None:
+                    out.append(message)
+                continue
+            if out is None:
+                out = list(messages[:index])
+            copy = openai_wire.Message()
+            copy.CopyFrom(message)
+            for block in copy.content:
+                if block.HasField("image") and not self._can_send(block.image):
+                    block.text.text = offload_placeholder(block.image)  # clears the image
+            out.append(copy)
+        return messages if out is None else out
+
+    def _can_send(self, image: events_pb2.ImageBlock) -> bool:
+        if image.data and image.media_type:
+            return True
+        return self._resolve_image is not None and bool(self._resolve_image(image))
 
     def _headers(self) -> dict[str, str]:
         headers = {
@@ -446,7 +483,5 @@ def _check_request(request: SummaryRequest) -> None:
         )
 
 
-def _count_images(request: SummaryRequest) -> int:
-    return sum(
-        1 for message in request.messages for block in message.content if block.HasField("image")
-    )
+def _count_images(messages: Sequence[openai_wire.Message]) -> int:
+    return sum(1 for message in messages for block in message.content if block.HasField("image"))

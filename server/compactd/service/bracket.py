@@ -25,7 +25,6 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Protocol
 
 from opentelemetry import trace
@@ -35,6 +34,7 @@ from compactd import genai, logs
 from compactd.core import bracket, prompts
 from compactd.core import events as ev
 from compactd.core.fold import SessionFold
+from compactd.core.handles import open_handles
 from compactd.core.meter import SessionMeter, route_price
 from compactd.core.planner import choose_span, node_pricer, span_pricer
 from compactd.core.policy import TargetPolicy
@@ -55,6 +55,7 @@ from compactd.core.surface import SurfaceNode
 from compactd.errors import CompactdError
 from compactd.metrics import Metrics
 from compactd.providers.base import Summarizer, SummaryError, SummaryRequest, SummaryResult
+from compactd.providers.extractive import ExtractiveSummarizer
 from compactd.reasons import Reason
 from compactd.redaction import Redactor
 from compactd.routes import Route
@@ -62,7 +63,7 @@ from compactd.service.guard import CompactionGuard
 from compactd.service.preconditions import refuse_live_bracket
 from compactd.service.screening import Screened, Screener, SummaryRejected, drop_facts
 from compactd.service.sessions import SessionHandle
-from compactd.service.summarizers import SummarizerRegistry
+from compactd.service.summarizers import EXTRACTIVE_TARGET, SummarizerRegistry
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2
 from compactd.v1.session_service_pb2 import Message
@@ -94,6 +95,7 @@ class Bracket:
     focus: str | None = None
     min_span_tokens: int = 0  # selection declines a smaller span (0: overflow recovery)
     guarded: bool = False  # failure memory may hold the span back (PrepareStep)
+    extractive: bool = False  # the extractive checkpoint, without a model call (the ladder)
 
 
 @dataclass(frozen=True)
@@ -127,10 +129,13 @@ class SummaryErrorRecovery(Protocol):
 
 @dataclass(frozen=True)
 class _Writer:
-    """Who writes a bracket's summary: the target route and its summarizer."""
+    """Who writes a bracket's summary: the target route and its summarizer, and the rung of the
+    ladder that is (with, for the extractive rung after a failure, what failed before it)."""
 
     target: Route
     summarizer: Summarizer
+    rung: events_pb2.CompactionRung.ValueType = events_pb2.COMPACTION_RUNG_SUMMARY
+    fallback: events_pb2.SummaryFallback | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,7 @@ class _Opened:
     start_seq: int
     snapshot: SurfaceSnapshot
     envelope_before: int
+    held: Declined | None = None  # failure memory held the span back from the summary target
 
 
 @dataclass(frozen=True)
@@ -154,6 +160,7 @@ class _Written:
     selection: Selection
     envelope_before: int
     facts: asyncio.Future[SpanFacts] | None  # the span's facts, extracted while a model wrote
+    writer: _Writer  # who wrote it (the extractive rung when the target's summary failed)
 
 
 class Brackets:
@@ -192,18 +199,21 @@ class Brackets:
             redact.literals if isinstance(redact, Redactor) else redact
         )
         self._recoveries = tuple(recoveries)
+        self._extractive = ExtractiveSummarizer()
 
     async def run(
         self,
         job: Bracket,
         progress: Progress,
         *,
-        prelude: Callable[[], Awaitable[bool]] | None = None,
+        prelude: Callable[[], Awaitable[bool | Declined | Bracket]] | None = None,
     ) -> cpb.CompactionOutcome | Declined | None:
         """Run one bracket; Declined when nothing is selectable (nothing is written then).
 
         ``prelude`` runs first inside the bracket's span (pressure-qualified pruning); when it
-        answers True no summary is needed and the bracket never opens (None). The summary target
+        answers True no summary is needed and the bracket never opens (None); when it answers
+        ``Declined`` the bracket does not open either, for that reason; a ``Bracket`` it answers
+        is the job to run instead (chosen on what the prelude measured). The summary target
         and its summarizer are resolved before ``compaction/start``, so a configuration error
         writes nothing to the log.
 
@@ -218,39 +228,72 @@ class Brackets:
             span.set_attribute("compactd.session_id", job.handle.session_id)
             trigger = events_pb2.CompactionTrigger.Name(job.trigger)
             span.set_attribute("compactd.trigger", trigger)
-            if prelude is not None and await prelude():
+            before = await prelude() if prelude is not None else False
+            if isinstance(before, Declined):
+                await self._declined(trigger, before, span, progress)
+                return before
+            if before is True:
                 span.set_attribute("compactd.relieved_by", "pruning")
                 self._metrics.compaction(trigger, "relieved")
                 return None
+            if isinstance(before, Bracket):
+                job = before
             compaction_id = uuid.uuid4().hex
             span.set_attribute("compactd.compaction_id", compaction_id)
             logs.bind(compaction_id=compaction_id)
-            target = self.summarizers.target(job.policy, job.handle.fold.header)
-            writer = _Writer(target, self.summarizers.for_route(target))
+            writer = self._writer(job)
             opened = await self._open(job, compaction_id, span)
             if isinstance(opened, Declined):
                 await self._declined(trigger, opened, span, progress)
                 return opened
-            outcome = await self._summarize_and_commit(job, writer, opened, span, progress)
+            if opened.held is not None:  # the span failed with the target: the next rung
+                writer = self._extractive_writer(DeclineCode.KNOWN_FAILURE, opened.held.reason)
+            outcome, rung = await self._summarize_and_commit(job, writer, opened, span, progress)
             span.set_attribute("compactd.tokens_freed", outcome.tokens_freed)
-            self._metrics.compaction(trigger, "committed", freed=outcome.tokens_freed)
+            span.set_attribute("compactd.rung", _RUNGS[rung])
+            self._metrics.compaction(
+                trigger, "committed", freed=outcome.tokens_freed, rung=_RUNGS[rung]
+            )
             return outcome
+
+    def _writer(self, job: Bracket) -> _Writer:
+        """The summary target's writer, or the extractive rung's for a job that asks for it."""
+        if job.extractive:
+            return _Writer(
+                EXTRACTIVE_TARGET, self._extractive, events_pb2.COMPACTION_RUNG_EXTRACTIVE
+            )
+        target = self.summarizers.target(job.policy, job.handle.fold.header)
+        return _Writer(target, self.summarizers.for_route(target))
+
+    def _extractive_writer(
+        self, reason: str, failure: str, previous: _Writer | None = None
+    ) -> _Writer:
+        """The extractive rung after the target's summary failed (``reason``, ``failure``)."""
+        fallback = events_pb2.SummaryFallback(failure_reason=reason, failure=failure)
+        if previous is not None:
+            fallback.rejected_summarizer = previous.summarizer.name
+            fallback.rejected_target.CopyFrom(
+                events_pb2.Route(provider=previous.target.provider, model=previous.target.model)
+            )
+        return _Writer(
+            EXTRACTIVE_TARGET, self._extractive, events_pb2.COMPACTION_RUNG_EXTRACTIVE, fallback
+        )
 
     async def _summarize_and_commit(
         self, job: Bracket, writer: _Writer, opened: _Opened, span: Span, progress: Progress
-    ) -> cpb.CompactionOutcome:
-        """Steps 2 to 5 of an opened bracket: whatever fails, the bracket is closed."""
+    ) -> tuple[cpb.CompactionOutcome, events_pb2.CompactionRung.ValueType]:
+        """Steps 2 to 5 of an opened bracket: whatever fails, the bracket is closed. The rung
+        that wrote the committed checkpoint comes with the outcome."""
         handle = job.handle
-        if job.guarded:
-            self.guard.opened(handle, job.policy)
         await progress(_step(cpb.COMPACTION_STEP_START, opened.compaction_id, opened.start_seq))
         try:
             written = await self._write(job, writer, opened, progress)
             try:
-                screened = await self._screen(job, writer, opened, written, progress)
+                screened = await self._screen(job, written.writer, opened, written, progress)
             finally:
                 drop_facts(written.facts)
-            outcome = await self._commit(job, opened, written, screened, progress)
+            rung = _rung_of(written.writer, screened)
+            outcome = await self._commit(job, opened, written, screened, rung, progress)
         except BaseException as error:
             reason = close_reason(error)[1]
             self._metrics.compaction(events_pb2.CompactionTrigger.Name(job.trigger), "failed",
@@ -260,8 +303,8 @@ class Brackets:
             if not isinstance(error, Exception):
                 record_error(span, error)  # the span records Exceptions, not cancellation
             raise
-        await self._close(handle, opened.compaction_id, None, progress)
-        return outcome
+        await self._close(handle, opened.compaction_id, None, progress, rung)
+        return outcome, rung
 
     # ---- 1. open ---------------------------------------------------------------------------
 
@@ -277,11 +320,14 @@ class Brackets:
                 chosen = choose_span(
                     handle.fold, node_pricer(meter, handle.fold, job.route),
                     selection=job.mode, retained_budget=job.retained_budget,
-                    min_span_tokens=job.min_span_tokens, hold=partial(self._held, job),
+                    min_span_tokens=job.min_span_tokens,
                     span_price=span_pricer(meter, handle.fold, job.route),
                 )  # fmt: skip
                 if isinstance(chosen, Declined):
                     return chosen
+                held = self._held(job, chosen)
+                if held is not None and not job.policy.extractive_fallback:
+                    return held
                 snapshot = surface_snapshot(handle.fold)
                 envelope_before = meter.measure(handle.fold, job.route).total
                 start = bracket.start_event(compaction_id, job.trigger, chosen, job.turn)
@@ -290,11 +336,11 @@ class Brackets:
                 range_attributes(target, chosen)
             span.set_attribute("compactd.seq", result.seqs[0])
             parent.set_attribute("compactd.tokens_before", envelope_before)
-        return _Opened(compaction_id, chosen, result.seqs[0], snapshot, envelope_before)
+        return _Opened(compaction_id, chosen, result.seqs[0], snapshot, envelope_before, held)
 
     def _held(self, job: Bracket, chosen: Selection) -> Declined | None:
         """Failure memory's say on a selected span (guarded jobs only; called under the lock)."""
-        if not job.guarded:
+        if not job.guarded or job.extractive:
             return None
         target = self.summarizers.target(job.policy, job.handle.fold.header)
         return self.guard.hold(job.handle, chosen, target, job.policy)
@@ -331,13 +377,15 @@ class Brackets:
                 if not isinstance(error, SummaryError):
                     raise
                 failure = SummaryFailure(opened.compaction_id, error, attempt, selection)
-                await self._summary_error(job, failure, opened.snapshot, progress)
+                if not await self._summary_error(job, failure, opened.snapshot, progress):
+                    # The next rung: the extractive checkpoint of the same span, no model call.
+                    writer = self._extractive_writer(error.reason, error.message, writer)
                 # The recovery changed the span's projection (an offload): re-price the span and
                 # the envelope, so the figures logged with the summary are today's.
                 selection, envelope_before = await self._repriced(job, selection, envelope_before)
                 attempt += 1
                 continue
-            return _Written(request, serialized, summary, selection, envelope_before, facts)
+            return _Written(request, serialized, summary, selection, envelope_before, facts, writer)
 
     async def _summarize(
         self, compaction_id: str, writer: _Writer, request: SummaryRequest, progress: Progress
@@ -371,10 +419,12 @@ class Brackets:
 
     async def _summary_error(
         self, job: Bracket, failure: SummaryFailure, snapshot: SurfaceSnapshot, progress: Progress
-    ) -> None:
-        """The summary-error step: log it, let a recovery record a change, or fail the bracket.
+    ) -> bool:
+        """The summary-error step: log it, let a recovery record a change, or go down the ladder.
 
-        Returns when the summary may be retried; raises ``BracketFailed`` otherwise.
+        Returns True when the summary may be retried, False when the extractive rung writes the
+        span's checkpoint instead (the policy's ``extractiveFallback``, for a failed model
+        summary); raises ``BracketFailed`` otherwise.
         """
         handle, error = job.handle, failure.error
         recovery = next((r for r in self._recoveries if r.wants(error)), None)
@@ -383,6 +433,8 @@ class Brackets:
         detail = f"failed: {error}" + (" (recovering)" if retrying else "")
         await progress(_step(cpb.COMPACTION_STEP_SUMMARIZE, failure.compaction_id, seq, detail))
         if recovery is None or not retrying:
+            if job.policy.extractive_fallback and not job.extractive:
+                return False
             raise BracketFailed(
                 f"the summary request failed: {error.message}", reason=error.reason
             ) from error
@@ -391,6 +443,7 @@ class Brackets:
                 f"the summary request failed and its recovery recorded no change: {error.message}",
                 reason=error.reason,
             ) from error
+        return True
 
     async def _log_summary_error(
         self, job: Bracket, failure: SummaryFailure, snapshot: SurfaceSnapshot, retrying: bool
@@ -453,6 +506,7 @@ class Brackets:
         opened: _Opened,
         written: _Written,
         screened: Screened,
+        rung: events_pb2.CompactionRung.ValueType,
         progress: Progress,
     ) -> cpb.CompactionOutcome:
         """Revalidate the span, check the checkpoint shrinks it, and append
@@ -462,7 +516,7 @@ class Brackets:
             span.set_attribute("compactd.compaction_id", compaction_id)
             async with job.handle.lock:
                 job.handle.check_bracket(compaction_id)  # replicas: not taken over meanwhile
-                events, tokens = self._commit_events(job, opened, written, screened)
+                events, tokens = self._commit_events(job, opened, written, screened, rung)
                 result = await job.handle.append_locked(events)
             span.set_attribute("compactd.seq", result.seqs[0])
             span.set_attribute("compactd.tokens_before", tokens.envelope_before)
@@ -484,7 +538,12 @@ class Brackets:
         )
 
     def _commit_events(
-        self, job: Bracket, opened: _Opened, written: _Written, screened: Screened
+        self,
+        job: Bracket,
+        opened: _Opened,
+        written: _Written,
+        screened: Screened,
+        rung: events_pb2.CompactionRung.ValueType,
     ) -> tuple[list[events_pb2.SessionEvent], events_pb2.TokenMeasurement]:
         """The commit's two events and their token figures, decided under the lock.
 
@@ -496,7 +555,9 @@ class Brackets:
         stale = drift(handle.fold, selection, opened.snapshot, revalidation_for(job.trigger))
         if stale is not None:
             raise BracketFailed(f"stale summary rejected: {stale}", reason=Reason.SPAN_DRIFT)
-        framed = prompts.frame_checkpoint(screened.summary.text)
+        span = handle.fold.surface.nodes[selection.start_position : selection.end_position + 1]
+        handles = prompts.open_handles_section(open_handles(handle.fold, span))
+        framed = prompts.frame_checkpoint(screened.summary.text, handles)
         checkpoint = bracket.checkpoint_message(compaction_id, framed)
         tokens = _measurement(job, selection, written.envelope_before, checkpoint, screened)
         summary_seq = handle.fold.revision
@@ -505,7 +566,8 @@ class Brackets:
             bracket.summary_event(
                 compaction_id, screened.summary.text, selection, tokens, target=target,
                 usage=screened.summary.usage, summarizer=screened.summarizer,
-                gate=screened.report, fallback=screened.fallback,
+                gate=screened.report, fallback=screened.fallback or written.writer.fallback,
+                rung=rung,
             ),
             bracket.checkpoint_event(
                 compaction_id, framed, selection, opened.start_seq, summary_seq
@@ -520,6 +582,7 @@ class Brackets:
         compaction_id: str,
         error: BaseException | None,
         progress: Progress,
+        rung: events_pb2.CompactionRung.ValueType = events_pb2.COMPACTION_RUNG_UNSPECIFIED,
     ) -> None:
         """Step 5: exactly one closing attempt; a failure leaves the orphan start in place."""
         message, reason = close_reason(error)
@@ -529,7 +592,7 @@ class Brackets:
             try:
                 async with handle.lock:
                     result = await handle.append_locked(
-                        [bracket.end_event(compaction_id, message, reason, gate=gate)]
+                        [bracket.end_event(compaction_id, message, reason, gate=gate, rung=rung)]
                     )
             except Exception as close_error:
                 # Replicas: stop renewing, so the orphan's lease lapses and it is taken over.
@@ -546,6 +609,19 @@ class Brackets:
                 span.set_attribute("compactd.error", message)
         if not isinstance(error, asyncio.CancelledError):
             await progress(_step(cpb.COMPACTION_STEP_END, compaction_id, result.seqs[0], message))
+
+
+_RUNGS = {
+    events_pb2.COMPACTION_RUNG_SUMMARY: "summary",
+    events_pb2.COMPACTION_RUNG_EXTRACTIVE: "extractive",
+}
+
+
+def _rung_of(writer: _Writer, screened: Screened) -> events_pb2.CompactionRung.ValueType:
+    """The rung that wrote a screened summary: the gate's extractive fallback is the next one."""
+    if screened.fallback is not None:
+        return events_pb2.COMPACTION_RUNG_EXTRACTIVE
+    return writer.rung
 
 
 def _measurement(
@@ -663,9 +739,9 @@ def summary_request(
     policy: TargetPolicy,
     focus: str | None,
 ) -> tuple[SummaryRequest, list[bytes]]:
-    """System head, then the span's messages exactly as the conversation sends them; and, one
-    per message, bytes that hold its text blocks verbatim (the gate's echo check reads them).
-    """
+    """System head and pins, then the span's messages exactly as the conversation sends them;
+    and, one per message, bytes that hold its text blocks verbatim (the gate's echo check reads
+    them)."""
     fold = handle.fold
     nodes = fold.surface.nodes
     span_nodes: list[SurfaceNode] = list(
@@ -674,6 +750,11 @@ def summary_request(
     if nodes and selection.start_position > 0 and nodes[0].type == ev.SYSTEM_MESSAGE:
         span_nodes.insert(0, nodes[0])
     messages, serialized = projected_span(fold, span_nodes)
+    pinned = fold.pins_message()  # where the conversation has it: the prefix stays the same
+    if pinned is not None:
+        at = 1 if span_nodes and span_nodes[0] is nodes[0] and fold.head_projects() else 0
+        messages.insert(at, pinned)
+        serialized.insert(at, pinned.SerializeToString())
     config = events_pb2.RequestConfig(provider=target.provider, model=target.model)
     header = fold.header
     if header is not None and (header.config.provider, header.config.model) == (
@@ -688,6 +769,7 @@ def summary_request(
         config=config,
         instruction=prompts.compaction_instruction(focus),
         max_tokens=policy.max_tokens,
+        pins=fold.pin_texts(),
     )
     return request, serialized
 

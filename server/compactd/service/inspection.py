@@ -19,10 +19,18 @@ from compactd.core.fold import SessionFold
 from compactd.core.history import bracket_history
 from compactd.core.lock import live_bracket
 from compactd.core.meter import route_price
-from compactd.core.planner import SHAPES, PlanMode, choose_span, node_pricer, tentatively
+from compactd.core.outcome import floor_tokens
+from compactd.core.planner import (
+    SHAPES,
+    PlanMode,
+    choose_span,
+    node_pricer,
+    span_pricer,
+    tentatively,
+)
 from compactd.core.policy import TargetPolicy, resolved_settings, setting_origins
 from compactd.core.pruner import PrunePlan, PrunerConfig, plan_prunes
-from compactd.core.selection import Declined, Selection
+from compactd.core.selection import DeclineCode, Declined, Selection, SelectionMode
 from compactd.core.surface import ShadowHistory, SurfaceChange, SurfaceNode
 from compactd.errors import CompactdError, FieldViolation, InvalidArgument
 from compactd.reasons import Reason
@@ -154,7 +162,7 @@ class InspectionService:
                         f"{after.trigger_tokens}; no bracket opens"
                     ),
                 )
-            self._span(plan, job, report)
+            self._span(plan, job, report, after)
         plan.blocked_code, plan.blocked = code, why
         return plan
 
@@ -207,14 +215,7 @@ class InspectionService:
                 f"measured {report.measured_tokens} < trigger {report.trigger_tokens}; a "
                 "below-pressure step never prunes"
             )
-        if mode is PlanMode.AUTO and not self._may_open(job):
-            return "BUDGET_SPENT", "this threshold crossing's brackets are spent"
         return "", ""
-
-    def _may_open(self, job: _Inputs) -> bool:
-        if job.handle.context.memory.failures.crossing is None:
-            return True  # a crossing would start afresh (not started here: nothing is recorded)
-        return self._brackets.guard.may_open(job.handle, job.policy)
 
     # ---- prunes ---------------------------------------------------------------------------
 
@@ -290,9 +291,13 @@ class InspectionService:
     # ---- the span --------------------------------------------------------------------------
 
     def _span(
-        self, plan: cpb.CompactionPlan, job: _Inputs, report: cpb.PressureReport | None
+        self,
+        plan: cpb.CompactionPlan,
+        job: _Inputs,
+        report: cpb.PressureReport | None,
+        after: cpb.PressureReport | None,
     ) -> None:
-        handle, shape, brackets = job.handle, SHAPES[job.mode], self._brackets
+        handle, brackets = job.handle, self._brackets
         fold = handle.fold
         try:
             target = brackets.summarizers.target(job.writer_policy, fold.header)
@@ -302,24 +307,7 @@ class InspectionService:
         except CompactdError as error:
             target = None
             plan.warnings.append(f"{error.reason}: {error.message}")
-        min_span = brackets.guard.min_span_tokens(job.route, job.policy) if shape.min_span else 0
-        plan.min_span_tokens = min_span
-        retained = report.retained_budget if report is not None and shape.retains else 0
-        if shape.retains and report is None:
-            plan.warnings.append(
-                "no retained budget without a pressure report: the span keeps no tail"
-            )
-        hold = None
-        if shape.guarded and target is not None:
-
-            def hold(chosen: Selection) -> Declined | None:
-                return brackets.guard.hold(handle, chosen, target, job.policy)
-
-        chosen = choose_span(
-            fold, node_pricer(handle.context.meter, fold, job.route),
-            selection=shape.selection, retained_budget=retained, min_span_tokens=min_span,
-            hold=hold,
-        )  # fmt: skip
+        chosen = self._chosen(plan, job, report, after, target)
         if isinstance(chosen, Declined):
             plan.decline_code, plan.decline_reason = chosen.code.value, chosen.reason
             plan.expected_tokens_after = plan.expected_tokens_after_max = plan.tokens_after_prune
@@ -339,6 +327,56 @@ class InspectionService:
         base = plan.tokens_after_prune - chosen.shadowed_price
         plan.expected_tokens_after = base + min(floor, ceiling)
         plan.expected_tokens_after_max = base + max(floor, ceiling)
+
+    def _chosen(
+        self,
+        plan: cpb.CompactionPlan,
+        job: _Inputs,
+        report: cpb.PressureReport | None,
+        after: cpb.PressureReport | None,
+        target: Route | None,
+    ) -> Selection | Declined:
+        """The span the path's first bracket would choose, as the step chooses it: a step whose
+        request is over the window reaches for everything but the last unit, and none runs when
+        the floor alone is at or above the trigger of a request that fits."""
+        handle, shape, guard = job.handle, SHAPES[job.mode], self._brackets.guard
+        fold, meter = handle.fold, handle.context.meter
+        price = node_pricer(meter, fold, job.route)
+        selection, retains, min_span = shape.selection, shape.retains, shape.min_span
+        if job.mode is PlanMode.AUTO and after is not None:
+            over = after.measured_tokens > after.context_window - after.output_reservation
+            floor = 0 if fold.surface.unanswered_calls() else floor_tokens(
+                fold, after.measured_tokens, price, span_pricer(meter, fold, job.route)
+            )  # fmt: skip
+            limit = after.context_window - after.output_reservation
+            if floor >= after.trigger_tokens and (not over or floor > limit):
+                return Declined(DeclineCode.FLOOR_ABOVE_TRIGGER, f"the floor ({floor} tokens) "
+                                "alone is at or above the trigger: no compaction runs")  # fmt: skip
+            if over:
+                selection, retains, min_span = SelectionMode.MAXIMAL, False, False
+        plan.min_span_tokens = guard.min_span_tokens(job.route, job.policy, fold) if min_span else 0
+        retained = report.retained_budget if report is not None and retains else 0
+        if retains and report is None:
+            plan.warnings.append(
+                "no retained budget without a pressure report: the span keeps no tail"
+            )
+        chosen = choose_span(
+            fold, price, selection=selection, retained_budget=retained,
+            min_span_tokens=plan.min_span_tokens,
+        )  # fmt: skip
+        if shape.widened(selection, chosen):  # a switch reaches past the retained tail
+            chosen = choose_span(
+                fold, price, selection=SelectionMode.MAXIMAL, retained_budget=0,
+                min_span_tokens=plan.min_span_tokens,
+            )  # fmt: skip
+        if isinstance(chosen, Declined) or not shape.guarded or target is None:
+            return chosen
+        held = guard.hold(handle, chosen, target, job.policy)
+        if held is not None and not job.policy.extractive_fallback:
+            return held
+        if held is not None:
+            plan.warnings.append(f"{held.reason}: the extractive checkpoint writes it instead")
+        return chosen
 
     # ---- GetSurface detail and ListBrackets ----------------------------------------------------
 

@@ -7,14 +7,24 @@ REPLACE pair of each); this module appends the plans under the session's lock an
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Set
 
 from opentelemetry import trace
 
+from compactd.core.events import SessionEvent
 from compactd.core.fold import SessionFold
-from compactd.core.pruner import PrunePlan, PrunerConfig, plan_prunes
+from compactd.core.meter import route_price
+from compactd.core.pruner import (
+    PrunePlan,
+    PrunerConfig,
+    plan_masks,
+    plan_prunes,
+    plan_window_prunes,
+)
+from compactd.core.selection import last_unit_start
 from compactd.core.surface import SurfaceNode
 from compactd.metrics import Metrics
+from compactd.routes import Route
 from compactd.service.bracket import Progress, shadow_price_of
 from compactd.service.sessions import SessionHandle
 from compactd.v1 import compaction_service_pb2 as cpb
@@ -38,7 +48,12 @@ class Pruning:
         self._metrics = metrics
 
     async def prune(
-        self, handle: SessionHandle, progress: Progress, *, planner: Planner | None = None
+        self,
+        handle: SessionHandle,
+        progress: Progress,
+        *,
+        planner: Planner | None = None,
+        what: str = "pruned",
     ) -> int:
         """Prune every oversized ``tool/result``; how many were pruned.
 
@@ -67,7 +82,32 @@ class Pruning:
                 cpb.CompactionProgress(
                     step=cpb.COMPACTION_STEP_PRUNE,
                     seq=seq,
-                    detail=f"pruned tool/result {plan.shadowed_seq}",
+                    detail=f"{what} tool/result {plan.shadowed_seq}",
                 )
             )
         return len(plans)
+
+    async def mask(self, handle: SessionHandle, route: Route, room: int, progress: Progress) -> int:
+        """The ladder's masking rung: every older ``tool/result`` (before the last unit) cut to a
+        short head and tail, and any result whose price alone exceeds ``room`` (the tokens the
+        window leaves beside the floor) cut to fit it; how many were masked.
+
+        ``compaction/prune`` records each with ``masked``; the originals stay in the log.
+        """
+
+        def price(event: SessionEvent, offloaded: Set[int]) -> int:
+            return route_price(event, route, offloaded)
+
+        def planner(fold: SessionFold, shadow: Callable[[SurfaceNode], int]) -> list[PrunePlan]:
+            masks = plan_masks(fold, last_unit_start(fold), shadow)
+            seqs = {plan.shadowed_seq for plan in masks}
+            window = plan_window_prunes(fold, self.config, price, room, shadow, masked=True)
+            return sorted(
+                [*masks, *(plan for plan in window if plan.shadowed_seq not in seqs)],
+                key=lambda plan: fold.surface.position_of(plan.shadowed_seq) or 0,
+            )
+
+        masked = await self.prune(handle, progress, planner=planner, what="masked")
+        if masked:
+            self._metrics.compaction("COMPACTION_TRIGGER_PRESSURE", "masked")
+        return masked

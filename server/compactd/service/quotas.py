@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Final
 
 from compactd.core.quotas import Quota, QuotaLedger, QuotaLimits, Refusal, with_overrides
-from compactd.errors import ConfigError, QuotaExceeded, QuotaViolation
+from compactd.errors import CompactdError, ConfigError, QuotaExceeded, QuotaViolation
 from compactd.metrics import Metrics
 from compactd.store.base import EventStore, StoreUsage
 from compactd.tenancy import current_tenant
@@ -42,6 +42,9 @@ from compactd.tenancy import current_tenant
 MAX_HOLD_S: Final = 0.25
 #: The shortest wait of a call over the rate (a refusal is never answered at once).
 MIN_HOLD_S: Final = 0.02
+#: The longest a call waits for the store's shared bucket (then this process's decides): the
+#: token is taken before the call's handler, which answers a silent store within its deadline.
+SHARED_TOKEN_TIMEOUT_S: Final = 0.5
 #: Calls of one tenant that may wait at once; more are refused without waiting.
 MAX_HELD: Final = 64
 _KEYS: Final = {f.name: f.type for f in fields(QuotaLimits)}
@@ -127,13 +130,16 @@ class QuotaBook:
         self.ledger = QuotaLedger(self.settings.default, self.settings.tenants)
         self._clock = clock
         self._held: dict[str, int] = {}  # calls over the rate waiting, by tenant
+        self._shared: EventStore | None = None  # keeps the append buckets every replica shares
 
     async def load(self, store: EventStore) -> None:
-        """Start the held quotas from the store (only when a sessions or bytes quota is set).
+        """Start the held quotas from the store (only when a sessions or bytes quota is set),
+        and take append tokens from the store's buckets when replicas share it.
 
         Raises:
             ConfigError: A sessions or bytes quota is set and the store cannot report usage.
         """
+        self._shared = store if store.shared else None
         if not self.ledger.counts_stored:
             return
         try:
@@ -173,7 +179,7 @@ class QuotaBook:
             QuotaExceeded: Still over ``appends_per_second`` after the wait.
         """
         tenant = current_tenant().id
-        refusal = self.ledger.take_append(tenant, self._clock())
+        refusal = await self._take_append(tenant)
         if refusal is None:
             return
         held = self._held.get(tenant, 0)
@@ -183,8 +189,28 @@ class QuotaBook:
                 await asyncio.sleep(min(MAX_HOLD_S, max(MIN_HOLD_S, refusal.retry_after)))
             finally:
                 self._release_hold(tenant)
-            refusal = self.ledger.take_append(tenant, self._clock())
+            refusal = await self._take_append(tenant)
         self._refuse(refusal)
+
+    async def _take_append(self, tenant: str) -> Refusal | None:
+        """One token of ``tenant``'s bucket: the store's, shared by every replica, when it
+        keeps them; this process's otherwise, and while the store does not answer (each replica
+        then allows the whole rate, as before replicas shared it)."""
+        limits = self.ledger.limits(tenant)
+        rate = limits.appends_per_second
+        if self._shared is not None and rate:
+            try:
+                wait = await asyncio.wait_for(
+                    self._shared.take_append_token(tenant, rate, limits.burst),
+                    SHARED_TOKEN_TIMEOUT_S,
+                )
+            except (CompactdError, TimeoutError):
+                wait = None  # the append itself will say what the store has
+            if wait is not None:
+                if not wait:
+                    return None
+                return Refusal(tenant, Quota.APPENDS, rate, rate, retry_after=wait)
+        return self.ledger.take_append(tenant, self._clock())
 
     def _refuse(self, refusal: Refusal | None) -> None:
         """Raise ``refusal`` (counted) as ``QuotaExceeded``; nothing when it is None."""

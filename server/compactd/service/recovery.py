@@ -301,7 +301,8 @@ class RecoveryService:
             system_tokens=measured.system,
             tools_tokens=measured.tools,
             config_tokens=measured.config,
-            envelope_tokens=measured.system + measured.tools + measured.config,
+            envelope_tokens=measured.system + measured.tools + measured.config + measured.pins,
+            pins_tokens=measured.pins,
             measured_tokens=measured.total,
             prompt_tokens=_token_figure(error.prompt_tokens),
         )
@@ -419,10 +420,10 @@ def _envelope_only(window: _Window) -> str:
     f = window.figures
     return (
         f"the envelope alone does not fit the window: system {f.system_tokens} + tools "
-        f"{f.tools_tokens} + framing {f.config_tokens} = {f.envelope_tokens} tokens, window "
-        f"{f.context_window} ({f.window_source}) - output reservation {f.output_reservation} = "
-        f"{f.context_window - f.output_reservation}; no compaction reduces the system prompt or "
-        "the tools"
+        f"{f.tools_tokens} + framing {f.config_tokens} + pins {f.pins_tokens} = "
+        f"{f.envelope_tokens} tokens, window {f.context_window} ({f.window_source}) - output "
+        f"reservation {f.output_reservation} = {f.context_window - f.output_reservation}; no "
+        "compaction reduces the system prompt, the tools or the pins"
     )
 
 

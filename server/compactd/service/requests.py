@@ -16,6 +16,7 @@ from collections.abc import Callable, Generator, Iterable, Sequence
 
 from compactd.core import events as ev
 from compactd.core.fold import SessionFold
+from compactd.core.pins import pin_list
 from compactd.core.projection import Message, derive_messages, project
 from compactd.core.surface import SurfaceNode
 from compactd.service.sessions import SessionHandle
@@ -122,7 +123,9 @@ def request_reply_in_steps(fold: SessionFold) -> Generator[None, None, bytes]:
     step of its own. The caller keeps the fold still (the session's lock)."""
     parts = [pb.BuildRequestResponse(revision=fold.revision).SerializeToString()]
     nodes = fold.surface.nodes
-    for start in range(0, len(nodes), REPLY_CHUNK):
+    parts += _head_and_pins(fold)  # the pinned-state message right after the system head
+    first = 1 if fold.pins and fold.head_projects() else 0
+    for start in range(first, len(nodes), REPLY_CHUNK):
         chunk = pb.BuildRequestResponse()
         add = chunk.messages.add
         for message in appended_messages(fold, nodes[start : start + REPLY_CHUNK]):
@@ -140,9 +143,22 @@ async def request_in_steps(fold: SessionFold) -> bytes:
     return await in_steps(request_reply_in_steps(fold))
 
 
+def _head_and_pins(fold: SessionFold) -> list[bytes]:
+    """The serialized messages a request opens with when pins are in force: the system head's
+    (when it projects to one), then the pinned-state message; none without pins."""
+    pinned = fold.pins_message()
+    if pinned is None:
+        return []
+    head = appended_messages(fold, fold.surface.nodes[:1]) if fold.head_projects() else []
+    head.append(pinned)
+    return [pb.BuildRequestResponse(messages=head).SerializeToString()]
+
+
 def _request_header(fold: SessionFold) -> pb.BuildRequestResponse:
-    """A request's fields past its messages: the folded header's config, defaults and tools."""
+    """A request's fields past its messages: the folded header's config, defaults and tools,
+    and the pins in force."""
     response = pb.BuildRequestResponse(header_seq=fold.header_seq)
+    response.pins.extend(pin_list(fold.pin_texts()))
     if fold.header is not None:
         if fold.header.HasField("config"):
             response.config.CopyFrom(fold.header.config)

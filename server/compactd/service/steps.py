@@ -21,13 +21,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from functools import partial
 
-from compactd.core.planner import SHAPES, PlanMode
+from compactd.core.outcome import Outcome, StepFigures, floor_tokens, outcome_of
+from compactd.core.planner import SHAPES, PlanMode, node_pricer, span_pricer
 from compactd.core.policy import TargetPolicy
-from compactd.core.selection import Declined
+from compactd.core.selection import DeclineCode, Declined, SelectionMode
 from compactd.errors import CompactdError, CompactionBusy
 from compactd.reasons import Reason
 from compactd.routes import Route
@@ -53,6 +55,13 @@ ABOVE = cpb.PRESSURE_STATE_ABOVE
 #: Why a step could not be priced: it warns once per target and goes on unpriced.
 _UNPRICEABLE = frozenset({Reason.CAPACITY_UNKNOWN, Reason.POLICY_INVALID, Reason.ROUTE_UNKNOWN})
 _IN_A_TURN = "automatic compaction runs only inside an open turn"
+_OUTCOMES = {
+    Outcome.FITS: cpb.PRESSURE_OUTCOME_FITS,
+    Outcome.ABOVE_TRIGGER: cpb.PRESSURE_OUTCOME_ABOVE_TRIGGER,
+    Outcome.OVER_WINDOW_IRREDUCIBLE: cpb.PRESSURE_OUTCOME_OVER_WINDOW_IRREDUCIBLE,
+    Outcome.OVER_WINDOW: cpb.PRESSURE_OUTCOME_OVER_WINDOW,
+    Outcome.UNPRICED: cpb.PRESSURE_OUTCOME_UNPRICED,
+}
 
 
 @dataclass
@@ -75,8 +84,20 @@ class _Relief:
     outcome: StepOutcome
     progress: Progress
     report: cpb.PressureReport
-    attempts: int = 0  # brackets committed
-    cause: str = "compaction did not bring it below"
+    brackets: int = 0  # brackets opened
+    why: str = ""  # why pressure stays above the trigger (the outcome's detail)
+    floor: int = 0  # tokens no reduction removes (measured when pressure is above the trigger)
+
+
+@dataclass(frozen=True)
+class _Ended:
+    """Where a priced step ended: its reports and its typed outcome."""
+
+    before: cpb.PressureReport
+    after: cpb.PressureReport
+    outcome: Outcome
+    floor: int
+    detail: str
 
 
 class StepService:
@@ -127,8 +148,8 @@ class StepService:
         if intended is not None and self._switch.is_switch(handle, intended):
             switched = await self._switch.fit(handle, intended, turn, progress)
         outcome = StepOutcome()
-        reports = await self._measured_and_relieved(handle, turn, intended, outcome, progress)
-        result = await self._step_result(handle, reports, outcome, held_revision)
+        ended = await self._measured_and_relieved(handle, turn, intended, outcome, progress)
+        result = await self._step_result(handle, ended, outcome, held_revision)
         if switched is not None:
             switched.lead(result)
         return result
@@ -140,8 +161,8 @@ class StepService:
         intended: Route | None,
         outcome: StepOutcome,
         progress: Progress,
-    ) -> tuple[cpb.PressureReport, cpb.PressureReport] | None:
-        """(before, after) the step's relief; None when the route cannot be priced."""
+    ) -> _Ended | None:
+        """Where the step ends after its relief; None when the route cannot be priced."""
         try:
             route = intended or self._pressure.logged_route(handle)
             before = self._pressure.report(handle, route)
@@ -152,81 +173,140 @@ class StepService:
             self._warn_once(handle, target, error.message, outcome)
             return None
         policy = self._pressure.target_policy(handle, route)
-        if before.state != ABOVE:
-            self._guard.end_crossing(handle)
-            return before, before
-        if not policy.auto:
-            return before, before
         relief = _Relief(handle, route, policy, turn, outcome, progress, before)
-        await self._relieve(relief)
-        return before, relief.report
+        if before.state == ABOVE:
+            if policy.auto:
+                await self._relieve(relief)
+            else:
+                relief.why = f"automatic compaction is off for {route.name} (auto)"
+        return self._ended(before, relief)
 
     async def _relieve(self, relief: _Relief) -> None:
-        """Prune, then compact, until pressure is below the trigger or nothing more may run."""
-        while relief.report.state == ABOVE:
-            if not self._guard.may_open(relief.handle, relief.policy):
-                # This crossing's budget is spent; pruning opens no bracket.
-                if relief.attempts == 0 and await self._prune_first(relief):
-                    return
-                await self._budget_spent(relief)
-                return
-            if relief.attempts > relief.policy.compaction_retries:
-                relief.outcome.warnings.append(_still_above(relief, "retries exhausted"))
-                return
-            if not await self._compact_once(relief):
-                return
+        """Go down the ladder until the request fits: prune; one bracket (the summary target's
+        summary, else the extractive checkpoint); while the request is over the window, mask
+        older tool outputs, then the overflow path's maximal extractive bracket. No model call
+        when the floor alone is at or above the trigger; no work repeated (``guard``)."""
+        committed = await self._compact_once(relief, first=True)
+        if committed is None or not _over_window(relief.report) or self._irreducible(relief):
+            return
+        await self._mask(relief)
+        if _over_window(relief.report) and relief.brackets <= relief.policy.compaction_retries:
+            await self._compact_once(relief, first=False)
 
-    async def _compact_once(self, relief: _Relief) -> bool:
-        """One bracket of the relief; whether it committed (and the relief may go on)."""
+    def _job(self, relief: _Relief, *, first: bool) -> Bracket:
+        """The relief's next bracket, on what the step measured last: a request over the window
+        reaches for everything but the last unit; the overflow path's (not first) and one whose
+        floor alone is above the trigger write the extractive checkpoint, no model call; the
+        overflow path's is not judged by the quality gate (only the shrink check holds)."""
         handle, route, policy = relief.handle, relief.route, relief.policy
-        spec = self._pressure.spec(handle, route)
-        # Every compaction of the crossing keeps the retained budget, retries included: a retry
-        # never reaches into the recent tail, so on an unchanged tail it declines.
-        job = Bracket(
-            handle, AUTO.trigger, AUTO.selection_for(relief.attempts), route,
-            self._shrink_route(handle, route), policy, spec.retained_budget, relief.turn,
-            min_span_tokens=self._guard.min_span_tokens(route, policy), guarded=True,
+        if not first:  # the last rung: any checkpoint that fits beats a request over the window
+            policy = dataclasses.replace(policy, summary_gate=False)
+        maximal = _over_window(relief.report)
+        retained = 0 if maximal else self._pressure.spec(handle, route).retained_budget
+        return Bracket(
+            handle, AUTO.trigger, SelectionMode.MAXIMAL if maximal else AUTO.selection, route,
+            self._shrink_route(handle, route), policy, retained, relief.turn,
+            min_span_tokens=(
+                0 if maximal else self._guard.min_span_tokens(route, policy, handle.fold)
+            ),
+            guarded=True, extractive=not first or self._floor_above_trigger(relief),
         )  # fmt: skip
-        prelude = partial(self._prune_first, relief) if relief.attempts == 0 else None
+
+    async def _compact_once(self, relief: _Relief, *, first: bool) -> bool | None:
+        """One bracket of the relief (pruning first in the first one); whether it committed
+        (None: pressure went below the trigger without one)."""
+        handle, route = relief.handle, relief.route
+        prelude = partial(self._prune_first, relief) if first else None
         try:
-            committed = await self._brackets.run(job, relief.progress, prelude=prelude)
+            committed = await self._brackets.run(
+                self._job(relief, first=first), relief.progress, prelude=prelude
+            )
         except CompactdError as error:
+            relief.brackets += 1
             relief.outcome.warnings.append(f"compaction failed ({error.reason}): {error.message}")
-            relief.cause = f"the last bracket failed with {error.reason}"
-            if not self._guard.may_open(handle, policy):
-                await self._budget_spent(relief)
+            relief.why = f"the bracket failed with {error.reason}"
             return False
         if committed is None:  # pruning alone brought the envelope below the trigger
-            return False
+            return None
         if isinstance(committed, Declined):
-            relief.outcome.warnings.append(
-                _still_above(relief, f"nothing more to compact: {committed.reason}")
-                if relief.attempts
-                else f"nothing to compact: {committed.reason}"
-            )
+            relief.outcome.warnings.append(_declined_warning(committed))
+            relief.why = _declined_why(committed)
             return False
+        relief.brackets += 1
         relief.outcome.compactions.append(committed)
-        relief.attempts += 1
         relief.report = self._pressure.report(handle, route)
         await relief.progress(_measured(relief.report, "re-measured after compaction"))
         return True
 
-    async def _prune_first(self, relief: _Relief) -> bool:
-        """The first bracket's opening step: prune, re-measure, and say if that was enough."""
+    async def _prune_first(self, relief: _Relief) -> bool | Declined | Bracket:
+        """The first bracket's opening step: prune, re-measure, and say if that was enough, or
+        why no bracket may open (the floor alone is at or above the trigger and the request fits
+        the window), or the bracket to open on what pruning left."""
         relief.outcome.pruned = await self._pruning.prune(relief.handle, relief.progress)
         relief.report = self._pressure.report(relief.handle, relief.route)
         if relief.outcome.pruned:
             await relief.progress(_measured(relief.report, "re-measured after pruning"))
-        return relief.report.state != ABOVE
-
-    async def _budget_spent(self, relief: _Relief) -> None:
-        """The crossing may open no more brackets: say so once, skip silently afterwards."""
-        note = self._guard.exhausted(relief.handle, relief.policy, relief.report, relief.cause)
-        if note is not None:
-            relief.outcome.warnings.append(note)
-            await relief.progress(
-                cpb.CompactionProgress(step=cpb.COMPACTION_STEP_SKIP, seq=-1, detail=note)
+        if relief.report.state != ABOVE:
+            return True
+        relief.floor = self._floor(relief)
+        if self._floor_above_trigger(relief) and (
+            not _over_window(relief.report) or self._irreducible(relief)
+        ):
+            relief.why = (
+                f"the floor ({relief.floor} tokens: the system head, the tools, the framing and "
+                "the last unit) alone is at or above the trigger: no compaction brings pressure "
+                "below it"
+                + (" or makes the request fit" if self._irreducible(relief) else "")
+                + ", so none runs"
             )
+            return Declined(DeclineCode.FLOOR_ABOVE_TRIGGER, relief.why)
+        return self._job(relief, first=True)
+
+    def _floor_above_trigger(self, relief: _Relief) -> bool:
+        """Whether no summary can bring pressure below the trigger (then the extractive
+        checkpoint, without a model call, is the only rung worth running)."""
+        return relief.floor >= relief.report.trigger_tokens
+
+    def _irreducible(self, relief: _Relief) -> bool:
+        """Whether the floor alone does not fit the window: no rung can make the request fit."""
+        report = relief.report
+        return relief.floor > report.context_window - report.output_reservation
+
+    def _floor(self, relief: _Relief) -> int:
+        """The tokens no reduction removes from the step's request, measured now (0 while a
+        tool call waits for its result: nothing is selectable until it arrives, which says
+        nothing of the floor)."""
+        handle, route = relief.handle, relief.route
+        if handle.fold.surface.unanswered_calls():
+            return 0
+        meter = handle.context.meter
+        return floor_tokens(
+            handle.fold, relief.report.measured_tokens, node_pricer(meter, handle.fold, route),
+            span_pricer(meter, handle.fold, route),
+        )  # fmt: skip
+
+    async def _mask(self, relief: _Relief) -> None:
+        """The masking rung: older tool outputs cut to a short head and tail (and any result
+        too large for the room the window leaves), so the request fits the window."""
+        room = relief.report.context_window - relief.report.output_reservation - relief.floor
+        masked = await self._pruning.mask(relief.handle, relief.route, room, relief.progress)
+        if masked:
+            relief.outcome.pruned += masked
+            relief.report = self._pressure.report(relief.handle, relief.route)
+            await relief.progress(_measured(relief.report, "re-measured after masking"))
+
+    def _ended(self, before: cpb.PressureReport, relief: _Relief) -> _Ended:
+        """The step's end: its reports and its typed outcome (the floor measured when pressure
+        stays at or above the trigger)."""
+        after = relief.report
+        if after.state == ABOVE and not relief.floor:
+            relief.floor = self._floor(relief)
+        figures = StepFigures(
+            after.measured_tokens, after.trigger_tokens,
+            after.context_window - after.output_reservation, relief.floor,
+        )  # fmt: skip
+        kind, detail = outcome_of(figures, relief.why)
+        return _Ended(before, after, kind, relief.floor if after.state == ABOVE else 0, detail)
 
     def _shrink_route(self, handle: SessionHandle, destination: Route) -> Route:
         try:
@@ -248,7 +328,7 @@ class StepService:
     async def _step_result(
         self,
         handle: SessionHandle,
-        reports: tuple[cpb.PressureReport, cpb.PressureReport] | None,
+        ended: _Ended | None,
         outcome: StepOutcome,
         held_revision: int | None,
     ) -> cpb.PrepareStepResult:
@@ -268,9 +348,15 @@ class StepService:
                 # whole surface (the caller holds the rest).
                 result.request_unchanged = True
                 result.appended_messages.extend(appended_messages(fold, appended))
-        if reports is not None:
-            result.before.CopyFrom(reports[0])
-            result.after.CopyFrom(reports[1])
+        if ended is None:
+            result.outcome = _OUTCOMES[Outcome.UNPRICED]
+            result.outcome_detail = "the route could not be priced (see warnings)"
+            return result
+        result.before.CopyFrom(ended.before)
+        result.after.CopyFrom(ended.after)
+        result.outcome = _OUTCOMES[ended.outcome]
+        result.floor_tokens = ended.floor
+        result.outcome_detail = ended.detail
         return result
 
     # ---- Compact ---------------------------------------------------------------------------
@@ -292,12 +378,11 @@ class StepService:
                 metadata={"open_turns": turns},
             )
         refuse_live_bracket(handle)
-        self._guard.end_crossing(handle)  # an explicit request starts afresh
         route = self._pressure.logged_route_or_heuristic(handle)
         policy = self._pressure.target_policy(handle, route)
         job = Bracket(
             handle, MANUAL.trigger, MANUAL.selection, route, route, policy, focus=focus,
-            min_span_tokens=self._guard.min_span_tokens(route, policy),
+            min_span_tokens=self._guard.min_span_tokens(route, policy, handle.fold),
         )  # fmt: skip
         committed = await self._brackets.run(job, progress)
         result = cpb.CompactResult()
@@ -312,14 +397,25 @@ class StepService:
         return result
 
 
-def _still_above(relief: _Relief, why: str) -> str:
-    """The warning of a step whose compactions could not bring pressure below the trigger."""
-    report, policy = relief.report, relief.policy
-    return (
-        f"pressure stays above the trigger after {relief.attempts} compaction(s) ({why}): "
-        f"measured {report.measured_tokens} >= trigger {report.trigger_tokens} "
-        f"(compactionRetries={policy.compaction_retries}); continuing with this surface"
-    )
+def _declined_warning(declined: Declined) -> str:
+    """A step's warning for a bracket that did not open. A span failure memory holds back is
+    reported as the failure that put it there (``SUMMARY_NOT_SMALLER``, say), as a bracket
+    failing with it again would be: the reference sends it again and fails the same way."""
+    if declined.code is DeclineCode.KNOWN_FAILURE and declined.cause:
+        return f"compaction failed ({declined.cause}): {declined.reason}"
+    return f"nothing to compact: {declined.reason}"
+
+
+def _declined_why(declined: Declined) -> str:
+    """Why pressure stays above the trigger after ``declined`` (the outcome's detail)."""
+    if declined.code is DeclineCode.KNOWN_FAILURE and declined.cause:
+        return f"the bracket failed with {declined.cause} ({declined.reason})"
+    return f"nothing to compact: {declined.reason}"
+
+
+def _over_window(report: cpb.PressureReport) -> bool:
+    """Whether a request priced by ``report`` does not fit its window less the reservation."""
+    return report.measured_tokens > report.context_window - report.output_reservation
 
 
 def _measured(report: cpb.PressureReport, detail: str) -> cpb.CompactionProgress:

@@ -11,9 +11,15 @@ Nothing is acknowledged before COMMIT returns.
 Reads: single statements on pooled connections (autocommit), each seeing committed rows only.
 
 Every connection runs with a statement timeout, a lock timeout and an idle-in-transaction
-timeout; the pool is bounded and a call that cannot get a connection in time fails. Any database
-failure surfaces as ``StoreUnavailable`` (gRPC UNAVAILABLE): nothing was written, and the pool
-replaces broken connections, so calls recover once the database answers again.
+timeout; the pool is bounded and a call that cannot get a connection in time fails. Those bound
+what the server does; a database that stops answering altogether (a partition, a host that is
+gone) answers nothing, so every operation is also bounded here, by the pool timeout plus the
+statement timeout and by what is left of the call's deadline (``compactd.deadlines``): past it
+the operation is abandoned (its connection is closed and replaced in the background). Any database
+failure surfaces as ``StoreUnavailable`` (gRPC UNAVAILABLE); the pool replaces broken
+connections, so calls recover once the database answers again. Nothing was written, except
+that an append abandoned while its COMMIT was in flight may have landed: a retry with the same
+event ids finds it (``AppendEvents`` dedup), and every replica's fold catches up from the log.
 
 Change notifications: a dedicated connection ``LISTEN``s on ``compactd_events``; each append's
 ``NOTIFY`` carries this store's origin token and the session id, so a replica learns of other
@@ -24,20 +30,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
+import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from datetime import UTC, datetime
-from typing import Any, Final
+from typing import Any, Concatenate, Final, ParamSpec, TypeVar
 
 import psycopg
 import psycopg.conninfo
 import psycopg_pool
 from psycopg.rows import TupleRow
 
-from compactd import errors
+from compactd import deadlines, errors
 from compactd.reasons import Reason
 from compactd.store import base, postgres_schema
 from compactd.store.base import DEFAULT_TENANT_ID, SessionKey
@@ -47,9 +55,43 @@ from compactd.v1 import events_pb2
 log = logging.getLogger(__name__)
 
 CHANNEL: Final = "compactd_events"
-_SESSION_COLUMNS = "session_id, create_time, policy_json, revision, tenant, update_time"
+_SESSION_COLUMNS = (
+    "session_id, create_time, policy_json, revision, tenant, update_time, parent_id, fork_at_seq"
+)
 
 Conn = psycopg.AsyncConnection[TupleRow]
+
+# Taken from a call's remaining time, so its answer reaches the caller before the deadline.
+_ANSWER_MARGIN_S: Final = 0.1
+
+T = TypeVar("T")
+P = ParamSpec("P")
+
+
+def _bounded(
+    action: str,
+) -> Callable[
+    [Callable[Concatenate[PostgresEventStore, P], Coroutine[Any, Any, T]]],
+    Callable[Concatenate[PostgresEventStore, P], Coroutine[Any, Any, T]],
+]:
+    """Bound a store method by ``PostgresEventStore.budget_s`` (``_within_budget``)."""
+
+    def wrap(
+        method: Callable[Concatenate[PostgresEventStore, P], Coroutine[Any, Any, T]],
+    ) -> Callable[Concatenate[PostgresEventStore, P], Coroutine[Any, Any, T]]:
+        @functools.wraps(method)
+        async def bounded(store: PostgresEventStore, /, *args: P.args, **kwargs: P.kwargs) -> T:
+            return await store._within_budget(action, method(store, *args, **kwargs))
+
+        return bounded
+
+    return wrap
+
+
+def _abandon(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and let it end alone, its outcome retrieved (nobody waits for it)."""
+    task.cancel()
+    task.add_done_callback(lambda done: None if done.cancelled() else done.exception())
 
 
 #: Events ``read_seqs`` fetches per query (a restore asks for a whole surface's).
@@ -132,7 +174,11 @@ class PostgresEventStore(base.EventStore):
                 min_size=self._pool_min,
                 max_size=self._pool_max,
                 timeout=self._connect_timeout_s,
-                kwargs={"autocommit": True, "options": self._options()},
+                kwargs={
+                    "autocommit": True,
+                    "options": self._options(),
+                    "connect_timeout": max(math.ceil(self._connect_timeout_s), 1),
+                },
                 check=psycopg_pool.AsyncConnectionPool.check_connection,
                 open=False,
                 name="compactd",
@@ -160,24 +206,35 @@ class PostgresEventStore(base.EventStore):
 
     # --- sessions -------------------------------------------------------------------------------
 
+    @_bounded("create a session")
     async def create_session(
-        self, session_id: str, policy_json: str | None, *, tenant: str = DEFAULT_TENANT_ID
+        self,
+        session_id: str,
+        policy_json: str | None,
+        *,
+        tenant: str = DEFAULT_TENANT_ID,
+        parent: str = "",
+        fork_at_seq: int | None = None,
     ) -> base.SessionRecord:
         now = self._clock()
-        record = base.SessionRecord(session_id, now, policy_json, 0, tenant, now)
+        record = base.SessionRecord(
+            session_id, now, policy_json, 0, tenant, now, parent, fork_at_seq
+        )
         with _db_errors("create a session"):
             async with self._connection() as conn:
                 try:
                     await conn.execute(
                         "INSERT INTO sessions (tenant, session_id, create_time, update_time,"
-                        " policy_json, revision) VALUES (%s, %s, %s, %s, %s, 0)",
-                        (tenant, session_id, now, now, policy_json),
+                        " policy_json, revision, parent_id, fork_at_seq)"
+                        " VALUES (%s, %s, %s, %s, %s, 0, %s, %s)",
+                        (tenant, session_id, now, now, policy_json, parent or None, fork_at_seq),
                     )
                 except psycopg.errors.UniqueViolation:
                     raise base.session_exists(session_id) from None
         self._stats = self._stats.plus(commits=1)
         return record
 
+    @_bounded("read a session")
     async def get_session(
         self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID
     ) -> base.SessionRecord | None:
@@ -190,20 +247,28 @@ class PostgresEventStore(base.EventStore):
                 row = await cursor.fetchone()
         return None if row is None else _record(row)
 
+    @_bounded("list sessions")
     async def list_sessions(
-        self, *, after: str = "", limit: int = 100, tenant: str = DEFAULT_TENANT_ID
+        self,
+        *,
+        after: str = "",
+        limit: int = 100,
+        tenant: str = DEFAULT_TENANT_ID,
+        parent: str | None = None,
     ) -> list[base.SessionRecord]:
         base.check_limit(limit)
         with _db_errors("list sessions"):
             async with self._connection() as conn:
                 cursor = await conn.execute(
                     f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE tenant = %s"
-                    " AND session_id > %s ORDER BY session_id LIMIT %s",
-                    (tenant, after, limit),
+                    " AND session_id > %s AND (%s::text IS NULL OR parent_id = %s)"
+                    " ORDER BY session_id LIMIT %s",
+                    (tenant, after, parent, parent, limit),
                 )
                 rows = await cursor.fetchall()
         return [_record(row) for row in rows]
 
+    @_bounded("delete a session")
     async def delete_session(self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID) -> bool:
         # One statement: the events and the snapshot go with the row (ON DELETE CASCADE), and
         # an append racing it either lands first (and is deleted) or finds no session.
@@ -219,6 +284,7 @@ class PostgresEventStore(base.EventStore):
 
     # --- appends --------------------------------------------------------------------------------
 
+    @_bounded("append")
     async def append(
         self,
         session_id: str,
@@ -315,6 +381,7 @@ class PostgresEventStore(base.EventStore):
             for event in await self._select_range(key, start, stop):
                 yield event
 
+    @_bounded("read events")
     async def _select_range(
         self, key: SessionKey, start: int, stop: int
     ) -> list[events_pb2.SessionEvent]:
@@ -328,6 +395,7 @@ class PostgresEventStore(base.EventStore):
                 rows = await cursor.fetchall()
         return [base.decode_event(row[0]) for row in rows]
 
+    @_bounded("read events")
     async def read_seqs(
         self, session_id: str, seqs: Sequence[int], *, tenant: str = DEFAULT_TENANT_ID
     ) -> list[events_pb2.SessionEvent]:
@@ -349,6 +417,7 @@ class PostgresEventStore(base.EventStore):
                     found += await asyncio.to_thread(_decoded, await cursor.fetchall())
         return found
 
+    @_bounded("read event ids")
     async def find_event_ids(
         self, session_id: str, event_ids: Sequence[str], *, tenant: str = DEFAULT_TENANT_ID
     ) -> dict[str, int]:
@@ -359,6 +428,7 @@ class PostgresEventStore(base.EventStore):
                 await _require_session(conn, key)
                 return await _select_event_ids(conn, key, wanted)
 
+    @_bounded("count usage")
     async def usage(
         self, *, tenant: str | None = None, session_id: str | None = None
     ) -> dict[str, base.StoreUsage]:
@@ -376,8 +446,24 @@ class PostgresEventStore(base.EventStore):
                 rows = await cursor.fetchall()
         return {str(t): base.StoreUsage(int(n), int(b)) for t, n, b in rows}
 
+    # --- the shared append rate (issue 15) ------------------------------------------------------
+
+    @_bounded("take an append token")
+    async def take_append_token(self, tenant: str, rate: float, burst: float) -> float | None:
+        # One statement under the tenant's row lock: refill by the database's clock since the
+        # last take, take a token if one is there, and say whether it did.
+        with _db_errors("take an append token"):
+            async with self._connection() as conn:
+                params = {"tenant": tenant, "rate": float(rate), "burst": float(burst)}
+                cursor = await conn.execute(_TAKE_TOKEN, params)
+                row = await cursor.fetchone()
+        assert row is not None  # an upsert always answers its row
+        taken, tokens = bool(row[0]), float(row[1])
+        return 0.0 if taken else (1.0 - tokens) / rate
+
     # --- fold snapshots (issue 11) ---------------------------------------------------------------
 
+    @_bounded("write a snapshot")
     async def put_snapshot(
         self, session_id: str, revision: int, data: bytes, *, tenant: str = DEFAULT_TENANT_ID
     ) -> None:
@@ -395,6 +481,7 @@ class PostgresEventStore(base.EventStore):
                     (*key, revision, data),
                 )
 
+    @_bounded("read a snapshot")
     async def get_snapshot(
         self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID
     ) -> tuple[int, bytes] | None:
@@ -409,6 +496,7 @@ class PostgresEventStore(base.EventStore):
 
     # --- leases and notifications ---------------------------------------------------------------
 
+    @_bounded("read a lease")
     async def get_lease(self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID) -> Lease | None:
         with _db_errors("read a lease"):
             async with self._connection() as conn:
@@ -420,6 +508,7 @@ class PostgresEventStore(base.EventStore):
                 row = await cursor.fetchone()
         return None if row is None else _lease_of(row, row[4])
 
+    @_bounded("renew a lease")
     async def renew_lease(
         self,
         session_id: str,
@@ -467,6 +556,35 @@ class PostgresEventStore(base.EventStore):
 
     # --- helpers --------------------------------------------------------------------------------
 
+    def budget_s(self) -> float:
+        """The longest one operation may take: the pool timeout plus the statement timeout, or
+        what is left of the call's deadline (less a margin to answer in) when that is less."""
+        budget = self._connect_timeout_s + self._statement_timeout_ms / 1000
+        left = deadlines.remaining()
+        if left is not None:
+            budget = min(budget, left - min(_ANSWER_MARGIN_S, left / 10))
+        return max(budget, 0.0)
+
+    async def _within_budget(self, action: str, operation: Coroutine[Any, Any, T]) -> T:
+        """``operation``'s result, or ``StoreUnavailable`` once it outlasts ``budget_s``.
+
+        It runs as a task that is cancelled and left to end alone on timeout (or when the caller
+        goes away): psycopg answers a cancellation by asking the server to cancel the query,
+        and waits seconds for that when the server does not answer."""
+        budget = self.budget_s()
+        task = asyncio.ensure_future(operation)
+        try:
+            done, _ = await asyncio.wait([task], timeout=budget)
+        except asyncio.CancelledError:
+            _abandon(task)
+            raise
+        if done:
+            return task.result()
+        _abandon(task)
+        raise errors.StoreUnavailable(
+            f"event store: cannot {action}: the database did not answer within {budget:.2f} s"
+        )
+
     @contextlib.asynccontextmanager
     async def _connection(self) -> AsyncIterator[Conn]:
         pool = self._pool
@@ -477,6 +595,23 @@ class PostgresEventStore(base.EventStore):
 
 
 _WHERE_KEY = "tenant = %s AND session_id = %s"
+
+# The bucket's tokens now: what it held plus the refill since its last take, at most a burst.
+# statement_timestamp() is one instant per statement; a take that waited for the row lock may
+# read an ``updated`` later than it, hence GREATEST.
+_REFILLED = (
+    "LEAST(%(burst)s, b.tokens + %(rate)s * GREATEST(0, EXTRACT(EPOCH FROM"
+    " statement_timestamp() - b.updated)::float8))"
+)
+_TAKE_TOKEN = (
+    "INSERT INTO append_buckets AS b (tenant, tokens, updated, taken)"
+    " VALUES (%(tenant)s, %(burst)s - 1, statement_timestamp(), true)"
+    " ON CONFLICT (tenant) DO UPDATE SET"
+    f" tokens = {_REFILLED} - CASE WHEN {_REFILLED} >= 1 THEN 1 ELSE 0 END,"
+    " updated = GREATEST(b.updated, statement_timestamp()),"
+    f" taken = {_REFILLED} >= 1"
+    " RETURNING taken, tokens"
+)
 
 
 async def _apply_lease(
@@ -521,7 +656,7 @@ async def _select_event_ids(conn: Conn, key: SessionKey, event_ids: list[str]) -
 
 
 def _record(row: tuple[Any, ...]) -> base.SessionRecord:
-    session_id, create_time, policy_json, revision, tenant, update_time = row
+    session_id, create_time, policy_json, revision, tenant, update_time, parent, fork = row
     return base.SessionRecord(
         str(session_id),
         create_time.astimezone(UTC),
@@ -529,6 +664,8 @@ def _record(row: tuple[Any, ...]) -> base.SessionRecord:
         int(revision),
         str(tenant),
         update_time.astimezone(UTC),
+        str(parent or ""),
+        None if fork is None else int(fork),
     )
 
 

@@ -67,6 +67,23 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
                 ON DELETE CASCADE
         )""",
     ),
+    # 4: the append rate every replica shares: one token bucket per tenant (``taken``: whether
+    # the last take found a token, so one statement both takes and answers).
+    (
+        """CREATE TABLE append_buckets (
+            tenant  TEXT COLLATE "C" PRIMARY KEY,
+            tokens  DOUBLE PRECISION NOT NULL,
+            updated TIMESTAMPTZ NOT NULL,
+            taken   BOOLEAN NOT NULL
+        )""",
+    ),
+    # 5: sub-agent sessions: a child names its parent (same tenant) and, forked, the seq.
+    (
+        'ALTER TABLE sessions ADD COLUMN parent_id TEXT COLLATE "C"',
+        "ALTER TABLE sessions ADD COLUMN fork_at_seq BIGINT",
+        """CREATE INDEX sessions_parent ON sessions (tenant, parent_id, session_id)
+            WHERE parent_id IS NOT NULL""",
+    ),
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)

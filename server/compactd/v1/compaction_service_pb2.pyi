@@ -170,6 +170,55 @@ budget is spent (`detail` says which, and when a retry may happen).
 """
 Global___CompactionStep: _TypeAlias = CompactionStep  # noqa: Y015
 
+class _PressureOutcome:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PressureOutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PressureOutcome.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PRESSURE_OUTCOME_UNSPECIFIED: _PressureOutcome.ValueType  # 0
+    """Not set (a server before outcomes)."""
+    PRESSURE_OUTCOME_FITS: _PressureOutcome.ValueType  # 1
+    """Below the trigger."""
+    PRESSURE_OUTCOME_ABOVE_TRIGGER: _PressureOutcome.ValueType  # 2
+    """At or above the trigger, but within `W - O`: the step goes on, and a later step compacts
+    the history that arrives (the detail says why not now: the floor, a failure, a span too
+    small to be worth a bracket, `auto` off).
+    """
+    PRESSURE_OUTCOME_OVER_WINDOW_IRREDUCIBLE: _PressureOutcome.ValueType  # 3
+    """Above `W - O`, and nothing reducible is left: the floor alone (`floor_tokens`) exceeds it."""
+    PRESSURE_OUTCOME_OVER_WINDOW: _PressureOutcome.ValueType  # 4
+    """Above `W - O` although history could still be reduced: `auto` is off for the route, or a
+    bracket of another caller holds the session (the detail says which).
+    """
+    PRESSURE_OUTCOME_UNPRICED: _PressureOutcome.ValueType  # 5
+    """The route could not be priced (no declared window, a policy that does not fit it, no route)."""
+
+class PressureOutcome(_PressureOutcome, metaclass=_PressureOutcomeEnumTypeWrapper):
+    """How the request a step answered stands against its route's window `W` and output reservation
+    `O`. compactd never answers a request above `W - O` while pruning, compaction, masking or the
+    overflow path could still reduce it.
+    """
+
+PRESSURE_OUTCOME_UNSPECIFIED: PressureOutcome.ValueType  # 0
+"""Not set (a server before outcomes)."""
+PRESSURE_OUTCOME_FITS: PressureOutcome.ValueType  # 1
+"""Below the trigger."""
+PRESSURE_OUTCOME_ABOVE_TRIGGER: PressureOutcome.ValueType  # 2
+"""At or above the trigger, but within `W - O`: the step goes on, and a later step compacts
+the history that arrives (the detail says why not now: the floor, a failure, a span too
+small to be worth a bracket, `auto` off).
+"""
+PRESSURE_OUTCOME_OVER_WINDOW_IRREDUCIBLE: PressureOutcome.ValueType  # 3
+"""Above `W - O`, and nothing reducible is left: the floor alone (`floor_tokens`) exceeds it."""
+PRESSURE_OUTCOME_OVER_WINDOW: PressureOutcome.ValueType  # 4
+"""Above `W - O` although history could still be reduced: `auto` is off for the route, or a
+bracket of another caller holds the session (the detail says which).
+"""
+PRESSURE_OUTCOME_UNPRICED: PressureOutcome.ValueType  # 5
+"""The route could not be priced (no declared window, a policy that does not fit it, no route)."""
+Global___PressureOutcome: _TypeAlias = PressureOutcome  # noqa: Y015
+
 class _ProviderErrorKind:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -389,6 +438,7 @@ class PressureBreakdown(_message.Message):
     CALIBRATION_RATIO_FIELD_NUMBER: _builtins.int
     CALIBRATION_SAMPLES_FIELD_NUMBER: _builtins.int
     UNSCALED_TOKENS_FIELD_NUMBER: _builtins.int
+    PINS_TOKENS_FIELD_NUMBER: _builtins.int
     system_tokens: _builtins.int
     """The system head."""
     tools_tokens: _builtins.int
@@ -424,6 +474,8 @@ class PressureBreakdown(_message.Message):
     """How many requests the calibration covers."""
     unscaled_tokens: _builtins.int
     """For ESTIMATED: the heuristic's total before the calibration scaled it."""
+    pins_tokens: _builtins.int
+    """The pinned-state message (`state/pin`): part of the total, never compacted."""
     @_builtins.property
     def warnings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """What the figure cannot vouch for, e.g. a route whose tokenizer file is missing and that is
@@ -448,10 +500,11 @@ class PressureBreakdown(_message.Message):
         calibration_ratio: _builtins.float = ...,
         calibration_samples: _builtins.int = ...,
         unscaled_tokens: _builtins.int = ...,
+        pins_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_error_bound", b"_error_bound", "error_bound", b"error_bound"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error_bound", b"_error_bound", "anchor_age_events", b"anchor_age_events", "anchor_age_seconds", b"anchor_age_seconds", "anchor_seq", b"anchor_seq", "calibration_ratio", b"calibration_ratio", "calibration_samples", b"calibration_samples", "config_tokens", b"config_tokens", "error_bound", b"error_bound", "images_tokens", b"images_tokens", "messages_tokens", b"messages_tokens", "method", b"method", "system_tokens", b"system_tokens", "tokenizer", b"tokenizer", "tools_tokens", b"tools_tokens", "unscaled_tokens", b"unscaled_tokens", "warnings", b"warnings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error_bound", b"_error_bound", "anchor_age_events", b"anchor_age_events", "anchor_age_seconds", b"anchor_age_seconds", "anchor_seq", b"anchor_seq", "calibration_ratio", b"calibration_ratio", "calibration_samples", b"calibration_samples", "config_tokens", b"config_tokens", "error_bound", b"error_bound", "images_tokens", b"images_tokens", "messages_tokens", b"messages_tokens", "method", b"method", "pins_tokens", b"pins_tokens", "system_tokens", b"system_tokens", "tokenizer", b"tokenizer", "tools_tokens", b"tools_tokens", "unscaled_tokens", b"unscaled_tokens", "warnings", b"warnings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__error_bound: _TypeAlias = _typing.Literal["error_bound"]  # noqa: Y015
     _WhichOneofArgType__error_bound: _TypeAlias = _typing.Literal["_error_bound", b"_error_bound"]  # noqa: Y015
@@ -764,6 +817,9 @@ class PrepareStepResult(_message.Message):
     REQUEST_UNCHANGED_FIELD_NUMBER: _builtins.int
     APPENDED_MESSAGES_FIELD_NUMBER: _builtins.int
     REQUEST_REVISION_FIELD_NUMBER: _builtins.int
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    FLOOR_TOKENS_FIELD_NUMBER: _builtins.int
+    OUTCOME_DETAIL_FIELD_NUMBER: _builtins.int
     pruned_count: _builtins.int
     """`tool/result` nodes pruned."""
     header_seq: _builtins.int
@@ -777,6 +833,14 @@ class PrepareStepResult(_message.Message):
     """The log revision the request to send is built at (`request.revision` when `request` is
     set): the `held_revision` of the caller's next PrepareStep.
     """
+    outcome: Global___PressureOutcome.ValueType
+    """How the request to send stands against the route's window, on every step."""
+    floor_tokens: _builtins.int
+    """The tokens no reduction can remove (the system head, the tools, the request's framing and
+    the last indivisible unit), measured after the step (0 when the route could not be priced).
+    """
+    outcome_detail: _builtins.str
+    """The outcome in words, with its figures (empty for FITS)."""
     @_builtins.property
     def before(self) -> Global___PressureReport:
         """Pressure before anything was done."""
@@ -818,10 +882,13 @@ class PrepareStepResult(_message.Message):
         request_unchanged: _builtins.bool = ...,
         appended_messages: _abc.Iterable[_session_service_pb2.Message] | None = ...,
         request_revision: _builtins.int = ...,
+        outcome: Global___PressureOutcome.ValueType = ...,
+        floor_tokens: _builtins.int = ...,
+        outcome_detail: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_header_seq", b"_header_seq", "after", b"after", "before", b"before", "header_seq", b"header_seq", "request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_header_seq", b"_header_seq", "after", b"after", "appended_messages", b"appended_messages", "before", b"before", "compactions", b"compactions", "header_seq", b"header_seq", "pruned_count", b"pruned_count", "request", b"request", "request_revision", b"request_revision", "request_unchanged", b"request_unchanged", "warnings", b"warnings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_header_seq", b"_header_seq", "after", b"after", "appended_messages", b"appended_messages", "before", b"before", "compactions", b"compactions", "floor_tokens", b"floor_tokens", "header_seq", b"header_seq", "outcome", b"outcome", "outcome_detail", b"outcome_detail", "pruned_count", b"pruned_count", "request", b"request", "request_revision", b"request_revision", "request_unchanged", b"request_unchanged", "warnings", b"warnings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__header_seq: _TypeAlias = _typing.Literal["header_seq"]  # noqa: Y015
     _WhichOneofArgType__header_seq: _TypeAlias = _typing.Literal["_header_seq", b"_header_seq"]  # noqa: Y015
@@ -1259,6 +1326,7 @@ class OverflowFigures(_message.Message):
     UNIT_RANGE_FIELD_NUMBER: _builtins.int
     MEASURED_TOKENS_FIELD_NUMBER: _builtins.int
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    PINS_TOKENS_FIELD_NUMBER: _builtins.int
     context_window: _builtins.int
     """The window W: the route's declared one, else the one the provider stated (0: unknown)."""
     window_source: _builtins.str
@@ -1272,13 +1340,15 @@ class OverflowFigures(_message.Message):
     config_tokens: _builtins.int
     """Request framing tokens."""
     envelope_tokens: _builtins.int
-    """What no compaction reduces: system + tools + config."""
+    """What no compaction reduces: system + tools + config + pins."""
     unit_tokens: _builtins.int
     """INDIVISIBLE_UNIT: the unit's tokens."""
     measured_tokens: _builtins.int
     """The measured envelope now, in tokens."""
     prompt_tokens: _builtins.int
     """The refused prompt's size the provider stated (0: not stated)."""
+    pins_tokens: _builtins.int
+    """The pinned-state message's tokens (`state/pin`)."""
     @_builtins.property
     def unit_range(self) -> _events_pb2.SurfaceRange:
         """INDIVISIBLE_UNIT: the unit's surface span."""
@@ -1297,10 +1367,11 @@ class OverflowFigures(_message.Message):
         unit_range: _events_pb2.SurfaceRange | None = ...,
         measured_tokens: _builtins.int = ...,
         prompt_tokens: _builtins.int = ...,
+        pins_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["unit_range", b"unit_range"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_tokens", b"config_tokens", "context_window", b"context_window", "envelope_tokens", b"envelope_tokens", "measured_tokens", b"measured_tokens", "output_reservation", b"output_reservation", "prompt_tokens", b"prompt_tokens", "system_tokens", b"system_tokens", "tools_tokens", b"tools_tokens", "unit_range", b"unit_range", "unit_tokens", b"unit_tokens", "window_source", b"window_source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_tokens", b"config_tokens", "context_window", b"context_window", "envelope_tokens", b"envelope_tokens", "measured_tokens", b"measured_tokens", "output_reservation", b"output_reservation", "pins_tokens", b"pins_tokens", "prompt_tokens", b"prompt_tokens", "system_tokens", b"system_tokens", "tools_tokens", b"tools_tokens", "unit_range", b"unit_range", "unit_tokens", b"unit_tokens", "window_source", b"window_source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1955,6 +2026,7 @@ class BracketRecord(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     GATE_FIELD_NUMBER: _builtins.int
     SUMMARY_ERRORS_FIELD_NUMBER: _builtins.int
+    RUNG_FIELD_NUMBER: _builtins.int
     compaction_id: _builtins.str
     """The bracket id."""
     trigger: _events_pb2.CompactionTrigger.ValueType
@@ -1981,6 +2053,8 @@ class BracketRecord(_message.Message):
     """The failure's text."""
     summary_errors: _builtins.int
     """Failed summary attempts (`compaction/summary-error` events)."""
+    rung: _events_pb2.CompactionRung.ValueType
+    """The rung of the ladder that wrote the checkpoint (committed brackets)."""
     @_builtins.property
     def range(self) -> _events_pb2.SurfaceRange:
         """The selected span."""
@@ -2037,10 +2111,11 @@ class BracketRecord(_message.Message):
         error: _builtins.str = ...,
         gate: _events_pb2.SummaryGateReport | None = ...,
         summary_errors: _builtins.int = ...,
+        rung: _events_pb2.CompactionRung.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_turn", b"_turn", "end_time", b"end_time", "gate", b"gate", "range", b"range", "start_time", b"start_time", "summary_target", b"summary_target", "tokens", b"tokens", "turn", b"turn", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_turn", b"_turn", "checkpoint_seq", b"checkpoint_seq", "compaction_id", b"compaction_id", "duration_seconds", b"duration_seconds", "end_seq", b"end_seq", "end_time", b"end_time", "error", b"error", "error_reason", b"error_reason", "gate", b"gate", "outcome", b"outcome", "range", b"range", "shadowed_count", b"shadowed_count", "start_seq", b"start_seq", "start_time", b"start_time", "steps", b"steps", "summarizer", b"summarizer", "summary_errors", b"summary_errors", "summary_target", b"summary_target", "tokens", b"tokens", "trigger", b"trigger", "turn", b"turn", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_turn", b"_turn", "checkpoint_seq", b"checkpoint_seq", "compaction_id", b"compaction_id", "duration_seconds", b"duration_seconds", "end_seq", b"end_seq", "end_time", b"end_time", "error", b"error", "error_reason", b"error_reason", "gate", b"gate", "outcome", b"outcome", "range", b"range", "rung", b"rung", "shadowed_count", b"shadowed_count", "start_seq", b"start_seq", "start_time", b"start_time", "steps", b"steps", "summarizer", b"summarizer", "summary_errors", b"summary_errors", "summary_target", b"summary_target", "tokens", b"tokens", "trigger", b"trigger", "turn", b"turn", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__turn: _TypeAlias = _typing.Literal["turn"]  # noqa: Y015
     _WhichOneofArgType__turn: _TypeAlias = _typing.Literal["_turn", b"_turn"]  # noqa: Y015

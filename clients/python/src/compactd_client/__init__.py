@@ -2,8 +2,9 @@
 
 ``CompactdClient`` (blocking) and ``AsyncCompactdClient`` (asyncio) wrap both gRPC services over
 one channel; :mod:`compactd_client.events` builds the events to append;
-:mod:`compactd_client.errors` holds the typed exceptions; ``step_request``
-(:mod:`compactd_client.steps`) gives the request a step sends from a ``prepare_step`` result;
+:mod:`compactd_client.errors` holds the typed exceptions; ``prepare_step`` answers a
+``PreparedStep`` (:mod:`compactd_client.steps`: the full request to send, the client holding the
+session's last request so a step costs what it adds);
 :mod:`compactd_client.openai` and :mod:`compactd_client.anthropic` convert OpenAI chat and
 Anthropic messages to events and ``BuildRequest`` answers to ready request bodies;
 :mod:`compactd_client.v1` re-exports the generated messages.
@@ -27,7 +28,7 @@ from compactd_client.errors import (
     UnavailableError,
     UnimplementedError,
 )
-from compactd_client.steps import step_request
+from compactd_client.steps import HeldRequests, PreparedStep, step_request
 from compactd_client.streams import (
     AsyncCompactionStream,
     AsyncServerStream,
@@ -48,8 +49,10 @@ __all__ = [
     "CompactionStream",
     "DeadlineExceededError",
     "FailedPreconditionError",
+    "HeldRequests",
     "InvalidArgumentError",
     "NotFoundError",
+    "PreparedStep",
     "QuotaExceededError",
     "RetryPolicy",
     "SeqConflictError",

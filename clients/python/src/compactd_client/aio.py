@@ -11,7 +11,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -22,8 +22,10 @@ from compactd_client import _requests as rq
 from compactd_client._requests import UNSET, Timeout, resolve_timeout
 from compactd_client.config import DEFAULT_RETRY, RetryPolicy, auth_metadata, channel_options
 from compactd_client.errors import from_rpc_error
+from compactd_client.steps import DEFAULT_HELD_SESSIONS, HeldRequests, PreparedStep
 from compactd_client.streams import AsyncCompactionStream, AsyncServerStream
 from compactd_client.v1.compaction_service_pb2 import (
+    CompactionProgress,
     CompactResult,
     ListBracketsRequest,
     ListBracketsResponse,
@@ -77,6 +79,9 @@ class AsyncCompactdClient:
         retry: Retry policy for the idempotent RPCs (gRPC service config); None disables it.
         metadata: Metadata sent with every call (e.g. ``("authorization", "Bearer ...")``).
         options: Extra channel options.
+        held_sessions: Most sessions whose last request ``prepare_step`` holds (the least
+            recently stepped is dropped first; ``delete_session``, ``forget_held_request`` and
+            ``close`` drop them too). 0 holds none: every step then answers the full request.
     """
 
     def __init__(
@@ -90,6 +95,7 @@ class AsyncCompactdClient:
         retry: RetryPolicy | None = DEFAULT_RETRY,
         metadata: Sequence[tuple[str, str]] = (),
         options: Sequence[tuple[str, str | int]] = (),
+        held_sessions: int = DEFAULT_HELD_SESSIONS,
     ) -> None:
         opts = channel_options(retry, options)
         if credentials is None:
@@ -102,9 +108,11 @@ class AsyncCompactdClient:
         self._metadata = auth_metadata(token, metadata)
         self._sessions = SessionServiceStub(channel)
         self._compaction = CompactionServiceStub(channel)
+        self._held = HeldRequests(held_sessions)
 
     async def close(self) -> None:
-        """Closes the channel, cancelling calls still in flight."""
+        """Closes the channel, cancelling calls still in flight; drops the held requests."""
+        self._held.clear()
         await self._channel.close(None)
 
     async def __aenter__(self) -> Self:
@@ -152,21 +160,28 @@ class AsyncCompactdClient:
         session_id: str = "",
         *,
         compaction_policy: Mapping[str, Any] | None = None,
+        parent_session_id: str = "",
+        fork_at_seq: int | None = None,
         timeout: Timeout = UNSET,
     ) -> Session:
-        """Creates an empty session.
+        """Creates an empty session, or a sub-agent's child session.
 
         Args:
             session_id: 1-128 characters of ``[A-Za-z0-9._:-]``; empty lets the server choose.
             compaction_policy: Per-session policy overrides with the spec's keys
                 (``thresholdRatio``, ``modelPolicies``...).
+            parent_session_id: Make the session a child of this session (of the same tenant).
+            fork_at_seq: With a parent: start the child with a copy of the parent's surface as
+                it stood right after this seq.
             timeout: Deadline in seconds.
 
         Raises:
-            AlreadyExistsError: the id is taken.
-            InvalidArgumentError: a malformed id or policy.
+            AlreadyExistsError: the id is taken (with another policy or parent).
+            InvalidArgumentError: a malformed id or policy, or a fork seq outside the parent's
+                log (reason ``FORK_SEQ_INVALID``).
+            NotFoundError: the parent does not exist.
         """
-        request = rq.create_session(session_id, compaction_policy)
+        request = rq.create_session(session_id, compaction_policy, parent_session_id, fork_at_seq)
         response = await self._unary(self._sessions.CreateSession, request, timeout)
         return response.session
 
@@ -209,11 +224,18 @@ class AsyncCompactdClient:
         return AsyncServerStream(call, lambda m: m.event)
 
     async def list_sessions(
-        self, *, page_size: int = 0, page_token: str = "", timeout: Timeout = UNSET
+        self,
+        *,
+        page_size: int = 0,
+        page_token: str = "",
+        parent_session_id: str = "",
+        timeout: Timeout = UNSET,
     ) -> ListSessionsResponse:
         """One page of the caller's tenant's sessions, in id order (``next_page_token``: "" at
-        the end)."""
-        request = ListSessionsRequest(page_size=page_size, page_token=page_token)
+        the end); with ``parent_session_id``, that session's children only."""
+        request = ListSessionsRequest(
+            page_size=page_size, page_token=page_token, parent_session_id=parent_session_id
+        )
         return await self._unary(self._sessions.ListSessions, request, timeout)
 
     async def delete_session(self, session_id: str, *, timeout: Timeout = UNSET) -> None:
@@ -222,6 +244,7 @@ class AsyncCompactdClient:
         Raises:
             NotFoundError: no such session (of the caller's tenant).
         """
+        self._held.forget(session_id)
         request = DeleteSessionRequest(session_id=session_id)
         await self._unary(self._sessions.DeleteSession, request, timeout)
 
@@ -285,7 +308,55 @@ class AsyncCompactdClient:
         call = self._stream(self._compaction.WatchPressure, request, timeout)
         return AsyncServerStream(call, lambda m: m.report)
 
-    def prepare_step(
+    async def prepare_step(
+        self,
+        session_id: str,
+        turn: int,
+        *,
+        intended_route: Route | None = None,
+        on_progress: Callable[[CompactionProgress], object] | None = None,
+        timeout: Timeout = UNSET,
+    ) -> PreparedStep:
+        """The pre-step check (prunes and compacts when above pressure) and the request to send.
+
+        As ``CompactdClient.prepare_step``: the client holds the session's last request, sends
+        its revision as ``held_revision`` and appends what the server answers to it, so a step
+        costs what it adds, never the session's length. With ``on_progress`` (called with each
+        ``CompactionProgress``) the step is streamed; without, it is one unary call.
+
+        Returns:
+            The request to send (``request``, the client's held one: the session's next step
+            extends it in place) and the server's result (``result``).
+
+        Raises:
+            CompactionBusyError: a bracket is live.
+            FailedPreconditionError: ``turn`` is not open (reason ``NO_OPEN_TURN``).
+            NotFoundError: no such session.
+        """
+        sent = self._held.revision(session_id)
+        progress: tuple[CompactionProgress, ...] = ()
+        if on_progress is None:
+            result = await self.prepare_step_unary(
+                session_id, turn, intended_route=intended_route, held_revision=sent,
+                timeout=timeout,
+            )  # fmt: skip
+        else:
+            stream = self.prepare_step_stream(
+                session_id, turn, intended_route=intended_route, held_revision=sent,
+                timeout=timeout,
+            )  # fmt: skip
+            async with stream:
+                async for update in stream:
+                    on_progress(update)
+                result = await stream.result()
+            progress = tuple(stream.progress)
+        request = self._held.update(session_id, sent, result)
+        if request is None:  # the held request moved on meanwhile (a concurrent step)
+            request = await self.build_request(session_id, timeout=timeout)
+            self._held.hold(session_id, request)
+        return PreparedStep(request, result, progress)
+
+    def prepare_step_stream(
         self,
         session_id: str,
         turn: int,
@@ -294,15 +365,18 @@ class AsyncCompactdClient:
         held_revision: int | None = None,
         timeout: Timeout = UNSET,
     ) -> AsyncCompactionStream[PrepareStepResult]:
-        """The pre-step check: prunes and compacts when above pressure; the result carries the
-        request to send. Raises ``CompactionBusyError`` while a bracket is live.
-
-        ``held_revision``: the revision of the request the runtime holds; the result then omits
-        the full request while compactd changed none of it (``steps.step_request`` rebuilds the
-        request to send either way)."""
+        """The ``PrepareStep`` stream as the server sends it: ``async for`` the progress,
+        ``await result()`` for the result. Nothing is held: without ``held_revision`` the result
+        carries the full request; with it, ``steps.step_request`` gives the request to send.
+        Raises as ``prepare_step``."""
         request = rq.prepare_step(session_id, turn, intended_route, held_revision)
         call = self._stream(self._compaction.PrepareStep, request, timeout)
         return AsyncCompactionStream(call, rq.split_prepare_step)
+
+    def forget_held_request(self, session_id: str) -> None:
+        """Drops the request the client holds for the session (a runtime done with it); the
+        session's next ``prepare_step`` answers the full request."""
+        self._held.forget(session_id)
 
     async def prepare_step_unary(
         self,
@@ -313,7 +387,8 @@ class AsyncCompactdClient:
         held_revision: int | None = None,
         timeout: Timeout = UNSET,
     ) -> PrepareStepResult:
-        """``prepare_step`` in one call (``PrepareStepUnary``): the same result, no step updates.
+        """``PrepareStepUnary`` as the server answers it: the result of ``prepare_step_stream``, no
+        step updates, nothing held.
 
         Cheaper than the stream for a runtime that shows no compaction progress (most steps
         are below pressure). A compaction it runs happens inside the call, so its default

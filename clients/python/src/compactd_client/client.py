@@ -12,7 +12,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -22,8 +22,10 @@ from compactd_client import _requests as rq
 from compactd_client._requests import UNSET, Timeout, resolve_timeout
 from compactd_client.config import DEFAULT_RETRY, RetryPolicy, auth_metadata, channel_options
 from compactd_client.errors import from_rpc_error
+from compactd_client.steps import DEFAULT_HELD_SESSIONS, HeldRequests, PreparedStep
 from compactd_client.streams import CompactionStream, ServerStream
 from compactd_client.v1.compaction_service_pb2 import (
+    CompactionProgress,
     CompactResult,
     ListBracketsRequest,
     ListBracketsResponse,
@@ -77,6 +79,9 @@ class CompactdClient:
         retry: Retry policy for the idempotent RPCs (gRPC service config); None disables it.
         metadata: Metadata sent with every call (e.g. ``("authorization", "Bearer ...")``).
         options: Extra channel options.
+        held_sessions: Most sessions whose last request ``prepare_step`` holds (the least
+            recently stepped is dropped first; ``delete_session``, ``forget_held_request`` and
+            ``close`` drop them too). 0 holds none: every step then answers the full request.
     """
 
     def __init__(
@@ -90,6 +95,7 @@ class CompactdClient:
         retry: RetryPolicy | None = DEFAULT_RETRY,
         metadata: Sequence[tuple[str, str]] = (),
         options: Sequence[tuple[str, str | int]] = (),
+        held_sessions: int = DEFAULT_HELD_SESSIONS,
     ) -> None:
         opts = channel_options(retry, options)
         if credentials is None:
@@ -102,9 +108,11 @@ class CompactdClient:
         self._metadata = auth_metadata(token, metadata)
         self._sessions = SessionServiceStub(channel)
         self._compaction = CompactionServiceStub(channel)
+        self._held = HeldRequests(held_sessions)
 
     def close(self) -> None:
-        """Closes the channel, cancelling calls still in flight."""
+        """Closes the channel, cancelling calls still in flight; drops the held requests."""
+        self._held.clear()
         self._channel.close()
 
     def __enter__(self) -> Self:
@@ -152,21 +160,28 @@ class CompactdClient:
         session_id: str = "",
         *,
         compaction_policy: Mapping[str, Any] | None = None,
+        parent_session_id: str = "",
+        fork_at_seq: int | None = None,
         timeout: Timeout = UNSET,
     ) -> Session:
-        """Creates an empty session.
+        """Creates an empty session, or a sub-agent's child session.
 
         Args:
             session_id: 1-128 characters of ``[A-Za-z0-9._:-]``; empty lets the server choose.
             compaction_policy: Per-session policy overrides with the spec's keys
                 (``thresholdRatio``, ``modelPolicies``...).
+            parent_session_id: Make the session a child of this session (of the same tenant).
+            fork_at_seq: With a parent: start the child with a copy of the parent's surface as
+                it stood right after this seq.
             timeout: Deadline in seconds.
 
         Raises:
-            AlreadyExistsError: the id is taken.
-            InvalidArgumentError: a malformed id or policy.
+            AlreadyExistsError: the id is taken (with another policy or parent).
+            InvalidArgumentError: a malformed id or policy, or a fork seq outside the parent's
+                log (reason ``FORK_SEQ_INVALID``).
+            NotFoundError: the parent does not exist.
         """
-        request = rq.create_session(session_id, compaction_policy)
+        request = rq.create_session(session_id, compaction_policy, parent_session_id, fork_at_seq)
         response = self._unary(self._sessions.CreateSession, request, timeout)
         return response.session
 
@@ -209,11 +224,18 @@ class CompactdClient:
         return ServerStream(call, lambda m: m.event)
 
     def list_sessions(
-        self, *, page_size: int = 0, page_token: str = "", timeout: Timeout = UNSET
+        self,
+        *,
+        page_size: int = 0,
+        page_token: str = "",
+        parent_session_id: str = "",
+        timeout: Timeout = UNSET,
     ) -> ListSessionsResponse:
         """One page of the caller's tenant's sessions, in id order (``next_page_token``: "" at
-        the end)."""
-        request = ListSessionsRequest(page_size=page_size, page_token=page_token)
+        the end); with ``parent_session_id``, that session's children only."""
+        request = ListSessionsRequest(
+            page_size=page_size, page_token=page_token, parent_session_id=parent_session_id
+        )
         return self._unary(self._sessions.ListSessions, request, timeout)
 
     def delete_session(self, session_id: str, *, timeout: Timeout = UNSET) -> None:
@@ -222,6 +244,7 @@ class CompactdClient:
         Raises:
             NotFoundError: no such session (of the caller's tenant).
         """
+        self._held.forget(session_id)
         request = DeleteSessionRequest(session_id=session_id)
         self._unary(self._sessions.DeleteSession, request, timeout)
 
@@ -287,18 +310,80 @@ class CompactdClient:
         turn: int,
         *,
         intended_route: Route | None = None,
+        on_progress: Callable[[CompactionProgress], object] | None = None,
+        timeout: Timeout = UNSET,
+    ) -> PreparedStep:
+        """The pre-step check (prunes and compacts when above pressure) and the request to send.
+
+        The client holds the last request of the session (see ``held_sessions``) and sends its
+        revision as ``held_revision``: while compactd changed nothing it shows, the server
+        answers only the messages appended since, which the client appends to the held request.
+        A step that compacted, pruned or switched routes answers the full request, which the
+        client then holds instead. So a step costs what it adds, never the session's length.
+
+        Args:
+            session_id: The session.
+            turn: The open turn the step belongs to.
+            intended_route: The route the step will use; None uses the logged one.
+            on_progress: Called with each ``CompactionProgress`` as it arrives: the step is then
+                streamed (``PrepareStep``); without it the step is one unary call
+                (``PrepareStepUnary``, no progress), the cheaper one.
+            timeout: Deadline in seconds; unset uses ``stream_timeout`` (a compaction may run
+                inside the call).
+
+        Returns:
+            The request to send (``request``, the client's held one: the session's next step
+            extends it in place) and the server's result (``result``).
+
+        Raises:
+            CompactionBusyError: a bracket is live.
+            FailedPreconditionError: ``turn`` is not open (reason ``NO_OPEN_TURN``).
+            NotFoundError: no such session.
+        """
+        sent = self._held.revision(session_id)
+        progress: tuple[CompactionProgress, ...] = ()
+        if on_progress is None:
+            result = self.prepare_step_unary(
+                session_id, turn, intended_route=intended_route, held_revision=sent,
+                timeout=timeout,
+            )  # fmt: skip
+        else:
+            stream = self.prepare_step_stream(
+                session_id, turn, intended_route=intended_route, held_revision=sent,
+                timeout=timeout,
+            )  # fmt: skip
+            with stream:
+                for update in stream:
+                    on_progress(update)
+                result = stream.result()
+            progress = tuple(stream.progress)
+        request = self._held.update(session_id, sent, result)
+        if request is None:  # the held request moved on meanwhile (a concurrent step)
+            request = self.build_request(session_id, timeout=timeout)
+            self._held.hold(session_id, request)
+        return PreparedStep(request, result, progress)
+
+    def prepare_step_stream(
+        self,
+        session_id: str,
+        turn: int,
+        *,
+        intended_route: Route | None = None,
         held_revision: int | None = None,
         timeout: Timeout = UNSET,
     ) -> CompactionStream[PrepareStepResult]:
-        """The pre-step check: prunes and compacts when above pressure; the result carries the
-        request to send. Raises ``CompactionBusyError`` while a bracket is live.
-
-        ``held_revision``: the revision of the request the runtime holds; the result then omits
-        the full request while compactd changed none of it (``steps.step_request`` rebuilds the
-        request to send either way)."""
+        """The ``PrepareStep`` stream as the server sends it: iterate for the progress,
+        ``result()`` for the result. Nothing is held: without ``held_revision`` the result
+        carries the full request; with it, ``steps.step_request`` gives the request to send.
+        Raises as ``prepare_step``."""
         request = rq.prepare_step(session_id, turn, intended_route, held_revision)
         call = self._stream(self._compaction.PrepareStep, request, timeout)
         return CompactionStream(call, rq.split_prepare_step)
+
+    def forget_held_request(self, session_id: str) -> None:
+        """Drops the request the client holds for the session (a runtime done with it); the
+        session's next ``prepare_step`` answers the full request."""
+        self._held.forget(session_id)
 
     def prepare_step_unary(
         self,
@@ -309,7 +394,8 @@ class CompactdClient:
         held_revision: int | None = None,
         timeout: Timeout = UNSET,
     ) -> PrepareStepResult:
-        """``prepare_step`` in one call (``PrepareStepUnary``): the same result, no step updates.
+        """``PrepareStepUnary`` as the server answers it: the result of ``prepare_step_stream``, no
+        step updates, nothing held.
 
         Cheaper than the stream for a runtime that shows no compaction progress (most steps
         are below pressure). A compaction it runs happens inside the call, so its default

@@ -101,17 +101,19 @@ def channel_options(
 
     Args:
         retry: The retry policy for idempotent RPCs; None disables retries.
-        extra: More options, appended last (a later duplicate key wins in grpc).
+        extra: More options; one naming a default's key replaces that default.
     """
-    options: list[tuple[str, str | int]] = [
+    defaults: list[tuple[str, str | int]] = [
         ("grpc.service_config", service_config(retry)),
         ("grpc.enable_retries", 1 if retry is not None else 0),
         # Surfaces and requests with large tool outputs exceed grpc's 4 MiB default.
         ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
     ]
-    options.extend(extra)
-    return options
+    # grpc keeps the first of two options with one key: a default left before the caller's
+    # would win over it.
+    named = {key for key, _ in extra}
+    return [*(option for option in defaults if option[0] not in named), *extra]
 
 
 def auth_metadata(

@@ -125,6 +125,39 @@ COMPACTION_TRIGGER_MODEL_SWITCH: CompactionTrigger.ValueType  # 4
 """A model switch to a destination whose threshold the history exceeds."""
 Global___CompactionTrigger: _TypeAlias = CompactionTrigger  # noqa: Y015
 
+class _CompactionRung:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CompactionRungEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CompactionRung.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    COMPACTION_RUNG_UNSPECIFIED: _CompactionRung.ValueType  # 0
+    """Not recorded (brackets logged before rungs were)."""
+    COMPACTION_RUNG_SUMMARY: _CompactionRung.ValueType  # 1
+    """The summary target's own summary (a model's, or the extractive one when it is the target)."""
+    COMPACTION_RUNG_EXTRACTIVE: _CompactionRung.ValueType  # 2
+    """The extractive checkpoint, written after the target's summary failed or was rejected, or
+    without a model call (the span already failed with the target, or nothing a model could
+    write brings pressure below the trigger).
+    """
+
+class CompactionRung(_CompactionRung, metaclass=_CompactionRungEnumTypeWrapper):
+    """The rungs a compaction goes down instead of sending a request over the window: the summary
+    target's summary, then the extractive checkpoint, then masking older tool outputs
+    (`compaction/prune` with `masked`), then overflow recovery's maximal reduction.
+    """
+
+COMPACTION_RUNG_UNSPECIFIED: CompactionRung.ValueType  # 0
+"""Not recorded (brackets logged before rungs were)."""
+COMPACTION_RUNG_SUMMARY: CompactionRung.ValueType  # 1
+"""The summary target's own summary (a model's, or the extractive one when it is the target)."""
+COMPACTION_RUNG_EXTRACTIVE: CompactionRung.ValueType  # 2
+"""The extractive checkpoint, written after the target's summary failed or was rejected, or
+without a model call (the span already failed with the target, or nothing a model could
+write brings pressure below the trigger).
+"""
+Global___CompactionRung: _TypeAlias = CompactionRung  # noqa: Y015
+
 class _SummaryCheck:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -189,6 +222,34 @@ SUMMARY_PROBE_KIND_ERROR: SummaryProbeKind.ValueType  # 4
 """An error string from tool output."""
 Global___SummaryProbeKind: _TypeAlias = SummaryProbeKind  # noqa: Y015
 
+class _SubagentStatus:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _SubagentStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SubagentStatus.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SUBAGENT_STATUS_UNSPECIFIED: _SubagentStatus.ValueType  # 0
+    """Not set."""
+    SUBAGENT_STATUS_COMPLETED: _SubagentStatus.ValueType  # 1
+    """It finished its task."""
+    SUBAGENT_STATUS_FAILED: _SubagentStatus.ValueType  # 2
+    """It failed."""
+    SUBAGENT_STATUS_CANCELLED: _SubagentStatus.ValueType  # 3
+    """It was cancelled."""
+
+class SubagentStatus(_SubagentStatus, metaclass=_SubagentStatusEnumTypeWrapper):
+    """How a sub-agent ended."""
+
+SUBAGENT_STATUS_UNSPECIFIED: SubagentStatus.ValueType  # 0
+"""Not set."""
+SUBAGENT_STATUS_COMPLETED: SubagentStatus.ValueType  # 1
+"""It finished its task."""
+SUBAGENT_STATUS_FAILED: SubagentStatus.ValueType  # 2
+"""It failed."""
+SUBAGENT_STATUS_CANCELLED: SubagentStatus.ValueType  # 3
+"""It was cancelled."""
+Global___SubagentStatus: _TypeAlias = SubagentStatus  # noqa: Y015
+
 @_typing.final
 class SessionEvent(_message.Message):
     """One entry of a session's append-only log.
@@ -212,6 +273,9 @@ class SessionEvent(_message.Message):
       | `step/start`, `step/end`                | runtime                                       |
       | `tool/call`, `assistant/attempt`        | runtime                                       |
       | `request/header`, `llm/retry`           | runtime                                       |
+      | `state/pin`                             | runtime                                       |
+      | `subagent/start`, `subagent/end`        | runtime (in the parent session)               |
+      | `session/fork`                          | compactd only (a forked child's first event)  |
       | `compaction/start`, `compaction/prune`, | compactd only (pruning and the bracket)       |
       |   `compaction/summary`,                 |                                               |
       |   `compaction/summary-error`,           |                                               |
@@ -220,11 +284,28 @@ class SessionEvent(_message.Message):
       | `image/offload`                         | compactd only (`RecoverFromError` and the     |
       |                                         |   summary-error recovery)                     |
 
+    Pinned state. `state/pin` is log-only: it never becomes a surface node, so no compaction or
+    prune can select it. The pins in force (the latest `state/pin` of each key, minus cleared keys)
+    are rendered, in key order, into one `system`-role message placed right after the system head
+    (before every other message; first when the head projects to nothing) of every rebuilt request,
+    marked `Message.pinned_state`. Its text is `<pinned-state>`, a line of preamble, then per key a
+    `[key]` line followed by the pin's text verbatim, then `</pinned-state>`. The meter prices that
+    message in every route's tokenizer as part of the envelope (`PressureBreakdown.pins_tokens`),
+    so pins count toward pressure; a batch whose pins alone would cost more than the route's
+    context window is refused (RESOURCE_EXHAUSTED, reason `PINS_OVER_WINDOW`). Changing a pin
+    rewrites the request from that message on (the provider's prompt cache is reused up to the
+    system head only).
+
+    Sub-agents. `subagent/start` and `subagent/end` are log-only events of the parent session; a
+    `subagent/start` opens a handle on its `child_session_id` until a `subagent/end` names it.
+    Every checkpoint re-emits the handles still open at the end of its span (open sub-agents,
+    tool calls without a result, pinned keys) in its "Open handles" section.
+
     Step brackets (checked on runtime appends; violations are INVALID_ARGUMENT with reason
     `STEP_BRACKET`): an `assistant/message` APPEND is accepted only inside an open step
-    (`step/start` ... `step/end`) of an open turn; `step/start` needs its turn open and no other
-    step open; `step/end` names the open step; `turn/end` needs that turn's step ended. A
-    `tool/result` comes after the step that made its call (inside it or after it).
+    (`step/start` ... `step/end`); `step/start` needs no other step open (its turn need not have
+    been opened with `turn/start`); `step/end` names the open step; `turn/end` needs that turn's
+    step ended. A `tool/result` comes after the step that made its call (inside it or after it).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -254,6 +335,10 @@ class SessionEvent(_message.Message):
     SESSION_END_SEED_FIELD_NUMBER: _builtins.int
     LLM_RETRY_FIELD_NUMBER: _builtins.int
     COMPACTION_SUMMARY_ERROR_FIELD_NUMBER: _builtins.int
+    STATE_PIN_FIELD_NUMBER: _builtins.int
+    SUBAGENT_START_FIELD_NUMBER: _builtins.int
+    SUBAGENT_END_FIELD_NUMBER: _builtins.int
+    SESSION_FORK_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """Output only. The event's index in the session log: 0, 1, 2, ... contiguous, never reused.
     Assigned by the server; a client that sets it is rejected with INVALID_ARGUMENT.
@@ -354,6 +439,22 @@ class SessionEvent(_message.Message):
     def compaction_summary_error(self) -> Global___CompactionSummaryError:
         """`compaction/summary-error` (log-only)."""
 
+    @_builtins.property
+    def state_pin(self) -> Global___StatePin:
+        """`state/pin` (log-only; rendered into the request, see above)."""
+
+    @_builtins.property
+    def subagent_start(self) -> Global___SubagentStart:
+        """`subagent/start` (log-only)."""
+
+    @_builtins.property
+    def subagent_end(self) -> Global___SubagentEnd:
+        """`subagent/end` (log-only)."""
+
+    @_builtins.property
+    def session_fork(self) -> Global___SessionFork:
+        """`session/fork` (log-only)."""
+
     def __init__(
         self,
         *,
@@ -382,12 +483,16 @@ class SessionEvent(_message.Message):
         session_end_seed: Global___SessionEndSeed | None = ...,
         llm_retry: Global___LlmRetry | None = ...,
         compaction_summary_error: Global___CompactionSummaryError | None = ...,
+        state_pin: Global___StatePin | None = ...,
+        subagent_start: Global___SubagentStart | None = ...,
+        subagent_end: Global___SubagentEnd | None = ...,
+        session_fork: Global___SessionFork | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["assistant_attempt", b"assistant_attempt", "assistant_message", b"assistant_message", "body", b"body", "compaction_end", b"compaction_end", "compaction_prune", b"compaction_prune", "compaction_start", b"compaction_start", "compaction_summary", b"compaction_summary", "compaction_summary_error", b"compaction_summary_error", "developer_message", b"developer_message", "image_offload", b"image_offload", "llm_retry", b"llm_retry", "request_header", b"request_header", "session_end_seed", b"session_end_seed", "step_end", b"step_end", "step_start", b"step_start", "surface_op", b"surface_op", "system_message", b"system_message", "time", b"time", "tool_call", b"tool_call", "tool_result", b"tool_result", "turn_end", b"turn_end", "turn_start", b"turn_start", "user_message", b"user_message"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["assistant_attempt", b"assistant_attempt", "assistant_message", b"assistant_message", "body", b"body", "compaction_end", b"compaction_end", "compaction_prune", b"compaction_prune", "compaction_start", b"compaction_start", "compaction_summary", b"compaction_summary", "compaction_summary_error", b"compaction_summary_error", "developer_message", b"developer_message", "image_offload", b"image_offload", "llm_retry", b"llm_retry", "request_header", b"request_header", "session_end_seed", b"session_end_seed", "session_fork", b"session_fork", "state_pin", b"state_pin", "step_end", b"step_end", "step_start", b"step_start", "subagent_end", b"subagent_end", "subagent_start", b"subagent_start", "surface_op", b"surface_op", "system_message", b"system_message", "time", b"time", "tool_call", b"tool_call", "tool_result", b"tool_result", "turn_end", b"turn_end", "turn_start", b"turn_start", "user_message", b"user_message"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assistant_attempt", b"assistant_attempt", "assistant_message", b"assistant_message", "body", b"body", "compaction_end", b"compaction_end", "compaction_prune", b"compaction_prune", "compaction_start", b"compaction_start", "compaction_summary", b"compaction_summary", "compaction_summary_error", b"compaction_summary_error", "developer_message", b"developer_message", "event_id", b"event_id", "image_offload", b"image_offload", "llm_retry", b"llm_retry", "request_header", b"request_header", "seq", b"seq", "session_end_seed", b"session_end_seed", "source_event_seqs", b"source_event_seqs", "step_end", b"step_end", "step_start", b"step_start", "surface_op", b"surface_op", "system_message", b"system_message", "time", b"time", "tool_call", b"tool_call", "tool_result", b"tool_result", "turn_end", b"turn_end", "turn_start", b"turn_start", "user_message", b"user_message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assistant_attempt", b"assistant_attempt", "assistant_message", b"assistant_message", "body", b"body", "compaction_end", b"compaction_end", "compaction_prune", b"compaction_prune", "compaction_start", b"compaction_start", "compaction_summary", b"compaction_summary", "compaction_summary_error", b"compaction_summary_error", "developer_message", b"developer_message", "event_id", b"event_id", "image_offload", b"image_offload", "llm_retry", b"llm_retry", "request_header", b"request_header", "seq", b"seq", "session_end_seed", b"session_end_seed", "session_fork", b"session_fork", "source_event_seqs", b"source_event_seqs", "state_pin", b"state_pin", "step_end", b"step_end", "step_start", b"step_start", "subagent_end", b"subagent_end", "subagent_start", b"subagent_start", "surface_op", b"surface_op", "system_message", b"system_message", "time", b"time", "tool_call", b"tool_call", "tool_result", b"tool_result", "turn_end", b"turn_end", "turn_start", b"turn_start", "user_message", b"user_message"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["system_message", "developer_message", "user_message", "assistant_message", "tool_result", "turn_start", "turn_end", "step_start", "step_end", "tool_call", "assistant_attempt", "request_header", "compaction_start", "compaction_prune", "compaction_summary", "compaction_end", "image_offload", "session_end_seed", "llm_retry", "compaction_summary_error"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["system_message", "developer_message", "user_message", "assistant_message", "tool_result", "turn_start", "turn_end", "step_start", "step_end", "tool_call", "assistant_attempt", "request_header", "compaction_start", "compaction_prune", "compaction_summary", "compaction_end", "image_offload", "session_end_seed", "llm_retry", "compaction_summary_error", "state_pin", "subagent_start", "subagent_end", "session_fork"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -517,7 +622,11 @@ Global___ReasoningBlock: _TypeAlias = ReasoningBlock  # noqa: Y015
 
 @_typing.final
 class ImageBlock(_message.Message):
-    """An image, referenced or inline."""
+    """An image, referenced or inline. It carries `data` (with `media_type`), an `attachment_id` or
+    a `path`: `AppendEvents` refuses one with none of them (a name alone), INVALID_ARGUMENT naming
+    the block. A summary sends inline data; a reference the summarizer cannot fetch goes as text
+    (its name, attachment and path, as an offload writes it).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1236,6 +1345,7 @@ class CompactionPrune(_message.Message):
     SHADOWED_TOKENS_FIELD_NUMBER: _builtins.int
     ORIGINAL_CODE_POINTS_FIELD_NUMBER: _builtins.int
     RETAINED_CODE_POINTS_FIELD_NUMBER: _builtins.int
+    MASKED_FIELD_NUMBER: _builtins.int
     compaction_id: _builtins.str
     """The bracket or step the prune belongs to, if any."""
     shadowed_seq: _builtins.int
@@ -1246,6 +1356,11 @@ class CompactionPrune(_message.Message):
     """Text code points before pruning."""
     retained_code_points: _builtins.int
     """Text code points kept (head + tail, without the marker)."""
+    masked: _builtins.bool
+    """True when the result was masked rather than pruned: the ladder's masking rung (the request
+    would otherwise have gone out over the window) cut an older result to a short head and tail
+    whatever its size.
+    """
     def __init__(
         self,
         *,
@@ -1254,10 +1369,11 @@ class CompactionPrune(_message.Message):
         shadowed_tokens: _builtins.int = ...,
         original_code_points: _builtins.int = ...,
         retained_code_points: _builtins.int = ...,
+        masked: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "original_code_points", b"original_code_points", "retained_code_points", b"retained_code_points", "shadowed_seq", b"shadowed_seq", "shadowed_tokens", b"shadowed_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "masked", b"masked", "original_code_points", b"original_code_points", "retained_code_points", b"retained_code_points", "shadowed_seq", b"shadowed_seq", "shadowed_tokens", b"shadowed_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1347,12 +1463,15 @@ class CompactionSummary(_message.Message):
     SUMMARIZER_FIELD_NUMBER: _builtins.int
     GATE_FIELD_NUMBER: _builtins.int
     FALLBACK_FIELD_NUMBER: _builtins.int
+    RUNG_FIELD_NUMBER: _builtins.int
     compaction_id: _builtins.str
     """The bracket id."""
     summary: _builtins.str
     """Raw summary text as returned by the summarizer."""
     summarizer: _builtins.str
     """Name of the summarizer (`openai`, `extractive`, ...)."""
+    rung: Global___CompactionRung.ValueType
+    """Which rung of the ladder wrote the checkpoint."""
     @_builtins.property
     def range(self) -> Global___SurfaceRange:
         """The replaced span."""
@@ -1379,8 +1498,8 @@ class CompactionSummary(_message.Message):
 
     @_builtins.property
     def fallback(self) -> Global___SummaryFallback:
-        """Set when the gate rejected the target's summary and the policy's extractive fallback wrote
-        this one (`summarizer` is then `extractive`).
+        """Set when the target's summary failed or the gate rejected it and the policy's extractive
+        fallback wrote this one (`summarizer` is then `extractive`).
         """
 
     def __init__(
@@ -1396,10 +1515,11 @@ class CompactionSummary(_message.Message):
         summarizer: _builtins.str = ...,
         gate: Global___SummaryGateReport | None = ...,
         fallback: Global___SummaryFallback | None = ...,
+        rung: Global___CompactionRung.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fallback", b"fallback", "gate", b"gate", "range", b"range", "target", b"target", "tokens", b"tokens", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "fallback", b"fallback", "gate", b"gate", "range", b"range", "shadowed_seqs", b"shadowed_seqs", "summarizer", b"summarizer", "summary", b"summary", "target", b"target", "tokens", b"tokens", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "fallback", b"fallback", "gate", b"gate", "range", b"range", "rung", b"rung", "shadowed_seqs", b"shadowed_seqs", "summarizer", b"summarizer", "summary", b"summary", "target", b"target", "tokens", b"tokens", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1516,15 +1636,23 @@ class SummaryFallback(_message.Message):
     REJECTED_SUMMARIZER_FIELD_NUMBER: _builtins.int
     REJECTED_TARGET_FIELD_NUMBER: _builtins.int
     REJECTED_FIELD_NUMBER: _builtins.int
+    FAILURE_REASON_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
     rejected_summarizer: _builtins.str
     """The summarizer whose summary was rejected."""
+    failure_reason: _builtins.str
+    """The failure's reason when the target's summary failed (`TIMEOUT`, `SUMMARY_TRUNCATED`, ...)
+    or was not sent (`KNOWN_FAILURE`: the same span failed with the same target before).
+    """
+    failure: _builtins.str
+    """The failure's text."""
     @_builtins.property
     def rejected_target(self) -> Global___Route:
         """The route that wrote it."""
 
     @_builtins.property
     def rejected(self) -> Global___SummaryGateReport:
-        """Why it was rejected."""
+        """Why it was rejected (the gate's report; absent when the summary failed instead)."""
 
     def __init__(
         self,
@@ -1532,10 +1660,12 @@ class SummaryFallback(_message.Message):
         rejected_summarizer: _builtins.str = ...,
         rejected_target: Global___Route | None = ...,
         rejected: Global___SummaryGateReport | None = ...,
+        failure_reason: _builtins.str = ...,
+        failure: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["rejected", b"rejected", "rejected_target", b"rejected_target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["rejected", b"rejected", "rejected_summarizer", b"rejected_summarizer", "rejected_target", b"rejected_target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failure", b"failure", "failure_reason", b"failure_reason", "rejected", b"rejected", "rejected_summarizer", b"rejected_summarizer", "rejected_target", b"rejected_target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1589,12 +1719,15 @@ class CompactionEnd(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     ERROR_REASON_FIELD_NUMBER: _builtins.int
     GATE_FIELD_NUMBER: _builtins.int
+    RUNG_FIELD_NUMBER: _builtins.int
     compaction_id: _builtins.str
     """The bracket id."""
     error: _builtins.str
     """Error text when the bracket failed or declined; empty on success."""
     error_reason: _builtins.str
     """Canonical reason of the failure, when there is one."""
+    rung: Global___CompactionRung.ValueType
+    """The rung that wrote the committed checkpoint (unset when the bracket failed)."""
     @_builtins.property
     def gate(self) -> Global___SummaryGateReport:
         """`SUMMARY_REJECTED` (and a `SUMMARY_NOT_SMALLER` found by the gate): the failed checks."""
@@ -1606,10 +1739,11 @@ class CompactionEnd(_message.Message):
         error: _builtins.str = ...,
         error_reason: _builtins.str = ...,
         gate: Global___SummaryGateReport | None = ...,
+        rung: Global___CompactionRung.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["gate", b"gate"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "error", b"error", "error_reason", b"error_reason", "gate", b"gate"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "error", b"error", "error_reason", b"error_reason", "gate", b"gate", "rung", b"rung"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1722,3 +1856,131 @@ class LlmRetry(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LlmRetry: _TypeAlias = LlmRetry  # noqa: Y015
+
+@_typing.final
+class StatePin(_message.Message):
+    """`state/pin`: task state that must never be summarized (the goal, the plan, constraints, the
+    user's corrections). The latest pin of a key is in force; `clear` removes the key.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    CLEAR_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """The pin's key: 1-64 characters of `[A-Za-z0-9._:/-]`, e.g. `goal`, `plan`, `constraint/1`."""
+    text: _builtins.str
+    """The pinned text, rendered verbatim; required unless `clear` (then it must be empty)."""
+    clear: _builtins.bool
+    """Remove the key: it is no longer rendered. Clearing a key not in force is refused."""
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        text: _builtins.str = ...,
+        clear: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clear", b"clear", "key", b"key", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StatePin: _TypeAlias = StatePin  # noqa: Y015
+
+@_typing.final
+class SubagentStart(_message.Message):
+    """`subagent/start`: the runtime started a sub-agent in a child session."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHILD_SESSION_ID_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
+    TASK_FIELD_NUMBER: _builtins.int
+    child_session_id: _builtins.str
+    """The child session's id (a session of the same tenant, usually created with this session as
+    its `parent_session_id`). At most one open start per child.
+    """
+    tool_call_id: _builtins.str
+    """The tool call of this session that spawned the sub-agent, if any."""
+    task: _builtins.str
+    """One line saying what the sub-agent was asked to do (no line breaks)."""
+    def __init__(
+        self,
+        *,
+        child_session_id: _builtins.str = ...,
+        tool_call_id: _builtins.str = ...,
+        task: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["child_session_id", b"child_session_id", "task", b"task", "tool_call_id", b"tool_call_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubagentStart: _TypeAlias = SubagentStart  # noqa: Y015
+
+@_typing.final
+class SubagentEnd(_message.Message):
+    """`subagent/end`: a sub-agent started by `subagent/start` ended."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHILD_SESSION_ID_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    child_session_id: _builtins.str
+    """The child session's id; names an open `subagent/start`."""
+    status: Global___SubagentStatus.ValueType
+    """How it ended."""
+    result: _builtins.str
+    """A summary of its result."""
+    def __init__(
+        self,
+        *,
+        child_session_id: _builtins.str = ...,
+        status: Global___SubagentStatus.ValueType = ...,
+        result: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["child_session_id", b"child_session_id", "result", b"result", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubagentEnd: _TypeAlias = SubagentEnd  # noqa: Y015
+
+@_typing.final
+class SessionFork(_message.Message):
+    """`session/fork`: the first event of a session forked from its parent (`CreateSession` with
+    `fork_at_seq`); the surface events after it are copies of the parent's nodes.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PARENT_SESSION_ID_FIELD_NUMBER: _builtins.int
+    FORK_AT_SEQ_FIELD_NUMBER: _builtins.int
+    SOURCE_SEQS_FIELD_NUMBER: _builtins.int
+    parent_session_id: _builtins.str
+    """The parent session."""
+    fork_at_seq: _builtins.int
+    """The parent's seq the surface was copied at."""
+    @_builtins.property
+    def source_seqs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The parent seq of each copied node, in surface order: the source of the child's nodes."""
+
+    def __init__(
+        self,
+        *,
+        parent_session_id: _builtins.str = ...,
+        fork_at_seq: _builtins.int = ...,
+        source_seqs: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fork_at_seq", b"fork_at_seq", "parent_session_id", b"parent_session_id", "source_seqs", b"source_seqs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionFork: _TypeAlias = SessionFork  # noqa: Y015

@@ -17,7 +17,7 @@ import type { JsonObject, Message } from "@bufbuild/protobuf";
  * Describes the file compactd/v1/events.proto.
  */
 export const file_compactd_v1_events: GenFile = /*@__PURE__*/
-  fileDesc("Chhjb21wYWN0ZC92MS9ldmVudHMucHJvdG8SC2NvbXBhY3RkLnYxIs4JCgxTZXNzaW9uRXZlbnQSCwoDc2VxGAEgASgDEigKBHRpbWUYAiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhAKCGV2ZW50X2lkGAMgASgJEioKCnN1cmZhY2Vfb3AYBCABKAsyFi5jb21wYWN0ZC52MS5TdXJmYWNlT3ASGQoRc291cmNlX2V2ZW50X3NlcXMYBSADKAMSNAoOc3lzdGVtX21lc3NhZ2UYCiABKAsyGi5jb21wYWN0ZC52MS5TeXN0ZW1NZXNzYWdlSAASOgoRZGV2ZWxvcGVyX21lc3NhZ2UYCyABKAsyHS5jb21wYWN0ZC52MS5EZXZlbG9wZXJNZXNzYWdlSAASMAoMdXNlcl9tZXNzYWdlGAwgASgLMhguY29tcGFjdGQudjEuVXNlck1lc3NhZ2VIABI6ChFhc3Npc3RhbnRfbWVzc2FnZRgNIAEoCzIdLmNvbXBhY3RkLnYxLkFzc2lzdGFudE1lc3NhZ2VIABIuCgt0b29sX3Jlc3VsdBgOIAEoCzIXLmNvbXBhY3RkLnYxLlRvb2xSZXN1bHRIABIsCgp0dXJuX3N0YXJ0GBQgASgLMhYuY29tcGFjdGQudjEuVHVyblN0YXJ0SAASKAoIdHVybl9lbmQYFSABKAsyFC5jb21wYWN0ZC52MS5UdXJuRW5kSAASLAoKc3RlcF9zdGFydBgWIAEoCzIWLmNvbXBhY3RkLnYxLlN0ZXBTdGFydEgAEigKCHN0ZXBfZW5kGBcgASgLMhQuY29tcGFjdGQudjEuU3RlcEVuZEgAEioKCXRvb2xfY2FsbBgYIAEoCzIVLmNvbXBhY3RkLnYxLlRvb2xDYWxsSAASOgoRYXNzaXN0YW50X2F0dGVtcHQYGSABKAsyHS5jb21wYWN0ZC52MS5Bc3Npc3RhbnRBdHRlbXB0SAASNAoOcmVxdWVzdF9oZWFkZXIYGiABKAsyGi5jb21wYWN0ZC52MS5SZXF1ZXN0SGVhZGVySAASOAoQY29tcGFjdGlvbl9zdGFydBgbIAEoCzIcLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25TdGFydEgAEjgKEGNvbXBhY3Rpb25fcHJ1bmUYHCABKAsyHC5jb21wYWN0ZC52MS5Db21wYWN0aW9uUHJ1bmVIABI8ChJjb21wYWN0aW9uX3N1bW1hcnkYHSABKAsyHi5jb21wYWN0ZC52MS5Db21wYWN0aW9uU3VtbWFyeUgAEjQKDmNvbXBhY3Rpb25fZW5kGB4gASgLMhouY29tcGFjdGQudjEuQ29tcGFjdGlvbkVuZEgAEjIKDWltYWdlX29mZmxvYWQYHyABKAsyGS5jb21wYWN0ZC52MS5JbWFnZU9mZmxvYWRIABI3ChBzZXNzaW9uX2VuZF9zZWVkGCAgASgLMhsuY29tcGFjdGQudjEuU2Vzc2lvbkVuZFNlZWRIABIqCglsbG1fcmV0cnkYISABKAsyFS5jb21wYWN0ZC52MS5MbG1SZXRyeUgAEkcKGGNvbXBhY3Rpb25fc3VtbWFyeV9lcnJvchgiIAEoCzIjLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25TdW1tYXJ5RXJyb3JIAEIGCgRib2R5IlkKCVN1cmZhY2VPcBIoCgRraW5kGAEgASgOMhouY29tcGFjdGQudjEuU3VyZmFjZU9wS2luZBIRCglzdGFydF9zZXEYAiABKAMSDwoHZW5kX3NlcRgDIAEoAyLMAQoMQ29udGVudEJsb2NrEiYKBHRleHQYASABKAsyFi5jb21wYWN0ZC52MS5UZXh0QmxvY2tIABIwCglyZWFzb25pbmcYAiABKAsyGy5jb21wYWN0ZC52MS5SZWFzb25pbmdCbG9ja0gAEigKBWltYWdlGAMgASgLMhcuY29tcGFjdGQudjEuSW1hZ2VCbG9ja0gAEi8KCXRvb2xfY2FsbBgEIAEoCzIaLmNvbXBhY3RkLnYxLlRvb2xDYWxsQmxvY2tIAEIHCgVibG9jayIZCglUZXh0QmxvY2sSDAoEdGV4dBgBIAEoCSIxCg5SZWFzb25pbmdCbG9jaxIMCgR0ZXh0GAEgASgJEhEKCXNpZ25hdHVyZRgCIAEoCSKUAQoKSW1hZ2VCbG9jaxISCgptZWRpYV90eXBlGAEgASgJEgwKBG5hbWUYAiABKAkSFQoNYXR0YWNobWVudF9pZBgDIAEoCRIMCgRwYXRoGAQgASgJEhIKCnNpemVfYnl0ZXMYBSABKAMSDQoFd2lkdGgYBiABKAUSDgoGaGVpZ2h0GAcgASgFEgwKBGRhdGEYCCABKAwiQQoNVG9vbENhbGxCbG9jaxIKCgJpZBgBIAEoCRIMCgRuYW1lGAIgASgJEhYKDmFyZ3VtZW50c19qc29uGAMgASgJIoUBCgVVc2FnZRIUCgxpbnB1dF90b2tlbnMYASABKAMSFQoNb3V0cHV0X3Rva2VucxgCIAEoAxIZChFjYWNoZV9yZWFkX3Rva2VucxgDIAEoAxIaChJjYWNoZV93cml0ZV90b2tlbnMYBCABKAMSGAoQcmVhc29uaW5nX3Rva2VucxgFIAEoAyIdCg1TeXN0ZW1NZXNzYWdlEgwKBHRleHQYASABKAkiIAoQRGV2ZWxvcGVyTWVzc2FnZRIMCgR0ZXh0GAEgASgJImkKC1VzZXJNZXNzYWdlEioKB2NvbnRlbnQYASADKAsyGS5jb21wYWN0ZC52MS5Db250ZW50QmxvY2sSLgoGc291cmNlGAIgASgLMh4uY29tcGFjdGQudjEuVXNlck1lc3NhZ2VTb3VyY2UilQEKEVVzZXJNZXNzYWdlU291cmNlEiwKBHVzZXIYASABKAsyHC5jb21wYWN0ZC52MS5Vc2VySW5wdXRTb3VyY2VIABJIChVjb21wYWN0aW9uX2NoZWNrcG9pbnQYAiABKAsyJy5jb21wYWN0ZC52MS5Db21wYWN0aW9uQ2hlY2twb2ludFNvdXJjZUgAQggKBm9yaWdpbiIRCg9Vc2VySW5wdXRTb3VyY2UiMwoaQ29tcGFjdGlvbkNoZWNrcG9pbnRTb3VyY2USFQoNY29tcGFjdGlvbl9pZBgBIAEoCSKXAQoQQXNzaXN0YW50TWVzc2FnZRIqCgdjb250ZW50GAEgAygLMhkuY29tcGFjdGQudjEuQ29udGVudEJsb2NrEiEKBXVzYWdlGAIgASgLMhIuY29tcGFjdGQudjEuVXNhZ2USEAoIcHJvdmlkZXIYAyABKAkSDQoFbW9kZWwYBCABKAkSEwoLc3RvcF9yZWFzb24YBSABKAkicwoKVG9vbFJlc3VsdBIUCgx0b29sX2NhbGxfaWQYASABKAkSEQoJdG9vbF9uYW1lGAIgASgJEioKB2NvbnRlbnQYAyADKAsyGS5jb21wYWN0ZC52MS5Db250ZW50QmxvY2sSEAoIaXNfZXJyb3IYBCABKAgiGQoJVHVyblN0YXJ0EgwKBHR1cm4YASABKAMiJwoHVHVybkVuZBIMCgR0dXJuGAEgASgDEg4KBnJlYXNvbhgCIAEoCSInCglTdGVwU3RhcnQSDAoEdHVybhgBIAEoAxIMCgRzdGVwGAIgASgDIiUKB1N0ZXBFbmQSDAoEdHVybhgBIAEoAxIMCgRzdGVwGAIgASgDIkYKCFRvb2xDYWxsEhQKDHRvb2xfY2FsbF9pZBgBIAEoCRIMCgRuYW1lGAIgASgJEhYKDmFyZ3VtZW50c19qc29uGAMgASgJIkgKEEFzc2lzdGFudEF0dGVtcHQSDwoHYXR0ZW1wdBgBIAEoBRINCgVlcnJvchgCIAEoCRIUCgxlcnJvcl9yZWFzb24YAyABKAki1gEKDVJlcXVlc3RDb25maWcSEAoIcHJvdmlkZXIYASABKAkSDQoFbW9kZWwYAiABKAkSHgoRbWF4X291dHB1dF90b2tlbnMYAyABKANIAIgBARIYCgt0ZW1wZXJhdHVyZRgEIAEoAUgBiAEBEhIKBXRvcF9wGAUgASgBSAKIAQESJgoFZXh0cmEYBiABKAsyFy5nb29nbGUucHJvdG9idWYuU3RydWN0QhQKEl9tYXhfb3V0cHV0X3Rva2Vuc0IOCgxfdGVtcGVyYXR1cmVCCAoGX3RvcF9wIk8KD1Rvb2xEZWNsYXJhdGlvbhIMCgRuYW1lGAEgASgJEhMKC2Rlc2NyaXB0aW9uGAIgASgJEhkKEWlucHV0X3NjaGVtYV9qc29uGAMgASgJIt0BCg1SZXF1ZXN0SGVhZGVyEioKBmNvbmZpZxgBIAEoCzIaLmNvbXBhY3RkLnYxLlJlcXVlc3RDb25maWcSMQoQYWRhcHRlcl9kZWZhdWx0cxgCIAEoCzIXLmdvb2dsZS5wcm90b2J1Zi5TdHJ1Y3QSKwoFdG9vbHMYAyADKAsyHC5jb21wYWN0ZC52MS5Ub29sRGVjbGFyYXRpb24SKQoGcmVhc29uGAQgASgOMhkuY29tcGFjdGQudjEuSGVhZGVyUmVhc29uEhUKDXN0YXJ0c19zZXJpZXMYBSABKAgiYAoMU3VyZmFjZVJhbmdlEhYKDnN0YXJ0X3Bvc2l0aW9uGAEgASgDEhQKDGVuZF9wb3NpdGlvbhgCIAEoAxIRCglzdGFydF9zZXEYAyABKAMSDwoHZW5kX3NlcRgEIAEoAyK2AQoPQ29tcGFjdGlvblN0YXJ0EhUKDWNvbXBhY3Rpb25faWQYASABKAkSLwoHdHJpZ2dlchgCIAEoDjIeLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25UcmlnZ2VyEigKBXJhbmdlGAMgASgLMhkuY29tcGFjdGQudjEuU3VyZmFjZVJhbmdlEhUKDXNoYWRvd2VkX3NlcXMYBCADKAMSEQoEdHVybhgFIAEoA0gAiAEBQgcKBV90dXJuIpMBCg9Db21wYWN0aW9uUHJ1bmUSFQoNY29tcGFjdGlvbl9pZBgBIAEoCRIUCgxzaGFkb3dlZF9zZXEYAiABKAMSFwoPc2hhZG93ZWRfdG9rZW5zGAMgASgDEhwKFG9yaWdpbmFsX2NvZGVfcG9pbnRzGAQgASgDEhwKFHJldGFpbmVkX2NvZGVfcG9pbnRzGAUgASgDIrcBChBUb2tlbk1lYXN1cmVtZW50EhcKD2VudmVsb3BlX2JlZm9yZRgBIAEoAxIWCg5lbnZlbG9wZV9hZnRlchgCIAEoAxIXCg9zaGFkb3dlZF90b2tlbnMYAyABKAMSGQoRY2hlY2twb2ludF90b2tlbnMYBCABKAMSHQoVc2hhZG93ZWRfcm91dGVfdG9rZW5zGAUgASgDEh8KF2NoZWNrcG9pbnRfcm91dGVfdG9rZW5zGAYgASgDIigKBVJvdXRlEhAKCHByb3ZpZGVyGAEgASgJEg0KBW1vZGVsGAIgASgJIuQCChFDb21wYWN0aW9uU3VtbWFyeRIVCg1jb21wYWN0aW9uX2lkGAEgASgJEg8KB3N1bW1hcnkYAiABKAkSKAoFcmFuZ2UYAyABKAsyGS5jb21wYWN0ZC52MS5TdXJmYWNlUmFuZ2USFQoNc2hhZG93ZWRfc2VxcxgEIAMoAxItCgZ0b2tlbnMYBSABKAsyHS5jb21wYWN0ZC52MS5Ub2tlbk1lYXN1cmVtZW50EiIKBnRhcmdldBgGIAEoCzISLmNvbXBhY3RkLnYxLlJvdXRlEiEKBXVzYWdlGAcgASgLMhIuY29tcGFjdGQudjEuVXNhZ2USEgoKc3VtbWFyaXplchgIIAEoCRIsCgRnYXRlGEYgASgLMh4uY29tcGFjdGQudjEuU3VtbWFyeUdhdGVSZXBvcnQSLgoIZmFsbGJhY2sYRyABKAsyHC5jb21wYWN0ZC52MS5TdW1tYXJ5RmFsbGJhY2siSQoMU3VtbWFyeVByb2JlEisKBGtpbmQYASABKA4yHS5jb21wYWN0ZC52MS5TdW1tYXJ5UHJvYmVLaW5kEgwKBHRleHQYAiABKAkigQEKE1N1bW1hcnlDaGVja0ZhaWx1cmUSKAoFY2hlY2sYASABKA4yGS5jb21wYWN0ZC52MS5TdW1tYXJ5Q2hlY2sSDgoGZGV0YWlsGAIgASgJEjAKDW1pc3NlZF9wcm9iZXMYAyADKAsyGS5jb21wYWN0ZC52MS5TdW1tYXJ5UHJvYmUivgEKEVN1bW1hcnlHYXRlUmVwb3J0EjIKCGZhaWx1cmVzGAEgAygLMiAuY29tcGFjdGQudjEuU3VtbWFyeUNoZWNrRmFpbHVyZRITCgtwcm9iZV9jb3VudBgCIAEoBRITCgtwcm9iZXNfa2VwdBgDIAEoBRIRCglyZWR1Y3Rpb24YBCABKAESGwoTbWluX3JlZHVjdGlvbl9yYXRpbxgFIAEoARIbChNtaW5fcHJvYmVfcmV0ZW50aW9uGAYgASgBIo0BCg9TdW1tYXJ5RmFsbGJhY2sSGwoTcmVqZWN0ZWRfc3VtbWFyaXplchgBIAEoCRIrCg9yZWplY3RlZF90YXJnZXQYAiABKAsyEi5jb21wYWN0ZC52MS5Sb3V0ZRIwCghyZWplY3RlZBgDIAEoCzIeLmNvbXBhY3RkLnYxLlN1bW1hcnlHYXRlUmVwb3J0InEKFkNvbXBhY3Rpb25TdW1tYXJ5RXJyb3ISFQoNY29tcGFjdGlvbl9pZBgBIAEoCRINCgVlcnJvchgCIAEoCRIOCgZyZWFzb24YAyABKAkSDwoHYXR0ZW1wdBgEIAEoBRIQCghyZXRyeWluZxgFIAEoCCJ5Cg1Db21wYWN0aW9uRW5kEhUKDWNvbXBhY3Rpb25faWQYASABKAkSDQoFZXJyb3IYAiABKAkSFAoMZXJyb3JfcmVhc29uGAMgASgJEiwKBGdhdGUYRiABKAsyHi5jb21wYWN0ZC52MS5TdW1tYXJ5R2F0ZVJlcG9ydCI4ChJJbWFnZU9mZmxvYWRUYXJnZXQSCwoDc2VxGAEgASgDEhUKDWltYWdlX2luZGV4ZXMYAiADKAUiQAoMSW1hZ2VPZmZsb2FkEjAKB3RhcmdldHMYASADKAsyHy5jb21wYWN0ZC52MS5JbWFnZU9mZmxvYWRUYXJnZXQiNQoOU2Vzc2lvbkVuZFNlZWQSDgoGcmVhc29uGAEgASgJEhMKC2luc3RhbmNlX2lkGAIgASgJIj0KCExsbVJldHJ5Eg8KB2F0dGVtcHQYASABKAUSDgoGcmVhc29uGAIgASgJEhAKCGRlbGF5X21zGAMgASgDKmkKDVN1cmZhY2VPcEtpbmQSHwobU1VSRkFDRV9PUF9LSU5EX1VOU1BFQ0lGSUVEEAASGgoWU1VSRkFDRV9PUF9LSU5EX0FQUEVORBABEhsKF1NVUkZBQ0VfT1BfS0lORF9SRVBMQUNFEAIqlgEKDEhlYWRlclJlYXNvbhIdChlIRUFERVJfUkVBU09OX1VOU1BFQ0lGSUVEEAASGQoVSEVBREVSX1JFQVNPTl9JTklUSUFMEAESGAoUSEVBREVSX1JFQVNPTl9SRVNVTUUQAhIYChRIRUFERVJfUkVBU09OX0NIQU5HRRADEhgKFEhFQURFUl9SRUFTT05fU0VSSUVTEAQqvQEKEUNvbXBhY3Rpb25UcmlnZ2VyEiIKHkNPTVBBQ1RJT05fVFJJR0dFUl9VTlNQRUNJRklFRBAAEh8KG0NPTVBBQ1RJT05fVFJJR0dFUl9QUkVTU1VSRRABEh0KGUNPTVBBQ1RJT05fVFJJR0dFUl9NQU5VQUwQAhIfChtDT01QQUNUSU9OX1RSSUdHRVJfT1ZFUkZMT1cQAxIjCh9DT01QQUNUSU9OX1RSSUdHRVJfTU9ERUxfU1dJVENIEAQqmAEKDFN1bW1hcnlDaGVjaxIdChlTVU1NQVJZX0NIRUNLX1VOU1BFQ0lGSUVEEAASGgoWU1VNTUFSWV9DSEVDS19TRUNUSU9OUxABEhYKElNVTU1BUllfQ0hFQ0tfRUNITxACEhsKF1NVTU1BUllfQ0hFQ0tfUkVEVUNUSU9OEAMSGAoUU1VNTUFSWV9DSEVDS19QUk9CRVMQBCqxAQoQU3VtbWFyeVByb2JlS2luZBIiCh5TVU1NQVJZX1BST0JFX0tJTkRfVU5TUEVDSUZJRUQQABIeChpTVU1NQVJZX1BST0JFX0tJTkRfUkVRVUVTVBABEhsKF1NVTU1BUllfUFJPQkVfS0lORF9QQVRIEAISHgoaU1VNTUFSWV9QUk9CRV9LSU5EX0NPTU1BTkQQAxIcChhTVU1NQVJZX1BST0JFX0tJTkRfRVJST1IQBGIGcHJvdG8z", [file_google_protobuf_struct, file_google_protobuf_timestamp]);
+  fileDesc("Chhjb21wYWN0ZC92MS9ldmVudHMucHJvdG8SC2NvbXBhY3RkLnYxIpQLCgxTZXNzaW9uRXZlbnQSCwoDc2VxGAEgASgDEigKBHRpbWUYAiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhAKCGV2ZW50X2lkGAMgASgJEioKCnN1cmZhY2Vfb3AYBCABKAsyFi5jb21wYWN0ZC52MS5TdXJmYWNlT3ASGQoRc291cmNlX2V2ZW50X3NlcXMYBSADKAMSNAoOc3lzdGVtX21lc3NhZ2UYCiABKAsyGi5jb21wYWN0ZC52MS5TeXN0ZW1NZXNzYWdlSAASOgoRZGV2ZWxvcGVyX21lc3NhZ2UYCyABKAsyHS5jb21wYWN0ZC52MS5EZXZlbG9wZXJNZXNzYWdlSAASMAoMdXNlcl9tZXNzYWdlGAwgASgLMhguY29tcGFjdGQudjEuVXNlck1lc3NhZ2VIABI6ChFhc3Npc3RhbnRfbWVzc2FnZRgNIAEoCzIdLmNvbXBhY3RkLnYxLkFzc2lzdGFudE1lc3NhZ2VIABIuCgt0b29sX3Jlc3VsdBgOIAEoCzIXLmNvbXBhY3RkLnYxLlRvb2xSZXN1bHRIABIsCgp0dXJuX3N0YXJ0GBQgASgLMhYuY29tcGFjdGQudjEuVHVyblN0YXJ0SAASKAoIdHVybl9lbmQYFSABKAsyFC5jb21wYWN0ZC52MS5UdXJuRW5kSAASLAoKc3RlcF9zdGFydBgWIAEoCzIWLmNvbXBhY3RkLnYxLlN0ZXBTdGFydEgAEigKCHN0ZXBfZW5kGBcgASgLMhQuY29tcGFjdGQudjEuU3RlcEVuZEgAEioKCXRvb2xfY2FsbBgYIAEoCzIVLmNvbXBhY3RkLnYxLlRvb2xDYWxsSAASOgoRYXNzaXN0YW50X2F0dGVtcHQYGSABKAsyHS5jb21wYWN0ZC52MS5Bc3Npc3RhbnRBdHRlbXB0SAASNAoOcmVxdWVzdF9oZWFkZXIYGiABKAsyGi5jb21wYWN0ZC52MS5SZXF1ZXN0SGVhZGVySAASOAoQY29tcGFjdGlvbl9zdGFydBgbIAEoCzIcLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25TdGFydEgAEjgKEGNvbXBhY3Rpb25fcHJ1bmUYHCABKAsyHC5jb21wYWN0ZC52MS5Db21wYWN0aW9uUHJ1bmVIABI8ChJjb21wYWN0aW9uX3N1bW1hcnkYHSABKAsyHi5jb21wYWN0ZC52MS5Db21wYWN0aW9uU3VtbWFyeUgAEjQKDmNvbXBhY3Rpb25fZW5kGB4gASgLMhouY29tcGFjdGQudjEuQ29tcGFjdGlvbkVuZEgAEjIKDWltYWdlX29mZmxvYWQYHyABKAsyGS5jb21wYWN0ZC52MS5JbWFnZU9mZmxvYWRIABI3ChBzZXNzaW9uX2VuZF9zZWVkGCAgASgLMhsuY29tcGFjdGQudjEuU2Vzc2lvbkVuZFNlZWRIABIqCglsbG1fcmV0cnkYISABKAsyFS5jb21wYWN0ZC52MS5MbG1SZXRyeUgAEkcKGGNvbXBhY3Rpb25fc3VtbWFyeV9lcnJvchgiIAEoCzIjLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25TdW1tYXJ5RXJyb3JIABIqCglzdGF0ZV9waW4YIyABKAsyFS5jb21wYWN0ZC52MS5TdGF0ZVBpbkgAEjQKDnN1YmFnZW50X3N0YXJ0GCQgASgLMhouY29tcGFjdGQudjEuU3ViYWdlbnRTdGFydEgAEjAKDHN1YmFnZW50X2VuZBglIAEoCzIYLmNvbXBhY3RkLnYxLlN1YmFnZW50RW5kSAASMAoMc2Vzc2lvbl9mb3JrGCYgASgLMhguY29tcGFjdGQudjEuU2Vzc2lvbkZvcmtIAEIGCgRib2R5IlkKCVN1cmZhY2VPcBIoCgRraW5kGAEgASgOMhouY29tcGFjdGQudjEuU3VyZmFjZU9wS2luZBIRCglzdGFydF9zZXEYAiABKAMSDwoHZW5kX3NlcRgDIAEoAyLMAQoMQ29udGVudEJsb2NrEiYKBHRleHQYASABKAsyFi5jb21wYWN0ZC52MS5UZXh0QmxvY2tIABIwCglyZWFzb25pbmcYAiABKAsyGy5jb21wYWN0ZC52MS5SZWFzb25pbmdCbG9ja0gAEigKBWltYWdlGAMgASgLMhcuY29tcGFjdGQudjEuSW1hZ2VCbG9ja0gAEi8KCXRvb2xfY2FsbBgEIAEoCzIaLmNvbXBhY3RkLnYxLlRvb2xDYWxsQmxvY2tIAEIHCgVibG9jayIZCglUZXh0QmxvY2sSDAoEdGV4dBgBIAEoCSIxCg5SZWFzb25pbmdCbG9jaxIMCgR0ZXh0GAEgASgJEhEKCXNpZ25hdHVyZRgCIAEoCSKUAQoKSW1hZ2VCbG9jaxISCgptZWRpYV90eXBlGAEgASgJEgwKBG5hbWUYAiABKAkSFQoNYXR0YWNobWVudF9pZBgDIAEoCRIMCgRwYXRoGAQgASgJEhIKCnNpemVfYnl0ZXMYBSABKAMSDQoFd2lkdGgYBiABKAUSDgoGaGVpZ2h0GAcgASgFEgwKBGRhdGEYCCABKAwiQQoNVG9vbENhbGxCbG9jaxIKCgJpZBgBIAEoCRIMCgRuYW1lGAIgASgJEhYKDmFyZ3VtZW50c19qc29uGAMgASgJIoUBCgVVc2FnZRIUCgxpbnB1dF90b2tlbnMYASABKAMSFQoNb3V0cHV0X3Rva2VucxgCIAEoAxIZChFjYWNoZV9yZWFkX3Rva2VucxgDIAEoAxIaChJjYWNoZV93cml0ZV90b2tlbnMYBCABKAMSGAoQcmVhc29uaW5nX3Rva2VucxgFIAEoAyIdCg1TeXN0ZW1NZXNzYWdlEgwKBHRleHQYASABKAkiIAoQRGV2ZWxvcGVyTWVzc2FnZRIMCgR0ZXh0GAEgASgJImkKC1VzZXJNZXNzYWdlEioKB2NvbnRlbnQYASADKAsyGS5jb21wYWN0ZC52MS5Db250ZW50QmxvY2sSLgoGc291cmNlGAIgASgLMh4uY29tcGFjdGQudjEuVXNlck1lc3NhZ2VTb3VyY2UilQEKEVVzZXJNZXNzYWdlU291cmNlEiwKBHVzZXIYASABKAsyHC5jb21wYWN0ZC52MS5Vc2VySW5wdXRTb3VyY2VIABJIChVjb21wYWN0aW9uX2NoZWNrcG9pbnQYAiABKAsyJy5jb21wYWN0ZC52MS5Db21wYWN0aW9uQ2hlY2twb2ludFNvdXJjZUgAQggKBm9yaWdpbiIRCg9Vc2VySW5wdXRTb3VyY2UiMwoaQ29tcGFjdGlvbkNoZWNrcG9pbnRTb3VyY2USFQoNY29tcGFjdGlvbl9pZBgBIAEoCSKXAQoQQXNzaXN0YW50TWVzc2FnZRIqCgdjb250ZW50GAEgAygLMhkuY29tcGFjdGQudjEuQ29udGVudEJsb2NrEiEKBXVzYWdlGAIgASgLMhIuY29tcGFjdGQudjEuVXNhZ2USEAoIcHJvdmlkZXIYAyABKAkSDQoFbW9kZWwYBCABKAkSEwoLc3RvcF9yZWFzb24YBSABKAkicwoKVG9vbFJlc3VsdBIUCgx0b29sX2NhbGxfaWQYASABKAkSEQoJdG9vbF9uYW1lGAIgASgJEioKB2NvbnRlbnQYAyADKAsyGS5jb21wYWN0ZC52MS5Db250ZW50QmxvY2sSEAoIaXNfZXJyb3IYBCABKAgiGQoJVHVyblN0YXJ0EgwKBHR1cm4YASABKAMiJwoHVHVybkVuZBIMCgR0dXJuGAEgASgDEg4KBnJlYXNvbhgCIAEoCSInCglTdGVwU3RhcnQSDAoEdHVybhgBIAEoAxIMCgRzdGVwGAIgASgDIiUKB1N0ZXBFbmQSDAoEdHVybhgBIAEoAxIMCgRzdGVwGAIgASgDIkYKCFRvb2xDYWxsEhQKDHRvb2xfY2FsbF9pZBgBIAEoCRIMCgRuYW1lGAIgASgJEhYKDmFyZ3VtZW50c19qc29uGAMgASgJIkgKEEFzc2lzdGFudEF0dGVtcHQSDwoHYXR0ZW1wdBgBIAEoBRINCgVlcnJvchgCIAEoCRIUCgxlcnJvcl9yZWFzb24YAyABKAki1gEKDVJlcXVlc3RDb25maWcSEAoIcHJvdmlkZXIYASABKAkSDQoFbW9kZWwYAiABKAkSHgoRbWF4X291dHB1dF90b2tlbnMYAyABKANIAIgBARIYCgt0ZW1wZXJhdHVyZRgEIAEoAUgBiAEBEhIKBXRvcF9wGAUgASgBSAKIAQESJgoFZXh0cmEYBiABKAsyFy5nb29nbGUucHJvdG9idWYuU3RydWN0QhQKEl9tYXhfb3V0cHV0X3Rva2Vuc0IOCgxfdGVtcGVyYXR1cmVCCAoGX3RvcF9wIk8KD1Rvb2xEZWNsYXJhdGlvbhIMCgRuYW1lGAEgASgJEhMKC2Rlc2NyaXB0aW9uGAIgASgJEhkKEWlucHV0X3NjaGVtYV9qc29uGAMgASgJIt0BCg1SZXF1ZXN0SGVhZGVyEioKBmNvbmZpZxgBIAEoCzIaLmNvbXBhY3RkLnYxLlJlcXVlc3RDb25maWcSMQoQYWRhcHRlcl9kZWZhdWx0cxgCIAEoCzIXLmdvb2dsZS5wcm90b2J1Zi5TdHJ1Y3QSKwoFdG9vbHMYAyADKAsyHC5jb21wYWN0ZC52MS5Ub29sRGVjbGFyYXRpb24SKQoGcmVhc29uGAQgASgOMhkuY29tcGFjdGQudjEuSGVhZGVyUmVhc29uEhUKDXN0YXJ0c19zZXJpZXMYBSABKAgiYAoMU3VyZmFjZVJhbmdlEhYKDnN0YXJ0X3Bvc2l0aW9uGAEgASgDEhQKDGVuZF9wb3NpdGlvbhgCIAEoAxIRCglzdGFydF9zZXEYAyABKAMSDwoHZW5kX3NlcRgEIAEoAyK2AQoPQ29tcGFjdGlvblN0YXJ0EhUKDWNvbXBhY3Rpb25faWQYASABKAkSLwoHdHJpZ2dlchgCIAEoDjIeLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25UcmlnZ2VyEigKBXJhbmdlGAMgASgLMhkuY29tcGFjdGQudjEuU3VyZmFjZVJhbmdlEhUKDXNoYWRvd2VkX3NlcXMYBCADKAMSEQoEdHVybhgFIAEoA0gAiAEBQgcKBV90dXJuIqMBCg9Db21wYWN0aW9uUHJ1bmUSFQoNY29tcGFjdGlvbl9pZBgBIAEoCRIUCgxzaGFkb3dlZF9zZXEYAiABKAMSFwoPc2hhZG93ZWRfdG9rZW5zGAMgASgDEhwKFG9yaWdpbmFsX2NvZGVfcG9pbnRzGAQgASgDEhwKFHJldGFpbmVkX2NvZGVfcG9pbnRzGAUgASgDEg4KBm1hc2tlZBgGIAEoCCK3AQoQVG9rZW5NZWFzdXJlbWVudBIXCg9lbnZlbG9wZV9iZWZvcmUYASABKAMSFgoOZW52ZWxvcGVfYWZ0ZXIYAiABKAMSFwoPc2hhZG93ZWRfdG9rZW5zGAMgASgDEhkKEWNoZWNrcG9pbnRfdG9rZW5zGAQgASgDEh0KFXNoYWRvd2VkX3JvdXRlX3Rva2VucxgFIAEoAxIfChdjaGVja3BvaW50X3JvdXRlX3Rva2VucxgGIAEoAyIoCgVSb3V0ZRIQCghwcm92aWRlchgBIAEoCRINCgVtb2RlbBgCIAEoCSKPAwoRQ29tcGFjdGlvblN1bW1hcnkSFQoNY29tcGFjdGlvbl9pZBgBIAEoCRIPCgdzdW1tYXJ5GAIgASgJEigKBXJhbmdlGAMgASgLMhkuY29tcGFjdGQudjEuU3VyZmFjZVJhbmdlEhUKDXNoYWRvd2VkX3NlcXMYBCADKAMSLQoGdG9rZW5zGAUgASgLMh0uY29tcGFjdGQudjEuVG9rZW5NZWFzdXJlbWVudBIiCgZ0YXJnZXQYBiABKAsyEi5jb21wYWN0ZC52MS5Sb3V0ZRIhCgV1c2FnZRgHIAEoCzISLmNvbXBhY3RkLnYxLlVzYWdlEhIKCnN1bW1hcml6ZXIYCCABKAkSLAoEZ2F0ZRhGIAEoCzIeLmNvbXBhY3RkLnYxLlN1bW1hcnlHYXRlUmVwb3J0Ei4KCGZhbGxiYWNrGEcgASgLMhwuY29tcGFjdGQudjEuU3VtbWFyeUZhbGxiYWNrEikKBHJ1bmcYSCABKA4yGy5jb21wYWN0ZC52MS5Db21wYWN0aW9uUnVuZyJJCgxTdW1tYXJ5UHJvYmUSKwoEa2luZBgBIAEoDjIdLmNvbXBhY3RkLnYxLlN1bW1hcnlQcm9iZUtpbmQSDAoEdGV4dBgCIAEoCSKBAQoTU3VtbWFyeUNoZWNrRmFpbHVyZRIoCgVjaGVjaxgBIAEoDjIZLmNvbXBhY3RkLnYxLlN1bW1hcnlDaGVjaxIOCgZkZXRhaWwYAiABKAkSMAoNbWlzc2VkX3Byb2JlcxgDIAMoCzIZLmNvbXBhY3RkLnYxLlN1bW1hcnlQcm9iZSK+AQoRU3VtbWFyeUdhdGVSZXBvcnQSMgoIZmFpbHVyZXMYASADKAsyIC5jb21wYWN0ZC52MS5TdW1tYXJ5Q2hlY2tGYWlsdXJlEhMKC3Byb2JlX2NvdW50GAIgASgFEhMKC3Byb2Jlc19rZXB0GAMgASgFEhEKCXJlZHVjdGlvbhgEIAEoARIbChNtaW5fcmVkdWN0aW9uX3JhdGlvGAUgASgBEhsKE21pbl9wcm9iZV9yZXRlbnRpb24YBiABKAEitgEKD1N1bW1hcnlGYWxsYmFjaxIbChNyZWplY3RlZF9zdW1tYXJpemVyGAEgASgJEisKD3JlamVjdGVkX3RhcmdldBgCIAEoCzISLmNvbXBhY3RkLnYxLlJvdXRlEjAKCHJlamVjdGVkGAMgASgLMh4uY29tcGFjdGQudjEuU3VtbWFyeUdhdGVSZXBvcnQSFgoOZmFpbHVyZV9yZWFzb24YBCABKAkSDwoHZmFpbHVyZRgFIAEoCSJxChZDb21wYWN0aW9uU3VtbWFyeUVycm9yEhUKDWNvbXBhY3Rpb25faWQYASABKAkSDQoFZXJyb3IYAiABKAkSDgoGcmVhc29uGAMgASgJEg8KB2F0dGVtcHQYBCABKAUSEAoIcmV0cnlpbmcYBSABKAgipAEKDUNvbXBhY3Rpb25FbmQSFQoNY29tcGFjdGlvbl9pZBgBIAEoCRINCgVlcnJvchgCIAEoCRIUCgxlcnJvcl9yZWFzb24YAyABKAkSLAoEZ2F0ZRhGIAEoCzIeLmNvbXBhY3RkLnYxLlN1bW1hcnlHYXRlUmVwb3J0EikKBHJ1bmcYRyABKA4yGy5jb21wYWN0ZC52MS5Db21wYWN0aW9uUnVuZyI4ChJJbWFnZU9mZmxvYWRUYXJnZXQSCwoDc2VxGAEgASgDEhUKDWltYWdlX2luZGV4ZXMYAiADKAUiQAoMSW1hZ2VPZmZsb2FkEjAKB3RhcmdldHMYASADKAsyHy5jb21wYWN0ZC52MS5JbWFnZU9mZmxvYWRUYXJnZXQiNQoOU2Vzc2lvbkVuZFNlZWQSDgoGcmVhc29uGAEgASgJEhMKC2luc3RhbmNlX2lkGAIgASgJIj0KCExsbVJldHJ5Eg8KB2F0dGVtcHQYASABKAUSDgoGcmVhc29uGAIgASgJEhAKCGRlbGF5X21zGAMgASgDIjQKCFN0YXRlUGluEgsKA2tleRgBIAEoCRIMCgR0ZXh0GAIgASgJEg0KBWNsZWFyGAMgASgIIk0KDVN1YmFnZW50U3RhcnQSGAoQY2hpbGRfc2Vzc2lvbl9pZBgBIAEoCRIUCgx0b29sX2NhbGxfaWQYAiABKAkSDAoEdGFzaxgDIAEoCSJkCgtTdWJhZ2VudEVuZBIYChBjaGlsZF9zZXNzaW9uX2lkGAEgASgJEisKBnN0YXR1cxgCIAEoDjIbLmNvbXBhY3RkLnYxLlN1YmFnZW50U3RhdHVzEg4KBnJlc3VsdBgDIAEoCSJSCgtTZXNzaW9uRm9yaxIZChFwYXJlbnRfc2Vzc2lvbl9pZBgBIAEoCRITCgtmb3JrX2F0X3NlcRgCIAEoAxITCgtzb3VyY2Vfc2VxcxgDIAMoAyppCg1TdXJmYWNlT3BLaW5kEh8KG1NVUkZBQ0VfT1BfS0lORF9VTlNQRUNJRklFRBAAEhoKFlNVUkZBQ0VfT1BfS0lORF9BUFBFTkQQARIbChdTVVJGQUNFX09QX0tJTkRfUkVQTEFDRRACKpYBCgxIZWFkZXJSZWFzb24SHQoZSEVBREVSX1JFQVNPTl9VTlNQRUNJRklFRBAAEhkKFUhFQURFUl9SRUFTT05fSU5JVElBTBABEhgKFEhFQURFUl9SRUFTT05fUkVTVU1FEAISGAoUSEVBREVSX1JFQVNPTl9DSEFOR0UQAxIYChRIRUFERVJfUkVBU09OX1NFUklFUxAEKr0BChFDb21wYWN0aW9uVHJpZ2dlchIiCh5DT01QQUNUSU9OX1RSSUdHRVJfVU5TUEVDSUZJRUQQABIfChtDT01QQUNUSU9OX1RSSUdHRVJfUFJFU1NVUkUQARIdChlDT01QQUNUSU9OX1RSSUdHRVJfTUFOVUFMEAISHwobQ09NUEFDVElPTl9UUklHR0VSX09WRVJGTE9XEAMSIwofQ09NUEFDVElPTl9UUklHR0VSX01PREVMX1NXSVRDSBAEKm4KDkNvbXBhY3Rpb25SdW5nEh8KG0NPTVBBQ1RJT05fUlVOR19VTlNQRUNJRklFRBAAEhsKF0NPTVBBQ1RJT05fUlVOR19TVU1NQVJZEAESHgoaQ09NUEFDVElPTl9SVU5HX0VYVFJBQ1RJVkUQAiqYAQoMU3VtbWFyeUNoZWNrEh0KGVNVTU1BUllfQ0hFQ0tfVU5TUEVDSUZJRUQQABIaChZTVU1NQVJZX0NIRUNLX1NFQ1RJT05TEAESFgoSU1VNTUFSWV9DSEVDS19FQ0hPEAISGwoXU1VNTUFSWV9DSEVDS19SRURVQ1RJT04QAxIYChRTVU1NQVJZX0NIRUNLX1BST0JFUxAEKrEBChBTdW1tYXJ5UHJvYmVLaW5kEiIKHlNVTU1BUllfUFJPQkVfS0lORF9VTlNQRUNJRklFRBAAEh4KGlNVTU1BUllfUFJPQkVfS0lORF9SRVFVRVNUEAESGwoXU1VNTUFSWV9QUk9CRV9LSU5EX1BBVEgQAhIeChpTVU1NQVJZX1BST0JFX0tJTkRfQ09NTUFORBADEhwKGFNVTU1BUllfUFJPQkVfS0lORF9FUlJPUhAEKosBCg5TdWJhZ2VudFN0YXR1cxIfChtTVUJBR0VOVF9TVEFUVVNfVU5TUEVDSUZJRUQQABIdChlTVUJBR0VOVF9TVEFUVVNfQ09NUExFVEVEEAESGgoWU1VCQUdFTlRfU1RBVFVTX0ZBSUxFRBACEh0KGVNVQkFHRU5UX1NUQVRVU19DQU5DRUxMRUQQA2IGcHJvdG8z", [file_google_protobuf_struct, file_google_protobuf_timestamp]);
 
 /**
  * One entry of a session's append-only log.
@@ -41,6 +41,9 @@ export const file_compactd_v1_events: GenFile = /*@__PURE__*/
  *   | `step/start`, `step/end`                | runtime                                       |
  *   | `tool/call`, `assistant/attempt`        | runtime                                       |
  *   | `request/header`, `llm/retry`           | runtime                                       |
+ *   | `state/pin`                             | runtime                                       |
+ *   | `subagent/start`, `subagent/end`        | runtime (in the parent session)               |
+ *   | `session/fork`                          | compactd only (a forked child's first event)  |
  *   | `compaction/start`, `compaction/prune`, | compactd only (pruning and the bracket)       |
  *   |   `compaction/summary`,                 |                                               |
  *   |   `compaction/summary-error`,           |                                               |
@@ -49,11 +52,28 @@ export const file_compactd_v1_events: GenFile = /*@__PURE__*/
  *   | `image/offload`                         | compactd only (`RecoverFromError` and the     |
  *   |                                         |   summary-error recovery)                     |
  *
+ * Pinned state. `state/pin` is log-only: it never becomes a surface node, so no compaction or
+ * prune can select it. The pins in force (the latest `state/pin` of each key, minus cleared keys)
+ * are rendered, in key order, into one `system`-role message placed right after the system head
+ * (before every other message; first when the head projects to nothing) of every rebuilt request,
+ * marked `Message.pinned_state`. Its text is `<pinned-state>`, a line of preamble, then per key a
+ * `[key]` line followed by the pin's text verbatim, then `</pinned-state>`. The meter prices that
+ * message in every route's tokenizer as part of the envelope (`PressureBreakdown.pins_tokens`),
+ * so pins count toward pressure; a batch whose pins alone would cost more than the route's
+ * context window is refused (RESOURCE_EXHAUSTED, reason `PINS_OVER_WINDOW`). Changing a pin
+ * rewrites the request from that message on (the provider's prompt cache is reused up to the
+ * system head only).
+ *
+ * Sub-agents. `subagent/start` and `subagent/end` are log-only events of the parent session; a
+ * `subagent/start` opens a handle on its `child_session_id` until a `subagent/end` names it.
+ * Every checkpoint re-emits the handles still open at the end of its span (open sub-agents,
+ * tool calls without a result, pinned keys) in its "Open handles" section.
+ *
  * Step brackets (checked on runtime appends; violations are INVALID_ARGUMENT with reason
  * `STEP_BRACKET`): an `assistant/message` APPEND is accepted only inside an open step
- * (`step/start` ... `step/end`) of an open turn; `step/start` needs its turn open and no other
- * step open; `step/end` names the open step; `turn/end` needs that turn's step ended. A
- * `tool/result` comes after the step that made its call (inside it or after it).
+ * (`step/start` ... `step/end`); `step/start` needs no other step open (its turn need not have
+ * been opened with `turn/start`); `step/end` names the open step; `turn/end` needs that turn's
+ * step ended. A `tool/result` comes after the step that made its call (inside it or after it).
  *
  * @generated from message compactd.v1.SessionEvent
  */
@@ -260,6 +280,38 @@ export type SessionEvent = Message<"compactd.v1.SessionEvent"> & {
      */
     value: CompactionSummaryError;
     case: "compactionSummaryError";
+  } | {
+    /**
+     * `state/pin` (log-only; rendered into the request, see above).
+     *
+     * @generated from field: compactd.v1.StatePin state_pin = 35;
+     */
+    value: StatePin;
+    case: "statePin";
+  } | {
+    /**
+     * `subagent/start` (log-only).
+     *
+     * @generated from field: compactd.v1.SubagentStart subagent_start = 36;
+     */
+    value: SubagentStart;
+    case: "subagentStart";
+  } | {
+    /**
+     * `subagent/end` (log-only).
+     *
+     * @generated from field: compactd.v1.SubagentEnd subagent_end = 37;
+     */
+    value: SubagentEnd;
+    case: "subagentEnd";
+  } | {
+    /**
+     * `session/fork` (log-only).
+     *
+     * @generated from field: compactd.v1.SessionFork session_fork = 38;
+     */
+    value: SessionFork;
+    case: "sessionFork";
   } | { case: undefined; value?: undefined };
 };
 
@@ -408,7 +460,10 @@ export const ReasoningBlockSchema: GenMessage<ReasoningBlock> = /*@__PURE__*/
   messageDesc(file_compactd_v1_events, 4);
 
 /**
- * An image, referenced or inline.
+ * An image, referenced or inline. It carries `data` (with `media_type`), an `attachment_id` or
+ * a `path`: `AppendEvents` refuses one with none of them (a name alone), INVALID_ARGUMENT naming
+ * the block. A summary sends inline data; a reference the summarizer cannot fetch goes as text
+ * (its name, attachment and path, as an offload writes it).
  *
  * @generated from message compactd.v1.ImageBlock
  */
@@ -1242,6 +1297,15 @@ export type CompactionPrune = Message<"compactd.v1.CompactionPrune"> & {
    * @generated from field: int64 retained_code_points = 5;
    */
   retainedCodePoints: bigint;
+
+  /**
+   * True when the result was masked rather than pruned: the ladder's masking rung (the request
+   * would otherwise have gone out over the window) cut an older result to a short head and tail
+   * whatever its size.
+   *
+   * @generated from field: bool masked = 6;
+   */
+  masked: boolean;
 };
 
 /**
@@ -1405,12 +1469,19 @@ export type CompactionSummary = Message<"compactd.v1.CompactionSummary"> & {
   gate?: SummaryGateReport | undefined;
 
   /**
-   * Set when the gate rejected the target's summary and the policy's extractive fallback wrote
-   * this one (`summarizer` is then `extractive`).
+   * Set when the target's summary failed or the gate rejected it and the policy's extractive
+   * fallback wrote this one (`summarizer` is then `extractive`).
    *
    * @generated from field: compactd.v1.SummaryFallback fallback = 71;
    */
   fallback?: SummaryFallback | undefined;
+
+  /**
+   * Which rung of the ladder wrote the checkpoint.
+   *
+   * @generated from field: compactd.v1.CompactionRung rung = 72;
+   */
+  rung: CompactionRung;
 };
 
 /**
@@ -1560,11 +1631,26 @@ export type SummaryFallback = Message<"compactd.v1.SummaryFallback"> & {
   rejectedTarget?: Route | undefined;
 
   /**
-   * Why it was rejected.
+   * Why it was rejected (the gate's report; absent when the summary failed instead).
    *
    * @generated from field: compactd.v1.SummaryGateReport rejected = 3;
    */
   rejected?: SummaryGateReport | undefined;
+
+  /**
+   * The failure's reason when the target's summary failed (`TIMEOUT`, `SUMMARY_TRUNCATED`, ...)
+   * or was not sent (`KNOWN_FAILURE`: the same span failed with the same target before).
+   *
+   * @generated from field: string failure_reason = 4;
+   */
+  failureReason: string;
+
+  /**
+   * The failure's text.
+   *
+   * @generated from field: string failure = 5;
+   */
+  failure: string;
 };
 
 /**
@@ -1656,6 +1742,13 @@ export type CompactionEnd = Message<"compactd.v1.CompactionEnd"> & {
    * @generated from field: compactd.v1.SummaryGateReport gate = 70;
    */
   gate?: SummaryGateReport | undefined;
+
+  /**
+   * The rung that wrote the committed checkpoint (unset when the bracket failed).
+   *
+   * @generated from field: compactd.v1.CompactionRung rung = 71;
+   */
+  rung: CompactionRung;
 };
 
 /**
@@ -1776,6 +1869,149 @@ export type LlmRetry = Message<"compactd.v1.LlmRetry"> & {
  */
 export const LlmRetrySchema: GenMessage<LlmRetry> = /*@__PURE__*/
   messageDesc(file_compactd_v1_events, 40);
+
+/**
+ * `state/pin`: task state that must never be summarized (the goal, the plan, constraints, the
+ * user's corrections). The latest pin of a key is in force; `clear` removes the key.
+ *
+ * @generated from message compactd.v1.StatePin
+ */
+export type StatePin = Message<"compactd.v1.StatePin"> & {
+  /**
+   * The pin's key: 1-64 characters of `[A-Za-z0-9._:/-]`, e.g. `goal`, `plan`, `constraint/1`.
+   *
+   * @generated from field: string key = 1;
+   */
+  key: string;
+
+  /**
+   * The pinned text, rendered verbatim; required unless `clear` (then it must be empty).
+   *
+   * @generated from field: string text = 2;
+   */
+  text: string;
+
+  /**
+   * Remove the key: it is no longer rendered. Clearing a key not in force is refused.
+   *
+   * @generated from field: bool clear = 3;
+   */
+  clear: boolean;
+};
+
+/**
+ * Describes the message compactd.v1.StatePin.
+ * Use `create(StatePinSchema)` to create a new message.
+ */
+export const StatePinSchema: GenMessage<StatePin> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_events, 41);
+
+/**
+ * `subagent/start`: the runtime started a sub-agent in a child session.
+ *
+ * @generated from message compactd.v1.SubagentStart
+ */
+export type SubagentStart = Message<"compactd.v1.SubagentStart"> & {
+  /**
+   * The child session's id (a session of the same tenant, usually created with this session as
+   * its `parent_session_id`). At most one open start per child.
+   *
+   * @generated from field: string child_session_id = 1;
+   */
+  childSessionId: string;
+
+  /**
+   * The tool call of this session that spawned the sub-agent, if any.
+   *
+   * @generated from field: string tool_call_id = 2;
+   */
+  toolCallId: string;
+
+  /**
+   * One line saying what the sub-agent was asked to do (no line breaks).
+   *
+   * @generated from field: string task = 3;
+   */
+  task: string;
+};
+
+/**
+ * Describes the message compactd.v1.SubagentStart.
+ * Use `create(SubagentStartSchema)` to create a new message.
+ */
+export const SubagentStartSchema: GenMessage<SubagentStart> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_events, 42);
+
+/**
+ * `subagent/end`: a sub-agent started by `subagent/start` ended.
+ *
+ * @generated from message compactd.v1.SubagentEnd
+ */
+export type SubagentEnd = Message<"compactd.v1.SubagentEnd"> & {
+  /**
+   * The child session's id; names an open `subagent/start`.
+   *
+   * @generated from field: string child_session_id = 1;
+   */
+  childSessionId: string;
+
+  /**
+   * How it ended.
+   *
+   * @generated from field: compactd.v1.SubagentStatus status = 2;
+   */
+  status: SubagentStatus;
+
+  /**
+   * A summary of its result.
+   *
+   * @generated from field: string result = 3;
+   */
+  result: string;
+};
+
+/**
+ * Describes the message compactd.v1.SubagentEnd.
+ * Use `create(SubagentEndSchema)` to create a new message.
+ */
+export const SubagentEndSchema: GenMessage<SubagentEnd> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_events, 43);
+
+/**
+ * `session/fork`: the first event of a session forked from its parent (`CreateSession` with
+ * `fork_at_seq`); the surface events after it are copies of the parent's nodes.
+ *
+ * @generated from message compactd.v1.SessionFork
+ */
+export type SessionFork = Message<"compactd.v1.SessionFork"> & {
+  /**
+   * The parent session.
+   *
+   * @generated from field: string parent_session_id = 1;
+   */
+  parentSessionId: string;
+
+  /**
+   * The parent's seq the surface was copied at.
+   *
+   * @generated from field: int64 fork_at_seq = 2;
+   */
+  forkAtSeq: bigint;
+
+  /**
+   * The parent seq of each copied node, in surface order: the source of the child's nodes.
+   *
+   * @generated from field: repeated int64 source_seqs = 3;
+   */
+  sourceSeqs: bigint[];
+};
+
+/**
+ * Describes the message compactd.v1.SessionFork.
+ * Use `create(SessionForkSchema)` to create a new message.
+ */
+export const SessionForkSchema: GenMessage<SessionFork> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_events, 44);
 
 /**
  * The kind of surface change a surface event makes.
@@ -1911,6 +2147,44 @@ export const CompactionTriggerSchema: GenEnum<CompactionTrigger> = /*@__PURE__*/
   enumDesc(file_compactd_v1_events, 2);
 
 /**
+ * The rungs a compaction goes down instead of sending a request over the window: the summary
+ * target's summary, then the extractive checkpoint, then masking older tool outputs
+ * (`compaction/prune` with `masked`), then overflow recovery's maximal reduction.
+ *
+ * @generated from enum compactd.v1.CompactionRung
+ */
+export enum CompactionRung {
+  /**
+   * Not recorded (brackets logged before rungs were).
+   *
+   * @generated from enum value: COMPACTION_RUNG_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * The summary target's own summary (a model's, or the extractive one when it is the target).
+   *
+   * @generated from enum value: COMPACTION_RUNG_SUMMARY = 1;
+   */
+  SUMMARY = 1,
+
+  /**
+   * The extractive checkpoint, written after the target's summary failed or was rejected, or
+   * without a model call (the span already failed with the target, or nothing a model could
+   * write brings pressure below the trigger).
+   *
+   * @generated from enum value: COMPACTION_RUNG_EXTRACTIVE = 2;
+   */
+  EXTRACTIVE = 2,
+}
+
+/**
+ * Describes the enum compactd.v1.CompactionRung.
+ */
+export const CompactionRungSchema: GenEnum<CompactionRung> = /*@__PURE__*/
+  enumDesc(file_compactd_v1_events, 3);
+
+/**
  * A check of the summary quality gate.
  *
  * @generated from enum compactd.v1.SummaryCheck
@@ -1956,7 +2230,7 @@ export enum SummaryCheck {
  * Describes the enum compactd.v1.SummaryCheck.
  */
 export const SummaryCheckSchema: GenEnum<SummaryCheck> = /*@__PURE__*/
-  enumDesc(file_compactd_v1_events, 3);
+  enumDesc(file_compactd_v1_events, 4);
 
 /**
  * What a probe stands for.
@@ -2004,5 +2278,46 @@ export enum SummaryProbeKind {
  * Describes the enum compactd.v1.SummaryProbeKind.
  */
 export const SummaryProbeKindSchema: GenEnum<SummaryProbeKind> = /*@__PURE__*/
-  enumDesc(file_compactd_v1_events, 4);
+  enumDesc(file_compactd_v1_events, 5);
+
+/**
+ * How a sub-agent ended.
+ *
+ * @generated from enum compactd.v1.SubagentStatus
+ */
+export enum SubagentStatus {
+  /**
+   * Not set.
+   *
+   * @generated from enum value: SUBAGENT_STATUS_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * It finished its task.
+   *
+   * @generated from enum value: SUBAGENT_STATUS_COMPLETED = 1;
+   */
+  COMPLETED = 1,
+
+  /**
+   * It failed.
+   *
+   * @generated from enum value: SUBAGENT_STATUS_FAILED = 2;
+   */
+  FAILED = 2,
+
+  /**
+   * It was cancelled.
+   *
+   * @generated from enum value: SUBAGENT_STATUS_CANCELLED = 3;
+   */
+  CANCELLED = 3,
+}
+
+/**
+ * Describes the enum compactd.v1.SubagentStatus.
+ */
+export const SubagentStatusSchema: GenEnum<SubagentStatus> = /*@__PURE__*/
+  enumDesc(file_compactd_v1_events, 6);
 

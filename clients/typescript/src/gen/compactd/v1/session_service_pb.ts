@@ -6,7 +6,7 @@
 
 import type { GenEnum, GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
 import { enumDesc, fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
-import type { ContentBlock, RequestConfig, Route, SessionEvent, ToolDeclaration } from "./events_pb.js";
+import type { ContentBlock, RequestConfig, Route, SessionEvent, StatePin, ToolDeclaration } from "./events_pb.js";
 import { file_compactd_v1_events } from "./events_pb.js";
 import type { Timestamp } from "@bufbuild/protobuf/wkt";
 import { file_google_protobuf_struct, file_google_protobuf_timestamp } from "@bufbuild/protobuf/wkt";
@@ -16,7 +16,7 @@ import type { JsonObject, Message as Message$1 } from "@bufbuild/protobuf";
  * Describes the file compactd/v1/session_service.proto.
  */
 export const file_compactd_v1_session_service: GenFile = /*@__PURE__*/
-  fileDesc("CiFjb21wYWN0ZC92MS9zZXNzaW9uX3NlcnZpY2UucHJvdG8SC2NvbXBhY3RkLnYxIsMBCgdTZXNzaW9uEhIKCnNlc3Npb25faWQYASABKAkSEAoIcmV2aXNpb24YAiABKAMSLwoLY3JlYXRlX3RpbWUYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEjIKEWNvbXBhY3Rpb25fcG9saWN5GAQgASgLMhcuZ29vZ2xlLnByb3RvYnVmLlN0cnVjdBItCgZwb2xpY3kYZCABKAsyHS5jb21wYWN0ZC52MS5Db21wYWN0aW9uUG9saWN5IpEBChRDcmVhdGVTZXNzaW9uUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEjYKEWNvbXBhY3Rpb25fcG9saWN5GAIgASgLMhcuZ29vZ2xlLnByb3RvYnVmLlN0cnVjdEICGAESLQoGcG9saWN5GGQgASgLMh0uY29tcGFjdGQudjEuQ29tcGFjdGlvblBvbGljeSI+ChVDcmVhdGVTZXNzaW9uUmVzcG9uc2USJQoHc2Vzc2lvbhgBIAEoCzIULmNvbXBhY3RkLnYxLlNlc3Npb24iigEKE0FwcGVuZEV2ZW50c1JlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRIpCgZldmVudHMYAiADKAsyGS5jb21wYWN0ZC52MS5TZXNzaW9uRXZlbnQSHgoRZXhwZWN0ZWRfbGFzdF9zZXEYAyABKANIAIgBAUIUChJfZXhwZWN0ZWRfbGFzdF9zZXEiNgoUQXBwZW5kRXZlbnRzUmVzcG9uc2USDAoEc2VxcxgBIAMoAxIQCghyZXZpc2lvbhgCIAEoAyJJChFMaXN0RXZlbnRzUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEhAKCGZyb21fc2VxGAIgASgDEg4KBmZvbGxvdxgDIAEoCCI+ChJMaXN0RXZlbnRzUmVzcG9uc2USKAoFZXZlbnQYASABKAsyGS5jb21wYWN0ZC52MS5TZXNzaW9uRXZlbnQiWgoRR2V0U3VyZmFjZVJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRIOCgZkZXRhaWwYZCABKAgSIQoFcm91dGUYZSABKAsyEi5jb21wYWN0ZC52MS5Sb3V0ZSKTAQoHTWVzc2FnZRImCgRyb2xlGAEgASgOMhguY29tcGFjdGQudjEuTWVzc2FnZVJvbGUSKgoHY29udGVudBgCIAMoCzIZLmNvbXBhY3RkLnYxLkNvbnRlbnRCbG9jaxIUCgx0b29sX2NhbGxfaWQYAyABKAkSEAoIaXNfZXJyb3IYBCABKAgSDAoEbmFtZRgFIAEoCSLDAQoLU3VyZmFjZU5vZGUSEAoIcG9zaXRpb24YASABKAMSCwoDc2VxGAIgASgDEgwKBHR5cGUYAyABKAkSJQoHbWVzc2FnZRgEIAEoCzIULmNvbXBhY3RkLnYxLk1lc3NhZ2USGQoRc291cmNlX2V2ZW50X3NlcXMYBSADKAMSFQoNY29tcGFjdGlvbl9pZBgGIAEoCRIuCgZkZXRhaWwYZCABKAsyHi5jb21wYWN0ZC52MS5TdXJmYWNlTm9kZURldGFpbCJ7ChJHZXRTdXJmYWNlUmVzcG9uc2USEAoIcmV2aXNpb24YASABKAMSJwoFbm9kZXMYAiADKAsyGC5jb21wYWN0ZC52MS5TdXJmYWNlTm9kZRIqCgZkZXRhaWwYZCABKAsyGi5jb21wYWN0ZC52MS5TdXJmYWNlRGV0YWlsIikKE0J1aWxkUmVxdWVzdFJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCSLwAQoUQnVpbGRSZXF1ZXN0UmVzcG9uc2USEAoIcmV2aXNpb24YASABKAMSJgoIbWVzc2FnZXMYAiADKAsyFC5jb21wYWN0ZC52MS5NZXNzYWdlEioKBmNvbmZpZxgDIAEoCzIaLmNvbXBhY3RkLnYxLlJlcXVlc3RDb25maWcSMQoQYWRhcHRlcl9kZWZhdWx0cxgEIAEoCzIXLmdvb2dsZS5wcm90b2J1Zi5TdHJ1Y3QSKwoFdG9vbHMYBSADKAsyHC5jb21wYWN0ZC52MS5Ub29sRGVjbGFyYXRpb24SEgoKaGVhZGVyX3NlcRgGIAEoAyI8ChNMaXN0U2Vzc2lvbnNSZXF1ZXN0EhEKCXBhZ2Vfc2l6ZRgBIAEoBRISCgpwYWdlX3Rva2VuGAIgASgJIlcKFExpc3RTZXNzaW9uc1Jlc3BvbnNlEiYKCHNlc3Npb25zGAEgAygLMhQuY29tcGFjdGQudjEuU2Vzc2lvbhIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkiKgoURGVsZXRlU2Vzc2lvblJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCSIXChVEZWxldGVTZXNzaW9uUmVzcG9uc2UipAcKEENvbXBhY3Rpb25Qb2xpY3kSHAoPdGhyZXNob2xkX3JhdGlvGAEgASgBSACIAQESHAoPaGVhZHJvb21fdG9rZW5zGAIgASgDSAGIAQESGQoMcmV0YWluX3JhdGlvGAMgASgBSAKIAQESGgoNcmV0YWluX3Rva2VucxgEIAEoA0gDiAEBEiMKFnN1bW1hcml6YXRpb25fcHJvdmlkZXIYBSABKAlIBIgBARIgChNzdW1tYXJpemF0aW9uX21vZGVsGAYgASgJSAWIAQESFwoKbWF4X3Rva2VucxgHIAEoA0gGiAEBEh8KEmNvbXBhY3Rpb25fcmV0cmllcxgIIAEoA0gHiAEBEiEKFG1heF9vdmVyZmxvd19yZXRyaWVzGAkgASgDSAiIAQESEQoEYXV0bxgKIAEoCEgJiAEBEhkKDHN1bW1hcnlfZ2F0ZRgLIAEoCEgKiAEBEiAKE21pbl9yZWR1Y3Rpb25fcmF0aW8YDCABKAFIC4gBARIgChNtaW5fcHJvYmVfcmV0ZW50aW9uGA0gASgBSAyIAQESIAoTZXh0cmFjdGl2ZV9mYWxsYmFjaxgOIAEoCEgNiAEBEiQKF2ZhaWx1cmVfYmFja29mZl9zZWNvbmRzGA8gASgBSA6IAQESKAobZmFpbHVyZV9iYWNrb2ZmX21heF9zZWNvbmRzGBAgASgBSA+IAQESOgoObW9kZWxfcG9saWNpZXMYESADKAsyIi5jb21wYWN0ZC52MS5Nb2RlbENvbXBhY3Rpb25Qb2xpY3lCEgoQX3RocmVzaG9sZF9yYXRpb0ISChBfaGVhZHJvb21fdG9rZW5zQg8KDV9yZXRhaW5fcmF0aW9CEAoOX3JldGFpbl90b2tlbnNCGQoXX3N1bW1hcml6YXRpb25fcHJvdmlkZXJCFgoUX3N1bW1hcml6YXRpb25fbW9kZWxCDQoLX21heF90b2tlbnNCFQoTX2NvbXBhY3Rpb25fcmV0cmllc0IXChVfbWF4X292ZXJmbG93X3JldHJpZXNCBwoFX2F1dG9CDwoNX3N1bW1hcnlfZ2F0ZUIWChRfbWluX3JlZHVjdGlvbl9yYXRpb0IWChRfbWluX3Byb2JlX3JldGVudGlvbkIWChRfZXh0cmFjdGl2ZV9mYWxsYmFja0IaChhfZmFpbHVyZV9iYWNrb2ZmX3NlY29uZHNCHgocX2ZhaWx1cmVfYmFja29mZl9tYXhfc2Vjb25kcyKOBwoVTW9kZWxDb21wYWN0aW9uUG9saWN5EhAKCHByb3ZpZGVyGAEgASgJEg0KBW1vZGVsGAIgASgJEhwKD3RocmVzaG9sZF9yYXRpbxgDIAEoAUgAiAEBEhwKD2hlYWRyb29tX3Rva2VucxgEIAEoA0gBiAEBEhkKDHJldGFpbl9yYXRpbxgFIAEoAUgCiAEBEhoKDXJldGFpbl90b2tlbnMYBiABKANIA4gBARIjChZzdW1tYXJpemF0aW9uX3Byb3ZpZGVyGAcgASgJSASIAQESIAoTc3VtbWFyaXphdGlvbl9tb2RlbBgIIAEoCUgFiAEBEhcKCm1heF90b2tlbnMYCSABKANIBogBARIfChJjb21wYWN0aW9uX3JldHJpZXMYCiABKANIB4gBARIhChRtYXhfb3ZlcmZsb3dfcmV0cmllcxgLIAEoA0gIiAEBEhEKBGF1dG8YDCABKAhICYgBARIZCgxzdW1tYXJ5X2dhdGUYDSABKAhICogBARIgChNtaW5fcmVkdWN0aW9uX3JhdGlvGA4gASgBSAuIAQESIAoTbWluX3Byb2JlX3JldGVudGlvbhgPIAEoAUgMiAEBEiAKE2V4dHJhY3RpdmVfZmFsbGJhY2sYECABKAhIDYgBARIkChdmYWlsdXJlX2JhY2tvZmZfc2Vjb25kcxgRIAEoAUgOiAEBEigKG2ZhaWx1cmVfYmFja29mZl9tYXhfc2Vjb25kcxgSIAEoAUgPiAEBQhIKEF90aHJlc2hvbGRfcmF0aW9CEgoQX2hlYWRyb29tX3Rva2Vuc0IPCg1fcmV0YWluX3JhdGlvQhAKDl9yZXRhaW5fdG9rZW5zQhkKF19zdW1tYXJpemF0aW9uX3Byb3ZpZGVyQhYKFF9zdW1tYXJpemF0aW9uX21vZGVsQg0KC19tYXhfdG9rZW5zQhUKE19jb21wYWN0aW9uX3JldHJpZXNCFwoVX21heF9vdmVyZmxvd19yZXRyaWVzQgcKBV9hdXRvQg8KDV9zdW1tYXJ5X2dhdGVCFgoUX21pbl9yZWR1Y3Rpb25fcmF0aW9CFgoUX21pbl9wcm9iZV9yZXRlbnRpb25CFgoUX2V4dHJhY3RpdmVfZmFsbGJhY2tCGgoYX2ZhaWx1cmVfYmFja29mZl9zZWNvbmRzQh4KHF9mYWlsdXJlX2JhY2tvZmZfbWF4X3NlY29uZHMiQAoRU3VyZmFjZU5vZGVEZXRhaWwSFAoMcm91dGVfdG9rZW5zGAEgASgDEhUKDXNoYWRvd190b2tlbnMYAiABKAMiRgoLTWV0ZXJBbmNob3ISCwoDc2VxGAEgASgDEhQKDHVzYWdlX3Rva2VucxgCIAEoAxIUCgxkZWx0YV90b2tlbnMYAyABKAMiWQoMU2hhZG93ZWROb2RlEgsKA3NlcRgBIAEoAxIMCgR0eXBlGAIgASgJEhcKD3NoYWRvd2VkX2J5X3NlcRgDIAEoAxIVCg1jb21wYWN0aW9uX2lkGAQgASgJIsUBCg1TdXJmYWNlRGV0YWlsEiEKBXJvdXRlGAEgASgLMhIuY29tcGFjdGQudjEuUm91dGUSHgoWcmVwbGFjZW1lbnRfZ2VuZXJhdGlvbhgCIAEoAxIaChJjb250ZW50X2dlbmVyYXRpb24YAyABKAMSKAoGYW5jaG9yGAQgASgLMhguY29tcGFjdGQudjEuTWV0ZXJBbmNob3ISKwoIc2hhZG93ZWQYBSADKAsyGS5jb21wYWN0ZC52MS5TaGFkb3dlZE5vZGUqqgEKC01lc3NhZ2VSb2xlEhwKGE1FU1NBR0VfUk9MRV9VTlNQRUNJRklFRBAAEhcKE01FU1NBR0VfUk9MRV9TWVNURU0QARIaChZNRVNTQUdFX1JPTEVfREVWRUxPUEVSEAISFQoRTUVTU0FHRV9ST0xFX1VTRVIQAxIaChZNRVNTQUdFX1JPTEVfQVNTSVNUQU5UEAQSFQoRTUVTU0FHRV9ST0xFX1RPT0wQBTLfBAoOU2Vzc2lvblNlcnZpY2USVgoNQ3JlYXRlU2Vzc2lvbhIhLmNvbXBhY3RkLnYxLkNyZWF0ZVNlc3Npb25SZXF1ZXN0GiIuY29tcGFjdGQudjEuQ3JlYXRlU2Vzc2lvblJlc3BvbnNlElMKDEFwcGVuZEV2ZW50cxIgLmNvbXBhY3RkLnYxLkFwcGVuZEV2ZW50c1JlcXVlc3QaIS5jb21wYWN0ZC52MS5BcHBlbmRFdmVudHNSZXNwb25zZRJPCgpMaXN0RXZlbnRzEh4uY29tcGFjdGQudjEuTGlzdEV2ZW50c1JlcXVlc3QaHy5jb21wYWN0ZC52MS5MaXN0RXZlbnRzUmVzcG9uc2UwARJNCgpHZXRTdXJmYWNlEh4uY29tcGFjdGQudjEuR2V0U3VyZmFjZVJlcXVlc3QaHy5jb21wYWN0ZC52MS5HZXRTdXJmYWNlUmVzcG9uc2USUwoMQnVpbGRSZXF1ZXN0EiAuY29tcGFjdGQudjEuQnVpbGRSZXF1ZXN0UmVxdWVzdBohLmNvbXBhY3RkLnYxLkJ1aWxkUmVxdWVzdFJlc3BvbnNlElMKDExpc3RTZXNzaW9ucxIgLmNvbXBhY3RkLnYxLkxpc3RTZXNzaW9uc1JlcXVlc3QaIS5jb21wYWN0ZC52MS5MaXN0U2Vzc2lvbnNSZXNwb25zZRJWCg1EZWxldGVTZXNzaW9uEiEuY29tcGFjdGQudjEuRGVsZXRlU2Vzc2lvblJlcXVlc3QaIi5jb21wYWN0ZC52MS5EZWxldGVTZXNzaW9uUmVzcG9uc2ViBnByb3RvMw", [file_compactd_v1_events, file_google_protobuf_struct, file_google_protobuf_timestamp]);
+  fileDesc("CiFjb21wYWN0ZC92MS9zZXNzaW9uX3NlcnZpY2UucHJvdG8SC2NvbXBhY3RkLnYxIogCCgdTZXNzaW9uEhIKCnNlc3Npb25faWQYASABKAkSEAoIcmV2aXNpb24YAiABKAMSLwoLY3JlYXRlX3RpbWUYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEjIKEWNvbXBhY3Rpb25fcG9saWN5GAQgASgLMhcuZ29vZ2xlLnByb3RvYnVmLlN0cnVjdBItCgZwb2xpY3kYZCABKAsyHS5jb21wYWN0ZC52MS5Db21wYWN0aW9uUG9saWN5EhkKEXBhcmVudF9zZXNzaW9uX2lkGGUgASgJEhgKC2ZvcmtfYXRfc2VxGGYgASgDSACIAQFCDgoMX2ZvcmtfYXRfc2VxItYBChRDcmVhdGVTZXNzaW9uUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEjYKEWNvbXBhY3Rpb25fcG9saWN5GAIgASgLMhcuZ29vZ2xlLnByb3RvYnVmLlN0cnVjdEICGAESLQoGcG9saWN5GGQgASgLMh0uY29tcGFjdGQudjEuQ29tcGFjdGlvblBvbGljeRIZChFwYXJlbnRfc2Vzc2lvbl9pZBhlIAEoCRIYCgtmb3JrX2F0X3NlcRhmIAEoA0gAiAEBQg4KDF9mb3JrX2F0X3NlcSI+ChVDcmVhdGVTZXNzaW9uUmVzcG9uc2USJQoHc2Vzc2lvbhgBIAEoCzIULmNvbXBhY3RkLnYxLlNlc3Npb24iigEKE0FwcGVuZEV2ZW50c1JlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRIpCgZldmVudHMYAiADKAsyGS5jb21wYWN0ZC52MS5TZXNzaW9uRXZlbnQSHgoRZXhwZWN0ZWRfbGFzdF9zZXEYAyABKANIAIgBAUIUChJfZXhwZWN0ZWRfbGFzdF9zZXEiNgoUQXBwZW5kRXZlbnRzUmVzcG9uc2USDAoEc2VxcxgBIAMoAxIQCghyZXZpc2lvbhgCIAEoAyJJChFMaXN0RXZlbnRzUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEhAKCGZyb21fc2VxGAIgASgDEg4KBmZvbGxvdxgDIAEoCCI+ChJMaXN0RXZlbnRzUmVzcG9uc2USKAoFZXZlbnQYASABKAsyGS5jb21wYWN0ZC52MS5TZXNzaW9uRXZlbnQiWgoRR2V0U3VyZmFjZVJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRIOCgZkZXRhaWwYZCABKAgSIQoFcm91dGUYZSABKAsyEi5jb21wYWN0ZC52MS5Sb3V0ZSKpAQoHTWVzc2FnZRImCgRyb2xlGAEgASgOMhguY29tcGFjdGQudjEuTWVzc2FnZVJvbGUSKgoHY29udGVudBgCIAMoCzIZLmNvbXBhY3RkLnYxLkNvbnRlbnRCbG9jaxIUCgx0b29sX2NhbGxfaWQYAyABKAkSEAoIaXNfZXJyb3IYBCABKAgSDAoEbmFtZRgFIAEoCRIUCgxwaW5uZWRfc3RhdGUYBiABKAgiwwEKC1N1cmZhY2VOb2RlEhAKCHBvc2l0aW9uGAEgASgDEgsKA3NlcRgCIAEoAxIMCgR0eXBlGAMgASgJEiUKB21lc3NhZ2UYBCABKAsyFC5jb21wYWN0ZC52MS5NZXNzYWdlEhkKEXNvdXJjZV9ldmVudF9zZXFzGAUgAygDEhUKDWNvbXBhY3Rpb25faWQYBiABKAkSLgoGZGV0YWlsGGQgASgLMh4uY29tcGFjdGQudjEuU3VyZmFjZU5vZGVEZXRhaWwiewoSR2V0U3VyZmFjZVJlc3BvbnNlEhAKCHJldmlzaW9uGAEgASgDEicKBW5vZGVzGAIgAygLMhguY29tcGFjdGQudjEuU3VyZmFjZU5vZGUSKgoGZGV0YWlsGGQgASgLMhouY29tcGFjdGQudjEuU3VyZmFjZURldGFpbCIpChNCdWlsZFJlcXVlc3RSZXF1ZXN0EhIKCnNlc3Npb25faWQYASABKAkilQIKFEJ1aWxkUmVxdWVzdFJlc3BvbnNlEhAKCHJldmlzaW9uGAEgASgDEiYKCG1lc3NhZ2VzGAIgAygLMhQuY29tcGFjdGQudjEuTWVzc2FnZRIqCgZjb25maWcYAyABKAsyGi5jb21wYWN0ZC52MS5SZXF1ZXN0Q29uZmlnEjEKEGFkYXB0ZXJfZGVmYXVsdHMYBCABKAsyFy5nb29nbGUucHJvdG9idWYuU3RydWN0EisKBXRvb2xzGAUgAygLMhwuY29tcGFjdGQudjEuVG9vbERlY2xhcmF0aW9uEhIKCmhlYWRlcl9zZXEYBiABKAMSIwoEcGlucxgHIAMoCzIVLmNvbXBhY3RkLnYxLlN0YXRlUGluIlcKE0xpc3RTZXNzaW9uc1JlcXVlc3QSEQoJcGFnZV9zaXplGAEgASgFEhIKCnBhZ2VfdG9rZW4YAiABKAkSGQoRcGFyZW50X3Nlc3Npb25faWQYAyABKAkiVwoUTGlzdFNlc3Npb25zUmVzcG9uc2USJgoIc2Vzc2lvbnMYASADKAsyFC5jb21wYWN0ZC52MS5TZXNzaW9uEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCSIqChREZWxldGVTZXNzaW9uUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJIhcKFURlbGV0ZVNlc3Npb25SZXNwb25zZSKkBwoQQ29tcGFjdGlvblBvbGljeRIcCg90aHJlc2hvbGRfcmF0aW8YASABKAFIAIgBARIcCg9oZWFkcm9vbV90b2tlbnMYAiABKANIAYgBARIZCgxyZXRhaW5fcmF0aW8YAyABKAFIAogBARIaCg1yZXRhaW5fdG9rZW5zGAQgASgDSAOIAQESIwoWc3VtbWFyaXphdGlvbl9wcm92aWRlchgFIAEoCUgEiAEBEiAKE3N1bW1hcml6YXRpb25fbW9kZWwYBiABKAlIBYgBARIXCgptYXhfdG9rZW5zGAcgASgDSAaIAQESHwoSY29tcGFjdGlvbl9yZXRyaWVzGAggASgDSAeIAQESIQoUbWF4X292ZXJmbG93X3JldHJpZXMYCSABKANICIgBARIRCgRhdXRvGAogASgISAmIAQESGQoMc3VtbWFyeV9nYXRlGAsgASgISAqIAQESIAoTbWluX3JlZHVjdGlvbl9yYXRpbxgMIAEoAUgLiAEBEiAKE21pbl9wcm9iZV9yZXRlbnRpb24YDSABKAFIDIgBARIgChNleHRyYWN0aXZlX2ZhbGxiYWNrGA4gASgISA2IAQESJAoXZmFpbHVyZV9iYWNrb2ZmX3NlY29uZHMYDyABKAFIDogBARIoChtmYWlsdXJlX2JhY2tvZmZfbWF4X3NlY29uZHMYECABKAFID4gBARI6Cg5tb2RlbF9wb2xpY2llcxgRIAMoCzIiLmNvbXBhY3RkLnYxLk1vZGVsQ29tcGFjdGlvblBvbGljeUISChBfdGhyZXNob2xkX3JhdGlvQhIKEF9oZWFkcm9vbV90b2tlbnNCDwoNX3JldGFpbl9yYXRpb0IQCg5fcmV0YWluX3Rva2Vuc0IZChdfc3VtbWFyaXphdGlvbl9wcm92aWRlckIWChRfc3VtbWFyaXphdGlvbl9tb2RlbEINCgtfbWF4X3Rva2Vuc0IVChNfY29tcGFjdGlvbl9yZXRyaWVzQhcKFV9tYXhfb3ZlcmZsb3dfcmV0cmllc0IHCgVfYXV0b0IPCg1fc3VtbWFyeV9nYXRlQhYKFF9taW5fcmVkdWN0aW9uX3JhdGlvQhYKFF9taW5fcHJvYmVfcmV0ZW50aW9uQhYKFF9leHRyYWN0aXZlX2ZhbGxiYWNrQhoKGF9mYWlsdXJlX2JhY2tvZmZfc2Vjb25kc0IeChxfZmFpbHVyZV9iYWNrb2ZmX21heF9zZWNvbmRzIo4HChVNb2RlbENvbXBhY3Rpb25Qb2xpY3kSEAoIcHJvdmlkZXIYASABKAkSDQoFbW9kZWwYAiABKAkSHAoPdGhyZXNob2xkX3JhdGlvGAMgASgBSACIAQESHAoPaGVhZHJvb21fdG9rZW5zGAQgASgDSAGIAQESGQoMcmV0YWluX3JhdGlvGAUgASgBSAKIAQESGgoNcmV0YWluX3Rva2VucxgGIAEoA0gDiAEBEiMKFnN1bW1hcml6YXRpb25fcHJvdmlkZXIYByABKAlIBIgBARIgChNzdW1tYXJpemF0aW9uX21vZGVsGAggASgJSAWIAQESFwoKbWF4X3Rva2VucxgJIAEoA0gGiAEBEh8KEmNvbXBhY3Rpb25fcmV0cmllcxgKIAEoA0gHiAEBEiEKFG1heF9vdmVyZmxvd19yZXRyaWVzGAsgASgDSAiIAQESEQoEYXV0bxgMIAEoCEgJiAEBEhkKDHN1bW1hcnlfZ2F0ZRgNIAEoCEgKiAEBEiAKE21pbl9yZWR1Y3Rpb25fcmF0aW8YDiABKAFIC4gBARIgChNtaW5fcHJvYmVfcmV0ZW50aW9uGA8gASgBSAyIAQESIAoTZXh0cmFjdGl2ZV9mYWxsYmFjaxgQIAEoCEgNiAEBEiQKF2ZhaWx1cmVfYmFja29mZl9zZWNvbmRzGBEgASgBSA6IAQESKAobZmFpbHVyZV9iYWNrb2ZmX21heF9zZWNvbmRzGBIgASgBSA+IAQFCEgoQX3RocmVzaG9sZF9yYXRpb0ISChBfaGVhZHJvb21fdG9rZW5zQg8KDV9yZXRhaW5fcmF0aW9CEAoOX3JldGFpbl90b2tlbnNCGQoXX3N1bW1hcml6YXRpb25fcHJvdmlkZXJCFgoUX3N1bW1hcml6YXRpb25fbW9kZWxCDQoLX21heF90b2tlbnNCFQoTX2NvbXBhY3Rpb25fcmV0cmllc0IXChVfbWF4X292ZXJmbG93X3JldHJpZXNCBwoFX2F1dG9CDwoNX3N1bW1hcnlfZ2F0ZUIWChRfbWluX3JlZHVjdGlvbl9yYXRpb0IWChRfbWluX3Byb2JlX3JldGVudGlvbkIWChRfZXh0cmFjdGl2ZV9mYWxsYmFja0IaChhfZmFpbHVyZV9iYWNrb2ZmX3NlY29uZHNCHgocX2ZhaWx1cmVfYmFja29mZl9tYXhfc2Vjb25kcyJAChFTdXJmYWNlTm9kZURldGFpbBIUCgxyb3V0ZV90b2tlbnMYASABKAMSFQoNc2hhZG93X3Rva2VucxgCIAEoAyJGCgtNZXRlckFuY2hvchILCgNzZXEYASABKAMSFAoMdXNhZ2VfdG9rZW5zGAIgASgDEhQKDGRlbHRhX3Rva2VucxgDIAEoAyJZCgxTaGFkb3dlZE5vZGUSCwoDc2VxGAEgASgDEgwKBHR5cGUYAiABKAkSFwoPc2hhZG93ZWRfYnlfc2VxGAMgASgDEhUKDWNvbXBhY3Rpb25faWQYBCABKAkixQEKDVN1cmZhY2VEZXRhaWwSIQoFcm91dGUYASABKAsyEi5jb21wYWN0ZC52MS5Sb3V0ZRIeChZyZXBsYWNlbWVudF9nZW5lcmF0aW9uGAIgASgDEhoKEmNvbnRlbnRfZ2VuZXJhdGlvbhgDIAEoAxIoCgZhbmNob3IYBCABKAsyGC5jb21wYWN0ZC52MS5NZXRlckFuY2hvchIrCghzaGFkb3dlZBgFIAMoCzIZLmNvbXBhY3RkLnYxLlNoYWRvd2VkTm9kZSqqAQoLTWVzc2FnZVJvbGUSHAoYTUVTU0FHRV9ST0xFX1VOU1BFQ0lGSUVEEAASFwoTTUVTU0FHRV9ST0xFX1NZU1RFTRABEhoKFk1FU1NBR0VfUk9MRV9ERVZFTE9QRVIQAhIVChFNRVNTQUdFX1JPTEVfVVNFUhADEhoKFk1FU1NBR0VfUk9MRV9BU1NJU1RBTlQQBBIVChFNRVNTQUdFX1JPTEVfVE9PTBAFMt8ECg5TZXNzaW9uU2VydmljZRJWCg1DcmVhdGVTZXNzaW9uEiEuY29tcGFjdGQudjEuQ3JlYXRlU2Vzc2lvblJlcXVlc3QaIi5jb21wYWN0ZC52MS5DcmVhdGVTZXNzaW9uUmVzcG9uc2USUwoMQXBwZW5kRXZlbnRzEiAuY29tcGFjdGQudjEuQXBwZW5kRXZlbnRzUmVxdWVzdBohLmNvbXBhY3RkLnYxLkFwcGVuZEV2ZW50c1Jlc3BvbnNlEk8KCkxpc3RFdmVudHMSHi5jb21wYWN0ZC52MS5MaXN0RXZlbnRzUmVxdWVzdBofLmNvbXBhY3RkLnYxLkxpc3RFdmVudHNSZXNwb25zZTABEk0KCkdldFN1cmZhY2USHi5jb21wYWN0ZC52MS5HZXRTdXJmYWNlUmVxdWVzdBofLmNvbXBhY3RkLnYxLkdldFN1cmZhY2VSZXNwb25zZRJTCgxCdWlsZFJlcXVlc3QSIC5jb21wYWN0ZC52MS5CdWlsZFJlcXVlc3RSZXF1ZXN0GiEuY29tcGFjdGQudjEuQnVpbGRSZXF1ZXN0UmVzcG9uc2USUwoMTGlzdFNlc3Npb25zEiAuY29tcGFjdGQudjEuTGlzdFNlc3Npb25zUmVxdWVzdBohLmNvbXBhY3RkLnYxLkxpc3RTZXNzaW9uc1Jlc3BvbnNlElYKDURlbGV0ZVNlc3Npb24SIS5jb21wYWN0ZC52MS5EZWxldGVTZXNzaW9uUmVxdWVzdBoiLmNvbXBhY3RkLnYxLkRlbGV0ZVNlc3Npb25SZXNwb25zZWIGcHJvdG8z", [file_compactd_v1_events, file_google_protobuf_struct, file_google_protobuf_timestamp]);
 
 /**
  * A session.
@@ -58,6 +58,20 @@ export type Session = Message$1<"compactd.v1.Session"> & {
    * @generated from field: compactd.v1.CompactionPolicy policy = 100;
    */
   policy?: CompactionPolicy | undefined;
+
+  /**
+   * The parent session (a sub-agent's session); empty for a top-level session.
+   *
+   * @generated from field: string parent_session_id = 101;
+   */
+  parentSessionId: string;
+
+  /**
+   * The parent's seq this session was forked at; absent when it was not forked.
+   *
+   * @generated from field: optional int64 fork_at_seq = 102;
+   */
+  forkAtSeq?: bigint | undefined;
 };
 
 /**
@@ -100,6 +114,26 @@ export type CreateSessionRequest = Message$1<"compactd.v1.CreateSessionRequest">
    * @generated from field: compactd.v1.CompactionPolicy policy = 100;
    */
   policy?: CompactionPolicy | undefined;
+
+  /**
+   * Optional parent session of the caller's tenant: the new session is its child (a
+   * sub-agent's session). It must exist.
+   *
+   * @generated from field: string parent_session_id = 101;
+   */
+  parentSessionId: string;
+
+  /**
+   * Optional, with `parent_session_id`: start the child with a copy of the parent's surface as
+   * it stood right after the parent's event at this seq (0 <= seq < the parent's revision), and
+   * the parent's `request/header` in force then. The child's log opens with a `session/fork`
+   * naming the parent, the seq and the parent seq of every copied node (its source), then the
+   * copied nodes' events in surface order (bodies as the parent holds them, appended), then the
+   * header. The parent is not changed.
+   *
+   * @generated from field: optional int64 fork_at_seq = 102;
+   */
+  forkAtSeq?: bigint | undefined;
 };
 
 /**
@@ -327,6 +361,14 @@ export type Message = Message$1<"compactd.v1.Message"> & {
    * @generated from field: string name = 5;
    */
   name: string;
+
+  /**
+   * Set on the one message that renders the pins in force (`state/pin`), right after the system
+   * head. A client keeps it out of the conversation's own messages.
+   *
+   * @generated from field: bool pinned_state = 6;
+   */
+  pinnedState: boolean;
 };
 
 /**
@@ -502,6 +544,13 @@ export type BuildRequestResponse = Message$1<"compactd.v1.BuildRequestResponse">
    * @generated from field: int64 header_seq = 6;
    */
   headerSeq: bigint;
+
+  /**
+   * The pins in force, in key order (rendered in `messages` as the `pinned_state` message).
+   *
+   * @generated from field: repeated compactd.v1.StatePin pins = 7;
+   */
+  pins: StatePin[];
 };
 
 /**
@@ -530,6 +579,13 @@ export type ListSessionsRequest = Message$1<"compactd.v1.ListSessionsRequest"> &
    * @generated from field: string page_token = 2;
    */
   pageToken: string;
+
+  /**
+   * Only the children of this session (empty: every session).
+   *
+   * @generated from field: string parent_session_id = 3;
+   */
+  parentSessionId: string;
 };
 
 /**
@@ -626,7 +682,7 @@ export type CompactionPolicy = Message$1<"compactd.v1.CompactionPolicy"> & {
   headroomTokens?: bigint | undefined;
 
   /**
-   * `retainRatio`, in [0, 1), below `threshold_ratio`: retained budget = floor(retainRatio *
+   * `retainRatio`, in (0, 1], below `threshold_ratio`: retained budget = floor(retainRatio *
    * (W - O)). Default 0.16. Excludes `retain_tokens` (setting one replaces the other).
    *
    * @generated from field: optional double retain_ratio = 3;
@@ -1105,10 +1161,15 @@ export const MessageRoleSchema: GenEnum<MessageRole> = /*@__PURE__*/
  */
 export const SessionService: GenService<{
   /**
-   * Creates an empty session. Idempotent: a retried create with the same `session_id` and the
-   * same `compaction_policy` answers the existing session (with its current revision).
-   * Errors: ALREADY_EXISTS if `session_id` is taken with a different policy; INVALID_ARGUMENT
-   * for a malformed id or compaction policy (reason `POLICY_INVALID`).
+   * Creates an empty session. Idempotent: a retried create with the same `session_id`, the
+   * same `compaction_policy` and the same parent answers the existing session (with its current
+   * revision). With `parent_session_id` the session is a child (a sub-agent's) of that session
+   * of the caller's tenant; with `fork_at_seq` too, it starts with a copy of the parent's surface
+   * as it stood after that seq (see `fork_at_seq`).
+   * Errors: ALREADY_EXISTS if `session_id` is taken with a different policy or parent;
+   * INVALID_ARGUMENT for a malformed id or compaction policy (reason `POLICY_INVALID`), or a
+   * `fork_at_seq` without a parent or outside the parent's log (reason `FORK_SEQ_INVALID`);
+   * NOT_FOUND when the parent does not exist for the caller.
    *
    * @generated from rpc compactd.v1.SessionService.CreateSession
    */
@@ -1174,7 +1235,8 @@ export const SessionService: GenService<{
     output: typeof BuildRequestResponseSchema;
   },
   /**
-   * Lists the caller's tenant's sessions in id order, a page at a time.
+   * Lists the caller's tenant's sessions in id order, a page at a time; with
+   * `parent_session_id`, only that session's children.
    * Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` that is not of the
    * form this server issues (it names the last session id of the previous page).
    *

@@ -1,0 +1,221 @@
+"""The agent keeps working: no request leaves PrepareStep over the window while anything can
+still be reduced, every step says where it stands (a typed outcome), and no work is repeated.
+
+Each test plays a hostile shape through a live server and checks every step of it: fixed
+overhead above the trigger, one tool result larger than the window, a system prompt larger than
+the window, a model that always fails, one that always truncates, one whose summaries the gate
+always rejects.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from compactd.testing.openai_server import OpenAICompatServer, RecordedRequest, Reply
+from compactd.v1 import compaction_service_pb2 as cpb
+from compactd.v1 import events_pb2
+from tests.builders import header, system, turn_start
+from tests.compaction_fixtures import (
+    PROVIDER,
+    TOOLS,
+    Harness,
+    loopback,
+    started,
+    summary_requests,
+    unit,
+)
+
+SMALL = "small"
+WINDOW, MAX_OUTPUT = 4096, 256
+LIMIT = WINDOW - MAX_OUTPUT  # W - O: what a request sent must fit
+#: A 4,096-token route: trigger min(0.8 W, W - O - 256) = 3,276; the retained tail 600 tokens.
+SMALL_POLICY: dict[str, Any] = {
+    "thresholdRatio": 0.8,
+    "headroomTokens": 256,
+    "retainTokens": 600,
+    "maxTokens": 400,
+}
+FITTING = (cpb.PRESSURE_OUTCOME_FITS, cpb.PRESSURE_OUTCOME_ABOVE_TRIGGER)
+
+
+def small_route(loop: OpenAICompatServer) -> dict[str, Any]:
+    return {
+        "provider": PROVIDER,
+        "model": SMALL,
+        "context_window": WINDOW,
+        "max_output_tokens": MAX_OUTPUT,
+        "base_url": loop.base_url,
+    }
+
+
+def small_opening(system_text: str = "You are a careful coding agent.") -> list[Any]:
+    return [system(system_text), header(PROVIDER, SMALL, tools=TOOLS)]
+
+
+@pytest.fixture
+def loop() -> Iterator[OpenAICompatServer]:
+    with loopback() as server:
+        yield server
+
+
+@contextmanager
+def model(reply: Callable[[RecordedRequest], Reply]) -> Iterator[OpenAICompatServer]:
+    """A loopback provider that answers every request with ``reply``."""
+    with OpenAICompatServer(responder=reply) as server:
+        yield server
+
+
+def starts(events: list[events_pb2.SessionEvent]) -> int:
+    return sum(1 for e in events if e.HasField("compaction_start"))
+
+
+async def steps_of(h: Harness, count: int, first_unit: int = 0) -> list[cpb.PrepareStepResult]:
+    """``count`` model steps, a unit of history appended before each (an open turn each)."""
+    results = []
+    for i in range(first_unit, first_unit + count):
+        await h.append(*unit(i), turn_start(i + 1))
+        results.append((await h.prepare(i + 1)).result)
+    return results
+
+
+def sent_tokens(result: cpb.PrepareStepResult) -> int:
+    return result.after.measured_tokens
+
+
+# ---- the floor ----------------------------------------------------------------------------------
+
+
+async def test_fixed_overhead_above_the_trigger_opens_no_bracket_and_says_so_every_step(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    # The system prompt alone is above the trigger (5,000) but the request fits the window
+    # (15,000): no compaction can bring pressure below the trigger, so none is paid for.
+    async with started(tmp_path, loop) as h:
+        await h.create(system("Rules. " * 3300), header(PROVIDER, "m", tools=TOOLS))
+        results = await steps_of(h, 4)
+        events = await h.events()
+
+    assert starts(events) == 0
+    assert summary_requests(loop) == []
+    for result in results:
+        assert result.outcome == cpb.PRESSURE_OUTCOME_ABOVE_TRIGGER
+        assert result.floor_tokens >= result.after.trigger_tokens
+        assert "the floor (" in result.outcome_detail
+        assert f"measured {result.after.measured_tokens}" in result.outcome_detail
+
+
+async def test_a_system_prompt_larger_than_the_window_is_irreducible_on_every_step(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    async with started(tmp_path, loop, routes=[small_route(loop)], policy=SMALL_POLICY) as h:
+        await h.create(*small_opening("Rules. " * 2500))  # ~4,400 tokens: more than W - O
+        results = await steps_of(h, 3)
+        events = await h.events()
+
+    assert starts(events) == 0  # nothing a bracket could do would make it fit
+    assert summary_requests(loop) == []
+    for result in results:
+        assert result.outcome == cpb.PRESSURE_OUTCOME_OVER_WINDOW_IRREDUCIBLE
+        assert result.floor_tokens > LIMIT
+        assert "nothing reducible is left" in result.outcome_detail
+
+
+# ---- one result larger than the window ----------------------------------------------------------
+
+
+async def test_a_tool_result_larger_than_the_window_is_cut_and_the_request_fits(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    async with started(tmp_path, loop, routes=[small_route(loop)], policy=SMALL_POLICY) as h:
+        await h.create(*small_opening(), *unit(0, result="log line " * 5000), turn_start(1))
+        result = (await h.prepare(1)).result
+        events = await h.events()
+
+    assert result.before.measured_tokens > WINDOW
+    assert sent_tokens(result) <= LIMIT
+    assert result.outcome in FITTING
+    assert any(e.HasField("compaction_prune") for e in events)
+
+
+# ---- models that never help ---------------------------------------------------------------------
+
+
+def _failing(_: RecordedRequest) -> Reply:
+    return Reply(status=400, error={"message": "invalid request", "type": "invalid_request"})
+
+
+def _truncating(_: RecordedRequest) -> Reply:
+    return Reply(text="## Primary Request and Intent\n- the user wants", finish_reason="length")
+
+
+def _rejected(_: RecordedRequest) -> Reply:
+    return Reply(text="Everything went fine.")  # no sections, no facts: the gate rejects it
+
+
+async def _long_session_on(reply: Callable[[RecordedRequest], Reply], tmp_path: Path) -> None:
+    """Thirty steps of growing history on a 4k window whose summarizer never helps: every step
+    leaves PrepareStep with a request that fits, and no identical request goes to the model
+    twice."""
+    with model(reply) as loop:
+        async with started(tmp_path, loop, routes=[small_route(loop)], policy=SMALL_POLICY) as h:
+            await h.create(*small_opening())
+            results = await steps_of(h, 30)
+        sent = [json.dumps(r["messages"], sort_keys=True) for r in summary_requests(loop)]
+
+    for result in results:
+        assert sent_tokens(result) <= LIMIT, result.outcome_detail
+        assert result.outcome in FITTING
+    assert len(sent) == len(set(sent))  # never the same request again after a failure
+    assert sent  # the model was asked
+
+
+async def test_a_model_that_always_fails_never_leaves_a_request_over_the_window(
+    tmp_path: Path,
+) -> None:
+    await _long_session_on(_failing, tmp_path)
+
+
+async def test_a_model_that_always_truncates_never_leaves_a_request_over_the_window(
+    tmp_path: Path,
+) -> None:
+    await _long_session_on(_truncating, tmp_path)
+
+
+async def test_a_model_whose_summaries_are_always_rejected_never_leaves_a_request_over_the_window(
+    tmp_path: Path,
+) -> None:
+    await _long_session_on(_rejected, tmp_path)
+
+
+async def test_the_extractive_rung_writes_the_checkpoint_a_failed_model_could_not(
+    tmp_path: Path,
+) -> None:
+    # With extractiveFallback, a failed summary is not the end of the bracket: the extractive
+    # checkpoint of the same span commits in it, and the log says which rung wrote it.
+    with model(_failing) as loop:
+        policy = {**SMALL_POLICY, "extractiveFallback": True}
+        async with started(tmp_path, loop, routes=[small_route(loop)], policy=policy) as h:
+            await h.create(*small_opening())
+            results = await steps_of(h, 16)
+            events = await h.events()
+            brackets = await h.compaction.ListBrackets(
+                cpb.ListBracketsRequest(session_id=h.session_id)
+            )
+
+    summaries = [e.compaction_summary for e in events if e.HasField("compaction_summary")]
+    assert summaries
+    for summary in summaries:
+        assert summary.rung == events_pb2.COMPACTION_RUNG_EXTRACTIVE
+        assert summary.summarizer == "extractive"
+        assert summary.fallback.failure_reason
+    committed = [b for b in brackets.brackets if b.checkpoint_seq >= 0]
+    assert {b.rung for b in committed} == {events_pb2.COMPACTION_RUNG_EXTRACTIVE}
+    ends = [e.compaction_end for e in events if e.HasField("compaction_end")]
+    assert any(end.rung == events_pb2.COMPACTION_RUNG_EXTRACTIVE for end in ends)
+    assert all(sent_tokens(r) <= LIMIT for r in results)
