@@ -21,8 +21,9 @@ from compactd.errors import InvalidArgument
 from compactd.service.requests import (
     REPLY_CHUNK,
     build_request,
-    detail_reply_in_steps,
+    detail_parts_in_steps,
     request_reply_in_steps,
+    surface_parts_in_steps,
     surface_reply_in_steps,
     surface_response,
 )
@@ -188,6 +189,6 @@ def test_a_surface_with_detail_made_in_steps_is_the_bytes_of_the_reply_built_at_
         expected.detail.shadowed.add(
             seq=seq, type=kind, shadowed_by_seq=by, compaction_id=compaction_id
         )
-    made = run_to_end(surface_reply_in_steps(fold, _priced))
-    made += run_to_end(detail_reply_in_steps(head, shadowed))
-    assert made == expected.SerializeToString()
+    made = run_to_end(surface_parts_in_steps(fold, _priced))
+    made += run_to_end(detail_parts_in_steps(head, shadowed))
+    assert b"".join(made) == expected.SerializeToString()

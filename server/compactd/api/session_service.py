@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format, struct_pb2
 
-from compactd.api.replies import Serialized
+from compactd.api.replies import Serialized, after_a_turn
 from compactd.api.status import handle_errors
 from compactd.core.validation import Origin, non_finite_paths
 from compactd.errors import FieldViolation, InvalidArgument
@@ -112,11 +112,11 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         handle = await self._handle(request.session_id)
         if request.detail:
             route = request.route if request.HasField("route") else None
-            return Serialized(await self._inspection.surface(handle, route))
+            return await after_a_turn(await self._inspection.surface(handle, route))
         # Under the lock: never show a batch that is admitted but not yet durable. In steps: a
         # large surface's reply never holds the loop for long (``service.requests``).
         async with handle.lock:
-            return Serialized(await in_steps(surface_reply_in_steps(handle.fold)))
+            return await after_a_turn(await in_steps(surface_reply_in_steps(handle.fold)))
 
     @handle_errors
     async def BuildRequest(  # type: ignore[override]  # grpc sends Serialized as it is
@@ -124,7 +124,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
     ) -> Serialized:
         handle = await self._handle(request.session_id)
         async with handle.lock:
-            return Serialized(await in_steps(request_reply_in_steps(handle.fold)))
+            return await after_a_turn(await in_steps(request_reply_in_steps(handle.fold)))
 
     @handle_errors
     async def ListSessions(

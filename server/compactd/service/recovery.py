@@ -49,7 +49,7 @@ from compactd.service.offload import offload_oldest
 from compactd.service.preconditions import refuse_live_bracket, require_open_turn
 from compactd.service.pressure import PressureService
 from compactd.service.pruning import Planner, Pruning
-from compactd.service.requests import build_request
+from compactd.service.requests import request_in_steps
 from compactd.service.sessions import SessionHandle, SessionManager
 from compactd.store.base import Clock, utc_now
 from compactd.v1 import compaction_service_pb2 as cpb
@@ -197,7 +197,7 @@ class RecoveryService:
             reason = result.classification.reason
             _decline(result, Decline.RECOVERY_DECLINE_NOT_RECOVERABLE, _not_recoverable(reason))
         async with handle.lock:  # the request shows committed events only
-            result.request.CopyFrom(build_request(handle))
+            result.request.MergeFromString(await request_in_steps(handle.fold))
         return result
 
     # ---- image offload -----------------------------------------------------------------------

@@ -20,6 +20,7 @@ from compactd.core.pins import pin_list
 from compactd.core.projection import Message, derive_messages, project
 from compactd.core.surface import SurfaceNode
 from compactd.service.sessions import SessionHandle
+from compactd.speed import in_steps
 from compactd.v1 import session_service_pb2 as pb
 
 #: Surface nodes (or shadowed nodes of a surface's detail) made into a reply between pauses.
@@ -40,12 +41,19 @@ def surface_response(handle: SessionHandle) -> pb.GetSurfaceResponse:
     return response
 
 
-def surface_reply_in_steps(
+def surface_reply_in_steps(fold: SessionFold) -> Generator[None, None, bytes]:
+    """``surface_response`` of the session of ``fold`` serialized, made ``REPLY_CHUNK`` nodes
+    at a time with a pause (``yield``) after each, then joined in a step of its own. The caller
+    keeps the fold still (the session's lock)."""
+    parts = yield from surface_parts_in_steps(fold)
+    return b"".join(parts)
+
+
+def surface_parts_in_steps(
     fold: SessionFold, detail: NodeDetail | None = None
-) -> Generator[None, None, bytes]:
-    """``surface_response`` of the session of ``fold`` serialized (each node's ``detail`` set
-    from ``detail`` when given), made ``REPLY_CHUNK`` nodes at a time with a pause (``yield``)
-    after each. The caller keeps the fold still (the session's lock)."""
+) -> Generator[None, None, list[bytes]]:
+    """``surface_reply_in_steps``'s bytes in pieces (each node's ``detail`` set from ``detail``
+    when given), not yet joined: joining is one copy of the whole reply, in one call."""
     parts = [pb.GetSurfaceResponse(revision=fold.revision).SerializeToString()]
     for start in range(0, len(fold.surface), REPLY_CHUNK):
         chunk = pb.GetSurfaceResponse()
@@ -57,15 +65,15 @@ def surface_reply_in_steps(
                 )
         parts.append(chunk.SerializeToString())
         yield
-    return b"".join(parts)
+    return parts
 
 
-def detail_reply_in_steps(
+def detail_parts_in_steps(
     head: pb.SurfaceDetail, shadowed: Sequence[Shadowed]
-) -> Generator[None, None, bytes]:
-    """A ``GetSurfaceResponse`` holding only its ``detail``, serialized: ``head`` (route,
-    generations, anchor) with ``shadowed`` added in order, ``REPLY_CHUNK`` of them at a time
-    with a pause (``yield``) after each. Appended to ``surface_reply_in_steps``'s bytes, the
+) -> Generator[None, None, list[bytes]]:
+    """A ``GetSurfaceResponse`` holding only its ``detail``, serialized in pieces: ``head``
+    (route, generations, anchor) with ``shadowed`` added in order, ``REPLY_CHUNK`` of them at a
+    time with a pause (``yield``) after each. After ``surface_parts_in_steps``'s pieces, the
     response with both."""
     parts = [head.SerializeToString()]
     for start in range(0, len(shadowed), REPLY_CHUNK):
@@ -74,8 +82,7 @@ def detail_reply_in_steps(
             chunk.shadowed.add(seq=seq, type=kind, shadowed_by_seq=by, compaction_id=compaction_id)
         parts.append(chunk.SerializeToString())
         yield
-    body = b"".join(parts)
-    return b"".join((_DETAIL_TAG, _varint(len(body)), body))
+    return [_DETAIL_TAG, _varint(sum(len(part) for part in parts)), *parts]
 
 
 def _varint(value: int) -> bytes:
@@ -112,8 +119,8 @@ def build_request(handle: SessionHandle) -> pb.BuildRequestResponse:
 
 def request_reply_in_steps(fold: SessionFold) -> Generator[None, None, bytes]:
     """``build_request`` of the session of ``fold``, serialized, its messages made
-    ``REPLY_CHUNK`` surface nodes at a time with a pause (``yield``) after each. The caller
-    keeps the fold still (the session's lock)."""
+    ``REPLY_CHUNK`` surface nodes at a time with a pause (``yield``) after each, then joined in a
+    step of its own. The caller keeps the fold still (the session's lock)."""
     parts = [pb.BuildRequestResponse(revision=fold.revision).SerializeToString()]
     nodes = fold.surface.nodes
     parts += _head_and_pins(fold)  # the pinned-state message right after the system head
@@ -127,6 +134,13 @@ def request_reply_in_steps(fold: SessionFold) -> Generator[None, None, bytes]:
         yield
     parts.append(_request_header(fold).SerializeToString())
     return b"".join(parts)
+
+
+async def request_in_steps(fold: SessionFold) -> bytes:
+    """``request_reply_in_steps(fold)`` run on the loop (``in_steps``): the request's bytes, for
+    a result that carries the request (``MergeFromString`` parses them in one call, a fraction
+    of building the message on the loop). The caller holds the session's lock."""
+    return await in_steps(request_reply_in_steps(fold))
 
 
 def _head_and_pins(fold: SessionFold) -> list[bytes]:

@@ -42,7 +42,7 @@ from compactd.service.preconditions import (
 )
 from compactd.service.pressure import PressureService
 from compactd.service.pruning import Pruning
-from compactd.service.requests import appended_messages, build_request
+from compactd.service.requests import appended_messages, request_in_steps
 from compactd.service.sessions import SessionHandle, SessionManager
 from compactd.service.switch import SwitchService
 from compactd.v1 import compaction_service_pb2 as cpb
@@ -342,7 +342,7 @@ class StepService:
             result.request_revision = fold.revision
             appended = None if held_revision is None else fold.appended_since(held_revision)
             if appended is None:
-                result.request.CopyFrom(build_request(handle))
+                result.request.MergeFromString(await request_in_steps(handle.fold))
             else:
                 # Cost follows the step: the nodes appended since the caller's request, not the
                 # whole surface (the caller holds the rest).

@@ -94,6 +94,10 @@ def _abandon(task: asyncio.Future[Any]) -> None:
     task.add_done_callback(lambda done: None if done.cancelled() else done.exception())
 
 
+#: Events ``read_seqs`` fetches per query (a restore asks for a whole surface's).
+SEQS_PER_READ: Final = 4096
+
+
 class PostgresEventStore(base.EventStore):
     """Keeps session logs in one PostgreSQL database that many replicas share.
 
@@ -397,15 +401,21 @@ class PostgresEventStore(base.EventStore):
     ) -> list[events_pb2.SessionEvent]:
         wanted = sorted({s for s in seqs if s >= 0})
         key = SessionKey(tenant, session_id)
+        found: list[events_pb2.SessionEvent] = []
         with _db_errors("read events"):
             async with self._connection() as conn:
                 await _require_session(conn, key)
-                cursor = await conn.execute(
-                    f"SELECT data FROM events WHERE {_WHERE_KEY} AND seq = ANY(%s) ORDER BY seq",
-                    (*key, wanted),
-                )
-                rows = await cursor.fetchall()
-        return [base.decode_event(row[0]) for row in rows]
+                # A restore reads a whole surface (tens of thousands of events at
+                # max_surface_bytes): fetched a bounded share at a time, parsed in a worker
+                # thread, so that neither holds the event loop for long.
+                for start in range(0, len(wanted), SEQS_PER_READ):
+                    cursor = await conn.execute(
+                        f"SELECT data FROM events WHERE {_WHERE_KEY} AND seq = ANY(%s)"
+                        " ORDER BY seq",
+                        (*key, wanted[start : start + SEQS_PER_READ]),
+                    )
+                    found += await asyncio.to_thread(_decoded, await cursor.fetchall())
+        return found
 
     @_bounded("read event ids")
     async def find_event_ids(
@@ -684,3 +694,8 @@ def _redacted(url: str) -> str:
 
 
 __all__ = ["CHANNEL", "LeaseAction", "PostgresEventStore"]
+
+
+def _decoded(rows: Sequence[TupleRow]) -> list[events_pb2.SessionEvent]:
+    """The events of ``rows`` (their ``data`` first): a worker thread's."""
+    return [base.decode_event(row[0]) for row in rows]
