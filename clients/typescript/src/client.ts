@@ -47,6 +47,7 @@ export const IDEMPOTENT_METHODS: ReadonlySet<string> = new Set([
   "GetSurface",
   "BuildRequest",
   "ListSessions",
+  "Recall",
   "CheckPressure",
   "ClassifyProviderError",
   "PlanCompaction",

@@ -18,6 +18,7 @@ from compactd.errors import FieldViolation, InvalidArgument
 from compactd.reasons import Reason
 from compactd.service.inspection import InspectionService
 from compactd.service.policy_message import field_path, policy_of, settings_of
+from compactd.service.recall import recall
 from compactd.service.requests import build_request, surface_response
 from compactd.service.sessions import SessionHandle, SessionManager
 from compactd.store.base import SessionRecord
@@ -141,6 +142,11 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         require_session_id(request.session_id)
         await self._manager.delete(request.session_id)
         return pb.DeleteSessionResponse()
+
+    @handle_errors
+    async def Recall(self, request: pb.RecallRequest, context: Context) -> pb.RecallResponse:
+        handle = await self._handle(request.session_id)
+        return await recall(handle, request)
 
     async def _handle(self, session_id: str, *, fresh: bool = True) -> SessionHandle:
         require_session_id(session_id)

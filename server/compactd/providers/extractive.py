@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 
 from compactd.core import probes, prompts
 from compactd.core.pricing import heuristic_price, utf16_length
+from compactd.core.recall import checkpoint_handle, with_recall_handles, without_recall_handles
 from compactd.providers.base import SummaryError, SummaryRequest, SummaryResult
 from compactd.reasons import Reason
 from compactd.v1 import session_service_pb2
@@ -51,7 +52,15 @@ _UNITS_PER_TOKEN = 4
 #: The largest share of its span a framed checkpoint takes (below the 15% the summary-quality
 #: goal allows: the span is priced with the heuristic, which a route may count a little lower).
 SPAN_SHARE = 0.14
-_FRAME_UNITS = utf16_length(prompts.frame_checkpoint(""))
+
+
+def _framed(summary: str) -> str:
+    """The checkpoint a summary becomes, with a recall handle of typical width (what is priced)."""
+    return with_recall_handles(prompts.frame_checkpoint(summary), [_TYPICAL_HANDLE])
+
+
+_TYPICAL_HANDLE = checkpoint_handle(10_000, "")
+_FRAME_UNITS = utf16_length(_framed(""))
 #: The least a framed checkpoint may take (estimated tokens) when ``SPAN_SHARE`` of its span is
 #: less: the eight sections with the current state and the first probes (about a hundred tokens
 #: of bullets). From a span of ``MIN_CHECKPOINT_TOKENS / SPAN_SHARE`` (1,786) on, the share rules.
@@ -218,7 +227,7 @@ def _fit_share(candidates: Sequence[_Candidate], share: int, allowed: float | No
         return text
     floor = utf16_length(_render({}))
     for _ in range(_REFITS):
-        estimate = estimated_tokens(prompts.frame_checkpoint(text))
+        estimate = estimated_tokens(_framed(text))
         if estimate <= allowed or share <= floor:
             return text
         share = max(floor, int(share * allowed / estimate) - _UNITS_PER_TOKEN)
@@ -335,6 +344,7 @@ def _checkpoint_summary(text: str) -> str | None:
     Only the whole frame counts: a request that merely contains the tags, or a summary that
     quotes a closing tag, is never cut at an inner tag (that lost the rest of the summary).
     """
+    text = without_recall_handles(text)
     framed = len(text) >= len(_CHECKPOINT_HEAD) + len(_CHECKPOINT_TAIL)
     if framed and text.startswith(_CHECKPOINT_HEAD) and text.endswith(_CHECKPOINT_TAIL):
         return text[len(_CHECKPOINT_HEAD) : len(text) - len(_CHECKPOINT_TAIL)]
@@ -719,4 +729,4 @@ def _at_word(head: str, room: int) -> str:
     return head.rstrip() + _ELLIPSIS
 
 
-_SKELETON_TOKENS = estimated_tokens(prompts.frame_checkpoint(_render({})))
+_SKELETON_TOKENS = estimated_tokens(_framed(_render({})))

@@ -490,7 +490,8 @@ class Brackets:
     ) -> Screened:
         """The summary the quality gate lets commit (``Screener.screen``)."""
         return await self._screener.screen(
-            policy=job.policy, compaction_id=opened.compaction_id, request=written.request,
+            policy=job.policy, compaction_id=opened.compaction_id, start_seq=opened.start_seq,
+            request=written.request,
             summary=written.summary, serialized=written.serialized,
             summarizer=writer.summarizer.name, target=writer.target,
             span_tokens=span_tokens(job.handle, written.selection, job.shrink_route),
@@ -554,7 +555,7 @@ class Brackets:
         stale = drift(handle.fold, selection, opened.snapshot, revalidation_for(job.trigger))
         if stale is not None:
             raise BracketFailed(f"stale summary rejected: {stale}", reason=Reason.SPAN_DRIFT)
-        framed = prompts.frame_checkpoint(screened.summary.text)
+        framed = bracket.checkpoint_text(screened.summary.text, compaction_id, opened.start_seq)
         checkpoint = bracket.checkpoint_message(compaction_id, framed)
         tokens = _measurement(job, selection, written.envelope_before, checkpoint, screened)
         summary_seq = handle.fold.revision

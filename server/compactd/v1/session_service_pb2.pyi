@@ -620,6 +620,189 @@ class DeleteSessionResponse(_message.Message):
 Global___DeleteSessionResponse: _TypeAlias = DeleteSessionResponse  # noqa: Y015
 
 @_typing.final
+class RecallRequest(_message.Message):
+    """Request for `Recall`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    HANDLE_FIELD_NUMBER: _builtins.int
+    SEQS_FIELD_NUMBER: _builtins.int
+    QUERY_FIELD_NUMBER: _builtins.int
+    MAX_BYTES_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    handle: _builtins.str
+    """A handle as the model quoted it: `c41-9f3a`, `recall:c41-9f3a` or `[recall:c41-9f3a]`.
+    Set this or `seqs`.
+    """
+    query: _builtins.str
+    """Optional: only the lines of text (messages, tool results, tool-call arguments) that contain
+    this, compared case-insensitively; events without such a line are left out.
+    """
+    max_bytes: _builtins.int
+    """Most bytes of `RecalledEvent`s in one page: 0 means 65536; values are clamped to
+    [1024, 1048576]. An event larger than a page is cut into pieces (`RecalledEvent.offset`).
+    """
+    page_token: _builtins.str
+    """`next_page_token` of the previous page of the same request; empty for the first page."""
+    @_builtins.property
+    def seqs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The seqs of the events to read (at most 1000); set this or `handle`."""
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        handle: _builtins.str = ...,
+        seqs: _abc.Iterable[_builtins.int] | None = ...,
+        query: _builtins.str = ...,
+        max_bytes: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["handle", b"handle", "max_bytes", b"max_bytes", "page_token", b"page_token", "query", b"query", "seqs", b"seqs", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecallRequest: _TypeAlias = RecallRequest  # noqa: Y015
+
+@_typing.final
+class RecalledEvent(_message.Message):
+    """One original event (or, for an event larger than a page, one piece of it)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    LINES_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    TRUNCATED_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    """Its seq."""
+    type: _builtins.str
+    """Its event type string, e.g. `tool/result`."""
+    sha256: _builtins.str
+    """Hex SHA-256 of the event's stored bytes (the deterministic serialization `ListEvents`
+    returns): a recalled event can be checked against the log.
+    """
+    offset: _builtins.int
+    """The code point offset of this piece's text in the event's text (its text blocks joined);
+    0 for a whole event or its first piece.
+    """
+    truncated: _builtins.bool
+    """Whether the event's text continues on the next page."""
+    @_builtins.property
+    def message(self) -> Global___Message:
+        """The model-visible message it projects to, images as they were (no offload applied);
+        absent for an event that projects to none (a `compaction/*` event, an empty message) and
+        with `query` (see `lines`).
+        """
+
+    @_builtins.property
+    def lines(self) -> _containers.RepeatedCompositeFieldContainer[Global___RecalledLine]:
+        """With `query`: the matching lines."""
+
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+        type: _builtins.str = ...,
+        message: Global___Message | None = ...,
+        sha256: _builtins.str = ...,
+        lines: _abc.Iterable[Global___RecalledLine] | None = ...,
+        offset: _builtins.int = ...,
+        truncated: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lines", b"lines", "message", b"message", "offset", b"offset", "seq", b"seq", "sha256", b"sha256", "truncated", b"truncated", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecalledEvent: _TypeAlias = RecalledEvent  # noqa: Y015
+
+@_typing.final
+class RecalledLine(_message.Message):
+    """A line of a recalled event that matches `RecallRequest.query`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_FIELD_NUMBER: _builtins.int
+    LINE_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    block: _builtins.int
+    """Index of the content block (tool calls: the call's arguments) in the message."""
+    line: _builtins.int
+    """Line number in the block, from 1."""
+    text: _builtins.str
+    """The line."""
+    def __init__(
+        self,
+        *,
+        block: _builtins.int = ...,
+        line: _builtins.int = ...,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block", b"block", "line", b"line", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecalledLine: _TypeAlias = RecalledLine  # noqa: Y015
+
+@_typing.final
+class RecallResponse(_message.Message):
+    """Response for `Recall`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REVISION_FIELD_NUMBER: _builtins.int
+    SEQS_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    """The log revision the page was read at."""
+    next_page_token: _builtins.str
+    """Token for the next page; empty on the last page."""
+    text: _builtins.str
+    """The page rendered as plain text for a model: what a recall tool call's result holds (see
+    the clients' `answer_recall`). It ends with how to ask for the next page, if any.
+    """
+    @_builtins.property
+    def seqs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Every seq the handle covers, in the order the model saw them (surface order), or the
+        requested seqs in ascending order; the pages walk them in this order.
+        """
+
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___RecalledEvent]:
+        """This page's events."""
+
+    def __init__(
+        self,
+        *,
+        revision: _builtins.int = ...,
+        seqs: _abc.Iterable[_builtins.int] | None = ...,
+        events: _abc.Iterable[Global___RecalledEvent] | None = ...,
+        next_page_token: _builtins.str = ...,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "next_page_token", b"next_page_token", "revision", b"revision", "seqs", b"seqs", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecallResponse: _TypeAlias = RecallResponse  # noqa: Y015
+
+@_typing.final
 class CompactionPolicy(_message.Message):
     """Per-session compaction policy overrides: every setting of the service's `[compaction]` table.
     An absent field inherits (the service's setting for the route, else the default). The spec's

@@ -1,0 +1,115 @@
+"""Recall handles: short, stable names of what a compaction took off the surface.
+
+Every checkpoint and every pruned tool result names what it replaced in a handle the model can
+quote, ``[recall:c41-9f3a]`` or ``[recall:p17-03bc]``. A handle is a pure function of the log:
+
+- ``c<start>-<check>``: the checkpoint of the bracket whose ``compaction/start`` is at seq
+  ``start``; it covers that start's ``shadowed_seqs``. ``check`` is four hex digits of the
+  SHA-256 of the compaction id, so a misquoted handle does not name another bracket.
+- ``p<seq>-<check>``: the pruned result that shadowed the ``tool/result`` node at ``seq``; it
+  covers ``[seq]``. ``check`` hashes the seq.
+
+A handle needs no state besides the log: it resolves the same way after a restart, an eviction
+and on any replica. Resolving reads one event (``covered_seqs``). The texts here are constants or
+pure functions of their inputs, so the same result always gets the same bytes (prefix caches).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Final
+
+from compactd.core.events import SessionEvent
+
+CHECKPOINT: Final = "c"
+PRUNED: Final = "p"
+_HANDLE = re.compile(r"^(?:\[?recall:)?([cp])(\d{1,19})-([0-9a-f]{4})\]?$")
+
+#: The heading of the section a checkpoint ends with (after its closing tag).
+HANDLES_HEADING: Final = "Recall handles"
+
+
+@dataclass(frozen=True, slots=True)
+class Handle:
+    """A parsed handle: its kind (``CHECKPOINT`` or ``PRUNED``), its seq and check digits."""
+
+    kind: str
+    seq: int
+    check: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.seq}-{self.check}"
+
+
+def checkpoint_handle(start_seq: int, compaction_id: str) -> str:
+    """The handle of the checkpoint of the bracket that opened at ``start_seq``."""
+    return f"{CHECKPOINT}{start_seq}-{_check(CHECKPOINT + compaction_id)}"
+
+
+def prune_handle(shadowed_seq: int) -> str:
+    """The handle of the pruned result that shadowed the node at ``shadowed_seq``."""
+    return f"{PRUNED}{shadowed_seq}-{_check(f'{PRUNED}{shadowed_seq}')}"
+
+
+def quoted(handle: str) -> str:
+    """A handle as the model sees it: ``[recall:<handle>]``."""
+    return f"[recall:{handle}]"
+
+
+def parse_handle(text: str) -> Handle | None:
+    """The handle ``text`` names (bare, ``recall:...`` or ``[recall:...]``); None if malformed."""
+    match = _HANDLE.match(text.strip())
+    if match is None:
+        return None
+    return Handle(match.group(1), int(match.group(2)), match.group(3))
+
+
+def covered_seqs(handle: Handle, event: SessionEvent | None) -> tuple[int, ...] | None:
+    """The seqs ``handle`` covers, given the stored event at ``handle.seq`` (None: no such
+    event); None when the handle does not name that event (wrong kind or check digits)."""
+    if event is None:
+        return None
+    body = event.WhichOneof("body")
+    if handle.kind == CHECKPOINT and body == "compaction_start":
+        start = event.compaction_start
+        if str(handle) == checkpoint_handle(event.seq, start.compaction_id):
+            return tuple(start.shadowed_seqs)
+        return None
+    if handle.kind == PRUNED and body == "tool_result" and str(handle) == prune_handle(event.seq):
+        return (event.seq,)
+    return None
+
+
+def recall_section(handles: list[str]) -> str:
+    """The section a checkpoint ends with: the handles of what it replaced."""
+    listed = " ".join(quoted(h) for h in handles)
+    return (
+        f"{HANDLES_HEADING} (the original messages this checkpoint replaced, "
+        f"for the recall tool when one is offered): {listed}"
+    )
+
+
+def with_recall_handles(framed: str, handles: list[str]) -> str:
+    """``framed`` (``prompts.frame_checkpoint``) followed by its recall section."""
+    return f"{framed}\n\n{recall_section(handles)}"
+
+
+def without_recall_handles(text: str) -> str:
+    """``text`` without a trailing recall section (the framed checkpoint it was made from)."""
+    cut = text.rfind(f"\n\n{HANDLES_HEADING} (")
+    return text if cut < 0 else text[:cut]
+
+
+def prune_marker(marker: str, handle: str) -> str:
+    """The omission ``marker`` of a pruned result, followed by the result's handle."""
+    return f"{marker}{quoted(handle)}\n\n"
+
+
+def _check(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:4]
+
+
+#: The longest handle a seq can give (seqs are int64): what thresholds reserve room for.
+LONGEST_PRUNE_HANDLE: Final = prune_handle(2**63 - 1)
