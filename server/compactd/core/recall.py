@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from compactd.core.events import SessionEvent
+from compactd.v1 import events_pb2
 
 CHECKPOINT: Final = "c"
 PRUNED: Final = "p"
@@ -105,6 +106,32 @@ def without_recall_handles(text: str) -> str:
 def prune_marker(marker: str, handle: str) -> str:
     """The omission ``marker`` of a pruned result, followed by the result's handle."""
     return f"{marker}{quoted(handle)}\n\n"
+
+
+#: What the recall tool tells the model: when to call it and what it answers.
+RECALL_TOOL_DESCRIPTION: Final = (
+    "Fetch the original messages that were condensed or shortened to save context. Older parts "
+    "of this conversation may have been replaced by a summary, and long tool outputs cut to "
+    "their start and end; each names what it replaced with a handle like [recall:c41-9f3a]. "
+    "Call this only when you need an exact detail the summary or the shortened output lacks "
+    "(a file's contents, an error message, a command's output). Give the handle, and a query "
+    "to get only the lines that contain it; a long answer comes in pages."
+)
+#: The recall tool's arguments (``handle``, ``query``, ``page``), as a JSON schema.
+RECALL_TOOL_SCHEMA: Final = (
+    '{"type":"object","properties":{'
+    '"handle":{"type":"string","description":"The handle, e.g. c41-9f3a or [recall:c41-9f3a]"},'
+    '"query":{"type":"string","description":"Optional: only lines containing this text"},'
+    '"page":{"type":"string","description":"Optional: the page token a previous answer gave"}'
+    '},"required":["handle"],"additionalProperties":false}'
+)
+
+
+def recall_tool(name: str) -> events_pb2.ToolDeclaration:
+    """The recall tool's declaration under ``name`` (the same bytes every time)."""
+    return events_pb2.ToolDeclaration(
+        name=name, description=RECALL_TOOL_DESCRIPTION, input_schema_json=RECALL_TOOL_SCHEMA
+    )
 
 
 def _check(text: str) -> str:

@@ -34,7 +34,7 @@ from compactd import genai, logs
 from compactd.core import bracket, prompts
 from compactd.core import events as ev
 from compactd.core.fold import SessionFold
-from compactd.core.meter import SessionMeter, route_price
+from compactd.core.meter import SessionMeter, envelope_tools, route_price
 from compactd.core.planner import choose_span, node_pricer, span_pricer
 from compactd.core.policy import TargetPolicy
 from compactd.core.pricing import HEURISTIC, PricingProfile, heuristic_price
@@ -755,10 +755,11 @@ def summary_request(
         target.model,
     ):
         config.CopyFrom(header.config)  # same route: same sampling, so the prefix stays warm
-    tools: Sequence[events_pb2.ToolDeclaration] = header.tools if header is not None else ()
+    # The conversation's tools, compactd's own (the recall tool) included: the same prefix.
+    tools = envelope_tools(header, handle.context.meter.declared_tools(header))
     request = SummaryRequest(
         messages=messages,
-        tools=list(tools),
+        tools=tools,
         config=config,
         instruction=prompts.compaction_instruction(focus),
         max_tokens=policy.max_tokens,

@@ -44,6 +44,8 @@ def build_request(handle: SessionHandle) -> pb.BuildRequestResponse:
         if fold.header.HasField("adapter_defaults"):
             response.adapter_defaults.CopyFrom(fold.header.adapter_defaults)
         response.tools.extend(fold.header.tools)
+    # compactd's own tools (the recall tool), priced by the meter like the header's.
+    response.tools.extend(handle.context.meter.declared_tools(fold.header))
     return response
 
 

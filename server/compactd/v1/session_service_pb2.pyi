@@ -828,6 +828,8 @@ class CompactionPolicy(_message.Message):
     FAILURE_BACKOFF_SECONDS_FIELD_NUMBER: _builtins.int
     FAILURE_BACKOFF_MAX_SECONDS_FIELD_NUMBER: _builtins.int
     MODEL_POLICIES_FIELD_NUMBER: _builtins.int
+    RECALL_TOOL_FIELD_NUMBER: _builtins.int
+    RECALL_TOOL_NAME_FIELD_NUMBER: _builtins.int
     threshold_ratio: _builtins.float
     """`thresholdRatio`, in (0, 1]: trigger = floor(min(W * thresholdRatio, W - O - B)). Default 0.8."""
     headroom_tokens: _builtins.int
@@ -866,6 +868,14 @@ class CompactionPolicy(_message.Message):
     """
     failure_backoff_max_seconds: _builtins.float
     """`failureBackoffMaxSeconds`, >= `failure_backoff_seconds`: the longest wait. Default 3600."""
+    recall_tool: _builtins.bool
+    """`recallTool`: rebuilt requests declare the recall tool, whose calls the runtime answers
+    through `SessionService.Recall`; it is priced in the envelope like any tool. Default false.
+    """
+    recall_tool_name: _builtins.str
+    """`recallToolName`: the recall tool's name, 1-64 characters of `[A-Za-z0-9_-]`. Default
+    `recall`.
+    """
     @_builtins.property
     def model_policies(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelCompactionPolicy]:
         """`modelPolicies`: overrides for exact provider/model routes, layered over the settings above."""
@@ -890,10 +900,12 @@ class CompactionPolicy(_message.Message):
         failure_backoff_seconds: _builtins.float | None = ...,
         failure_backoff_max_seconds: _builtins.float | None = ...,
         model_policies: _abc.Iterable[Global___ModelCompactionPolicy] | None = ...,
+        recall_tool: _builtins.bool | None = ...,
+        recall_tool_name: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_recall_tool", b"_recall_tool", "_recall_tool_name", b"_recall_tool_name", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "recall_tool", b"recall_tool", "recall_tool_name", b"recall_tool_name", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "model_policies", b"model_policies", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_recall_tool", b"_recall_tool", "_recall_tool_name", b"_recall_tool_name", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "model_policies", b"model_policies", "recall_tool", b"recall_tool", "recall_tool_name", b"recall_tool_name", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__auto: _TypeAlias = _typing.Literal["auto"]  # noqa: Y015
     _WhichOneofArgType__auto: _TypeAlias = _typing.Literal["_auto", b"_auto"]  # noqa: Y015
@@ -915,6 +927,10 @@ class CompactionPolicy(_message.Message):
     _WhichOneofArgType__min_probe_retention: _TypeAlias = _typing.Literal["_min_probe_retention", b"_min_probe_retention"]  # noqa: Y015
     _WhichOneofReturnType__min_reduction_ratio: _TypeAlias = _typing.Literal["min_reduction_ratio"]  # noqa: Y015
     _WhichOneofArgType__min_reduction_ratio: _TypeAlias = _typing.Literal["_min_reduction_ratio", b"_min_reduction_ratio"]  # noqa: Y015
+    _WhichOneofReturnType__recall_tool: _TypeAlias = _typing.Literal["recall_tool"]  # noqa: Y015
+    _WhichOneofArgType__recall_tool: _TypeAlias = _typing.Literal["_recall_tool", b"_recall_tool"]  # noqa: Y015
+    _WhichOneofReturnType__recall_tool_name: _TypeAlias = _typing.Literal["recall_tool_name"]  # noqa: Y015
+    _WhichOneofArgType__recall_tool_name: _TypeAlias = _typing.Literal["_recall_tool_name", b"_recall_tool_name"]  # noqa: Y015
     _WhichOneofReturnType__retain_ratio: _TypeAlias = _typing.Literal["retain_ratio"]  # noqa: Y015
     _WhichOneofArgType__retain_ratio: _TypeAlias = _typing.Literal["_retain_ratio", b"_retain_ratio"]  # noqa: Y015
     _WhichOneofReturnType__retain_tokens: _TypeAlias = _typing.Literal["retain_tokens"]  # noqa: Y015
@@ -947,6 +963,10 @@ class CompactionPolicy(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_probe_retention) -> _WhichOneofReturnType__min_probe_retention | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_reduction_ratio) -> _WhichOneofReturnType__min_reduction_ratio | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__recall_tool) -> _WhichOneofReturnType__recall_tool | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__recall_tool_name) -> _WhichOneofReturnType__recall_tool_name | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__retain_ratio) -> _WhichOneofReturnType__retain_ratio | None: ...
     @_typing.overload
@@ -986,6 +1006,8 @@ class ModelCompactionPolicy(_message.Message):
     EXTRACTIVE_FALLBACK_FIELD_NUMBER: _builtins.int
     FAILURE_BACKOFF_SECONDS_FIELD_NUMBER: _builtins.int
     FAILURE_BACKOFF_MAX_SECONDS_FIELD_NUMBER: _builtins.int
+    RECALL_TOOL_FIELD_NUMBER: _builtins.int
+    RECALL_TOOL_NAME_FIELD_NUMBER: _builtins.int
     provider: _builtins.str
     """The route's provider (required)."""
     model: _builtins.str
@@ -1022,6 +1044,10 @@ class ModelCompactionPolicy(_message.Message):
     """As `CompactionPolicy.failure_backoff_seconds`."""
     failure_backoff_max_seconds: _builtins.float
     """As `CompactionPolicy.failure_backoff_max_seconds`."""
+    recall_tool: _builtins.bool
+    """As `CompactionPolicy.recall_tool`."""
+    recall_tool_name: _builtins.str
+    """As `CompactionPolicy.recall_tool_name`."""
     def __init__(
         self,
         *,
@@ -1043,10 +1069,12 @@ class ModelCompactionPolicy(_message.Message):
         extractive_fallback: _builtins.bool | None = ...,
         failure_backoff_seconds: _builtins.float | None = ...,
         failure_backoff_max_seconds: _builtins.float | None = ...,
+        recall_tool: _builtins.bool | None = ...,
+        recall_tool_name: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_recall_tool", b"_recall_tool", "_recall_tool_name", b"_recall_tool_name", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "recall_tool", b"recall_tool", "recall_tool_name", b"recall_tool_name", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "model", b"model", "provider", b"provider", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_recall_tool", b"_recall_tool", "_recall_tool_name", b"_recall_tool_name", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "model", b"model", "provider", b"provider", "recall_tool", b"recall_tool", "recall_tool_name", b"recall_tool_name", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__auto: _TypeAlias = _typing.Literal["auto"]  # noqa: Y015
     _WhichOneofArgType__auto: _TypeAlias = _typing.Literal["_auto", b"_auto"]  # noqa: Y015
@@ -1068,6 +1096,10 @@ class ModelCompactionPolicy(_message.Message):
     _WhichOneofArgType__min_probe_retention: _TypeAlias = _typing.Literal["_min_probe_retention", b"_min_probe_retention"]  # noqa: Y015
     _WhichOneofReturnType__min_reduction_ratio: _TypeAlias = _typing.Literal["min_reduction_ratio"]  # noqa: Y015
     _WhichOneofArgType__min_reduction_ratio: _TypeAlias = _typing.Literal["_min_reduction_ratio", b"_min_reduction_ratio"]  # noqa: Y015
+    _WhichOneofReturnType__recall_tool: _TypeAlias = _typing.Literal["recall_tool"]  # noqa: Y015
+    _WhichOneofArgType__recall_tool: _TypeAlias = _typing.Literal["_recall_tool", b"_recall_tool"]  # noqa: Y015
+    _WhichOneofReturnType__recall_tool_name: _TypeAlias = _typing.Literal["recall_tool_name"]  # noqa: Y015
+    _WhichOneofArgType__recall_tool_name: _TypeAlias = _typing.Literal["_recall_tool_name", b"_recall_tool_name"]  # noqa: Y015
     _WhichOneofReturnType__retain_ratio: _TypeAlias = _typing.Literal["retain_ratio"]  # noqa: Y015
     _WhichOneofArgType__retain_ratio: _TypeAlias = _typing.Literal["_retain_ratio", b"_retain_ratio"]  # noqa: Y015
     _WhichOneofReturnType__retain_tokens: _TypeAlias = _typing.Literal["retain_tokens"]  # noqa: Y015
@@ -1100,6 +1132,10 @@ class ModelCompactionPolicy(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_probe_retention) -> _WhichOneofReturnType__min_probe_retention | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_reduction_ratio) -> _WhichOneofReturnType__min_reduction_ratio | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__recall_tool) -> _WhichOneofReturnType__recall_tool | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__recall_tool_name) -> _WhichOneofReturnType__recall_tool_name | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__retain_ratio) -> _WhichOneofReturnType__retain_ratio | None: ...
     @_typing.overload
