@@ -66,6 +66,11 @@ async def recall(sessions: Any, compaction: Any, sid: str) -> None:
     await sessions.Recall(spb.RecallRequest(session_id=sid, seqs=[0]))
 
 
+async def revert_compaction(sessions: Any, compaction: Any, sid: str) -> None:
+    request = cpb.RevertCompactionRequest(session_id=sid, compaction_id="never-compacted")
+    await compaction.RevertCompaction(request)
+
+
 async def check_pressure(sessions: Any, compaction: Any, sid: str) -> None:
     await compaction.CheckPressure(cpb.CheckPressureRequest(session_id=sid))
 
@@ -142,6 +147,12 @@ CASES: dict[str, tuple[Call, str, Code, Code]] = {
     ),
     "CompactionService.PlanCompaction": (plan_compaction, "nope", Code.NOT_FOUND, Code.OK),
     "CompactionService.ListBrackets": (list_brackets, "nope", Code.NOT_FOUND, Code.OK),
+    "CompactionService.RevertCompaction": (
+        revert_compaction,
+        "nope",
+        Code.NOT_FOUND,
+        Code.ABORTED,  # turn open: COMPACTION_BUSY, as Compact
+    ),
 }
 
 

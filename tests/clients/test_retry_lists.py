@@ -35,6 +35,7 @@ WRITES = {
     ("compactd.v1.CompactionService", "Compact"),
     ("compactd.v1.CompactionService", "RecoverFromError"),
     ("compactd.v1.CompactionService", "SwitchModel"),
+    ("compactd.v1.CompactionService", "RevertCompaction"),
 }
 
 

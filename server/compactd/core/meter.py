@@ -567,8 +567,9 @@ class SessionMeter:
         seq = change.node.seq
         event = change.node.event if kind == "assistant_message" else None  # parsed once
         in_delta = False
-        if change.shadowed:
-            self._forget_span([old.seq for old in change.shadowed])
+        if change.shadowed or change.inserted:  # an INSERT changes what comes before later nodes
+            if change.shadowed:
+                self._forget_span([old.seq for old in change.shadowed])
             if self._anchor is not None and self._before_anchor(fold, seq):
                 self._drop_anchor()
             in_delta = self._anchor is not None
@@ -665,7 +666,7 @@ class SessionMeter:
         nodes = fold.surface.nodes
         for position in range(len(nodes) - 1, -1, -1):
             node = nodes[position]
-            if ev.is_replace(node.event) or not _usage(node.event):
+            if ev.is_replace(node.event) or ev.is_insert(node.event) or not _usage(node.event):
                 continue
             earlier = nodes[:position]
             stale = (
@@ -784,7 +785,7 @@ _PRICED_STEP = 64  # entries summed or looked at between pauses (a few operation
 def _only_appended(batch: AdmittedBatch) -> Generator[None, None, _Appended | None]:
     """The nodes ``batch`` appended, when that is all it did to what the meter keeps; pauses
     (``yield``) between passes over the batch."""
-    if batch.reprojected or any(change.shadowed for change in batch.surface_changes):
+    if batch.reprojected or any(c.shadowed or c.inserted for c in batch.surface_changes):
         return None
     yield
     events = batch.events

@@ -37,6 +37,8 @@ from compactd_client.v1.compaction_service_pb2 import (
     PressureReport,
     ProviderError,
     RecoverFromErrorResult,
+    RevertCompactionRequest,
+    RevertCompactionResponse,
     SwitchModelResult,
 )
 from compactd_client.v1.compaction_service_pb2_grpc import CompactionServiceStub
@@ -299,6 +301,20 @@ class CompactdClient:
         return recall_tool.answer(tool_call, response)
 
     # CompactionService
+
+    def revert_compaction(
+        self, session_id: str, compaction_id: str, *, timeout: Timeout = UNSET
+    ) -> RevertCompactionResponse:
+        """Reverts a committed compaction: its checkpoint's shadowed nodes come back in place.
+
+        Raises:
+            NotFoundError: no such session, or no such compaction (``COMPACTION_UNKNOWN``).
+            FailedPreconditionError: ``REVERT_BLOCKED``: a later bracket covers the checkpoint
+                (revert that one first), or it was reverted already.
+            CompactionBusyError: a turn is open or a bracket is live.
+        """
+        request = RevertCompactionRequest(session_id=session_id, compaction_id=compaction_id)
+        return self._unary(self._compaction.RevertCompaction, request, timeout)
 
     def check_pressure(
         self, session_id: str, *, destination: Route | None = None, timeout: Timeout = UNSET
