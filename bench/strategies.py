@@ -28,7 +28,11 @@ the original events) and checks which of them the model-visible request still ho
 gate's own matching: right after that compaction ("after 1") and after two more compactions of the
 same session ("after 3": the span's checkpoint folded into a summary of summaries twice). Every
 strategy is probed with the same facts at the same steps; a request larger than the window counts
-as showing nothing, since the provider refuses it. The checkpoint's share of its span is
+as showing nothing, since the provider refuses it. For compactd, "present or recallable" also
+counts a fact the model can get back with the recall tool: one in the original events behind a
+handle of the request (``core.recall``), followed through the handles those events name in turn.
+The recall tool's envelope cost is its declaration's price (``core.pricing.price_tools``, with
+the transcripts' own tools declared first) on every request. The checkpoint's share of its span is
 the committed checkpoints' route tokens over their spans' route tokens.
 
 Token counts are exact and deterministic, not timed, so the machine's load does not move them.
@@ -43,6 +47,7 @@ import argparse
 import asyncio
 import dataclasses
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +60,7 @@ from compactd.core import probes
 from compactd.core.pricing import PricingProfile, price_config, price_message, price_tools
 from compactd.core.projection import project
 from compactd.core.pruner import PrunerConfig, prune_content
+from compactd.core.recall import covered_seqs, parse_handle, recall_tool
 from compactd.tokenizers import pricing_profile
 from compactd.v1 import events_pb2, session_service_pb2
 
@@ -65,6 +71,7 @@ DEFAULT_FILES = (
     ROOT / "testdata" / "transcripts" / "openai.jsonl",
 )
 PLACEHOLDER = "[old tool output omitted]"
+HANDLE = re.compile(r"\[recall:([cp]\d+-[0-9a-f]{4})\]")
 SURFACE = ("system_message", "developer_message", "user_message", "assistant_message",
            "tool_result")  # fmt: skip
 PUBLISHED = (
@@ -251,20 +258,24 @@ class Tally:
     broken: int = 0
     summary_calls: int = 0
     kept: dict[tuple[int, str], list[bool]] = field(default_factory=dict)  # (1|3, kind) -> hits
+    recallable: dict[tuple[int, str], list[bool]] = field(default_factory=dict)  # present or not
     checkpoint: int = 0
     span: int = 0
     worst_share: float = 0.0
     checkpoints: int = 0
     over_share: int = 0  # checkpoints above 15% of their span
 
-    def probe(self, after: int, retained: probes.Retention) -> None:
-        """Record which probes one request kept, ``after`` 1 or 3 compactions."""
+    def probe(self, after: int, retained: probes.Retention, *, recall: bool = False) -> None:
+        """Record which probes one request kept, ``after`` 1 or 3 compactions (``recall``: kept
+        or recallable)."""
+        kept = self.recallable if recall else self.kept
         for probe, hit in zip(retained.probes, retained.kept, strict=True):
-            self.kept.setdefault((after, probe.kind.value), []).append(hit)
+            kept.setdefault((after, probe.kind.value), []).append(hit)
 
-    def share(self, after: int, kinds: Sequence[str]) -> float | None:
+    def share(self, after: int, kinds: Sequence[str], *, recall: bool = False) -> float | None:
         """The share of probes of ``kinds`` kept ``after`` compactions (None: no probe)."""
-        hits = [hit for kind in kinds for hit in self.kept.get((after, kind), [])]
+        kept = self.recallable if recall else self.kept
+        hits = [hit for kind in kinds for hit in kept.get((after, kind), [])]
         return sum(hits) / len(hits) if hits else None
 
     def probes(self, after: int, kinds: Sequence[str]) -> int:
@@ -357,7 +368,9 @@ def tally_compactd(
     """compactd's figures: its rebuilt requests priced like every other strategy's."""
     tally = Tally()
     for (result, log), talk in zip(runs, talks, strict=True):
+        by_seq = {event.seq: event for event in log}
         texts: dict[int, str] = {}
+        recalled: dict[int, str] = {}
         for index, (step, request) in enumerate(zip(result.steps, result.requests, strict=True)):
             messages = [Message.FromString(m.SerializeToString()) for m in request.messages]
             tokens = talk.envelope + sum(price_message(m, profile).total for m in messages)
@@ -367,6 +380,7 @@ def tally_compactd(
             tally.broken += step.broken_pairs
             # A request over the window is refused by the provider: the model sees nothing.
             texts[index] = visible_text(messages) if tokens <= step.window else ""
+            recalled[index] = recallable_text(texts[index], by_seq)
         tally.summary_calls += sum(
             e.HasField("compaction_summary") or e.HasField("compaction_summary_error") for e in log
         )
@@ -378,8 +392,30 @@ def tally_compactd(
                 tally.worst_share = max(tally.worst_share, share)
                 tally.checkpoints += 1
                 tally.over_share += share > 0.15
-        _probe(tally, probe_plan(log, result.steps), texts.__getitem__)
+        plan = probe_plan(log, result.steps)
+        _probe(tally, plan, texts.__getitem__)
+        present_or_recallable = {i: f"{texts[i]}\n{recalled[i]}" for i in texts}
+        _probe(tally, plan, present_or_recallable.__getitem__, recall=True)
     return tally
+
+
+def recallable_text(visible: str, by_seq: dict[int, Any]) -> str:
+    """The text of the original events behind the recall handles in ``visible``, and behind
+    the handles those events name in turn (what the recall tool can give back)."""
+    pending, seen, parts = list(HANDLE.findall(visible)), set(), []
+    while pending:
+        handle = parse_handle(pending.pop())
+        if handle is None or str(handle) in seen or handle.seq not in by_seq:
+            continue
+        seen.add(str(handle))
+        for seq in covered_seqs(handle, by_seq[handle.seq]) or ():
+            event = events_pb2.SessionEvent.FromString(by_seq[seq].SerializeToString())
+            message = project(event)
+            if message is not None:
+                text = visible_text([message])
+                parts.append(text)
+                pending.extend(HANDLE.findall(text))
+    return "\n".join(parts)
 
 
 def tally_strategy(
@@ -410,11 +446,14 @@ def tally_strategy(
     return tally
 
 
-def _probe(tally: Tally, plan: Sequence[Probed], text: Callable[[int], str]) -> None:
+def _probe(
+    tally: Tally, plan: Sequence[Probed], text: Callable[[int], str], *, recall: bool = False
+) -> None:
     for probed in plan:
-        tally.probe(1, probes.retention(probed.probes, text(probed.after_one)))
+        tally.probe(1, probes.retention(probed.probes, text(probed.after_one)), recall=recall)
         if probed.after_three is not None:
-            tally.probe(3, probes.retention(probed.probes, text(probed.after_three)))
+            retained = probes.retention(probed.probes, text(probed.after_three))
+            tally.probe(3, retained, recall=recall)
 
 
 # ---- the tables ----------------------------------------------------------------------------------
@@ -446,8 +485,23 @@ def quality_rows(tallies: dict[str, Tally]) -> list[tuple[str, ...]]:
         for after in (1, 3):
             cells.append(_pct(t.share(after, PCE)))
             cells += [_pct(t.share(after, (kind,))) for kind in ("request", *PCE)]
+        for after in (1, 3):  # requests, paths, commands, errors: present or recallable
+            cells.append(_pct(t.share(after, ("request", *PCE), recall=True)))
         rows.append(tuple(cells))
     return rows
+
+
+def recall_tool_cost(talks: Sequence[Conversation], profile: PricingProfile) -> tuple[int, int]:
+    """The recall tool's price per request: (least, most) over the transcripts' tool sets."""
+    costs = []
+    for talk in talks:
+        declared = [
+            events_pb2.ToolDeclaration.FromString(d.SerializeToString())
+            for d in openai.declarations(talk.transcript.tools)
+        ]
+        with_tool = price_tools([*declared, recall_tool("recall")], profile)
+        costs.append(with_tool - price_tools(declared, profile))
+    return min(costs), max(costs)
 
 
 def table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
@@ -491,10 +545,19 @@ async def run(args: argparse.Namespace) -> None:
           cost_rows(tallies, reference))  # fmt: skip
     kinds = ("P/C/E", "requests", "paths", "commands", "errors")
     table("Facts of shadowed spans the model still sees (after 1 compaction | after 3; a "
-          "request over the window shows nothing)",
-          ("strategy", *(f"{k} 1x" for k in kinds), *(f"{k} 3x" for k in kinds)),
+          "request over the window shows nothing; 'present or recallable': all kinds, counting "
+          "what the recall tool gives back)",
+          ("strategy", *(f"{k} 1x" for k in kinds), *(f"{k} 3x" for k in kinds),
+           "present or recallable 1x", "3x"),
           quality_rows(tallies))  # fmt: skip
+    least, most = recall_tool_cost(talks, profile)
     extractive = tallies["compactd (extractive)"]
+    steps, sent = extractive.steps, extractive.sent
+    print(
+        f"\nrecall tool (recallTool): {least}-{most} tokens per request (o200k_base); over the "
+        f"{steps} steps at most {most * steps:,} tokens, {most * steps / sent:.1%} of compactd's "
+        "input tokens sent"
+    )
     counts = [extractive.probes(after, ("request", *PCE)) for after in (1, 3)]
     print(
         f"\nprobes: {counts[0]} after 1 compaction, {counts[1]} after 3 (P/C/E: paths, commands, "
