@@ -1,62 +1,77 @@
-"""Strategies side by side: compactd's policy against trimming, observation masking and pruning.
+"""Strategies side by side: compactd's policy against observation masking, pruning and nothing.
 
-The same transcripts (``testdata/transcripts``: the coding sessions and the shared set) are played
-step by step with a small model window (``--window``, default 8,000 tokens, so each long session
-compacts several times). Before each model step every strategy decides what the model sees:
+Every shipped transcript (``testdata/transcripts/*.jsonl``, Anthropic-format files converted, and
+the shared set ``shared/data/trajectories/conversations.jsonl`` beside the repository;
+``COMPACTD_SHARED`` names another ``shared`` folder) is played step by step at several model
+windows (``--windows``, default 4,000, 8,000 and 16,000 tokens) and two clocks:
 
-- **compactd (extractive)**: ``compactd replay``'s runtime against an embedded server: the request
-  ``PrepareStep`` rebuilt (prunes and checkpoints included), with the extractive summarizer;
-- **compactd (model)**: the same with summaries written by the OpenAI-compatible model named by
-  ``COMPACTD_BENCH_SUMMARY_URL`` (its ``/v1`` base URL) and ``COMPACTD_BENCH_SUMMARY_MODEL``
-  (``COMPACTD_BENCH_SUMMARY_KEY_ENV``: the variable holding its key; ``..._WINDOW``: its window);
-  left out when the URL is unset;
-- **keep the last N messages**: the system message and the last ``--keep-messages`` messages;
-- **observation masking**: every message, but tool outputs older than the last
-  ``--keep-outputs`` replaced by a placeholder (arXiv 2508.21433's baseline);
-- **pruning only**: compactd's tool-result pruner alone (``core.pruner``: oversized results cut
-  to head and tail once the envelope reaches the trigger), no summaries;
-- **everything** (no management): the reference the token figures are relative to.
+- **agent time**: the server's guard clock (failure memory's backoffs, quotas) is a fake that
+  advances 20 s per model step, as an agent whose model takes that long would see it;
+- **compressed time**: the real monotonic clock, the whole replay taking seconds.
 
-Every request is priced the same way, with the route's tokenizer (``o200k_base``, the replay's
-``openai/gpt-4o``) through ``core.pricing``. Per strategy: input tokens sent over the sessions
-(and relative to sending everything), steps whose request exceeds the window, model-visible tool
-pairs broken (a result whose call is not shown, a call shown without its result), summary calls.
+Before each model step every strategy decides what the model sees:
 
-The quality probe takes, for each compaction compactd committed, the quality gate's probes of the
-span it shadowed (``core.probes``: the user's requests, file paths, commands and error strings of
-the original events) and checks which of them the model-visible request still holds, with the
-gate's own matching: right after that compaction ("after 1") and after two more compactions of the
-same session ("after 3": the span's checkpoint folded into a summary of summaries twice). Every
-strategy is probed with the same facts at the same steps; a request larger than the window counts
-as showing nothing, since the provider refuses it. For compactd, "present or recallable" also
-counts a fact the model can get back with the recall tool: one in the original events behind a
-handle of the request (``core.recall``), followed through the handles those events name in turn.
-The recall tool's envelope cost is its declaration's price (``core.pricing.price_tools``, with
-the transcripts' own tools declared first) on every request. The checkpoint's share of its span is
-the committed checkpoints' route tokens over their spans' route tokens.
+- **compactd (extractive)**: ``compactd replay``'s runtime against an embedded server, the request
+  ``PrepareStep`` rebuilt (prunes and checkpoints included), extractive summaries;
+- **compactd (loopback model)** with ``--loopback``: the same with summaries written by the
+  OpenAI-compatible fake on loopback (``compactd.testing.openai_server``), whose recorded requests
+  show whether an identical summary request was sent twice; **compactd (model ...)** when
+  ``COMPACTD_BENCH_SUMMARY_URL`` / ``..._MODEL`` (``..._KEY_ENV``, ``..._WINDOW``) name a real one;
+- **observation masking**: every message, tool outputs older than the last ``--keep-outputs``
+  replaced by a placeholder (arXiv 2508.21433's baseline);
+- **pruning only**: compactd's tool-result pruner alone (``core.pruner``), no summaries;
+- **everything** (no management).
+
+Every request is priced alike, with the route's tokenizer (``o200k_base``, the replay's
+``openai/gpt-4o``) through ``core.pricing``. Columns:
+
+- **over W**: steps whose request exceeds the window (a provider refuses it); in brackets those
+  compactd could not reduce (irreducible: nothing left to compact);
+- **untyped ABOVE**: steps that end above the trigger with no reason given (goal 0);
+- **max brackets/step**: brackets (committed or failed) one ``PrepareStep`` opened (goal 1);
+- **re-sent**: identical summary requests sent again (the loopback model's recorded bodies; for
+  the extractive summarizer, a span bracketed again unchanged) (goal 0);
+- **rejected**: brackets whose summary the quality gate rejected (goal 0 for the extractive one);
+- **facts after 1 / 3**: every distinct path, command and error line of a compacted span
+  (``bench.facts``: its own extractor, not the gate's probes; a path matched by its last two
+  segments, a command by program and first argument, an error by its first 60 characters) that
+  the model-visible request still shows right after that compaction and after two more
+  compactions of the same session; a request over the window shows nothing. Every strategy is
+  checked on compactd's spans at compactd's steps;
+- **present or recallable 1x / 3x** (compactd): the facts the request shows or the recall tool
+  can give back, i.e. the original events behind a handle of the request (``core.recall``),
+  followed through the handles those events name (goal 100%);
+- **checkpoint/span**: each committed checkpoint's route tokens over its span's, max and mean;
+- **input tokens**: summed over every step of every session. The recall tool's envelope cost
+  (its declaration's price with each transcript's tools declared first) is in the line above
+  the table.
 
 Token counts are exact and deterministic, not timed, so the machine's load does not move them.
 
-    python bench/strategies.py [--window 8000] [--keep-messages 20] [--keep-outputs 10]
-                               [--transcripts FILE ...]
+    python bench/strategies.py                     # print the tables
+    python bench/strategies.py --write             # and rewrite docs/benchmarks.md's section
+    python bench/strategies.py --windows 4000 --clocks agent --transcripts FILE ...
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import json
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from compactd_client import AsyncCompactdClient, openai
+from compactd_client import AsyncCompactdClient, anthropic, openai
 
+from bench import facts as fx
 from compactd import replay as rp
-from compactd.core import probes
 from compactd.core.pricing import PricingProfile, price_config, price_message, price_tools
 from compactd.core.projection import project
 from compactd.core.pruner import PrunerConfig, prune_content
@@ -66,24 +81,48 @@ from compactd.v1 import events_pb2, session_service_pb2
 
 Message = session_service_pb2.Message
 ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("COMPACTD_SHARED", ROOT.parent / "shared"))
 DEFAULT_FILES = (
-    ROOT / "testdata" / "transcripts" / "coding.jsonl",
-    ROOT / "testdata" / "transcripts" / "openai.jsonl",
+    *sorted((ROOT / "testdata" / "transcripts").glob("*.jsonl")),
+    SHARED / "data" / "trajectories" / "conversations.jsonl",
 )
+WINDOWS = (4000, 8000, 16000)
+AGENT_STEP_SECONDS = 20.0
+PAGE = ROOT / "docs" / "benchmarks.md"
+START, END = "<!-- bench:strategies:start -->", "<!-- bench:strategies:end -->"
 PLACEHOLDER = "[old tool output omitted]"
 HANDLE = re.compile(r"\[recall:([cp]\d+-[0-9a-f]{4})\]")
 SURFACE = ("system_message", "developer_message", "user_message", "assistant_message",
            "tool_result")  # fmt: skip
-PUBLISHED = (
-    "Published figures to beat:",
-    "- observation masking cut agent cost about 50% at an equal solve rate on SWE-bench Verified "
-    "(arXiv 2508.21433);",
-    "- probe studies of LLM summaries: planted facts fall from 80% after one compaction to 60% "
-    "after repeated ones; exact artifacts (paths, commands) score 2.2-2.5 of 5 in every "
-    "vendor's method.",
-    "Goal for the extractive summarizer: >= 90% of paths, commands and errors after one "
-    "compaction, >= 80% after three, checkpoint <= 15% of its span.",
+GOALS = (
+    "Goals: no step ABOVE without a typed reason; one bracket a step at most; no identical "
+    "summary request sent twice; no extractive checkpoint rejected; >= 90% of paths, commands "
+    "and errors after one compaction, >= 80% after three; each checkpoint <= 15% of its span."
 )
+
+
+# ---- the transcripts ---------------------------------------------------------------------------
+
+
+def read_transcripts(path: Path) -> list[rp.Transcript]:
+    """The conversations of a JSONL file; Anthropic Messages transcripts converted to chat."""
+    found = []
+    for transcript in rp.read_transcripts(path):
+        if _is_anthropic(transcript.messages):
+            events = anthropic.events_from_messages(transcript.messages, model="replay")
+            messages = openai.messages_from_events(events)
+            transcript = rp.Transcript(transcript.source, list(messages))
+        found.append(transcript)
+    return found
+
+
+def _is_anthropic(messages: Iterable[dict[str, Any]]) -> bool:
+    blocks = ("tool_use", "tool_result", "thinking")
+    return any(
+        isinstance(m.get("content"), list)
+        and any(isinstance(b, dict) and b.get("type") in blocks for b in m["content"])
+        for m in messages
+    )
 
 
 # ---- a conversation, priced and probed the same way for every strategy -------------------------
@@ -157,7 +196,7 @@ def visible_text(messages: Sequence[Message]) -> str:
     arguments (where paths and commands are)."""
     parts = []
     for message in messages:
-        parts.append(probes.message_text(message))
+        parts.append("\n\n".join(b.text.text for b in message.content if b.HasField("text")))
         for block in message.content:
             if block.HasField("tool_call"):
                 parts.append(f"{block.tool_call.name} {block.tool_call.arguments_json}")
@@ -176,22 +215,6 @@ class Everything:
 
     def shown(self, talk: Conversation, end: int, trigger: int) -> Shown:
         return [(i, "full") for i in range(end)]
-
-
-@dataclass
-class KeepLast:
-    """The system message and the last ``count`` messages."""
-
-    count: int
-
-    @property
-    def name(self) -> str:
-        return f"keep the last {self.count} messages"
-
-    def shown(self, talk: Conversation, end: int, trigger: int) -> Shown:
-        head = [0] if talk.transcript.messages[0].get("role") == "system" else []
-        tail = [i for i in range(end) if i not in head][-self.count :]
-        return [(i, "full") for i in [*head, *tail]]
 
 
 @dataclass
@@ -232,7 +255,7 @@ class PruneOnly:
         return [(i, "pruned" if i in pruned else "full") for i in range(end)]
 
 
-Strategy = Everything | KeepLast | MaskObservations | PruneOnly
+Strategy = Everything | MaskObservations | PruneOnly
 
 
 def envelope(talk: Conversation, shown: Shown, profile: PricingProfile) -> int:
@@ -245,55 +268,82 @@ def chat(talk: Conversation, shown: Shown) -> list[dict[str, Any]]:
     return [talk.transcript.messages[i] for i, _ in shown]
 
 
+# ---- how a step ended -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    """How one ``PrepareStep`` left the session."""
+
+    over_window: bool
+    irreducible: bool  # nothing more could be compacted
+    untyped_above: bool  # above the trigger with no reason given
+
+
+def step_end(step: rp.StepRecord) -> StepEnd:
+    """How ``step`` ended.
+
+    THE ONE PLACE TO SWITCH to the typed ``PrepareStepResult.outcome`` (``PressureOutcome``) when
+    it lands on main: until then a step is ABOVE without a reason when ``after.state`` is ABOVE
+    and ``warnings`` is empty, and irreducible when a warning says nothing is left to compact.
+    """
+    above = step.state == "above"
+    nothing_left = any("nothing to compact" in w or "nothing more to compact" in w
+                       for w in step.warnings)  # fmt: skip
+    return StepEnd(step.sent_tokens > step.window, nothing_left, above and not step.warnings)
+
+
 # ---- the tally ---------------------------------------------------------------------------------
 
 
 @dataclass
 class Tally:
-    """One strategy's figures over every conversation."""
+    """One strategy's figures over every conversation at one window and clock."""
 
     sent: int = 0
     steps: int = 0
     over_window: int = 0
-    broken: int = 0
-    summary_calls: int = 0
-    kept: dict[tuple[int, str], list[bool]] = field(default_factory=dict)  # (1|3, kind) -> hits
-    recallable: dict[tuple[int, str], list[bool]] = field(default_factory=dict)  # present or not
-    checkpoint: int = 0
-    span: int = 0
-    worst_share: float = 0.0
-    checkpoints: int = 0
-    over_share: int = 0  # checkpoints above 15% of their span
+    irreducible: int = 0
+    untyped_above: int = 0
+    max_brackets: int = 0
+    resent: int = 0
+    rejected: int = 0
+    compactions: int = 0
+    shares: list[float] = field(default_factory=list)
+    kept: dict[tuple[int, fx.FactKind], list[bool]] = field(default_factory=dict)
+    recallable: dict[tuple[int, fx.FactKind], list[bool]] = field(default_factory=dict)
+    managed: bool = False  # compactd: the bracket columns apply
 
-    def probe(self, after: int, retained: probes.Retention, *, recall: bool = False) -> None:
-        """Record which probes one request kept, ``after`` 1 or 3 compactions (``recall``: kept
-        or recallable)."""
+    def see(self, after: int, found: Sequence[fx.Fact], text: str, *, recall: bool = False) -> None:
+        """Record which of ``found`` a request's ``text`` shows, ``after`` 1 or 3 compactions
+        (``recall``: ``text`` holds what the recall tool gives back too)."""
         kept = self.recallable if recall else self.kept
-        for probe, hit in zip(retained.probes, retained.kept, strict=True):
-            kept.setdefault((after, probe.kind.value), []).append(hit)
+        for fact, hit in zip(found, fx.kept(found, text), strict=True):
+            kept.setdefault((after, fact.kind), []).append(hit)
 
-    def share(self, after: int, kinds: Sequence[str], *, recall: bool = False) -> float | None:
-        """The share of probes of ``kinds`` kept ``after`` compactions (None: no probe)."""
+    def share(
+        self, after: int, kinds: Sequence[fx.FactKind] = tuple(fx.FactKind), *, recall: bool = False
+    ) -> str:
         kept = self.recallable if recall else self.kept
         hits = [hit for kind in kinds for hit in kept.get((after, kind), [])]
-        return sum(hits) / len(hits) if hits else None
+        return f"{sum(hits) / len(hits):.0%}" if hits else "-"
 
-    def probes(self, after: int, kinds: Sequence[str]) -> int:
-        return sum(len(self.kept.get((after, kind), [])) for kind in kinds)
+    def counted(self, after: int) -> int:
+        return sum(len(self.kept.get((after, kind), [])) for kind in fx.FactKind)
 
 
 @dataclass(frozen=True)
-class Probed:
-    """The probes of one committed compaction's span and the steps to check them at."""
+class Planned:
+    """The facts of one committed compaction's span and the steps to look for them at."""
 
-    probes: tuple[probes.Probe, ...]
+    found: tuple[fx.Fact, ...]
     after_one: int  # 0-based step index
     after_three: int | None
 
 
-def probe_plan(log: Sequence[Any], steps: Sequence[rp.StepRecord]) -> list[Probed]:
-    """Per committed compaction of a session, in order: its span's probes (original events only;
-    prior checkpoints give none) and the steps right after it and two compactions later."""
+def fact_plan(log: Sequence[Any], steps: Sequence[rp.StepRecord]) -> list[Planned]:
+    """Per committed compaction of a session, in order: every fact of its span's original events
+    (prior checkpoints give none) and the steps right after it and two compactions later."""
     by_seq = {event.seq: event for event in log}
     records, _ = rp.brackets(log, steps)
     committed = [r for r in records if r.committed]
@@ -301,7 +351,7 @@ def probe_plan(log: Sequence[Any], steps: Sequence[rp.StepRecord]) -> list[Probe
              if e.HasField("compaction_summary")}  # fmt: skip
     plan = []
     for number, record in enumerate(committed):
-        if record.step == 0:  # not written by a step's PrepareStep: no request to probe
+        if record.step == 0:  # not written by a step's PrepareStep: no request to look at
             continue
         messages = [
             m
@@ -309,94 +359,17 @@ def probe_plan(log: Sequence[Any], steps: Sequence[rp.StepRecord]) -> list[Probe
             if (m := project(events_pb2.SessionEvent.FromString(by_seq[seq].SerializeToString())))
         ]
         later = committed[number + 2].step - 1 if number + 2 < len(committed) else None
-        plan.append(Probed(probes.select_probes(probes.span_facts(messages)), record.step - 1,
-                           later))  # fmt: skip
+        plan.append(Planned(tuple(fx.span_facts(messages)), record.step - 1, later))
     return plan
 
 
-# ---- the run -----------------------------------------------------------------------------------
-
-
-async def compactd_runs(
-    transcripts: Sequence[rp.Transcript], window: int, summarizer: dict[str, Any] | None
-) -> list[tuple[rp.SessionReplay, list[Any]]]:
-    """Replay every transcript through an embedded server; each replay with its log."""
-    async with rp.temporary_store() as folder:
-        config = rp.embedded_config(None, folder, window=window, environ={})
-        if summarizer is not None:
-            config = dataclasses.replace(
-                config, routes=(*config.routes, summarizer["route"]),
-                summarizer=summarizer["summarizer"],
-            )  # fmt: skip
-        async with rp.embedded_server(config) as address:
-            policy = rp.window_policy(window)
-            if summarizer is not None:
-                route = summarizer["route"]
-                policy |= {"summarizationProvider": route["provider"],
-                           "summarizationModel": route["model"]}  # fmt: skip
-            results = await rp.replay_all(address, transcripts, policy=policy, keep_requests=True)
-            logs = []
-            async with AsyncCompactdClient(address) as client:
-                for result in results:
-                    logs.append([e async for e in client.list_events(result.session_id)])
-    return list(zip(results, logs, strict=True))
-
-
-def model_summarizer() -> dict[str, Any] | None:
-    """The configured model route for summaries, from the environment (None when unset)."""
-    url = os.environ.get("COMPACTD_BENCH_SUMMARY_URL", "")
-    if not url:
-        return None
-    route: dict[str, Any] = {
-        "provider": "bench-summary",
-        "model": os.environ.get("COMPACTD_BENCH_SUMMARY_MODEL", "smollm2"),
-        "base_url": url,
-        "context_window": int(os.environ.get("COMPACTD_BENCH_SUMMARY_WINDOW", "32768")),
-        "max_output_tokens": 1024,
-    }
-    if os.environ.get("COMPACTD_BENCH_SUMMARY_KEY_ENV"):
-        route["api_key_env"] = os.environ["COMPACTD_BENCH_SUMMARY_KEY_ENV"]
-    summarizer = {"kind": "openai", "provider": route["provider"], "model": route["model"]}
-    return {"route": route, "summarizer": summarizer}
-
-
-def tally_compactd(
-    runs: Sequence[tuple[rp.SessionReplay, list[Any]]],
-    talks: Sequence[Conversation],
-    profile: PricingProfile,
-) -> Tally:
-    """compactd's figures: its rebuilt requests priced like every other strategy's."""
-    tally = Tally()
-    for (result, log), talk in zip(runs, talks, strict=True):
-        by_seq = {event.seq: event for event in log}
-        texts: dict[int, str] = {}
-        recalled: dict[int, str] = {}
-        for index, (step, request) in enumerate(zip(result.steps, result.requests, strict=True)):
-            messages = [Message.FromString(m.SerializeToString()) for m in request.messages]
-            tokens = talk.envelope + sum(price_message(m, profile).total for m in messages)
-            tally.sent += tokens
-            tally.steps += 1
-            tally.over_window += tokens > step.window
-            tally.broken += step.broken_pairs
-            # A request over the window is refused by the provider: the model sees nothing.
-            texts[index] = visible_text(messages) if tokens <= step.window else ""
-            recalled[index] = recallable_text(texts[index], by_seq)
-        tally.summary_calls += sum(
-            e.HasField("compaction_summary") or e.HasField("compaction_summary_error") for e in log
-        )
-        for record in result.committed:
-            tally.checkpoint += record.checkpoint_tokens
-            tally.span += record.span_tokens
-            if record.span_tokens:
-                share = record.checkpoint_tokens / record.span_tokens
-                tally.worst_share = max(tally.worst_share, share)
-                tally.checkpoints += 1
-                tally.over_share += share > 0.15
-        plan = probe_plan(log, result.steps)
-        _probe(tally, plan, texts.__getitem__)
-        present_or_recallable = {i: f"{texts[i]}\n{recalled[i]}" for i in texts}
-        _probe(tally, plan, present_or_recallable.__getitem__, recall=True)
-    return tally
+def _look(
+    tally: Tally, plan: Sequence[Planned], text: Callable[[int], str], *, recall: bool = False
+) -> None:
+    for planned in plan:
+        tally.see(1, planned.found, text(planned.after_one), recall=recall)
+        if planned.after_three is not None:
+            tally.see(3, planned.found, text(planned.after_three), recall=recall)
 
 
 def recallable_text(visible: str, by_seq: dict[int, Any]) -> str:
@@ -418,79 +391,6 @@ def recallable_text(visible: str, by_seq: dict[int, Any]) -> str:
     return "\n".join(parts)
 
 
-def tally_strategy(
-    strategy: Strategy,
-    runs: Sequence[tuple[rp.SessionReplay, list[Any]]],
-    talks: Sequence[Conversation],
-    profile: PricingProfile,
-) -> Tally:
-    """A baseline's figures at the same steps, with compactd's trigger and window."""
-    tally = Tally()
-    for (result, log), talk in zip(runs, talks, strict=True):
-        shown_at: dict[int, Shown] = {}
-        for index, (end, step) in enumerate(zip(talk.steps, result.steps, strict=True)):
-            shown = strategy.shown(talk, end, step.trigger_tokens)
-            tokens = envelope(talk, shown, profile)
-            tally.sent += tokens
-            tally.steps += 1
-            tally.over_window += tokens > step.window
-            tally.broken += rp.broken_tool_pairs(chat(talk, shown), talk.answered)
-            shown_at[index] = shown if tokens <= step.window else []  # refused: nothing seen
-
-        def text(
-            index: int, talk: Conversation = talk, shown_at: dict[int, Shown] = shown_at
-        ) -> str:
-            return "\n".join(talk.text(i, kind) for i, kind in shown_at[index])
-
-        _probe(tally, probe_plan(log, result.steps), text)
-    return tally
-
-
-def _probe(
-    tally: Tally, plan: Sequence[Probed], text: Callable[[int], str], *, recall: bool = False
-) -> None:
-    for probed in plan:
-        tally.probe(1, probes.retention(probed.probes, text(probed.after_one)), recall=recall)
-        if probed.after_three is not None:
-            retained = probes.retention(probed.probes, text(probed.after_three))
-            tally.probe(3, retained, recall=recall)
-
-
-# ---- the tables ----------------------------------------------------------------------------------
-
-PCE = ("path", "command", "error")
-
-
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0%}"
-
-
-def cost_rows(tallies: dict[str, Tally], reference: Tally) -> list[tuple[str, ...]]:
-    rows: list[tuple[str, ...]] = []
-    for name, t in tallies.items():
-        checkpoint = "-"
-        if t.span:
-            checkpoint = (f"{t.checkpoint / t.span:.1%} (max {t.worst_share:.0%}, "
-                          f"{t.over_share}/{t.checkpoints} > 15%)")  # fmt: skip
-        rows.append((name, f"{t.sent:,}", f"{t.sent / reference.sent:.0%}",
-                     f"{t.over_window}/{t.steps}", str(t.broken), str(t.summary_calls),
-                     checkpoint))  # fmt: skip
-    return rows
-
-
-def quality_rows(tallies: dict[str, Tally]) -> list[tuple[str, ...]]:
-    rows = []
-    for name, t in tallies.items():
-        cells = [name]
-        for after in (1, 3):
-            cells.append(_pct(t.share(after, PCE)))
-            cells += [_pct(t.share(after, (kind,))) for kind in ("request", *PCE)]
-        for after in (1, 3):  # requests, paths, commands, errors: present or recallable
-            cells.append(_pct(t.share(after, ("request", *PCE), recall=True)))
-        rows.append(tuple(cells))
-    return rows
-
-
 def recall_tool_cost(talks: Sequence[Conversation], profile: PricingProfile) -> tuple[int, int]:
     """The recall tool's price per request: (least, most) over the transcripts' tool sets."""
     costs = []
@@ -504,75 +404,278 @@ def recall_tool_cost(talks: Sequence[Conversation], profile: PricingProfile) -> 
     return min(costs), max(costs)
 
 
-def table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    """Print ``rows`` under ``header``: the first column left-aligned, the figures right."""
-    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows, strict=True)]
-    print(f"\n{title}")
-    for cells in (header, *rows):
-        first, *rest = (str(c) for c in cells)
-        figures = (c.rjust(w) for c, w in zip(rest, widths[1:], strict=True))
-        print("  ".join((first.ljust(widths[0]), *figures)))
+# ---- the runs ----------------------------------------------------------------------------------
 
 
-async def run(args: argparse.Namespace) -> None:
-    transcripts = [t for path in args.transcripts for t in rp.read_transcripts(path)]
+class AgentClock:
+    """A monotonic clock that moves only when told: ``advance`` per model step."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class Run:
+    """compactd's replays at one window and clock, with each session's log."""
+
+    replays: list[tuple[rp.SessionReplay, list[Any]]]
+    resent: int = 0  # identical summary requests the model received (loopback only)
+
+
+async def compactd_run(
+    transcripts: Sequence[rp.Transcript],
+    window: int,
+    agent_time: bool,
+    summarizer: dict[str, Any] | None,
+) -> Run:
+    """Replay every transcript through an embedded server; each replay with its log."""
+    clock = AgentClock() if agent_time else None
+    async with rp.temporary_store() as folder:
+        config = rp.embedded_config(None, folder, window=window, environ={})
+        if summarizer is not None:
+            config = dataclasses.replace(
+                config, routes=(*config.routes, summarizer["route"]),
+                summarizer=summarizer["summarizer"],
+            )  # fmt: skip
+        async with rp.embedded_server(config, clock=clock) as address:
+            policy = rp.window_policy(window)
+            if summarizer is not None:
+                route = summarizer["route"]
+                policy |= {"summarizationProvider": route["provider"],
+                           "summarizationModel": route["model"]}  # fmt: skip
+
+            def tick(_: int, __: rp.StepRecord) -> None:
+                if clock is not None:
+                    clock.advance(AGENT_STEP_SECONDS)
+
+            results = await rp.replay_all(
+                address, transcripts, policy=policy, keep_requests=True, on_step=tick
+            )
+            logs = []
+            async with AsyncCompactdClient(address) as client:
+                for result in results:
+                    logs.append([e async for e in client.list_events(result.session_id)])
+    return Run(list(zip(results, logs, strict=True)))
+
+
+def model_summarizer(url: str = "", model: str = "") -> dict[str, Any] | None:
+    """A model route for summaries: ``url`` (a ``/v1`` base) or the environment's (None: unset)."""
+    url = url or os.environ.get("COMPACTD_BENCH_SUMMARY_URL", "")
+    if not url:
+        return None
+    route: dict[str, Any] = {
+        "provider": "bench-summary",
+        "model": model or os.environ.get("COMPACTD_BENCH_SUMMARY_MODEL", "smollm2"),
+        "base_url": url,
+        "context_window": int(os.environ.get("COMPACTD_BENCH_SUMMARY_WINDOW", "32768")),
+        "max_output_tokens": 1024,
+    }
+    if os.environ.get("COMPACTD_BENCH_SUMMARY_KEY_ENV") and not model:
+        route["api_key_env"] = os.environ["COMPACTD_BENCH_SUMMARY_KEY_ENV"]
+    summarizer = {"kind": "openai", "provider": route["provider"], "model": route["model"]}
+    return {"route": route, "summarizer": summarizer}
+
+
+@contextlib.asynccontextmanager
+async def loopback() -> AsyncIterator[tuple[dict[str, Any], Callable[[], int]]]:
+    """The loopback fake model as a summarizer route, and a count of identical requests it got."""
+    from compactd.testing.openai_server import OpenAICompatServer
+
+    with OpenAICompatServer() as server:
+        summarizer = model_summarizer(server.base_url, "loopback")
+        assert summarizer is not None
+
+        def resent() -> int:
+            bodies = Counter(
+                json.dumps(r.json, sort_keys=True)
+                for r in server.requests
+                if r.path.endswith("/chat/completions")
+            )
+            return sum(n - 1 for n in bodies.values())
+
+        yield summarizer, resent
+
+
+def tally_compactd(run: Run, talks: Sequence[Conversation], profile: PricingProfile) -> Tally:
+    """compactd's figures: its rebuilt requests priced like every other strategy's."""
+    tally = Tally(managed=True, resent=run.resent)
+    for (result, log), talk in zip(run.replays, talks, strict=True):
+        by_seq = {event.seq: event for event in log}
+        texts: dict[int, str] = {}
+        recalled: dict[int, str] = {}
+        for index, (step, request) in enumerate(zip(result.steps, result.requests, strict=True)):
+            messages = [Message.FromString(m.SerializeToString()) for m in request.messages]
+            tokens = talk.envelope + sum(price_message(m, profile).total for m in messages)
+            ended = step_end(step)
+            tally.sent += tokens
+            tally.steps += 1
+            tally.over_window += tokens > step.window
+            tally.irreducible += tokens > step.window and ended.irreducible
+            tally.untyped_above += ended.untyped_above
+            # A request over the window is refused by the provider: the model sees nothing.
+            texts[index] = visible_text(messages) if tokens <= step.window else ""
+            recalled[index] = f"{texts[index]}\n{recallable_text(texts[index], by_seq)}"
+        per_step = Counter(record.step for record in result.compactions if record.step)
+        tally.max_brackets = max(tally.max_brackets, *per_step.values(), 0)
+        spans = Counter((r.start_seq, r.end_seq) for r in result.compactions)
+        if run.resent == 0 and not _model_written(result):
+            tally.resent += sum(n - 1 for n in spans.values())
+        tally.rejected += sum(r.outcome == "SUMMARY_REJECTED" for r in result.compactions)
+        for record in result.committed:
+            tally.compactions += 1
+            if record.span_tokens:
+                tally.shares.append(record.checkpoint_tokens / record.span_tokens)
+        plan = fact_plan(log, result.steps)
+        _look(tally, plan, texts.__getitem__)
+        _look(tally, plan, recalled.__getitem__, recall=True)
+    return tally
+
+
+def _model_written(result: rp.SessionReplay) -> bool:
+    return any(r.summarizer not in ("", "extractive") for r in result.compactions)
+
+
+def tally_strategy(
+    strategy: Strategy, run: Run, talks: Sequence[Conversation], profile: PricingProfile
+) -> Tally:
+    """A baseline's figures at the same steps, with compactd's trigger and window."""
+    tally = Tally()
+    for (result, log), talk in zip(run.replays, talks, strict=True):
+        shown_at: dict[int, Shown] = {}
+        for index, (end, step) in enumerate(zip(talk.steps, result.steps, strict=True)):
+            shown = strategy.shown(talk, end, step.trigger_tokens)
+            tokens = envelope(talk, shown, profile)
+            tally.sent += tokens
+            tally.steps += 1
+            tally.over_window += tokens > step.window
+            shown_at[index] = shown if tokens <= step.window else []  # refused: nothing seen
+
+        def text(
+            index: int, talk: Conversation = talk, shown_at: dict[int, Shown] = shown_at
+        ) -> str:
+            return "\n".join(talk.text(i, kind) for i, kind in shown_at[index])
+
+        _look(tally, fact_plan(log, result.steps), text)
+    return tally
+
+
+# ---- the tables ----------------------------------------------------------------------------------
+
+KINDS = (fx.FactKind.PATH, fx.FactKind.COMMAND, fx.FactKind.ERROR)
+HEADER = ("window", "clock", "strategy", "over W (irreducible)", "untyped ABOVE",
+          "max brackets/step", "re-sent", "rejected", "facts 1x: all", "paths", "commands",
+          "errors", "facts 3x: all", "paths", "commands", "errors",
+          "present or recallable 1x", "3x", "checkpoint/span max", "mean",
+          "input tokens")  # fmt: skip
+
+
+def row(window: int, clock: str, name: str, t: Tally) -> tuple[str, ...]:
+    """One strategy's cells."""
+    managed = (str(t.untyped_above), str(t.max_brackets), str(t.resent), str(t.rejected))
+    over = f"{t.over_window}/{t.steps}" + (f" ({t.irreducible})" if t.managed else "")
+    facts = [t.share(1), *(t.share(1, (k,)) for k in KINDS)]
+    facts += [t.share(3), *(t.share(3, (k,)) for k in KINDS)]
+    facts += [t.share(1, recall=True), t.share(3, recall=True)] if t.managed else ["-", "-"]
+    shares = (
+        (f"{max(t.shares):.1%}", f"{sum(t.shares) / len(t.shares):.1%}") if t.shares else ("-", "-")
+    )
+    return (f"{window:,}", clock, name, over, *(managed if t.managed else ("-",) * 4), *facts,
+            *shares, f"{t.sent:,}")  # fmt: skip
+
+
+def markdown(rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return "\n".join(lines)
+
+
+def plain(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(c)) for c in column) for column in zip(HEADER, *rows, strict=True)]
+    return "\n".join(
+        "  ".join(
+            c.ljust(w) if i < 3 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+        for cells in (HEADER, *rows)
+    )
+
+
+async def measure(args: argparse.Namespace) -> tuple[list[tuple[str, ...]], str]:
+    """Every row, and a line saying what was played."""
+    transcripts = [t for path in args.transcripts for t in read_transcripts(path)]
     profile = pricing_profile("o200k_base")
     talks = [conversation(t, profile) for t in transcripts]
-    runs = {"compactd (extractive)": await compactd_runs(transcripts, args.window, None)}
-    summarizer = model_summarizer()
-    if summarizer is not None:
-        runs[f"compactd (model {summarizer['route']['model']})"] = await compactd_runs(
-            transcripts, args.window, summarizer
-        )
-    baseline = next(iter(runs.values()))
-    tallies = {name: tally_compactd(r, talks, profile) for name, r in runs.items()}
-    strategies: list[Strategy] = [
-        KeepLast(args.keep_messages), MaskObservations(args.keep_outputs), PruneOnly(profile),
-        Everything(),
-    ]  # fmt: skip
-    for strategy in strategies:
-        tallies[strategy.name] = tally_strategy(strategy, baseline, talks, profile)
-    compactions = sum(len(result.committed) for result, _ in baseline)
-    print(
-        f"{len(transcripts)} transcripts, {sum(len(t.messages) for t in transcripts):,} messages, "
-        f"{sum(len(t.steps) for t in talks):,} model steps; window {args.window:,} tokens "
-        f"(o200k_base); compactd committed {compactions} compactions"
-        + ("" if summarizer else "; no model route configured (COMPACTD_BENCH_SUMMARY_URL unset)")
-    )
-    reference = tallies[Everything().name]
-    table("Cost", ("strategy", "input tokens sent", "vs everything", "steps over window",
-                   "broken tool pairs", "summary calls", "checkpoint/span"),
-          cost_rows(tallies, reference))  # fmt: skip
-    kinds = ("P/C/E", "requests", "paths", "commands", "errors")
-    table("Facts of shadowed spans the model still sees (after 1 compaction | after 3; a "
-          "request over the window shows nothing; 'present or recallable': all kinds, counting "
-          "what the recall tool gives back)",
-          ("strategy", *(f"{k} 1x" for k in kinds), *(f"{k} 3x" for k in kinds),
-           "present or recallable 1x", "3x"),
-          quality_rows(tallies))  # fmt: skip
+    rows: list[tuple[str, ...]] = []
+    counted: list[str] = []
+    for window in args.windows:
+        for clock in args.clocks:
+            agent = clock == "agent"
+            runs = {"compactd (extractive)": await compactd_run(transcripts, window, agent, None)}
+            if args.loopback:
+                async with loopback() as (summarizer, resent):
+                    run = await compactd_run(transcripts, window, agent, summarizer)
+                    run.resent = resent()
+                runs["compactd (loopback model)"] = run
+            if (configured := model_summarizer()) is not None:
+                name = f"compactd (model {configured['route']['model']})"
+                runs[name] = await compactd_run(transcripts, window, agent, configured)
+            baseline = runs["compactd (extractive)"]
+            tallies = {name: tally_compactd(r, talks, profile) for name, r in runs.items()}
+            strategies: list[Strategy] = [MaskObservations(args.keep_outputs), PruneOnly(profile),
+                                          Everything()]  # fmt: skip
+            for strategy in strategies:
+                tallies[strategy.name] = tally_strategy(strategy, baseline, talks, profile)
+            rows += [row(window, clock, name, t) for name, t in tallies.items()]
+            ex = tallies["compactd (extractive)"]
+            counted.append(
+                f"{window:,}/{clock}: {ex.compactions} compactions, "
+                f"{ex.counted(1):,} facts after 1, {ex.counted(3):,} after 3"
+            )
     least, most = recall_tool_cost(talks, profile)
-    extractive = tallies["compactd (extractive)"]
-    steps, sent = extractive.steps, extractive.sent
-    print(
-        f"\nrecall tool (recallTool): {least}-{most} tokens per request (o200k_base); over the "
-        f"{steps} steps at most {most * steps:,} tokens, {most * steps / sent:.1%} of compactd's "
-        "input tokens sent"
+    played = (
+        f"{len(transcripts)} transcripts ({', '.join(p.name for p in args.transcripts)}), "
+        f"{sum(len(t.messages) for t in transcripts):,} messages, "
+        f"{sum(len(t.steps) for t in talks):,} model steps; o200k_base; agent time = the guard's "
+        f"clock advanced {AGENT_STEP_SECONDS:.0f} s per step. Facts counted (compactd extractive): "
+        + "; ".join(counted)
+        + f". The recall tool (`recallTool`) adds {least}-{most} tokens to every request."
     )
-    counts = [extractive.probes(after, ("request", *PCE)) for after in (1, 3)]
-    print(
-        f"\nprobes: {counts[0]} after 1 compaction, {counts[1]} after 3 (P/C/E: paths, commands, "
-        "errors)"
-    )
-    print("\n".join(("", *PUBLISHED)))
+    return rows, played
+
+
+def write(rows: Sequence[Sequence[str]], played: str) -> None:
+    """Rewrite docs/benchmarks.md's section between the markers."""
+    text = PAGE.read_text(encoding="utf-8")
+    if START not in text or END not in text:
+        raise SystemExit(f"{PAGE.relative_to(ROOT)} has no {START} ... {END} markers")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    body = f"{played}\n\n{markdown(rows)}\n\n{GOALS}"
+    PAGE.write_text(f"{head}{START}\n{body}\n{END}{tail}", encoding="utf-8")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--window", type=int, default=8000, help="the route's window, in tokens")
-    parser.add_argument("--keep-messages", type=int, default=20, help="the trim's N")
+    parser.add_argument("--windows", type=int, nargs="+", default=list(WINDOWS))
+    parser.add_argument("--clocks", nargs="+", choices=("agent", "compressed"),
+                        default=["agent", "compressed"])  # fmt: skip
     parser.add_argument("--keep-outputs", type=int, default=10, help="masking keeps this many")
+    parser.add_argument("--loopback", action="store_true", help="also the loopback fake model")
     parser.add_argument("--transcripts", type=Path, nargs="+", default=list(DEFAULT_FILES))
-    asyncio.run(run(parser.parse_args()))
+    parser.add_argument("--write", action="store_true", help="rewrite docs/benchmarks.md's section")
+    args = parser.parse_args()
+    rows, played = asyncio.run(measure(args))
+    print(played)
+    print(plain(rows))
+    print(GOALS)
+    if args.write:
+        write(rows, played)
 
 
 if __name__ == "__main__":

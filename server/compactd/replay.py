@@ -37,7 +37,7 @@ from typing import Any
 
 import grpc
 from compactd_client import AsyncCompactdClient, openai
-from compactd_client.v1 import events_pb2
+from compactd_client.v1 import compaction_service_pb2, events_pb2
 from compactd_client.v1.events_pb2 import SessionEvent
 from compactd_client.v1.session_service_pb2 import BuildRequestResponse
 
@@ -113,6 +113,8 @@ class StepRecord:
     seconds: float
     first_seq: int
     broken_pairs: int = 0
+    state: str = ""  # the pressure after PrepareStep: "above" or "below"
+    warnings: tuple[str, ...] = ()  # PrepareStep's warnings for this step
 
 
 @dataclass(frozen=True)
@@ -283,6 +285,8 @@ async def _prepare(
         seconds=seconds,
         first_seq=log_length,
         broken_pairs=broken_tool_pairs(body["messages"], answered),
+        state=_state_name(after.state),
+        warnings=tuple(prepared.warnings),
     )
     result.steps.append(step)
     if keep_request:  # a copy: the session's next step extends the client's held request
@@ -386,6 +390,12 @@ def _bracket(
     )
 
 
+def _state_name(value: int) -> str:
+    """``PRESSURE_STATE_ABOVE`` -> ``above``."""
+    name: str = compaction_service_pb2.PressureState.Name(value)  # type: ignore[arg-type]
+    return name.removeprefix("PRESSURE_STATE_").lower()
+
+
 def _trigger_name(value: events_pb2.CompactionTrigger.ValueType) -> str:
     name: str = events_pb2.CompactionTrigger.Name(value)
     return name.removeprefix("COMPACTION_TRIGGER_").lower()
@@ -446,16 +456,23 @@ def embedded_config(
 
 
 @contextlib.asynccontextmanager
-async def embedded_server(config: settings.ServerConfig) -> AsyncIterator[str]:
-    """A compactd started in this process on ``config``; yields its address, stops it after."""
+async def embedded_server(
+    config: settings.ServerConfig, *, clock: Callable[[], float] | None = None
+) -> AsyncIterator[str]:
+    """A compactd started in this process on ``config``; yields its address, stops it after.
+
+    ``clock`` (monotonic seconds) replaces ``time.monotonic`` as the server's guard clock (the
+    failure memory's backoffs, the quotas' buckets): a benchmark replays agent time with it.
+    """
     from opentelemetry import trace
     from opentelemetry.metrics import NoOpMeterProvider
 
     from compactd.api.server import create_server
 
     running = await create_server(
-        config, tracer_provider=trace.NoOpTracerProvider(), meter_provider=NoOpMeterProvider()
-    )
+        config, tracer_provider=trace.NoOpTracerProvider(), meter_provider=NoOpMeterProvider(),
+        clock=clock or time.monotonic,
+    )  # fmt: skip
     try:
         yield running.address
     finally:

@@ -125,9 +125,15 @@ def _exporters(signal: Signal) -> list[type]:
 
 
 def tracer_provider_from_env() -> trace.TracerProvider:
-    """An SDK tracer provider exporting to what the ``OTEL_*`` variables select."""
+    """An SDK tracer provider exporting to what the ``OTEL_*`` variables select; a no-op one
+    when they select no exporter: a span nothing exports is per-call work for nothing (opening a
+    call's server span cost about half of an append's own handler), and a caller's W3C trace
+    context still reaches the log lines and the summary calls' ``traceparent``."""
+    exporters = _exporters("traces")
+    if not exporters:
+        return trace.NoOpTracerProvider()
     provider = TracerProvider(resource=resource())
-    for exporter in _exporters("traces"):
+    for exporter in exporters:
         provider.add_span_processor(BatchSpanProcessor(exporter()))
     return provider
 

@@ -27,6 +27,7 @@ from tests.builders import (
     exchange,
     header,
     in_step,
+    system,
     tool_result,
     turn_end,
     turn_start,
@@ -90,6 +91,34 @@ async def test_compact_works_below_pressure(tmp_path: Path, loop: OpenAICompatSe
         start = (await h.events())[run.progress[0].seq].compaction_start
         assert start.trigger == events_pb2.COMPACTION_TRIGGER_MANUAL
         assert not start.HasField("turn")
+
+
+async def test_compact_keeps_the_system_messages_right_after_the_head(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    # The reference's range "starts at the first surface node that is not a system/message": a
+    # prompt update right after the head stays, and the envelope keeps its 9 tokens
+    # (ceil(18 / 4) + 4) over a session without it, the same checkpoint replacing the same units.
+    summary = "The work so far: every module was checked and passes."
+    loop.enqueue(Reply(text=summary), Reply(text=summary))
+    policy = {**RELAXED, "summaryGate": False}
+    async with started(tmp_path, loop, policy=policy) as h:
+        head, tail = opening()
+        await h.create(head, system("Answer in English."), tail, *units(4))
+        plain = dataclasses.replace(h, session_id="s2")
+        await plain.create(head, tail, *units(4))
+
+        outcome = (await h.compact()).result.outcome
+        await plain.compact()
+
+        assert outcome.range.start_position == 2
+        assert outcome.items_condensed == 15  # every unit but the last, not the update
+        nodes = (await h.surface()).nodes
+        assert [n.message.content[0].text.text for n in nodes[:2]] == [
+            "You are a careful coding agent.",
+            "Answer in English.",
+        ]
+        assert (await h.pressure()).measured_tokens - (await plain.pressure()).measured_tokens == 9
 
 
 async def test_compact_focus_text_reaches_the_instruction(

@@ -22,6 +22,7 @@ from tests.builders import (
     header,
     in_step,
     system,
+    turn_end,
     turn_start,
     user,
 )
@@ -143,6 +144,26 @@ async def test_a_switch_plan_predicts_the_span_switch_model_replaces(
         assert plan.pressure.trigger_tokens == 2500  # the destination's
         assert plan.route.model == "small"
         assert plan.summary_target.model == MODEL  # the previous model writes the summary
+        await switch(h, events_pb2.Route(provider=PROVIDER, model="small"))
+        _assert_same_span(plan, _starts(await h.events())[0])
+
+
+async def test_a_switch_plan_reaches_past_the_retained_tail_as_switch_model_does(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    small = {**route_table(loop), "model": "small", "context_window": 8000}
+    small["max_output_tokens"] = 500
+    request = "Review the design of the module and list every risk you see. " * 150
+    async with started(tmp_path, loop, kind="extractive", routes=[small]) as h:
+        await h.create(
+            *opening(),
+            turn_start(1),
+            user(request),  # the retained budget (1200) reaches back into it
+            *in_step(1, 1, assistant(text="The module holds three risks. " * 65)),
+            turn_end(1),
+        )
+        plan = await _plan(h, cpb.PLAN_MODE_SWITCH, provider=PROVIDER, model="small")
+        assert (plan.decline_code, plan.span.shadowed_count) == ("", 1)
         await switch(h, events_pb2.Route(provider=PROVIDER, model="small"))
         _assert_same_span(plan, _starts(await h.events())[0])
 

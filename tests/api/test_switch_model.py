@@ -292,3 +292,50 @@ async def test_recovery_and_switches_wait_for_a_live_bracket(
             got = details(caught.value)
             assert (got.code, got.reason) == (grpc.StatusCode.ABORTED, "COMPACTION_BUSY")
         assert (await step).result.compactions
+
+
+async def test_a_switch_replaces_the_single_older_unit_the_retained_tail_reaches_into(
+    tmp_path: Path, loop: OpenAICompatServer, small: dict[str, Any]
+) -> None:
+    # One unit before the last: a long request (~2400 tokens), then the answer (~500 tokens).
+    # The destination's retained budget (1200) reaches back into the request, so a pressure
+    # selection finds nothing older than it; the switch replaces the request all the same.
+    request = "Review the design of the module and list every risk you see. " * 150
+    async with started(tmp_path, loop, routes=[small]) as h:
+        await h.create(
+            *opening(),
+            turn_start(1),
+            user(request),
+            *in_step(1, 1, assistant(text="The module holds three risks. " * 65)),
+            turn_end(1),
+        )
+        before = (await h.surface()).nodes
+
+        result = (await switch(h, route("small"))).result
+
+        assert (result.before.state, result.after.state) == (ABOVE, BELOW)
+        (outcome,) = result.compactions
+        assert outcome.items_condensed == 1
+        assert (outcome.range.start_seq, outcome.range.end_seq) == (before[1].seq, before[1].seq)
+        assert await logged_model(h) == "small"
+
+
+async def test_a_switch_retry_whose_summary_is_not_smaller_fails_with_summary_not_smaller(
+    tmp_path: Path, loop: OpenAICompatServer, small: dict[str, Any]
+) -> None:
+    # The first checkpoint leaves history above the destination's trigger (its tail keeps 2400
+    # of the 2500 tokens); the retry's summary is larger than its span. Spec §3.2: "The basic
+    # backend rejects a summary that is not smaller than its source."
+    loop.enqueue(Reply(), Reply(text="The same words again and again. " * 3000))
+    policy = {**POLICY, "compactionRetries": 2, "retainTokens": 2400}
+    async with started(tmp_path, loop, routes=[small], policy=policy) as h:
+        await h.create(*opening(), *closed_turns(20))
+
+        got = await refused(switch(h, route("small")))
+
+        assert got.metadata["cause"] == "SUMMARY_NOT_SMALLER"
+        log = await h.events()
+        assert len(of_type(log, "compaction_summary")) == 1  # the first checkpoint stays
+        ends = [e.compaction_end for e in of_type(log, "compaction_end")]
+        assert [end.error_reason for end in ends] == ["", "SUMMARY_NOT_SMALLER"]
+        assert await logged_model(h) == MODEL

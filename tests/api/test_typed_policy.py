@@ -116,6 +116,12 @@ async def test_both_forms_at_once_are_invalid_argument_naming_policy(
             "compaction_policy.retainRatio",
         ),
         (
+            pb.CompactionPolicy(retain_ratio=0),
+            {"retainRatio": 0},
+            "policy.retain_ratio",
+            "compaction_policy.retainRatio",
+        ),
+        (
             pb.CompactionPolicy(retain_ratio=0.1, retain_tokens=10),
             {"retainRatio": 0.1, "retainTokens": 10},
             "policy.retain_tokens",
@@ -173,7 +179,8 @@ async def test_both_forms_at_once_are_invalid_argument_naming_policy(
         ),
     ],
     ids=[
-        "threshold", "retain-above-threshold", "both-retentions", "half-a-pair", "backoff",
+        "threshold", "retain-above-threshold", "zero-retain-ratio", "both-retentions",
+        "half-a-pair", "backoff",
         "probe-retention", "model-without-provider", "model-max-tokens", "int64-max-headroom",
         "retries-above-the-bound", "backoff-above-the-bound",
     ],

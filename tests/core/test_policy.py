@@ -258,6 +258,13 @@ def test_duplicate_model_overrides_are_rejected() -> None:
         ({"thresholdRatio": float("nan")}, "thresholdRatio"),
         ({"retainRatio": 1}, "retainRatio"),
         ({"retainRatio": -0.1}, "retainRatio"),
+        ({"retainRatio": 0}, "retainRatio"),
+        ({"retainRatio": -0.0}, "retainRatio"),
+        ({"retainRatio": float("inf")}, "retainRatio"),
+        (
+            {"modelPolicies": [{"provider": "p", "model": "m", "retainRatio": 0}]},
+            "modelPolicies[0].retainRatio",
+        ),
         ({"auto": "yes"}, "auto"),
         ({"summaryGate": 1}, "summaryGate"),
         ({"minReductionRatio": 1}, "minReductionRatio"),
@@ -306,6 +313,10 @@ def test_both_retention_forms_are_rejected() -> None:
 def test_a_retain_ratio_at_least_the_threshold_ratio_is_rejected() -> None:
     assert config_error({"retainRatio": 0.8}).metadata["field"] == "retainRatio"
     assert config_error({"thresholdRatio": 0.1}).metadata["field"] == "retainRatio"  # 0.16 default
+    # 1 is inside the reference's (0, 1] range; it is refused as not below thresholdRatio.
+    error = config_error({"thresholdRatio": 1, "retainRatio": 1})
+    assert error.metadata["field"] == "retainRatio"
+    assert "below thresholdRatio" in error.message
     entry = {"provider": "p", "model": "m", "thresholdRatio": 0.15}
     assert (
         config_error({"modelPolicies": [entry]}).metadata["field"] == "modelPolicies[0].retainRatio"

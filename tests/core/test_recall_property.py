@@ -98,21 +98,25 @@ class Session:
         return True
 
     def revert_last(self) -> None:
-        """Revert the newest checkpoint on the surface."""
-        for position, node in reversed(list(enumerate(self.fold.surface))):
-            event = node.event
-            cid = event.user_message.source.compaction_checkpoint.compaction_id
-            if node.type == "user/message" and cid and event.source_event_seqs:
-                start = self.log[event.source_event_seqs[0]].compaction_start
-                if start.compaction_id != cid:
-                    return  # a copy restored by an earlier revert: not this test's business
-                originals = [self.log[s] for s in start.shadowed_seqs]
-                plan = plan_revert(
-                    f"r{self.brackets}", cid, event, position, originals, self.fold.revision
-                )
-                self.brackets += 1
-                self.append(plan.events)
-                return
+        """Revert the newest checkpoint on the surface (the highest seq)."""
+        checkpoints = [
+            (node.seq, position)
+            for position, node in enumerate(self.fold.surface)
+            if node.type == "user/message"
+            and node.event.user_message.source.compaction_checkpoint.compaction_id
+        ]
+        if not checkpoints:
+            return
+        seq, position = max(checkpoints)
+        event = self.log[seq]
+        cid = event.user_message.source.compaction_checkpoint.compaction_id
+        start = self.log[event.source_event_seqs[0]].compaction_start
+        if start.compaction_id != cid:
+            return  # a copy restored by an earlier revert: not this test's business
+        originals = [self.log[s] for s in start.shadowed_seqs]
+        plan = plan_revert(f"r{self.brackets}", cid, event, position, originals, self.fold.revision)
+        self.brackets += 1
+        self.append(plan.events)
 
 
 operations = st.lists(

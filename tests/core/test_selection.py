@@ -98,6 +98,20 @@ def test_surface_without_a_system_head_is_selected_from_position_zero() -> None:
     assert selected(fold).start_position == 0
 
 
+def test_system_messages_right_after_the_head_are_never_selected() -> None:
+    # The reference's range "starts at the first surface node that is not a system/message".
+    fold = fold_of(
+        system("sys"), system("Answer in English."), user("a"), assistant("b"), user("c")
+    )
+    assert selected(fold).shadowed_seqs == (2, 3)
+    assert head_length(fold.surface.nodes) == 2
+
+
+def test_a_system_message_first_after_a_non_system_head_is_ordinary_history() -> None:
+    fold = fold_of(user("a"), system("new rules"), assistant("b"), user("c"))
+    assert selected(fold).shadowed_seqs == (0, 1, 2)
+
+
 def test_a_later_system_message_is_ordinary_history() -> None:
     fold = fold_of(system("sys"), user("a"), system("new rules"), assistant("b"), user("c"))
     assert selected(fold).shadowed_seqs == (1, 2, 3)
@@ -372,7 +386,9 @@ def reference_select(
         not any(first_call[c] < cut <= (last or 0) for c, last in last_result.items())
         for cut in range(len(nodes) + 1)
     ]
-    start = 1 if nodes and nodes[0].type == ev.SYSTEM_MESSAGE else 0
+    start = 0
+    while start < len(nodes) and nodes[start].type == ev.SYSTEM_MESSAGE:
+        start += 1  # the system head and the system/messages right after it
     limit = max((cut for cut in range(len(nodes)) if bounds[cut]), default=0)
     if mode is SelectionMode.PRESSURE:
         tail_start, kept = -1, 0

@@ -381,7 +381,7 @@ async def test_the_same_failing_span_is_not_sent_again_on_the_next_steps(
 
             assert len(summary_requests(loop)) == 1  # not sent again
             (warning,) = run.result.warnings
-            assert warning.startswith("nothing to compact: the same span (seqs ")
+            assert warning.startswith("compaction failed (SUMMARY_REJECTED): the same span (seqs ")
             assert "failed 1 time(s) with SUMMARY_REJECTED on loop/m" in warning
             assert warning.endswith("it is sent again when it changes")
             assert STEP.COMPACTION_STEP_SKIP in run.steps()
@@ -389,6 +389,28 @@ async def test_the_same_failing_span_is_not_sent_again_on_the_next_steps(
         assert f"seqs {start.range.start_seq}..{start.range.end_seq}" in warning
         assert "SUMMARY_REJECTED" in first.result.warnings[0]
         assert len(ends(await h.events())) == 1  # nothing more was written
+
+
+async def test_a_retried_step_on_a_span_whose_summary_was_not_smaller_reports_summary_not_smaller(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    # The reference retries the summary and fails again with SUMMARY_NOT_SMALLER; compactd holds
+    # the unchanged span back (failure memory) and says the same failure, not "nothing to compact".
+    loop.enqueue(Reply(text="The same words again and again. " * 3000))
+    async with started(tmp_path, loop, clock=Clock()) as h:
+        await pressured(h, long=True)
+        first = (await h.prepare(21)).result
+        await h.append(*a_step(21, 1))
+        retried = (await h.prepare(21)).result
+
+        assert len(summary_requests(loop)) == 1  # not sent again
+        assert first.warnings[0].startswith("compaction failed (SUMMARY_NOT_SMALLER): ")
+        (warning,) = retried.warnings
+        assert warning.startswith("compaction failed (SUMMARY_NOT_SMALLER): the same span (seqs ")
+        assert "failed 1 time(s) with SUMMARY_NOT_SMALLER on loop/m" in warning
+        for result in (first, retried):
+            assert result.outcome == cpb.PRESSURE_OUTCOME_ABOVE_TRIGGER
+            assert result.outcome_detail.startswith("the bracket failed with SUMMARY_NOT_SMALLER")
 
 
 async def test_a_failing_span_is_sent_again_once_it_changes(

@@ -1582,7 +1582,7 @@ type CompactionPolicy struct {
 	ThresholdRatio *float64 `protobuf:"fixed64,1,opt,name=threshold_ratio,json=thresholdRatio,proto3,oneof" json:"threshold_ratio,omitempty"`
 	// `headroomTokens` B, >= 0: headroom beyond the output reservation. Default 65536.
 	HeadroomTokens *int64 `protobuf:"varint,2,opt,name=headroom_tokens,json=headroomTokens,proto3,oneof" json:"headroom_tokens,omitempty"`
-	// `retainRatio`, in [0, 1), below `threshold_ratio`: retained budget = floor(retainRatio *
+	// `retainRatio`, in (0, 1], below `threshold_ratio`: retained budget = floor(retainRatio *
 	// (W - O)). Default 0.16. Excludes `retain_tokens` (setting one replaces the other).
 	RetainRatio *float64 `protobuf:"fixed64,3,opt,name=retain_ratio,json=retainRatio,proto3,oneof" json:"retain_ratio,omitempty"`
 	// `retainTokens`, >= 0: an absolute retained budget instead of `retain_ratio`.

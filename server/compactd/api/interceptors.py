@@ -201,8 +201,10 @@ def rewrapped(
     wrap: Callable[[Behavior], Behavior],
     *,
     request_deserializer: Callable[[bytes], Any] | None = None,
+    response_serializer: Callable[[Any], bytes] | None = None,
 ) -> Handler:
-    """A copy of ``handler`` whose behavior is ``wrap(behavior)`` (and maybe a new deserializer)."""
+    """A copy of ``handler`` whose behavior is ``wrap(behavior)`` (and maybe a new deserializer
+    or serializer)."""
     behavior: Behavior | None
     if handler.request_streaming and handler.response_streaming:
         behavior, factory = handler.stream_stream, grpc.stream_stream_rpc_method_handler
@@ -216,7 +218,7 @@ def rewrapped(
     rebuilt: Handler = factory(
         wrap(behavior),
         request_deserializer=request_deserializer or handler.request_deserializer,
-        response_serializer=handler.response_serializer,
+        response_serializer=response_serializer or handler.response_serializer,
     )
     return rebuilt
 

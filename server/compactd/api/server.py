@@ -26,7 +26,7 @@ from opentelemetry.metrics import MeterProvider
 
 from compactd import config as settings
 from compactd import redaction, telemetry
-from compactd.api import auth, interceptors, reflection_v1
+from compactd.api import auth, interceptors, reflection_v1, replies
 from compactd.api.compaction_service import CompactionServicer
 from compactd.api.health import HealthServicer
 from compactd.api.session_service import SessionServicer
@@ -382,7 +382,8 @@ async def _serve_on(
     inspection = InspectionService(
         manager, pressure, brackets, parts.pruner, recovery, switch
     )  # plans, surface detail, bracket history
-    session_service_pb2_grpc.add_SessionServiceServicer_to_server(
+    replies.add_servicer(  # GetSurface and BuildRequest hand grpc their bytes
+        session_service_pb2_grpc.add_SessionServiceServicer_to_server,
         SessionServicer(manager, max_batch_events=config.max_batch_events, inspection=inspection),
         server,
     )

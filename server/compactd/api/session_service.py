@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format, struct_pb2
 
+from compactd.api.replies import Serialized
 from compactd.api.status import handle_errors
 from compactd.core.validation import Origin, non_finite_paths
 from compactd.errors import FieldViolation, InvalidArgument
@@ -19,8 +20,13 @@ from compactd.reasons import Reason
 from compactd.service.inspection import InspectionService
 from compactd.service.policy_message import field_path, policy_of, settings_of
 from compactd.service.recall import recall
-from compactd.service.requests import build_request, surface_response
+from compactd.service.requests import (
+    declared_tools,
+    request_reply_in_steps,
+    surface_reply_in_steps,
+)
 from compactd.service.sessions import SessionHandle, SessionManager
+from compactd.speed import in_steps
 from compactd.store.base import SessionRecord
 from compactd.v1 import session_service_pb2 as pb
 from compactd.v1 import session_service_pb2_grpc
@@ -99,23 +105,26 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
                 next_seq = event.seq + 1
 
     @handle_errors
-    async def GetSurface(
+    async def GetSurface(  # type: ignore[override]  # grpc sends Serialized as it is (replies)
         self, request: pb.GetSurfaceRequest, context: Context
-    ) -> pb.GetSurfaceResponse:
+    ) -> Serialized:
         handle = await self._handle(request.session_id)
         if request.detail:
             route = request.route if request.HasField("route") else None
-            return await self._inspection.surface(handle, route)
-        async with handle.lock:  # never show a batch that is admitted but not yet durable
-            return surface_response(handle)
+            return Serialized(await self._inspection.surface(handle, route))
+        # Under the lock: never show a batch that is admitted but not yet durable. In steps: a
+        # large surface's reply never holds the loop for long (``service.requests``).
+        async with handle.lock:
+            return Serialized(await in_steps(surface_reply_in_steps(handle.fold)))
 
     @handle_errors
-    async def BuildRequest(
+    async def BuildRequest(  # type: ignore[override]  # grpc sends Serialized as it is
         self, request: pb.BuildRequestRequest, context: Context
-    ) -> pb.BuildRequestResponse:
+    ) -> Serialized:
         handle = await self._handle(request.session_id)
         async with handle.lock:
-            return build_request(handle)
+            reply = request_reply_in_steps(handle.fold, declared_tools(handle))
+            return Serialized(await in_steps(reply))
 
     @handle_errors
     async def ListSessions(

@@ -18,7 +18,13 @@ from dataclasses import dataclass
 from compactd.core.events import SessionEvent
 from compactd.core.fold import AdmittedBatch, SessionFold
 from compactd.core.meter import MeteredRoute, SessionMeter, route_price
-from compactd.core.selection import Declined, Selection, SelectionMode, select_range
+from compactd.core.selection import (
+    DeclineCode,
+    Declined,
+    Selection,
+    SelectionMode,
+    select_range,
+)
 from compactd.core.surface import SurfaceNode
 from compactd.v1 import events_pb2
 
@@ -45,6 +51,9 @@ class BracketShape:
         guarded: Whether failure memory and the crossing budget apply.
         retry_selection: How far a convergence retry's span may reach (PrepareStep keeps the
             retained budget on every bracket of a crossing; a switch reaches into the tail).
+        widens: Whether a pressure selection that finds nothing older than the retained tail is
+            widened to the maximal one (a switch: history must get below the destination's
+            trigger, and the reference selects the single older unit there).
     """
 
     trigger: events_pb2.CompactionTrigger.ValueType
@@ -54,12 +63,23 @@ class BracketShape:
     min_span: bool
     guarded: bool
     retry_selection: SelectionMode | None = None
+    widens: bool = False
 
     def selection_for(self, attempt: int) -> SelectionMode:
         """The selection of the bracket ``attempt`` (from 0) of a convergence loop."""
         if attempt and self.retry_selection is not None:
             return self.retry_selection
         return self.selection
+
+    def widened(self, mode: SelectionMode, chosen: object) -> bool:
+        """Whether ``chosen`` (what a ``mode`` selection or its bracket answered) is chosen again
+        with MAXIMAL: ``widens``, and the selection found nothing older than the retained tail."""
+        return (
+            self.widens
+            and mode is SelectionMode.PRESSURE
+            and isinstance(chosen, Declined)
+            and chosen.code is DeclineCode.NOTHING_SELECTABLE
+        )
 
     @property
     def retains(self) -> bool:
@@ -83,7 +103,7 @@ SHAPES: dict[PlanMode, BracketShape] = {
     PlanMode.SWITCH: BracketShape(
         events_pb2.COMPACTION_TRIGGER_MODEL_SWITCH, SelectionMode.PRESSURE,
         prunes=True, window_prunes=False, min_span=False, guarded=False,
-        retry_selection=SelectionMode.MAXIMAL,
+        retry_selection=SelectionMode.MAXIMAL, widens=True,
     ),
 }  # fmt: skip
 

@@ -3,9 +3,9 @@
 Settings use the spec's camelCase names and defaults:
 
 =====================  =========  ==========================================================
-``thresholdRatio``     0.8        trigger = ``floor(min(W * thresholdRatio, W - O - B))``
+``thresholdRatio``     0.8        trigger = ``floor(min(W * thresholdRatio, W - O - B))``, (0, 1]
 ``headroomTokens``     65536      B, headroom beyond the output reservation (integer >= 0)
-``retainRatio``        0.16       retained budget = ``floor(retainRatio * (W - O))``
+``retainRatio``        0.16       retained budget = ``floor(retainRatio * (W - O))``, in (0, 1]
 ``retainTokens``       --         absolute retained budget (excludes ``retainRatio``)
 ``summarizationProvider`` / ``summarizationModel``  ``''``  the summary target, set together
 ``maxTokens``          B          summary output cap (integer > 0)
@@ -491,7 +491,9 @@ def _flag(value: object, path: str) -> bool:
 _VALIDATORS: Final[dict[str, _Validator]] = {
     "threshold_ratio": _ratio(low_open=True, high=1.0, high_open=False),
     "headroom_tokens": _count(0, MAX_TOKEN_COUNT),
-    "retain_ratio": _ratio(low_open=False, high=1.0, high_open=True),
+    # The reference's range for both of its ratios: (0, 1]. A retainRatio of 1 (or any at least
+    # thresholdRatio) is then refused by the rule that it be below thresholdRatio.
+    "retain_ratio": _ratio(low_open=True, high=1.0, high_open=False),
     "retain_tokens": _count(0, MAX_TOKEN_COUNT),
     "summarization_provider": _text,
     "summarization_model": _text,

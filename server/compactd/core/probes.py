@@ -339,6 +339,7 @@ class ProbeKind(enum.StrEnum):
 REQUEST_WORDS = 6  # a quote of a request: this many consecutive words of it
 ERROR_WORDS = 4
 COMMAND_WORDS = 2
+QUOTE_CHARS = 160  # the longest quote of a request's first REQUEST_WORDS words worth probing
 MIN_REQUEST_WORDS = 3  # shorter requests ("yes", "continue") carry no fact to keep
 
 
@@ -423,10 +424,14 @@ def _by_use(commands: Iterable[str]) -> list[str]:
 
 
 def _is_request(text: str) -> bool:
-    """A request worth probing: a few words, not markup a runtime injected (``<reminder>``)."""
+    """A request worth probing: a few words, not markup a runtime injected (``<reminder>``), and
+    quotable: its first ``REQUEST_WORDS`` words take at most ``QUOTE_CHARS`` characters (a wall
+    of encoded data or an unbroken script is data a message carries, not what the user asked)."""
     if text.startswith("<"):
         return False
     head = text.split(maxsplit=4 * MIN_REQUEST_WORDS)[: 4 * MIN_REQUEST_WORDS]  # not all of it
+    if len(" ".join(head[:REQUEST_WORDS])) > QUOTE_CHARS:
+        return False
     return len(_words(" ".join(head))) >= MIN_REQUEST_WORDS
 
 
@@ -441,6 +446,11 @@ _ERROR_START = re.compile(
     r"^[^\w]*(?:[A-Z]\s+)?"  # a marker before the message: "** (", "E   ", "✗ "
     r"(?P<stated>(?i:error|fatal|panic|failed|failure)\s*:|(?i:traceback)\b|\w+(?:Error|Exception)\b)"
 )
+
+
+def stated_error(line: str) -> str | None:
+    """The error ``line`` states (``_stated_error``), or None when it merely mentions one."""
+    return _stated_error(line)
 
 
 def _stated_error(line: str) -> str | None:
@@ -532,6 +542,12 @@ def _needle(kind: ProbeKind, text: str) -> tuple[str, ...]:
 
 
 _STRIP = "`'\"*()[]{}<>,;:!?."
+
+
+def words(text: str) -> list[str]:
+    """The words retention compares (``_words``): a run of ``REQUEST_WORDS`` of a request's
+    words, written anywhere in a summary, keeps the request."""
+    return _words(text)
 
 
 def _words(text: str) -> list[str]:

@@ -84,12 +84,9 @@ def covered_seqs(handle: Handle, event: SessionEvent | None) -> tuple[int, ...] 
 
 
 def recall_section(handles: list[str]) -> str:
-    """The section a checkpoint ends with: the handles of what it replaced."""
-    listed = " ".join(quoted(h) for h in handles)
-    return (
-        f"{HANDLES_HEADING} (the original messages this checkpoint replaced, "
-        f"for the recall tool when one is offered): {listed}"
-    )
+    """The section a checkpoint ends with: the handles of what it replaced (short: every
+    request pays for it; the recall tool's description says what a handle is)."""
+    return f"{HANDLES_HEADING}: " + " ".join(quoted(h) for h in handles)
 
 
 def with_recall_handles(framed: str, handles: list[str]) -> str:
@@ -99,7 +96,7 @@ def with_recall_handles(framed: str, handles: list[str]) -> str:
 
 def without_recall_handles(text: str) -> str:
     """``text`` without a trailing recall section (the framed checkpoint it was made from)."""
-    cut = text.rfind(f"\n\n{HANDLES_HEADING} (")
+    cut = text.rfind(f"\n\n{HANDLES_HEADING}: [recall:")
     return text if cut < 0 else text[:cut]
 
 

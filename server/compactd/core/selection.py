@@ -1,7 +1,8 @@
 """Range selection: which contiguous surface span a compaction replaces.
 
-A span starts at the first node that is not the ``system/message`` at position 0 (a later
-``system/message`` is ordinary history) and ends where the recent tail begins. It is cut only at
+A span starts at the first node that is not a ``system/message``: the system head at position 0
+and any system/message right after it are never selected, a ``system/message`` after other
+history is ordinary history. It ends where the recent tail begins. It is cut only at
 unit boundaries: a tool call and *all* of its current results form one indivisible unit, so no
 cut separates them and no unanswered call crosses a cut. This is stricter than
 ``pairing.balanced_cuts``, which closes a call at its first result; every boundary here is also a
@@ -76,10 +77,15 @@ class Selection:
 
 @dataclass(frozen=True, slots=True)
 class Declined:
-    """Nothing was selected: the caller writes nothing to the log and reports ``reason``."""
+    """Nothing was selected: the caller writes nothing to the log and reports ``reason``.
+
+    ``cause``: for ``KNOWN_FAILURE``, the reason the span's bracket failed with before
+    (``SUMMARY_NOT_SMALLER``, say): what holds it back, reported as that failure; "" else.
+    """
 
     code: DeclineCode
     reason: str
+    cause: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,8 +161,13 @@ def last_unit_start(fold: SessionFold) -> int:
 
 
 def head_length(nodes: Sequence[SurfaceNode]) -> int:
-    """1 when position 0 is a ``system/message`` (never selected), else 0."""
-    return 1 if nodes and nodes[0].type == ev.SYSTEM_MESSAGE else 0
+    """How many ``system/message`` nodes lead the surface (never selected): the system head at
+    position 0 and any system/message right after it, as the reference's range "starts at the
+    first surface node that is not a system/message"; 0 when position 0 is another node."""
+    length = 0
+    while length < len(nodes) and nodes[length].type == ev.SYSTEM_MESSAGE:
+        length += 1
+    return length
 
 
 def unit_boundaries(nodes: Sequence[SurfaceNode]) -> list[bool]:

@@ -7,14 +7,21 @@ sections the compaction instruction asks a model for (``prompts.SUMMARY_SECTIONS
 commands and error lines come from ``core.probes``, the extraction the quality gate probes with,
 so a summary this summarizer writes keeps the gate's probes whenever they fit ``max_tokens``.
 
-A prior checkpoint in the span (a ``<compacted-summary>`` block) is folded forward: its bullets
-are merged section by section with the new facts (the newer state replaces the older "Work in
-Progress" and "Immediate Next Step"), never copied as a nested block.
+A prior checkpoint in the span (a ``<compacted-summary>`` block) is folded forward, never copied
+as a nested block: its paths, commands (``$ cmd`` bullets), error lines and requests are merged
+with the span's own, deduplicated by what identifies each (a path's last two segments, a
+command's program and first argument) and listed most recent first; the newer state replaces the
+older "Work in Progress" and "Immediate Next Step".
 
 The output fits ``max_tokens`` under the reference heuristic (4 UTF-16 code units per token):
-when everything does not fit, the most useful facts are kept first (the current state, the first
-and latest requests, the gate's probes, a prior checkpoint's paths and commands, then paths,
-older requests, commands, ...). Same input, same bytes.
+when everything does not fit, the most useful facts are kept first: the current state, the
+session's first and the latest request; the gate's probes; then every path, command and stated
+error line of the span and of the prior checkpoint, alternating between the two and between the
+kinds, so a tight budget keeps the newest of each and an older span's facts keep a share; then
+the other requests, tool counts and updates. A command keeps its first segment that runs a
+program (``cd`` steps and pipelines dropped), an error line its first characters. A summary that
+would keep less than the gate's default share of its probes is refitted with the probes first,
+requests quoted by their shortest run of six words (``PROBE_FLOOR``). Same input, same bytes.
 
 A checkpoint costs a small share of what it replaces: the framed checkpoint fits ``SPAN_SHARE``
 of its span, whatever the span's size, the gate's probes included (they rank right after the
@@ -37,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from compactd.core import probes, prompts
+from compactd.core.gate import DEFAULT_MIN_PROBE_RETENTION
 from compactd.core.pricing import heuristic_price, utf16_length
 from compactd.core.recall import checkpoint_handle, with_recall_handles, without_recall_handles
 from compactd.providers.base import SummaryError, SummaryRequest, SummaryResult
@@ -51,7 +59,7 @@ _GOALS, _TECH, _FILES, _ERRORS, _OUTSTANDING, _PROGRESS, _NEXT, _ESSENTIAL = ran
 _UNITS_PER_TOKEN = 4
 #: The largest share of its span a framed checkpoint takes (below the 15% the summary-quality
 #: goal allows: the span is priced with the heuristic, which a route may count a little lower).
-SPAN_SHARE = 0.14
+SPAN_SHARE = 0.135
 
 
 def _framed(summary: str) -> str:
@@ -63,14 +71,13 @@ _TYPICAL_HANDLE = checkpoint_handle(10_000, "")
 _FRAME_UNITS = utf16_length(_framed(""))
 #: The least a framed checkpoint may take (estimated tokens) when ``SPAN_SHARE`` of its span is
 #: less: the eight sections with the current state and the first probes (about a hundred tokens
-#: of bullets). From a span of ``MIN_CHECKPOINT_TOKENS / SPAN_SHARE`` (1,786) on, the share rules.
+#: of bullets). From a span of ``MIN_CHECKPOINT_TOKENS / SPAN_SHARE`` (1,852) on, the share rules.
 MIN_CHECKPOINT_TOKENS = 250
-#: A prior checkpoint's paths rank with this span's probes, after the first ``_PRIOR_AFTER``
-#: path probes, so a fact of an older span survives a second fold (a path costs little); its
-#: commands rank right after this span's probes (``_PRIOR_COMMANDS``).
-_PRIOR_FILES = 1
-_PRIOR_AFTER = 2
-_PRIOR_COMMANDS = 2
+#: The share of the gate's probes a summary keeps before it is refitted with the probes first:
+#: the gate's default threshold (``minProbeRetention``).
+PROBE_FLOOR = DEFAULT_MIN_PROBE_RETENTION
+#: Error lines taken from one tool result (the gate probes its last three).
+_ERRORS_PER_RESULT = 12
 _ROOMY_UNITS = 2400  # bullets below this share keep one state line, leaving room for probes
 _REFITS = 4  # fits tried before settling on the smallest (each shrinks the room by the overshoot)
 _ELLIPSIS = "…"
@@ -85,6 +92,7 @@ class _Limits:
     request_units: int = 800
     item_units: int = 240
     command_units: int = 80
+    error_units: int = 100  # an error line: its first 60 characters identify it
     state_units: int = 80  # a "Work in Progress" line; the next step takes ``item_units``
     state_lines: int = 3  # the last assistant message, tool call and tool result
     max_paths: int = 60
@@ -104,6 +112,8 @@ class _Facts:
     paths: dict[str, None] = field(default_factory=dict)
     result_paths: dict[str, None] = field(default_factory=dict)
     errors: dict[str, None] = field(default_factory=dict)
+    named_paths: dict[str, None] = field(default_factory=dict)  # the paths the span acts on
+    stated_errors: dict[str, None] = field(default_factory=dict)  # lines that state an error
     updates: list[str] = field(default_factory=list)
     progress: list[str] = field(default_factory=list)
     next_step: str = ""
@@ -150,6 +160,7 @@ class ExtractiveSummarizer:
             SummaryError: ``max_tokens`` cannot hold even the eight empty sections.
         """
         text, found = self._summary(request.messages, request.max_tokens)
+        text = self._distinct(text, _span(request.messages), _Facts())
         return SummaryResult(
             text=text, usage=None, provider="compactd", model=self.name, finish_reason="stop",
             span_facts=found,
@@ -157,7 +168,7 @@ class ExtractiveSummarizer:
 
     def summary_text(self, messages: Sequence[Message], max_tokens: int) -> str:
         """The summary of ``messages`` (a leading system message is the head and is skipped)."""
-        return self._summary(messages, max_tokens)[0]
+        return self._distinct(self._summary(messages, max_tokens)[0], _span(messages), _Facts())
 
     def _summary(
         self, messages: Sequence[Message], max_tokens: int
@@ -183,11 +194,38 @@ class ExtractiveSummarizer:
         if allowed is not None:
             room = int(allowed * _UNITS_PER_TOKEN) - _FRAME_UNITS
             share = min(budget, max(utf16_length(skeleton), room))
-        if share < budget:
-            limits = _tightened(limits, share - utf16_length(skeleton))
+        # Clipped to the room the bullets share, whichever bounds it (the span's share or
+        # ``max_tokens``): a long request quoted whole would crowd out every fact.
+        limits = _tightened(limits, share - utf16_length(skeleton))
         ranking = _candidates(facts, limits)
         _promote_probes(ranking, found, limits)
-        return _fit_share(ranking.candidates, share, allowed), found
+        text = _fit_share(ranking.candidates, share, allowed)
+        checked = probes.select_probes(found)
+        if probes.retention(checked, text).ratio >= PROBE_FLOOR:
+            return text, found
+        # The gate would reject it: the probes go before everything, each request quoted by its
+        # first words only, the state on one line.
+        limits = replace(limits, state_lines=1, request_units=_QUOTE_UNITS)
+        ranking = _candidates(facts, limits)
+        _promote_probes(ranking, found, limits, tier=-1)
+        first = text
+        text = _fit_share(ranking.candidates, share, allowed)
+        better = probes.retention(checked, text).ratio > probes.retention(checked, first).ratio
+        return (text if better else first), found
+
+    def _distinct(self, text: str, messages: Sequence[Message], facts: _Facts) -> str:
+        """``text``, told apart from a prior checkpoint that already holds all of it (the gate
+        rejects a summary that merely repeats a span message): the state then says how many
+        messages followed that checkpoint."""
+        folded = _fold(text)
+        for message in messages:
+            prior = _checkpoint_summary(_text(message))
+            later = len(messages) - 1 - list(messages).index(message)
+            if prior is not None and later and folded in _fold(prior):
+                note = f"- {later} more message(s) since the previous checkpoint\n"
+                heading = f"## {prompts.SUMMARY_SECTIONS[_PROGRESS]}\n"
+                return text.replace(heading, heading + note, 1)
+        return text
 
 
 def allowed_tokens(span_tokens: float, share: float = SPAN_SHARE) -> float:
@@ -216,6 +254,8 @@ def _tightened(limits: _Limits, content_units: int) -> _Limits:
         request_units=min(limits.request_units, max(60, content_units // 6)),
         state_units=min(limits.state_units, max(48, content_units // 10)),
         state_lines=1 if content_units < _ROOMY_UNITS else limits.state_lines,
+        error_units=min(limits.error_units, max(72, content_units // 12)),
+        command_units=min(limits.command_units, max(48, content_units // 16)),
     )
 
 
@@ -270,6 +310,7 @@ def _extract(messages: Sequence[Message], found: probes.SpanFacts, limits: _Limi
         paths=found.mentioned,
         result_paths=found.result_paths,
         errors=found.error_entries,
+        named_paths=dict.fromkeys(found.paths),
     )
     for message in messages:
         if message.role == _ROLE.MESSAGE_ROLE_USER:
@@ -320,10 +361,25 @@ def _add_assistant(facts: _Facts, message: Message, limits: _Limits) -> None:
 def _add_tool_result(facts: _Facts, message: Message) -> None:
     facts.has_new = True
     text = _text(message)
+    for line in probes.error_lines(text, is_error=message.is_error, limit=_ERRORS_PER_RESULT):
+        if states_error(line) or message.is_error:
+            facts.stated_errors.pop(line, None)  # a repeated error moves to its latest place
+            facts.stated_errors[line] = None
     name = message.name or message.tool_call_id or "tool"
     status = "failed" if message.is_error else "returned"
     first = next((line.strip() for line in text.splitlines() if line.strip()), "(no text)")
     _add_unique(facts.progress, f"Last tool result: {name} {status}: {first}")
+
+
+_STATES = re.compile(
+    r"^[^\w]*(?:[A-Z]\s+)?(?:FAILED|FAIL|ERROR|npm ERR!)\b|:\d+(?::\d+)?:\s*error\b"
+)
+
+
+def states_error(line: str) -> bool:
+    """Whether an error line states an error (``KeyError: 'x'``, ``error: ...``, ``FAILED
+    tests/...``, ``a.c:3:5: error: ...``) rather than merely mention one (source code, logs)."""
+    return probes.stated_error(line) is not None or _STATES.search(line) is not None
 
 
 def _next_step(messages: Sequence[Message], limits: _Limits) -> str:
@@ -353,6 +409,11 @@ def _checkpoint_summary(text: str) -> str | None:
 
 def _text(message: Message) -> str:
     return "\n\n".join(block.text.text for block in message.content if block.HasField("text"))
+
+
+def _fold(text: str) -> str:
+    """``text`` as the gate compares it for an echo: whitespace collapsed, case folded."""
+    return " ".join(text.split()).casefold()
 
 
 def _add_unique(items: list[str], item: str) -> None:
@@ -453,84 +514,167 @@ class _Ranking:
 
 def _candidates(facts: _Facts, limits: _Limits) -> _Ranking:
     """Every possible bullet, ranked: tier 0 (state, first and latest request, next step) is kept
-    first, then the gate's probes, prior goals and a prior checkpoint's paths (tier 1,
-    ``_promote_probes``, ``_PRIOR_FILES``), a prior checkpoint's commands (``_PRIOR_COMMANDS``),
-    paths and older requests, commands, tools and other error lines, then paths seen only in tool
-    output."""
+    first, then the gate's probes and the session's first request (tier 1, ``_promote_probes``),
+    then every path, command and error line of this span and of the prior checkpoint, merged and
+    most recent first (tier 2, ``_fact_pool``), then the other requests (tier 3), tools, updates
+    and lines that merely mention an error (tier 4), then paths seen only in tool output."""
     ranking = _Ranking()
     item, request = limits.item_units, limits.request_units
-    for section, items in sorted(facts.prior.items()):
-        if section not in (_PROGRESS, _NEXT):
-            # A prior checkpoint's paths and commands were chosen once already (the earlier
-            # span's probes among them): they rank right after this span's probes, so a fact
-            # survives being summarized again; the rest ranks as the span's own would.
-            # A path or a command clipped loses what identifies it: only requests are quoted.
-            cap = request if section in (_GOALS, _OUTSTANDING) else max(item, request)
-            for tier, after, ranked in _prior_tiers(section, items):
-                ranking.add(tier, section, ranked, cap, newest_first=False, after=after)
     progress = facts.progress if facts.has_new else facts.prior.get(_PROGRESS, [])
     state = progress[-limits.state_lines :]
     ranking.add(0, _PROGRESS, state, limits.state_units, newest_first=False)
     next_step = [facts.next_step] if facts.has_new else facts.prior.get(_NEXT, [])
     step_units = min(item, 2 * limits.state_units)
     ranking.add(0, _NEXT, [step for step in next_step if step][:1], step_units, newest_first=False)
-    _rank_requests(ranking, facts.requests, request)
-    # Lines that only mention an error (source code, logs) rank low; the errors a line states
-    # are the gate's probes, promoted below.
-    ranking.add(4, _ERRORS, list(facts.errors)[-limits.max_errors :], item, newest_first=True)
-    # A one-segment "/word" in prose (an HTML closing tag, a URL route) is no file worth a place.
+    prior_goals = [g for g in facts.prior.get(_GOALS, []) if not _is_quoted(g, facts.requests)]
+    ranking.add(0, _GOALS, prior_goals[:1], request, newest_first=False)  # the original request
+    _rank_requests(ranking, facts.requests, request, first=not prior_goals)
+    _fact_pool(ranking, facts, limits)
+    ranking.add(3, _GOALS, prior_goals[1:], request, newest_first=True)
+    ranking.add(3, _OUTSTANDING, facts.prior.get(_OUTSTANDING, []), request, newest_first=False)
+    # Lines that merely mention an error (source code, logs) are no fact: only stated errors
+    # (``states_error``) enter the summary, in the pool above.
     paths = [path for path in facts.paths if _FileGroups.is_file(path)]
-    ranking.add(3, _FILES, paths[: limits.max_paths], item, newest_first=False)
+    ranking.add(4, _FILES, paths[: limits.max_paths], item, newest_first=True)
     spare = max(0, limits.max_paths - len(facts.paths))
     seen_in_output = [path for path in facts.result_paths if path not in facts.paths][:spare]
     ranking.add(5, _FILES, seen_in_output, item, newest_first=False)
-    commands = [f"Ran: {command}" for command in list(facts.commands)[-limits.max_commands :]]
-    ranking.add(4, _TECH, commands, limits.command_units, newest_first=True)
     tools = [f"Tool {name} called {count}x" for name, count in facts.tools.items()]
     ranking.add(4, _TECH, tools, item, newest_first=False)
     updates = [f"Instruction update: {text}" for text in facts.updates]
     ranking.add(4, _ESSENTIAL, updates, request, newest_first=True)
+    for section, items in sorted(facts.prior.items()):
+        if section in (_TECH, _ESSENTIAL):
+            # A prior span's tool counts are its own; this span counts its calls anew.
+            rest = [i for i in items if _prior_command(i) is None
+                    and not (facts.has_new and _TOOL_COUNT.match(i))]  # fmt: skip
+            ranking.add(4, section, rest, max(item, request), newest_first=False)
     return ranking
 
 
-def _prior_tiers(section: int, items: Sequence[str]) -> list[tuple[int, int, list[str]]]:
-    """A prior checkpoint's bullets of ``section`` by the tier they rank at, each with how many
-    of the span's own probes of the section come before its first (``_PRIOR_AFTER``)."""
-    if section in (_GOALS, _OUTSTANDING):
-        return [(1, 0, list(items))]
-    if section == _FILES:
-        return [(_PRIOR_FILES, _PRIOR_AFTER, list(items))]
-    if section == _TECH:
-        commands = [item for item in items if item.startswith("Ran: ")]
-        rest = [item for item in items if item not in commands]
-        return [(_PRIOR_COMMANDS, 0, commands), (4, 0, rest)]
-    return [(3 if section == _ERRORS else 4, 0, list(items))]
+def _fact_pool(ranking: _Ranking, facts: _Facts, limits: _Limits) -> None:
+    """Tier 2: every path, command and stated error line of the span and of the prior
+    checkpoint, each kind deduplicated and listed most recent first (the span's newest first,
+    then the prior's, which lists its own newest first). Within the budget the span's facts and
+    the prior's alternate (``_interleave``), and the kinds alternate too (the n-th of each
+    ranks alike): a tight budget keeps the newest facts of every kind, and an older span's facts
+    keep a share of the room instead of being summarized away by the newer ones."""
+    named = [p for p in facts.named_paths if _FileGroups.is_file(p)]
+    _interleave(ranking, _FILES, list(reversed(named)), facts.prior.get(_FILES, []),
+                limits.item_units)  # fmt: skip
+    own: dict[str, str] = {}  # identity -> the command's newest form
+    for command in reversed(list(facts.commands)):
+        form = command_form(command, limits.command_units)
+        if form:
+            own.setdefault(command_identity(form), f"$ {form}")
+    prior: dict[str, str] = {}
+    for bullet in facts.prior.get(_TECH, []):
+        stated = _prior_command(bullet)
+        if stated and command_identity(stated) not in own:
+            prior.setdefault(command_identity(stated), f"$ {stated}")
+    _interleave(ranking, _TECH, list(own.values()), list(prior.values()), _WHOLE)
+    errors = list(reversed(list(facts.stated_errors)))
+    _interleave(ranking, _ERRORS, errors, facts.prior.get(_ERRORS, []), limits.error_units)
 
 
-def _promote_probes(ranking: _Ranking, span: probes.SpanFacts, limits: _Limits) -> None:
-    """The quality gate's probes (``probes.select_probes``) rank right after tier 0, so a summary
-    that has room for them keeps every fact the gate checks."""
+def _interleave(
+    ranking: _Ranking, section: int, own: Sequence[str], prior: Sequence[str], cap: int
+) -> None:
+    """``own`` then ``prior`` into ``section`` at tier 2 (listed in that order), ranked
+    alternately: the span's n-th and the prior's n-th come before either's n+1-th."""
+    for position, item in enumerate(own):
+        ranking.add(2, section, [item], cap, newest_first=False, after=2 * position)
+    for position, item in enumerate(prior):
+        ranking.add(2, section, [item], cap, newest_first=False, after=2 * position + 1)
+
+
+def _prior_command(bullet: str) -> str | None:
+    """The command a prior checkpoint's bullet states (``$ cmd``, or ``Ran: cmd`` of older
+    checkpoints), else None."""
+    for mark in ("$ ", "Ran: "):
+        if bullet.startswith(mark):
+            return bullet[len(mark) :].strip()
+    return None
+
+
+_TOOL_COUNT = re.compile(r"^Tool \S+ called \d+x$")
+_QUOTE_UNITS = 64  # a request quoted by its first words (the gate's probes need six)
+_WHOLE = 1 << 20  # the cap of a bullet formed (and clipped) already
+_SEGMENT = re.compile(r"&&|\|\||[;|\n]")
+_SETUP = ("cd", "pushd", "popd", "set", "export", "source")
+
+
+def command_form(command: str, max_units: int = 80) -> str:
+    """A command as a checkpoint keeps it: its first segment that runs a program (``cd`` steps
+    and the rest of a pipeline dropped), whitespace collapsed, its program and first argument
+    whole and the rest clipped to ``max_units``."""
+    for segment in _SEGMENT.split(command):
+        words = segment.split()
+        if words and words[0] not in _SETUP:
+            head = " ".join(words[:2])
+            rest = " ".join(words[2:])
+            if not rest or utf16_length(head) + 1 + utf16_length(rest) <= max_units:
+                return f"{head} {rest}".rstrip()
+            room = max_units - utf16_length(head) - 1
+            return f"{head} {_clip(rest, room)}" if room >= 8 else head
+    return ""
+
+
+def command_identity(form: str) -> str:
+    """A command's program and first argument, case-folded: two spellings of one are one fact."""
+    return " ".join(form.casefold().split()[:2])
+
+
+def _promote_probes(
+    ranking: _Ranking, span: probes.SpanFacts, limits: _Limits, tier: int = 1
+) -> None:
+    """The quality gate's probes (``probes.select_probes``) rank at ``tier`` (right after the
+    current state, or before it), so a summary that has room for them keeps every fact the gate
+    checks."""
     by_kind: dict[probes.ProbeKind, list[str]] = {kind: [] for kind in probes.ProbeKind}
     for probe in probes.select_probes(span):
         by_kind[probe.kind].append(probe.origin or probe.text)
     item, request = limits.item_units, limits.request_units
     kinds = probes.ProbeKind
-    ranking.add(1, _GOALS, by_kind[kinds.REQUEST], request, newest_first=False, promote=True)
-    ranking.add(1, _FILES, by_kind[kinds.PATH], item, newest_first=False, promote=True)
-    commands = [f"Ran: {command}" for command in by_kind[kinds.COMMAND]]
-    ranking.add(1, _TECH, commands, limits.command_units, newest_first=False, promote=True)
-    errors = [f"{span.errors[line]}: {line}" for line in by_kind[kinds.ERROR]]
-    ranking.add(1, _ERRORS, errors, item, newest_first=False, promote=True)
+    requests, cap = by_kind[kinds.REQUEST], request
+    if tier < 0:  # quoted by their first words only: a run of REQUEST_WORDS of them keeps one
+        requests, cap = [_quote(r) for r in requests], _WHOLE
+    ranking.add(tier, _GOALS, requests, cap, newest_first=False, promote=True)
+    ranking.add(tier, _FILES, by_kind[kinds.PATH], item, newest_first=False, promote=True)
+    commands = [f"$ {command_form(c, limits.command_units)}" for c in by_kind[kinds.COMMAND]]
+    ranking.add(tier, _TECH, commands, _WHOLE, newest_first=False, promote=True)
+    errors = by_kind[kinds.ERROR]
+    ranking.add(tier, _ERRORS, errors, limits.error_units, newest_first=False, promote=True)
 
 
-def _rank_requests(ranking: _Ranking, requests: Sequence[str], cap: int) -> None:
-    """The first and latest requests are tier 0; the ones between are tier 3, newest first."""
+def _quote(request: str) -> str:
+    """The shortest run of ``REQUEST_WORDS`` consecutive words of ``request`` (as retention
+    compares words), marked as a quote: the least a summary writes to keep the request."""
+    words = probes.words(request)[: 64 * probes.REQUEST_WORDS]
+    k = min(len(words), probes.REQUEST_WORDS)
+    if len(words) <= k:
+        return request
+    runs = (words[i : i + k] for i in range(len(words) - k + 1))
+    return f"… {' '.join(min(runs, key=lambda run: sum(map(len, run))))} …"
+
+
+def _rank_requests(
+    ranking: _Ranking, requests: Sequence[str], cap: int, *, first: bool = True
+) -> None:
+    """The latest request is tier 0, and the first one when ``first`` (no prior checkpoint holds
+    the session's original request); the others are tier 3, newest first."""
     if not requests:
         return
-    ranking.add(0, _GOALS, requests[:1], cap, newest_first=False)
+    ranking.add(0 if first else 3, _GOALS, requests[:1], cap, newest_first=False)
     ranking.add(3, _GOALS, requests[1:-1], cap, newest_first=True)
     if len(requests) > 1:
         ranking.add(0, _GOALS, requests[-1:], cap, newest_first=False)
+
+
+def _is_quoted(bullet: str, requests: Sequence[str]) -> bool:
+    """Whether a prior checkpoint's request bullet quotes one of ``requests`` (clipped)."""
+    head = bullet.removesuffix(_ELLIPSIS).rstrip()
+    return any(request.startswith(head) or head.startswith(request) for request in requests)
 
 
 def _fit(candidates: Sequence[_Candidate], budget: int) -> str:
@@ -584,6 +728,7 @@ class _FileGroups:
         """Group under the deepest directory most of ``paths`` share (a session's project root),
         else under each path's own directory."""
         self._groups: dict[str, list[str]] = {}
+        self._tails: set[str] = set()  # the last two segments of every path added
         self._root = _common_root(paths)
 
     @staticmethod
@@ -623,8 +768,17 @@ class _FileGroups:
                 return self._root, rest
         return self.split(path)
 
+    @staticmethod
+    def tail(path: str) -> str:
+        """What identifies a path: its last two segments, case-folded (two spellings of one
+        file, absolute and relative, are listed once)."""
+        return "/".join(path.casefold().rstrip("/").split("/")[-2:])
+
     def cost(self, path: str) -> int:
-        """Code units adding ``path`` takes: an item on its line, or a new line."""
+        """Code units adding ``path`` takes: an item on its line, or a new line (nothing for a
+        path whose last two segments are listed already)."""
+        if self.tail(path) in self._tails:
+            return 0
         prefix, item = self._key(path)
         if prefix in self._groups:
             if item.rstrip("/") in (known.rstrip("/") for known in self._groups[prefix]):
@@ -634,7 +788,10 @@ class _FileGroups:
         return _units(_bullet(head + item)) + 1
 
     def add(self, path: str) -> None:
-        """Add ``path`` to its directory's line."""
+        """Add ``path`` to its directory's line (unless its last two segments are listed)."""
+        if self.tail(path) in self._tails:
+            return
+        self._tails.add(self.tail(path))
         prefix, item = self._key(path)
         items = self._groups.setdefault(prefix, [])
         if item.rstrip("/") not in (known.rstrip("/") for known in items):

@@ -99,6 +99,7 @@ class CompactionGuard:
             f"{selection.count} node(s)) failed {held.failures} time(s) with {held.reason} on "
             f"{target.name}; it is sent again when it changes"
             + ("" if math.isinf(held.retry_in) else f" or in {held.retry_in:.0f} s"),
+            cause=held.reason,
         )
 
     def failed(

@@ -39,9 +39,10 @@ from compactd.service.bracket import Brackets, shadow_price_of
 from compactd.service.policy_message import resolved_policy
 from compactd.service.pressure import PressureService
 from compactd.service.recovery import RecoveryService, envelope_only
-from compactd.service.requests import surface_response
+from compactd.service.requests import detail_reply_in_steps, surface_reply_in_steps
 from compactd.service.sessions import SessionHandle, SessionManager
 from compactd.service.switch import SwitchService
+from compactd.speed import in_steps
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2
 from compactd.v1 import session_service_pb2 as spb
@@ -363,6 +364,11 @@ class InspectionService:
             fold, price, selection=selection, retained_budget=retained,
             min_span_tokens=plan.min_span_tokens,
         )  # fmt: skip
+        if shape.widened(selection, chosen):  # a switch reaches past the retained tail
+            chosen = choose_span(
+                fold, price, selection=SelectionMode.MAXIMAL, retained_budget=0,
+                min_span_tokens=plan.min_span_tokens,
+            )  # fmt: skip
         if isinstance(chosen, Declined) or not shape.guarded or target is None:
             return chosen
         held = guard.hold(handle, chosen, target, job.policy)
@@ -374,12 +380,11 @@ class InspectionService:
 
     # ---- GetSurface detail and ListBrackets ----------------------------------------------------
 
-    async def surface(
-        self, handle: SessionHandle, route: events_pb2.Route | None
-    ) -> spb.GetSurfaceResponse:
+    async def surface(self, handle: SessionHandle, route: events_pb2.Route | None) -> bytes:
         """The surface of ``handle`` (the caller has it already: no second look-up) with each
         node's prices, the generations, the anchor and the shadowed nodes, priced for ``route``
-        (default: the logged route, else the heuristic).
+        (default: the logged route, else the heuristic): a ``GetSurfaceResponse``, serialized
+        in steps on the loop (``service.requests``).
 
         Raises:
             InvalidArgument: ``route`` lacks its provider or model.
@@ -391,7 +396,6 @@ class InspectionService:
             )
         meter = handle.context.meter
         async with handle.lock:
-            response = surface_response(handle)
             fold = handle.fold
             priced = (
                 self._pressure.route_for(route.provider, route.model)
@@ -400,22 +404,21 @@ class InspectionService:
             )
             price = node_pricer(meter, fold, priced)
             shadow = shadow_price_of(handle)
-            for wire, node in zip(response.nodes, fold.surface, strict=True):
-                wire.detail.route_tokens = price(node)
-                wire.detail.shadow_tokens = shadow(node)
-            detail = response.detail
+            nodes = await in_steps(
+                surface_reply_in_steps(fold, lambda node: (price(node), shadow(node)))
+            )
+            detail = spb.SurfaceDetail(
+                replacement_generation=fold.surface.replacements,
+                content_generation=fold.surface.replacements + fold.offload_generation,
+            )
             detail.route.provider, detail.route.model = priced.provider, priced.model
-            detail.replacement_generation = fold.surface.replacements
-            detail.content_generation = fold.surface.replacements + fold.offload_generation
             anchor = meter.anchor_of(priced)
             if anchor is not None:
                 detail.anchor.seq, detail.anchor.usage_tokens, detail.anchor.delta_tokens = anchor
             revision = fold.revision
         # Read after the lock: the log before ``revision`` is immutable, and may be long.
         history = await _shadow_history(handle, revision)
-        for seq, (by, kind, compaction_id) in sorted(history.items()):
-            detail.shadowed.add(seq=seq, type=kind, shadowed_by_seq=by, compaction_id=compaction_id)
-        return response
+        return nodes + await in_steps(detail_reply_in_steps(detail, sorted(history.items())))
 
     async def brackets(self, session_id: str) -> cpb.ListBracketsResponse:
         """Every bracket of the session's committed log (``NotFound`` when it does not exist)."""

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from functools import partial
@@ -195,8 +196,11 @@ class StepService:
     def _job(self, relief: _Relief, *, first: bool) -> Bracket:
         """The relief's next bracket, on what the step measured last: a request over the window
         reaches for everything but the last unit; the overflow path's (not first) and one whose
-        floor alone is above the trigger write the extractive checkpoint, no model call."""
+        floor alone is above the trigger write the extractive checkpoint, no model call; the
+        overflow path's is not judged by the quality gate (only the shrink check holds)."""
         handle, route, policy = relief.handle, relief.route, relief.policy
+        if not first:  # the last rung: any checkpoint that fits beats a request over the window
+            policy = dataclasses.replace(policy, summary_gate=False)
         maximal = _over_window(relief.report)
         retained = 0 if maximal else self._pressure.spec(handle, route).retained_budget
         return Bracket(
@@ -223,8 +227,8 @@ class StepService:
         if committed is None:  # pruning alone brought the envelope below the trigger
             return None
         if isinstance(committed, Declined):
-            relief.why = f"nothing to compact: {committed.reason}"
-            relief.outcome.warnings.append(relief.why)
+            relief.outcome.warnings.append(_declined_warning(committed))
+            relief.why = _declined_why(committed)
             return False
         relief.brackets += 1
         relief.outcome.compactions.append(committed)
@@ -389,6 +393,22 @@ class StepService:
         except CompactdError:
             result.ClearField("after")  # no capacity for this route: no report, not an error
         return result
+
+
+def _declined_warning(declined: Declined) -> str:
+    """A step's warning for a bracket that did not open. A span failure memory holds back is
+    reported as the failure that put it there (``SUMMARY_NOT_SMALLER``, say), as a bracket
+    failing with it again would be: the reference sends it again and fails the same way."""
+    if declined.code is DeclineCode.KNOWN_FAILURE and declined.cause:
+        return f"compaction failed ({declined.cause}): {declined.reason}"
+    return f"nothing to compact: {declined.reason}"
+
+
+def _declined_why(declined: Declined) -> str:
+    """Why pressure stays above the trigger after ``declined`` (the outcome's detail)."""
+    if declined.code is DeclineCode.KNOWN_FAILURE and declined.cause:
+        return f"the bracket failed with {declined.cause} ({declined.reason})"
+    return f"nothing to compact: {declined.reason}"
 
 
 def _over_window(report: cpb.PressureReport) -> bool:

@@ -22,10 +22,10 @@ differently, a summary that would relieve the destination can fail the shrink ch
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from compactd.core.planner import SHAPES, PlanMode
-from compactd.core.selection import Declined
+from compactd.core.selection import Declined, SelectionMode
 from compactd.errors import CompactdError, CompactionBusy, FailedPrecondition
 from compactd.reasons import Reason
 from compactd.routes import Route
@@ -168,18 +168,36 @@ class SwitchService:
                 handle, SWITCH.trigger, SWITCH.selection_for(attempts), destination, shrink,
                 writer_policy, retained, turn,
             )  # fmt: skip
-            try:
-                committed = await self._brackets.run(job, progress)
-            except CompactionBusy:
-                raise
-            except CompactdError as error:
-                raise _failed(destination, error.reason, error.message, error.metadata) from error
-            if isinstance(committed, Declined):
-                raise _failed(destination, committed.code.value, committed.reason)
+            committed = await self._compact(job, progress)
             if committed is not None:
                 switched.compactions.append(committed)
             attempts += 1
             report = await self._measured(handle, destination, progress, "after compaction")
+
+    async def _compact(self, job: Bracket, progress: Progress) -> cpb.CompactionOutcome | None:
+        """One bracket of the fit; a failure or a decline is the switch's failure.
+
+        A pressure selection that finds nothing older than the destination's retained tail is
+        widened to the maximal one (everything but the last unit), as a retry is: the switch
+        must bring history below the destination's trigger, and the reference selects the
+        single older unit there rather than declining.
+        """
+        committed = await self._bracket(job, progress)
+        if SWITCH.widened(job.mode, committed):
+            committed = await self._bracket(replace(job, mode=SelectionMode.MAXIMAL), progress)
+        if isinstance(committed, Declined):
+            raise _failed(job.route, committed.code.value, committed.reason)
+        return committed
+
+    async def _bracket(
+        self, job: Bracket, progress: Progress
+    ) -> cpb.CompactionOutcome | Declined | None:
+        try:
+            return await self._brackets.run(job, progress)
+        except CompactionBusy:
+            raise
+        except CompactdError as error:
+            raise _failed(job.route, error.reason, error.message, error.metadata) from error
 
     async def _measured(
         self, handle: SessionHandle, destination: Route, progress: Progress, when: str

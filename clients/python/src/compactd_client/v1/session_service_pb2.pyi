@@ -835,7 +835,7 @@ class CompactionPolicy(_message.Message):
     headroom_tokens: _builtins.int
     """`headroomTokens` B, >= 0: headroom beyond the output reservation. Default 65536."""
     retain_ratio: _builtins.float
-    """`retainRatio`, in [0, 1), below `threshold_ratio`: retained budget = floor(retainRatio *
+    """`retainRatio`, in (0, 1], below `threshold_ratio`: retained budget = floor(retainRatio *
     (W - O)). Default 0.16. Excludes `retain_tokens` (setting one replaces the other).
     """
     retain_tokens: _builtins.int

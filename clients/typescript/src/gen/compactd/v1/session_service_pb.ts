@@ -838,7 +838,7 @@ export type CompactionPolicy = Message$1<"compactd.v1.CompactionPolicy"> & {
   headroomTokens?: bigint | undefined;
 
   /**
-   * `retainRatio`, in [0, 1), below `threshold_ratio`: retained budget = floor(retainRatio *
+   * `retainRatio`, in (0, 1], below `threshold_ratio`: retained budget = floor(retainRatio *
    * (W - O)). Default 0.16. Excludes `retain_tokens` (setting one replaces the other).
    *
    * @generated from field: optional double retain_ratio = 3;
