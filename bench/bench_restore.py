@@ -6,16 +6,16 @@ repository's transcripts (``testdata/transcripts``), cycled, as a compacting run
 (each event with an ``event_id``, as a runtime that retries its appends sends them):
 every 1,000 events the older part of the surface is REPLACEd by a summary, so a 100,000-event log
 keeps a surface of a few thousand nodes, as a real long session does. Snapshots every 1,000
-events (the default). Three comparisons:
+events (the default). Two comparisons (another session's calls during a restore are
+``bench/bench_neighbours.py``'s: over gRPC from another process, at the largest surface the
+limits admit):
 
 1. Restart + first CheckPressure on the 100,000-event session (open the store, a new manager,
    restore from the latest snapshot and the log after it, price, report) against reading and
    parsing all its rows raw (``SELECT data ... ORDER BY seq`` + ``ParseFromString``), rounds
    interleaved. Goal: ≤ 2x. The same restore with the snapshot deleted (a full replay) is shown
    for scale.
-2. While that session restores, a small resident session's CheckPressure calls run back to back:
-   their worst latency, against the same calls' worst while nothing restores. Goal: ≤ 50 ms.
-3. RSS per resident session against its surface's bytes: a fresh interpreter restores
+2. RSS per resident session against its surface's bytes: a fresh interpreter restores
    ``--sessions`` sessions of ~300 transcript events each and reports its RSS growth per session
    (after a collection and ``malloc_trim``) next to the mean ``surface_bytes`` (and the log's
    bytes). Goal: ≤ 2x the surface. Their surface is their log; so the same for ``--compacting``
@@ -46,7 +46,6 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 from bench.corpus import SessionEvent, header, summary, surface_events
 from compactd.api.server import settle_interpreter
@@ -85,7 +84,7 @@ async def build(path: Path, events: int, small: int, compacting: int = 0, length
     await store.open()
     try:
         manager, service = _services(store)
-        await _compacting(manager, service, "big", events)
+        await compacting_session(manager, service, "big", events)
         for index in range(small):
             await manager.create(f"s{index}", None)
             handle = await manager.get(f"s{index}")
@@ -95,7 +94,7 @@ async def build(path: Path, events: int, small: int, compacting: int = 0, length
             await service.check(f"s{index}")
             await manager.snapshot(handle)
         for index in range(compacting):
-            await _compacting(manager, service, f"c{index}", length)
+            await compacting_session(manager, service, f"c{index}", length)
             await manager.snapshot(await manager.get(f"c{index}"))
         await manager.close()
     finally:
@@ -112,9 +111,11 @@ def _identified(name: str, events: list[SessionEvent]) -> list[SessionEvent]:
 _ids = itertools.count()
 
 
-async def _compacting(
+async def compacting_session(
     manager: SessionManager, service: PressureService, name: str, events: int
 ) -> None:
+    """The session ``name``: ``events`` transcript events appended ``BATCH`` at a time, the
+    older part of its surface REPLACEd by a summary after each batch (``KEEP`` nodes left)."""
     await manager.create(name, None)
     handle = await manager.get(name)
     await handle.append([header(PROVIDER, MODEL)])
@@ -224,63 +225,7 @@ def _delete_snapshot(path: Path) -> None:
     conn.close()
 
 
-# ---- 2. others' calls during a restore ------------------------------------------------------
-
-
-async def stalls(path: Path, rounds: int) -> list[tuple[str, str, str]]:
-    """Rounds from the snapshot, then one more with the snapshot deleted (a full replay)."""
-    idle_worst, busy_worst, replay_worst = [], [], 0.0
-    for round_ in range(rounds + 1):
-        if round_ == rounds:
-            _delete_snapshot(path)
-        store = SqliteEventStore(str(path))
-        await store.open()
-        try:
-            manager, service = _services(store)
-            await service.check("s0")
-            idle_worst.append(max(await _calls_for(service, 0.5)))
-            restore = asyncio.ensure_future(service.check("big"))
-            samples = await _calls_until(service, restore)
-            if round_ == rounds:
-                replay_worst = max(samples)
-            else:
-                busy_worst.append(max(samples))
-            await manager.close()
-        finally:
-            await store.close()
-    i, b = max(idle_worst), max(busy_worst)
-    return [
-        (
-            "another session's calls during a restore: worst ≤ 50 ms",
-            f"worst {fmt(b)} (during a full replay without a snapshot: {fmt(replay_worst)})",
-            f"the same calls' worst with no restore {fmt(i)}",
-        )
-    ]
-
-
-async def _calls_for(service: PressureService, seconds: float) -> list[float]:
-    samples: list[float] = []
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        start = time.perf_counter()
-        await service.check("s0")
-        samples.append(time.perf_counter() - start)
-        await asyncio.sleep(0)
-    return samples
-
-
-async def _calls_until(service: PressureService, task: asyncio.Future[Any]) -> list[float]:
-    samples: list[float] = []
-    while not task.done():
-        start = time.perf_counter()
-        await service.check("s0")
-        samples.append(time.perf_counter() - start)
-        await asyncio.sleep(0)
-    await task
-    return samples
-
-
-# ---- 3. memory --------------------------------------------------------------------------------
+# ---- 2. memory --------------------------------------------------------------------------------
 
 
 def rss_bytes() -> int:
@@ -388,24 +333,8 @@ async def run(args: argparse.Namespace) -> list[tuple[str, str, str]]:
         print(f"building {args.events:,} events ...", file=sys.stderr, flush=True)
         await build(path, args.events, args.sessions, args.compacting, args.compacting_events)
         rows = await restarts(path, args.rounds)
-        # The snapshot was deleted for the replay figure; the replay's restart wrote none yet
-        # (fewer than 1,000 events since): restore from a fresh one.
-        await _resnapshot(path)
-        rows += await stalls(path, args.rounds)
         rows += memory(path, args.sessions, args.compacting)
         return rows
-
-
-async def _resnapshot(path: Path) -> None:
-    store = SqliteEventStore(str(path))
-    await store.open()
-    try:
-        manager, service = _services(store)
-        await service.check("big")
-        await manager.snapshot(await manager.get("big"))
-        await manager.close()
-    finally:
-        await store.close()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

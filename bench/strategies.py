@@ -37,10 +37,17 @@ Every request is priced alike, with the route's tokenizer (``o200k_base``, the r
   segments, a command by program and first argument, an error by its first 60 characters) that
   the model-visible request still shows right after that compaction and after two more
   compactions of the same session; a request over the window shows nothing. Every strategy is
-  checked on compactd's spans at compactd's steps;
-- **present or recallable 1x / 3x** (compactd): the facts the request shows or the recall tool
-  can give back, i.e. the original events behind a handle of the request (``core.recall``),
-  followed through the handles those events name (goal 100%);
+  checked on compactd's spans at compactd's steps. "all" pools every fact (a span naming hundreds
+  of paths weighs hundreds of times a small one); "span mean" averages each span's share;
+- **pins 1x / 3x**, **open sub-agents 1x / 3x** (compactd only): task state planted in every
+  compactd replay (``plant_task_state``: after the first user message, a ``goal`` pin holding
+  that message's first 200 characters, a ``constraint/1`` pin and a sub-agent started and never
+  ended), looked for at the same steps in the rebuilt request whatever its size (a step over the
+  window is counted in "over W"): each pin's text verbatim, the sub-agent named by the
+  checkpoint's "Open Handles" section (goal 100%);
+- **present or recallable 1x / 3x** (compactd only): the facts ("all") the request shows or the
+  recall tool can give back, i.e. the original events behind a handle of the request
+  (``core.recall``), followed through the handles those events name (goal 100%);
 - **checkpoint/span**: each committed checkpoint's route tokens over its span's, max and mean;
 - **input tokens**: summed over every step of every session. The recall tool's envelope cost
   (its declaration's price with each transcript's tools declared first) is in the line above
@@ -69,6 +76,7 @@ from pathlib import Path
 from typing import Any
 
 from compactd_client import AsyncCompactdClient, anthropic, openai
+from compactd_client.events import pin, subagent_start
 
 from bench import facts as fx
 from compactd import replay as rp
@@ -97,7 +105,8 @@ SURFACE = ("system_message", "developer_message", "user_message", "assistant_mes
 GOALS = (
     "Goals: no step ABOVE without a typed reason; one bracket a step at most; no identical "
     "summary request sent twice; no extractive checkpoint rejected; >= 90% of paths, commands "
-    "and errors after one compaction, >= 80% after three; each checkpoint <= 15% of its span."
+    "and errors after one compaction, >= 80% after three; each checkpoint <= 15% of its span; "
+    "every planted pin and open sub-agent kept (100%)."
 )
 
 
@@ -281,16 +290,44 @@ class StepEnd:
 
 
 def step_end(step: rp.StepRecord) -> StepEnd:
-    """How ``step`` ended.
+    """How ``step`` ended, by the typed ``PrepareStepResult.outcome`` (``PressureOutcome``): sent
+    over the window ``W - O`` (the request a provider would refuse), irreducible (the outcome says
+    nothing reducible is left), or ABOVE the trigger without a typed outcome at all."""
+    over = step.sent_tokens > (step.limit or step.window)
+    irreducible = step.outcome == "OVER_WINDOW_IRREDUCIBLE"
+    return StepEnd(over, irreducible, step.state == "above" and not step.outcome)
 
-    THE ONE PLACE TO SWITCH to the typed ``PrepareStepResult.outcome`` (``PressureOutcome``) when
-    it lands on main: until then a step is ABOVE without a reason when ``after.state`` is ABOVE
-    and ``warnings`` is empty, and irreducible when a warning says nothing is left to compact.
-    """
-    above = step.state == "above"
-    nothing_left = any("nothing to compact" in w or "nothing more to compact" in w
-                       for w in step.warnings)  # fmt: skip
-    return StepEnd(step.sent_tokens > step.window, nothing_left, above and not step.warnings)
+
+# ---- planted task state -----------------------------------------------------------------------
+
+GOAL_CHARS = 200
+CONSTRAINT = "Planted constraint: never edit files outside the repository; report in English."
+
+
+def planted_pins(transcript: rp.Transcript) -> dict[str, str]:
+    """The pins planted in ``transcript``'s replay: its goal and a constraint."""
+    users = [m for m in transcript.messages if m.get("role") == "user"]
+    first = openai.messages_from_events(openai.events_from_messages(users[:1]))
+    goal = " ".join(str(first[0].get("content") or "").split())[:GOAL_CHARS] if first else ""
+    return {"goal": goal or f"Finish the task of {transcript.source}", "constraint/1": CONSTRAINT}
+
+
+def planted_child(transcript: rp.Transcript) -> str:
+    """The id of the sub-agent planted (started, never ended) in ``transcript``'s replay."""
+    return f"bench-sub-{abs(hash(transcript.source)) % 10**8:08d}"
+
+
+def plant_task_state(transcript: rp.Transcript, events: list[Any]) -> list[Any]:
+    """``events`` with the planted pins and open sub-agent after the first user message."""
+    at = next((i + 1 for i, e in enumerate(events) if e.HasField("user_message")), 0)
+    planted = [pin(key, text) for key, text in planted_pins(transcript).items()]
+    planted.append(subagent_start(planted_child(transcript), task="re-run the failing check"))
+    return [*events[:at], *planted, *events[at:]]
+
+
+def handle_line(child: str) -> str:
+    """How a checkpoint names an open sub-agent (``prompts.open_handles_section``)."""
+    return f"sub-agent `{child}` still running"
 
 
 # ---- the tally ---------------------------------------------------------------------------------
@@ -311,25 +348,37 @@ class Tally:
     compactions: int = 0
     shares: list[float] = field(default_factory=list)
     kept: dict[tuple[int, fx.FactKind], list[bool]] = field(default_factory=dict)
-    recallable: dict[tuple[int, fx.FactKind], list[bool]] = field(default_factory=dict)
     managed: bool = False  # compactd: the bracket columns apply
+    pins: dict[int, list[bool]] = field(default_factory=dict)  # 1|3 -> planted pins kept
+    handles: dict[int, list[bool]] = field(default_factory=dict)  # 1|3 -> open sub-agent named
+    recallable: dict[int, list[bool]] = field(default_factory=dict)  # 1|3 -> fact present/recall
 
-    def see(self, after: int, found: Sequence[fx.Fact], text: str, *, recall: bool = False) -> None:
-        """Record which of ``found`` a request's ``text`` shows, ``after`` 1 or 3 compactions
-        (``recall``: ``text`` holds what the recall tool gives back too)."""
-        kept = self.recallable if recall else self.kept
-        for fact, hit in zip(found, fx.kept(found, text), strict=True):
-            kept.setdefault((after, fact.kind), []).append(hit)
+    per_span: dict[int, list[float]] = field(default_factory=dict)  # after -> each span's share
 
-    def share(
-        self, after: int, kinds: Sequence[fx.FactKind] = tuple(fx.FactKind), *, recall: bool = False
-    ) -> str:
-        kept = self.recallable if recall else self.kept
-        hits = [hit for kind in kinds for hit in kept.get((after, kind), [])]
+    def see(self, after: int, found: Sequence[fx.Fact], text: str) -> None:
+        """Record which of ``found`` a request's ``text`` shows, ``after`` 1 or 3 compactions."""
+        hits = fx.kept(found, text)
+        for fact, hit in zip(found, hits, strict=True):
+            self.kept.setdefault((after, fact.kind), []).append(hit)
+        if hits:
+            self.per_span.setdefault(after, []).append(sum(hits) / len(hits))
+
+    def span_mean(self, after: int) -> str:
+        """The share of its facts a compacted span keeps, averaged over the spans."""
+        shares = self.per_span.get(after, [])
+        return f"{sum(shares) / len(shares):.0%}" if shares else "-"
+
+    def share(self, after: int, kinds: Sequence[fx.FactKind] = tuple(fx.FactKind)) -> str:
+        hits = [hit for kind in kinds for hit in self.kept.get((after, kind), [])]
         return f"{sum(hits) / len(hits):.0%}" if hits else "-"
 
     def counted(self, after: int) -> int:
         return sum(len(self.kept.get((after, kind), [])) for kind in fx.FactKind)
+
+    def task_state(self, kept: dict[int, list[bool]], after: int) -> str:
+        """The share of planted pins (or open sub-agents) kept ``after`` compactions."""
+        hits = kept.get(after, [])
+        return f"{sum(hits) / len(hits):.0%}" if hits else "-"
 
 
 @dataclass(frozen=True)
@@ -363,13 +412,28 @@ def fact_plan(log: Sequence[Any], steps: Sequence[rp.StepRecord]) -> list[Planne
     return plan
 
 
-def _look(
-    tally: Tally, plan: Sequence[Planned], text: Callable[[int], str], *, recall: bool = False
+def _look_for_task_state(
+    tally: Tally, plan: Sequence[Planned], text: Callable[[int], str], transcript: rp.Transcript
 ) -> None:
+    """Record whether the planted pins and the open sub-agent are in the rebuilt request at each
+    step ``plan`` looks at (1 and 3 compactions after one)."""
+    pins = planted_pins(transcript).values()
+    child = handle_line(planted_child(transcript))
     for planned in plan:
-        tally.see(1, planned.found, text(planned.after_one), recall=recall)
-        if planned.after_three is not None:
-            tally.see(3, planned.found, text(planned.after_three), recall=recall)
+        for after, step in ((1, planned.after_one), (3, planned.after_three)):
+            if step is not None:
+                seen = text(step)
+                tally.pins.setdefault(after, []).extend(value in seen for value in pins)
+                tally.handles.setdefault(after, []).append(child in seen)
+
+
+def _look_recallable(tally: Tally, plan: Sequence[Planned], text: Callable[[int], str]) -> None:
+    """Record which facts each looked-at request shows or the recall tool can give back."""
+    for planned in plan:
+        for after, step in ((1, planned.after_one), (3, planned.after_three)):
+            if step is not None:
+                hits = fx.kept(planned.found, text(step))
+                tally.recallable.setdefault(after, []).extend(hits)
 
 
 def recallable_text(visible: str, by_seq: dict[int, Any]) -> str:
@@ -402,6 +466,13 @@ def recall_tool_cost(talks: Sequence[Conversation], profile: PricingProfile) -> 
         with_tool = price_tools([*declared, recall_tool("recall")], profile)
         costs.append(with_tool - price_tools(declared, profile))
     return min(costs), max(costs)
+
+
+def _look(tally: Tally, plan: Sequence[Planned], text: Callable[[int], str]) -> None:
+    for planned in plan:
+        tally.see(1, planned.found, text(planned.after_one))
+        if planned.after_three is not None:
+            tally.see(3, planned.found, text(planned.after_three))
 
 
 # ---- the runs ----------------------------------------------------------------------------------
@@ -455,8 +526,9 @@ async def compactd_run(
                     clock.advance(AGENT_STEP_SECONDS)
 
             results = await rp.replay_all(
-                address, transcripts, policy=policy, keep_requests=True, on_step=tick
-            )
+                address, transcripts, policy=policy, keep_requests=True, on_step=tick,
+                plant=plant_task_state,
+            )  # fmt: skip
             logs = []
             async with AsyncCompactdClient(address) as client:
                 for result in results:
@@ -508,7 +580,8 @@ def tally_compactd(run: Run, talks: Sequence[Conversation], profile: PricingProf
     for (result, log), talk in zip(run.replays, talks, strict=True):
         by_seq = {event.seq: event for event in log}
         texts: dict[int, str] = {}
-        recalled: dict[int, str] = {}
+        recalled: dict[int, str] = {}  # what the request shows and the recall tool gives back
+        rebuilt: dict[int, str] = {}  # every request's text, over the window or not
         for index, (step, request) in enumerate(zip(result.steps, result.requests, strict=True)):
             messages = [Message.FromString(m.SerializeToString()) for m in request.messages]
             tokens = talk.envelope + sum(price_message(m, profile).total for m in messages)
@@ -519,7 +592,8 @@ def tally_compactd(run: Run, talks: Sequence[Conversation], profile: PricingProf
             tally.irreducible += tokens > step.window and ended.irreducible
             tally.untyped_above += ended.untyped_above
             # A request over the window is refused by the provider: the model sees nothing.
-            texts[index] = visible_text(messages) if tokens <= step.window else ""
+            rebuilt[index] = visible_text(messages)
+            texts[index] = rebuilt[index] if tokens <= step.window else ""
             recalled[index] = f"{texts[index]}\n{recallable_text(texts[index], by_seq)}"
         per_step = Counter(record.step for record in result.compactions if record.step)
         tally.max_brackets = max(tally.max_brackets, *per_step.values(), 0)
@@ -533,7 +607,8 @@ def tally_compactd(run: Run, talks: Sequence[Conversation], profile: PricingProf
                 tally.shares.append(record.checkpoint_tokens / record.span_tokens)
         plan = fact_plan(log, result.steps)
         _look(tally, plan, texts.__getitem__)
-        _look(tally, plan, recalled.__getitem__, recall=True)
+        _look_for_task_state(tally, plan, rebuilt.__getitem__, talk.transcript)
+        _look_recallable(tally, plan, recalled.__getitem__)
     return tally
 
 
@@ -569,19 +644,24 @@ def tally_strategy(
 
 KINDS = (fx.FactKind.PATH, fx.FactKind.COMMAND, fx.FactKind.ERROR)
 HEADER = ("window", "clock", "strategy", "over W (irreducible)", "untyped ABOVE",
-          "max brackets/step", "re-sent", "rejected", "facts 1x: all", "paths", "commands",
-          "errors", "facts 3x: all", "paths", "commands", "errors",
-          "present or recallable 1x", "3x", "checkpoint/span max", "mean",
-          "input tokens")  # fmt: skip
+          "max brackets/step", "re-sent", "rejected", "facts 1x: all", "span mean", "paths",
+          "commands", "errors", "facts 3x: all", "span mean", "paths", "commands", "errors",
+          "pins 1x / 3x", "open sub-agents 1x / 3x", "present or recallable 1x / 3x",
+          "checkpoint/span max",
+          "mean", "input tokens")  # fmt: skip
 
 
 def row(window: int, clock: str, name: str, t: Tally) -> tuple[str, ...]:
     """One strategy's cells."""
     managed = (str(t.untyped_above), str(t.max_brackets), str(t.resent), str(t.rejected))
     over = f"{t.over_window}/{t.steps}" + (f" ({t.irreducible})" if t.managed else "")
-    facts = [t.share(1), *(t.share(1, (k,)) for k in KINDS)]
-    facts += [t.share(3), *(t.share(3, (k,)) for k in KINDS)]
-    facts += [t.share(1, recall=True), t.share(3, recall=True)] if t.managed else ["-", "-"]
+    facts = [t.share(1), t.span_mean(1), *(t.share(1, (k,)) for k in KINDS)]
+    facts += [t.share(3), t.span_mean(3), *(t.share(3, (k,)) for k in KINDS)]
+    planted = [
+        f"{t.task_state(kept, 1)} / {t.task_state(kept, 3)}"
+        for kept in (t.pins, t.handles, t.recallable)
+    ]
+    facts += planted if t.managed else ["-", "-", "-"]
     shares = (
         (f"{max(t.shares):.1%}", f"{sum(t.shares) / len(t.shares):.1%}") if t.shares else ("-", "-")
     )

@@ -180,3 +180,22 @@ def offload(targets: Mapping[int, Sequence[int]]) -> SessionEvent:
         ]
     )
     return SessionEvent(image_offload=body)
+
+
+def pin(key: str, text: str = "", *, clear: bool = False) -> SessionEvent:
+    """A ``state/pin``: ``text`` in force under ``key``, or ``clear`` to remove the key."""
+    return SessionEvent(state_pin=events_pb2.StatePin(key=key, text=text, clear=clear))
+
+
+def subagent_start(child: str, tool_call_id: str = "", task: str = "") -> SessionEvent:
+    """A ``subagent/start`` of child session ``child``."""
+    body = events_pb2.SubagentStart(child_session_id=child, tool_call_id=tool_call_id, task=task)
+    return SessionEvent(subagent_start=body)
+
+
+def subagent_end(
+    child: str, result: str = "", status: int = events_pb2.SUBAGENT_STATUS_COMPLETED
+) -> SessionEvent:
+    """A ``subagent/end`` of child session ``child``."""
+    body = events_pb2.SubagentEnd(child_session_id=child, status=status, result=result)  # type: ignore[arg-type]
+    return SessionEvent(subagent_end=body)

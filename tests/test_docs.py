@@ -165,14 +165,19 @@ def test_the_telemetry_page_names_every_metric_and_span() -> None:
 # ---- the runnable examples of docs/ ------------------------------------------------------------
 
 
-def _clients_chat() -> Callable[..., str]:
-    """docs/clients.md's ``chat`` function, executed from its Python block."""
-    (code,) = _blocks(DOCS / "clients.md", "python")
+def _clients_function(name: str) -> Callable[..., str]:
+    """docs/clients.md's function ``name``, executed from the Python block that defines it."""
+    (code,) = [c for c in _blocks(DOCS / "clients.md", "python") if f"def {name}(" in c]
     assert code.count("\n") <= 16  # a few lines
     namespace: dict[str, Any] = {}
     exec(code, namespace)
-    chat: Callable[..., str] = namespace["chat"]
-    return chat
+    function: Callable[..., str] = namespace[name]
+    return function
+
+
+def _clients_chat() -> Callable[..., str]:
+    """docs/clients.md's ``chat`` function."""
+    return _clients_function("chat")
 
 
 def _completion(body: Mapping[str, Any], text: str) -> dict[str, Any]:
@@ -211,3 +216,29 @@ async def test_the_clients_page_turn_runs_against_a_live_server(server: RunningS
     assert sent[1]["messages"][2]["content"] == "answer 1"
     assert logged.count("assistant/message") == 2
     assert logged[-1] == "turn/end"
+
+
+async def test_the_clients_page_delegation_runs_against_a_live_server(
+    server: RunningServer,
+) -> None:
+    from compactd_client import CompactdClient
+    from compactd_client.events import request_header, system_message, turn_end, turn_start
+
+    delegate = _clients_function("delegate")
+
+    def run() -> tuple[str, list[str], list[str], list[str]]:
+        with CompactdClient(server.address, timeout=30) as client:
+            sid = client.create_session().session_id
+            opening = [system_message("Be terse."), request_header("openai", "gpt-4o")]
+            client.append_events(sid, [*opening, turn_start(1), turn_end(1)])
+            result = delegate(client, sid, "call-7", lambda child: f"ran in {child}")
+            pins = [p.key for p in client.build_request(sid).pins]
+            children = client.list_sessions(parent_session_id=sid).sessions
+            logged = [e.WhichOneof("body") or "" for e in client.list_events(sid)][-2:]
+            return result, pins, [c.session_id for c in children], logged
+
+    result, pins, children, logged = await asyncio.to_thread(run)
+
+    assert children == [result.removeprefix("ran in ")]
+    assert pins == ["goal"]
+    assert logged == ["subagent_end", "state_pin"]

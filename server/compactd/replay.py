@@ -50,6 +50,10 @@ DEFAULT_ROUTE = ("openai", "gpt-4o")
 BATCH = 500
 
 
+#: Rewrites a transcript's converted events before a replay plays them (``replay``'s ``plant``).
+Plant = Callable[["Transcript", list[SessionEvent]], list[SessionEvent]]
+
+
 @dataclass(frozen=True)
 class Transcript:
     """One recorded conversation."""
@@ -115,6 +119,10 @@ class StepRecord:
     broken_pairs: int = 0
     state: str = ""  # the pressure after PrepareStep: "above" or "below"
     warnings: tuple[str, ...] = ()  # PrepareStep's warnings for this step
+    #: ``PressureOutcome``'s name after PrepareStep (``FITS``, ``ABOVE_TRIGGER``,
+    #: ``OVER_WINDOW_IRREDUCIBLE``, ``OVER_WINDOW``, ``UNPRICED``; "" from a server before it).
+    outcome: str = ""
+    limit: int = 0  # the window less the output reservation: what a request sent must fit
 
 
 @dataclass(frozen=True)
@@ -201,6 +209,7 @@ async def replay(
     session_id: str = "",
     on_step: Progress | None = None,
     keep_requests: bool = False,
+    plant: Plant | None = None,
 ) -> SessionReplay:
     """Play ``transcript`` as one new session; returns its steps and what the log says.
 
@@ -212,6 +221,8 @@ async def replay(
         session_id: The session's id (default: ``replay-`` and a random suffix).
         on_step: Called after each step's ``PrepareStep``.
         keep_requests: Keep each step's rebuilt request (``SessionReplay.requests``).
+        plant: Rewrites the converted events before they are played (a benchmark plants pins
+            and sub-agent events this way); it must keep the log valid.
 
     Raises:
         ValueError: The transcript holds a message the converter does not carry (named).
@@ -222,6 +233,8 @@ async def replay(
     events = openai.events_from_messages(
         transcript.messages, tools=transcript.tools, provider=provider, model=model
     )
+    if plant is not None:
+        events = plant(transcript, events)
     session = await client.create_session(
         session_id or f"replay-{uuid.uuid4().hex[:12]}", compaction_policy=dict(policy or {})
     )
@@ -287,6 +300,8 @@ async def _prepare(
         broken_pairs=broken_tool_pairs(body["messages"], answered),
         state=_state_name(after.state),
         warnings=tuple(prepared.warnings),
+        outcome=_outcome_name(prepared.outcome),
+        limit=after.context_window - after.output_reservation,
     )
     result.steps.append(step)
     if keep_request:  # a copy: the session's next step extends the client's held request
@@ -295,6 +310,13 @@ async def _prepare(
         result.requests.append(kept)
     result.warnings.update(dict.fromkeys(prepared.warnings))
     return step
+
+
+def _outcome_name(outcome: compaction_service_pb2.PressureOutcome.ValueType) -> str:
+    """``PressureOutcome``'s short name (``ABOVE_TRIGGER``), or "" when the server sent none."""
+    if not outcome:
+        return ""
+    return compaction_service_pb2.PressureOutcome.Name(outcome).removeprefix("PRESSURE_OUTCOME_")
 
 
 def broken_tool_pairs(messages: Sequence[Mapping[str, Any]], answered: Container[str]) -> int:
@@ -496,6 +518,7 @@ async def replay_all(
     keep_requests: bool = False,
     credentials: grpc.ChannelCredentials | None = None,
     token: str | None = None,
+    plant: Plant | None = None,
 ) -> list[SessionReplay]:
     """Replay every transcript against ``address``, one session each, in order.
 
@@ -516,6 +539,7 @@ async def replay_all(
                     policy=policy,
                     on_step=step,
                     keep_requests=keep_requests,
+                    plant=plant,
                 )
             )
     return results

@@ -10,7 +10,9 @@ Each keeps a figure of ``bench/`` within its goal; remove one only with that ben
   loop may run other calls) on the event loop, letting other calls run every ``STEP_S`` and
   waiting while they are ready (``let_others_run``), so a large batch's checks, admission,
   pricing and snapshot never hold the loop for long (``bench/bench_appends.py``: a pressure
-  check's p99 beside 1,000-event appends).
+  check's p99 beside 1,000-event appends), nor do the replies of ``GetSurface`` and
+  ``BuildRequest`` (``service.requests``, sent as made: ``api.replies``;
+  ``bench/bench_neighbours.py``: another session's calls beside large reads).
 - ``free_in_steps``: frees a committed large batch's lists in steps, in the background (freeing
   a million-entry list at once is one long pause).
 """

@@ -24,6 +24,7 @@ from tests.builders import (
     assistant,
     header,
     in_step,
+    pin,
     system,
     tool,
     tool_result,
@@ -229,6 +230,27 @@ async def test_an_envelope_over_a_declared_window_is_reported_without_provider_f
 
         assert result.decline == DECLINE.RECOVERY_DECLINE_ENVELOPE_ONLY
         assert (result.figures.context_window, result.figures.window_source) == (4096, "route")
+
+
+async def test_pins_count_in_the_envelope_no_compaction_reduces(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    small = {"provider": PROVIDER, "model": "small", "context_window": 4096, "base_url": "x"}
+    goal = "Keep the public API stable. " * 450  # ~3.2k tokens: the pins alone fit the window
+    async with started(tmp_path, loop, routes=[small]) as h:
+        await h.create(system("Be brief. " * 400), header(PROVIDER, "small"), pin("goal", goal))
+        await h.append(pin("plan", "1. test 2. fix " * 50), *failing_step(1))
+
+        result = (await recover(h, 1, overflow_error())).result
+
+        assert result.decline == DECLINE.RECOVERY_DECLINE_ENVELOPE_ONLY
+        figures = result.figures
+        assert 3000 < figures.pins_tokens < 4096 < figures.envelope_tokens
+        assert figures.envelope_tokens == (
+            figures.system_tokens + figures.tools_tokens + figures.config_tokens
+            + figures.pins_tokens
+        )  # fmt: skip
+        assert f"pins {figures.pins_tokens}" in result.reason
 
 
 async def test_pruning_that_landed_before_a_failed_summary_still_authorizes_a_retry(

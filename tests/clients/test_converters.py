@@ -22,7 +22,7 @@ from compactd.providers import openai_wire
 from compactd.v1 import session_service_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "clients" / "python" / "tests"))
-from transcripts import conversations  # noqa: E402
+from transcripts import conversations
 
 OPENAI = conversations("openai")
 ANTHROPIC = conversations("anthropic")

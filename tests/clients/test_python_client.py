@@ -159,3 +159,32 @@ async def test_the_unary_step_answers_what_the_step_stream_ends_with(
         assert held_step.request_unchanged
         with pytest.raises(NotFoundError):
             await client.prepare_step_unary("no-such-session", 1)
+
+
+async def test_the_client_pins_forks_lists_children_and_logs_subagents(
+    server: RunningServer,
+) -> None:
+    from compactd_client.events import clear_pin, pin, subagent_end, subagent_start, system_message
+
+    async with AsyncCompactdClient(server.address) as client:
+        await client.create_session("parent")
+        await client.append_events(
+            "parent",
+            [system_message("be brief"), turn_start(1), user_message("go"), turn_end(1)],
+        )
+        await client.append_events("parent", [pin("goal", "ship it"), pin("plan", "1. test")])
+        child = await client.create_session("parent.a", parent_session_id="parent", fork_at_seq=3)
+        assert (child.parent_session_id, child.fork_at_seq) == ("parent", 3)
+        await client.append_events(
+            "parent",
+            [subagent_start("parent.a", task="check it"), subagent_end("parent.a", "fine")],
+        )
+        await client.append_events("parent", [clear_pin("plan")])
+
+        built = await client.build_request("parent")
+        assert [(p.key, p.text) for p in built.pins] == [("goal", "ship it")]
+        assert [m.pinned_state for m in built.messages] == [False, True, False]
+        forked = await client.build_request("parent.a")
+        assert [m.content[0].text.text for m in forked.messages] == ["be brief", "go"]
+        children = await client.list_sessions(parent_session_id="parent")
+        assert [s.session_id for s in children.sessions] == ["parent.a"]

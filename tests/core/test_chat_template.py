@@ -30,6 +30,7 @@ from tests.builders import (
     assistant,
     header,
     image_block,
+    pin,
     system,
     tool,
     tool_result,
@@ -425,3 +426,18 @@ def test_profile_keys_are_stable_text_and_tell_templates_apart() -> None:
 def test_a_template_route_names_no_texts_to_count_apart() -> None:
     # It prices the rendered conversation, not each text: the gate prices it whole.
     assert node_texts(user("hello"), QWEN3.pricing) is None
+
+
+def test_pins_are_priced_exactly_as_the_system_message_after_the_head() -> None:
+    c = conversation()
+    c.user("hello")
+    fold = SessionFold()
+    meter = SessionMeter(fold)
+    meter.observe(fold, fold.admit([*c.events, pin("goal", "Ship the parser, 中文 too.")]))
+    measured = meter.measure(fold, QWEN3)
+    message = fold.pins_message()
+    assert message is not None
+    pinned: ChatMessage = {"role": "system", "content": message.content[0].text.text}
+    assert measured == recount(fold, QWEN3)
+    assert measured.pins > 0
+    assert measured.total == len(reference_ids([*c.head(), pinned, *c.chat], CHAT_TOOLS))

@@ -269,3 +269,18 @@ def test_judging_what_examine_found_is_judging_the_summary(text: str) -> None:
         judge, text, SPAN, PROBES, checkpoint_tokens=100, span_tokens=1000, settings=SETTINGS
     )
     assert judged(findings=examine(text, SPAN, PROBES)) == judged()
+
+
+def test_a_probe_the_pins_hold_is_kept_without_the_summary_repeating_it() -> None:
+    probes = [
+        Probe(ProbeKind.REQUEST, "Make the parser accept trailing commas in every list"),
+        Probe(ProbeKind.PATH, "src/parser/lists.py"),
+    ]
+    summary = "## Files Touched\n- src/parser/lists.py"
+    pins = "[goal]\nMake the parser accept trailing commas in every list, then release."
+
+    alone = examine(summary, [], probes)
+    pinned = examine(summary, [], probes, pinned=pins)
+
+    assert alone.retention.kept == (False, True)
+    assert pinned.retention.kept == (True, True)

@@ -33,6 +33,7 @@ from tests.builders import (
     header,
     image_block,
     offload,
+    pin,
     replace,
     system,
     tool,
@@ -355,7 +356,7 @@ class Driver:
         kind = self.draw(
             st.sampled_from(
                 ["user", "assistant", "call", "prune", "double_prune", "checkpoint", "offload",
-                 "append_offload", "header", "system"]
+                 "append_offload", "header", "system", "pin", "unpin"]
             )
         )  # fmt: skip
         events: list[SessionEvent] = getattr(self, f"_{kind}")()
@@ -450,6 +451,16 @@ class Driver:
         if head is not None and head.type == "system/message" and self.draw(st.booleans()):
             return [replace(system(self._text()), head.seq, head.seq, [head.seq])]
         return [system(self._text())]
+
+    def _pin(self) -> list[SessionEvent]:
+        key = self.draw(st.sampled_from(["goal", "plan", "fix"]))
+        return [pin(key, "p" + self._text())]
+
+    def _unpin(self) -> list[SessionEvent]:
+        keys = sorted(self.session.fold.pins)
+        if not keys:
+            return self._pin()
+        return [pin(self.draw(st.sampled_from(keys)), clear=True)]
 
     def step(self) -> None:
         events = self.batch()
@@ -637,3 +648,31 @@ def test_dropping_a_span_at_once_equals_dropping_its_nodes_in_turn(
     assert (span.costs, span.messages, span.images, span.delta) == (
         one.costs, one.messages, one.images, one.delta,
     )  # fmt: skip
+
+
+# ---- pinned state ----------------------------------------------------------------------------
+
+
+def test_pins_are_their_own_part_of_the_envelope_and_leave_when_cleared() -> None:
+    session = Session(routed(), system("head"), user("hi"))
+    before = session.measure()
+    session.add(pin("goal", "ship the parser"), pin("plan", "1. lex 2. parse"))
+    pinned = session.measure()
+    message = session.fold.pins_message()
+    assert message is not None
+    assert pinned.pins == route_price(message, ROUTE) > 0
+    assert pinned.total == before.total + pinned.pins
+    assert pinned.messages == before.messages
+    assert pinned.system == before.system
+    assert pinned == recount(session.fold, ROUTE)
+    session.add(pin("goal", clear=True), pin("plan", clear=True))
+    assert session.measure().total == before.total
+    assert session.measure().pins == 0
+
+
+def test_a_pin_change_ends_the_usage_anchor() -> None:
+    session = Session(routed(), system("head"), user("hi"), with_usage(assistant("ok"), 900))
+    assert session.measure().method is Method.ANCHORED
+    session.add(pin("goal", "ship it"))
+    assert session.measure() == recount(session.fold, ROUTE)
+    assert session.measure().method is not Method.ANCHORED

@@ -483,4 +483,4 @@ def test_a_clip_keeps_the_whole_characters_that_fit_in_its_code_units(
 def test_a_high_reduction_ratio_asks_for_a_span_the_minimum_checkpoint_fits() -> None:
     assert minimum_span_tokens(None) == 0
     assert minimum_span_tokens(0.1) == 0
-    assert minimum_span_tokens(0.85) == math.ceil(MIN_CHECKPOINT_TOKENS / 0.15)
+    assert minimum_span_tokens(0.85) == math.ceil(MIN_CHECKPOINT_TOKENS / (0.15 * 0.9)) == 1852

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from compactd.core import events as ev
 from compactd.core.fold import SessionFold
 from compactd.core.meter import SessionMeter
+from compactd.core.pins import pin_list
 from compactd.core.projection import project
 from compactd.core.steps import run_to_end
 from compactd.core.surface import SurfaceNode
@@ -21,8 +22,9 @@ from compactd.errors import InvalidArgument
 from compactd.service.requests import (
     REPLY_CHUNK,
     build_request,
-    detail_reply_in_steps,
+    detail_parts_in_steps,
     request_reply_in_steps,
+    surface_parts_in_steps,
     surface_reply_in_steps,
     surface_response,
 )
@@ -35,6 +37,7 @@ from tests.builders import (
     header,
     image_block,
     offload,
+    pin,
     replace,
     system,
     tool,
@@ -64,7 +67,10 @@ def _old_surface(fold: SessionFold) -> pb.GetSurfaceResponse:
 def _old_request(fold: SessionFold) -> pb.BuildRequestResponse:
     """BuildRequest's reply as it was built before replies were made in steps."""
     response = pb.BuildRequestResponse(
-        revision=fold.revision, messages=fold.messages(), header_seq=fold.header_seq
+        revision=fold.revision,
+        messages=fold.messages(),
+        header_seq=fold.header_seq,
+        pins=pin_list(fold.pin_texts()),
     )
     if fold.header is not None:
         if fold.header.HasField("config"):
@@ -96,6 +102,10 @@ def _event(kind: int, index: int, fold: SessionFold) -> events_pb2.SessionEvent:
         return replace(user(f"summary {index}"), start=start, end=end, sources=sources)
     if kind == 7:
         return checkpoint(f"k{index}", f"checkpoint {index}")
+    if kind == 9:
+        return pin(f"key{index % 3}", f"pinned {index}")
+    if kind == 10 and fold.pins:
+        return pin(sorted(fold.pins)[0], clear=True)
     return header("openai", "gpt-4o", tools=[tool(f"t{index}", description="d")])
 
 
@@ -122,7 +132,7 @@ def test_a_surface_reply_made_in_steps_is_the_bytes_of_the_reply_built_at_once(
     assert surface_response(_handle(fold)).SerializeToString() == expected
 
 
-@given(st.lists(st.integers(0, 8), max_size=4 * REPLY_CHUNK))
+@given(st.lists(st.integers(0, 10), max_size=4 * REPLY_CHUNK))
 def test_a_request_reply_made_in_steps_is_the_bytes_of_the_request_built_at_once(
     kinds: list[int],
 ) -> None:
@@ -181,6 +191,6 @@ def test_a_surface_with_detail_made_in_steps_is_the_bytes_of_the_reply_built_at_
         expected.detail.shadowed.add(
             seq=seq, type=kind, shadowed_by_seq=by, compaction_id=compaction_id
         )
-    made = run_to_end(surface_reply_in_steps(fold, _priced))
-    made += run_to_end(detail_reply_in_steps(head, shadowed))
-    assert made == expected.SerializeToString()
+    made = run_to_end(surface_parts_in_steps(fold, _priced))
+    made += run_to_end(detail_parts_in_steps(head, shadowed))
+    assert b"".join(made) == expected.SerializeToString()

@@ -87,6 +87,31 @@ async def test_list_sessions_reports_current_revisions(store: EventStore) -> Non
     assert record.revision == 3
 
 
+async def test_children_name_their_parent_and_list_by_it_a_page_at_a_time(
+    store: EventStore,
+) -> None:
+    await store.create_session("p", None)
+    made = await store.create_session("p.b", None, parent="p", fork_at_seq=4)
+    for session_id in ["p.c", "p.a"]:
+        await store.create_session(session_id, None, parent="p")
+    await store.create_session("q.a", None, parent="q")
+    await store.create_session("p.x", None, parent="p", tenant="other")
+
+    first = await store.list_sessions(parent="p", limit=2)
+    rest = await store.list_sessions(parent="p", after=first[-1].session_id)
+    record = await store.get_session("p.b")
+
+    assert [r.session_id for r in first + rest] == ["p.a", "p.b", "p.c"]
+    assert record == made
+    assert (record.parent_session_id, record.fork_at_seq) == ("p", 4)
+    assert (rest[0].parent_session_id, rest[0].fork_at_seq) == ("p", None)
+    assert [r.session_id for r in await store.list_sessions(parent="p", tenant="other")] == ["p.x"]
+    assert len(await store.list_sessions()) == 5
+    top = await store.get_session("p")
+    assert top is not None
+    assert (top.parent_session_id, top.fork_at_seq) == ("", None)
+
+
 async def test_list_sessions_rejects_a_limit_below_one(store: EventStore) -> None:
     with pytest.raises(errors.InvalidArgument):
         await store.list_sessions(limit=0)

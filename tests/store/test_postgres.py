@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -12,8 +13,10 @@ import psycopg
 import pytest
 
 from compactd import cli, deadlines, errors
-from compactd.store import postgres_schema
+from compactd.store import base, postgres_schema
+from compactd.store import postgres as postgres_store
 from compactd.store.postgres import PostgresEventStore
+from compactd.v1 import events_pb2
 from tests import postgres
 from tests.blackhole import BlackHoleRelay
 
@@ -201,6 +204,28 @@ def test_serve_refuses_an_older_schema_and_migrate_brings_it_up(
     assert cli.main(["migrate", "--store", url]) == 0
     assert capsys.readouterr().out.strip() == f"schema at version {postgres_schema.SCHEMA_VERSION}"
     assert cli.main(["migrate", "--store", url]) == 0  # idempotent
+
+
+async def test_read_seqs_parses_the_events_off_the_event_loop(
+    store: PostgresEventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await store.create_session("s", None)
+    await store.append("s", batch(0, 600))
+    parsed_in: set[int] = set()
+    decode = base.decode_event
+
+    def watched(data: bytes) -> events_pb2.SessionEvent:
+        parsed_in.add(threading.get_ident())
+        return decode(data)
+
+    monkeypatch.setattr(base, "decode_event", watched)
+    monkeypatch.setattr(postgres_store, "SEQS_PER_READ", 256)  # three queries
+    found = await store.read_seqs("s", range(600))
+    # A restore reads a whole surface at once: tens of thousands of events parsed on the loop
+    # would pause every other call for as long.
+    assert [e.seq for e in found] == list(range(600))
+    assert parsed_in
+    assert threading.get_ident() not in parsed_in
 
 
 # ---- a database that stops answering (audit item 4) ------------------------------------------

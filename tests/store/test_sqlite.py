@@ -12,6 +12,7 @@ import pytest
 
 from compactd import errors
 from compactd.store import SqliteEventStore
+from compactd.store.sqlite import SCHEMA_VERSION
 
 from .builders import batch, user_event, wire
 
@@ -288,10 +289,33 @@ async def test_a_version_1_database_migrates_its_sessions_to_the_default_tenant(
         assert await store.append("legacy", batch(3, 1, "old-")) == 4
 
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     assert tables == {"sessions", "events", "snapshots"}  # snapshots: issue 11
     assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
+    conn.close()
+
+
+async def test_a_version_2_database_gains_the_parent_columns(tmp_path: Path) -> None:
+    path = tmp_path / "v2.db"
+    async with SqliteEventStore(str(path)) as store:
+        await store.create_session("kept", '{"x": 1}')
+        await store.append("kept", batch(0, 2))
+    conn = sqlite3.connect(path)  # back to version 2: its sessions table had no parent columns
+    conn.executescript(
+        "DROP INDEX sessions_parent; ALTER TABLE sessions DROP COLUMN parent_id;"
+        " ALTER TABLE sessions DROP COLUMN fork_at_seq; PRAGMA user_version = 2;"
+    )
+    conn.close()
+
+    async with SqliteEventStore(str(path)) as store:
+        record = await store.get_session("kept")
+        assert record is not None
+        assert (record.revision, record.parent_session_id, record.fork_at_seq) == (2, "", None)
+        await store.create_session("kept.child", None, parent="kept", fork_at_seq=1)
+        assert [r.session_id for r in await store.list_sessions(parent="kept")] == ["kept.child"]
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
     conn.close()
 
 

@@ -45,12 +45,13 @@ const join = "\n\n"
 // EventsFromMessages returns the events that log an Anthropic conversation as a valid log.
 func EventsFromMessages(messages []Message, opts Options) ([]*v1.SessionEvent, error) {
 	timeline := convert.NewTimeline(opts.FirstTurn)
-	switch system := opts.System.(type) {
+	system := ""
+	switch value := opts.System.(type) {
 	case nil:
 	case string:
-		timeline.Other(compactd.SystemMessage(system))
+		system = value
 	default:
-		blocks, err := convert.Array(system, "system")
+		blocks, err := convert.Array(value, "system")
 		if err != nil {
 			return nil, err
 		}
@@ -58,7 +59,11 @@ func EventsFromMessages(messages []Message, opts Options) ([]*v1.SessionEvent, e
 		for _, b := range blocks {
 			texts = append(texts, convert.String(b, "text"))
 		}
-		timeline.Other(compactd.SystemMessage(strings.Join(texts, join)))
+		system = strings.Join(texts, join)
+	}
+	// A rebuilt request's pins are not the system prompt: compactd renders them.
+	if kept := convert.WithoutPins(system); opts.System != nil && (kept != "" || kept == system) {
+		timeline.Other(compactd.SystemMessage(kept))
 	}
 	if opts.Model != "" {
 		provider := opts.Provider
@@ -311,7 +316,7 @@ func render(messages []*v1.Message) (Rendered, error) {
 			for _, b := range m.GetContent() {
 				texts = append(texts, b.GetText().GetText())
 			}
-			if len(rendered) == 0 {
+			if len(rendered) == 0 || m.GetPinnedState() { // pins always join the system text
 				system = append(system, strings.Join(texts, join))
 				continue
 			}

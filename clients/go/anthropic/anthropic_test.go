@@ -95,3 +95,29 @@ func TestASystemMessageBetweenACallAndItsResultRendersAfterTheToolResult(t *test
 		t.Fatalf("got %+v", last)
 	}
 }
+
+func TestPinsJoinTheSystemTextAndAreDroppedOnImport(t *testing.T) {
+	pins := "<pinned-state>\n[goal]\nship it\n</pinned-state>"
+	request := &compactdv1.BuildRequestResponse{
+		Messages: []*compactdv1.Message{
+			{Role: compactdv1.MessageRole_MESSAGE_ROLE_SYSTEM, Content: []*compactdv1.ContentBlock{compactd.Text("be brief")}},
+			{Role: compactdv1.MessageRole_MESSAGE_ROLE_SYSTEM, PinnedState: true, Content: []*compactdv1.ContentBlock{compactd.Text(pins)}},
+			{Role: compactdv1.MessageRole_MESSAGE_ROLE_USER, Content: []*compactdv1.ContentBlock{compactd.Text("hi")}},
+		},
+		Config: &compactdv1.RequestConfig{Model: "m"},
+	}
+	body, err := anthropic.RequestBody(request, 64, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if body["system"] != "be brief\n\n"+pins {
+		t.Fatalf("system: %q", body["system"])
+	}
+	events, err := anthropic.EventsFromMessages(body["messages"].([]anthropic.Message), anthropic.Options{System: body["system"]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if events[0].GetSystemMessage().GetText() != "be brief" {
+		t.Fatalf("imported system: %q", events[0].GetSystemMessage().GetText())
+	}
+}

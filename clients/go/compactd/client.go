@@ -129,6 +129,32 @@ func (c *Client) GetSurface(ctx context.Context, sessionID string) (*v1.GetSurfa
 	return resp, FromError(err)
 }
 
+// CreateChildSession creates a sub-agent's session: a child of parentSessionID (of the same
+// tenant; ErrNotFound when it does not exist). With forkAtSeq (nil: none) the child starts with
+// a copy of the parent's surface as it stood right after that seq.
+func (c *Client) CreateChildSession(ctx context.Context, sessionID, parentSessionID string, forkAtSeq *int64) (*v1.Session, error) {
+	ctx, cancel := c.unaryContext(ctx)
+	defer cancel()
+	resp, err := c.Sessions.CreateSession(ctx, &v1.CreateSessionRequest{
+		SessionId: sessionID, ParentSessionId: parentSessionID, ForkAtSeq: forkAtSeq,
+	})
+	if err != nil {
+		return nil, FromError(err)
+	}
+	return resp.GetSession(), nil
+}
+
+// ListSessions returns one page of the caller's tenant's sessions in id order (NextPageToken ""
+// at the end); with parentSessionID, that session's children only.
+func (c *Client) ListSessions(ctx context.Context, pageSize int32, pageToken, parentSessionID string) (*v1.ListSessionsResponse, error) {
+	ctx, cancel := c.unaryContext(ctx)
+	defer cancel()
+	resp, err := c.Sessions.ListSessions(ctx, &v1.ListSessionsRequest{
+		PageSize: pageSize, PageToken: pageToken, ParentSessionId: parentSessionID,
+	})
+	return resp, FromError(err)
+}
+
 // BuildRequest returns the reconstructed model request.
 func (c *Client) BuildRequest(ctx context.Context, sessionID string) (*v1.BuildRequestResponse, error) {
 	ctx, cancel := c.unaryContext(ctx)

@@ -90,6 +90,35 @@ func RequestHeader(provider, model string, tools ...*v1.ToolDeclaration) *v1.Ses
 	}}}
 }
 
+// Pin returns a state/pin: text is in force under key (replacing the key's earlier pin) and is
+// never summarized; every rebuilt request shows the pins in force right after the system head.
+// key: 1-64 characters of [A-Za-z0-9._:/-] ("goal", "plan", ...).
+func Pin(key, text string) *v1.SessionEvent {
+	return &v1.SessionEvent{Body: &v1.SessionEvent_StatePin{StatePin: &v1.StatePin{Key: key, Text: text}}}
+}
+
+// ClearPin returns a state/pin that removes key from the pins in force.
+func ClearPin(key string) *v1.SessionEvent {
+	return &v1.SessionEvent{Body: &v1.SessionEvent_StatePin{StatePin: &v1.StatePin{Key: key, Clear: true}}}
+}
+
+// SubagentStart returns a subagent/start (in the parent's log): a sub-agent runs in session
+// childSessionID, spawned by tool call toolCallID ("" if none), to do task (one line). Until its
+// subagent/end, every checkpoint of the parent lists it as an open handle.
+func SubagentStart(childSessionID, toolCallID, task string) *v1.SessionEvent {
+	return &v1.SessionEvent{Body: &v1.SessionEvent_SubagentStart{SubagentStart: &v1.SubagentStart{
+		ChildSessionId: childSessionID, ToolCallId: toolCallID, Task: task,
+	}}}
+}
+
+// SubagentEnd returns a subagent/end (in the parent's log): the sub-agent of childSessionID
+// ended with status; result summarizes it.
+func SubagentEnd(childSessionID string, status v1.SubagentStatus, result string) *v1.SessionEvent {
+	return &v1.SessionEvent{Body: &v1.SessionEvent_SubagentEnd{SubagentEnd: &v1.SubagentEnd{
+		ChildSessionId: childSessionID, Status: status, Result: result,
+	}}}
+}
+
 // Route returns a provider/model route.
 func Route(provider, model string) *v1.Route { return &v1.Route{Provider: provider, Model: model} }
 
@@ -136,6 +165,14 @@ func EventType(e *v1.SessionEvent) string {
 		return "llm/retry"
 	case *v1.SessionEvent_CompactionSummaryError:
 		return "compaction/summary-error"
+	case *v1.SessionEvent_StatePin:
+		return "state/pin"
+	case *v1.SessionEvent_SubagentStart:
+		return "subagent/start"
+	case *v1.SessionEvent_SubagentEnd:
+		return "subagent/end"
+	case *v1.SessionEvent_SessionFork:
+		return "session/fork"
 	}
 	return ""
 }

@@ -156,6 +156,7 @@ func view(r *v1.BuildRequestResponse) *v1.BuildRequestResponse {
 		AdapterDefaults: r.GetAdapterDefaults(),
 		Tools:           r.GetTools(),
 		HeaderSeq:       r.GetHeaderSeq(),
+		Pins:            r.GetPins(),
 	}
 }
 

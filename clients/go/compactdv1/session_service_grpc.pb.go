@@ -17,10 +17,15 @@ const _ = grpc.SupportPackageIsVersion7
 //
 // For semantics around ctx use and closing/ending streaming RPCs, please refer to https://pkg.go.dev/google.golang.org/grpc/?tab=doc#ClientConn.NewStream.
 type SessionServiceClient interface {
-	// Creates an empty session. Idempotent: a retried create with the same `session_id` and the
-	// same `compaction_policy` answers the existing session (with its current revision).
-	// Errors: ALREADY_EXISTS if `session_id` is taken with a different policy; INVALID_ARGUMENT
-	// for a malformed id or compaction policy (reason `POLICY_INVALID`).
+	// Creates an empty session. Idempotent: a retried create with the same `session_id`, the
+	// same `compaction_policy` and the same parent answers the existing session (with its current
+	// revision). With `parent_session_id` the session is a child (a sub-agent's) of that session
+	// of the caller's tenant; with `fork_at_seq` too, it starts with a copy of the parent's surface
+	// as it stood after that seq (see `fork_at_seq`).
+	// Errors: ALREADY_EXISTS if `session_id` is taken with a different policy or parent;
+	// INVALID_ARGUMENT for a malformed id or compaction policy (reason `POLICY_INVALID`), or a
+	// `fork_at_seq` without a parent or outside the parent's log (reason `FORK_SEQ_INVALID`);
+	// NOT_FOUND when the parent does not exist for the caller.
 	CreateSession(ctx context.Context, in *CreateSessionRequest, opts ...grpc.CallOption) (*CreateSessionResponse, error)
 	// Appends a batch of a runtime's events atomically: all are committed and synced before the
 	// reply, or none. Errors: NOT_FOUND; INVALID_ARGUMENT (with google.rpc.BadRequest field
@@ -46,7 +51,8 @@ type SessionServiceClient interface {
 	// from the latest `request/header`, registered projections (image offload) applied.
 	// Errors: NOT_FOUND.
 	BuildRequest(ctx context.Context, in *BuildRequestRequest, opts ...grpc.CallOption) (*BuildRequestResponse, error)
-	// Lists the caller's tenant's sessions in id order, a page at a time.
+	// Lists the caller's tenant's sessions in id order, a page at a time; with
+	// `parent_session_id`, only that session's children.
 	// Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` that is not of the
 	// form this server issues (it names the last session id of the previous page).
 	ListSessions(ctx context.Context, in *ListSessionsRequest, opts ...grpc.CallOption) (*ListSessionsResponse, error)
@@ -175,10 +181,15 @@ func (c *sessionServiceClient) Recall(ctx context.Context, in *RecallRequest, op
 // All implementations must embed UnimplementedSessionServiceServer
 // for forward compatibility
 type SessionServiceServer interface {
-	// Creates an empty session. Idempotent: a retried create with the same `session_id` and the
-	// same `compaction_policy` answers the existing session (with its current revision).
-	// Errors: ALREADY_EXISTS if `session_id` is taken with a different policy; INVALID_ARGUMENT
-	// for a malformed id or compaction policy (reason `POLICY_INVALID`).
+	// Creates an empty session. Idempotent: a retried create with the same `session_id`, the
+	// same `compaction_policy` and the same parent answers the existing session (with its current
+	// revision). With `parent_session_id` the session is a child (a sub-agent's) of that session
+	// of the caller's tenant; with `fork_at_seq` too, it starts with a copy of the parent's surface
+	// as it stood after that seq (see `fork_at_seq`).
+	// Errors: ALREADY_EXISTS if `session_id` is taken with a different policy or parent;
+	// INVALID_ARGUMENT for a malformed id or compaction policy (reason `POLICY_INVALID`), or a
+	// `fork_at_seq` without a parent or outside the parent's log (reason `FORK_SEQ_INVALID`);
+	// NOT_FOUND when the parent does not exist for the caller.
 	CreateSession(context.Context, *CreateSessionRequest) (*CreateSessionResponse, error)
 	// Appends a batch of a runtime's events atomically: all are committed and synced before the
 	// reply, or none. Errors: NOT_FOUND; INVALID_ARGUMENT (with google.rpc.BadRequest field
@@ -204,7 +215,8 @@ type SessionServiceServer interface {
 	// from the latest `request/header`, registered projections (image offload) applied.
 	// Errors: NOT_FOUND.
 	BuildRequest(context.Context, *BuildRequestRequest) (*BuildRequestResponse, error)
-	// Lists the caller's tenant's sessions in id order, a page at a time.
+	// Lists the caller's tenant's sessions in id order, a page at a time; with
+	// `parent_session_id`, only that session's children.
 	// Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` that is not of the
 	// form this server issues (it names the last session id of the previous page).
 	ListSessions(context.Context, *ListSessionsRequest) (*ListSessionsResponse, error)

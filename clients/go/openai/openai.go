@@ -63,6 +63,9 @@ func EventsFromMessages(messages []Message, opts Options) ([]*v1.SessionEvent, e
 		}
 		switch role {
 		case "system":
+			if convert.IsPins(text(m)) {
+				continue // the pinned-state message of a rebuilt request: compactd renders it
+			}
 			timeline.Other(compactd.SystemMessage(text(m)))
 		case "developer":
 			timeline.Other(&v1.SessionEvent{Body: &v1.SessionEvent_DeveloperMessage{DeveloperMessage: &v1.DeveloperMessage{Text: text(m)}}})

@@ -4,6 +4,8 @@ import (
 	"reflect"
 	"testing"
 
+	"compactd.dev/client/compactd"
+	v1 "compactd.dev/client/compactdv1"
 	"compactd.dev/client/internal/convert"
 	"compactd.dev/client/internal/transcripts"
 	"compactd.dev/client/openai"
@@ -55,5 +57,36 @@ func TestUnknownRolesAreNamed(t *testing.T) {
 	_, err := openai.EventsFromMessages([]map[string]interface{}{{"role": "function"}}, openai.Options{})
 	if err == nil || err.Error() != `messages[0]: role "function" is not carried` {
 		t.Fatalf("got %v", err)
+	}
+}
+
+func TestPinsFollowTheHeadAndNeverComeBackAsConversationMessages(t *testing.T) {
+	request := &v1.BuildRequestResponse{
+		Messages: []*v1.Message{
+			{Role: v1.MessageRole_MESSAGE_ROLE_SYSTEM, Content: []*v1.ContentBlock{compactd.Text("be brief")}},
+			{Role: v1.MessageRole_MESSAGE_ROLE_SYSTEM, PinnedState: true,
+				Content: []*v1.ContentBlock{compactd.Text("<pinned-state>\n[goal]\nship it\n</pinned-state>")}},
+			{Role: v1.MessageRole_MESSAGE_ROLE_USER, Content: []*v1.ContentBlock{compactd.Text("hi")}},
+		},
+		Config: &v1.RequestConfig{Model: "m"},
+	}
+	body, err := openai.RequestBody(request, openai.BodyOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	messages := body["messages"].([]openai.Message)
+	if len(messages) != 3 || messages[1]["role"] != "system" {
+		t.Fatalf("the pins are not the system message after the head: %v", messages)
+	}
+	events, err := openai.EventsFromMessages(messages, openai.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rendered, err := openai.MessagesFromEvents(events, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rendered) != 2 || rendered[0]["content"] != "be brief" || rendered[1]["content"] != "hi" {
+		t.Fatalf("the pins came back as conversation messages: %v", rendered)
 	}
 }

@@ -219,3 +219,17 @@ def test_any_conversation_round_trips_into_a_valid_log(messages: list[dict[str, 
     events = anthropic.events_from_messages(messages)
     assert step_rule_violations(events) == []
     assert anthropic.messages_from_events(events) == {"messages": messages}
+
+
+def test_pins_join_the_system_text_and_are_dropped_on_import() -> None:
+    from test_openai import _pinned_request
+
+    body = anthropic.request_body(_pinned_request(), max_tokens=64)
+    assert body["system"].startswith("be brief\n\n<pinned-state>")
+    assert body["messages"] == [{"role": "user", "content": "hi"}]
+    events = anthropic.events_from_messages(body["messages"], system=body["system"])
+    assert events[0].system_message.text == "be brief"
+    only_pins = anthropic.events_from_messages(
+        body["messages"], system=body["system"].split("\n\n", 1)[1]
+    )
+    assert not any(e.HasField("system_message") for e in only_pins)

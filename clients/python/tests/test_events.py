@@ -63,3 +63,27 @@ def test_request_header_sets_optional_settings_only_when_given() -> None:
     assert full.config.max_output_tokens == 512
     assert json.loads(full.tools[0].input_schema_json) == {"type": "object"}
     assert event_type(turn_start(1)) == "turn/start"
+
+
+def test_pins_and_subagents_have_typed_builders() -> None:
+    from compactd_client.events import clear_pin, event_type, pin, subagent_end, subagent_start
+    from compactd_client.v1 import events_pb2 as pb
+
+    assert pin("goal", "ship", event_id="p1") == pb.SessionEvent(
+        event_id="p1", state_pin=pb.StatePin(key="goal", text="ship")
+    )
+    assert clear_pin("goal").state_pin == pb.StatePin(key="goal", clear=True)
+    start = subagent_start("child", tool_call_id="c1", task="find it")
+    assert start.subagent_start == pb.SubagentStart(
+        child_session_id="child", tool_call_id="c1", task="find it"
+    )
+    end = subagent_end("child", "found", status=pb.SUBAGENT_STATUS_FAILED)
+    assert (end.subagent_end.status, end.subagent_end.result) == (
+        pb.SUBAGENT_STATUS_FAILED,
+        "found",
+    )
+    assert [event_type(e) for e in (pin("g", "t"), start, end)] == [
+        "state/pin",
+        "subagent/start",
+        "subagent/end",
+    ]

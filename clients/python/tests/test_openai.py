@@ -205,3 +205,29 @@ def test_any_conversation_round_trips_into_a_valid_log(messages: list[dict[str, 
     events = openai.events_from_messages(messages, provider="p", model="m")
     assert step_rule_violations(events) == []
     assert openai.messages_from_events(events) == messages
+
+
+def _pinned_request() -> session_service_pb2.BuildRequestResponse:
+    def text(role: int, value: str, *, pinned: bool = False) -> session_service_pb2.Message:
+        block = events_pb2.ContentBlock(text=events_pb2.TextBlock(text=value))
+        return session_service_pb2.Message(role=role, content=[block], pinned_state=pinned)
+
+    pins = "<pinned-state>\nkept\n\n[goal]\nship it\n</pinned-state>"
+    return session_service_pb2.BuildRequestResponse(
+        messages=[
+            text(session_service_pb2.MESSAGE_ROLE_SYSTEM, "be brief"),
+            text(session_service_pb2.MESSAGE_ROLE_SYSTEM, pins, pinned=True),
+            text(session_service_pb2.MESSAGE_ROLE_USER, "hi"),
+        ],
+        config=events_pb2.RequestConfig(model="gpt-4o"),
+        pins=[events_pb2.StatePin(key="goal", text="ship it")],
+    )
+
+
+def test_pins_render_after_the_head_and_never_come_back_as_conversation_messages() -> None:
+    body = openai.request_body(_pinned_request())
+    assert [m["role"] for m in body["messages"]] == ["system", "system", "user"]
+    assert body["messages"][1]["content"].startswith("<pinned-state>")
+    events = openai.events_from_messages(body["messages"])
+    assert [m["content"] for m in openai.messages_from_events(events)] == ["be brief", "hi"]
+    assert not any(e.HasField("state_pin") for e in events)

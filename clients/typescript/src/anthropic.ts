@@ -28,7 +28,7 @@ import {
 } from "./gen/compactd/v1/events_pb.js";
 import { type BuildRequestResponse, type Message, MessageRole } from "./gen/compactd/v1/session_service_pb.js";
 import { requestHeader, textBlock } from "./events.js";
-import { addSettings, projectEvents } from "./project.js";
+import { addSettings, projectEvents, withoutPins } from "./project.js";
 import { Timeline } from "./timeline.js";
 
 /** A Messages API content block. */
@@ -71,7 +71,10 @@ export function eventsFromMessages(messages: AnthropicMessage[], opts: ImportOpt
   if (opts.system !== undefined) {
     const text =
       typeof opts.system === "string" ? opts.system : opts.system.map((block) => String(block["text"])).join(JOIN);
-    timeline.other(event({ case: "systemMessage", value: create(SystemMessageSchema, { text }) }));
+    const kept = withoutPins(text); // a rebuilt request's pins are not the system prompt
+    if (kept || kept === text) {
+      timeline.other(event({ case: "systemMessage", value: create(SystemMessageSchema, { text: kept }) }));
+    }
   }
   if (opts.model) {
     timeline.other(requestHeader(opts.provider ?? "anthropic", opts.model, { tools: declarations(opts.tools ?? []) }));
@@ -263,8 +266,8 @@ function render(messages: Message[]): Rendered {
     let blocks: AnthropicBlock[];
     if (message.role === MessageRole.SYSTEM || message.role === MessageRole.DEVELOPER) {
       const text = message.content.map((b) => (b.block.case === "text" ? b.block.value.text : "")).join(JOIN);
-      if (rendered.length === 0) {
-        system.push(text);
+      if (rendered.length === 0 || message.pinnedState) {
+        system.push(text); // the pins always join the system text, never the messages
         continue;
       }
       blocks = [{ type: "text", text }]; // mid-conversation: user text

@@ -20,6 +20,7 @@ import {
   type AppendEventsResponse,
   type BuildRequestResponse,
   type GetSurfaceResponse,
+  type ListSessionsResponse,
   type RecallResponse,
   type Session,
   SessionService,
@@ -188,18 +189,49 @@ export class CompactdClient {
     this.connection.abort();
   }
 
-  /** Creates an empty session. Throws AlreadyExistsError when the id is taken. */
+  /**
+   * Creates an empty session, or a sub-agent's child session with `parentSessionId` (of the same
+   * tenant; NotFoundError when it does not exist); with `forkAtSeq` too, the child starts with a
+   * copy of the parent's surface as it stood right after that seq. Throws AlreadyExistsError when
+   * the id is taken with another policy or parent.
+   */
   async createSession(
-    init: { sessionId?: string; compactionPolicy?: JsonObject } = {},
+    init: {
+      sessionId?: string;
+      compactionPolicy?: JsonObject;
+      parentSessionId?: string;
+      forkAtSeq?: number | bigint;
+    } = {},
     opts?: CallOpts,
   ): Promise<Session> {
     // google.protobuf.Struct fields are plain JSON objects in protobuf-es.
-    const request = { sessionId: init.sessionId ?? "", compactionPolicy: init.compactionPolicy };
+    const request = {
+      sessionId: init.sessionId ?? "",
+      compactionPolicy: init.compactionPolicy,
+      parentSessionId: init.parentSessionId ?? "",
+      forkAtSeq: init.forkAtSeq === undefined ? undefined : BigInt(init.forkAtSeq),
+    };
     const response = await call(() => this.sessions.createSession(request, this.unaryOptions(opts)));
     if (!response.session) {
       throw new IncompleteStreamError("CreateSession answered without a session", { code: Code.Internal });
     }
     return response.session;
+  }
+
+  /**
+   * One page of the caller's tenant's sessions in id order (`nextPageToken` "" at the end); with
+   * `parentSessionId`, that session's children only.
+   */
+  async listSessions(
+    init: { pageSize?: number; pageToken?: string; parentSessionId?: string } = {},
+    opts?: CallOpts,
+  ): Promise<ListSessionsResponse> {
+    const request = {
+      pageSize: init.pageSize ?? 0,
+      pageToken: init.pageToken ?? "",
+      parentSessionId: init.parentSessionId ?? "",
+    };
+    return call(() => this.sessions.listSessions(request, this.unaryOptions(opts)));
   }
 
   /**

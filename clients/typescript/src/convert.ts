@@ -7,5 +7,5 @@ export * from "./gen/compactd/v1/compaction_service_pb.js";
 export * from "./gen/compactd/v1/events_pb.js";
 export * from "./gen/compactd/v1/session_service_pb.js";
 export * as openai from "./openai.js";
-export { projectEvent, projectEvents } from "./project.js";
+export { isPins, projectEvent, projectEvents, withoutPins } from "./project.js";
 export { create, fromJson, type JsonObject, toJson } from "@bufbuild/protobuf";

@@ -10,7 +10,11 @@ import {
   HeaderReason,
   RequestHeaderSchema,
   StepEndSchema,
+  StatePinSchema,
   StepStartSchema,
+  SubagentEndSchema,
+  SubagentStartSchema,
+  SubagentStatus,
   SystemMessageSchema,
   ToolCallSchema,
   ToolResultSchema,
@@ -177,6 +181,57 @@ export function requestHeader(provider: string, model: string, init: HeaderInit 
   return event({ case: "requestHeader", value }, init);
 }
 
+/**
+ * A state/pin: `text` is in force under `key` (replacing the key's earlier pin) and is never
+ * summarized; every rebuilt request shows the pins in force right after the system head. `key`:
+ * 1-64 characters of [A-Za-z0-9._:/-] ("goal", "plan", ...).
+ */
+export function pin(key: string, text: string, opts?: EventOptions): SessionEvent {
+  return event({ case: "statePin", value: create(StatePinSchema, { key, text }) }, opts);
+}
+
+/** A state/pin that removes `key` from the pins in force. */
+export function clearPin(key: string, opts?: EventOptions): SessionEvent {
+  return event({ case: "statePin", value: create(StatePinSchema, { key, clear: true }) }, opts);
+}
+
+/** Options of a subagent/start. */
+export interface SubagentStartInit extends EventOptions {
+  /** The tool call of this session that spawned the sub-agent. */
+  toolCallId?: string;
+  /** One line saying what the sub-agent was asked to do. */
+  task?: string;
+}
+
+/**
+ * A subagent/start (in the parent's log): a sub-agent runs in session `childSessionId`. Until
+ * its subagent/end, every checkpoint of the parent lists it as an open handle.
+ */
+export function subagentStart(childSessionId: string, init: SubagentStartInit = {}): SessionEvent {
+  const value = create(SubagentStartSchema, {
+    childSessionId,
+    toolCallId: init.toolCallId ?? "",
+    task: init.task ?? "",
+  });
+  return event({ case: "subagentStart", value }, init);
+}
+
+/** Options of a subagent/end. */
+export interface SubagentEndInit extends EventOptions {
+  /** How it ended (default COMPLETED). */
+  status?: SubagentStatus;
+}
+
+/** A subagent/end (in the parent's log): the sub-agent of `childSessionId` ended; `result` summarizes it. */
+export function subagentEnd(childSessionId: string, result = "", init: SubagentEndInit = {}): SessionEvent {
+  const value = create(SubagentEndSchema, {
+    childSessionId,
+    result,
+    status: init.status ?? SubagentStatus.COMPLETED,
+  });
+  return event({ case: "subagentEnd", value }, init);
+}
+
 /** A provider/model route. */
 export function route(provider: string, model: string): Route {
   return create(RouteSchema, { provider, model });
@@ -203,6 +258,10 @@ const eventTypes: Record<NonNullable<Body["case"]>, string> = {
   sessionEndSeed: "session/end-seed",
   llmRetry: "llm/retry",
   compactionSummaryError: "compaction/summary-error",
+  statePin: "state/pin",
+  subagentStart: "subagent/start",
+  subagentEnd: "subagent/end",
+  sessionFork: "session/fork",
 };
 
 /** The spec's type string of an event ("user/message", "compaction/start", ...). */

@@ -28,7 +28,7 @@ import {
 } from "./gen/compactd/v1/events_pb.js";
 import { type BuildRequestResponse, type Message, MessageRole } from "./gen/compactd/v1/session_service_pb.js";
 import { requestHeader, textBlock } from "./events.js";
-import { addSettings, projectEvents } from "./project.js";
+import { addSettings, isPins, projectEvents } from "./project.js";
 import { Timeline } from "./timeline.js";
 
 /** A chat-completions content part. */
@@ -93,6 +93,9 @@ export function eventsFromMessages(messages: ChatMessage[], opts: ImportOptions 
     }
     switch (message.role) {
       case "system":
+        if (isPins(text(message))) {
+          break; // the pinned-state message of a rebuilt request: compactd renders it
+        }
         timeline.other(event({ case: "systemMessage", value: create(SystemMessageSchema, { text: text(message) }) }));
         break;
       case "developer":

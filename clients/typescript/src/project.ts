@@ -45,6 +45,30 @@ export function projectEvents(events: Iterable<SessionEvent>): Message[] {
   return messages;
 }
 
+/** The tags of the pinned-state message a rebuilt request holds (`Message.pinnedState`). */
+export const PINS_OPEN_TAG = "<pinned-state>";
+export const PINS_CLOSE_TAG = "</pinned-state>";
+
+/** Whether `text` is exactly a pinned-state block (the text of a `Message.pinnedState`). */
+export function isPins(text: string): boolean {
+  return text.startsWith(PINS_OPEN_TAG) && text.endsWith(PINS_CLOSE_TAG);
+}
+
+/**
+ * `text` (a system text) without a pinned-state block a rendered request put in it: pins are the
+ * runtime's task state, not the conversation's system prompt, and compactd renders them itself.
+ */
+export function withoutPins(text: string): string {
+  const start = text.indexOf(PINS_OPEN_TAG);
+  const end = start < 0 ? -1 : text.indexOf(PINS_CLOSE_TAG, start);
+  if (end < 0) {
+    return text;
+  }
+  const before = text.slice(0, start).replace(/\n+$/, "");
+  const after = text.slice(end + PINS_CLOSE_TAG.length).replace(/^\n+/, "");
+  return before && after ? `${before}\n\n${after}` : before + after;
+}
+
 /** The header's sampling settings and extra keys, and `stream`, into a request body. */
 export function addSettings(body: JsonObject, config: RequestConfig | undefined, stream: boolean | undefined): void {
   if (config?.temperature !== undefined) {

@@ -4,7 +4,23 @@
 import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 import { describe, test } from "node:test";
-import { anthropic, eventType, openai, type SessionEvent, systemMessage } from "../src/index.js";
+import {
+  anthropic,
+  BuildRequestResponseSchema,
+  clearPin,
+  create,
+  eventType,
+  MessageRole,
+  MessageSchema,
+  openai,
+  pin,
+  type SessionEvent,
+  SubagentStatus,
+  subagentEnd,
+  subagentStart,
+  systemMessage,
+  textBlock,
+} from "../src/index.js";
 
 const TESTDATA = new URL("../../../../testdata/transcripts/", import.meta.url);
 
@@ -163,5 +179,57 @@ describe("Anthropic messages", () => {
         { type: "text", text: "Be careful." },
       ],
     });
+  });
+});
+
+describe("pins and sub-agents", () => {
+  const pins = "<pinned-state>\nkept\n\n[goal]\nship it\n</pinned-state>";
+  const text = (role: MessageRole, value: string, pinnedState = false) =>
+    create(MessageSchema, { role, content: [textBlock(value)], pinnedState });
+  const request = create(BuildRequestResponseSchema, {
+    messages: [
+      text(MessageRole.SYSTEM, "be brief"),
+      text(MessageRole.SYSTEM, pins, true),
+      text(MessageRole.USER, "hi"),
+    ],
+    config: { model: "m", maxOutputTokens: 64n },
+    pins: [{ key: "goal", text: "ship it" }],
+  });
+
+  test("typed builders make the new events", () => {
+    assert.equal(pin("goal", "ship").body.case, "statePin");
+    assert.deepEqual(
+      [pin("g", "t"), clearPin("g"), subagentStart("c", { task: "x" }), subagentEnd("c", "done")].map(eventType),
+      ["state/pin", "state/pin", "subagent/start", "subagent/end"],
+    );
+    const cleared = clearPin("g").body;
+    assert.ok(cleared.case === "statePin" && cleared.value.clear);
+    const ended = subagentEnd("c", "done", { status: SubagentStatus.FAILED }).body;
+    assert.ok(ended.case === "subagentEnd" && ended.value.status === SubagentStatus.FAILED);
+  });
+
+  test("OpenAI: the pins follow the head and never come back as conversation messages", () => {
+    const body = openai.requestBody(request);
+    const messages = body["messages"] as openai.ChatMessage[];
+    assert.deepEqual(
+      messages.map((m) => m.role),
+      ["system", "system", "user"],
+    );
+    const events = openai.eventsFromMessages(messages);
+    assert.deepEqual(
+      openai.messagesFromEvents(events).map((m) => m.content),
+      ["be brief", "hi"],
+    );
+  });
+
+  test("Anthropic: the pins join the system text and are dropped on import", () => {
+    const body = anthropic.requestBody(request);
+    assert.equal(body["system"], `be brief\n\n${pins}`);
+    assert.deepEqual(body["messages"], [{ role: "user", content: "hi" }]);
+    const events = anthropic.eventsFromMessages(body["messages"] as anthropic.AnthropicMessage[], {
+      system: body["system"] as string,
+    });
+    const first = events[0]?.body;
+    assert.ok(first?.case === "systemMessage" && first.value.text === "be brief");
   });
 });

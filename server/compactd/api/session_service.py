@@ -12,11 +12,12 @@ from typing import Any
 import grpc
 from google.protobuf import json_format, struct_pb2
 
-from compactd.api.replies import Serialized
+from compactd.api.replies import Serialized, after_a_turn
 from compactd.api.status import handle_errors
 from compactd.core.validation import Origin, non_finite_paths
 from compactd.errors import FieldViolation, InvalidArgument
 from compactd.reasons import Reason
+from compactd.service.forking import checked_parent, fork_into
 from compactd.service.inspection import InspectionService
 from compactd.service.policy_message import field_path, policy_of, settings_of
 from compactd.service.recall import recall
@@ -25,7 +26,7 @@ from compactd.service.requests import (
     request_reply_in_steps,
     surface_reply_in_steps,
 )
-from compactd.service.sessions import SessionHandle, SessionManager
+from compactd.service.sessions import Lineage, SessionHandle, SessionManager
 from compactd.speed import in_steps
 from compactd.store.base import SessionRecord
 from compactd.v1 import session_service_pb2 as pb
@@ -64,8 +65,13 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
             typed = request.HasField("policy")
             # Errors name the field in the form the caller sent.
             self._manager.validate_policy(policy, field=field_path if typed else None)
-        record = await self._manager.create(session_id, policy)
-        return pb.CreateSessionResponse(session=_session(record, record.revision))
+        lineage = _lineage(request)
+        parent = await checked_parent(self._manager, lineage)
+        record = await self._manager.create(session_id, policy, lineage=lineage)
+        revision = record.revision
+        if parent is not None and lineage.fork_at_seq is not None and revision == 0:
+            revision = await fork_into(self._manager, record, parent, lineage.fork_at_seq)
+        return pb.CreateSessionResponse(session=_session(record, revision))
 
     @handle_errors
     async def AppendEvents(
@@ -111,11 +117,11 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         handle = await self._handle(request.session_id)
         if request.detail:
             route = request.route if request.HasField("route") else None
-            return Serialized(await self._inspection.surface(handle, route))
+            return await after_a_turn(await self._inspection.surface(handle, route))
         # Under the lock: never show a batch that is admitted but not yet durable. In steps: a
         # large surface's reply never holds the loop for long (``service.requests``).
         async with handle.lock:
-            return Serialized(await in_steps(surface_reply_in_steps(handle.fold)))
+            return await after_a_turn(await in_steps(surface_reply_in_steps(handle.fold)))
 
     @handle_errors
     async def BuildRequest(  # type: ignore[override]  # grpc sends Serialized as it is
@@ -124,7 +130,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         handle = await self._handle(request.session_id)
         async with handle.lock:
             reply = request_reply_in_steps(handle.fold, declared_tools(handle))
-            return Serialized(await in_steps(reply))
+            return await after_a_turn(await in_steps(reply))
 
     @handle_errors
     async def ListSessions(
@@ -136,7 +142,8 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
             )
         size = min(request.page_size or _DEFAULT_PAGE, _MAX_PAGE)
         after = _after(request.page_token)
-        records = await self._manager.list(after=after, limit=size + 1)
+        parent = request.parent_session_id or None
+        records = await self._manager.list(after=after, limit=size + 1, parent=parent)
         page = records[:size]
         more = len(records) > size
         return pb.ListSessionsResponse(
@@ -168,6 +175,18 @@ def require_session_id(session_id: str) -> None:
         raise InvalidArgument(
             "session_id is required", violations=[FieldViolation("session_id", "required")]
         )
+
+
+def _lineage(request: pb.CreateSessionRequest) -> Lineage:
+    """The requested parent and fork seq (a parent id of the form session ids take)."""
+    parent = request.parent_session_id
+    if parent and not _SESSION_ID.match(parent):
+        raise InvalidArgument(
+            "parent_session_id must be 1-128 characters of [A-Za-z0-9._:-]",
+            violations=[FieldViolation("parent_session_id", "1-128 of [A-Za-z0-9._:-]")],
+        )
+    seq = request.fork_at_seq if request.HasField("fork_at_seq") else None
+    return Lineage(parent, seq)
 
 
 def _requested_policy(request: pb.CreateSessionRequest) -> dict[str, object] | None:
@@ -227,7 +246,12 @@ def _policy(struct: struct_pb2.Struct) -> dict[str, object]:
 
 
 def _session(record: SessionRecord, revision: int) -> pb.Session:
-    session = pb.Session(session_id=record.session_id, revision=revision)
+    session = pb.Session(
+        session_id=record.session_id,
+        revision=revision,
+        parent_session_id=record.parent_session_id,
+        fork_at_seq=record.fork_at_seq,
+    )
     session.create_time.FromDatetime(record.create_time)
     if record.policy_json:
         policy = struct_pb2.Struct()

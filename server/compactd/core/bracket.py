@@ -102,10 +102,13 @@ def summary_event(
     return SessionEvent(compaction_summary=body)
 
 
-def checkpoint_text(summary: str, compaction_id: str, start_seq: int) -> str:
-    """The checkpoint's text: the framed summary (``prompts.frame_checkpoint``), then the recall
-    handle of what it replaces (``core.recall``), named by the bracket's start seq and id."""
-    framed = prompts.frame_checkpoint(summary)
+def checkpoint_text(
+    summary: str, compaction_id: str, start_seq: int, open_handles: str = ""
+) -> str:
+    """The checkpoint's text: the framed summary with its open handles
+    (``prompts.frame_checkpoint``), then the recall handle of what it replaces
+    (``core.recall``), named by the bracket's start seq and id."""
+    framed = prompts.frame_checkpoint(summary, open_handles)
     return with_recall_handles(framed, [checkpoint_handle(start_seq, compaction_id)])
 
 

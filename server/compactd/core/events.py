@@ -30,6 +30,10 @@ EVENT_TYPES: Final[dict[str, str]] = {
     "session_end_seed": "session/end-seed",
     "llm_retry": "llm/retry",
     "compaction_summary_error": "compaction/summary-error",
+    "state_pin": "state/pin",
+    "subagent_start": "subagent/start",
+    "subagent_end": "subagent/end",
+    "session_fork": "session/fork",
 }
 
 SURFACE_BODIES: Final[frozenset[str]] = frozenset(

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import Any, Final, NoReturn
+from typing import Any, Final, NamedTuple, NoReturn
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -28,6 +28,7 @@ from compactd.core.events import SessionEvent
 from compactd.core.limits import NODE_OVERHEAD_BYTES, node_bytes
 from compactd.core.lock import LockState, live_bracket
 from compactd.core.offload import INPUT_KINDS, image_count
+from compactd.core.pins import pins_message, with_pins
 from compactd.core.projection import Message, derive_messages
 from compactd.core.steps import run_to_end
 from compactd.core.surface import Surface, SurfaceChange, SurfaceNode
@@ -46,6 +47,15 @@ RECENT_EVENT_IDS: Final = 1024
 #: a reuse is a retried start: a recent one. The set's memory follows this bound, not the
 #: number of brackets the log ever held.
 RECENT_COMPACTION_IDS: Final = 64
+
+
+class OpenSubagent(NamedTuple):
+    """A sub-agent started and not ended: its ``subagent/start``'s seq, spawning tool call and
+    one-line task."""
+
+    seq: int
+    tool_call_id: str
+    task: str
 
 
 @dataclass(slots=True)
@@ -93,6 +103,12 @@ class SessionFold:
         self.open_step: tuple[int, int] | None = None  # (turn, step) between step/start and /end
         self.offloads: dict[int, frozenset[int]] = {}  # node seq -> offloaded image indexes
         self.offload_generation = 0  # image/offload events folded (they change what nodes send)
+        # The pins in force: key -> (seq, text) of its latest ``state/pin`` (cleared keys gone),
+        # and the seq of the latest ``state/pin`` folded (-1: none), which the meter keys on.
+        self.pins: dict[str, tuple[int, str]] = {}
+        self.pins_seq = -1
+        # Sub-agents started and not ended: child session id -> its ``subagent/start``.
+        self.open_subagents: dict[str, OpenSubagent] = {}
         # Event id -> seq of the latest identified events, oldest first: at most
         # ``RECENT_EVENT_IDS`` before a batch, and the batch's own (``_forget_older_ids``). The
         # log holds them all; the service asks the store about older ones.
@@ -194,8 +210,25 @@ class SessionFold:
             )
 
     def messages(self) -> list[Message]:
-        """The derived model messages, with projections applied."""
-        return derive_messages(((n.seq, n.event) for n in self.surface), self.offloads)
+        """The request's messages: derived from the surface with projections applied, and the
+        pinned-state message (``core.pins``) right after the system head."""
+        messages = derive_messages(((n.seq, n.event) for n in self.surface), self.offloads)
+        return with_pins(messages, self.pins_message(), head=self.head_projects())
+
+    def pin_texts(self) -> dict[str, str]:
+        """The pins in force: key -> text."""
+        return {key: text for key, (_, text) in self.pins.items()}
+
+    def pins_message(self) -> Message | None:
+        """The pinned-state message of the pins in force (None: no pin is in force)."""
+        return pins_message(self.pin_texts()) if self.pins else None
+
+    def head_projects(self) -> bool:
+        """Whether the surface opens with a system head that projects to a message."""
+        nodes = self.surface.nodes
+        if not nodes or nodes[0].type != ev.SYSTEM_MESSAGE:
+            return False
+        return bool(nodes[0].event.system_message.text)
 
     def _admit_one(
         self,
@@ -270,7 +303,7 @@ class SessionFold:
         self._folded += 1
         surface = kind in ev.SURFACE_BODIES
         replace = surface and (ev.is_replace(event) or ev.is_insert(event))
-        if replace or kind in ("image_offload", "request_header"):  # a rewrite, not an append
+        if replace or kind in _REWRITES:  # a rewrite, not an append
             batch._undo.append((setattr, self, "rewritten_at", self.rewritten_at))
             self.rewritten_at = seq
         event_id = event.event_id
@@ -298,6 +331,10 @@ class SessionFold:
             self._fold_step(event, kind, batch)
         elif kind == "image_offload":
             self._fold_offload(event, batch)
+        elif kind == "state_pin":
+            self._fold_pin(event, seq, batch)
+        elif kind in ("subagent_start", "subagent_end"):
+            self._fold_subagent(event, kind, seq, batch)
         if kind == "compaction_start":
             compaction_id = event.compaction_start.compaction_id
             self.compaction_ids[compaction_id] = None
@@ -338,7 +375,8 @@ class SessionFold:
             n.seq: node_bytes(n.event, offloads[n.seq]) for n in self.surface if n.seq in offloads
         }
         header = self.header.ByteSize() if self.header is not None else 0
-        self.surface_bytes = sum(self._size_of(n) for n in self.surface) + header
+        pins = sum(_pin_bytes(pin) for pin in self.pins.values())
+        self.surface_bytes = sum(self._size_of(n) for n in self.surface) + header + pins
 
     def _undo_resize(self, node: SurfaceNode, size: int | None, previous: int) -> None:
         self.surface_bytes -= (size or 0) - previous
@@ -461,6 +499,46 @@ class SessionFold:
                 node = self.surface[position]
                 self._resize(node, node_bytes(node.event, self.offloads[target.seq]), batch)
 
+    def _fold_pin(self, event: SessionEvent, seq: int, batch: AdmittedBatch) -> None:
+        pin = event.state_pin
+        previous, previous_seq = self.pins.get(pin.key), self.pins_seq
+        if pin.clear:
+            self.pins.pop(pin.key, None)
+        else:
+            self.pins[pin.key] = (seq, pin.text)
+        self.pins_seq = seq
+        grown = _pin_bytes(self.pins.get(pin.key)) - _pin_bytes(previous)
+        self.surface_bytes += grown
+        batch._undo.append((SessionFold._unfold_pin, self, pin.key, previous, previous_seq, grown))
+
+    def _unfold_pin(
+        self, key: str, previous: tuple[int, str] | None, previous_seq: int, grown: int
+    ) -> None:
+        if previous is None:
+            self.pins.pop(key, None)
+        else:
+            self.pins[key] = previous
+        self.pins_seq = previous_seq
+        self.surface_bytes -= grown
+
+    def _fold_subagent(
+        self, event: SessionEvent, kind: str, seq: int, batch: AdmittedBatch
+    ) -> None:
+        child = getattr(event, kind).child_session_id
+        previous = self.open_subagents.get(child)
+        if kind == "subagent_start":
+            start = event.subagent_start
+            self.open_subagents[child] = OpenSubagent(seq, start.tool_call_id, start.task)
+        else:
+            self.open_subagents.pop(child, None)
+        batch._undo.append((SessionFold._restore_subagent, self, child, previous))
+
+    def _restore_subagent(self, child: str, previous: OpenSubagent | None) -> None:
+        if previous is None:
+            self.open_subagents.pop(child, None)
+        else:
+            self.open_subagents[child] = previous
+
     def _restore_offload(self, seq: int, previous: frozenset[int] | None) -> None:
         if previous is None:
             self.offloads.pop(seq, None)
@@ -487,6 +565,20 @@ class SessionFold:
             _invalid("turn_start.turn", f"turn {event.turn_start.turn} is already open")
         elif kind == "image_offload":
             self._check_offload(event)
+        elif kind == "state_pin" and event.state_pin.clear:
+            if event.state_pin.key not in self.pins:
+                _invalid("state_pin.key", f"no pin {event.state_pin.key!r} is in force to clear")
+        elif kind == "subagent_start":
+            child = event.subagent_start.child_session_id
+            if child in self.open_subagents:
+                _invalid(
+                    "subagent_start.child_session_id",
+                    f"sub-agent {child!r} is already open (seq {self.open_subagents[child].seq})",
+                )
+        elif kind == "subagent_end":
+            child = event.subagent_end.child_session_id
+            if child not in self.open_subagents:
+                _invalid("subagent_end.child_session_id", f"no sub-agent {child!r} is open")
 
     def _check_offload(self, event: SessionEvent) -> None:
         """An ``image/offload`` names at least one target; each target a distinct current
@@ -516,6 +608,15 @@ class SessionFold:
                 )
             if any(a >= b for a, b in pairwise(indexes)):
                 _invalid(f"{field_name}.image_indexes", "indexes must be strictly increasing")
+
+
+#: Log-only events that change what an earlier request showed (see ``rewritten_at``).
+_REWRITES: Final = frozenset({"image_offload", "request_header", "state_pin"})
+
+
+def _pin_bytes(pin: tuple[int, str] | None) -> int:
+    """What a pin in force adds to a request's bytes (its text's UTF-8 length), 0 for none."""
+    return 0 if pin is None else len(pin[1].encode("utf-8")) + NODE_OVERHEAD_BYTES
 
 
 def _node_bytes(node: SurfaceNode) -> int:

@@ -112,14 +112,18 @@ def examine(
     span: Sequence[Message],
     probes: Sequence[Probe],
     serialized: Sequence[bytes] | None = None,
+    pinned: str = "",
 ) -> Findings:
     """The text checks of ``judge`` (sections, echo, probes), apart from pricing the checkpoint:
     a caller may price it meanwhile, off the event loop. ``serialized``: as ``echoed_message``
-    takes it."""
+    takes it. ``pinned``: the text of the pins in force (``core.pins``); a probe it holds is kept
+    whatever the summary says, since every request shows the pins (a summary is not asked to
+    repeat them)."""
+    kept_text = f"{summary}\n{pinned}" if pinned else summary
     return Findings(
         section_problem(summary),
         echoed_message(summary, span, serialized),
-        retention(probes, summary),
+        retention(probes, kept_text),
     )
 
 

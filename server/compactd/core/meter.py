@@ -110,6 +110,7 @@ class Measurement:
         method: EXACT, ANCHORED or HEURISTIC.
         tokenizer: The tokenizer's name.
         anchor_seq: For ANCHORED, the seq of the anchoring ``assistant/message``.
+        pins: The pinned-state message (``core.pins``): the pins in force, never compacted.
     """
 
     revision: int
@@ -122,6 +123,7 @@ class Measurement:
     method: Method
     tokenizer: str
     anchor_seq: int | None = None
+    pins: int = 0
 
 
 def route_price(
@@ -155,6 +157,7 @@ def recount(
         totals=_sum(costs.values()),
         tools=price_tools(envelope_tools(fold.header, declared), pricing, _head_text(fold)),
         config=price_config(fold.header, pricing, _head_text(fold)),
+        pins=_pins_price(fold.pins_message(), pricing),
     )
 
 
@@ -192,6 +195,7 @@ class _Ledger:
         self.delta = 0  # total of the nodes after the anchor
         # ((header seq, head seq, declared version), price)
         self._tools: tuple[tuple[int, int | None, int], int] = ((-2, None, -1), 0)
+        self._pins: tuple[int, int] = (-2, 0)  # (seq of the latest state/pin, -1: none), price
 
     def put(self, seq: int, cost: NodeCost, in_delta: bool) -> None:
         if seq in self.costs:
@@ -238,6 +242,13 @@ class _Ledger:
         if self._tools[0] != full:
             self._tools = (full, price_tools(tools(), self.pricing, head[1]))
         return self._tools[1]
+
+    def pins(self, pins_seq: int, message: Message | None) -> int:
+        """The pinned-state message's price, cached per pin generation (``pins_seq``): a pin
+        change prices one message, once per ledger."""
+        if self._pins[0] != pins_seq:
+            self._pins = (pins_seq, _pins_price(message, self.pricing))
+        return self._pins[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +302,8 @@ class SessionMeter:
         self._head_text: tuple[int | None, str | None] = (None, None)  # (head seq, its text)
         self._header_seq = fold.header_seq
         self._header = fold.header
+        self._pins_seq = fold.pins_seq
+        self._pins_message = fold.pins_message()
         self._ledgers: dict[PricingProfile, _Ledger] = {}
         self._declare: DeclaredTools = _no_tools
         self._declared_version = 0
@@ -358,6 +371,8 @@ class SessionMeter:
                 self._header_seq, self._header = event.seq, event.request_header
             elif kind == "image_offload":
                 self._offloaded(fold, event.image_offload)
+            elif kind == "state_pin":
+                self._pinned(fold)
         for seq in batch.reprojected:
             self._reproject(fold, seq)
         self._head = _head_seq(fold)
@@ -615,6 +630,13 @@ class SessionMeter:
             if self._anchor is not None and self._before_anchor(fold, target.seq):
                 self._drop_anchor()
 
+    def _pinned(self, fold: SessionFold) -> None:
+        """Take the pins in force after the batch (the message sits before every node but the
+        head, so a usage anchor no longer covers the request as it is now)."""
+        self._pins_seq, self._pins_message = fold.pins_seq, fold.pins_message()
+        if self._anchor is not None:
+            self._drop_anchor()
+
     def _reproject(self, fold: SessionFold, seq: int) -> None:
         if seq not in self._nodes:
             return
@@ -671,6 +693,7 @@ class SessionMeter:
             earlier = nodes[:position]
             stale = (
                 fold.header_seq > node.seq
+                or fold.pins_seq > node.seq
                 or any(n.seq > node.seq for n in earlier)
                 or any(n.seq in fold.offloads for n in earlier)
             )
@@ -719,6 +742,7 @@ class SessionMeter:
                 (self._head, head_text),
             ),
             config=price_config(self._header, route.pricing, head_text),
+            pins=ledger.pins(self._pins_seq, self._pins_message),
         )
         if not anchored or not self._anchor_applies(route):
             return estimate
@@ -777,7 +801,7 @@ class SessionMeter:
 
 
 #: Bodies whose events ``observe`` folds one by one (``_Appended`` does not cover them).
-_NOT_APPENDS = frozenset({"request_header", "image_offload"})
+_NOT_APPENDS = frozenset({"request_header", "image_offload", "state_pin"})
 _NONE: Mapping[int, NodeCost] = MappingProxyType({})  # no staged prices
 _PRICED_STEP = 64  # entries summed or looked at between pauses (a few operations each)
 
@@ -861,6 +885,11 @@ def _head_text(fold: SessionFold) -> str | None:
     return _system_text(fold.surface[0].event) if head is not None else None
 
 
+def _pins_price(message: Message | None, pricing: PricingProfile) -> int:
+    """The route price of the pinned-state message (0 when no pin is in force)."""
+    return 0 if message is None else price_message(message, pricing).total
+
+
 def _sum(costs: Iterable[NodeCost]) -> NodeCost:
     messages = images = 0
     for cost in costs:
@@ -878,6 +907,7 @@ def _assemble(
     totals: NodeCost,
     tools: int,
     config: int,
+    pins: int = 0,
 ) -> Measurement:
     head_cost = costs.get(head, NodeCost(0)) if head is not None else NodeCost(0)
     system = head_cost.total
@@ -885,7 +915,7 @@ def _assemble(
     images = totals.images - head_cost.images
     return Measurement(
         revision=revision,
-        total=system + tools + messages + images + config,
+        total=system + tools + messages + images + config + pins,
         system=system,
         tools=tools,
         messages=messages,
@@ -893,6 +923,7 @@ def _assemble(
         config=config,
         method=_method(pricing),
         tokenizer=pricing.tokenizer.name,
+        pins=pins,
     )
 
 
@@ -914,4 +945,5 @@ def _replace_anchored(estimate: Measurement, gap: int, anchor_seq: int) -> Measu
         method=Method.ANCHORED,
         tokenizer=estimate.tokenizer,
         anchor_seq=anchor_seq,
+        pins=estimate.pins,
     )

@@ -12,6 +12,9 @@ deterministic extractive summarizer writes the same structure a model is asked f
 
 from __future__ import annotations
 
+from compactd.core.handles import OpenHandles
+from compactd.core.pins import PINS_OPEN_TAG
+
 SUMMARY_OPEN_TAG = "<compacted-summary>"
 SUMMARY_CLOSE_TAG = "</compacted-summary>"
 
@@ -60,21 +63,57 @@ _RULES = (
     f"A {SUMMARY_OPEN_TAG} block earlier in the conversation is an older checkpoint. Do not "
     "copy it as it stands: keep what is still true, drop what is outdated, and merge it with the "
     "newer messages into one checkpoint with the same sections.",
+    f"The runtime keeps the {PINS_OPEN_TAG} block (pinned task state) and appends an "
+    '"Open Handles" section itself: write neither.',
 )
 
 
-def frame_checkpoint(summary: str) -> str:
+def frame_checkpoint(summary: str, handles: str = "") -> str:
     """The checkpoint text that replaces a shadowed span.
 
     Args:
         summary: The raw summary returned by a summarizer (stored as is on
             ``compaction/summary``).
+        handles: The checkpoint's open handles (``open_handles_section``), written by compactd
+            after the summary; ``""`` when none is open.
 
     Returns:
-        ``CHECKPOINT_PREAMBLE``, a blank line, then ``summary`` inside ``<compacted-summary>``
-        tags, each tag on its own line.
+        ``CHECKPOINT_PREAMBLE``, a blank line, then ``summary`` (and, after a blank line, the
+        handles) inside ``<compacted-summary>`` tags, each tag on its own line.
     """
-    return f"{CHECKPOINT_PREAMBLE}\n\n{SUMMARY_OPEN_TAG}\n{summary}\n{SUMMARY_CLOSE_TAG}"
+    body = f"{summary}\n\n{handles}" if handles else summary
+    return f"{CHECKPOINT_PREAMBLE}\n\n{SUMMARY_OPEN_TAG}\n{body}\n{SUMMARY_CLOSE_TAG}"
+
+
+#: The heading of the checkpoint's open-handles section (after the eight summary sections).
+OPEN_HANDLES_TITLE = "Open Handles"
+_OPEN_HANDLES_HEADING = f"## {OPEN_HANDLES_TITLE}\n"
+
+
+def open_handles_section(handles: OpenHandles) -> str:
+    """The checkpoint's "Open Handles" section: one bullet per open sub-agent (child id, the
+    call that spawned it, its task), per tool call of the span still without a result, and one
+    naming the pinned keys; ``""`` when nothing is open. A pure function of ``handles``."""
+    if not handles:
+        return ""
+    lines = []
+    for child, start in handles.subagents:
+        spawned = f" (spawned by tool call `{start.tool_call_id}`)" if start.tool_call_id else ""
+        task = f": {start.task}" if start.task else ""
+        lines.append(f"- sub-agent `{child}` still running{spawned}{task}")
+    for call_id, name in handles.calls:
+        lines.append(f"- tool call `{call_id}` (`{name}`) has no result yet")
+    if handles.pins:
+        keys = ", ".join(f"`{key}`" for key in handles.pins)
+        lines.append(f"- pinned state in force, kept word for word: {keys}")
+    return _OPEN_HANDLES_HEADING + "\n".join(lines)
+
+
+def without_open_handles(summary: str) -> str:
+    """A checkpoint's summary without the open-handles section compactd appended (a prior
+    checkpoint's handles are not facts to fold again: the next checkpoint lists its own)."""
+    at = summary.rfind("\n\n" + _OPEN_HANDLES_HEADING)
+    return summary if at < 0 else summary[:at]
 
 
 def summary_skeleton() -> str:

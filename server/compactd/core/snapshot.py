@@ -23,13 +23,20 @@ from typing import Any, Final
 
 from compactd.core import header as hdr
 from compactd.core.events import SessionEvent
-from compactd.core.fold import RECENT_COMPACTION_IDS, RECENT_EVENT_IDS, SessionFold
+from compactd.core.fold import (
+    RECENT_COMPACTION_IDS,
+    RECENT_EVENT_IDS,
+    OpenSubagent,
+    SessionFold,
+)
 from compactd.core.lock import LockState
 from compactd.core.pricing import NodeCost, node_cost
 from compactd.core.steps import run_to_end
 from compactd.core.surface import SurfaceNode
 
-VERSION: Final = 2
+VERSION: Final = 3
+#: Versions ``decode`` reads: version 2 predates pinned state and sub-agents (its fold had none).
+READABLE: Final = frozenset({2, 3})
 # Entries copied or encoded between pauses when a snapshot is made on the event loop.
 CHUNK: Final = 512
 #: The anchor of a snapshot whose meter had none: names no node, so a restore (of any release)
@@ -74,11 +81,14 @@ class FoldSnapshot:
     anchor: tuple[int, int] | None = None
     offload_generation: int = 0
     rewritten_at: int = -1
+    pins: dict[str, int] = field(default_factory=dict)  # key -> seq of the pin in force
+    pins_seq: int = -1
+    open_subagents: dict[str, int] = field(default_factory=dict)  # child -> its start's seq
 
     def needed_seqs(self) -> list[int]:
-        """The seqs of the stored events ``rebuild`` needs: the nodes, the header and the
-        anchor's header."""
-        seqs = set(self.surface)
+        """The seqs of the stored events ``rebuild`` needs: the nodes, the header, the
+        anchor's header, the pins in force and the open sub-agents' starts."""
+        seqs = set(self.surface) | set(self.pins.values()) | set(self.open_subagents.values())
         if self.header_seq >= 0:
             seqs.add(self.header_seq)
         if self.anchor is not None and self.anchor[1] >= 0:
@@ -147,6 +157,9 @@ def capture_in_steps(
         anchor=anchor,
         offload_generation=fold.offload_generation,
         rewritten_at=fold.rewritten_at,
+        pins={key: seq for key, (seq, _) in fold.pins.items()},
+        pins_seq=fold.pins_seq,
+        open_subagents={child: open.seq for child, open in fold.open_subagents.items()},
     )
 
 
@@ -224,6 +237,9 @@ def _document(
         "anchor": list(snapshot.anchor) if snapshot.anchor is not None else None,
         "offload_generation": snapshot.offload_generation,
         "rewritten_at": snapshot.rewritten_at,
+        "pins": snapshot.pins,
+        "pins_seq": snapshot.pins_seq,
+        "open_subagents": snapshot.open_subagents,
         "shadowed_by": [],  # no longer kept; written empty so earlier releases still decode it
     }
     return data
@@ -237,7 +253,7 @@ def decode(data: bytes) -> FoldSnapshot:
     """
     try:
         raw = json.loads(data)
-        if raw.get("v") != VERSION:
+        if raw.get("v") not in READABLE:
             raise SnapshotInvalid(f"snapshot version {raw.get('v')!r}, expected {VERSION}")
         step = raw["open_step"]
         anchor = raw["anchor"]
@@ -266,6 +282,9 @@ def decode(data: bytes) -> FoldSnapshot:
             anchor=(int(anchor[0]), int(anchor[1])) if anchor is not None else None,
             offload_generation=int(raw["offload_generation"]),
             rewritten_at=int(raw["rewritten_at"]),
+            pins={str(k): int(v) for k, v in raw.get("pins", {}).items()},
+            pins_seq=int(raw.get("pins_seq", -1)),
+            open_subagents={str(k): int(v) for k, v in raw.get("open_subagents", {}).items()},
         )  # an earlier snapshot's "shadowed_by" is ignored: the fold no longer keeps it
     except SnapshotInvalid:
         raise
@@ -307,5 +326,17 @@ def rebuild(snapshot: FoldSnapshot, events: Mapping[int, SessionEvent]) -> Sessi
     fold.restored_at = snapshot.restored_at
     fold.offload_generation = snapshot.offload_generation
     fold.rewritten_at = snapshot.rewritten_at
+    for key, seq in sorted(snapshot.pins.items()):
+        stored = events[seq]
+        if not stored.HasField("state_pin") or stored.state_pin.key != key:
+            raise SnapshotInvalid(f"seq {seq} is not a state/pin of key {key!r}")
+        fold.pins[key] = (seq, stored.state_pin.text)
+    fold.pins_seq = snapshot.pins_seq
+    for child, seq in sorted(snapshot.open_subagents.items()):
+        start = events[seq]
+        if start.subagent_start.child_session_id != child:
+            raise SnapshotInvalid(f"seq {seq} is not the subagent/start of {child!r}")
+        body = start.subagent_start
+        fold.open_subagents[child] = OpenSubagent(seq, body.tool_call_id, body.task)
     fold.restore_sizes()
     return fold

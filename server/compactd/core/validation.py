@@ -24,6 +24,7 @@ from google.protobuf import struct_pb2, timestamp_pb2
 from compactd.core import events as ev
 from compactd.core.events import SessionEvent
 from compactd.core.limits import DEFAULT_LIMITS, MAX_TOKEN_COUNT, AppendLimits, json_depth
+from compactd.core.pins import pin_violations
 from compactd.errors import FieldViolation, InvalidArgument
 from compactd.reasons import Reason
 from compactd.v1 import events_pb2
@@ -66,6 +67,7 @@ SERVER_ONLY_BODIES: Final[frozenset[str]] = frozenset(
         "compaction_end",
         "session_end_seed",
         "image_offload",
+        "session_fork",
     }
 )
 
@@ -284,6 +286,14 @@ def _body_violations(event: SessionEvent, kind: str, bad: _Bad, limits: AppendLi
         for i, target in enumerate(event.image_offload.targets):
             if not target.image_indexes or min(target.image_indexes) < 0:
                 bad(f"image_offload.targets[{i}].image_indexes", "non-empty, non-negative")
+    elif kind == "state_pin":
+        for field, description in pin_violations(event.state_pin):
+            bad(f"state_pin.{field}", description)
+    elif kind in ("subagent_start", "subagent_end"):
+        if not getattr(event, kind).child_session_id:
+            bad(f"{kind}.child_session_id", "required")
+        if kind == "subagent_start" and any(c in event.subagent_start.task for c in "\r\n"):
+            bad("subagent_start.task", "one line: no line breaks")
 
 
 def _block_violations(

@@ -13,7 +13,7 @@ trying again may help, and, for image offload, how many input images the provide
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from compactd.core.probes import SpanFacts
@@ -27,12 +27,16 @@ class SummaryRequest:
     """Everything a summarizer needs for one summary.
 
     Attributes:
-        messages: The system head (when it projects to a message) followed by the shadowed
-            span, already projected (image offloads applied), in surface order.
+        messages: The system head (when it projects to a message) and the pinned-state message
+            (when a pin is in force), followed by the shadowed span, already projected (image
+            offloads applied), in surface order.
         tools: The latest ``request/header``'s tool declarations, in order.
         config: The summary target (provider, model) and sampling settings.
         instruction: The final user message text (``prompts.compaction_instruction(focus)``).
         max_tokens: Output cap for the summary, including provider-counted reasoning tokens.
+        pins: The pins in force (key -> text; ``core.pins``). The pinned-state message that
+            renders them follows the system head in ``messages`` (``Message.pinned_state``);
+            they are kept outside every checkpoint, so a summary need not repeat them.
     """
 
     messages: Sequence[session_service_pb2.Message]
@@ -40,6 +44,7 @@ class SummaryRequest:
     config: events_pb2.RequestConfig
     instruction: str
     max_tokens: int
+    pins: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from compactd.core import prompts
+from compactd.core.pins import head_length
 from compactd.providers.base import Summarizer, SummaryError, SummaryRequest, SummaryResult
 from compactd.providers.openai_wire import add_usage
 from compactd.reasons import Reason
@@ -223,12 +224,13 @@ def _digest(request: SummaryRequest) -> str:
 def split_units(
     messages: Sequence[Message],
 ) -> tuple[list[Message], list[list[Message]]]:
-    """The system head (a leading system message, if any) and the span's indivisible units.
+    """The head (a leading system message and the pinned-state message, if any: ``head_length``)
+    and the span's indivisible units.
 
     A unit is one message, or an assistant message with tool calls followed by the tool results
     that answer those calls.
     """
-    head = [messages[0]] if messages and messages[0].role == _SYSTEM else []
+    head = list(messages[: head_length(messages)])
     units: list[list[Message]] = []
     open_calls: set[str] = set()
     for message in messages[len(head) :]:

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, replace
 
 from compactd.core import probes, prompts
 from compactd.core.gate import DEFAULT_MIN_PROBE_RETENTION
+from compactd.core.pins import head_length
 from compactd.core.pricing import heuristic_price, utf16_length
 from compactd.core.recall import checkpoint_handle, with_recall_handles, without_recall_handles
 from compactd.providers.base import SummaryError, SummaryRequest, SummaryResult
@@ -60,6 +61,9 @@ _UNITS_PER_TOKEN = 4
 #: The largest share of its span a framed checkpoint takes (below the 15% the summary-quality
 #: goal allows: the span is priced with the heuristic, which a route may count a little lower).
 SPAN_SHARE = 0.135
+#: The share of the policy's allowance (``1 - minReductionRatio``) a smallest checkpoint may take
+#: of the smallest span selection accepts: at 0.85, 250 tokens of 1,852 (13.5%, as SPAN_SHARE).
+_SPAN_MARGIN = 0.9
 
 
 def _framed(summary: str) -> str:
@@ -239,10 +243,12 @@ def allowed_tokens(span_tokens: float, share: float = SPAN_SHARE) -> float:
 def minimum_span_tokens(min_reduction_ratio: float | None) -> int:
     """The smallest span whose extractive checkpoint reduces it by ``min_reduction_ratio``: every
     span when the checkpoint may take half of it or more, else the span that
-    ``MIN_CHECKPOINT_TOKENS`` fits (selection declines a smaller one, ``SPAN_TOO_SMALL``)."""
+    ``MIN_CHECKPOINT_TOKENS`` fits with ``_SPAN_MARGIN`` to spare (selection declines a smaller
+    one, ``SPAN_TOO_SMALL``): the route may count the checkpoint higher than its estimate and the
+    span lower than the heuristic prices it."""
     if min_reduction_ratio is None or 1 - min_reduction_ratio >= 0.5:
         return 0
-    return math.ceil(MIN_CHECKPOINT_TOKENS / (1 - min_reduction_ratio))
+    return math.ceil(MIN_CHECKPOINT_TOKENS / ((1 - min_reduction_ratio) * _SPAN_MARGIN))
 
 
 def _tightened(limits: _Limits, content_units: int) -> _Limits:
@@ -296,10 +302,8 @@ def estimated_tokens(text: str) -> float:
 
 
 def _span(messages: Sequence[Message]) -> Sequence[Message]:
-    """The messages to summarize: the system head stays outside every summary."""
-    if messages and messages[0].role == _ROLE.MESSAGE_ROLE_SYSTEM:
-        return messages[1:]
-    return messages
+    """The messages to summarize: the system head and the pins stay outside every summary."""
+    return messages[head_length(messages) :]
 
 
 def _extract(messages: Sequence[Message], found: probes.SpanFacts, limits: _Limits) -> _Facts:
@@ -403,7 +407,8 @@ def _checkpoint_summary(text: str) -> str | None:
     text = without_recall_handles(text)
     framed = len(text) >= len(_CHECKPOINT_HEAD) + len(_CHECKPOINT_TAIL)
     if framed and text.startswith(_CHECKPOINT_HEAD) and text.endswith(_CHECKPOINT_TAIL):
-        return text[len(_CHECKPOINT_HEAD) : len(text) - len(_CHECKPOINT_TAIL)]
+        inner = text[len(_CHECKPOINT_HEAD) : len(text) - len(_CHECKPOINT_TAIL)]
+        return prompts.without_open_handles(inner)
     return None
 
 

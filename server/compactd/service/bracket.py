@@ -34,6 +34,7 @@ from compactd import genai, logs
 from compactd.core import bracket, prompts
 from compactd.core import events as ev
 from compactd.core.fold import SessionFold
+from compactd.core.handles import open_handles
 from compactd.core.meter import SessionMeter, envelope_tools, route_price
 from compactd.core.planner import choose_span, node_pricer, span_pricer
 from compactd.core.policy import TargetPolicy
@@ -555,7 +556,11 @@ class Brackets:
         stale = drift(handle.fold, selection, opened.snapshot, revalidation_for(job.trigger))
         if stale is not None:
             raise BracketFailed(f"stale summary rejected: {stale}", reason=Reason.SPAN_DRIFT)
-        framed = bracket.checkpoint_text(screened.summary.text, compaction_id, opened.start_seq)
+        span = handle.fold.surface.nodes[selection.start_position : selection.end_position + 1]
+        handles = prompts.open_handles_section(open_handles(handle.fold, span))
+        framed = bracket.checkpoint_text(
+            screened.summary.text, compaction_id, opened.start_seq, handles
+        )
         checkpoint = bracket.checkpoint_message(compaction_id, framed)
         tokens = _measurement(job, selection, written.envelope_before, checkpoint, screened)
         summary_seq = handle.fold.revision
@@ -737,9 +742,9 @@ def summary_request(
     policy: TargetPolicy,
     focus: str | None,
 ) -> tuple[SummaryRequest, list[bytes]]:
-    """System head, then the span's messages exactly as the conversation sends them; and, one
-    per message, bytes that hold its text blocks verbatim (the gate's echo check reads them).
-    """
+    """System head and pins, then the span's messages exactly as the conversation sends them;
+    and, one per message, bytes that hold its text blocks verbatim (the gate's echo check reads
+    them)."""
     fold = handle.fold
     nodes = fold.surface.nodes
     span_nodes: list[SurfaceNode] = list(
@@ -748,6 +753,11 @@ def summary_request(
     if nodes and selection.start_position > 0 and nodes[0].type == ev.SYSTEM_MESSAGE:
         span_nodes.insert(0, nodes[0])
     messages, serialized = projected_span(fold, span_nodes)
+    pinned = fold.pins_message()  # where the conversation has it: the prefix stays the same
+    if pinned is not None:
+        at = 1 if span_nodes and span_nodes[0] is nodes[0] and fold.head_projects() else 0
+        messages.insert(at, pinned)
+        serialized.insert(at, pinned.SerializeToString())
     config = events_pb2.RequestConfig(provider=target.provider, model=target.model)
     header = fold.header
     if header is not None and (header.config.provider, header.config.model) == (
@@ -763,6 +773,7 @@ def summary_request(
         config=config,
         instruction=prompts.compaction_instruction(focus),
         max_tokens=policy.max_tokens,
+        pins=fold.pin_texts(),
     )
     return request, serialized
 

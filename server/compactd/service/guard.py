@@ -29,6 +29,8 @@ from opentelemetry import trace
 
 from compactd.core import bracket, gate, prompts
 from compactd.core.attempts import Backoff, span_key
+from compactd.core.fold import SessionFold
+from compactd.core.handles import open_handles
 from compactd.core.meter import MeteredRoute
 from compactd.core.policy import TargetPolicy
 from compactd.core.pricing import PricingProfile, price_node
@@ -64,12 +66,16 @@ class CompactionGuard:
 
     # ---- 1. the minimum useful span -------------------------------------------------------
 
-    def min_span_tokens(self, route: MeteredRoute, policy: TargetPolicy) -> int:
-        """The smallest span (route tokens) whose checkpoint could relieve anything."""
+    def min_span_tokens(
+        self, route: MeteredRoute, policy: TargetPolicy, fold: SessionFold | None = None
+    ) -> int:
+        """The smallest span (route tokens) whose checkpoint could relieve anything; with
+        ``fold``, the checkpoint also carries the open handles every span of it must list (its
+        open sub-agents and pinned keys: ``core.handles``)."""
         settings = policy.gate
         ratio = settings.min_reduction_ratio if settings is not None else None
         # A ratio above a half also asks the extractive checkpoint (the fallback) to fit.
-        skeleton = self._skeleton_tokens(route.pricing)
+        skeleton = self._skeleton_tokens(route.pricing) + _handles_tokens(route.pricing, fold)
         return max(gate.minimum_useful_span(skeleton, ratio), minimum_span_tokens(ratio))
 
     def _skeleton_tokens(self, pricing: PricingProfile) -> int:
@@ -114,3 +120,17 @@ class CompactionGuard:
         backoff = Backoff(policy.failure_backoff_seconds, policy.failure_backoff_max_seconds)
         key = span_key(selection.shadowed_seqs, handle.fold.offloads)
         handle.context.memory.failures.remember(key, target.name, reason, self._clock(), backoff)
+
+
+def _handles_tokens(pricing: PricingProfile, fold: SessionFold | None) -> int:
+    """What the open-handles section of ``fold``'s next checkpoint adds to it at least (the span's
+    own unanswered calls come on top), in ``pricing``'s tokens; 0 without a fold."""
+    if fold is None:
+        return 0
+    section = prompts.open_handles_section(open_handles(fold, ()))
+    if not section:
+        return 0
+    skeleton = prompts.summary_skeleton()
+    bare = bracket.checkpoint_message("", prompts.frame_checkpoint(skeleton))
+    framed = bracket.checkpoint_message("", prompts.frame_checkpoint(skeleton, section))
+    return price_node(framed, pricing).total - price_node(bare, pricing).total

@@ -39,10 +39,10 @@ from compactd.service.bracket import Brackets, shadow_price_of
 from compactd.service.policy_message import resolved_policy
 from compactd.service.pressure import PressureService
 from compactd.service.recovery import RecoveryService, envelope_only
-from compactd.service.requests import detail_reply_in_steps, surface_reply_in_steps
+from compactd.service.requests import detail_parts_in_steps, surface_parts_in_steps
 from compactd.service.sessions import SessionHandle, SessionManager
 from compactd.service.switch import SwitchService
-from compactd.speed import in_steps
+from compactd.speed import in_steps, let_others_run
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2
 from compactd.v1 import session_service_pb2 as spb
@@ -354,7 +354,7 @@ class InspectionService:
                                 "alone is at or above the trigger: no compaction runs")  # fmt: skip
             if over:
                 selection, retains, min_span = SelectionMode.MAXIMAL, False, False
-        plan.min_span_tokens = guard.min_span_tokens(job.route, job.policy) if min_span else 0
+        plan.min_span_tokens = guard.min_span_tokens(job.route, job.policy, fold) if min_span else 0
         retained = report.retained_budget if report is not None and retains else 0
         if retains and report is None:
             plan.warnings.append(
@@ -404,8 +404,8 @@ class InspectionService:
             )
             price = node_pricer(meter, fold, priced)
             shadow = shadow_price_of(handle)
-            nodes = await in_steps(
-                surface_reply_in_steps(fold, lambda node: (price(node), shadow(node)))
+            parts = await in_steps(
+                surface_parts_in_steps(fold, lambda node: (price(node), shadow(node)))
             )
             detail = spb.SurfaceDetail(
                 replacement_generation=fold.surface.replacements,
@@ -418,7 +418,9 @@ class InspectionService:
             revision = fold.revision
         # Read after the lock: the log before ``revision`` is immutable, and may be long.
         history = await _shadow_history(handle, revision)
-        return nodes + await in_steps(detail_reply_in_steps(detail, sorted(history.items())))
+        parts += await in_steps(detail_parts_in_steps(detail, sorted(history.items())))
+        await let_others_run()  # joining them is one copy of the whole reply: a slice of its own
+        return b"".join(parts)
 
     async def brackets(self, session_id: str) -> cpb.ListBracketsResponse:
         """Every bracket of the session's committed log (``NotFound`` when it does not exist)."""

@@ -33,6 +33,7 @@ from compactd.reasons import Reason
 from compactd.routes import Route, RouteCatalog
 from compactd.service.calibration import UsageCalibration, annotate, estimated
 from compactd.service.context import ResolvedPolicy, SessionContext, SessionMemory
+from compactd.service.pinning import pins_checker
 from compactd.service.sessions import Restored, SessionHandle, SessionManager, metered_context
 from compactd.speed import in_steps
 from compactd.tokenizers import unavailable
@@ -135,6 +136,7 @@ class PressureService:
         handle.add_observer(self.calibration.observer(handle.session_id, meter))
         handle.add_preparer(partial(_prepare, meter, self.routes))
         handle.add_precounter(meter.count_ahead)
+        handle.add_checker(pins_checker(self.routes))
         return context
 
     async def _attach(self, handle: SessionHandle) -> None:
@@ -366,6 +368,7 @@ def _report(route: Route, spec: CompactSpec, measured: Measurement) -> PressureR
         method=_METHODS[measured.method],
         tokenizer=measured.tokenizer,
         anchor_seq=measured.anchor_seq if measured.anchor_seq is not None else 0,
+        pins_tokens=measured.pins,
     )
     return PressureReport(
         revision=measured.revision,

@@ -49,7 +49,7 @@ from compactd.service.offload import offload_oldest
 from compactd.service.preconditions import refuse_live_bracket, require_open_turn
 from compactd.service.pressure import PressureService
 from compactd.service.pruning import Planner, Pruning
-from compactd.service.requests import build_request
+from compactd.service.requests import request_in_steps
 from compactd.service.sessions import SessionHandle, SessionManager
 from compactd.store.base import Clock, utc_now
 from compactd.v1 import compaction_service_pb2 as cpb
@@ -197,7 +197,7 @@ class RecoveryService:
             reason = result.classification.reason
             _decline(result, Decline.RECOVERY_DECLINE_NOT_RECOVERABLE, _not_recoverable(reason))
         async with handle.lock:  # the request shows committed events only
-            result.request.CopyFrom(build_request(handle))
+            result.request.MergeFromString(await request_in_steps(handle))
         return result
 
     # ---- image offload -----------------------------------------------------------------------
@@ -301,7 +301,8 @@ class RecoveryService:
             system_tokens=measured.system,
             tools_tokens=measured.tools,
             config_tokens=measured.config,
-            envelope_tokens=measured.system + measured.tools + measured.config,
+            envelope_tokens=measured.system + measured.tools + measured.config + measured.pins,
+            pins_tokens=measured.pins,
             measured_tokens=measured.total,
             prompt_tokens=_token_figure(error.prompt_tokens),
         )
@@ -419,10 +420,10 @@ def _envelope_only(window: _Window) -> str:
     f = window.figures
     return (
         f"the envelope alone does not fit the window: system {f.system_tokens} + tools "
-        f"{f.tools_tokens} + framing {f.config_tokens} = {f.envelope_tokens} tokens, window "
-        f"{f.context_window} ({f.window_source}) - output reservation {f.output_reservation} = "
-        f"{f.context_window - f.output_reservation}; no compaction reduces the system prompt or "
-        "the tools"
+        f"{f.tools_tokens} + framing {f.config_tokens} + pins {f.pins_tokens} = "
+        f"{f.envelope_tokens} tokens, window {f.context_window} ({f.window_source}) - output "
+        f"reservation {f.output_reservation} = {f.context_window - f.output_reservation}; no "
+        "compaction reduces the system prompt, the tools or the pins"
     )
 
 

@@ -16,9 +16,11 @@ from collections.abc import Callable, Generator, Iterable, Sequence
 
 from compactd.core import events as ev
 from compactd.core.fold import SessionFold
+from compactd.core.pins import pin_list
 from compactd.core.projection import Message, derive_messages, project
 from compactd.core.surface import SurfaceNode
 from compactd.service.sessions import SessionHandle
+from compactd.speed import in_steps
 from compactd.v1 import session_service_pb2 as pb
 from compactd.v1.events_pb2 import ToolDeclaration
 
@@ -40,12 +42,19 @@ def surface_response(handle: SessionHandle) -> pb.GetSurfaceResponse:
     return response
 
 
-def surface_reply_in_steps(
+def surface_reply_in_steps(fold: SessionFold) -> Generator[None, None, bytes]:
+    """``surface_response`` of the session of ``fold`` serialized, made ``REPLY_CHUNK`` nodes
+    at a time with a pause (``yield``) after each, then joined in a step of its own. The caller
+    keeps the fold still (the session's lock)."""
+    parts = yield from surface_parts_in_steps(fold)
+    return b"".join(parts)
+
+
+def surface_parts_in_steps(
     fold: SessionFold, detail: NodeDetail | None = None
-) -> Generator[None, None, bytes]:
-    """``surface_response`` of the session of ``fold`` serialized (each node's ``detail`` set
-    from ``detail`` when given), made ``REPLY_CHUNK`` nodes at a time with a pause (``yield``)
-    after each. The caller keeps the fold still (the session's lock)."""
+) -> Generator[None, None, list[bytes]]:
+    """``surface_reply_in_steps``'s bytes in pieces (each node's ``detail`` set from ``detail``
+    when given), not yet joined: joining is one copy of the whole reply, in one call."""
     parts = [pb.GetSurfaceResponse(revision=fold.revision).SerializeToString()]
     for start in range(0, len(fold.surface), REPLY_CHUNK):
         chunk = pb.GetSurfaceResponse()
@@ -57,15 +66,15 @@ def surface_reply_in_steps(
                 )
         parts.append(chunk.SerializeToString())
         yield
-    return b"".join(parts)
+    return parts
 
 
-def detail_reply_in_steps(
+def detail_parts_in_steps(
     head: pb.SurfaceDetail, shadowed: Sequence[Shadowed]
-) -> Generator[None, None, bytes]:
-    """A ``GetSurfaceResponse`` holding only its ``detail``, serialized: ``head`` (route,
-    generations, anchor) with ``shadowed`` added in order, ``REPLY_CHUNK`` of them at a time
-    with a pause (``yield``) after each. Appended to ``surface_reply_in_steps``'s bytes, the
+) -> Generator[None, None, list[bytes]]:
+    """A ``GetSurfaceResponse`` holding only its ``detail``, serialized in pieces: ``head``
+    (route, generations, anchor) with ``shadowed`` added in order, ``REPLY_CHUNK`` of them at a
+    time with a pause (``yield``) after each. After ``surface_parts_in_steps``'s pieces, the
     response with both."""
     parts = [head.SerializeToString()]
     for start in range(0, len(shadowed), REPLY_CHUNK):
@@ -74,8 +83,7 @@ def detail_reply_in_steps(
             chunk.shadowed.add(seq=seq, type=kind, shadowed_by_seq=by, compaction_id=compaction_id)
         parts.append(chunk.SerializeToString())
         yield
-    body = b"".join(parts)
-    return b"".join((_DETAIL_TAG, _varint(len(body)), body))
+    return [_DETAIL_TAG, _varint(sum(len(part) for part in parts)), *parts]
 
 
 def _varint(value: int) -> bytes:
@@ -114,12 +122,14 @@ def request_reply_in_steps(
     fold: SessionFold, declared: Sequence[ToolDeclaration] = ()
 ) -> Generator[None, None, bytes]:
     """``build_request`` of the session of ``fold``, serialized, its messages made
-    ``REPLY_CHUNK`` surface nodes at a time with a pause (``yield``) after each; ``declared``:
-    compactd's own tools (``declared_tools``). The caller keeps the fold still (the session's
-    lock)."""
+    ``REPLY_CHUNK`` surface nodes at a time with a pause (``yield``) after each, then joined in a
+    step of its own; ``declared``: compactd's own tools (``declared_tools``). The caller keeps
+    the fold still (the session's lock)."""
     parts = [pb.BuildRequestResponse(revision=fold.revision).SerializeToString()]
     nodes = fold.surface.nodes
-    for start in range(0, len(nodes), REPLY_CHUNK):
+    parts += _head_and_pins(fold)  # the pinned-state message right after the system head
+    first = 1 if fold.pins and fold.head_projects() else 0
+    for start in range(first, len(nodes), REPLY_CHUNK):
         chunk = pb.BuildRequestResponse()
         add = chunk.messages.add
         for message in appended_messages(fold, nodes[start : start + REPLY_CHUNK]):
@@ -130,18 +140,38 @@ def request_reply_in_steps(
     return b"".join(parts)
 
 
+async def request_in_steps(handle: SessionHandle) -> bytes:
+    """``request_reply_in_steps`` of the session, compactd's own tools included, run on the loop
+    (``in_steps``): the request's bytes, for a result that carries the request
+    (``MergeFromString`` parses them in one call, a fraction of building the message on the
+    loop). The caller holds the session's lock."""
+    return await in_steps(request_reply_in_steps(handle.fold, declared_tools(handle)))
+
+
 def declared_tools(handle: SessionHandle) -> Sequence[ToolDeclaration]:
     """The tools compactd adds to the session's requests after the header's (the recall tool,
     when the policy turns it on), priced by the meter like the header's."""
     return handle.context.meter.declared_tools(handle.fold.header)
 
 
+def _head_and_pins(fold: SessionFold) -> list[bytes]:
+    """The serialized messages a request opens with when pins are in force: the system head's
+    (when it projects to one), then the pinned-state message; none without pins."""
+    pinned = fold.pins_message()
+    if pinned is None:
+        return []
+    head = appended_messages(fold, fold.surface.nodes[:1]) if fold.head_projects() else []
+    head.append(pinned)
+    return [pb.BuildRequestResponse(messages=head).SerializeToString()]
+
+
 def _request_header(
     fold: SessionFold, declared: Sequence[ToolDeclaration]
 ) -> pb.BuildRequestResponse:
     """A request's fields past its messages: the folded header's config, defaults and tools,
-    then ``declared`` (compactd's own tools)."""
+    then ``declared`` (compactd's own tools), and the pins in force."""
     response = pb.BuildRequestResponse(header_seq=fold.header_seq)
+    response.pins.extend(pin_list(fold.pin_texts()))
     if fold.header is not None:
         if fold.header.HasField("config"):
             response.config.CopyFrom(fold.header.config)

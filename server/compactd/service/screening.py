@@ -22,6 +22,7 @@ from opentelemetry import trace
 from compactd import genai
 from compactd.core import bracket, gate
 from compactd.core.meter import MeteredRoute, route_price
+from compactd.core.pins import head_length
 from compactd.core.policy import TargetPolicy
 from compactd.core.pricing import node_texts, price_node, with_counted
 from compactd.core.probes import (
@@ -102,6 +103,7 @@ class _Judging:
     span_tokens: int
     shrink_route: MeteredRoute
     start_seq: int  # the bracket's compaction/start (names the checkpoint's recall handle)
+    pinned: str = ""  # the pins' texts: a probe they hold is kept (``gate.examine``)
 
 
 class Screener:
@@ -171,7 +173,7 @@ class Screener:
             found = await _facts_of(summary, span, facts)  # the gate's own work, in its span
             judging = _Judging(
                 compaction_id, span, span_bytes, select_probes(found), settings, span_tokens,
-                shrink_route, start_seq,
+                shrink_route, start_seq, "\n".join(request.pins.values()),
             )  # fmt: skip
             verdict = await _verdict(judging, summary.text)
             report = _report(verdict, settings)
@@ -255,7 +257,9 @@ async def _verdict(judging: _Judging, text: str) -> gate.Verdict:
         else (lambda: {t: route.pricing.count(t) for t in texts}),
     )
     try:
-        findings = gate.examine(text, judging.span, judging.probes, judging.span_bytes)
+        findings = gate.examine(
+            text, judging.span, judging.probes, judging.span_bytes, judging.pinned
+        )
     finally:
         counted = await counting
     checkpoint_tokens = (
@@ -279,9 +283,7 @@ def drop_facts(facts: asyncio.Future[SpanFacts] | None) -> None:
 def _without_head(
     messages: Sequence[session_service_pb2.Message],
 ) -> Sequence[session_service_pb2.Message]:
-    if messages and messages[0].role == session_service_pb2.MESSAGE_ROLE_SYSTEM:
-        return messages[1:]
-    return messages
+    return messages[head_length(messages) :]  # the system head and the pins
 
 
 def _rejection(verdict: gate.Verdict, report: events_pb2.SummaryGateReport) -> SummaryRejected:

@@ -42,7 +42,7 @@ from compactd.service.preconditions import (
 )
 from compactd.service.pressure import PressureService
 from compactd.service.pruning import Pruning
-from compactd.service.requests import appended_messages, build_request
+from compactd.service.requests import appended_messages, request_in_steps
 from compactd.service.sessions import SessionHandle, SessionManager
 from compactd.service.switch import SwitchService
 from compactd.v1 import compaction_service_pb2 as cpb
@@ -206,7 +206,9 @@ class StepService:
         return Bracket(
             handle, AUTO.trigger, SelectionMode.MAXIMAL if maximal else AUTO.selection, route,
             self._shrink_route(handle, route), policy, retained, relief.turn,
-            min_span_tokens=0 if maximal else self._guard.min_span_tokens(route, policy),
+            min_span_tokens=(
+                0 if maximal else self._guard.min_span_tokens(route, policy, handle.fold)
+            ),
             guarded=True, extractive=not first or self._floor_above_trigger(relief),
         )  # fmt: skip
 
@@ -340,7 +342,7 @@ class StepService:
             result.request_revision = fold.revision
             appended = None if held_revision is None else fold.appended_since(held_revision)
             if appended is None:
-                result.request.CopyFrom(build_request(handle))
+                result.request.MergeFromString(await request_in_steps(handle))
             else:
                 # Cost follows the step: the nodes appended since the caller's request, not the
                 # whole surface (the caller holds the rest).
@@ -380,7 +382,7 @@ class StepService:
         policy = self._pressure.target_policy(handle, route)
         job = Bracket(
             handle, MANUAL.trigger, MANUAL.selection, route, route, policy, focus=focus,
-            min_span_tokens=self._guard.min_span_tokens(route, policy),
+            min_span_tokens=self._guard.min_span_tokens(route, policy, handle.fold),
         )  # fmt: skip
         committed = await self._brackets.run(job, progress)
         result = cpb.CompactResult()

@@ -33,7 +33,7 @@ from compactd.service.bracket import Bracket, Brackets, Progress
 from compactd.service.preconditions import refuse_live_bracket, require_open_turn
 from compactd.service.pressure import PressureService
 from compactd.service.pruning import Pruning
-from compactd.service.requests import build_request
+from compactd.service.requests import request_in_steps
 from compactd.service.sessions import SessionHandle, SessionManager
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2
@@ -104,7 +104,7 @@ class SwitchService:
         if switched.header_seq is not None:
             result.header_seq = switched.header_seq
         async with handle.lock:
-            result.request.CopyFrom(build_request(handle))
+            result.request.MergeFromString(await request_in_steps(handle))
         return result
 
     def is_switch(self, handle: SessionHandle, intended: Route) -> bool:

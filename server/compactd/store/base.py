@@ -60,6 +60,9 @@ class SessionRecord:
         tenant: The tenant that owns the session; ids are unique per tenant.
         update_time: When the last batch landed (the create time before any): what a
             retention period counts idleness from.
+        parent_session_id: The parent session of a child (a sub-agent's session), of the same
+            tenant; empty for a top-level session.
+        fork_at_seq: The parent's seq a forked child copied the surface at; None otherwise.
     """
 
     session_id: str
@@ -68,6 +71,8 @@ class SessionRecord:
     revision: int
     tenant: str = DEFAULT_TENANT_ID
     update_time: datetime | None = None
+    parent_session_id: str = ""
+    fork_at_seq: int | None = None
 
     @property
     def last_active(self) -> datetime:
@@ -309,9 +314,16 @@ class EventStore(abc.ABC):
 
     @abc.abstractmethod
     async def create_session(
-        self, session_id: str, policy_json: str | None, *, tenant: str = DEFAULT_TENANT_ID
+        self,
+        session_id: str,
+        policy_json: str | None,
+        *,
+        tenant: str = DEFAULT_TENANT_ID,
+        parent: str = "",
+        fork_at_seq: int | None = None,
     ) -> SessionRecord:
-        """Creates an empty session (revision 0), durably.
+        """Creates an empty session (revision 0), durably; a child of ``parent`` (a session
+        of the same tenant; the caller checks it exists) when that is set.
 
         Raises:
             AlreadyExists: if the id is taken.
@@ -325,9 +337,15 @@ class EventStore(abc.ABC):
 
     @abc.abstractmethod
     async def list_sessions(
-        self, *, after: str = "", limit: int = 100, tenant: str = DEFAULT_TENANT_ID
+        self,
+        *,
+        after: str = "",
+        limit: int = 100,
+        tenant: str = DEFAULT_TENANT_ID,
+        parent: str | None = None,
     ) -> list[SessionRecord]:
-        """Up to ``limit`` of the tenant's sessions whose ids sort after ``after``, in id order.
+        """Up to ``limit`` of the tenant's sessions whose ids sort after ``after``, in id order;
+        with ``parent``, only that session's children.
 
         Pass the last id of one page as ``after`` to get the next.
 

@@ -58,14 +58,22 @@ class MemoryEventStore(base.EventStore):
         return self._stats
 
     async def create_session(
-        self, session_id: str, policy_json: str | None, *, tenant: str = DEFAULT_TENANT_ID
+        self,
+        session_id: str,
+        policy_json: str | None,
+        *,
+        tenant: str = DEFAULT_TENANT_ID,
+        parent: str = "",
+        fork_at_seq: int | None = None,
     ) -> base.SessionRecord:
         self._check_open()
         with self._lock:
             if (tenant, session_id) in self._sessions:
                 raise base.session_exists(session_id)
             now = self._clock()
-            record = base.SessionRecord(session_id, now, policy_json, 0, tenant, now)
+            record = base.SessionRecord(
+                session_id, now, policy_json, 0, tenant, now, parent, fork_at_seq
+            )
             self._sessions[tenant, session_id] = _Session(record)
             self._count(commits=1)
         return record
@@ -79,13 +87,22 @@ class MemoryEventStore(base.EventStore):
             return None if session is None else session.record
 
     async def list_sessions(
-        self, *, after: str = "", limit: int = 100, tenant: str = DEFAULT_TENANT_ID
+        self,
+        *,
+        after: str = "",
+        limit: int = 100,
+        tenant: str = DEFAULT_TENANT_ID,
+        parent: str | None = None,
     ) -> list[base.SessionRecord]:
         self._check_open()
         base.check_limit(limit)
         with self._lock:
-            ids = sorted(i for t, i in self._sessions if t == tenant and i > after)[:limit]
-            return [self._sessions[tenant, i].record for i in ids]
+            ids = sorted(
+                i
+                for (t, i), s in self._sessions.items()
+                if t == tenant and i > after and parent in (None, s.record.parent_session_id)
+            )
+            return [self._sessions[tenant, i].record for i in ids[:limit]]
 
     async def delete_session(self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID) -> bool:
         self._check_open()

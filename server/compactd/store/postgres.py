@@ -55,7 +55,9 @@ from compactd.v1 import events_pb2
 log = logging.getLogger(__name__)
 
 CHANNEL: Final = "compactd_events"
-_SESSION_COLUMNS = "session_id, create_time, policy_json, revision, tenant, update_time"
+_SESSION_COLUMNS = (
+    "session_id, create_time, policy_json, revision, tenant, update_time, parent_id, fork_at_seq"
+)
 
 Conn = psycopg.AsyncConnection[TupleRow]
 
@@ -90,6 +92,10 @@ def _abandon(task: asyncio.Future[Any]) -> None:
     """Cancel ``task`` and let it end alone, its outcome retrieved (nobody waits for it)."""
     task.cancel()
     task.add_done_callback(lambda done: None if done.cancelled() else done.exception())
+
+
+#: Events ``read_seqs`` fetches per query (a restore asks for a whole surface's).
+SEQS_PER_READ: Final = 4096
 
 
 class PostgresEventStore(base.EventStore):
@@ -202,17 +208,26 @@ class PostgresEventStore(base.EventStore):
 
     @_bounded("create a session")
     async def create_session(
-        self, session_id: str, policy_json: str | None, *, tenant: str = DEFAULT_TENANT_ID
+        self,
+        session_id: str,
+        policy_json: str | None,
+        *,
+        tenant: str = DEFAULT_TENANT_ID,
+        parent: str = "",
+        fork_at_seq: int | None = None,
     ) -> base.SessionRecord:
         now = self._clock()
-        record = base.SessionRecord(session_id, now, policy_json, 0, tenant, now)
+        record = base.SessionRecord(
+            session_id, now, policy_json, 0, tenant, now, parent, fork_at_seq
+        )
         with _db_errors("create a session"):
             async with self._connection() as conn:
                 try:
                     await conn.execute(
                         "INSERT INTO sessions (tenant, session_id, create_time, update_time,"
-                        " policy_json, revision) VALUES (%s, %s, %s, %s, %s, 0)",
-                        (tenant, session_id, now, now, policy_json),
+                        " policy_json, revision, parent_id, fork_at_seq)"
+                        " VALUES (%s, %s, %s, %s, %s, 0, %s, %s)",
+                        (tenant, session_id, now, now, policy_json, parent or None, fork_at_seq),
                     )
                 except psycopg.errors.UniqueViolation:
                     raise base.session_exists(session_id) from None
@@ -234,15 +249,21 @@ class PostgresEventStore(base.EventStore):
 
     @_bounded("list sessions")
     async def list_sessions(
-        self, *, after: str = "", limit: int = 100, tenant: str = DEFAULT_TENANT_ID
+        self,
+        *,
+        after: str = "",
+        limit: int = 100,
+        tenant: str = DEFAULT_TENANT_ID,
+        parent: str | None = None,
     ) -> list[base.SessionRecord]:
         base.check_limit(limit)
         with _db_errors("list sessions"):
             async with self._connection() as conn:
                 cursor = await conn.execute(
                     f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE tenant = %s"
-                    " AND session_id > %s ORDER BY session_id LIMIT %s",
-                    (tenant, after, limit),
+                    " AND session_id > %s AND (%s::text IS NULL OR parent_id = %s)"
+                    " ORDER BY session_id LIMIT %s",
+                    (tenant, after, parent, parent, limit),
                 )
                 rows = await cursor.fetchall()
         return [_record(row) for row in rows]
@@ -380,15 +401,21 @@ class PostgresEventStore(base.EventStore):
     ) -> list[events_pb2.SessionEvent]:
         wanted = sorted({s for s in seqs if s >= 0})
         key = SessionKey(tenant, session_id)
+        found: list[events_pb2.SessionEvent] = []
         with _db_errors("read events"):
             async with self._connection() as conn:
                 await _require_session(conn, key)
-                cursor = await conn.execute(
-                    f"SELECT data FROM events WHERE {_WHERE_KEY} AND seq = ANY(%s) ORDER BY seq",
-                    (*key, wanted),
-                )
-                rows = await cursor.fetchall()
-        return [base.decode_event(row[0]) for row in rows]
+                # A restore reads a whole surface (tens of thousands of events at
+                # max_surface_bytes): fetched a bounded share at a time, parsed in a worker
+                # thread, so that neither holds the event loop for long.
+                for start in range(0, len(wanted), SEQS_PER_READ):
+                    cursor = await conn.execute(
+                        f"SELECT data FROM events WHERE {_WHERE_KEY} AND seq = ANY(%s)"
+                        " ORDER BY seq",
+                        (*key, wanted[start : start + SEQS_PER_READ]),
+                    )
+                    found += await asyncio.to_thread(_decoded, await cursor.fetchall())
+        return found
 
     @_bounded("read event ids")
     async def find_event_ids(
@@ -629,7 +656,7 @@ async def _select_event_ids(conn: Conn, key: SessionKey, event_ids: list[str]) -
 
 
 def _record(row: tuple[Any, ...]) -> base.SessionRecord:
-    session_id, create_time, policy_json, revision, tenant, update_time = row
+    session_id, create_time, policy_json, revision, tenant, update_time, parent, fork = row
     return base.SessionRecord(
         str(session_id),
         create_time.astimezone(UTC),
@@ -637,6 +664,8 @@ def _record(row: tuple[Any, ...]) -> base.SessionRecord:
         int(revision),
         str(tenant),
         update_time.astimezone(UTC),
+        str(parent or ""),
+        None if fork is None else int(fork),
     )
 
 
@@ -665,3 +694,8 @@ def _redacted(url: str) -> str:
 
 
 __all__ = ["CHANNEL", "LeaseAction", "PostgresEventStore"]
+
+
+def _decoded(rows: Sequence[TupleRow]) -> list[events_pb2.SessionEvent]:
+    """The events of ``rows`` (their ``data`` first): a worker thread's."""
+    return [base.decode_event(row[0]) for row in rows]

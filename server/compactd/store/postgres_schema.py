@@ -77,6 +77,13 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
             taken   BOOLEAN NOT NULL
         )""",
     ),
+    # 5: sub-agent sessions: a child names its parent (same tenant) and, forked, the seq.
+    (
+        'ALTER TABLE sessions ADD COLUMN parent_id TEXT COLLATE "C"',
+        "ALTER TABLE sessions ADD COLUMN fork_at_seq BIGINT",
+        """CREATE INDEX sessions_parent ON sessions (tenant, parent_id, session_id)
+            WHERE parent_id IS NOT NULL""",
+    ),
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)

@@ -38,10 +38,11 @@ from compactd.v1 import events_pb2
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SYNCHRONOUS_LEVELS = ("NORMAL", "FULL", "EXTRA")
 
-# Version 2 keys sessions by (tenant, session_id) and records when each last changed.
+# Version 2 keys sessions by (tenant, session_id) and records when each last changed; version 3
+# adds a child session's parent (sub-agents) and the parent seq a fork copied.
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
     tenant         TEXT NOT NULL,
@@ -50,8 +51,12 @@ CREATE TABLE IF NOT EXISTS sessions (
     policy_json    TEXT,
     revision       INTEGER NOT NULL DEFAULT 0,
     update_time_us INTEGER NOT NULL,
+    parent_id      TEXT,
+    fork_at_seq    INTEGER,
     PRIMARY KEY (tenant, session_id)
 );
+CREATE INDEX IF NOT EXISTS sessions_parent
+    ON sessions (tenant, parent_id, session_id) WHERE parent_id IS NOT NULL;
 CREATE TABLE IF NOT EXISTS events (
     tenant     TEXT NOT NULL,
     session_id TEXT NOT NULL,
@@ -90,13 +95,22 @@ DROP TABLE events_v1;
 DROP TABLE sessions_v1
 """
 
+# Version 2 to 3: the parent columns (the index comes with the schema script that follows).
+_FROM_V2 = """
+ALTER TABLE sessions ADD COLUMN parent_id TEXT;
+ALTER TABLE sessions ADD COLUMN fork_at_seq INTEGER
+"""
+
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _SAVEPOINT = "job"
 # Jobs committed together at most; bounds one transaction's size under a flood of appends.
 _MAX_GROUP = 512
 # Bound parameters per IN (...) query, well under SQLite's variable limit.
 _IN_CHUNK = 500
-_SESSION_COLUMNS = "session_id, create_time_us, policy_json, revision, tenant, update_time_us"
+_SESSION_COLUMNS = (
+    "session_id, create_time_us, policy_json, revision, tenant, update_time_us, parent_id,"
+    " fork_at_seq"
+)
 
 
 class SqliteEventStore(base.EventStore):
@@ -205,10 +219,18 @@ class SqliteEventStore(base.EventStore):
             self._owner.release()
 
     async def create_session(
-        self, session_id: str, policy_json: str | None, *, tenant: str = DEFAULT_TENANT_ID
+        self,
+        session_id: str,
+        policy_json: str | None,
+        *,
+        tenant: str = DEFAULT_TENANT_ID,
+        parent: str = "",
+        fork_at_seq: int | None = None,
     ) -> base.SessionRecord:
         now = self._clock()
-        record = base.SessionRecord(session_id, now, policy_json, 0, tenant, now)
+        record = base.SessionRecord(
+            session_id, now, policy_json, 0, tenant, now, parent, fork_at_seq
+        )
         await self._write(functools.partial(_insert_session, record), events=None)
         return record
 
@@ -218,10 +240,16 @@ class SqliteEventStore(base.EventStore):
         return await self._read(functools.partial(_select_session, SessionKey(tenant, session_id)))
 
     async def list_sessions(
-        self, *, after: str = "", limit: int = 100, tenant: str = DEFAULT_TENANT_ID
+        self,
+        *,
+        after: str = "",
+        limit: int = 100,
+        tenant: str = DEFAULT_TENANT_ID,
+        parent: str | None = None,
     ) -> list[base.SessionRecord]:
         base.check_limit(limit)
-        return await self._read(functools.partial(_select_sessions, tenant, after, limit))
+        op = functools.partial(_select_sessions, tenant, after, limit, parent)
+        return await self._read(op)
 
     async def delete_session(self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID) -> bool:
         op = functools.partial(_delete_session, SessionKey(tenant, session_id))
@@ -582,13 +610,15 @@ def _insert_session(record: base.SessionRecord, conn: sqlite3.Connection) -> Non
     try:
         conn.execute(
             "INSERT INTO sessions (tenant, session_id, create_time_us, policy_json, revision,"
-            " update_time_us) VALUES (?, ?, ?, ?, 0, ?)",
+            " update_time_us, parent_id, fork_at_seq) VALUES (?, ?, ?, ?, 0, ?, ?, ?)",
             (
                 record.tenant,
                 record.session_id,
                 _to_us(record.create_time),
                 record.policy_json,
                 _to_us(record.last_active),
+                record.parent_session_id or None,
+                record.fork_at_seq,
             ),
         )
     except sqlite3.IntegrityError:
@@ -681,13 +711,20 @@ def _select_session(key: SessionKey, conn: sqlite3.Connection) -> base.SessionRe
 
 
 def _select_sessions(
-    tenant: str, after: str, limit: int, conn: sqlite3.Connection
+    tenant: str, after: str, limit: int, parent: str | None, conn: sqlite3.Connection
 ) -> list[base.SessionRecord]:
-    rows = conn.execute(
-        f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE tenant = ? AND session_id > ?"
-        " ORDER BY session_id LIMIT ?",
-        (tenant, after, limit),
-    ).fetchall()
+    if parent is None:
+        rows = conn.execute(
+            f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE tenant = ? AND session_id > ?"
+            " ORDER BY session_id LIMIT ?",
+            (tenant, after, limit),
+        ).fetchall()
+    else:
+        rows = conn.execute(
+            f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE tenant = ? AND parent_id = ?"
+            " AND session_id > ? ORDER BY session_id LIMIT ?",
+            (tenant, parent, after, limit),
+        ).fetchall()
     return [_session_record(row) for row in rows]
 
 
@@ -825,6 +862,8 @@ def _migrate(conn: sqlite3.Connection, path: str) -> None:
     try:
         if version == 1:
             _run_script(conn, _FROM_V1.format(schema=_SCHEMA.strip().rstrip(";")))
+        elif version == 2:
+            _run_script(conn, _FROM_V2)
         _run_script(conn, _SCHEMA)
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         conn.execute("COMMIT")
@@ -856,7 +895,7 @@ def _read_pragmas(conn: sqlite3.Connection) -> dict[str, str | int]:
 
 
 def _session_record(row: tuple[Any, ...]) -> base.SessionRecord:
-    session_id, create_time_us, policy_json, revision, tenant, update_time_us = row
+    session_id, create_time_us, policy_json, revision, tenant, update_time_us, parent, fork = row
     return base.SessionRecord(
         str(session_id),
         _from_us(create_time_us),
@@ -864,6 +903,8 @@ def _session_record(row: tuple[Any, ...]) -> base.SessionRecord:
         int(revision),
         str(tenant),
         _from_us(update_time_us),
+        str(parent or ""),
+        None if fork is None else int(fork),
     )
 
 

@@ -438,6 +438,7 @@ class PressureBreakdown(_message.Message):
     CALIBRATION_RATIO_FIELD_NUMBER: _builtins.int
     CALIBRATION_SAMPLES_FIELD_NUMBER: _builtins.int
     UNSCALED_TOKENS_FIELD_NUMBER: _builtins.int
+    PINS_TOKENS_FIELD_NUMBER: _builtins.int
     system_tokens: _builtins.int
     """The system head."""
     tools_tokens: _builtins.int
@@ -473,6 +474,8 @@ class PressureBreakdown(_message.Message):
     """How many requests the calibration covers."""
     unscaled_tokens: _builtins.int
     """For ESTIMATED: the heuristic's total before the calibration scaled it."""
+    pins_tokens: _builtins.int
+    """The pinned-state message (`state/pin`): part of the total, never compacted."""
     @_builtins.property
     def warnings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """What the figure cannot vouch for, e.g. a route whose tokenizer file is missing and that is
@@ -497,10 +500,11 @@ class PressureBreakdown(_message.Message):
         calibration_ratio: _builtins.float = ...,
         calibration_samples: _builtins.int = ...,
         unscaled_tokens: _builtins.int = ...,
+        pins_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_error_bound", b"_error_bound", "error_bound", b"error_bound"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error_bound", b"_error_bound", "anchor_age_events", b"anchor_age_events", "anchor_age_seconds", b"anchor_age_seconds", "anchor_seq", b"anchor_seq", "calibration_ratio", b"calibration_ratio", "calibration_samples", b"calibration_samples", "config_tokens", b"config_tokens", "error_bound", b"error_bound", "images_tokens", b"images_tokens", "messages_tokens", b"messages_tokens", "method", b"method", "system_tokens", b"system_tokens", "tokenizer", b"tokenizer", "tools_tokens", b"tools_tokens", "unscaled_tokens", b"unscaled_tokens", "warnings", b"warnings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error_bound", b"_error_bound", "anchor_age_events", b"anchor_age_events", "anchor_age_seconds", b"anchor_age_seconds", "anchor_seq", b"anchor_seq", "calibration_ratio", b"calibration_ratio", "calibration_samples", b"calibration_samples", "config_tokens", b"config_tokens", "error_bound", b"error_bound", "images_tokens", b"images_tokens", "messages_tokens", b"messages_tokens", "method", b"method", "pins_tokens", b"pins_tokens", "system_tokens", b"system_tokens", "tokenizer", b"tokenizer", "tools_tokens", b"tools_tokens", "unscaled_tokens", b"unscaled_tokens", "warnings", b"warnings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__error_bound: _TypeAlias = _typing.Literal["error_bound"]  # noqa: Y015
     _WhichOneofArgType__error_bound: _TypeAlias = _typing.Literal["_error_bound", b"_error_bound"]  # noqa: Y015
@@ -1322,6 +1326,7 @@ class OverflowFigures(_message.Message):
     UNIT_RANGE_FIELD_NUMBER: _builtins.int
     MEASURED_TOKENS_FIELD_NUMBER: _builtins.int
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    PINS_TOKENS_FIELD_NUMBER: _builtins.int
     context_window: _builtins.int
     """The window W: the route's declared one, else the one the provider stated (0: unknown)."""
     window_source: _builtins.str
@@ -1335,13 +1340,15 @@ class OverflowFigures(_message.Message):
     config_tokens: _builtins.int
     """Request framing tokens."""
     envelope_tokens: _builtins.int
-    """What no compaction reduces: system + tools + config."""
+    """What no compaction reduces: system + tools + config + pins."""
     unit_tokens: _builtins.int
     """INDIVISIBLE_UNIT: the unit's tokens."""
     measured_tokens: _builtins.int
     """The measured envelope now, in tokens."""
     prompt_tokens: _builtins.int
     """The refused prompt's size the provider stated (0: not stated)."""
+    pins_tokens: _builtins.int
+    """The pinned-state message's tokens (`state/pin`)."""
     @_builtins.property
     def unit_range(self) -> _events_pb2.SurfaceRange:
         """INDIVISIBLE_UNIT: the unit's surface span."""
@@ -1360,10 +1367,11 @@ class OverflowFigures(_message.Message):
         unit_range: _events_pb2.SurfaceRange | None = ...,
         measured_tokens: _builtins.int = ...,
         prompt_tokens: _builtins.int = ...,
+        pins_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["unit_range", b"unit_range"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_tokens", b"config_tokens", "context_window", b"context_window", "envelope_tokens", b"envelope_tokens", "measured_tokens", b"measured_tokens", "output_reservation", b"output_reservation", "prompt_tokens", b"prompt_tokens", "system_tokens", b"system_tokens", "tools_tokens", b"tools_tokens", "unit_range", b"unit_range", "unit_tokens", b"unit_tokens", "window_source", b"window_source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_tokens", b"config_tokens", "context_window", b"context_window", "envelope_tokens", b"envelope_tokens", "measured_tokens", b"measured_tokens", "output_reservation", b"output_reservation", "pins_tokens", b"pins_tokens", "prompt_tokens", b"prompt_tokens", "system_tokens", b"system_tokens", "tools_tokens", b"tools_tokens", "unit_range", b"unit_range", "unit_tokens", b"unit_tokens", "window_source", b"window_source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -240,6 +240,34 @@ SUMMARY_PROBE_KIND_ERROR: SummaryProbeKind.ValueType  # 4
 """An error string from tool output."""
 Global___SummaryProbeKind: _TypeAlias = SummaryProbeKind  # noqa: Y015
 
+class _SubagentStatus:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _SubagentStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SubagentStatus.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SUBAGENT_STATUS_UNSPECIFIED: _SubagentStatus.ValueType  # 0
+    """Not set."""
+    SUBAGENT_STATUS_COMPLETED: _SubagentStatus.ValueType  # 1
+    """It finished its task."""
+    SUBAGENT_STATUS_FAILED: _SubagentStatus.ValueType  # 2
+    """It failed."""
+    SUBAGENT_STATUS_CANCELLED: _SubagentStatus.ValueType  # 3
+    """It was cancelled."""
+
+class SubagentStatus(_SubagentStatus, metaclass=_SubagentStatusEnumTypeWrapper):
+    """How a sub-agent ended."""
+
+SUBAGENT_STATUS_UNSPECIFIED: SubagentStatus.ValueType  # 0
+"""Not set."""
+SUBAGENT_STATUS_COMPLETED: SubagentStatus.ValueType  # 1
+"""It finished its task."""
+SUBAGENT_STATUS_FAILED: SubagentStatus.ValueType  # 2
+"""It failed."""
+SUBAGENT_STATUS_CANCELLED: SubagentStatus.ValueType  # 3
+"""It was cancelled."""
+Global___SubagentStatus: _TypeAlias = SubagentStatus  # noqa: Y015
+
 @_typing.final
 class SessionEvent(_message.Message):
     """One entry of a session's append-only log.
@@ -263,6 +291,9 @@ class SessionEvent(_message.Message):
       | `step/start`, `step/end`                | runtime                                       |
       | `tool/call`, `assistant/attempt`        | runtime                                       |
       | `request/header`, `llm/retry`           | runtime                                       |
+      | `state/pin`                             | runtime                                       |
+      | `subagent/start`, `subagent/end`        | runtime (in the parent session)               |
+      | `session/fork`                          | compactd only (a forked child's first event)  |
       | `compaction/start`, `compaction/prune`, | compactd only (pruning and the bracket)       |
       |   `compaction/summary`,                 |                                               |
       |   `compaction/summary-error`,           |                                               |
@@ -270,6 +301,23 @@ class SessionEvent(_message.Message):
       | `session/end-seed`                      | compactd only (a restore's lifecycle boundary)|
       | `image/offload`                         | compactd only (`RecoverFromError` and the     |
       |                                         |   summary-error recovery)                     |
+
+    Pinned state. `state/pin` is log-only: it never becomes a surface node, so no compaction or
+    prune can select it. The pins in force (the latest `state/pin` of each key, minus cleared keys)
+    are rendered, in key order, into one `system`-role message placed right after the system head
+    (before every other message; first when the head projects to nothing) of every rebuilt request,
+    marked `Message.pinned_state`. Its text is `<pinned-state>`, a line of preamble, then per key a
+    `[key]` line followed by the pin's text verbatim, then `</pinned-state>`. The meter prices that
+    message in every route's tokenizer as part of the envelope (`PressureBreakdown.pins_tokens`),
+    so pins count toward pressure; a batch whose pins alone would cost more than the route's
+    context window is refused (RESOURCE_EXHAUSTED, reason `PINS_OVER_WINDOW`). Changing a pin
+    rewrites the request from that message on (the provider's prompt cache is reused up to the
+    system head only).
+
+    Sub-agents. `subagent/start` and `subagent/end` are log-only events of the parent session; a
+    `subagent/start` opens a handle on its `child_session_id` until a `subagent/end` names it.
+    Every checkpoint re-emits the handles still open at the end of its span (open sub-agents,
+    tool calls without a result, pinned keys) in its "Open handles" section.
 
     Step brackets (checked on runtime appends; violations are INVALID_ARGUMENT with reason
     `STEP_BRACKET`): an `assistant/message` APPEND is accepted only inside an open step
@@ -305,6 +353,10 @@ class SessionEvent(_message.Message):
     SESSION_END_SEED_FIELD_NUMBER: _builtins.int
     LLM_RETRY_FIELD_NUMBER: _builtins.int
     COMPACTION_SUMMARY_ERROR_FIELD_NUMBER: _builtins.int
+    STATE_PIN_FIELD_NUMBER: _builtins.int
+    SUBAGENT_START_FIELD_NUMBER: _builtins.int
+    SUBAGENT_END_FIELD_NUMBER: _builtins.int
+    SESSION_FORK_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """Output only. The event's index in the session log: 0, 1, 2, ... contiguous, never reused.
     Assigned by the server; a client that sets it is rejected with INVALID_ARGUMENT.
@@ -405,6 +457,22 @@ class SessionEvent(_message.Message):
     def compaction_summary_error(self) -> Global___CompactionSummaryError:
         """`compaction/summary-error` (log-only)."""
 
+    @_builtins.property
+    def state_pin(self) -> Global___StatePin:
+        """`state/pin` (log-only; rendered into the request, see above)."""
+
+    @_builtins.property
+    def subagent_start(self) -> Global___SubagentStart:
+        """`subagent/start` (log-only)."""
+
+    @_builtins.property
+    def subagent_end(self) -> Global___SubagentEnd:
+        """`subagent/end` (log-only)."""
+
+    @_builtins.property
+    def session_fork(self) -> Global___SessionFork:
+        """`session/fork` (log-only)."""
+
     def __init__(
         self,
         *,
@@ -433,12 +501,16 @@ class SessionEvent(_message.Message):
         session_end_seed: Global___SessionEndSeed | None = ...,
         llm_retry: Global___LlmRetry | None = ...,
         compaction_summary_error: Global___CompactionSummaryError | None = ...,
+        state_pin: Global___StatePin | None = ...,
+        subagent_start: Global___SubagentStart | None = ...,
+        subagent_end: Global___SubagentEnd | None = ...,
+        session_fork: Global___SessionFork | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["assistant_attempt", b"assistant_attempt", "assistant_message", b"assistant_message", "body", b"body", "compaction_end", b"compaction_end", "compaction_prune", b"compaction_prune", "compaction_start", b"compaction_start", "compaction_summary", b"compaction_summary", "compaction_summary_error", b"compaction_summary_error", "developer_message", b"developer_message", "image_offload", b"image_offload", "llm_retry", b"llm_retry", "request_header", b"request_header", "session_end_seed", b"session_end_seed", "step_end", b"step_end", "step_start", b"step_start", "surface_op", b"surface_op", "system_message", b"system_message", "time", b"time", "tool_call", b"tool_call", "tool_result", b"tool_result", "turn_end", b"turn_end", "turn_start", b"turn_start", "user_message", b"user_message"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["assistant_attempt", b"assistant_attempt", "assistant_message", b"assistant_message", "body", b"body", "compaction_end", b"compaction_end", "compaction_prune", b"compaction_prune", "compaction_start", b"compaction_start", "compaction_summary", b"compaction_summary", "compaction_summary_error", b"compaction_summary_error", "developer_message", b"developer_message", "image_offload", b"image_offload", "llm_retry", b"llm_retry", "request_header", b"request_header", "session_end_seed", b"session_end_seed", "session_fork", b"session_fork", "state_pin", b"state_pin", "step_end", b"step_end", "step_start", b"step_start", "subagent_end", b"subagent_end", "subagent_start", b"subagent_start", "surface_op", b"surface_op", "system_message", b"system_message", "time", b"time", "tool_call", b"tool_call", "tool_result", b"tool_result", "turn_end", b"turn_end", "turn_start", b"turn_start", "user_message", b"user_message"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assistant_attempt", b"assistant_attempt", "assistant_message", b"assistant_message", "body", b"body", "compaction_end", b"compaction_end", "compaction_prune", b"compaction_prune", "compaction_start", b"compaction_start", "compaction_summary", b"compaction_summary", "compaction_summary_error", b"compaction_summary_error", "developer_message", b"developer_message", "event_id", b"event_id", "image_offload", b"image_offload", "llm_retry", b"llm_retry", "request_header", b"request_header", "seq", b"seq", "session_end_seed", b"session_end_seed", "source_event_seqs", b"source_event_seqs", "step_end", b"step_end", "step_start", b"step_start", "surface_op", b"surface_op", "system_message", b"system_message", "time", b"time", "tool_call", b"tool_call", "tool_result", b"tool_result", "turn_end", b"turn_end", "turn_start", b"turn_start", "user_message", b"user_message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assistant_attempt", b"assistant_attempt", "assistant_message", b"assistant_message", "body", b"body", "compaction_end", b"compaction_end", "compaction_prune", b"compaction_prune", "compaction_start", b"compaction_start", "compaction_summary", b"compaction_summary", "compaction_summary_error", b"compaction_summary_error", "developer_message", b"developer_message", "event_id", b"event_id", "image_offload", b"image_offload", "llm_retry", b"llm_retry", "request_header", b"request_header", "seq", b"seq", "session_end_seed", b"session_end_seed", "session_fork", b"session_fork", "source_event_seqs", b"source_event_seqs", "state_pin", b"state_pin", "step_end", b"step_end", "step_start", b"step_start", "subagent_end", b"subagent_end", "subagent_start", b"subagent_start", "surface_op", b"surface_op", "system_message", b"system_message", "time", b"time", "tool_call", b"tool_call", "tool_result", b"tool_result", "turn_end", b"turn_end", "turn_start", b"turn_start", "user_message", b"user_message"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["system_message", "developer_message", "user_message", "assistant_message", "tool_result", "turn_start", "turn_end", "step_start", "step_end", "tool_call", "assistant_attempt", "request_header", "compaction_start", "compaction_prune", "compaction_summary", "compaction_end", "image_offload", "session_end_seed", "llm_retry", "compaction_summary_error"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["system_message", "developer_message", "user_message", "assistant_message", "tool_result", "turn_start", "turn_end", "step_start", "step_end", "tool_call", "assistant_attempt", "request_header", "compaction_start", "compaction_prune", "compaction_summary", "compaction_end", "image_offload", "session_end_seed", "llm_retry", "compaction_summary_error", "state_pin", "subagent_start", "subagent_end", "session_fork"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -1806,3 +1878,131 @@ class LlmRetry(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LlmRetry: _TypeAlias = LlmRetry  # noqa: Y015
+
+@_typing.final
+class StatePin(_message.Message):
+    """`state/pin`: task state that must never be summarized (the goal, the plan, constraints, the
+    user's corrections). The latest pin of a key is in force; `clear` removes the key.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    CLEAR_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """The pin's key: 1-64 characters of `[A-Za-z0-9._:/-]`, e.g. `goal`, `plan`, `constraint/1`."""
+    text: _builtins.str
+    """The pinned text, rendered verbatim; required unless `clear` (then it must be empty)."""
+    clear: _builtins.bool
+    """Remove the key: it is no longer rendered. Clearing a key not in force is refused."""
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        text: _builtins.str = ...,
+        clear: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clear", b"clear", "key", b"key", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StatePin: _TypeAlias = StatePin  # noqa: Y015
+
+@_typing.final
+class SubagentStart(_message.Message):
+    """`subagent/start`: the runtime started a sub-agent in a child session."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHILD_SESSION_ID_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
+    TASK_FIELD_NUMBER: _builtins.int
+    child_session_id: _builtins.str
+    """The child session's id (a session of the same tenant, usually created with this session as
+    its `parent_session_id`). At most one open start per child.
+    """
+    tool_call_id: _builtins.str
+    """The tool call of this session that spawned the sub-agent, if any."""
+    task: _builtins.str
+    """One line saying what the sub-agent was asked to do (no line breaks)."""
+    def __init__(
+        self,
+        *,
+        child_session_id: _builtins.str = ...,
+        tool_call_id: _builtins.str = ...,
+        task: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["child_session_id", b"child_session_id", "task", b"task", "tool_call_id", b"tool_call_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubagentStart: _TypeAlias = SubagentStart  # noqa: Y015
+
+@_typing.final
+class SubagentEnd(_message.Message):
+    """`subagent/end`: a sub-agent started by `subagent/start` ended."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHILD_SESSION_ID_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    child_session_id: _builtins.str
+    """The child session's id; names an open `subagent/start`."""
+    status: Global___SubagentStatus.ValueType
+    """How it ended."""
+    result: _builtins.str
+    """A summary of its result."""
+    def __init__(
+        self,
+        *,
+        child_session_id: _builtins.str = ...,
+        status: Global___SubagentStatus.ValueType = ...,
+        result: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["child_session_id", b"child_session_id", "result", b"result", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubagentEnd: _TypeAlias = SubagentEnd  # noqa: Y015
+
+@_typing.final
+class SessionFork(_message.Message):
+    """`session/fork`: the first event of a session forked from its parent (`CreateSession` with
+    `fork_at_seq`); the surface events after it are copies of the parent's nodes.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PARENT_SESSION_ID_FIELD_NUMBER: _builtins.int
+    FORK_AT_SEQ_FIELD_NUMBER: _builtins.int
+    SOURCE_SEQS_FIELD_NUMBER: _builtins.int
+    parent_session_id: _builtins.str
+    """The parent session."""
+    fork_at_seq: _builtins.int
+    """The parent's seq the surface was copied at."""
+    @_builtins.property
+    def source_seqs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The parent seq of each copied node, in surface order: the source of the child's nodes."""
+
+    def __init__(
+        self,
+        *,
+        parent_session_id: _builtins.str = ...,
+        fork_at_seq: _builtins.int = ...,
+        source_seqs: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fork_at_seq", b"fork_at_seq", "parent_session_id", b"parent_session_id", "source_seqs", b"source_seqs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionFork: _TypeAlias = SessionFork  # noqa: Y015

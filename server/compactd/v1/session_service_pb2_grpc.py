@@ -98,10 +98,15 @@ class SessionServiceServicer:
     """
 
     def CreateSession(self, request, context):
-        """Creates an empty session. Idempotent: a retried create with the same `session_id` and the
-        same `compaction_policy` answers the existing session (with its current revision).
-        Errors: ALREADY_EXISTS if `session_id` is taken with a different policy; INVALID_ARGUMENT
-        for a malformed id or compaction policy (reason `POLICY_INVALID`).
+        """Creates an empty session. Idempotent: a retried create with the same `session_id`, the
+        same `compaction_policy` and the same parent answers the existing session (with its current
+        revision). With `parent_session_id` the session is a child (a sub-agent's) of that session
+        of the caller's tenant; with `fork_at_seq` too, it starts with a copy of the parent's surface
+        as it stood after that seq (see `fork_at_seq`).
+        Errors: ALREADY_EXISTS if `session_id` is taken with a different policy or parent;
+        INVALID_ARGUMENT for a malformed id or compaction policy (reason `POLICY_INVALID`), or a
+        `fork_at_seq` without a parent or outside the parent's log (reason `FORK_SEQ_INVALID`);
+        NOT_FOUND when the parent does not exist for the caller.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -152,7 +157,8 @@ class SessionServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListSessions(self, request, context):
-        """Lists the caller's tenant's sessions in id order, a page at a time.
+        """Lists the caller's tenant's sessions in id order, a page at a time; with
+        `parent_session_id`, only that session's children.
         Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` that is not of the
         form this server issues (it names the last session id of the previous page).
         """

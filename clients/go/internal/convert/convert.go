@@ -12,6 +12,37 @@ import (
 	v1 "compactd.dev/client/compactdv1"
 )
 
+// PinsOpenTag and PinsCloseTag frame the pinned-state message of a rebuilt request
+// (Message.PinnedState).
+const (
+	PinsOpenTag  = "<pinned-state>"
+	PinsCloseTag = "</pinned-state>"
+)
+
+// IsPins reports whether text is exactly a pinned-state block.
+func IsPins(text string) bool {
+	return strings.HasPrefix(text, PinsOpenTag) && strings.HasSuffix(text, PinsCloseTag)
+}
+
+// WithoutPins returns a system text without the pinned-state block a rendered request put in
+// it: pins are the runtime's task state, not the conversation's system prompt.
+func WithoutPins(text string) string {
+	start := strings.Index(text, PinsOpenTag)
+	if start < 0 {
+		return text
+	}
+	end := strings.Index(text[start:], PinsCloseTag)
+	if end < 0 {
+		return text
+	}
+	before := strings.TrimRight(text[:start], "\n")
+	after := strings.TrimLeft(text[start+end+len(PinsCloseTag):], "\n")
+	if before != "" && after != "" {
+		return before + "\n\n" + after
+	}
+	return before + after
+}
+
 // Timeline collects imported events, adding turns and steps so the log is valid: a user message
 // opens a turn (closing the previous one once the assistant answered in it), each assistant
 // message is one step (step/start, the message, step/end), tool results, system and developer

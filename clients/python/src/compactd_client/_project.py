@@ -54,6 +54,28 @@ def messages(events: Iterable[SessionEvent]) -> list[Message]:
     return [m for m in (message(e) for e in events) if m is not None]
 
 
+#: The tags of the pinned-state message a rebuilt request holds (``Message.pinned_state``).
+PINS_OPEN_TAG = "<pinned-state>"
+PINS_CLOSE_TAG = "</pinned-state>"
+
+
+def without_pins(text: str) -> str:
+    """``text`` (a system text) without a pinned-state block a rendered request put in it, and
+    the blank line before it: pins are the runtime's task state, not the conversation's system
+    prompt, and compactd renders them itself."""
+    start = text.find(PINS_OPEN_TAG)
+    end = text.find(PINS_CLOSE_TAG, start) if start >= 0 else -1
+    if end < 0:
+        return text
+    before, after = text[:start].rstrip("\n"), text[end + len(PINS_CLOSE_TAG) :].lstrip("\n")
+    return f"{before}\n\n{after}" if before and after else before + after
+
+
+def is_pins(text: str) -> bool:
+    """Whether ``text`` is exactly a pinned-state block (the text of ``Message.pinned_state``)."""
+    return text.startswith(PINS_OPEN_TAG) and text.endswith(PINS_CLOSE_TAG)
+
+
 def add_settings(body: dict[str, Any], config: RequestConfig, stream: bool | None) -> None:
     """The header's sampling settings and ``extra`` keys, and ``stream``, into a request body."""
     if config.HasField("temperature"):

@@ -52,9 +52,14 @@ def resolve_timeout(timeout: Timeout, default: float | None) -> float | None:
 
 
 def create_session(
-    session_id: str, compaction_policy: Mapping[str, Any] | None
+    session_id: str,
+    compaction_policy: Mapping[str, Any] | None,
+    parent_session_id: str = "",
+    fork_at_seq: int | None = None,
 ) -> CreateSessionRequest:
-    request = CreateSessionRequest(session_id=session_id)
+    request = CreateSessionRequest(session_id=session_id, parent_session_id=parent_session_id)
+    if fork_at_seq is not None:
+        request.fork_at_seq = fork_at_seq
     if compaction_policy is not None:
         policy = struct_pb2.Struct()
         policy.update(compaction_policy)

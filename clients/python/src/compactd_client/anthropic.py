@@ -24,7 +24,10 @@ the original messages):
   ``thinking`` (text and signature; ``redacted_thinking`` as a reasoning block with only its
   data as signature), ``text``, ``tool_use`` (id, name, ``input`` as JSON text);
 * images: ``base64`` sources inline, ``url`` sources as the image's ``path``;
-* tools: ``request/header`` tool declarations (``name``, ``description``, ``input_schema``).
+* tools: ``request/header`` tool declarations (``name``, ``description``, ``input_schema``);
+* pins: a rebuilt request's pinned-state message (``Message.pinned_state``) always joins
+  ``system`` (after the system head), never the ``messages``; importing drops a
+  ``<pinned-state>`` block from ``system`` (log pins with ``events.pin``).
 
 A user message or tool result that is one text block renders as a string. Thinking blocks are
 always sent back (Anthropic requires them, signed, with tool use). Not carried: ``cache_control``,
@@ -108,7 +111,9 @@ def events_from_messages(
     timeline = Timeline(first_turn)
     if system is not None:
         text = system if isinstance(system, str) else _JOIN.join(b["text"] for b in system)
-        timeline.other(SessionEvent(system_message=SystemMessage(text=text)))
+        kept = _project.without_pins(text)  # a rebuilt request's pins are not the prompt
+        if kept or kept == text:
+            timeline.other(SessionEvent(system_message=SystemMessage(text=kept)))
     if model:
         timeline.other(request_header(provider, model, tools=declarations(tools or ())))
     names: dict[str, str] = {}
@@ -274,7 +279,7 @@ def _render(messages: Sequence[Message]) -> JSON:
     for message in messages:
         if message.role in (MESSAGE_ROLE_SYSTEM, MESSAGE_ROLE_DEVELOPER):
             text = _JOIN.join(b.text.text for b in message.content)
-            if not rendered:
+            if not rendered or message.pinned_state:
                 system.append(text)
                 continue
             blocks: list[JSON] = [{"type": "text", "text": text}]

@@ -165,21 +165,28 @@ class CompactdClient:
         session_id: str = "",
         *,
         compaction_policy: Mapping[str, Any] | None = None,
+        parent_session_id: str = "",
+        fork_at_seq: int | None = None,
         timeout: Timeout = UNSET,
     ) -> Session:
-        """Creates an empty session.
+        """Creates an empty session, or a sub-agent's child session.
 
         Args:
             session_id: 1-128 characters of ``[A-Za-z0-9._:-]``; empty lets the server choose.
             compaction_policy: Per-session policy overrides with the spec's keys
                 (``thresholdRatio``, ``modelPolicies``...).
+            parent_session_id: Make the session a child of this session (of the same tenant).
+            fork_at_seq: With a parent: start the child with a copy of the parent's surface as
+                it stood right after this seq.
             timeout: Deadline in seconds.
 
         Raises:
-            AlreadyExistsError: the id is taken.
-            InvalidArgumentError: a malformed id or policy.
+            AlreadyExistsError: the id is taken (with another policy or parent).
+            InvalidArgumentError: a malformed id or policy, or a fork seq outside the parent's
+                log (reason ``FORK_SEQ_INVALID``).
+            NotFoundError: the parent does not exist.
         """
-        request = rq.create_session(session_id, compaction_policy)
+        request = rq.create_session(session_id, compaction_policy, parent_session_id, fork_at_seq)
         response = self._unary(self._sessions.CreateSession, request, timeout)
         return response.session
 
@@ -222,11 +229,18 @@ class CompactdClient:
         return ServerStream(call, lambda m: m.event)
 
     def list_sessions(
-        self, *, page_size: int = 0, page_token: str = "", timeout: Timeout = UNSET
+        self,
+        *,
+        page_size: int = 0,
+        page_token: str = "",
+        parent_session_id: str = "",
+        timeout: Timeout = UNSET,
     ) -> ListSessionsResponse:
         """One page of the caller's tenant's sessions, in id order (``next_page_token``: "" at
-        the end)."""
-        request = ListSessionsRequest(page_size=page_size, page_token=page_token)
+        the end); with ``parent_session_id``, that session's children only."""
+        request = ListSessionsRequest(
+            page_size=page_size, page_token=page_token, parent_session_id=parent_session_id
+        )
         return self._unary(self._sessions.ListSessions, request, timeout)
 
     def delete_session(self, session_id: str, *, timeout: Timeout = UNSET) -> None:

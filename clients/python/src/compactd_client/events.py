@@ -22,6 +22,7 @@ from typing import Any
 
 from compactd_client.v1.events_pb2 import (
     HEADER_REASON_INITIAL,
+    SUBAGENT_STATUS_COMPLETED,
     AssistantMessage,
     ContentBlock,
     DeveloperMessage,
@@ -32,8 +33,12 @@ from compactd_client.v1.events_pb2 import (
     RequestHeader,
     Route,
     SessionEvent,
+    StatePin,
     StepEnd,
     StepStart,
+    SubagentEnd,
+    SubagentStart,
+    SubagentStatus,
     SystemMessage,
     TextBlock,
     ToolCall,
@@ -49,13 +54,17 @@ from compactd_client.v1.events_pb2 import (
 __all__ = [
     "Content",
     "assistant_message",
+    "clear_pin",
     "developer_message",
     "event_type",
     "image_block",
+    "pin",
     "request_header",
     "route",
     "step_end",
     "step_start",
+    "subagent_end",
+    "subagent_start",
     "system_message",
     "text_block",
     "tool_call",
@@ -92,6 +101,10 @@ _EVENT_TYPES: dict[str, str] = {
     "session_end_seed": "session/end-seed",
     "llm_retry": "llm/retry",
     "compaction_summary_error": "compaction/summary-error",
+    "state_pin": "state/pin",
+    "subagent_start": "subagent/start",
+    "subagent_end": "subagent/end",
+    "session_fork": "session/fork",
 }
 
 
@@ -273,6 +286,41 @@ def request_header(
         config=config, tools=list(tools), reason=reason, starts_series=starts_series
     )
     return SessionEvent(event_id=event_id, request_header=header)
+
+
+def pin(key: str, text: str, *, event_id: str = "") -> SessionEvent:
+    """Returns a ``state/pin``: ``text`` is in force under ``key`` (replacing the key's earlier
+    pin) and never summarized; every rebuilt request shows the pins in force right after the
+    system head. ``key``: 1-64 characters of ``[A-Za-z0-9._:/-]`` (``goal``, ``plan``...)."""
+    return SessionEvent(event_id=event_id, state_pin=StatePin(key=key, text=text))
+
+
+def clear_pin(key: str, *, event_id: str = "") -> SessionEvent:
+    """Returns a ``state/pin`` that removes ``key`` from the pins in force."""
+    return SessionEvent(event_id=event_id, state_pin=StatePin(key=key, clear=True))
+
+
+def subagent_start(
+    child_session_id: str, *, tool_call_id: str = "", task: str = "", event_id: str = ""
+) -> SessionEvent:
+    """Returns a ``subagent/start`` (in the parent's log): a sub-agent runs in session
+    ``child_session_id``, spawned by tool call ``tool_call_id``, to do ``task`` (one line).
+    Until its ``subagent/end``, every checkpoint of the parent lists it as an open handle."""
+    start = SubagentStart(child_session_id=child_session_id, tool_call_id=tool_call_id, task=task)
+    return SessionEvent(event_id=event_id, subagent_start=start)
+
+
+def subagent_end(
+    child_session_id: str,
+    result: str = "",
+    *,
+    status: SubagentStatus.ValueType = SUBAGENT_STATUS_COMPLETED,
+    event_id: str = "",
+) -> SessionEvent:
+    """Returns a ``subagent/end`` (in the parent's log): the sub-agent of ``child_session_id``
+    ended with ``status``; ``result`` summarizes what it found."""
+    end = SubagentEnd(child_session_id=child_session_id, status=status, result=result)
+    return SessionEvent(event_id=event_id, subagent_end=end)
 
 
 def route(provider: str, model: str) -> Route:

@@ -22,7 +22,11 @@ the original messages):
   (``reasoning_content``), then the text (``""`` kept as an empty text block), then the tool
   calls, ids and argument text exactly as sent;
 * ``tool``: ``tool/result`` answering its ``tool_call_id`` (its tool name taken from the call);
-* tools: ``request/header`` tool declarations (name, description, JSON Schema parameters).
+* tools: ``request/header`` tool declarations (name, description, JSON Schema parameters);
+* pins: a rebuilt request's pinned-state message (``Message.pinned_state``, the pins in force)
+  renders as a ``system`` message right after the system head; importing messages skips a
+  system message that is exactly a ``<pinned-state>`` block, so pins never enter the
+  conversation's own messages (log them with ``events.pin``).
 
 Rendering follows compactd's own wire encoding (the server's summary requests use the same), so
 a request body built here is a byte-identical prefix of the summary request and the provider's
@@ -119,6 +123,8 @@ def events_from_messages(
         if header is not None and role not in ("system", "developer"):
             timeline.other(header)
             header = None
+        if role == "system" and _project.is_pins(_text(message)):
+            continue  # the pinned-state message of a rebuilt request: compactd renders it
         if role == "system":
             timeline.other(SessionEvent(system_message=SystemMessage(text=_text(message))))
         elif role == "developer":

@@ -38,7 +38,7 @@ there (NotFound), so nothing past the manager needs to know tenants exist.
 """
 
 from compactd.service.sessions.handle import AppendResult, Key, SessionHandle
-from compactd.service.sessions.manager import SessionManager
+from compactd.service.sessions.manager import Lineage, SessionManager
 from compactd.service.sessions.residency import Residency, snapshot_due
 from compactd.service.sessions.restore import ContextBuilder, Restored, metered_context
 
@@ -46,6 +46,7 @@ __all__ = [
     "AppendResult",
     "ContextBuilder",
     "Key",
+    "Lineage",
     "Residency",
     "Restored",
     "SessionHandle",

@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 Observer = Callable[[SessionFold, AdmittedBatch], None]
 # Prices a large batch ahead of its commit: on the loop in steps, or (True) in a worker thread.
 Preparer = Callable[[SessionFold, AdmittedBatch, bool], Awaitable[None]]
+#: Checks an admitted batch against the session's state (the fold right after it) before it
+#: commits; raising refuses the batch (``SessionHandle.add_checker``).
+Checker = Callable[[SessionFold, AdmittedBatch], None]
 # Called with a large batch once it passed its checks: steps on the loop, then a job for a thread.
 Precounter = Callable[
     [Sequence[events_pb2.SessionEvent]], Generator[None, None, Callable[[], None] | None]
@@ -130,6 +133,7 @@ class SessionHandle:
         self._replaying: list[Observer] = []  # observers that also follow a restore's tail
         self._preparers: list[Preparer] = []
         self._precounters: list[Precounter] = []
+        self._checkers: list[Checker] = []
         self._counting: asyncio.Future[None] | None = None  # the latest batch's precount jobs
         self._changed = asyncio.Condition()
         self.followers = 0  # streams following the revisions (``revisions``)
@@ -170,6 +174,12 @@ class SessionHandle:
         and the preparers start once it is done. It may only read (the fold may still refuse
         the batch)."""
         self._precounters.append(precounter)
+
+    def add_checker(self, checker: Checker) -> None:
+        """Call ``checker(fold, batch)`` on every batch a runtime appends, once the fold admitted
+        it and before it commits; an error it raises rolls the batch back and reaches the
+        caller (a rule the fold cannot decide alone, e.g. one that needs the route catalog)."""
+        self._checkers.append(checker)
 
     def replay(self, batch: AdmittedBatch) -> None:
         """Tell the replaying observers about a batch a restore folded (already durable)."""
@@ -286,6 +296,8 @@ class SessionHandle:
         # GetCurrentTime's precision (microseconds), without its trip through a datetime.
         now.FromMicroseconds(time.time_ns() // 1000)
         batch = await self._admit(events, now, origin)
+        if origin is Origin.CLIENT:
+            self._check(batch)
         reservation = self._reserve_bytes(batch, origin)
         if lease is None and origin is Origin.SERVER:  # a runtime's batch holds no bracket event
             lease = lease_for(
@@ -319,6 +331,15 @@ class SessionHandle:
             step=1,  # ``in_steps`` decides when to let other calls run
         )
         return await in_steps(steps)  # a cancelled admission rolls back what it admitted
+
+    def _check(self, batch: AdmittedBatch) -> None:
+        """Run the checkers (``add_checker``) on an admitted batch; refused, it is rolled back."""
+        try:
+            for checker in self._checkers:
+                checker(self.fold, batch)
+        except BaseException:
+            self.fold.rollback(batch)
+            raise
 
     def _reserve_bytes(self, batch: AdmittedBatch, origin: Origin) -> Reservation | None:
         """Count the batch's bytes against the tenant's quota; only a runtime's is refused."""

@@ -14,6 +14,7 @@ import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -40,6 +41,33 @@ from compactd.service.sessions.restore import (
 from compactd.store.base import EventStore, SessionRecord, StoreUsage, session_not_found
 from compactd.tenancy import Tenant, current_tenant
 from compactd.v1 import events_pb2
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """A new session's parent (empty: a top-level session) and the parent seq it is forked at
+    (None: not forked)."""
+
+    parent: str = ""
+    fork_at_seq: int | None = None
+
+
+@dataclass(frozen=True)
+class _Made:
+    """What one ``create`` asks for: a retried create must ask for the same."""
+
+    owner: str
+    session_id: str
+    policy_json: str | None
+    lineage: Lineage
+
+    def matches(self, record: SessionRecord) -> bool:
+        return (record.policy_json, record.parent_session_id, record.fork_at_seq) == (
+            self.policy_json,
+            self.lineage.parent,
+            self.lineage.fork_at_seq,
+        )
+
 
 log = logging.getLogger(__name__)
 
@@ -135,47 +163,56 @@ class SessionManager:
             ) from error
 
     async def create(
-        self, session_id: str, policy: dict[str, object] | None, *, tenant: Tenant | None = None
+        self,
+        session_id: str,
+        policy: dict[str, object] | None,
+        *,
+        tenant: Tenant | None = None,
+        lineage: Lineage = Lineage(),
     ) -> SessionRecord:
-        """Create an empty session of ``tenant`` (the caller's by default), idempotently.
+        """Create an empty session of ``tenant`` (the caller's by default), idempotently; a
+        child of ``lineage.parent`` (checked by the caller: ``service.forking``) when set.
 
-        A retried create (the same id and the same policy; a reply may have been lost) answers
-        the session as it is now. ``AlreadyExists`` when the id is taken with another policy;
-        ``QuotaExceeded`` when the caller's tenant owns its ``max_sessions`` already.
+        A retried create (the same id, policy and lineage; a reply may have been lost) answers
+        the session as it is now. ``AlreadyExists`` when the id is taken with another policy or
+        lineage; ``QuotaExceeded`` when the caller's tenant owns its ``max_sessions`` already.
         """
         owner = _tenant_id(tenant)
         policy_json = json.dumps(policy, sort_keys=True) if policy else None
+        made = _Made(owner, session_id, policy_json, lineage)
         if self.quotas is None:
-            return await self._create(owner, session_id, policy_json, lambda: None)
+            return await self._create(made, lambda: None)
         try:
             not_created = self.quotas.reserve_session(owner)
         except QuotaExceeded:
             # At the quota, a retried create still answers the session it created.
             existing = await self.store.get_session(session_id, tenant=owner)
-            if existing is not None and existing.policy_json == policy_json:
+            if existing is not None and made.matches(existing):
                 return existing
             raise
         try:
-            return await self._create(owner, session_id, policy_json, not_created)
+            return await self._create(made, not_created)
         except BaseException:
             not_created()
             raise
 
-    async def _create(
-        self,
-        owner: str,
-        session_id: str,
-        policy_json: str | None,
-        not_created: Callable[[], None],
-    ) -> SessionRecord:
+    async def _create(self, made: _Made, not_created: Callable[[], None]) -> SessionRecord:
+        session_id, lineage = made.session_id, made.lineage
         try:
-            return await self.store.create_session(session_id, policy_json, tenant=owner)
+            return await self.store.create_session(
+                session_id,
+                made.policy_json,
+                tenant=made.owner,
+                parent=lineage.parent,
+                fork_at_seq=lineage.fork_at_seq,
+            )
         except AlreadyExists:
             not_created()
-            existing = await self.store.get_session(session_id, tenant=owner)
-            if existing is None or existing.policy_json != policy_json:
+            existing = await self.store.get_session(session_id, tenant=made.owner)
+            if existing is None or not made.matches(existing):
                 raise AlreadyExists(
-                    f"session {session_id!r} already exists with a different compaction_policy",
+                    f"session {session_id!r} already exists with a different compaction_policy "
+                    "or parent",
                     metadata={"session_id": session_id},
                 ) from None
             return existing
@@ -221,10 +258,18 @@ class SessionManager:
         return handle
 
     async def list(
-        self, *, after: str = "", limit: int = 100, tenant: Tenant | None = None
+        self,
+        *,
+        after: str = "",
+        limit: int = 100,
+        tenant: Tenant | None = None,
+        parent: str | None = None,
     ) -> list[SessionRecord]:
-        """Up to ``limit`` of the tenant's sessions after the id ``after``, in id order."""
-        return await self.store.list_sessions(after=after, limit=limit, tenant=_tenant_id(tenant))
+        """Up to ``limit`` of the tenant's sessions after the id ``after``, in id order; with
+        ``parent``, that session's children only."""
+        return await self.store.list_sessions(
+            after=after, limit=limit, tenant=_tenant_id(tenant), parent=parent
+        )
 
     async def delete(
         self,

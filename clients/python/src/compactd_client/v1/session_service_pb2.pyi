@@ -74,10 +74,16 @@ class Session(_message.Message):
     CREATE_TIME_FIELD_NUMBER: _builtins.int
     COMPACTION_POLICY_FIELD_NUMBER: _builtins.int
     POLICY_FIELD_NUMBER: _builtins.int
+    PARENT_SESSION_ID_FIELD_NUMBER: _builtins.int
+    FORK_AT_SEQ_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session id."""
     revision: _builtins.int
     """Number of events in the log (the next seq)."""
+    parent_session_id: _builtins.str
+    """The parent session (a sub-agent's session); empty for a top-level session."""
+    fork_at_seq: _builtins.int
+    """The parent's seq this session was forked at; absent when it was not forked."""
     @_builtins.property
     def create_time(self) -> _timestamp_pb2.Timestamp:
         """When the session was created."""
@@ -98,12 +104,16 @@ class Session(_message.Message):
         create_time: _timestamp_pb2.Timestamp | None = ...,
         compaction_policy: _struct_pb2.Struct | None = ...,
         policy: Global___CompactionPolicy | None = ...,
+        parent_session_id: _builtins.str = ...,
+        fork_at_seq: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["compaction_policy", b"compaction_policy", "create_time", b"create_time", "policy", b"policy"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_fork_at_seq", b"_fork_at_seq", "compaction_policy", b"compaction_policy", "create_time", b"create_time", "fork_at_seq", b"fork_at_seq", "policy", b"policy"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_policy", b"compaction_policy", "create_time", b"create_time", "policy", b"policy", "revision", b"revision", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fork_at_seq", b"_fork_at_seq", "compaction_policy", b"compaction_policy", "create_time", b"create_time", "fork_at_seq", b"fork_at_seq", "parent_session_id", b"parent_session_id", "policy", b"policy", "revision", b"revision", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__fork_at_seq: _TypeAlias = _typing.Literal["fork_at_seq"]  # noqa: Y015
+    _WhichOneofArgType__fork_at_seq: _TypeAlias = _typing.Literal["_fork_at_seq", b"_fork_at_seq"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__fork_at_seq) -> _WhichOneofReturnType__fork_at_seq | None: ...
 
 Global___Session: _TypeAlias = Session  # noqa: Y015
 
@@ -116,9 +126,23 @@ class CreateSessionRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     COMPACTION_POLICY_FIELD_NUMBER: _builtins.int
     POLICY_FIELD_NUMBER: _builtins.int
+    PARENT_SESSION_ID_FIELD_NUMBER: _builtins.int
+    FORK_AT_SEQ_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """Optional client-chosen id: 1-128 characters of `[A-Za-z0-9._:-]`. Empty lets the server
     choose one.
+    """
+    parent_session_id: _builtins.str
+    """Optional parent session of the caller's tenant: the new session is its child (a
+    sub-agent's session). It must exist.
+    """
+    fork_at_seq: _builtins.int
+    """Optional, with `parent_session_id`: start the child with a copy of the parent's surface as
+    it stood right after the parent's event at this seq (0 <= seq < the parent's revision), and
+    the parent's `request/header` in force then. The child's log opens with a `session/fork`
+    naming the parent, the seq and the parent seq of every copied node (its source), then the
+    copied nodes' events in surface order (bodies as the parent holds them, appended), then the
+    header. The parent is not changed.
     """
     @_builtins.property
     @_deprecated("""This field has been marked as deprecated using proto field options.""")
@@ -142,12 +166,16 @@ class CreateSessionRequest(_message.Message):
         session_id: _builtins.str = ...,
         compaction_policy: _struct_pb2.Struct | None = ...,
         policy: Global___CompactionPolicy | None = ...,
+        parent_session_id: _builtins.str = ...,
+        fork_at_seq: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["compaction_policy", b"compaction_policy", "policy", b"policy"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_fork_at_seq", b"_fork_at_seq", "compaction_policy", b"compaction_policy", "fork_at_seq", b"fork_at_seq", "policy", b"policy"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_policy", b"compaction_policy", "policy", b"policy", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fork_at_seq", b"_fork_at_seq", "compaction_policy", b"compaction_policy", "fork_at_seq", b"fork_at_seq", "parent_session_id", b"parent_session_id", "policy", b"policy", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__fork_at_seq: _TypeAlias = _typing.Literal["fork_at_seq"]  # noqa: Y015
+    _WhichOneofArgType__fork_at_seq: _TypeAlias = _typing.Literal["_fork_at_seq", b"_fork_at_seq"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__fork_at_seq) -> _WhichOneofReturnType__fork_at_seq | None: ...
 
 Global___CreateSessionRequest: _TypeAlias = CreateSessionRequest  # noqa: Y015
 
@@ -339,6 +367,7 @@ class Message(_message.Message):
     TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
     IS_ERROR_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
+    PINNED_STATE_FIELD_NUMBER: _builtins.int
     role: Global___MessageRole.ValueType
     """The role."""
     tool_call_id: _builtins.str
@@ -347,6 +376,10 @@ class Message(_message.Message):
     """Tool messages: whether the tool reported an error."""
     name: _builtins.str
     """Tool messages: the tool's name."""
+    pinned_state: _builtins.bool
+    """Set on the one message that renders the pins in force (`state/pin`), right after the system
+    head. A client keeps it out of the conversation's own messages.
+    """
     @_builtins.property
     def content(self) -> _containers.RepeatedCompositeFieldContainer[_events_pb2.ContentBlock]:
         """Content blocks after projections (offloaded images become text)."""
@@ -359,10 +392,11 @@ class Message(_message.Message):
         tool_call_id: _builtins.str = ...,
         is_error: _builtins.bool = ...,
         name: _builtins.str = ...,
+        pinned_state: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "is_error", b"is_error", "name", b"name", "role", b"role", "tool_call_id", b"tool_call_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "is_error", b"is_error", "name", b"name", "pinned_state", b"pinned_state", "role", b"role", "tool_call_id", b"tool_call_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -488,6 +522,7 @@ class BuildRequestResponse(_message.Message):
     ADAPTER_DEFAULTS_FIELD_NUMBER: _builtins.int
     TOOLS_FIELD_NUMBER: _builtins.int
     HEADER_SEQ_FIELD_NUMBER: _builtins.int
+    PINS_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     """The log revision the request was built at."""
     header_seq: _builtins.int
@@ -508,6 +543,10 @@ class BuildRequestResponse(_message.Message):
     def tools(self) -> _containers.RepeatedCompositeFieldContainer[_events_pb2.ToolDeclaration]:
         """Tool declarations from the latest header, in order."""
 
+    @_builtins.property
+    def pins(self) -> _containers.RepeatedCompositeFieldContainer[_events_pb2.StatePin]:
+        """The pins in force, in key order (rendered in `messages` as the `pinned_state` message)."""
+
     def __init__(
         self,
         *,
@@ -517,10 +556,11 @@ class BuildRequestResponse(_message.Message):
         adapter_defaults: _struct_pb2.Struct | None = ...,
         tools: _abc.Iterable[_events_pb2.ToolDeclaration] | None = ...,
         header_seq: _builtins.int = ...,
+        pins: _abc.Iterable[_events_pb2.StatePin] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["adapter_defaults", b"adapter_defaults", "config", b"config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_defaults", b"adapter_defaults", "config", b"config", "header_seq", b"header_seq", "messages", b"messages", "revision", b"revision", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_defaults", b"adapter_defaults", "config", b"config", "header_seq", b"header_seq", "messages", b"messages", "pins", b"pins", "revision", b"revision", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -534,19 +574,23 @@ class ListSessionsRequest(_message.Message):
 
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    PARENT_SESSION_ID_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
     """Most sessions in one page: 0 means 100; values above 1000 are treated as 1000."""
     page_token: _builtins.str
     """`next_page_token` of the previous page; empty for the first page."""
+    parent_session_id: _builtins.str
+    """Only the children of this session (empty: every session)."""
     def __init__(
         self,
         *,
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
+        parent_session_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "parent_session_id", b"parent_session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -43,10 +43,15 @@ class SessionServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> SessionServiceAsyncStub: ...
     CreateSession: _grpc.UnaryUnaryMultiCallable[_session_service_pb2.CreateSessionRequest, _session_service_pb2.CreateSessionResponse]
-    """Creates an empty session. Idempotent: a retried create with the same `session_id` and the
-    same `compaction_policy` answers the existing session (with its current revision).
-    Errors: ALREADY_EXISTS if `session_id` is taken with a different policy; INVALID_ARGUMENT
-    for a malformed id or compaction policy (reason `POLICY_INVALID`).
+    """Creates an empty session. Idempotent: a retried create with the same `session_id`, the
+    same `compaction_policy` and the same parent answers the existing session (with its current
+    revision). With `parent_session_id` the session is a child (a sub-agent's) of that session
+    of the caller's tenant; with `fork_at_seq` too, it starts with a copy of the parent's surface
+    as it stood after that seq (see `fork_at_seq`).
+    Errors: ALREADY_EXISTS if `session_id` is taken with a different policy or parent;
+    INVALID_ARGUMENT for a malformed id or compaction policy (reason `POLICY_INVALID`), or a
+    `fork_at_seq` without a parent or outside the parent's log (reason `FORK_SEQ_INVALID`);
+    NOT_FOUND when the parent does not exist for the caller.
     """
     AppendEvents: _grpc.UnaryUnaryMultiCallable[_session_service_pb2.AppendEventsRequest, _session_service_pb2.AppendEventsResponse]
     """Appends a batch of a runtime's events atomically: all are committed and synced before the
@@ -77,7 +82,8 @@ class SessionServiceStub:
     Errors: NOT_FOUND.
     """
     ListSessions: _grpc.UnaryUnaryMultiCallable[_session_service_pb2.ListSessionsRequest, _session_service_pb2.ListSessionsResponse]
-    """Lists the caller's tenant's sessions in id order, a page at a time.
+    """Lists the caller's tenant's sessions in id order, a page at a time; with
+    `parent_session_id`, only that session's children.
     Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` that is not of the
     form this server issues (it names the last session id of the previous page).
     """
@@ -115,10 +121,15 @@ class SessionServiceAsyncStub(SessionServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     CreateSession: _aio.UnaryUnaryMultiCallable[_session_service_pb2.CreateSessionRequest, _session_service_pb2.CreateSessionResponse]  # type: ignore[assignment]
-    """Creates an empty session. Idempotent: a retried create with the same `session_id` and the
-    same `compaction_policy` answers the existing session (with its current revision).
-    Errors: ALREADY_EXISTS if `session_id` is taken with a different policy; INVALID_ARGUMENT
-    for a malformed id or compaction policy (reason `POLICY_INVALID`).
+    """Creates an empty session. Idempotent: a retried create with the same `session_id`, the
+    same `compaction_policy` and the same parent answers the existing session (with its current
+    revision). With `parent_session_id` the session is a child (a sub-agent's) of that session
+    of the caller's tenant; with `fork_at_seq` too, it starts with a copy of the parent's surface
+    as it stood after that seq (see `fork_at_seq`).
+    Errors: ALREADY_EXISTS if `session_id` is taken with a different policy or parent;
+    INVALID_ARGUMENT for a malformed id or compaction policy (reason `POLICY_INVALID`), or a
+    `fork_at_seq` without a parent or outside the parent's log (reason `FORK_SEQ_INVALID`);
+    NOT_FOUND when the parent does not exist for the caller.
     """
     AppendEvents: _aio.UnaryUnaryMultiCallable[_session_service_pb2.AppendEventsRequest, _session_service_pb2.AppendEventsResponse]  # type: ignore[assignment]
     """Appends a batch of a runtime's events atomically: all are committed and synced before the
@@ -149,7 +160,8 @@ class SessionServiceAsyncStub(SessionServiceStub):
     Errors: NOT_FOUND.
     """
     ListSessions: _aio.UnaryUnaryMultiCallable[_session_service_pb2.ListSessionsRequest, _session_service_pb2.ListSessionsResponse]  # type: ignore[assignment]
-    """Lists the caller's tenant's sessions in id order, a page at a time.
+    """Lists the caller's tenant's sessions in id order, a page at a time; with
+    `parent_session_id`, only that session's children.
     Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` that is not of the
     form this server issues (it names the last session id of the previous page).
     """
@@ -190,10 +202,15 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _session_service_pb2.CreateSessionRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_session_service_pb2.CreateSessionResponse, _abc.Awaitable[_session_service_pb2.CreateSessionResponse]]:
-        """Creates an empty session. Idempotent: a retried create with the same `session_id` and the
-        same `compaction_policy` answers the existing session (with its current revision).
-        Errors: ALREADY_EXISTS if `session_id` is taken with a different policy; INVALID_ARGUMENT
-        for a malformed id or compaction policy (reason `POLICY_INVALID`).
+        """Creates an empty session. Idempotent: a retried create with the same `session_id`, the
+        same `compaction_policy` and the same parent answers the existing session (with its current
+        revision). With `parent_session_id` the session is a child (a sub-agent's) of that session
+        of the caller's tenant; with `fork_at_seq` too, it starts with a copy of the parent's surface
+        as it stood after that seq (see `fork_at_seq`).
+        Errors: ALREADY_EXISTS if `session_id` is taken with a different policy or parent;
+        INVALID_ARGUMENT for a malformed id or compaction policy (reason `POLICY_INVALID`), or a
+        `fork_at_seq` without a parent or outside the parent's log (reason `FORK_SEQ_INVALID`);
+        NOT_FOUND when the parent does not exist for the caller.
         """
 
     @_abc_1.abstractmethod
@@ -254,7 +271,8 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _session_service_pb2.ListSessionsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_session_service_pb2.ListSessionsResponse, _abc.Awaitable[_session_service_pb2.ListSessionsResponse]]:
-        """Lists the caller's tenant's sessions in id order, a page at a time.
+        """Lists the caller's tenant's sessions in id order, a page at a time; with
+        `parent_session_id`, only that session's children.
         Errors: INVALID_ARGUMENT for a negative `page_size` or a `page_token` that is not of the
         form this server issues (it names the last session id of the previous page).
         """

@@ -17,7 +17,7 @@ import type { JsonObject, Message } from "@bufbuild/protobuf";
  * Describes the file compactd/v1/events.proto.
  */
 export const file_compactd_v1_events: GenFile = /*@__PURE__*/
-  fileDesc("Chhjb21wYWN0ZC92MS9ldmVudHMucHJvdG8SC2NvbXBhY3RkLnYxIs4JCgxTZXNzaW9uRXZlbnQSCwoDc2VxGAEgASgDEigKBHRpbWUYAiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhAKCGV2ZW50X2lkGAMgASgJEioKCnN1cmZhY2Vfb3AYBCABKAsyFi5jb21wYWN0ZC52MS5TdXJmYWNlT3ASGQoRc291cmNlX2V2ZW50X3NlcXMYBSADKAMSNAoOc3lzdGVtX21lc3NhZ2UYCiABKAsyGi5jb21wYWN0ZC52MS5TeXN0ZW1NZXNzYWdlSAASOgoRZGV2ZWxvcGVyX21lc3NhZ2UYCyABKAsyHS5jb21wYWN0ZC52MS5EZXZlbG9wZXJNZXNzYWdlSAASMAoMdXNlcl9tZXNzYWdlGAwgASgLMhguY29tcGFjdGQudjEuVXNlck1lc3NhZ2VIABI6ChFhc3Npc3RhbnRfbWVzc2FnZRgNIAEoCzIdLmNvbXBhY3RkLnYxLkFzc2lzdGFudE1lc3NhZ2VIABIuCgt0b29sX3Jlc3VsdBgOIAEoCzIXLmNvbXBhY3RkLnYxLlRvb2xSZXN1bHRIABIsCgp0dXJuX3N0YXJ0GBQgASgLMhYuY29tcGFjdGQudjEuVHVyblN0YXJ0SAASKAoIdHVybl9lbmQYFSABKAsyFC5jb21wYWN0ZC52MS5UdXJuRW5kSAASLAoKc3RlcF9zdGFydBgWIAEoCzIWLmNvbXBhY3RkLnYxLlN0ZXBTdGFydEgAEigKCHN0ZXBfZW5kGBcgASgLMhQuY29tcGFjdGQudjEuU3RlcEVuZEgAEioKCXRvb2xfY2FsbBgYIAEoCzIVLmNvbXBhY3RkLnYxLlRvb2xDYWxsSAASOgoRYXNzaXN0YW50X2F0dGVtcHQYGSABKAsyHS5jb21wYWN0ZC52MS5Bc3Npc3RhbnRBdHRlbXB0SAASNAoOcmVxdWVzdF9oZWFkZXIYGiABKAsyGi5jb21wYWN0ZC52MS5SZXF1ZXN0SGVhZGVySAASOAoQY29tcGFjdGlvbl9zdGFydBgbIAEoCzIcLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25TdGFydEgAEjgKEGNvbXBhY3Rpb25fcHJ1bmUYHCABKAsyHC5jb21wYWN0ZC52MS5Db21wYWN0aW9uUHJ1bmVIABI8ChJjb21wYWN0aW9uX3N1bW1hcnkYHSABKAsyHi5jb21wYWN0ZC52MS5Db21wYWN0aW9uU3VtbWFyeUgAEjQKDmNvbXBhY3Rpb25fZW5kGB4gASgLMhouY29tcGFjdGQudjEuQ29tcGFjdGlvbkVuZEgAEjIKDWltYWdlX29mZmxvYWQYHyABKAsyGS5jb21wYWN0ZC52MS5JbWFnZU9mZmxvYWRIABI3ChBzZXNzaW9uX2VuZF9zZWVkGCAgASgLMhsuY29tcGFjdGQudjEuU2Vzc2lvbkVuZFNlZWRIABIqCglsbG1fcmV0cnkYISABKAsyFS5jb21wYWN0ZC52MS5MbG1SZXRyeUgAEkcKGGNvbXBhY3Rpb25fc3VtbWFyeV9lcnJvchgiIAEoCzIjLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25TdW1tYXJ5RXJyb3JIAEIGCgRib2R5IlkKCVN1cmZhY2VPcBIoCgRraW5kGAEgASgOMhouY29tcGFjdGQudjEuU3VyZmFjZU9wS2luZBIRCglzdGFydF9zZXEYAiABKAMSDwoHZW5kX3NlcRgDIAEoAyLMAQoMQ29udGVudEJsb2NrEiYKBHRleHQYASABKAsyFi5jb21wYWN0ZC52MS5UZXh0QmxvY2tIABIwCglyZWFzb25pbmcYAiABKAsyGy5jb21wYWN0ZC52MS5SZWFzb25pbmdCbG9ja0gAEigKBWltYWdlGAMgASgLMhcuY29tcGFjdGQudjEuSW1hZ2VCbG9ja0gAEi8KCXRvb2xfY2FsbBgEIAEoCzIaLmNvbXBhY3RkLnYxLlRvb2xDYWxsQmxvY2tIAEIHCgVibG9jayIZCglUZXh0QmxvY2sSDAoEdGV4dBgBIAEoCSIxCg5SZWFzb25pbmdCbG9jaxIMCgR0ZXh0GAEgASgJEhEKCXNpZ25hdHVyZRgCIAEoCSKUAQoKSW1hZ2VCbG9jaxISCgptZWRpYV90eXBlGAEgASgJEgwKBG5hbWUYAiABKAkSFQoNYXR0YWNobWVudF9pZBgDIAEoCRIMCgRwYXRoGAQgASgJEhIKCnNpemVfYnl0ZXMYBSABKAMSDQoFd2lkdGgYBiABKAUSDgoGaGVpZ2h0GAcgASgFEgwKBGRhdGEYCCABKAwiQQoNVG9vbENhbGxCbG9jaxIKCgJpZBgBIAEoCRIMCgRuYW1lGAIgASgJEhYKDmFyZ3VtZW50c19qc29uGAMgASgJIoUBCgVVc2FnZRIUCgxpbnB1dF90b2tlbnMYASABKAMSFQoNb3V0cHV0X3Rva2VucxgCIAEoAxIZChFjYWNoZV9yZWFkX3Rva2VucxgDIAEoAxIaChJjYWNoZV93cml0ZV90b2tlbnMYBCABKAMSGAoQcmVhc29uaW5nX3Rva2VucxgFIAEoAyIdCg1TeXN0ZW1NZXNzYWdlEgwKBHRleHQYASABKAkiIAoQRGV2ZWxvcGVyTWVzc2FnZRIMCgR0ZXh0GAEgASgJImkKC1VzZXJNZXNzYWdlEioKB2NvbnRlbnQYASADKAsyGS5jb21wYWN0ZC52MS5Db250ZW50QmxvY2sSLgoGc291cmNlGAIgASgLMh4uY29tcGFjdGQudjEuVXNlck1lc3NhZ2VTb3VyY2UilQEKEVVzZXJNZXNzYWdlU291cmNlEiwKBHVzZXIYASABKAsyHC5jb21wYWN0ZC52MS5Vc2VySW5wdXRTb3VyY2VIABJIChVjb21wYWN0aW9uX2NoZWNrcG9pbnQYAiABKAsyJy5jb21wYWN0ZC52MS5Db21wYWN0aW9uQ2hlY2twb2ludFNvdXJjZUgAQggKBm9yaWdpbiIRCg9Vc2VySW5wdXRTb3VyY2UiMwoaQ29tcGFjdGlvbkNoZWNrcG9pbnRTb3VyY2USFQoNY29tcGFjdGlvbl9pZBgBIAEoCSKXAQoQQXNzaXN0YW50TWVzc2FnZRIqCgdjb250ZW50GAEgAygLMhkuY29tcGFjdGQudjEuQ29udGVudEJsb2NrEiEKBXVzYWdlGAIgASgLMhIuY29tcGFjdGQudjEuVXNhZ2USEAoIcHJvdmlkZXIYAyABKAkSDQoFbW9kZWwYBCABKAkSEwoLc3RvcF9yZWFzb24YBSABKAkicwoKVG9vbFJlc3VsdBIUCgx0b29sX2NhbGxfaWQYASABKAkSEQoJdG9vbF9uYW1lGAIgASgJEioKB2NvbnRlbnQYAyADKAsyGS5jb21wYWN0ZC52MS5Db250ZW50QmxvY2sSEAoIaXNfZXJyb3IYBCABKAgiGQoJVHVyblN0YXJ0EgwKBHR1cm4YASABKAMiJwoHVHVybkVuZBIMCgR0dXJuGAEgASgDEg4KBnJlYXNvbhgCIAEoCSInCglTdGVwU3RhcnQSDAoEdHVybhgBIAEoAxIMCgRzdGVwGAIgASgDIiUKB1N0ZXBFbmQSDAoEdHVybhgBIAEoAxIMCgRzdGVwGAIgASgDIkYKCFRvb2xDYWxsEhQKDHRvb2xfY2FsbF9pZBgBIAEoCRIMCgRuYW1lGAIgASgJEhYKDmFyZ3VtZW50c19qc29uGAMgASgJIkgKEEFzc2lzdGFudEF0dGVtcHQSDwoHYXR0ZW1wdBgBIAEoBRINCgVlcnJvchgCIAEoCRIUCgxlcnJvcl9yZWFzb24YAyABKAki1gEKDVJlcXVlc3RDb25maWcSEAoIcHJvdmlkZXIYASABKAkSDQoFbW9kZWwYAiABKAkSHgoRbWF4X291dHB1dF90b2tlbnMYAyABKANIAIgBARIYCgt0ZW1wZXJhdHVyZRgEIAEoAUgBiAEBEhIKBXRvcF9wGAUgASgBSAKIAQESJgoFZXh0cmEYBiABKAsyFy5nb29nbGUucHJvdG9idWYuU3RydWN0QhQKEl9tYXhfb3V0cHV0X3Rva2Vuc0IOCgxfdGVtcGVyYXR1cmVCCAoGX3RvcF9wIk8KD1Rvb2xEZWNsYXJhdGlvbhIMCgRuYW1lGAEgASgJEhMKC2Rlc2NyaXB0aW9uGAIgASgJEhkKEWlucHV0X3NjaGVtYV9qc29uGAMgASgJIt0BCg1SZXF1ZXN0SGVhZGVyEioKBmNvbmZpZxgBIAEoCzIaLmNvbXBhY3RkLnYxLlJlcXVlc3RDb25maWcSMQoQYWRhcHRlcl9kZWZhdWx0cxgCIAEoCzIXLmdvb2dsZS5wcm90b2J1Zi5TdHJ1Y3QSKwoFdG9vbHMYAyADKAsyHC5jb21wYWN0ZC52MS5Ub29sRGVjbGFyYXRpb24SKQoGcmVhc29uGAQgASgOMhkuY29tcGFjdGQudjEuSGVhZGVyUmVhc29uEhUKDXN0YXJ0c19zZXJpZXMYBSABKAgiYAoMU3VyZmFjZVJhbmdlEhYKDnN0YXJ0X3Bvc2l0aW9uGAEgASgDEhQKDGVuZF9wb3NpdGlvbhgCIAEoAxIRCglzdGFydF9zZXEYAyABKAMSDwoHZW5kX3NlcRgEIAEoAyLWAQoPQ29tcGFjdGlvblN0YXJ0EhUKDWNvbXBhY3Rpb25faWQYASABKAkSLwoHdHJpZ2dlchgCIAEoDjIeLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25UcmlnZ2VyEigKBXJhbmdlGAMgASgLMhkuY29tcGFjdGQudjEuU3VyZmFjZVJhbmdlEhUKDXNoYWRvd2VkX3NlcXMYBCADKAMSEQoEdHVybhgFIAEoA0gAiAEBEh4KFnJldmVydGVkX2NvbXBhY3Rpb25faWQYBiABKAlCBwoFX3R1cm4iowEKD0NvbXBhY3Rpb25QcnVuZRIVCg1jb21wYWN0aW9uX2lkGAEgASgJEhQKDHNoYWRvd2VkX3NlcRgCIAEoAxIXCg9zaGFkb3dlZF90b2tlbnMYAyABKAMSHAoUb3JpZ2luYWxfY29kZV9wb2ludHMYBCABKAMSHAoUcmV0YWluZWRfY29kZV9wb2ludHMYBSABKAMSDgoGbWFza2VkGAYgASgIIrcBChBUb2tlbk1lYXN1cmVtZW50EhcKD2VudmVsb3BlX2JlZm9yZRgBIAEoAxIWCg5lbnZlbG9wZV9hZnRlchgCIAEoAxIXCg9zaGFkb3dlZF90b2tlbnMYAyABKAMSGQoRY2hlY2twb2ludF90b2tlbnMYBCABKAMSHQoVc2hhZG93ZWRfcm91dGVfdG9rZW5zGAUgASgDEh8KF2NoZWNrcG9pbnRfcm91dGVfdG9rZW5zGAYgASgDIigKBVJvdXRlEhAKCHByb3ZpZGVyGAEgASgJEg0KBW1vZGVsGAIgASgJIo8DChFDb21wYWN0aW9uU3VtbWFyeRIVCg1jb21wYWN0aW9uX2lkGAEgASgJEg8KB3N1bW1hcnkYAiABKAkSKAoFcmFuZ2UYAyABKAsyGS5jb21wYWN0ZC52MS5TdXJmYWNlUmFuZ2USFQoNc2hhZG93ZWRfc2VxcxgEIAMoAxItCgZ0b2tlbnMYBSABKAsyHS5jb21wYWN0ZC52MS5Ub2tlbk1lYXN1cmVtZW50EiIKBnRhcmdldBgGIAEoCzISLmNvbXBhY3RkLnYxLlJvdXRlEiEKBXVzYWdlGAcgASgLMhIuY29tcGFjdGQudjEuVXNhZ2USEgoKc3VtbWFyaXplchgIIAEoCRIsCgRnYXRlGEYgASgLMh4uY29tcGFjdGQudjEuU3VtbWFyeUdhdGVSZXBvcnQSLgoIZmFsbGJhY2sYRyABKAsyHC5jb21wYWN0ZC52MS5TdW1tYXJ5RmFsbGJhY2sSKQoEcnVuZxhIIAEoDjIbLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25SdW5nIkkKDFN1bW1hcnlQcm9iZRIrCgRraW5kGAEgASgOMh0uY29tcGFjdGQudjEuU3VtbWFyeVByb2JlS2luZBIMCgR0ZXh0GAIgASgJIoEBChNTdW1tYXJ5Q2hlY2tGYWlsdXJlEigKBWNoZWNrGAEgASgOMhkuY29tcGFjdGQudjEuU3VtbWFyeUNoZWNrEg4KBmRldGFpbBgCIAEoCRIwCg1taXNzZWRfcHJvYmVzGAMgAygLMhkuY29tcGFjdGQudjEuU3VtbWFyeVByb2JlIr4BChFTdW1tYXJ5R2F0ZVJlcG9ydBIyCghmYWlsdXJlcxgBIAMoCzIgLmNvbXBhY3RkLnYxLlN1bW1hcnlDaGVja0ZhaWx1cmUSEwoLcHJvYmVfY291bnQYAiABKAUSEwoLcHJvYmVzX2tlcHQYAyABKAUSEQoJcmVkdWN0aW9uGAQgASgBEhsKE21pbl9yZWR1Y3Rpb25fcmF0aW8YBSABKAESGwoTbWluX3Byb2JlX3JldGVudGlvbhgGIAEoASK2AQoPU3VtbWFyeUZhbGxiYWNrEhsKE3JlamVjdGVkX3N1bW1hcml6ZXIYASABKAkSKwoPcmVqZWN0ZWRfdGFyZ2V0GAIgASgLMhIuY29tcGFjdGQudjEuUm91dGUSMAoIcmVqZWN0ZWQYAyABKAsyHi5jb21wYWN0ZC52MS5TdW1tYXJ5R2F0ZVJlcG9ydBIWCg5mYWlsdXJlX3JlYXNvbhgEIAEoCRIPCgdmYWlsdXJlGAUgASgJInEKFkNvbXBhY3Rpb25TdW1tYXJ5RXJyb3ISFQoNY29tcGFjdGlvbl9pZBgBIAEoCRINCgVlcnJvchgCIAEoCRIOCgZyZWFzb24YAyABKAkSDwoHYXR0ZW1wdBgEIAEoBRIQCghyZXRyeWluZxgFIAEoCCKkAQoNQ29tcGFjdGlvbkVuZBIVCg1jb21wYWN0aW9uX2lkGAEgASgJEg0KBWVycm9yGAIgASgJEhQKDGVycm9yX3JlYXNvbhgDIAEoCRIsCgRnYXRlGEYgASgLMh4uY29tcGFjdGQudjEuU3VtbWFyeUdhdGVSZXBvcnQSKQoEcnVuZxhHIAEoDjIbLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25SdW5nIjgKEkltYWdlT2ZmbG9hZFRhcmdldBILCgNzZXEYASABKAMSFQoNaW1hZ2VfaW5kZXhlcxgCIAMoBSJACgxJbWFnZU9mZmxvYWQSMAoHdGFyZ2V0cxgBIAMoCzIfLmNvbXBhY3RkLnYxLkltYWdlT2ZmbG9hZFRhcmdldCI1Cg5TZXNzaW9uRW5kU2VlZBIOCgZyZWFzb24YASABKAkSEwoLaW5zdGFuY2VfaWQYAiABKAkiPQoITGxtUmV0cnkSDwoHYXR0ZW1wdBgBIAEoBRIOCgZyZWFzb24YAiABKAkSEAoIZGVsYXlfbXMYAyABKAMqhQEKDVN1cmZhY2VPcEtpbmQSHwobU1VSRkFDRV9PUF9LSU5EX1VOU1BFQ0lGSUVEEAASGgoWU1VSRkFDRV9PUF9LSU5EX0FQUEVORBABEhsKF1NVUkZBQ0VfT1BfS0lORF9SRVBMQUNFEAISGgoWU1VSRkFDRV9PUF9LSU5EX0lOU0VSVBADKpYBCgxIZWFkZXJSZWFzb24SHQoZSEVBREVSX1JFQVNPTl9VTlNQRUNJRklFRBAAEhkKFUhFQURFUl9SRUFTT05fSU5JVElBTBABEhgKFEhFQURFUl9SRUFTT05fUkVTVU1FEAISGAoUSEVBREVSX1JFQVNPTl9DSEFOR0UQAxIYChRIRUFERVJfUkVBU09OX1NFUklFUxAEKtwBChFDb21wYWN0aW9uVHJpZ2dlchIiCh5DT01QQUNUSU9OX1RSSUdHRVJfVU5TUEVDSUZJRUQQABIfChtDT01QQUNUSU9OX1RSSUdHRVJfUFJFU1NVUkUQARIdChlDT01QQUNUSU9OX1RSSUdHRVJfTUFOVUFMEAISHwobQ09NUEFDVElPTl9UUklHR0VSX09WRVJGTE9XEAMSIwofQ09NUEFDVElPTl9UUklHR0VSX01PREVMX1NXSVRDSBAEEh0KGUNPTVBBQ1RJT05fVFJJR0dFUl9SRVZFUlQQBSpuCg5Db21wYWN0aW9uUnVuZxIfChtDT01QQUNUSU9OX1JVTkdfVU5TUEVDSUZJRUQQABIbChdDT01QQUNUSU9OX1JVTkdfU1VNTUFSWRABEh4KGkNPTVBBQ1RJT05fUlVOR19FWFRSQUNUSVZFEAIqmAEKDFN1bW1hcnlDaGVjaxIdChlTVU1NQVJZX0NIRUNLX1VOU1BFQ0lGSUVEEAASGgoWU1VNTUFSWV9DSEVDS19TRUNUSU9OUxABEhYKElNVTU1BUllfQ0hFQ0tfRUNITxACEhsKF1NVTU1BUllfQ0hFQ0tfUkVEVUNUSU9OEAMSGAoUU1VNTUFSWV9DSEVDS19QUk9CRVMQBCqxAQoQU3VtbWFyeVByb2JlS2luZBIiCh5TVU1NQVJZX1BST0JFX0tJTkRfVU5TUEVDSUZJRUQQABIeChpTVU1NQVJZX1BST0JFX0tJTkRfUkVRVUVTVBABEhsKF1NVTU1BUllfUFJPQkVfS0lORF9QQVRIEAISHgoaU1VNTUFSWV9QUk9CRV9LSU5EX0NPTU1BTkQQAxIcChhTVU1NQVJZX1BST0JFX0tJTkRfRVJST1IQBGIGcHJvdG8z", [file_google_protobuf_struct, file_google_protobuf_timestamp]);
+  fileDesc("Chhjb21wYWN0ZC92MS9ldmVudHMucHJvdG8SC2NvbXBhY3RkLnYxIpQLCgxTZXNzaW9uRXZlbnQSCwoDc2VxGAEgASgDEigKBHRpbWUYAiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhAKCGV2ZW50X2lkGAMgASgJEioKCnN1cmZhY2Vfb3AYBCABKAsyFi5jb21wYWN0ZC52MS5TdXJmYWNlT3ASGQoRc291cmNlX2V2ZW50X3NlcXMYBSADKAMSNAoOc3lzdGVtX21lc3NhZ2UYCiABKAsyGi5jb21wYWN0ZC52MS5TeXN0ZW1NZXNzYWdlSAASOgoRZGV2ZWxvcGVyX21lc3NhZ2UYCyABKAsyHS5jb21wYWN0ZC52MS5EZXZlbG9wZXJNZXNzYWdlSAASMAoMdXNlcl9tZXNzYWdlGAwgASgLMhguY29tcGFjdGQudjEuVXNlck1lc3NhZ2VIABI6ChFhc3Npc3RhbnRfbWVzc2FnZRgNIAEoCzIdLmNvbXBhY3RkLnYxLkFzc2lzdGFudE1lc3NhZ2VIABIuCgt0b29sX3Jlc3VsdBgOIAEoCzIXLmNvbXBhY3RkLnYxLlRvb2xSZXN1bHRIABIsCgp0dXJuX3N0YXJ0GBQgASgLMhYuY29tcGFjdGQudjEuVHVyblN0YXJ0SAASKAoIdHVybl9lbmQYFSABKAsyFC5jb21wYWN0ZC52MS5UdXJuRW5kSAASLAoKc3RlcF9zdGFydBgWIAEoCzIWLmNvbXBhY3RkLnYxLlN0ZXBTdGFydEgAEigKCHN0ZXBfZW5kGBcgASgLMhQuY29tcGFjdGQudjEuU3RlcEVuZEgAEioKCXRvb2xfY2FsbBgYIAEoCzIVLmNvbXBhY3RkLnYxLlRvb2xDYWxsSAASOgoRYXNzaXN0YW50X2F0dGVtcHQYGSABKAsyHS5jb21wYWN0ZC52MS5Bc3Npc3RhbnRBdHRlbXB0SAASNAoOcmVxdWVzdF9oZWFkZXIYGiABKAsyGi5jb21wYWN0ZC52MS5SZXF1ZXN0SGVhZGVySAASOAoQY29tcGFjdGlvbl9zdGFydBgbIAEoCzIcLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25TdGFydEgAEjgKEGNvbXBhY3Rpb25fcHJ1bmUYHCABKAsyHC5jb21wYWN0ZC52MS5Db21wYWN0aW9uUHJ1bmVIABI8ChJjb21wYWN0aW9uX3N1bW1hcnkYHSABKAsyHi5jb21wYWN0ZC52MS5Db21wYWN0aW9uU3VtbWFyeUgAEjQKDmNvbXBhY3Rpb25fZW5kGB4gASgLMhouY29tcGFjdGQudjEuQ29tcGFjdGlvbkVuZEgAEjIKDWltYWdlX29mZmxvYWQYHyABKAsyGS5jb21wYWN0ZC52MS5JbWFnZU9mZmxvYWRIABI3ChBzZXNzaW9uX2VuZF9zZWVkGCAgASgLMhsuY29tcGFjdGQudjEuU2Vzc2lvbkVuZFNlZWRIABIqCglsbG1fcmV0cnkYISABKAsyFS5jb21wYWN0ZC52MS5MbG1SZXRyeUgAEkcKGGNvbXBhY3Rpb25fc3VtbWFyeV9lcnJvchgiIAEoCzIjLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25TdW1tYXJ5RXJyb3JIABIqCglzdGF0ZV9waW4YIyABKAsyFS5jb21wYWN0ZC52MS5TdGF0ZVBpbkgAEjQKDnN1YmFnZW50X3N0YXJ0GCQgASgLMhouY29tcGFjdGQudjEuU3ViYWdlbnRTdGFydEgAEjAKDHN1YmFnZW50X2VuZBglIAEoCzIYLmNvbXBhY3RkLnYxLlN1YmFnZW50RW5kSAASMAoMc2Vzc2lvbl9mb3JrGCYgASgLMhguY29tcGFjdGQudjEuU2Vzc2lvbkZvcmtIAEIGCgRib2R5IlkKCVN1cmZhY2VPcBIoCgRraW5kGAEgASgOMhouY29tcGFjdGQudjEuU3VyZmFjZU9wS2luZBIRCglzdGFydF9zZXEYAiABKAMSDwoHZW5kX3NlcRgDIAEoAyLMAQoMQ29udGVudEJsb2NrEiYKBHRleHQYASABKAsyFi5jb21wYWN0ZC52MS5UZXh0QmxvY2tIABIwCglyZWFzb25pbmcYAiABKAsyGy5jb21wYWN0ZC52MS5SZWFzb25pbmdCbG9ja0gAEigKBWltYWdlGAMgASgLMhcuY29tcGFjdGQudjEuSW1hZ2VCbG9ja0gAEi8KCXRvb2xfY2FsbBgEIAEoCzIaLmNvbXBhY3RkLnYxLlRvb2xDYWxsQmxvY2tIAEIHCgVibG9jayIZCglUZXh0QmxvY2sSDAoEdGV4dBgBIAEoCSIxCg5SZWFzb25pbmdCbG9jaxIMCgR0ZXh0GAEgASgJEhEKCXNpZ25hdHVyZRgCIAEoCSKUAQoKSW1hZ2VCbG9jaxISCgptZWRpYV90eXBlGAEgASgJEgwKBG5hbWUYAiABKAkSFQoNYXR0YWNobWVudF9pZBgDIAEoCRIMCgRwYXRoGAQgASgJEhIKCnNpemVfYnl0ZXMYBSABKAMSDQoFd2lkdGgYBiABKAUSDgoGaGVpZ2h0GAcgASgFEgwKBGRhdGEYCCABKAwiQQoNVG9vbENhbGxCbG9jaxIKCgJpZBgBIAEoCRIMCgRuYW1lGAIgASgJEhYKDmFyZ3VtZW50c19qc29uGAMgASgJIoUBCgVVc2FnZRIUCgxpbnB1dF90b2tlbnMYASABKAMSFQoNb3V0cHV0X3Rva2VucxgCIAEoAxIZChFjYWNoZV9yZWFkX3Rva2VucxgDIAEoAxIaChJjYWNoZV93cml0ZV90b2tlbnMYBCABKAMSGAoQcmVhc29uaW5nX3Rva2VucxgFIAEoAyIdCg1TeXN0ZW1NZXNzYWdlEgwKBHRleHQYASABKAkiIAoQRGV2ZWxvcGVyTWVzc2FnZRIMCgR0ZXh0GAEgASgJImkKC1VzZXJNZXNzYWdlEioKB2NvbnRlbnQYASADKAsyGS5jb21wYWN0ZC52MS5Db250ZW50QmxvY2sSLgoGc291cmNlGAIgASgLMh4uY29tcGFjdGQudjEuVXNlck1lc3NhZ2VTb3VyY2UilQEKEVVzZXJNZXNzYWdlU291cmNlEiwKBHVzZXIYASABKAsyHC5jb21wYWN0ZC52MS5Vc2VySW5wdXRTb3VyY2VIABJIChVjb21wYWN0aW9uX2NoZWNrcG9pbnQYAiABKAsyJy5jb21wYWN0ZC52MS5Db21wYWN0aW9uQ2hlY2twb2ludFNvdXJjZUgAQggKBm9yaWdpbiIRCg9Vc2VySW5wdXRTb3VyY2UiMwoaQ29tcGFjdGlvbkNoZWNrcG9pbnRTb3VyY2USFQoNY29tcGFjdGlvbl9pZBgBIAEoCSKXAQoQQXNzaXN0YW50TWVzc2FnZRIqCgdjb250ZW50GAEgAygLMhkuY29tcGFjdGQudjEuQ29udGVudEJsb2NrEiEKBXVzYWdlGAIgASgLMhIuY29tcGFjdGQudjEuVXNhZ2USEAoIcHJvdmlkZXIYAyABKAkSDQoFbW9kZWwYBCABKAkSEwoLc3RvcF9yZWFzb24YBSABKAkicwoKVG9vbFJlc3VsdBIUCgx0b29sX2NhbGxfaWQYASABKAkSEQoJdG9vbF9uYW1lGAIgASgJEioKB2NvbnRlbnQYAyADKAsyGS5jb21wYWN0ZC52MS5Db250ZW50QmxvY2sSEAoIaXNfZXJyb3IYBCABKAgiGQoJVHVyblN0YXJ0EgwKBHR1cm4YASABKAMiJwoHVHVybkVuZBIMCgR0dXJuGAEgASgDEg4KBnJlYXNvbhgCIAEoCSInCglTdGVwU3RhcnQSDAoEdHVybhgBIAEoAxIMCgRzdGVwGAIgASgDIiUKB1N0ZXBFbmQSDAoEdHVybhgBIAEoAxIMCgRzdGVwGAIgASgDIkYKCFRvb2xDYWxsEhQKDHRvb2xfY2FsbF9pZBgBIAEoCRIMCgRuYW1lGAIgASgJEhYKDmFyZ3VtZW50c19qc29uGAMgASgJIkgKEEFzc2lzdGFudEF0dGVtcHQSDwoHYXR0ZW1wdBgBIAEoBRINCgVlcnJvchgCIAEoCRIUCgxlcnJvcl9yZWFzb24YAyABKAki1gEKDVJlcXVlc3RDb25maWcSEAoIcHJvdmlkZXIYASABKAkSDQoFbW9kZWwYAiABKAkSHgoRbWF4X291dHB1dF90b2tlbnMYAyABKANIAIgBARIYCgt0ZW1wZXJhdHVyZRgEIAEoAUgBiAEBEhIKBXRvcF9wGAUgASgBSAKIAQESJgoFZXh0cmEYBiABKAsyFy5nb29nbGUucHJvdG9idWYuU3RydWN0QhQKEl9tYXhfb3V0cHV0X3Rva2Vuc0IOCgxfdGVtcGVyYXR1cmVCCAoGX3RvcF9wIk8KD1Rvb2xEZWNsYXJhdGlvbhIMCgRuYW1lGAEgASgJEhMKC2Rlc2NyaXB0aW9uGAIgASgJEhkKEWlucHV0X3NjaGVtYV9qc29uGAMgASgJIt0BCg1SZXF1ZXN0SGVhZGVyEioKBmNvbmZpZxgBIAEoCzIaLmNvbXBhY3RkLnYxLlJlcXVlc3RDb25maWcSMQoQYWRhcHRlcl9kZWZhdWx0cxgCIAEoCzIXLmdvb2dsZS5wcm90b2J1Zi5TdHJ1Y3QSKwoFdG9vbHMYAyADKAsyHC5jb21wYWN0ZC52MS5Ub29sRGVjbGFyYXRpb24SKQoGcmVhc29uGAQgASgOMhkuY29tcGFjdGQudjEuSGVhZGVyUmVhc29uEhUKDXN0YXJ0c19zZXJpZXMYBSABKAgiYAoMU3VyZmFjZVJhbmdlEhYKDnN0YXJ0X3Bvc2l0aW9uGAEgASgDEhQKDGVuZF9wb3NpdGlvbhgCIAEoAxIRCglzdGFydF9zZXEYAyABKAMSDwoHZW5kX3NlcRgEIAEoAyLWAQoPQ29tcGFjdGlvblN0YXJ0EhUKDWNvbXBhY3Rpb25faWQYASABKAkSLwoHdHJpZ2dlchgCIAEoDjIeLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25UcmlnZ2VyEigKBXJhbmdlGAMgASgLMhkuY29tcGFjdGQudjEuU3VyZmFjZVJhbmdlEhUKDXNoYWRvd2VkX3NlcXMYBCADKAMSEQoEdHVybhgFIAEoA0gAiAEBEh4KFnJldmVydGVkX2NvbXBhY3Rpb25faWQYBiABKAlCBwoFX3R1cm4iowEKD0NvbXBhY3Rpb25QcnVuZRIVCg1jb21wYWN0aW9uX2lkGAEgASgJEhQKDHNoYWRvd2VkX3NlcRgCIAEoAxIXCg9zaGFkb3dlZF90b2tlbnMYAyABKAMSHAoUb3JpZ2luYWxfY29kZV9wb2ludHMYBCABKAMSHAoUcmV0YWluZWRfY29kZV9wb2ludHMYBSABKAMSDgoGbWFza2VkGAYgASgIIrcBChBUb2tlbk1lYXN1cmVtZW50EhcKD2VudmVsb3BlX2JlZm9yZRgBIAEoAxIWCg5lbnZlbG9wZV9hZnRlchgCIAEoAxIXCg9zaGFkb3dlZF90b2tlbnMYAyABKAMSGQoRY2hlY2twb2ludF90b2tlbnMYBCABKAMSHQoVc2hhZG93ZWRfcm91dGVfdG9rZW5zGAUgASgDEh8KF2NoZWNrcG9pbnRfcm91dGVfdG9rZW5zGAYgASgDIigKBVJvdXRlEhAKCHByb3ZpZGVyGAEgASgJEg0KBW1vZGVsGAIgASgJIo8DChFDb21wYWN0aW9uU3VtbWFyeRIVCg1jb21wYWN0aW9uX2lkGAEgASgJEg8KB3N1bW1hcnkYAiABKAkSKAoFcmFuZ2UYAyABKAsyGS5jb21wYWN0ZC52MS5TdXJmYWNlUmFuZ2USFQoNc2hhZG93ZWRfc2VxcxgEIAMoAxItCgZ0b2tlbnMYBSABKAsyHS5jb21wYWN0ZC52MS5Ub2tlbk1lYXN1cmVtZW50EiIKBnRhcmdldBgGIAEoCzISLmNvbXBhY3RkLnYxLlJvdXRlEiEKBXVzYWdlGAcgASgLMhIuY29tcGFjdGQudjEuVXNhZ2USEgoKc3VtbWFyaXplchgIIAEoCRIsCgRnYXRlGEYgASgLMh4uY29tcGFjdGQudjEuU3VtbWFyeUdhdGVSZXBvcnQSLgoIZmFsbGJhY2sYRyABKAsyHC5jb21wYWN0ZC52MS5TdW1tYXJ5RmFsbGJhY2sSKQoEcnVuZxhIIAEoDjIbLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25SdW5nIkkKDFN1bW1hcnlQcm9iZRIrCgRraW5kGAEgASgOMh0uY29tcGFjdGQudjEuU3VtbWFyeVByb2JlS2luZBIMCgR0ZXh0GAIgASgJIoEBChNTdW1tYXJ5Q2hlY2tGYWlsdXJlEigKBWNoZWNrGAEgASgOMhkuY29tcGFjdGQudjEuU3VtbWFyeUNoZWNrEg4KBmRldGFpbBgCIAEoCRIwCg1taXNzZWRfcHJvYmVzGAMgAygLMhkuY29tcGFjdGQudjEuU3VtbWFyeVByb2JlIr4BChFTdW1tYXJ5R2F0ZVJlcG9ydBIyCghmYWlsdXJlcxgBIAMoCzIgLmNvbXBhY3RkLnYxLlN1bW1hcnlDaGVja0ZhaWx1cmUSEwoLcHJvYmVfY291bnQYAiABKAUSEwoLcHJvYmVzX2tlcHQYAyABKAUSEQoJcmVkdWN0aW9uGAQgASgBEhsKE21pbl9yZWR1Y3Rpb25fcmF0aW8YBSABKAESGwoTbWluX3Byb2JlX3JldGVudGlvbhgGIAEoASK2AQoPU3VtbWFyeUZhbGxiYWNrEhsKE3JlamVjdGVkX3N1bW1hcml6ZXIYASABKAkSKwoPcmVqZWN0ZWRfdGFyZ2V0GAIgASgLMhIuY29tcGFjdGQudjEuUm91dGUSMAoIcmVqZWN0ZWQYAyABKAsyHi5jb21wYWN0ZC52MS5TdW1tYXJ5R2F0ZVJlcG9ydBIWCg5mYWlsdXJlX3JlYXNvbhgEIAEoCRIPCgdmYWlsdXJlGAUgASgJInEKFkNvbXBhY3Rpb25TdW1tYXJ5RXJyb3ISFQoNY29tcGFjdGlvbl9pZBgBIAEoCRINCgVlcnJvchgCIAEoCRIOCgZyZWFzb24YAyABKAkSDwoHYXR0ZW1wdBgEIAEoBRIQCghyZXRyeWluZxgFIAEoCCKkAQoNQ29tcGFjdGlvbkVuZBIVCg1jb21wYWN0aW9uX2lkGAEgASgJEg0KBWVycm9yGAIgASgJEhQKDGVycm9yX3JlYXNvbhgDIAEoCRIsCgRnYXRlGEYgASgLMh4uY29tcGFjdGQudjEuU3VtbWFyeUdhdGVSZXBvcnQSKQoEcnVuZxhHIAEoDjIbLmNvbXBhY3RkLnYxLkNvbXBhY3Rpb25SdW5nIjgKEkltYWdlT2ZmbG9hZFRhcmdldBILCgNzZXEYASABKAMSFQoNaW1hZ2VfaW5kZXhlcxgCIAMoBSJACgxJbWFnZU9mZmxvYWQSMAoHdGFyZ2V0cxgBIAMoCzIfLmNvbXBhY3RkLnYxLkltYWdlT2ZmbG9hZFRhcmdldCI1Cg5TZXNzaW9uRW5kU2VlZBIOCgZyZWFzb24YASABKAkSEwoLaW5zdGFuY2VfaWQYAiABKAkiPQoITGxtUmV0cnkSDwoHYXR0ZW1wdBgBIAEoBRIOCgZyZWFzb24YAiABKAkSEAoIZGVsYXlfbXMYAyABKAMiNAoIU3RhdGVQaW4SCwoDa2V5GAEgASgJEgwKBHRleHQYAiABKAkSDQoFY2xlYXIYAyABKAgiTQoNU3ViYWdlbnRTdGFydBIYChBjaGlsZF9zZXNzaW9uX2lkGAEgASgJEhQKDHRvb2xfY2FsbF9pZBgCIAEoCRIMCgR0YXNrGAMgASgJImQKC1N1YmFnZW50RW5kEhgKEGNoaWxkX3Nlc3Npb25faWQYASABKAkSKwoGc3RhdHVzGAIgASgOMhsuY29tcGFjdGQudjEuU3ViYWdlbnRTdGF0dXMSDgoGcmVzdWx0GAMgASgJIlIKC1Nlc3Npb25Gb3JrEhkKEXBhcmVudF9zZXNzaW9uX2lkGAEgASgJEhMKC2ZvcmtfYXRfc2VxGAIgASgDEhMKC3NvdXJjZV9zZXFzGAMgAygDKoUBCg1TdXJmYWNlT3BLaW5kEh8KG1NVUkZBQ0VfT1BfS0lORF9VTlNQRUNJRklFRBAAEhoKFlNVUkZBQ0VfT1BfS0lORF9BUFBFTkQQARIbChdTVVJGQUNFX09QX0tJTkRfUkVQTEFDRRACEhoKFlNVUkZBQ0VfT1BfS0lORF9JTlNFUlQQAyqWAQoMSGVhZGVyUmVhc29uEh0KGUhFQURFUl9SRUFTT05fVU5TUEVDSUZJRUQQABIZChVIRUFERVJfUkVBU09OX0lOSVRJQUwQARIYChRIRUFERVJfUkVBU09OX1JFU1VNRRACEhgKFEhFQURFUl9SRUFTT05fQ0hBTkdFEAMSGAoUSEVBREVSX1JFQVNPTl9TRVJJRVMQBCrcAQoRQ29tcGFjdGlvblRyaWdnZXISIgoeQ09NUEFDVElPTl9UUklHR0VSX1VOU1BFQ0lGSUVEEAASHwobQ09NUEFDVElPTl9UUklHR0VSX1BSRVNTVVJFEAESHQoZQ09NUEFDVElPTl9UUklHR0VSX01BTlVBTBACEh8KG0NPTVBBQ1RJT05fVFJJR0dFUl9PVkVSRkxPVxADEiMKH0NPTVBBQ1RJT05fVFJJR0dFUl9NT0RFTF9TV0lUQ0gQBBIdChlDT01QQUNUSU9OX1RSSUdHRVJfUkVWRVJUEAUqbgoOQ29tcGFjdGlvblJ1bmcSHwobQ09NUEFDVElPTl9SVU5HX1VOU1BFQ0lGSUVEEAASGwoXQ09NUEFDVElPTl9SVU5HX1NVTU1BUlkQARIeChpDT01QQUNUSU9OX1JVTkdfRVhUUkFDVElWRRACKpgBCgxTdW1tYXJ5Q2hlY2sSHQoZU1VNTUFSWV9DSEVDS19VTlNQRUNJRklFRBAAEhoKFlNVTU1BUllfQ0hFQ0tfU0VDVElPTlMQARIWChJTVU1NQVJZX0NIRUNLX0VDSE8QAhIbChdTVU1NQVJZX0NIRUNLX1JFRFVDVElPThADEhgKFFNVTU1BUllfQ0hFQ0tfUFJPQkVTEAQqsQEKEFN1bW1hcnlQcm9iZUtpbmQSIgoeU1VNTUFSWV9QUk9CRV9LSU5EX1VOU1BFQ0lGSUVEEAASHgoaU1VNTUFSWV9QUk9CRV9LSU5EX1JFUVVFU1QQARIbChdTVU1NQVJZX1BST0JFX0tJTkRfUEFUSBACEh4KGlNVTU1BUllfUFJPQkVfS0lORF9DT01NQU5EEAMSHAoYU1VNTUFSWV9QUk9CRV9LSU5EX0VSUk9SEAQqiwEKDlN1YmFnZW50U3RhdHVzEh8KG1NVQkFHRU5UX1NUQVRVU19VTlNQRUNJRklFRBAAEh0KGVNVQkFHRU5UX1NUQVRVU19DT01QTEVURUQQARIaChZTVUJBR0VOVF9TVEFUVVNfRkFJTEVEEAISHQoZU1VCQUdFTlRfU1RBVFVTX0NBTkNFTExFRBADYgZwcm90bzM", [file_google_protobuf_struct, file_google_protobuf_timestamp]);
 
 /**
  * One entry of a session's append-only log.
@@ -41,6 +41,9 @@ export const file_compactd_v1_events: GenFile = /*@__PURE__*/
  *   | `step/start`, `step/end`                | runtime                                       |
  *   | `tool/call`, `assistant/attempt`        | runtime                                       |
  *   | `request/header`, `llm/retry`           | runtime                                       |
+ *   | `state/pin`                             | runtime                                       |
+ *   | `subagent/start`, `subagent/end`        | runtime (in the parent session)               |
+ *   | `session/fork`                          | compactd only (a forked child's first event)  |
  *   | `compaction/start`, `compaction/prune`, | compactd only (pruning and the bracket)       |
  *   |   `compaction/summary`,                 |                                               |
  *   |   `compaction/summary-error`,           |                                               |
@@ -48,6 +51,23 @@ export const file_compactd_v1_events: GenFile = /*@__PURE__*/
  *   | `session/end-seed`                      | compactd only (a restore's lifecycle boundary)|
  *   | `image/offload`                         | compactd only (`RecoverFromError` and the     |
  *   |                                         |   summary-error recovery)                     |
+ *
+ * Pinned state. `state/pin` is log-only: it never becomes a surface node, so no compaction or
+ * prune can select it. The pins in force (the latest `state/pin` of each key, minus cleared keys)
+ * are rendered, in key order, into one `system`-role message placed right after the system head
+ * (before every other message; first when the head projects to nothing) of every rebuilt request,
+ * marked `Message.pinned_state`. Its text is `<pinned-state>`, a line of preamble, then per key a
+ * `[key]` line followed by the pin's text verbatim, then `</pinned-state>`. The meter prices that
+ * message in every route's tokenizer as part of the envelope (`PressureBreakdown.pins_tokens`),
+ * so pins count toward pressure; a batch whose pins alone would cost more than the route's
+ * context window is refused (RESOURCE_EXHAUSTED, reason `PINS_OVER_WINDOW`). Changing a pin
+ * rewrites the request from that message on (the provider's prompt cache is reused up to the
+ * system head only).
+ *
+ * Sub-agents. `subagent/start` and `subagent/end` are log-only events of the parent session; a
+ * `subagent/start` opens a handle on its `child_session_id` until a `subagent/end` names it.
+ * Every checkpoint re-emits the handles still open at the end of its span (open sub-agents,
+ * tool calls without a result, pinned keys) in its "Open handles" section.
  *
  * Step brackets (checked on runtime appends; violations are INVALID_ARGUMENT with reason
  * `STEP_BRACKET`): an `assistant/message` APPEND is accepted only inside an open step
@@ -260,6 +280,38 @@ export type SessionEvent = Message<"compactd.v1.SessionEvent"> & {
      */
     value: CompactionSummaryError;
     case: "compactionSummaryError";
+  } | {
+    /**
+     * `state/pin` (log-only; rendered into the request, see above).
+     *
+     * @generated from field: compactd.v1.StatePin state_pin = 35;
+     */
+    value: StatePin;
+    case: "statePin";
+  } | {
+    /**
+     * `subagent/start` (log-only).
+     *
+     * @generated from field: compactd.v1.SubagentStart subagent_start = 36;
+     */
+    value: SubagentStart;
+    case: "subagentStart";
+  } | {
+    /**
+     * `subagent/end` (log-only).
+     *
+     * @generated from field: compactd.v1.SubagentEnd subagent_end = 37;
+     */
+    value: SubagentEnd;
+    case: "subagentEnd";
+  } | {
+    /**
+     * `session/fork` (log-only).
+     *
+     * @generated from field: compactd.v1.SessionFork session_fork = 38;
+     */
+    value: SessionFork;
+    case: "sessionFork";
   } | { case: undefined; value?: undefined };
 };
 
@@ -1826,6 +1878,149 @@ export const LlmRetrySchema: GenMessage<LlmRetry> = /*@__PURE__*/
   messageDesc(file_compactd_v1_events, 40);
 
 /**
+ * `state/pin`: task state that must never be summarized (the goal, the plan, constraints, the
+ * user's corrections). The latest pin of a key is in force; `clear` removes the key.
+ *
+ * @generated from message compactd.v1.StatePin
+ */
+export type StatePin = Message<"compactd.v1.StatePin"> & {
+  /**
+   * The pin's key: 1-64 characters of `[A-Za-z0-9._:/-]`, e.g. `goal`, `plan`, `constraint/1`.
+   *
+   * @generated from field: string key = 1;
+   */
+  key: string;
+
+  /**
+   * The pinned text, rendered verbatim; required unless `clear` (then it must be empty).
+   *
+   * @generated from field: string text = 2;
+   */
+  text: string;
+
+  /**
+   * Remove the key: it is no longer rendered. Clearing a key not in force is refused.
+   *
+   * @generated from field: bool clear = 3;
+   */
+  clear: boolean;
+};
+
+/**
+ * Describes the message compactd.v1.StatePin.
+ * Use `create(StatePinSchema)` to create a new message.
+ */
+export const StatePinSchema: GenMessage<StatePin> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_events, 41);
+
+/**
+ * `subagent/start`: the runtime started a sub-agent in a child session.
+ *
+ * @generated from message compactd.v1.SubagentStart
+ */
+export type SubagentStart = Message<"compactd.v1.SubagentStart"> & {
+  /**
+   * The child session's id (a session of the same tenant, usually created with this session as
+   * its `parent_session_id`). At most one open start per child.
+   *
+   * @generated from field: string child_session_id = 1;
+   */
+  childSessionId: string;
+
+  /**
+   * The tool call of this session that spawned the sub-agent, if any.
+   *
+   * @generated from field: string tool_call_id = 2;
+   */
+  toolCallId: string;
+
+  /**
+   * One line saying what the sub-agent was asked to do (no line breaks).
+   *
+   * @generated from field: string task = 3;
+   */
+  task: string;
+};
+
+/**
+ * Describes the message compactd.v1.SubagentStart.
+ * Use `create(SubagentStartSchema)` to create a new message.
+ */
+export const SubagentStartSchema: GenMessage<SubagentStart> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_events, 42);
+
+/**
+ * `subagent/end`: a sub-agent started by `subagent/start` ended.
+ *
+ * @generated from message compactd.v1.SubagentEnd
+ */
+export type SubagentEnd = Message<"compactd.v1.SubagentEnd"> & {
+  /**
+   * The child session's id; names an open `subagent/start`.
+   *
+   * @generated from field: string child_session_id = 1;
+   */
+  childSessionId: string;
+
+  /**
+   * How it ended.
+   *
+   * @generated from field: compactd.v1.SubagentStatus status = 2;
+   */
+  status: SubagentStatus;
+
+  /**
+   * A summary of its result.
+   *
+   * @generated from field: string result = 3;
+   */
+  result: string;
+};
+
+/**
+ * Describes the message compactd.v1.SubagentEnd.
+ * Use `create(SubagentEndSchema)` to create a new message.
+ */
+export const SubagentEndSchema: GenMessage<SubagentEnd> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_events, 43);
+
+/**
+ * `session/fork`: the first event of a session forked from its parent (`CreateSession` with
+ * `fork_at_seq`); the surface events after it are copies of the parent's nodes.
+ *
+ * @generated from message compactd.v1.SessionFork
+ */
+export type SessionFork = Message<"compactd.v1.SessionFork"> & {
+  /**
+   * The parent session.
+   *
+   * @generated from field: string parent_session_id = 1;
+   */
+  parentSessionId: string;
+
+  /**
+   * The parent's seq the surface was copied at.
+   *
+   * @generated from field: int64 fork_at_seq = 2;
+   */
+  forkAtSeq: bigint;
+
+  /**
+   * The parent seq of each copied node, in surface order: the source of the child's nodes.
+   *
+   * @generated from field: repeated int64 source_seqs = 3;
+   */
+  sourceSeqs: bigint[];
+};
+
+/**
+ * Describes the message compactd.v1.SessionFork.
+ * Use `create(SessionForkSchema)` to create a new message.
+ */
+export const SessionForkSchema: GenMessage<SessionFork> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_events, 44);
+
+/**
  * The kind of surface change a surface event makes.
  *
  * @generated from enum compactd.v1.SurfaceOpKind
@@ -2108,4 +2303,45 @@ export enum SummaryProbeKind {
  */
 export const SummaryProbeKindSchema: GenEnum<SummaryProbeKind> = /*@__PURE__*/
   enumDesc(file_compactd_v1_events, 5);
+
+/**
+ * How a sub-agent ended.
+ *
+ * @generated from enum compactd.v1.SubagentStatus
+ */
+export enum SubagentStatus {
+  /**
+   * Not set.
+   *
+   * @generated from enum value: SUBAGENT_STATUS_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * It finished its task.
+   *
+   * @generated from enum value: SUBAGENT_STATUS_COMPLETED = 1;
+   */
+  COMPLETED = 1,
+
+  /**
+   * It failed.
+   *
+   * @generated from enum value: SUBAGENT_STATUS_FAILED = 2;
+   */
+  FAILED = 2,
+
+  /**
+   * It was cancelled.
+   *
+   * @generated from enum value: SUBAGENT_STATUS_CANCELLED = 3;
+   */
+  CANCELLED = 3,
+}
+
+/**
+ * Describes the enum compactd.v1.SubagentStatus.
+ */
+export const SubagentStatusSchema: GenEnum<SubagentStatus> = /*@__PURE__*/
+  enumDesc(file_compactd_v1_events, 6);
 
