@@ -353,7 +353,7 @@ class InspectionService:
                 return Declined(DeclineCode.FLOOR_ABOVE_TRIGGER, f"the floor ({floor} tokens) "
                                 "alone is at or above the trigger: no compaction runs")  # fmt: skip
             if over:
-                selection, retains, min_span = SelectionMode.MAXIMAL, False, False
+                selection, retains = SelectionMode.MAXIMAL, False
         plan.min_span_tokens = guard.min_span_tokens(job.route, job.policy, fold) if min_span else 0
         retained = report.retained_budget if report is not None and retains else 0
         if retains and report is None:

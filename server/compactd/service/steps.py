@@ -195,9 +195,10 @@ class StepService:
 
     def _job(self, relief: _Relief, *, first: bool) -> Bracket:
         """The relief's next bracket, on what the step measured last: a request over the window
-        reaches for everything but the last unit; the overflow path's (not first) and one whose
-        floor alone is above the trigger write the extractive checkpoint, no model call; the
-        overflow path's is not judged by the quality gate (only the shrink check holds)."""
+        reaches for everything but the last unit (the first bracket still declines a span too
+        small to be worth a checkpoint: masking is cheaper); the overflow path's (not first)
+        and one whose floor alone is above the trigger write the extractive checkpoint, no model
+        call; the overflow path's is not judged by the quality gate (only the shrink check)."""
         handle, route, policy = relief.handle, relief.route, relief.policy
         if not first:  # the last rung: any checkpoint that fits beats a request over the window
             policy = dataclasses.replace(policy, summary_gate=False)
@@ -207,7 +208,7 @@ class StepService:
             handle, AUTO.trigger, SelectionMode.MAXIMAL if maximal else AUTO.selection, route,
             self._shrink_route(handle, route), policy, retained, relief.turn,
             min_span_tokens=(
-                0 if maximal else self._guard.min_span_tokens(route, policy, handle.fold)
+                self._guard.min_span_tokens(route, policy, handle.fold) if first else 0
             ),
             guarded=True, extractive=not first or self._floor_above_trigger(relief),
         )  # fmt: skip
