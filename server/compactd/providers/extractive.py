@@ -66,13 +66,17 @@ SPAN_SHARE = 0.135
 _SPAN_MARGIN = 0.9
 
 
-def _framed(summary: str) -> str:
-    """The checkpoint a summary becomes, with a recall handle of typical width (what is priced)."""
-    return with_recall_handles(prompts.frame_checkpoint(summary), [_TYPICAL_HANDLE])
+def _framed_tokens(summary: str) -> float:
+    """The estimated tokens of the checkpoint a summary becomes: its frame, and its recall
+    section counted pessimistically (``_SECTION_TOKENS``)."""
+    return estimated_tokens(prompts.frame_checkpoint(summary)) + _SECTION_TOKENS
 
 
-_TYPICAL_HANDLE = checkpoint_handle(10_000, "")
-_FRAME_UNITS = utf16_length(_framed(""))
+#: The checkpoint's recall section (``core.recall``; a handle of typical width), at one token
+#: per two characters: a handle's digits and punctuation split into short pieces, so the byte-pair
+#: estimate would count it low.
+_SECTION_TOKENS = len(with_recall_handles("", [checkpoint_handle(10_000, "")])) / 2
+_FRAME_UNITS = utf16_length(prompts.frame_checkpoint("")) + int(_SECTION_TOKENS * 4)
 #: The least a framed checkpoint may take (estimated tokens) when ``SPAN_SHARE`` of its span is
 #: less: the eight sections with the current state and the first probes (about a hundred tokens
 #: of bullets). From a span of ``MIN_CHECKPOINT_TOKENS / SPAN_SHARE`` (1,852) on, the share rules.
@@ -273,7 +277,7 @@ def _fit_share(candidates: Sequence[_Candidate], share: int, allowed: float | No
         return text
     floor = utf16_length(_render({}))
     for _ in range(_REFITS):
-        estimate = estimated_tokens(_framed(text))
+        estimate = _framed_tokens(text)
         if estimate <= allowed or share <= floor:
             return text
         share = max(floor, int(share * allowed / estimate) - _UNITS_PER_TOKEN)
@@ -891,4 +895,4 @@ def _at_word(head: str, room: int) -> str:
     return head.rstrip() + _ELLIPSIS
 
 
-_SKELETON_TOKENS = estimated_tokens(_framed(_render({})))
+_SKELETON_TOKENS = _framed_tokens(_render({}))
