@@ -45,8 +45,13 @@ Every request is priced alike, with the route's tokenizer (``o200k_base``, the r
   ended), looked for at the same steps in the rebuilt request whatever its size (a step over the
   window is counted in "over W"): each pin's text verbatim, the sub-agent named by the
   checkpoint's "Open Handles" section (goal 100%);
+- **present or recallable 1x / 3x** (compactd only): the facts ("all") the request shows or the
+  recall tool can give back, i.e. the original events behind a handle of the request
+  (``core.recall``), followed through the handles those events name (goal 100%);
 - **checkpoint/span**: each committed checkpoint's route tokens over its span's, max and mean;
-- **input tokens**: summed over every step of every session.
+- **input tokens**: summed over every step of every session. The recall tool's envelope cost
+  (its declaration's price with each transcript's tools declared first) is in the line above
+  the table.
 
 Token counts are exact and deterministic, not timed, so the machine's load does not move them.
 
@@ -63,6 +68,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -77,6 +83,7 @@ from compactd import replay as rp
 from compactd.core.pricing import PricingProfile, price_config, price_message, price_tools
 from compactd.core.projection import project
 from compactd.core.pruner import PrunerConfig, prune_content
+from compactd.core.recall import covered_seqs, parse_handle, recall_tool
 from compactd.tokenizers import pricing_profile
 from compactd.v1 import events_pb2, session_service_pb2
 
@@ -92,6 +99,7 @@ AGENT_STEP_SECONDS = 20.0
 PAGE = ROOT / "docs" / "benchmarks.md"
 START, END = "<!-- bench:strategies:start -->", "<!-- bench:strategies:end -->"
 PLACEHOLDER = "[old tool output omitted]"
+HANDLE = re.compile(r"\[recall:([cp]\d+-[0-9a-f]{4})\]")
 SURFACE = ("system_message", "developer_message", "user_message", "assistant_message",
            "tool_result")  # fmt: skip
 GOALS = (
@@ -343,6 +351,7 @@ class Tally:
     managed: bool = False  # compactd: the bracket columns apply
     pins: dict[int, list[bool]] = field(default_factory=dict)  # 1|3 -> planted pins kept
     handles: dict[int, list[bool]] = field(default_factory=dict)  # 1|3 -> open sub-agent named
+    recallable: dict[int, list[bool]] = field(default_factory=dict)  # 1|3 -> fact present/recall
 
     per_span: dict[int, list[float]] = field(default_factory=dict)  # after -> each span's share
 
@@ -416,6 +425,47 @@ def _look_for_task_state(
                 seen = text(step)
                 tally.pins.setdefault(after, []).extend(value in seen for value in pins)
                 tally.handles.setdefault(after, []).append(child in seen)
+
+
+def _look_recallable(tally: Tally, plan: Sequence[Planned], text: Callable[[int], str]) -> None:
+    """Record which facts each looked-at request shows or the recall tool can give back."""
+    for planned in plan:
+        for after, step in ((1, planned.after_one), (3, planned.after_three)):
+            if step is not None:
+                hits = fx.kept(planned.found, text(step))
+                tally.recallable.setdefault(after, []).extend(hits)
+
+
+def recallable_text(visible: str, by_seq: dict[int, Any]) -> str:
+    """The text of the original events behind the recall handles in ``visible``, and behind
+    the handles those events name in turn (what the recall tool can give back)."""
+    pending, seen, parts = list(HANDLE.findall(visible)), set(), []
+    while pending:
+        handle = parse_handle(pending.pop())
+        if handle is None or str(handle) in seen or handle.seq not in by_seq:
+            continue
+        seen.add(str(handle))
+        for seq in covered_seqs(handle, by_seq[handle.seq]) or ():
+            event = events_pb2.SessionEvent.FromString(by_seq[seq].SerializeToString())
+            message = project(event)
+            if message is not None:
+                text = visible_text([message])
+                parts.append(text)
+                pending.extend(HANDLE.findall(text))
+    return "\n".join(parts)
+
+
+def recall_tool_cost(talks: Sequence[Conversation], profile: PricingProfile) -> tuple[int, int]:
+    """The recall tool's price per request: (least, most) over the transcripts' tool sets."""
+    costs = []
+    for talk in talks:
+        declared = [
+            events_pb2.ToolDeclaration.FromString(d.SerializeToString())
+            for d in openai.declarations(talk.transcript.tools)
+        ]
+        with_tool = price_tools([*declared, recall_tool("recall")], profile)
+        costs.append(with_tool - price_tools(declared, profile))
+    return min(costs), max(costs)
 
 
 def _look(tally: Tally, plan: Sequence[Planned], text: Callable[[int], str]) -> None:
@@ -528,7 +578,9 @@ def tally_compactd(run: Run, talks: Sequence[Conversation], profile: PricingProf
     """compactd's figures: its rebuilt requests priced like every other strategy's."""
     tally = Tally(managed=True, resent=run.resent)
     for (result, log), talk in zip(run.replays, talks, strict=True):
+        by_seq = {event.seq: event for event in log}
         texts: dict[int, str] = {}
+        recalled: dict[int, str] = {}  # what the request shows and the recall tool gives back
         rebuilt: dict[int, str] = {}  # every request's text, over the window or not
         for index, (step, request) in enumerate(zip(result.steps, result.requests, strict=True)):
             messages = [Message.FromString(m.SerializeToString()) for m in request.messages]
@@ -542,6 +594,7 @@ def tally_compactd(run: Run, talks: Sequence[Conversation], profile: PricingProf
             # A request over the window is refused by the provider: the model sees nothing.
             rebuilt[index] = visible_text(messages)
             texts[index] = rebuilt[index] if tokens <= step.window else ""
+            recalled[index] = f"{texts[index]}\n{recallable_text(texts[index], by_seq)}"
         per_step = Counter(record.step for record in result.compactions if record.step)
         tally.max_brackets = max(tally.max_brackets, *per_step.values(), 0)
         spans = Counter((r.start_seq, r.end_seq) for r in result.compactions)
@@ -555,6 +608,7 @@ def tally_compactd(run: Run, talks: Sequence[Conversation], profile: PricingProf
         plan = fact_plan(log, result.steps)
         _look(tally, plan, texts.__getitem__)
         _look_for_task_state(tally, plan, rebuilt.__getitem__, talk.transcript)
+        _look_recallable(tally, plan, recalled.__getitem__)
     return tally
 
 
@@ -592,7 +646,8 @@ KINDS = (fx.FactKind.PATH, fx.FactKind.COMMAND, fx.FactKind.ERROR)
 HEADER = ("window", "clock", "strategy", "over W (irreducible)", "untyped ABOVE",
           "max brackets/step", "re-sent", "rejected", "facts 1x: all", "span mean", "paths",
           "commands", "errors", "facts 3x: all", "span mean", "paths", "commands", "errors",
-          "pins 1x / 3x", "open sub-agents 1x / 3x", "checkpoint/span max",
+          "pins 1x / 3x", "open sub-agents 1x / 3x", "present or recallable 1x / 3x",
+          "checkpoint/span max",
           "mean", "input tokens")  # fmt: skip
 
 
@@ -602,8 +657,11 @@ def row(window: int, clock: str, name: str, t: Tally) -> tuple[str, ...]:
     over = f"{t.over_window}/{t.steps}" + (f" ({t.irreducible})" if t.managed else "")
     facts = [t.share(1), t.span_mean(1), *(t.share(1, (k,)) for k in KINDS)]
     facts += [t.share(3), t.span_mean(3), *(t.share(3, (k,)) for k in KINDS)]
-    planted = [f"{t.task_state(kept, 1)} / {t.task_state(kept, 3)}" for kept in (t.pins, t.handles)]
-    facts += planted if t.managed else ["-", "-"]
+    planted = [
+        f"{t.task_state(kept, 1)} / {t.task_state(kept, 3)}"
+        for kept in (t.pins, t.handles, t.recallable)
+    ]
+    facts += planted if t.managed else ["-", "-", "-"]
     shares = (
         (f"{max(t.shares):.1%}", f"{sum(t.shares) / len(t.shares):.1%}") if t.shares else ("-", "-")
     )
@@ -659,13 +717,14 @@ async def measure(args: argparse.Namespace) -> tuple[list[tuple[str, ...]], str]
                 f"{window:,}/{clock}: {ex.compactions} compactions, "
                 f"{ex.counted(1):,} facts after 1, {ex.counted(3):,} after 3"
             )
+    least, most = recall_tool_cost(talks, profile)
     played = (
         f"{len(transcripts)} transcripts ({', '.join(p.name for p in args.transcripts)}), "
         f"{sum(len(t.messages) for t in transcripts):,} messages, "
         f"{sum(len(t.steps) for t in talks):,} model steps; o200k_base; agent time = the guard's "
         f"clock advanced {AGENT_STEP_SECONDS:.0f} s per step. Facts counted (compactd extractive): "
         + "; ".join(counted)
-        + "."
+        + f". The recall tool (`recallTool`) adds {least}-{most} tokens to every request."
     )
     return rows, played
 

@@ -109,6 +109,14 @@ RPCS: dict[str, Call] = {
     "SessionService.DeleteSession": lambda s: _unary(
         s.sessions.DeleteSession(spb.DeleteSessionRequest(session_id=SID))
     ),
+    "SessionService.Recall": lambda s: _unary(
+        s.sessions.Recall(spb.RecallRequest(session_id=SID, seqs=[0, 1, 2]))
+    ),
+    "CompactionService.RevertCompaction": lambda s: _unary(
+        s.compaction.RevertCompaction(
+            cpb.RevertCompactionRequest(session_id=SID, compaction_id="never-compacted")
+        )
+    ),
     "CompactionService.CheckPressure": lambda s: _unary(
         s.compaction.CheckPressure(cpb.CheckPressureRequest(session_id=SID))
     ),

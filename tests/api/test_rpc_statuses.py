@@ -62,6 +62,15 @@ async def delete_session(sessions: Any, compaction: Any, sid: str) -> None:
     await sessions.DeleteSession(spb.DeleteSessionRequest(session_id=sid))
 
 
+async def recall(sessions: Any, compaction: Any, sid: str) -> None:
+    await sessions.Recall(spb.RecallRequest(session_id=sid, seqs=[0]))
+
+
+async def revert_compaction(sessions: Any, compaction: Any, sid: str) -> None:
+    request = cpb.RevertCompactionRequest(session_id=sid, compaction_id="never-compacted")
+    await compaction.RevertCompaction(request)
+
+
 async def check_pressure(sessions: Any, compaction: Any, sid: str) -> None:
     await compaction.CheckPressure(cpb.CheckPressureRequest(session_id=sid))
 
@@ -117,6 +126,7 @@ CASES: dict[str, tuple[Call, str, Code, Code]] = {
     "SessionService.BuildRequest": (build_request, "nope", Code.NOT_FOUND, Code.OK),
     "SessionService.ListSessions": (list_sessions, "", Code.INVALID_ARGUMENT, Code.OK),
     "SessionService.DeleteSession": (delete_session, "nope", Code.NOT_FOUND, Code.OK),
+    "SessionService.Recall": (recall, "nope", Code.NOT_FOUND, Code.OK),
     "CompactionService.CheckPressure": (check_pressure, "nope", Code.NOT_FOUND, Code.OK),
     "CompactionService.WatchPressure": (watch_pressure, "nope", Code.NOT_FOUND, Code.OK),
     "CompactionService.PrepareStep": (prepare_step, "nope", Code.NOT_FOUND, Code.OK),
@@ -137,6 +147,12 @@ CASES: dict[str, tuple[Call, str, Code, Code]] = {
     ),
     "CompactionService.PlanCompaction": (plan_compaction, "nope", Code.NOT_FOUND, Code.OK),
     "CompactionService.ListBrackets": (list_brackets, "nope", Code.NOT_FOUND, Code.OK),
+    "CompactionService.RevertCompaction": (
+        revert_compaction,
+        "nope",
+        Code.NOT_FOUND,
+        Code.ABORTED,  # turn open: COMPACTION_BUSY, as Compact
+    ),
 }
 
 

@@ -18,6 +18,7 @@ READS = {
     ("compactd.v1.SessionService", "GetSurface"),
     ("compactd.v1.SessionService", "BuildRequest"),
     ("compactd.v1.SessionService", "ListSessions"),
+    ("compactd.v1.SessionService", "Recall"),
     ("compactd.v1.CompactionService", "CheckPressure"),
     ("compactd.v1.CompactionService", "WatchPressure"),
     ("compactd.v1.CompactionService", "ClassifyProviderError"),
@@ -34,6 +35,7 @@ WRITES = {
     ("compactd.v1.CompactionService", "Compact"),
     ("compactd.v1.CompactionService", "RecoverFromError"),
     ("compactd.v1.CompactionService", "SwitchModel"),
+    ("compactd.v1.CompactionService", "RevertCompaction"),
 }
 
 

@@ -11,6 +11,7 @@ from compactd.core.fold import SessionFold
 from compactd.core.pricing import heuristic_price
 from compactd.core.projection import offload_placeholder
 from compactd.core.pruner import (
+    MARKER_ROOM,
     PRUNE_MARKER,
     PrunerConfig,
     code_points,
@@ -20,6 +21,7 @@ from compactd.core.pruner import (
     prune_events,
     slice_code_points,
 )
+from compactd.core.recall import prune_handle
 from compactd.core.surface import SurfaceNode
 from compactd.errors import ConfigError
 from compactd.v1 import events_pb2
@@ -180,11 +182,13 @@ def test_config_from_a_table_fills_defaults() -> None:
 
 
 def test_small_thresholds_that_fit_the_marker_are_accepted() -> None:
-    marker = code_points(PRUNE_MARKER)
-    config = PrunerConfig(max_code_points=marker + 10, head_code_points=6, tail_code_points=4)
-    pruned = prune_content([text_block(letters(marker + 11))], config)
+    room = MARKER_ROOM  # the marker and the longest recall handle
+    config = PrunerConfig(max_code_points=room + 10, head_code_points=6, tail_code_points=4)
+    pruned = prune_content([text_block(letters(room + 11))], config)
     assert pruned is not None
-    assert code_points(texts(pruned.content)[0]) == marker + 10
+    assert code_points(texts(pruned.content)[0]) == code_points(PRUNE_MARKER) + 10
+    with pytest.raises(ConfigError):
+        PrunerConfig(max_code_points=room + 9, head_code_points=6, tail_code_points=4)
 
 
 def test_plan_rewrites_only_oversized_tool_results() -> None:
@@ -210,6 +214,19 @@ def test_replacement_copies_the_result_except_its_content() -> None:
     assert new.surface_op.kind == events_pb2.SURFACE_OP_KIND_REPLACE
     assert (new.surface_op.start_seq, new.surface_op.end_seq) == (2, 2)
     assert list(new.source_event_seqs) == [2]
+
+
+def test_a_pruned_result_names_its_recall_handle_after_the_fixed_marker() -> None:
+    fold = fold_with(assistant("go", calls=[("c1", "read", "{}")]), tool_result("c1", "x" * 9000))
+    [plan] = plan_prunes(fold, DEFAULT, shadow_price)
+    [again] = plan_prunes(
+        fold_with(assistant("go", calls=[("c1", "read", "{}")]), tool_result("c1", "x" * 9000)),
+        DEFAULT,
+        shadow_price,
+    )
+    text = plan.replacement.tool_result.content[0].text.text
+    assert "x" * 4096 + PRUNE_MARKER + f"[recall:{prune_handle(2)}]\n\n" + "x" * 1024 == text
+    assert again.replacement == plan.replacement  # the same result always gets the same text
 
 
 def test_prune_event_records_the_shadowed_node_and_its_heuristic_price() -> None:
@@ -299,6 +316,7 @@ def test_a_result_under_the_threshold_that_alone_exceeds_the_room_is_pruned_to_h
     assert heuristic(plan.replacement) <= 750
     kept = plan.replacement.tool_result.content[0].text.text
     head, tail = kept.split(PRUNE_MARKER)
+    tail = tail.removeprefix(f"[recall:{prune_handle(2)}]\n\n")
     assert kept.startswith(letters(len(head)))
     assert len(head) == 4 * len(tail)  # the configured 4096:1024 ratio
     assert plan.replacement.source_event_seqs == [2]

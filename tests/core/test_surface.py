@@ -10,7 +10,9 @@ import pytest
 from compactd.core.fold import SessionFold
 from compactd.core.pairing import CorruptPairing
 from compactd.core.surface import Surface
-from compactd.errors import ReplacementRejected
+from compactd.core.validation import Origin
+from compactd.errors import InvalidArgument, ReplacementRejected
+from compactd.reasons import Reason
 from compactd.v1 import events_pb2
 from tests.builders import (
     SessionEvent,
@@ -509,3 +511,38 @@ def test_an_untracked_node_is_freed_with_its_fold() -> None:
             tracemalloc.stop()
     assert held > 100 * 10_000  # the nodes hold their events' bytes
     assert left < held / 10  # refcounting frees them: untracked is not leaked
+
+
+def _insert(event: SessionEvent, after: int, sources: list[int]) -> SessionEvent:
+    copy = SessionEvent()
+    copy.CopyFrom(event)
+    copy.surface_op.kind = events_pb2.SURFACE_OP_KIND_INSERT
+    copy.surface_op.start_seq = after
+    copy.surface_op.end_seq = after
+    copy.source_event_seqs[:] = sources
+    return copy
+
+
+def test_insert_puts_the_new_node_right_after_the_named_one() -> None:
+    fold = folded(user("a"), user("b"), user("c"))
+    fold.admit([_insert(user("a copy"), 0, [0])])
+    assert seqs(fold) == [0, 3, 1, 2]
+    fold.admit([_insert(user("again"), 3, [0])])
+    assert seqs(fold) == [0, 3, 4, 1, 2]
+
+
+def test_an_insert_names_one_current_node_and_cites_its_source() -> None:
+    fold = folded(user("a"), user("b"))
+    wide = _insert(user("x"), 0, [0])
+    wide.surface_op.end_seq = 1
+    rejected(fold, wide, "an INSERT names one node")
+    rejected(fold, _insert(user("x"), 0, []), "must cite its source_event_seqs")
+    fold.admit([replace(user("sum"), start=0, end=0, sources=[0])])
+    rejected(fold, _insert(user("x"), 0, [0]), "is not a current surface node")
+
+
+def test_a_client_may_not_insert() -> None:
+    fold = folded(user("a"))
+    with pytest.raises(InvalidArgument) as refused:
+        fold.admit([_insert(user("x"), 0, [0])], origin=Origin.CLIENT)
+    assert refused.value.reason == Reason.SERVER_ONLY_EVENT

@@ -20,6 +20,12 @@ import pytest
 
 from compactd.core import prompts
 from compactd.core.pruner import PRUNE_MARKER
+from compactd.core.recall import (
+    checkpoint_handle,
+    prune_handle,
+    recall_section,
+    without_recall_handles,
+)
 from compactd.providers import openai_wire
 from compactd.providers.base import SummaryError
 from compactd.service.bracket import SummaryFailure
@@ -116,7 +122,8 @@ async def test_pruning_runs_first_and_alone_can_avoid_the_summary(
         assert pruned.surface_op.kind == REPLACE
         assert list(pruned.source_event_seqs) == [original.seq]
         text = pruned.tool_result.content[0].text.text
-        assert text == "y" * 4096 + PRUNE_MARKER + "y" * 1024
+        handle = f"[recall:{prune_handle(original.seq)}]\n\n"
+        assert text == "y" * 4096 + PRUNE_MARKER + handle + "y" * 1024
         assert run.progress[0].seq == pruned.seq
         assert summary_requests(loop) == []
 
@@ -193,6 +200,7 @@ async def test_the_bracket_is_logged_in_order_and_streamed_step_by_step(
         raw = summary.compaction_summary.summary
         assert message.content[0].text.text == (
             f"{prompts.CHECKPOINT_PREAMBLE}\n\n<compacted-summary>\n{raw}\n</compacted-summary>"
+            f"\n\n{recall_section([checkpoint_handle(start.seq, cid)])}"
         )
         assert end.compaction_end.compaction_id == cid
         assert end.compaction_end.error == ""
@@ -304,7 +312,7 @@ async def test_reasoning_and_tool_calls_in_the_summary_reply_are_dropped(
         assert summary.compaction_summary.summary == text
         checkpoint = log[-2].user_message.content
         assert len(checkpoint) == 1
-        assert checkpoint[0].text.text == prompts.frame_checkpoint(text)
+        assert without_recall_handles(checkpoint[0].text.text) == prompts.frame_checkpoint(text)
         assert "SECRET" not in str(log[-4:])
         assert "rm -rf" not in str(log[-4:])
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from compactd.core import events as ev
 from compactd.core.fold import SessionFold
+from compactd.core.meter import SessionMeter
 from compactd.core.pins import pin_list
 from compactd.core.projection import project
 from compactd.core.steps import run_to_end
@@ -117,7 +118,8 @@ def _fold(kinds: list[int]) -> SessionFold:
 
 
 def _handle(fold: SessionFold) -> SessionHandle:
-    return cast(SessionHandle, SimpleNamespace(fold=fold))
+    context = SimpleNamespace(meter=SessionMeter(fold))  # declares no tools of its own
+    return cast(SessionHandle, SimpleNamespace(fold=fold, context=context))
 
 
 @given(st.lists(st.integers(0, 8), max_size=4 * REPLY_CHUNK))

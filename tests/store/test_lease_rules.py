@@ -54,3 +54,16 @@ def test_a_broken_or_taken_lease_never_accepts_its_old_holders_writes(
             lost.add((before.owner, before.token))
         if lease is not None:
             lost.discard((lease.owner, lease.token))
+
+
+def test_a_whole_bracket_in_one_batch_holds_nothing_and_waits_for_a_live_lease() -> None:
+    live = apply("s", None, LeaseOp(LeaseAction.ACQUIRE, "a", "k1", ttl_s=1.0), START)
+    whole = LeaseOp(LeaseAction.WHOLE, "b", "k2")
+    try:
+        apply("s", live, whole, START)
+    except errors.CompactionBusy:
+        pass
+    else:
+        raise AssertionError("a whole bracket went through another's live lease")
+    assert apply("s", live, whole, START + timedelta(seconds=2)) is None  # lapsed: taken over
+    assert apply("s", None, whole, START) is None

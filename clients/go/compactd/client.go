@@ -25,6 +25,7 @@ const ServiceConfig = `{"methodConfig": [{
     {"service": "compactd.v1.SessionService", "method": "GetSurface"},
     {"service": "compactd.v1.SessionService", "method": "BuildRequest"},
     {"service": "compactd.v1.SessionService", "method": "ListSessions"},
+    {"service": "compactd.v1.SessionService", "method": "Recall"},
     {"service": "compactd.v1.CompactionService", "method": "CheckPressure"},
     {"service": "compactd.v1.CompactionService", "method": "WatchPressure"},
     {"service": "compactd.v1.CompactionService", "method": "ClassifyProviderError"},

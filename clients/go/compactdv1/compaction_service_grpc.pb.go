@@ -117,6 +117,20 @@ type CompactionServiceClient interface {
 	// the newest `session/end-seed`: the lock of this lifecycle) or STALE (before it: evidence of
 	// a process that died, no longer blocking). Errors: NOT_FOUND.
 	ListBrackets(ctx context.Context, in *ListBracketsRequest, opts ...grpc.CallOption) (*ListBracketsResponse, error)
+	// Reverts a committed compaction: puts the nodes its checkpoint shadowed back on the surface
+	// in its place, as copies citing the originals (the log stays append-only). One atomic batch
+	// recorded as a bracket with trigger REVERT: `compaction/start` (naming the checkpoint),
+	// a REPLACE of the checkpoint by the first node, an INSERT of each next node after the
+	// previous one, `compaction/end`; traced as `compaction.revert`. The surface and the rebuilt
+	// request are then what they were before the bracket (pruned results stay pruned if they were).
+	// Errors: NOT_FOUND for the session or, with reason `COMPACTION_UNKNOWN`, a compaction id
+	// that names no committed checkpoint of it; FAILED_PRECONDITION with reason `REVERT_BLOCKED`
+	// when the checkpoint is no longer on the surface (a later bracket covers it: revert that one
+	// first; or it was reverted already); ABORTED `COMPACTION_BUSY` while a bracket is live or a
+	// turn is open; RESOURCE_EXHAUSTED `SURFACE_FULL` when the restored surface would exceed
+	// `max_surface_bytes`; INVALID_ARGUMENT `REPLACEMENT_REJECTED` when the result would break
+	// the pairing rules.
+	RevertCompaction(ctx context.Context, in *RevertCompactionRequest, opts ...grpc.CallOption) (*RevertCompactionResponse, error)
 }
 
 type compactionServiceClient struct {
@@ -332,6 +346,15 @@ func (c *compactionServiceClient) ListBrackets(ctx context.Context, in *ListBrac
 	return out, nil
 }
 
+func (c *compactionServiceClient) RevertCompaction(ctx context.Context, in *RevertCompactionRequest, opts ...grpc.CallOption) (*RevertCompactionResponse, error) {
+	out := new(RevertCompactionResponse)
+	err := c.cc.Invoke(ctx, "/compactd.v1.CompactionService/RevertCompaction", in, out, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // CompactionServiceServer is the server API for CompactionService service.
 // All implementations must embed UnimplementedCompactionServiceServer
 // for forward compatibility
@@ -436,6 +459,20 @@ type CompactionServiceServer interface {
 	// the newest `session/end-seed`: the lock of this lifecycle) or STALE (before it: evidence of
 	// a process that died, no longer blocking). Errors: NOT_FOUND.
 	ListBrackets(context.Context, *ListBracketsRequest) (*ListBracketsResponse, error)
+	// Reverts a committed compaction: puts the nodes its checkpoint shadowed back on the surface
+	// in its place, as copies citing the originals (the log stays append-only). One atomic batch
+	// recorded as a bracket with trigger REVERT: `compaction/start` (naming the checkpoint),
+	// a REPLACE of the checkpoint by the first node, an INSERT of each next node after the
+	// previous one, `compaction/end`; traced as `compaction.revert`. The surface and the rebuilt
+	// request are then what they were before the bracket (pruned results stay pruned if they were).
+	// Errors: NOT_FOUND for the session or, with reason `COMPACTION_UNKNOWN`, a compaction id
+	// that names no committed checkpoint of it; FAILED_PRECONDITION with reason `REVERT_BLOCKED`
+	// when the checkpoint is no longer on the surface (a later bracket covers it: revert that one
+	// first; or it was reverted already); ABORTED `COMPACTION_BUSY` while a bracket is live or a
+	// turn is open; RESOURCE_EXHAUSTED `SURFACE_FULL` when the restored surface would exceed
+	// `max_surface_bytes`; INVALID_ARGUMENT `REPLACEMENT_REJECTED` when the result would break
+	// the pairing rules.
+	RevertCompaction(context.Context, *RevertCompactionRequest) (*RevertCompactionResponse, error)
 	mustEmbedUnimplementedCompactionServiceServer()
 }
 
@@ -472,6 +509,9 @@ func (UnimplementedCompactionServiceServer) PlanCompaction(context.Context, *Pla
 }
 func (UnimplementedCompactionServiceServer) ListBrackets(context.Context, *ListBracketsRequest) (*ListBracketsResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method ListBrackets not implemented")
+}
+func (UnimplementedCompactionServiceServer) RevertCompaction(context.Context, *RevertCompactionRequest) (*RevertCompactionResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method RevertCompaction not implemented")
 }
 func (UnimplementedCompactionServiceServer) mustEmbedUnimplementedCompactionServiceServer() {}
 
@@ -681,6 +721,24 @@ func _CompactionService_ListBrackets_Handler(srv interface{}, ctx context.Contex
 	return interceptor(ctx, in, info, handler)
 }
 
+func _CompactionService_RevertCompaction_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(RevertCompactionRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(CompactionServiceServer).RevertCompaction(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: "/compactd.v1.CompactionService/RevertCompaction",
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(CompactionServiceServer).RevertCompaction(ctx, req.(*RevertCompactionRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 var _CompactionService_serviceDesc = grpc.ServiceDesc{
 	ServiceName: "compactd.v1.CompactionService",
 	HandlerType: (*CompactionServiceServer)(nil),
@@ -704,6 +762,10 @@ var _CompactionService_serviceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ListBrackets",
 			Handler:    _CompactionService_ListBrackets_Handler,
+		},
+		{
+			MethodName: "RevertCompaction",
+			Handler:    _CompactionService_RevertCompaction_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

@@ -60,6 +60,18 @@ type SessionServiceClient interface {
 	// of the session (ListEvents with `follow`, WatchPressure) end with NOT_FOUND; afterwards the
 	// id answers NOT_FOUND and may be created again, fresh. Errors: NOT_FOUND.
 	DeleteSession(ctx context.Context, in *DeleteSessionRequest, opts ...grpc.CallOption) (*DeleteSessionResponse, error)
+	// Returns the original events behind a recall handle (or given seqs): what a compaction took
+	// off the surface, as the model saw it before. Every checkpoint and pruned tool result names
+	// what it replaced in a handle (`[recall:c41-9f3a]`, `[recall:p17-03bc]`); a handle is a
+	// function of the log, valid for the session's life on every replica. Each event comes with
+	// the SHA-256 of its stored bytes; a page holds at most `max_bytes` of events, and `query`
+	// narrows them to the matching lines. Reads only: the log does not change.
+	// Errors: NOT_FOUND for the session, and with reason `RECALL_HANDLE_UNKNOWN` for a handle the
+	// session's log does not name (another tenant's handle is NOT_FOUND too: its session does
+	// not exist for the caller); INVALID_ARGUMENT for a malformed handle, neither or both of
+	// `handle` and `seqs`, a seq outside the log, more than 1000 seqs, a negative `max_bytes` or
+	// a `page_token` this server did not issue for the same request.
+	Recall(ctx context.Context, in *RecallRequest, opts ...grpc.CallOption) (*RecallResponse, error)
 }
 
 type sessionServiceClient struct {
@@ -156,6 +168,15 @@ func (c *sessionServiceClient) DeleteSession(ctx context.Context, in *DeleteSess
 	return out, nil
 }
 
+func (c *sessionServiceClient) Recall(ctx context.Context, in *RecallRequest, opts ...grpc.CallOption) (*RecallResponse, error) {
+	out := new(RecallResponse)
+	err := c.cc.Invoke(ctx, "/compactd.v1.SessionService/Recall", in, out, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // SessionServiceServer is the server API for SessionService service.
 // All implementations must embed UnimplementedSessionServiceServer
 // for forward compatibility
@@ -203,6 +224,18 @@ type SessionServiceServer interface {
 	// of the session (ListEvents with `follow`, WatchPressure) end with NOT_FOUND; afterwards the
 	// id answers NOT_FOUND and may be created again, fresh. Errors: NOT_FOUND.
 	DeleteSession(context.Context, *DeleteSessionRequest) (*DeleteSessionResponse, error)
+	// Returns the original events behind a recall handle (or given seqs): what a compaction took
+	// off the surface, as the model saw it before. Every checkpoint and pruned tool result names
+	// what it replaced in a handle (`[recall:c41-9f3a]`, `[recall:p17-03bc]`); a handle is a
+	// function of the log, valid for the session's life on every replica. Each event comes with
+	// the SHA-256 of its stored bytes; a page holds at most `max_bytes` of events, and `query`
+	// narrows them to the matching lines. Reads only: the log does not change.
+	// Errors: NOT_FOUND for the session, and with reason `RECALL_HANDLE_UNKNOWN` for a handle the
+	// session's log does not name (another tenant's handle is NOT_FOUND too: its session does
+	// not exist for the caller); INVALID_ARGUMENT for a malformed handle, neither or both of
+	// `handle` and `seqs`, a seq outside the log, more than 1000 seqs, a negative `max_bytes` or
+	// a `page_token` this server did not issue for the same request.
+	Recall(context.Context, *RecallRequest) (*RecallResponse, error)
 	mustEmbedUnimplementedSessionServiceServer()
 }
 
@@ -230,6 +263,9 @@ func (UnimplementedSessionServiceServer) ListSessions(context.Context, *ListSess
 }
 func (UnimplementedSessionServiceServer) DeleteSession(context.Context, *DeleteSessionRequest) (*DeleteSessionResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method DeleteSession not implemented")
+}
+func (UnimplementedSessionServiceServer) Recall(context.Context, *RecallRequest) (*RecallResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method Recall not implemented")
 }
 func (UnimplementedSessionServiceServer) mustEmbedUnimplementedSessionServiceServer() {}
 
@@ -373,6 +409,24 @@ func _SessionService_DeleteSession_Handler(srv interface{}, ctx context.Context,
 	return interceptor(ctx, in, info, handler)
 }
 
+func _SessionService_Recall_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(RecallRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(SessionServiceServer).Recall(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: "/compactd.v1.SessionService/Recall",
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(SessionServiceServer).Recall(ctx, req.(*RecallRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 var _SessionService_serviceDesc = grpc.ServiceDesc{
 	ServiceName: "compactd.v1.SessionService",
 	HandlerType: (*SessionServiceServer)(nil),
@@ -400,6 +454,10 @@ var _SessionService_serviceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "DeleteSession",
 			Handler:    _SessionService_DeleteSession_Handler,
+		},
+		{
+			MethodName: "Recall",
+			Handler:    _SessionService_Recall_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

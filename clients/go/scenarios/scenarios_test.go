@@ -2,7 +2,7 @@
 // compactd (COMPACTD_ADDRESS; the routed model from COMPACTD_PROVIDER / COMPACTD_MODEL). Same
 // list as the Python and TypeScript suites: create, append, rebuild request, pressure check, a
 // watch receiving updates, a compaction with its streamed steps, a busy error with its reason,
-// a SEQ_CONFLICT, held steps across a compaction.
+// a SEQ_CONFLICT, held steps across a compaction, the recall tool answered.
 package scenarios
 
 import (
@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -269,6 +270,77 @@ func TestCompactionStreamsItsSteps(t *testing.T) {
 	all := strings.Join(eventTypes(t, c, id), ",")
 	if strings.Count(all, "compaction/start") != 1 || strings.Count(all, "compaction/end") != 1 {
 		t.Fatalf("log %s", all)
+	}
+}
+
+var handlePattern = regexp.MustCompile(`\[recall:(c\d+-[0-9a-f]{4})\]`)
+
+func TestRecallTool(t *testing.T) {
+	c := connect(t)
+	ctx := context.Background()
+	buf := make([]byte, 6)
+	_, _ = rand.Read(buf)
+	id := "go-" + hex.EncodeToString(buf)
+	if _, err := c.CreateSession(ctx, id, map[string]interface{}{"recallTool": true}); err != nil {
+		t.Fatal(err)
+	}
+	seed(t, c, id, 3)
+	stream, err := c.Compact(ctx, id, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := stream.Result(); err != nil {
+		t.Fatal(err)
+	}
+	request, err := c.BuildRequest(ctx, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tools := request.GetTools()
+	if len(tools) == 0 || tools[len(tools)-1].GetName() != "recall" {
+		t.Fatalf("tools %v", tools)
+	}
+	var texts []string
+	for _, m := range request.GetMessages() {
+		for _, b := range m.GetContent() {
+			texts = append(texts, b.GetText().GetText())
+		}
+	}
+	found := handlePattern.FindStringSubmatch(strings.Join(texts, "\n"))
+	if found == nil {
+		t.Fatal("the checkpoint names no recall handle")
+	}
+	block := compactd.ToolCallBlock("r1", "recall", compactd.JSON(map[string]string{"handle": found[1]}))
+	step := []*v1.SessionEvent{
+		compactd.TurnStart(9), compactd.UserMessage("What did turn 1 find, exactly?"),
+		compactd.StepStart(9, 1), compactd.AssistantMessage("", block), compactd.StepEnd(9, 1),
+	}
+	if _, err := c.AppendEvents(ctx, id, step, nil); err != nil {
+		t.Fatal(err)
+	}
+	result, err := c.AnswerRecall(ctx, id, block.GetToolCall())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.AppendEvents(ctx, id, []*v1.SessionEvent{result, compactd.TurnEnd(9, "")}, nil); err != nil {
+		t.Fatal(err)
+	}
+	answered := result.GetToolResult()
+	text := answered.GetContent()[0].GetText().GetText()
+	if answered.GetToolCallId() != "r1" || answered.GetIsError() || !strings.Contains(text, "src/module_1_0.py") {
+		t.Fatalf("answer %v", answered)
+	}
+	request, err = c.BuildRequest(ctx, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	last := request.GetMessages()[len(request.GetMessages())-1]
+	if last.GetToolCallId() != "r1" || last.GetContent()[0].GetText().GetText() != text {
+		t.Fatalf("last message %v", last)
+	}
+	unknown, err := c.AnswerRecall(ctx, id, &v1.ToolCallBlock{Id: "r2", Name: "recall", ArgumentsJson: `{"handle":"c1-0000"}`})
+	if err != nil || !unknown.GetToolResult().GetIsError() {
+		t.Fatalf("unknown handle: %v %v", unknown, err)
 	}
 }
 

@@ -3,14 +3,16 @@
 Every client (Python, TypeScript, Go) runs the same list against the one server that
 ``clients/run-scenarios`` starts: create (idempotent), append, rebuild request, pressure check, a
 watch receiving updates, a compaction with its streamed steps, a busy error with its reason, a
-SEQ_CONFLICT, held steps across a compaction. The server comes from ``COMPACTD_ADDRESS``; the
-routed model from ``COMPACTD_PROVIDER`` / ``COMPACTD_MODEL`` (a route with a declared window).
+SEQ_CONFLICT, held steps across a compaction, the recall tool answered. The server comes from
+``COMPACTD_ADDRESS``; the routed model from ``COMPACTD_PROVIDER`` / ``COMPACTD_MODEL`` (a route
+with a declared window).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import uuid
 from collections.abc import Iterator
 
@@ -177,6 +179,34 @@ def test_compaction_streams_its_steps(client: CompactdClient) -> None:
     assert checkpoints[0].type == "user/message"
     types = [event_type(e) for e in client.list_events(session_id)]
     assert types.count("compaction/start") == types.count("compaction/end") == 1
+
+
+def test_recall_tool(client: CompactdClient) -> None:
+    session_id = f"py-{uuid.uuid4().hex[:12]}"
+    client.create_session(session_id, compaction_policy={"recallTool": True})
+    seed(client, session_id, turns=3)
+    client.compact(session_id).result()
+    request = client.build_request(session_id)
+    assert request.tools[-1].name == "recall"
+    texts = "\n".join(b.text.text for m in request.messages for b in m.content)
+    handle = re.search(r"\[recall:(c\d+-[0-9a-f]{4})\]", texts)
+    assert handle is not None, "the checkpoint names its recall handle"
+    call = tool_call_block("r1", "recall", {"handle": handle.group(1)})
+    step = [turn_start(9), user_message("What did turn 1 find, exactly?"), step_start(9, 1)]
+    client.append_events(session_id, [*step, assistant_message(tool_calls=[call]), step_end(9, 1)])
+
+    result = client.answer_recall(session_id, call)
+    client.append_events(session_id, [result, turn_end(9)])
+
+    answered = result.tool_result
+    assert (answered.tool_call_id, answered.is_error) == ("r1", False)
+    assert "src/module_1_0.py" in answered.content[0].text.text
+    last = client.build_request(session_id).messages[-1]
+    assert (last.tool_call_id, last.content[0].text.text) == ("r1", answered.content[0].text.text)
+    unknown = client.answer_recall(
+        session_id, {"id": "r2", "name": "recall", "input": {"handle": "c1-0000"}}
+    )
+    assert unknown.tool_result.is_error
 
 
 def test_busy_error_carries_its_reason(client: CompactdClient) -> None:

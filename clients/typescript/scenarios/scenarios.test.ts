@@ -2,7 +2,7 @@
 // (COMPACTD_ADDRESS; the routed model from COMPACTD_PROVIDER / COMPACTD_MODEL). Same list as
 // clients/python/scenarios and clients/go/scenarios: create, append, rebuild request, pressure
 // check, a watch receiving updates, a compaction with its streamed steps, a busy error with its
-// reason, a SEQ_CONFLICT, held steps across a compaction.
+// reason, a SEQ_CONFLICT, held steps across a compaction, the recall tool answered.
 
 import assert from "node:assert/strict";
 import { randomUUID } from "node:crypto";
@@ -180,6 +180,40 @@ describe("scenarios", { skip: address === "" ? "COMPACTD_ADDRESS is not set" : f
     const all = await types(sessionId);
     assert.equal(all.filter((t) => t === "compaction/start").length, 1);
     assert.equal(all.filter((t) => t === "compaction/end").length, 1);
+  });
+
+  test("recall tool", async () => {
+    const sessionId = `ts-${randomUUID().slice(0, 12)}`;
+    await client.createSession({ sessionId, compactionPolicy: { recallTool: true } });
+    await seed(sessionId, 3);
+    await client.compact(sessionId).result();
+    const request = await client.buildRequest(sessionId);
+    assert.equal(request.tools.at(-1)?.name, "recall");
+    const texts = request.messages.flatMap((m) =>
+      m.content.map((b) => (b.block.case === "text" ? b.block.value.text : "")),
+    );
+    const handle = texts.join("\n").match(/\[recall:(c\d+-[0-9a-f]{4})\]/)?.[1];
+    assert.ok(handle, "the checkpoint names its recall handle");
+    const callBlock = toolCallBlock("r1", "recall", { handle });
+    await client.appendEvents(sessionId, [
+      turnStart(9),
+      userMessage("What did turn 1 find, exactly?"),
+      stepStart(9, 1),
+      assistantMessage({ toolCalls: [callBlock] }),
+      stepEnd(9, 1),
+    ]);
+    const result = await client.answerRecall(sessionId, callBlock);
+    await client.appendEvents(sessionId, [result, turnEnd(9)]);
+    assert.equal(result.body.case, "toolResult");
+    const answered = result.body.case === "toolResult" ? result.body.value : undefined;
+    assert.equal(answered?.toolCallId, "r1");
+    assert.equal(answered?.isError, false);
+    const last = (await client.buildRequest(sessionId)).messages.at(-1);
+    assert.equal(last?.toolCallId, "r1");
+    const text = last?.content[0]?.block.case === "text" ? last.content[0].block.value.text : "";
+    assert.ok(text.includes(`[recall:${handle}]`) && text.includes("src/module_1_0.py"), text.slice(0, 400));
+    const unknown = await client.answerRecall(sessionId, { id: "r2", name: "recall", input: { handle: "c1-0000" } });
+    assert.equal(unknown.body.case === "toolResult" && unknown.body.value.isError, true);
   });
 
   test("busy error carries its reason", async () => {

@@ -21,10 +21,12 @@ import {
   type BuildRequestResponse,
   type GetSurfaceResponse,
   type ListSessionsResponse,
+  type RecallResponse,
   type Session,
   SessionService,
 } from "./gen/compactd/v1/session_service_pb.js";
 import { IncompleteStreamError, toCompactdError } from "./errors.js";
+import { DEFAULT_TOOL_MAX_BYTES, recallAnswer, recallErrorAnswer, recallRequest, type ToolCallLike } from "./recall.js";
 import { DEFAULT_HELD_SESSIONS, HeldRequests, type PreparedStep } from "./steps.js";
 
 /** Retries of idempotent unary calls on UNAVAILABLE, with jittered exponential backoff. */
@@ -48,6 +50,7 @@ export const IDEMPOTENT_METHODS: ReadonlySet<string> = new Set([
   "GetSurface",
   "BuildRequest",
   "ListSessions",
+  "Recall",
   "CheckPressure",
   "ClassifyProviderError",
   "PlanCompaction",
@@ -266,6 +269,47 @@ export class CompactdClient {
   /** The reconstructed model request. */
   async buildRequest(sessionId: string, opts?: CallOpts): Promise<BuildRequestResponse> {
     return call(() => this.sessions.buildRequest({ sessionId }, this.unaryOptions(opts)));
+  }
+
+  /**
+   * One page of the original events behind a recall handle (or `seqs`). Throws NotFoundError for
+   * an unknown session or a handle its log does not name (reason RECALL_HANDLE_UNKNOWN).
+   */
+  async recall(
+    sessionId: string,
+    init: { handle?: string; seqs?: (number | bigint)[]; query?: string; maxBytes?: number; pageToken?: string },
+    opts?: CallOpts,
+  ): Promise<RecallResponse> {
+    const request = {
+      sessionId,
+      handle: init.handle ?? "",
+      seqs: (init.seqs ?? []).map((seq) => BigInt(seq)),
+      query: init.query ?? "",
+      maxBytes: init.maxBytes ?? 0,
+      pageToken: init.pageToken ?? "",
+    };
+    return call(() => this.sessions.recall(request, this.unaryOptions(opts)));
+  }
+
+  /**
+   * Answers the model's call of the recall tool: the tool/result event to append and send back
+   * (the recalled page as text; an error result the model can read for an unknown handle or
+   * unusable arguments). Throws NotFoundError for an unknown session.
+   */
+  async answerRecall(
+    sessionId: string,
+    toolCall: ToolCallLike,
+    init: { maxBytes?: number } = {},
+    opts?: CallOpts,
+  ): Promise<SessionEvent> {
+    const request = recallRequest(sessionId, toolCall, init.maxBytes ?? DEFAULT_TOOL_MAX_BYTES);
+    if (request.$typeName === "compactd.v1.SessionEvent") return request;
+    try {
+      const response = await call(() => this.sessions.recall(request, this.unaryOptions(opts)));
+      return recallAnswer(toolCall, response.text);
+    } catch (err) {
+      return recallErrorAnswer(toolCall, err);
+    }
   }
 
   /** Measures the envelope against the route's policy. Throws CapacityUnknownError without a window. */

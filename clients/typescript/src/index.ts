@@ -5,4 +5,5 @@
 export * from "./client.js";
 export * from "./convert.js";
 export * from "./errors.js";
+export * from "./recall.js";
 export * from "./steps.js";

@@ -15,6 +15,7 @@ from compactd.service.bracket import Progress
 from compactd.service.inspection import MODES, InspectionService
 from compactd.service.pressure import PressureService
 from compactd.service.recovery import RecoveryService
+from compactd.service.revert import RevertService
 from compactd.service.steps import StepService
 from compactd.service.switch import SwitchService
 from compactd.v1 import compaction_service_pb2 as pb
@@ -38,8 +39,10 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
         recovery: RecoveryService,
         switch: SwitchService,
         inspection: InspectionService,
+        reverts: RevertService,
     ) -> None:
         self._inspection = inspection
+        self._reverts = reverts
         self._pressure = pressure
         self._steps = steps
         self._recovery = recovery
@@ -168,6 +171,18 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
     ) -> pb.ListBracketsResponse:
         require_session_id(request.session_id)
         return await self._inspection.brackets(request.session_id)
+
+    @handle_errors
+    async def RevertCompaction(
+        self, request: pb.RevertCompactionRequest, context: Context
+    ) -> pb.RevertCompactionResponse:
+        require_session_id(request.session_id)
+        if not request.compaction_id:
+            raise InvalidArgument(
+                "compaction_id is required",
+                violations=[FieldViolation("compaction_id", "required")],
+            )
+        return await self._reverts.revert(request.session_id, request.compaction_id)
 
     def _destination(
         self, route: events_pb2.Route, present: bool, field: str = "destination"

@@ -49,6 +49,7 @@ from compactd.service.pruning import Pruning
 from compactd.service.quotas import QuotaBook, QuotaSettings
 from compactd.service.recovery import RecoveryService
 from compactd.service.retention import RetentionSweeper, periods_from
+from compactd.service.revert import RevertService
 from compactd.service.screening import Screener
 from compactd.service.sessions import SessionManager
 from compactd.service.steps import StepService
@@ -387,7 +388,10 @@ async def _serve_on(
         server,
     )
     compaction_service_pb2_grpc.add_CompactionServiceServicer_to_server(
-        CompactionServicer(pressure, steps, recovery, switch, inspection), server
+        CompactionServicer(
+            pressure, steps, recovery, switch, inspection, RevertService(manager, tracer)
+        ),
+        server,
     )
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

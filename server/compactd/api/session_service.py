@@ -20,7 +20,12 @@ from compactd.reasons import Reason
 from compactd.service.forking import checked_parent, fork_into
 from compactd.service.inspection import InspectionService
 from compactd.service.policy_message import field_path, policy_of, settings_of
-from compactd.service.requests import request_reply_in_steps, surface_reply_in_steps
+from compactd.service.recall import recall
+from compactd.service.requests import (
+    declared_tools,
+    request_reply_in_steps,
+    surface_reply_in_steps,
+)
 from compactd.service.sessions import Lineage, SessionHandle, SessionManager
 from compactd.speed import in_steps
 from compactd.store.base import SessionRecord
@@ -124,7 +129,8 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
     ) -> Serialized:
         handle = await self._handle(request.session_id)
         async with handle.lock:
-            return await after_a_turn(await in_steps(request_reply_in_steps(handle.fold)))
+            reply = request_reply_in_steps(handle.fold, declared_tools(handle))
+            return await after_a_turn(await in_steps(reply))
 
     @handle_errors
     async def ListSessions(
@@ -152,6 +158,11 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         require_session_id(request.session_id)
         await self._manager.delete(request.session_id)
         return pb.DeleteSessionResponse()
+
+    @handle_errors
+    async def Recall(self, request: pb.RecallRequest, context: Context) -> pb.RecallResponse:
+        handle = await self._handle(request.session_id)
+        return await recall(handle, request)
 
     async def _handle(self, session_id: str, *, fresh: bool = True) -> SessionHandle:
         require_session_id(session_id)

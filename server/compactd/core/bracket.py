@@ -9,7 +9,9 @@ appends these, and when, is the bracket runner's business; nothing here does I/O
 
 from __future__ import annotations
 
+from compactd.core import prompts
 from compactd.core.events import SessionEvent
+from compactd.core.recall import checkpoint_handle, with_recall_handles
 from compactd.core.selection import Selection
 from compactd.v1 import events_pb2
 
@@ -100,6 +102,16 @@ def summary_event(
     return SessionEvent(compaction_summary=body)
 
 
+def checkpoint_text(
+    summary: str, compaction_id: str, start_seq: int, open_handles: str = ""
+) -> str:
+    """The checkpoint's text: the framed summary with its open handles
+    (``prompts.frame_checkpoint``), then the recall handle of what it replaces
+    (``core.recall``), named by the bracket's start seq and id."""
+    framed = prompts.frame_checkpoint(summary, open_handles)
+    return with_recall_handles(framed, [checkpoint_handle(start_seq, compaction_id)])
+
+
 def checkpoint_message(compaction_id: str, framed_text: str) -> SessionEvent:
     """The checkpoint ``user/message`` body alone (an APPEND), e.g. to price it before step 4."""
     event = SessionEvent()
@@ -116,7 +128,7 @@ def checkpoint_event(
 
     Args:
         compaction_id: The bracket id (the checkpoint's source).
-        framed_text: The preamble and tagged summary (``prompts.frame_checkpoint``).
+        framed_text: The preamble, tagged summary and recall handles (``checkpoint_text``).
         selection: The span; its end seqs are the REPLACE endpoints.
         start_seq: Seq of this bracket's ``compaction/start``.
         summary_seq: Seq of this bracket's ``compaction/summary``.

@@ -68,6 +68,13 @@ def is_replace(event: SessionEvent) -> bool:
     )
 
 
+def is_insert(event: SessionEvent) -> bool:
+    """Whether the event is a surface INSERT (compactd's own, a revert's)."""
+    return (
+        event.HasField("surface_op") and event.surface_op.kind == events_pb2.SURFACE_OP_KIND_INSERT
+    )
+
+
 def checkpoint_compaction_id(event: SessionEvent) -> str:
     """The compaction id of a checkpoint ``user/message``, or ``""``."""
     if body_name(event) != "user_message":

@@ -302,7 +302,7 @@ class SessionFold:
         self.revision += 1
         self._folded += 1
         surface = kind in ev.SURFACE_BODIES
-        replace = surface and ev.is_replace(event)
+        replace = surface and (ev.is_replace(event) or ev.is_insert(event))
         if replace or kind in _REWRITES:  # a rewrite, not an append
             batch._undo.append((setattr, self, "rewritten_at", self.rewritten_at))
             self.rewritten_at = seq

@@ -2,10 +2,11 @@
 
 Each ``compaction/start`` opens a record; ``compaction/summary-error``, ``compaction/summary``,
 the checkpoint ``user/message`` and ``compaction/end`` with the same compaction id add its
-steps. A bracket whose end was logged is COMMITTED (a checkpoint cites it) or FAILED. One
-without an end is judged by the end-seed rule of ``core.lock``, folded over the same events:
-LIVE when it started after the newest ``session/end-seed`` (it holds this lifecycle's lock),
-STALE before it (crash evidence that no longer blocks).
+steps (a revert's REPLACE of the checkpoint it reverts is its commit). A bracket whose end was
+logged is COMMITTED (a checkpoint cites it) or FAILED. One without an end is judged by the
+end-seed rule of ``core.lock``, folded over the same events: LIVE when it started after the
+newest ``session/end-seed`` (it holds this lifecycle's lock), STALE before it (crash evidence
+that no longer blocks).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from compactd.core import events as ev
 from compactd.core.events import SessionEvent
 from compactd.core.lock import LockState, stale_brackets
 from compactd.v1 import compaction_service_pb2 as cpb
+from compactd.v1 import events_pb2
 
 
 def bracket_history(events: Iterable[SessionEvent]) -> cpb.ListBracketsResponse:
@@ -51,11 +53,25 @@ def _fold(
         _summary(event, records)
     elif kind == "compaction_end":
         _ended(event, records)
-    elif kind == "user_message":
-        record = records.get(ev.checkpoint_compaction_id(event))
-        if record is not None:
+    elif kind == "user_message" and ev.checkpoint_compaction_id(event) in records:
+        record = records[ev.checkpoint_compaction_id(event)]
+        if record.checkpoint_seq < 0:  # not a copy a later revert restored
             record.checkpoint_seq = event.seq
             record.steps.append(_step(cpb.COMPACTION_STEP_REPLACE, event, "checkpoint"))
+    if ev.is_replace(event):
+        _reverted(event, records)
+
+
+def _reverted(event: SessionEvent, records: dict[str, cpb.BracketRecord]) -> None:
+    """A revert bracket's REPLACE of the checkpoint it reverts: its commit (``checkpoint_seq``
+    is then the first restored node)."""
+    for record in records.values():
+        reverting = record.trigger == events_pb2.COMPACTION_TRIGGER_REVERT and record.end_seq < 0
+        if reverting and record.range.start_seq in event.source_event_seqs:
+            record.checkpoint_seq = event.seq
+            detail = f"checkpoint {record.range.start_seq} reverted"
+            record.steps.append(_step(cpb.COMPACTION_STEP_REPLACE, event, detail))
+            return
 
 
 def _opened(event: SessionEvent) -> cpb.BracketRecord:

@@ -138,9 +138,12 @@ def route_price(
     return price_message(item, route.pricing).total
 
 
-def recount(fold: SessionFold, route: MeteredRoute) -> Measurement:
+def recount(
+    fold: SessionFold, route: MeteredRoute, declared: Sequence[events_pb2.ToolDeclaration] = ()
+) -> Measurement:
     """A from-scratch price of ``fold``'s envelope, without usage anchoring: the reference the
-    incremental meter must equal. Costs the whole session; for tests and benchmarks."""
+    incremental meter must equal (``declared``: the tools it declares besides the header's, see
+    ``SessionMeter.declare_tools``). Costs the whole session; for tests and benchmarks."""
     pricing = route.pricing
     costs = {
         n.seq: price_node(n.event, pricing, fold.offloads.get(n.seq, frozenset()))
@@ -152,10 +155,25 @@ def recount(fold: SessionFold, route: MeteredRoute) -> Measurement:
         costs=costs,
         head=_head_seq(fold),
         totals=_sum(costs.values()),
-        tools=price_tools(fold.header.tools, pricing, _head_text(fold)) if fold.header else 0,
+        tools=price_tools(envelope_tools(fold.header, declared), pricing, _head_text(fold)),
         config=price_config(fold.header, pricing, _head_text(fold)),
         pins=_pins_price(fold.pins_message(), pricing),
     )
+
+
+#: Tools compactd declares in a rebuilt request besides the header's, given the header in force.
+DeclaredTools = Callable[[events_pb2.RequestHeader | None], Sequence[events_pb2.ToolDeclaration]]
+
+
+def _no_tools(header: events_pb2.RequestHeader | None) -> Sequence[events_pb2.ToolDeclaration]:
+    return ()
+
+
+def envelope_tools(
+    header: events_pb2.RequestHeader | None, declared: Sequence[events_pb2.ToolDeclaration]
+) -> list[events_pb2.ToolDeclaration]:
+    """The tools a rebuilt request declares: the header's, then compactd's own."""
+    return [*(header.tools if header is not None else ()), *declared]
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +193,8 @@ class _Ledger:
         self.messages = 0
         self.images = 0
         self.delta = 0  # total of the nodes after the anchor
-        self._tools: tuple[tuple[int, int | None], int] = ((-2, None), 0)  # (header, head), price
+        # ((header seq, head seq, declared version), price)
+        self._tools: tuple[tuple[int, int | None, int], int] = ((-2, None, -1), 0)
         self._pins: tuple[int, int] = (-2, 0)  # (seq of the latest state/pin, -1: none), price
 
     def put(self, seq: int, cost: NodeCost, in_delta: bool) -> None:
@@ -213,15 +232,15 @@ class _Ledger:
 
     def tools(
         self,
-        header_seq: int,
-        header: events_pb2.RequestHeader | None,
+        key: tuple[int, int],
+        tools: Callable[[], Sequence[events_pb2.ToolDeclaration]],
         head: tuple[int | None, str | None] = (None, None),
     ) -> int:
-        """The tools' price, cached per header and system head (``(seq, text)``)."""
-        if self._tools[0] != (header_seq, head[0]):
-            system = head[1]
-            price = price_tools(header.tools, self.pricing, system) if header is not None else 0
-            self._tools = ((header_seq, head[0]), price)
+        """The price of ``tools()``, cached per ``key`` (header seq, declared tools' version)
+        and system head (``(seq, text)``)."""
+        full = (key[0], head[0], key[1])
+        if self._tools[0] != full:
+            self._tools = (full, price_tools(tools(), self.pricing, head[1]))
         return self._tools[1]
 
     def pins(self, pins_seq: int, message: Message | None) -> int:
@@ -286,6 +305,8 @@ class SessionMeter:
         self._pins_seq = fold.pins_seq
         self._pins_message = fold.pins_message()
         self._ledgers: dict[PricingProfile, _Ledger] = {}
+        self._declare: DeclaredTools = _no_tools
+        self._declared_version = 0
         self._anchor: _Anchor | None = None
         self._after_anchor: set[int] = set()
         self._same_header: tuple[tuple[int, int], bool] = ((-1, -2), False)  # (anchor, header)
@@ -310,6 +331,19 @@ class SessionMeter:
     def header(self) -> events_pb2.RequestHeader | None:
         """The latest committed ``request/header`` (as observed), or None."""
         return self._header
+
+    def declare_tools(self, declare: DeclaredTools) -> None:
+        """Price the tools ``declare(header)`` names after the header's in every envelope: tools
+        compactd adds to rebuilt requests (the recall tool), as a function of the header in
+        force (the route it names decides)."""
+        self._declare = declare
+        self._declared_version += 1
+
+    def declared_tools(
+        self, header: events_pb2.RequestHeader | None
+    ) -> Sequence[events_pb2.ToolDeclaration]:
+        """The tools compactd declares besides ``header``'s (see ``declare_tools``)."""
+        return self._declare(header)
 
     # ---- observing ----------------------------------------------------------------------
 
@@ -548,8 +582,9 @@ class SessionMeter:
         seq = change.node.seq
         event = change.node.event if kind == "assistant_message" else None  # parsed once
         in_delta = False
-        if change.shadowed:
-            self._forget_span([old.seq for old in change.shadowed])
+        if change.shadowed or change.inserted:  # an INSERT changes what comes before later nodes
+            if change.shadowed:
+                self._forget_span([old.seq for old in change.shadowed])
             if self._anchor is not None and self._before_anchor(fold, seq):
                 self._drop_anchor()
             in_delta = self._anchor is not None
@@ -653,7 +688,7 @@ class SessionMeter:
         nodes = fold.surface.nodes
         for position in range(len(nodes) - 1, -1, -1):
             node = nodes[position]
-            if ev.is_replace(node.event) or not _usage(node.event):
+            if ev.is_replace(node.event) or ev.is_insert(node.event) or not _usage(node.event):
                 continue
             earlier = nodes[:position]
             stale = (
@@ -701,7 +736,11 @@ class SessionMeter:
             costs=ledger.costs,
             head=self._head,
             totals=NodeCost(ledger.messages, ledger.images),
-            tools=ledger.tools(self._header_seq, self._header, (self._head, head_text)),
+            tools=ledger.tools(
+                (self._header_seq, self._declared_version),
+                lambda: envelope_tools(self._header, self.declared_tools(self._header)),
+                (self._head, head_text),
+            ),
             config=price_config(self._header, route.pricing, head_text),
             pins=ledger.pins(self._pins_seq, self._pins_message),
         )
@@ -770,7 +809,7 @@ _PRICED_STEP = 64  # entries summed or looked at between pauses (a few operation
 def _only_appended(batch: AdmittedBatch) -> Generator[None, None, _Appended | None]:
     """The nodes ``batch`` appended, when that is all it did to what the meter keeps; pauses
     (``yield``) between passes over the batch."""
-    if batch.reprojected or any(change.shadowed for change in batch.surface_changes):
+    if batch.reprojected or any(c.shadowed or c.inserted for c in batch.surface_changes):
         return None
     yield
     events = batch.events

@@ -27,6 +27,10 @@ The summary quality gate and failure memory (``core.gate``, ``core.attempts``):
 ``failureBackoffMaxSeconds``  3600     the longest wait (the backoff doubles up to it)
 ============================  =======  ===================================================
 
+The recall tool (``core.recall``): with ``recallTool`` true, a rebuilt request for the route
+declares a tool named ``recallToolName`` (default ``recall``; 1-64 of ``[A-Za-z0-9_-]``) whose
+call the runtime answers through ``Recall``; it is priced in the envelope like any tool.
+
 ``W`` is the route's context window and ``O`` the effective output reservation (the envelope's
 max output tokens, else the route's default, else 0). Token settings are at most
 ``MAX_TOKEN_COUNT``, retries at most ``MAX_RETRIES``, backoffs at most ``MAX_BACKOFF_SECONDS``.
@@ -39,6 +43,7 @@ ratio written ``0.29`` never floors ``100 * 0.29`` to 28.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from fractions import Fraction
@@ -60,6 +65,7 @@ DEFAULT_COMPACTION_RETRIES: Final = 1
 DEFAULT_MAX_OVERFLOW_RETRIES: Final = 1
 DEFAULT_FAILURE_BACKOFF_SECONDS: Final = 300.0
 DEFAULT_FAILURE_BACKOFF_MAX_SECONDS: Final = 3600.0
+DEFAULT_RECALL_TOOL_NAME: Final = "recall"
 
 # camelCase setting -> PolicyLayer attribute.
 _SETTINGS: Final[dict[str, str]] = {
@@ -79,6 +85,8 @@ _SETTINGS: Final[dict[str, str]] = {
     "extractiveFallback": "extractive_fallback",
     "failureBackoffSeconds": "failure_backoff_seconds",
     "failureBackoffMaxSeconds": "failure_backoff_max_seconds",
+    "recallTool": "recall_tool",
+    "recallToolName": "recall_tool_name",
 }
 
 RouteKey = tuple[str, str]
@@ -106,6 +114,8 @@ class PolicyLayer:
     extractive_fallback: bool | None = None
     failure_backoff_seconds: float | None = None
     failure_backoff_max_seconds: float | None = None
+    recall_tool: bool | None = None
+    recall_tool_name: str | None = None
 
     def over(self, base: PolicyLayer) -> PolicyLayer:
         """This layer's settings over ``base``'s.
@@ -141,6 +151,8 @@ class TargetPolicy:
     extractive_fallback: bool = False
     failure_backoff_seconds: float = DEFAULT_FAILURE_BACKOFF_SECONDS
     failure_backoff_max_seconds: float = DEFAULT_FAILURE_BACKOFF_MAX_SECONDS
+    recall_tool: bool = False
+    recall_tool_name: str = DEFAULT_RECALL_TOOL_NAME
 
     @property
     def gate(self) -> GateSettings | None:
@@ -309,6 +321,8 @@ def _resolve(layer: PolicyLayer) -> TargetPolicy:
         failure_backoff_max_seconds=_pick(
             layer.failure_backoff_max_seconds, defaults.failure_backoff_max_seconds
         ),
+        recall_tool=_pick(layer.recall_tool, defaults.recall_tool),
+        recall_tool_name=_pick(layer.recall_tool_name, defaults.recall_tool_name),
     )
 
 
@@ -459,6 +473,15 @@ def _text(value: object, path: str) -> str:
     return value
 
 
+def _tool_name(value: object, path: str) -> str:
+    if not isinstance(value, str) or not _TOOL_NAME.match(value):
+        _bad(path, f"must be 1-64 characters of [A-Za-z0-9_-], got {value!r}")
+    return value
+
+
+_TOOL_NAME: Final = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
 def _flag(value: object, path: str) -> bool:
     if not isinstance(value, bool):
         _bad(path, f"must be true or false, got {value!r}")
@@ -484,6 +507,8 @@ _VALIDATORS: Final[dict[str, _Validator]] = {
     "extractive_fallback": _flag,
     "failure_backoff_seconds": _seconds,
     "failure_backoff_max_seconds": _seconds,
+    "recall_tool": _flag,
+    "recall_tool_name": _tool_name,
 }
 
 

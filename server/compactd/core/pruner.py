@@ -1,10 +1,12 @@
 """The tool-result pruner: model-free, deterministic shrinking of oversized tool output.
 
 A ``tool/result`` whose text blocks hold more than ``max_code_points`` code points in total is
-rewritten on the surface as its first ``head_code_points``, the fixed ``PRUNE_MARKER`` and its
-last ``tail_code_points``, counted across all text blocks. The rewrite is a REPLACE of that one
-node citing ``[originalSeq]``, immediately preceded by a ``compaction/prune`` event carrying the
-shadowed node's heuristic price; the log keeps the original. The pruner only plans events: when
+rewritten on the surface as its first ``head_code_points``, the fixed ``PRUNE_MARKER`` followed by
+the result's recall handle (``core.recall.prune_handle`` of the shadowed seq: the same result
+always gets the same text) and its last ``tail_code_points``, counted across all text blocks.
+The rewrite is a REPLACE of that one node citing ``[originalSeq]``, immediately preceded by a
+``compaction/prune`` event carrying the shadowed node's heuristic price; the log keeps the
+original. The pruner only plans events: when
 it runs (never below pressure) is the caller's decision.
 
 Code points are counted as the spec counts them over UTF-16 text: a high surrogate followed by a
@@ -25,6 +27,7 @@ from compactd.core import events as ev
 from compactd.core.events import SessionEvent
 from compactd.core.fold import SessionFold
 from compactd.core.projection import ContentBlock, project_content
+from compactd.core.recall import LONGEST_PRUNE_HANDLE, prune_handle, prune_marker
 from compactd.core.surface import SurfaceNode
 from compactd.errors import ConfigError
 from compactd.v1 import events_pb2
@@ -40,6 +43,12 @@ PRUNE_MARKER: Final = (
 #: end, enough to say what it was (``mask_config``).
 MASK_HEAD_CODE_POINTS: Final = 256
 MASK_TAIL_CODE_POINTS: Final = 128
+
+#: The longest marker a pruned result can carry (the marker and a handle): the room thresholds
+#: keep for it, so a pruned result is always within the threshold.
+_LONGEST_MARKER: Final = prune_marker(PRUNE_MARKER, LONGEST_PRUNE_HANDLE)
+#: Code points thresholds keep for the marker and handle of a pruned result.
+MARKER_ROOM: Final = len(_LONGEST_MARKER)
 
 _SURROGATE_PAIR = re.compile("[\ud800-\udbff][\udc00-\udfff]")
 
@@ -115,8 +124,12 @@ def slice_code_points(text: str, start: int, stop: int) -> str:
     return _CodePoints(text).slice(start, stop)
 
 
-def prune_content(blocks: Sequence[ContentBlock], config: PrunerConfig) -> PrunedContent | None:
+def prune_content(
+    blocks: Sequence[ContentBlock], config: PrunerConfig, marker: str = PRUNE_MARKER
+) -> PrunedContent | None:
     """Prune ``blocks`` when their text exceeds ``config.max_code_points``; None when it does not.
+
+    ``marker`` is what stands where the middle was (``plan_prune`` adds the result's handle).
 
     The head and tail are counted across all text blocks in order. The marker goes once into the
     first text block that meets the removed span, a text block left empty is dropped, and
@@ -138,10 +151,10 @@ def prune_content(blocks: Sequence[ContentBlock], config: PrunerConfig) -> Prune
         meets = text.length > 0 and start < tail_start and offset > head_end
         kept = text.text
         if meets:
-            marker = "" if marked else PRUNE_MARKER
+            inserted = "" if marked else marker
             marked = True
             head = text.slice(0, max(head_end - start, 0))
-            kept = head + marker + text.slice(max(tail_start - start, 0), text.length)
+            kept = head + inserted + text.slice(max(tail_start - start, 0), text.length)
         if kept:
             content.append(ContentBlock(text=events_pb2.TextBlock(text=kept)))
     return PrunedContent(content, total, config.head_code_points + config.tail_code_points)
@@ -172,7 +185,8 @@ def plan_prune(
     if node.type != ev.TOOL_RESULT or (ev.is_replace(node.event) and not again):
         return None  # a tool/result REPLACE is a pruned result: never pruned again
     original = node.event.tool_result
-    pruned = prune_content(project_content(original.content, offloaded), config)
+    marker = prune_marker(PRUNE_MARKER, prune_handle(node.seq))
+    pruned = prune_content(project_content(original.content, offloaded), config, marker)
     if pruned is None:
         return None
     replacement = SessionEvent()
@@ -298,7 +312,7 @@ def _fit_prune(
 
 def _scaled_config(head: int, tail: int) -> PrunerConfig:
     """A config keeping ``head`` and ``tail`` code points of any result longer than them."""
-    threshold = head + code_points(PRUNE_MARKER) + tail
+    threshold = head + code_points(_LONGEST_MARKER) + tail
     return PrunerConfig(max_code_points=threshold, head_code_points=head, tail_code_points=tail)
 
 
@@ -340,7 +354,7 @@ def _check_config(values: Mapping[str, Any], prefix: str) -> None:
             raise ConfigError(f"{prefix}.{name}: must be a non-negative integer, got {value!r}")
     if values["max_code_points"] == 0:
         raise ConfigError(f"{prefix}.max_code_points: must be positive")
-    needed = values["head_code_points"] + code_points(PRUNE_MARKER) + values["tail_code_points"]
+    needed = values["head_code_points"] + code_points(_LONGEST_MARKER) + values["tail_code_points"]
     if needed > values["max_code_points"]:
         raise ConfigError(
             f"{prefix}.max_code_points: head_code_points + marker + tail_code_points "

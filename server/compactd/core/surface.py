@@ -70,11 +70,13 @@ class SurfaceNode:
 
 @dataclass(frozen=True, slots=True)
 class SurfaceChange:
-    """What one surface event did: the node at ``position`` replaced ``shadowed`` (none: APPEND)."""
+    """What one surface event did: the node at ``position`` replaced ``shadowed`` (none: APPEND,
+    or an INSERT when ``inserted``)."""
 
     position: int
     node: SurfaceNode
     shadowed: tuple[SurfaceNode, ...]
+    inserted: bool = False
 
 
 class Surface:
@@ -142,6 +144,8 @@ class Surface:
         _check_sources(event, seq)
         if ev.is_replace(event):
             self._check_replace(event, seq)
+        elif ev.is_insert(event):
+            self._check_insert(event, seq)
         if ev.body_name(event) == "tool_result":
             self._check_result_has_call(event)
 
@@ -150,6 +154,10 @@ class Surface:
         the caller has them). Returns the change, for ``undo``."""
         self.changes += 1
         node = SurfaceNode(seq, event, data)
+        if ev.is_insert(event):
+            position = self._position[event.surface_op.start_seq] + 1
+            self._splice(position, (), (node,))
+            return SurfaceChange(position, node, (), inserted=True)
         if not ev.is_replace(event):
             position = len(self._nodes)
             self._nodes.append(node)
@@ -259,6 +267,16 @@ class Surface:
             return
         self._check_system_head(event, start, end)
         self._check_balanced_span(start, end)
+
+    def _check_insert(self, event: SessionEvent, seq: int) -> None:
+        """An INSERT names one current node (``start_seq == end_seq``) and cites its source;
+        a tool/result it inserts answers a call an earlier node made."""
+        op = event.surface_op
+        if op.start_seq != op.end_seq:
+            _reject("surface_op", "an INSERT names one node: end_seq must equal start_seq")
+        self._endpoint(op.start_seq, seq, "start_seq")
+        if not event.source_event_seqs:
+            _reject("source_event_seqs", "an INSERT must cite its source_event_seqs")
 
     def _endpoint(self, target: int, seq: int, name: str) -> int:
         if target >= seq:

@@ -78,6 +78,8 @@ def server_only_violation(event: SessionEvent, kind: str | None = None) -> Field
     kind = ev.body_name(event) if kind is None else kind
     if kind in SERVER_ONLY_BODIES:
         return FieldViolation(kind, f"{ev.event_type(event)} is written only by compactd")
+    if ev.is_insert(event):
+        return FieldViolation("surface_op.kind", "an INSERT is written only by compactd")
     if kind == "user_message" and (
         event.user_message.source.WhichOneof("origin") == "compaction_checkpoint"
     ):
@@ -233,8 +235,8 @@ def _event_violations(
         return out
     if kind in ev.SURFACE_BODIES:
         _surface_op_violations(event, bad)
-        if event.source_event_seqs and not ev.is_replace(event):
-            bad("source_event_seqs", "only a REPLACE cites source_event_seqs")
+        if event.source_event_seqs and not (ev.is_replace(event) or ev.is_insert(event)):
+            bad("source_event_seqs", "only a REPLACE or an INSERT cites source_event_seqs")
     else:
         if event.HasField("surface_op"):
             bad("surface_op", f"{ev.event_type(event)} is log-only and cannot carry surface_op")
@@ -260,9 +262,10 @@ def _surface_op_violations(event: SessionEvent, bad: _Bad) -> None:
     op = event.surface_op
     if op.kind not in _SURFACE_OP_KINDS:
         bad("surface_op.kind", f"unknown SurfaceOpKind {op.kind}")
-    if op.kind != events_pb2.SURFACE_OP_KIND_REPLACE and (op.start_seq or op.end_seq):
-        bad("surface_op", "start_seq and end_seq belong to REPLACE only")
-    if op.kind == events_pb2.SURFACE_OP_KIND_REPLACE and (op.start_seq < 0 or op.end_seq < 0):
+    positioned = (events_pb2.SURFACE_OP_KIND_REPLACE, events_pb2.SURFACE_OP_KIND_INSERT)
+    if op.kind not in positioned and (op.start_seq or op.end_seq):
+        bad("surface_op", "start_seq and end_seq belong to REPLACE and INSERT only")
+    if op.kind in positioned and (op.start_seq < 0 or op.end_seq < 0):
         bad("surface_op", "start_seq and end_seq must be non-negative")
 
 

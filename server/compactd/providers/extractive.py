@@ -47,6 +47,7 @@ from compactd.core import probes, prompts
 from compactd.core.gate import DEFAULT_MIN_PROBE_RETENTION
 from compactd.core.pins import head_length
 from compactd.core.pricing import heuristic_price, utf16_length
+from compactd.core.recall import checkpoint_handle, with_recall_handles, without_recall_handles
 from compactd.providers.base import SummaryError, SummaryRequest, SummaryResult
 from compactd.reasons import Reason
 from compactd.v1 import session_service_pb2
@@ -63,7 +64,19 @@ SPAN_SHARE = 0.135
 #: The share of the policy's allowance (``1 - minReductionRatio``) a smallest checkpoint may take
 #: of the smallest span selection accepts: at 0.85, 250 tokens of 1,852 (13.5%, as SPAN_SHARE).
 _SPAN_MARGIN = 0.9
-_FRAME_UNITS = utf16_length(prompts.frame_checkpoint(""))
+
+
+def _framed_tokens(summary: str) -> float:
+    """The estimated tokens of the checkpoint a summary becomes: its frame, and its recall
+    section counted pessimistically (``_SECTION_TOKENS``)."""
+    return estimated_tokens(prompts.frame_checkpoint(summary)) + _SECTION_TOKENS
+
+
+#: The checkpoint's recall section (``core.recall``; a handle of typical width), at one token
+#: per two characters: a handle's digits and punctuation split into short pieces, so the byte-pair
+#: estimate would count it low.
+_SECTION_TOKENS = len(with_recall_handles("", [checkpoint_handle(10_000, "")])) / 2
+_FRAME_UNITS = utf16_length(prompts.frame_checkpoint("")) + int(_SECTION_TOKENS * 4)
 #: The least a framed checkpoint may take (estimated tokens) when ``SPAN_SHARE`` of its span is
 #: less: the eight sections with the current state and the first probes (about a hundred tokens
 #: of bullets). From a span of ``MIN_CHECKPOINT_TOKENS / SPAN_SHARE`` (1,852) on, the share rules.
@@ -264,7 +277,7 @@ def _fit_share(candidates: Sequence[_Candidate], share: int, allowed: float | No
         return text
     floor = utf16_length(_render({}))
     for _ in range(_REFITS):
-        estimate = estimated_tokens(prompts.frame_checkpoint(text))
+        estimate = _framed_tokens(text)
         if estimate <= allowed or share <= floor:
             return text
         share = max(floor, int(share * allowed / estimate) - _UNITS_PER_TOKEN)
@@ -395,6 +408,7 @@ def _checkpoint_summary(text: str) -> str | None:
     Only the whole frame counts: a request that merely contains the tags, or a summary that
     quotes a closing tag, is never cut at an inner tag (that lost the rest of the summary).
     """
+    text = without_recall_handles(text)
     framed = len(text) >= len(_CHECKPOINT_HEAD) + len(_CHECKPOINT_TAIL)
     if framed and text.startswith(_CHECKPOINT_HEAD) and text.endswith(_CHECKPOINT_TAIL):
         inner = text[len(_CHECKPOINT_HEAD) : len(text) - len(_CHECKPOINT_TAIL)]
@@ -881,4 +895,4 @@ def _at_word(head: str, room: int) -> str:
     return head.rstrip() + _ELLIPSIS
 
 
-_SKELETON_TOKENS = estimated_tokens(prompts.frame_checkpoint(_render({})))
+_SKELETON_TOKENS = _framed_tokens(_render({}))

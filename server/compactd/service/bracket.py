@@ -35,7 +35,7 @@ from compactd.core import bracket, prompts
 from compactd.core import events as ev
 from compactd.core.fold import SessionFold
 from compactd.core.handles import open_handles
-from compactd.core.meter import SessionMeter, route_price
+from compactd.core.meter import SessionMeter, envelope_tools, route_price
 from compactd.core.planner import choose_span, node_pricer, span_pricer
 from compactd.core.policy import TargetPolicy
 from compactd.core.pricing import HEURISTIC, PricingProfile, heuristic_price
@@ -491,7 +491,8 @@ class Brackets:
     ) -> Screened:
         """The summary the quality gate lets commit (``Screener.screen``)."""
         return await self._screener.screen(
-            policy=job.policy, compaction_id=opened.compaction_id, request=written.request,
+            policy=job.policy, compaction_id=opened.compaction_id, start_seq=opened.start_seq,
+            request=written.request,
             summary=written.summary, serialized=written.serialized,
             summarizer=writer.summarizer.name, target=writer.target,
             span_tokens=span_tokens(job.handle, written.selection, job.shrink_route),
@@ -557,7 +558,9 @@ class Brackets:
             raise BracketFailed(f"stale summary rejected: {stale}", reason=Reason.SPAN_DRIFT)
         span = handle.fold.surface.nodes[selection.start_position : selection.end_position + 1]
         handles = prompts.open_handles_section(open_handles(handle.fold, span))
-        framed = prompts.frame_checkpoint(screened.summary.text, handles)
+        framed = bracket.checkpoint_text(
+            screened.summary.text, compaction_id, opened.start_seq, handles
+        )
         checkpoint = bracket.checkpoint_message(compaction_id, framed)
         tokens = _measurement(job, selection, written.envelope_before, checkpoint, screened)
         summary_seq = handle.fold.revision
@@ -762,10 +765,11 @@ def summary_request(
         target.model,
     ):
         config.CopyFrom(header.config)  # same route: same sampling, so the prefix stays warm
-    tools: Sequence[events_pb2.ToolDeclaration] = header.tools if header is not None else ()
+    # The conversation's tools, compactd's own (the recall tool) included: the same prefix.
+    tools = envelope_tools(header, handle.context.meter.declared_tools(header))
     request = SummaryRequest(
         messages=messages,
-        tools=list(tools),
+        tools=tools,
         config=config,
         instruction=prompts.compaction_instruction(focus),
         max_tokens=policy.max_tokens,

@@ -101,6 +101,7 @@ def _answer_with_usage(event: ev.SessionEvent) -> bool:
         event.HasField("assistant_message")
         and event.assistant_message.HasField("usage")
         and not ev.is_replace(event)
+        and not ev.is_insert(event)
     )
 
 

@@ -40,6 +40,9 @@ from compactd.providers.extractive import minimum_span_tokens
 from compactd.routes import Route
 from compactd.service.sessions import SessionHandle
 
+#: A start seq of typical width for the empty checkpoint's recall handle (priced once).
+_TYPICAL_START = 10_000
+
 
 class CompactionGuard:
     """Minimum spans, failure memory and crossing budgets; one per server."""
@@ -79,9 +82,8 @@ class CompactionGuard:
         """The empty checkpoint's price per pricing profile: priced once, not every bracket."""
         price = self._skeletons.get(pricing)
         if price is None:
-            skeleton = bracket.checkpoint_message(
-                "", prompts.frame_checkpoint(prompts.summary_skeleton())
-            )
+            text = bracket.checkpoint_text(prompts.summary_skeleton(), "", _TYPICAL_START)
+            skeleton = bracket.checkpoint_message("", text)
             price = self._skeletons[pricing] = price_node(skeleton, pricing).total
         return price
 

@@ -438,7 +438,8 @@ def _nodes(fold: SessionFold, chosen: Selection) -> list[SurfaceNode]:
 
 def _skeleton() -> events_pb2.SessionEvent:
     """The smallest useful checkpoint: the framing around the instruction's empty sections."""
-    return bracket.checkpoint_message("", prompts.frame_checkpoint(prompts.summary_skeleton()))
+    text = bracket.checkpoint_text(prompts.summary_skeleton(), "", 10_000)  # a typical handle
+    return bracket.checkpoint_message("", text)
 
 
 def _name(route: Route) -> str:

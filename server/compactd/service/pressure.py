@@ -27,6 +27,7 @@ from compactd.core.policy import (
     output_reservation,
 )
 from compactd.core.pricing import NodeCost, PricingProfile
+from compactd.core.recall import recall_tool
 from compactd.errors import FailedPrecondition
 from compactd.reasons import Reason
 from compactd.routes import Route, RouteCatalog
@@ -130,6 +131,7 @@ class PressureService:
         the loop, see ``SessionHandle.add_preparer``), and the usage calibration after it."""
         context = metered_context(handle, restored, memory)
         meter = context.meter
+        meter.declare_tools(partial(self.declared_tools, handle))
         # After the meter's observer: the calibration reads the new revision's prices.
         handle.add_observer(self.calibration.observer(handle.session_id, meter))
         handle.add_preparer(partial(_prepare, meter, self.routes))
@@ -264,6 +266,15 @@ class PressureService:
         target = policy.for_target(route.provider, route.model)
         self._remember(self._targets, key, (policy, target))
         return target
+
+    def declared_tools(
+        self, handle: SessionHandle, header: events_pb2.RequestHeader | None
+    ) -> tuple[events_pb2.ToolDeclaration, ...]:
+        """The tools compactd adds to ``handle``'s requests routed by ``header``: the recall
+        tool when the route's policy turns ``recallTool`` on (``core.recall``)."""
+        config = header.config if header is not None else events_pb2.RequestConfig()
+        target = self.target_policy(handle, Route(config.provider, config.model))
+        return (recall_tool(target.recall_tool_name),) if target.recall_tool else ()
 
     @staticmethod
     def _remember(cache: dict[Any, Any], key: object, value: object) -> None:

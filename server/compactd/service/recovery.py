@@ -197,7 +197,7 @@ class RecoveryService:
             reason = result.classification.reason
             _decline(result, Decline.RECOVERY_DECLINE_NOT_RECOVERABLE, _not_recoverable(reason))
         async with handle.lock:  # the request shows committed events only
-            result.request.MergeFromString(await request_in_steps(handle.fold))
+            result.request.MergeFromString(await request_in_steps(handle))
         return result
 
     # ---- image offload -----------------------------------------------------------------------

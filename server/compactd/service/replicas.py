@@ -107,15 +107,20 @@ def lease_for(
 ) -> LeaseOp | None:
     """The lease action a batch of this replica carries.
 
-    A ``compaction/start`` acquires; a ``compaction/end`` of a bracket this replica opened
-    releases; any other write into such a bracket holds (and renews) its lease. A
+    A ``compaction/start`` acquires (with its ``compaction/end`` in the same batch, a whole
+    bracket, it only checks that no lease is live); a ``compaction/end`` of a bracket this
+    replica opened releases; any other write into such a bracket holds (and renews) its lease. A
     ``session/end-seed`` (a restart's new lifecycle) clears whatever lease there was. On a
     shared store every bracket write is fenced, owned or not: a write into a bracket this
     replica lost must be refused, not let through because it forgot the bracket.
     """
+    ended = {e.compaction_end.compaction_id for e in events if e.HasField("compaction_end")}
     for event in events:
         if ev.body_name(event) == "compaction_start":
-            return LeaseOp(LeaseAction.ACQUIRE, owner, event.compaction_start.compaction_id, ttl_s)
+            token = event.compaction_start.compaction_id
+            if token in ended:  # a whole bracket in one batch (a revert)
+                return LeaseOp(LeaseAction.WHOLE, owner, token)
+            return LeaseOp(LeaseAction.ACQUIRE, owner, token, ttl_s)
         if ev.body_name(event) == "session_end_seed":
             return LeaseOp(LeaseAction.CLEAR, owner, "")
     tokens = [t for t in map(bracket_of, events) if t is not None and (shared or t in owned)]

@@ -22,6 +22,7 @@ from compactd.core.surface import SurfaceNode
 from compactd.service.sessions import SessionHandle
 from compactd.speed import in_steps
 from compactd.v1 import session_service_pb2 as pb
+from compactd.v1.events_pb2 import ToolDeclaration
 
 #: Surface nodes (or shadowed nodes of a surface's detail) made into a reply between pauses.
 REPLY_CHUNK = 32
@@ -111,16 +112,19 @@ def _add_nodes(response: pb.GetSurfaceResponse, fold: SessionFold, positions: ra
 def build_request(handle: SessionHandle) -> pb.BuildRequestResponse:
     """The reconstructed model request: derived messages plus the folded header."""
     fold = handle.fold
-    response = _request_header(fold)
+    response = _request_header(fold, declared_tools(handle))
     response.revision = fold.revision
     response.messages.extend(fold.messages())
     return response
 
 
-def request_reply_in_steps(fold: SessionFold) -> Generator[None, None, bytes]:
+def request_reply_in_steps(
+    fold: SessionFold, declared: Sequence[ToolDeclaration] = ()
+) -> Generator[None, None, bytes]:
     """``build_request`` of the session of ``fold``, serialized, its messages made
     ``REPLY_CHUNK`` surface nodes at a time with a pause (``yield``) after each, then joined in a
-    step of its own. The caller keeps the fold still (the session's lock)."""
+    step of its own; ``declared``: compactd's own tools (``declared_tools``). The caller keeps
+    the fold still (the session's lock)."""
     parts = [pb.BuildRequestResponse(revision=fold.revision).SerializeToString()]
     nodes = fold.surface.nodes
     parts += _head_and_pins(fold)  # the pinned-state message right after the system head
@@ -132,15 +136,22 @@ def request_reply_in_steps(fold: SessionFold) -> Generator[None, None, bytes]:
             add().CopyFrom(message)
         parts.append(chunk.SerializeToString())
         yield
-    parts.append(_request_header(fold).SerializeToString())
+    parts.append(_request_header(fold, declared).SerializeToString())
     return b"".join(parts)
 
 
-async def request_in_steps(fold: SessionFold) -> bytes:
-    """``request_reply_in_steps(fold)`` run on the loop (``in_steps``): the request's bytes, for
-    a result that carries the request (``MergeFromString`` parses them in one call, a fraction
-    of building the message on the loop). The caller holds the session's lock."""
-    return await in_steps(request_reply_in_steps(fold))
+async def request_in_steps(handle: SessionHandle) -> bytes:
+    """``request_reply_in_steps`` of the session, compactd's own tools included, run on the loop
+    (``in_steps``): the request's bytes, for a result that carries the request
+    (``MergeFromString`` parses them in one call, a fraction of building the message on the
+    loop). The caller holds the session's lock."""
+    return await in_steps(request_reply_in_steps(handle.fold, declared_tools(handle)))
+
+
+def declared_tools(handle: SessionHandle) -> Sequence[ToolDeclaration]:
+    """The tools compactd adds to the session's requests after the header's (the recall tool,
+    when the policy turns it on), priced by the meter like the header's."""
+    return handle.context.meter.declared_tools(handle.fold.header)
 
 
 def _head_and_pins(fold: SessionFold) -> list[bytes]:
@@ -154,9 +165,11 @@ def _head_and_pins(fold: SessionFold) -> list[bytes]:
     return [pb.BuildRequestResponse(messages=head).SerializeToString()]
 
 
-def _request_header(fold: SessionFold) -> pb.BuildRequestResponse:
+def _request_header(
+    fold: SessionFold, declared: Sequence[ToolDeclaration]
+) -> pb.BuildRequestResponse:
     """A request's fields past its messages: the folded header's config, defaults and tools,
-    and the pins in force."""
+    then ``declared`` (compactd's own tools), and the pins in force."""
     response = pb.BuildRequestResponse(header_seq=fold.header_seq)
     response.pins.extend(pin_list(fold.pin_texts()))
     if fold.header is not None:
@@ -165,6 +178,7 @@ def _request_header(fold: SessionFold) -> pb.BuildRequestResponse:
         if fold.header.HasField("adapter_defaults"):
             response.adapter_defaults.CopyFrom(fold.header.adapter_defaults)
         response.tools.extend(fold.header.tools)
+    response.tools.extend(declared)
     return response
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from compactd import genai
-from compactd.core import bracket, gate, prompts
+from compactd.core import bracket, gate
 from compactd.core.meter import MeteredRoute, route_price
 from compactd.core.pins import head_length
 from compactd.core.policy import TargetPolicy
@@ -102,6 +102,7 @@ class _Judging:
     settings: gate.GateSettings
     span_tokens: int
     shrink_route: MeteredRoute
+    start_seq: int  # the bracket's compaction/start (names the checkpoint's recall handle)
     pinned: str = ""  # the pins' texts: a probe they hold is kept (``gate.examine``)
 
 
@@ -138,6 +139,7 @@ class Screener:
         *,
         policy: TargetPolicy,
         compaction_id: str,
+        start_seq: int = 0,
         request: SummaryRequest,
         summary: SummaryResult,
         summarizer: str,
@@ -171,7 +173,7 @@ class Screener:
             found = await _facts_of(summary, span, facts)  # the gate's own work, in its span
             judging = _Judging(
                 compaction_id, span, span_bytes, select_probes(found), settings, span_tokens,
-                shrink_route, "\n".join(request.pins.values()),
+                shrink_route, start_seq, "\n".join(request.pins.values()),
             )  # fmt: skip
             verdict = await _verdict(judging, summary.text)
             report = _report(verdict, settings)
@@ -244,7 +246,8 @@ async def _verdict(judging: _Judging, text: str) -> gate.Verdict:
     the text checks run here (a chat template route's whole price, which renders text first).
     Collecting the texts here leaves the worker little but the tokenizer to run.
     """
-    checkpoint = bracket.checkpoint_message(judging.compaction_id, prompts.frame_checkpoint(text))
+    framed = bracket.checkpoint_text(text, judging.compaction_id, judging.start_seq)
+    checkpoint = bracket.checkpoint_message(judging.compaction_id, framed)
     route = judging.shrink_route
     texts = node_texts(checkpoint, route.pricing)
     counting: asyncio.Future[int | dict[str, int]] = asyncio.get_running_loop().run_in_executor(

@@ -343,7 +343,7 @@ class StepService:
             result.request_revision = fold.revision
             appended = None if held_revision is None else fold.appended_since(held_revision)
             if appended is None:
-                result.request.MergeFromString(await request_in_steps(handle.fold))
+                result.request.MergeFromString(await request_in_steps(handle))
             else:
                 # Cost follows the step: the nodes appended since the caller's request, not the
                 # whole surface (the caller holds the rest).

@@ -104,7 +104,7 @@ class SwitchService:
         if switched.header_seq is not None:
             result.header_seq = switched.header_seq
         async with handle.lock:
-            result.request.MergeFromString(await request_in_steps(handle.fold))
+            result.request.MergeFromString(await request_in_steps(handle))
         return result
 
     def is_switch(self, handle: SessionHandle, intended: Route) -> bool:

@@ -37,6 +37,7 @@ class LeaseAction(Enum):
     RELEASE = "release"  # the batch closes the bracket: the lease must still be ours; drop it
     BREAK = "break"  # the batch ends a dead owner's lifecycle: the lease must have expired
     CLEAR = "clear"  # a new lifecycle by fiat (a restart's ``session/end-seed``): no lease holds
+    WHOLE = "whole"  # the batch opens and closes a bracket (a revert): no other may be live
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,8 @@ def apply(session_id: str, current: Lease | None, op: LeaseOp, now: datetime) ->
 
     Raises:
         Fenced: HOLD or RELEASE when the lease no longer names ``op``'s owner and token.
-        CompactionBusy: ACQUIRE while another bracket's lease is unexpired; BREAK while the lease is
-            unexpired or covers another bracket.
+        CompactionBusy: ACQUIRE while another bracket's lease is unexpired, WHOLE while any is;
+            BREAK while the lease is unexpired or covers another bracket.
     """
     live = current is not None and current.expires > now
     if op.action is LeaseAction.ACQUIRE:
@@ -92,6 +93,10 @@ def apply(session_id: str, current: Lease | None, op: LeaseOp, now: datetime) ->
             raise _busy(session_id, current, now)
         return _lease(op, now)
     if op.action is LeaseAction.CLEAR:
+        return None
+    if op.action is LeaseAction.WHOLE:  # taken and released by this very batch
+        if current is not None and live:
+            raise _busy(session_id, current, now)
         return None
     if op.action is LeaseAction.BREAK:
         if current is None:

@@ -149,6 +149,21 @@ class CompactionServiceStub:
     the newest `session/end-seed`: the lock of this lifecycle) or STALE (before it: evidence of
     a process that died, no longer blocking). Errors: NOT_FOUND.
     """
+    RevertCompaction: _grpc.UnaryUnaryMultiCallable[_compaction_service_pb2.RevertCompactionRequest, _compaction_service_pb2.RevertCompactionResponse]
+    """Reverts a committed compaction: puts the nodes its checkpoint shadowed back on the surface
+    in its place, as copies citing the originals (the log stays append-only). One atomic batch
+    recorded as a bracket with trigger REVERT: `compaction/start` (naming the checkpoint),
+    a REPLACE of the checkpoint by the first node, an INSERT of each next node after the
+    previous one, `compaction/end`; traced as `compaction.revert`. The surface and the rebuilt
+    request are then what they were before the bracket (pruned results stay pruned if they were).
+    Errors: NOT_FOUND for the session or, with reason `COMPACTION_UNKNOWN`, a compaction id
+    that names no committed checkpoint of it; FAILED_PRECONDITION with reason `REVERT_BLOCKED`
+    when the checkpoint is no longer on the surface (a later bracket covers it: revert that one
+    first; or it was reverted already); ABORTED `COMPACTION_BUSY` while a bracket is live or a
+    turn is open; RESOURCE_EXHAUSTED `SURFACE_FULL` when the restored surface would exceed
+    `max_surface_bytes`; INVALID_ARGUMENT `REPLACEMENT_REJECTED` when the result would break
+    the pairing rules.
+    """
 
 @_typing.type_check_only
 class CompactionServiceAsyncStub(CompactionServiceStub):
@@ -270,6 +285,21 @@ class CompactionServiceAsyncStub(CompactionServiceStub):
     tokens and summarizer, and the prunes; brackets without a `compaction/end` are LIVE (after
     the newest `session/end-seed`: the lock of this lifecycle) or STALE (before it: evidence of
     a process that died, no longer blocking). Errors: NOT_FOUND.
+    """
+    RevertCompaction: _aio.UnaryUnaryMultiCallable[_compaction_service_pb2.RevertCompactionRequest, _compaction_service_pb2.RevertCompactionResponse]  # type: ignore[assignment]
+    """Reverts a committed compaction: puts the nodes its checkpoint shadowed back on the surface
+    in its place, as copies citing the originals (the log stays append-only). One atomic batch
+    recorded as a bracket with trigger REVERT: `compaction/start` (naming the checkpoint),
+    a REPLACE of the checkpoint by the first node, an INSERT of each next node after the
+    previous one, `compaction/end`; traced as `compaction.revert`. The surface and the rebuilt
+    request are then what they were before the bracket (pruned results stay pruned if they were).
+    Errors: NOT_FOUND for the session or, with reason `COMPACTION_UNKNOWN`, a compaction id
+    that names no committed checkpoint of it; FAILED_PRECONDITION with reason `REVERT_BLOCKED`
+    when the checkpoint is no longer on the surface (a later bracket covers it: revert that one
+    first; or it was reverted already); ABORTED `COMPACTION_BUSY` while a bracket is live or a
+    turn is open; RESOURCE_EXHAUSTED `SURFACE_FULL` when the restored surface would exceed
+    `max_surface_bytes`; INVALID_ARGUMENT `REPLACEMENT_REJECTED` when the result would break
+    the pairing rules.
     """
 
 class CompactionServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -449,6 +479,27 @@ class CompactionServiceServicer(metaclass=_abc_1.ABCMeta):
         tokens and summarizer, and the prunes; brackets without a `compaction/end` are LIVE (after
         the newest `session/end-seed`: the lock of this lifecycle) or STALE (before it: evidence of
         a process that died, no longer blocking). Errors: NOT_FOUND.
+        """
+
+    @_abc_1.abstractmethod
+    def RevertCompaction(
+        self,
+        request: _compaction_service_pb2.RevertCompactionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_compaction_service_pb2.RevertCompactionResponse, _abc.Awaitable[_compaction_service_pb2.RevertCompactionResponse]]:
+        """Reverts a committed compaction: puts the nodes its checkpoint shadowed back on the surface
+        in its place, as copies citing the originals (the log stays append-only). One atomic batch
+        recorded as a bracket with trigger REVERT: `compaction/start` (naming the checkpoint),
+        a REPLACE of the checkpoint by the first node, an INSERT of each next node after the
+        previous one, `compaction/end`; traced as `compaction.revert`. The surface and the rebuilt
+        request are then what they were before the bracket (pruned results stay pruned if they were).
+        Errors: NOT_FOUND for the session or, with reason `COMPACTION_UNKNOWN`, a compaction id
+        that names no committed checkpoint of it; FAILED_PRECONDITION with reason `REVERT_BLOCKED`
+        when the checkpoint is no longer on the surface (a later bracket covers it: revert that one
+        first; or it was reverted already); ABORTED `COMPACTION_BUSY` while a bracket is live or a
+        turn is open; RESOURCE_EXHAUSTED `SURFACE_FULL` when the restored surface would exceed
+        `max_surface_bytes`; INVALID_ARGUMENT `REPLACEMENT_REJECTED` when the result would break
+        the pairing rules.
         """
 
 def add_CompactionServiceServicer_to_server(servicer: CompactionServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -664,6 +664,189 @@ class DeleteSessionResponse(_message.Message):
 Global___DeleteSessionResponse: _TypeAlias = DeleteSessionResponse  # noqa: Y015
 
 @_typing.final
+class RecallRequest(_message.Message):
+    """Request for `Recall`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    HANDLE_FIELD_NUMBER: _builtins.int
+    SEQS_FIELD_NUMBER: _builtins.int
+    QUERY_FIELD_NUMBER: _builtins.int
+    MAX_BYTES_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    handle: _builtins.str
+    """A handle as the model quoted it: `c41-9f3a`, `recall:c41-9f3a` or `[recall:c41-9f3a]`.
+    Set this or `seqs`.
+    """
+    query: _builtins.str
+    """Optional: only the lines of text (messages, tool results, tool-call arguments) that contain
+    this, compared case-insensitively; events without such a line are left out.
+    """
+    max_bytes: _builtins.int
+    """Most bytes of `RecalledEvent`s in one page: 0 means 65536; values are clamped to
+    [1024, 1048576]. An event larger than a page is cut into pieces (`RecalledEvent.offset`).
+    """
+    page_token: _builtins.str
+    """`next_page_token` of the previous page of the same request; empty for the first page."""
+    @_builtins.property
+    def seqs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The seqs of the events to read (at most 1000); set this or `handle`."""
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        handle: _builtins.str = ...,
+        seqs: _abc.Iterable[_builtins.int] | None = ...,
+        query: _builtins.str = ...,
+        max_bytes: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["handle", b"handle", "max_bytes", b"max_bytes", "page_token", b"page_token", "query", b"query", "seqs", b"seqs", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecallRequest: _TypeAlias = RecallRequest  # noqa: Y015
+
+@_typing.final
+class RecalledEvent(_message.Message):
+    """One original event (or, for an event larger than a page, one piece of it)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    LINES_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    TRUNCATED_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    """Its seq."""
+    type: _builtins.str
+    """Its event type string, e.g. `tool/result`."""
+    sha256: _builtins.str
+    """Hex SHA-256 of the event's stored bytes (the deterministic serialization `ListEvents`
+    returns): a recalled event can be checked against the log.
+    """
+    offset: _builtins.int
+    """The code point offset of this piece's text in the event's text (its text blocks joined);
+    0 for a whole event or its first piece.
+    """
+    truncated: _builtins.bool
+    """Whether the event's text continues on the next page."""
+    @_builtins.property
+    def message(self) -> Global___Message:
+        """The model-visible message it projects to, images as they were (no offload applied);
+        absent for an event that projects to none (a `compaction/*` event, an empty message) and
+        with `query` (see `lines`).
+        """
+
+    @_builtins.property
+    def lines(self) -> _containers.RepeatedCompositeFieldContainer[Global___RecalledLine]:
+        """With `query`: the matching lines."""
+
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+        type: _builtins.str = ...,
+        message: Global___Message | None = ...,
+        sha256: _builtins.str = ...,
+        lines: _abc.Iterable[Global___RecalledLine] | None = ...,
+        offset: _builtins.int = ...,
+        truncated: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lines", b"lines", "message", b"message", "offset", b"offset", "seq", b"seq", "sha256", b"sha256", "truncated", b"truncated", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecalledEvent: _TypeAlias = RecalledEvent  # noqa: Y015
+
+@_typing.final
+class RecalledLine(_message.Message):
+    """A line of a recalled event that matches `RecallRequest.query`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_FIELD_NUMBER: _builtins.int
+    LINE_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    block: _builtins.int
+    """Index of the content block (tool calls: the call's arguments) in the message."""
+    line: _builtins.int
+    """Line number in the block, from 1."""
+    text: _builtins.str
+    """The line."""
+    def __init__(
+        self,
+        *,
+        block: _builtins.int = ...,
+        line: _builtins.int = ...,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block", b"block", "line", b"line", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecalledLine: _TypeAlias = RecalledLine  # noqa: Y015
+
+@_typing.final
+class RecallResponse(_message.Message):
+    """Response for `Recall`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REVISION_FIELD_NUMBER: _builtins.int
+    SEQS_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    """The log revision the page was read at."""
+    next_page_token: _builtins.str
+    """Token for the next page; empty on the last page."""
+    text: _builtins.str
+    """The page rendered as plain text for a model: what a recall tool call's result holds (see
+    the clients' `answer_recall`). It ends with how to ask for the next page, if any.
+    """
+    @_builtins.property
+    def seqs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Every seq the handle covers, in the order the model saw them (surface order), or the
+        requested seqs in ascending order; the pages walk them in this order.
+        """
+
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___RecalledEvent]:
+        """This page's events."""
+
+    def __init__(
+        self,
+        *,
+        revision: _builtins.int = ...,
+        seqs: _abc.Iterable[_builtins.int] | None = ...,
+        events: _abc.Iterable[Global___RecalledEvent] | None = ...,
+        next_page_token: _builtins.str = ...,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "next_page_token", b"next_page_token", "revision", b"revision", "seqs", b"seqs", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecallResponse: _TypeAlias = RecallResponse  # noqa: Y015
+
+@_typing.final
 class CompactionPolicy(_message.Message):
     """Per-session compaction policy overrides: every setting of the service's `[compaction]` table.
     An absent field inherits (the service's setting for the route, else the default). The spec's
@@ -689,6 +872,8 @@ class CompactionPolicy(_message.Message):
     FAILURE_BACKOFF_SECONDS_FIELD_NUMBER: _builtins.int
     FAILURE_BACKOFF_MAX_SECONDS_FIELD_NUMBER: _builtins.int
     MODEL_POLICIES_FIELD_NUMBER: _builtins.int
+    RECALL_TOOL_FIELD_NUMBER: _builtins.int
+    RECALL_TOOL_NAME_FIELD_NUMBER: _builtins.int
     threshold_ratio: _builtins.float
     """`thresholdRatio`, in (0, 1]: trigger = floor(min(W * thresholdRatio, W - O - B)). Default 0.8."""
     headroom_tokens: _builtins.int
@@ -727,6 +912,14 @@ class CompactionPolicy(_message.Message):
     """
     failure_backoff_max_seconds: _builtins.float
     """`failureBackoffMaxSeconds`, >= `failure_backoff_seconds`: the longest wait. Default 3600."""
+    recall_tool: _builtins.bool
+    """`recallTool`: rebuilt requests declare the recall tool, whose calls the runtime answers
+    through `SessionService.Recall`; it is priced in the envelope like any tool. Default false.
+    """
+    recall_tool_name: _builtins.str
+    """`recallToolName`: the recall tool's name, 1-64 characters of `[A-Za-z0-9_-]`. Default
+    `recall`.
+    """
     @_builtins.property
     def model_policies(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelCompactionPolicy]:
         """`modelPolicies`: overrides for exact provider/model routes, layered over the settings above."""
@@ -751,10 +944,12 @@ class CompactionPolicy(_message.Message):
         failure_backoff_seconds: _builtins.float | None = ...,
         failure_backoff_max_seconds: _builtins.float | None = ...,
         model_policies: _abc.Iterable[Global___ModelCompactionPolicy] | None = ...,
+        recall_tool: _builtins.bool | None = ...,
+        recall_tool_name: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_recall_tool", b"_recall_tool", "_recall_tool_name", b"_recall_tool_name", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "recall_tool", b"recall_tool", "recall_tool_name", b"recall_tool_name", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "model_policies", b"model_policies", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_recall_tool", b"_recall_tool", "_recall_tool_name", b"_recall_tool_name", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "model_policies", b"model_policies", "recall_tool", b"recall_tool", "recall_tool_name", b"recall_tool_name", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__auto: _TypeAlias = _typing.Literal["auto"]  # noqa: Y015
     _WhichOneofArgType__auto: _TypeAlias = _typing.Literal["_auto", b"_auto"]  # noqa: Y015
@@ -776,6 +971,10 @@ class CompactionPolicy(_message.Message):
     _WhichOneofArgType__min_probe_retention: _TypeAlias = _typing.Literal["_min_probe_retention", b"_min_probe_retention"]  # noqa: Y015
     _WhichOneofReturnType__min_reduction_ratio: _TypeAlias = _typing.Literal["min_reduction_ratio"]  # noqa: Y015
     _WhichOneofArgType__min_reduction_ratio: _TypeAlias = _typing.Literal["_min_reduction_ratio", b"_min_reduction_ratio"]  # noqa: Y015
+    _WhichOneofReturnType__recall_tool: _TypeAlias = _typing.Literal["recall_tool"]  # noqa: Y015
+    _WhichOneofArgType__recall_tool: _TypeAlias = _typing.Literal["_recall_tool", b"_recall_tool"]  # noqa: Y015
+    _WhichOneofReturnType__recall_tool_name: _TypeAlias = _typing.Literal["recall_tool_name"]  # noqa: Y015
+    _WhichOneofArgType__recall_tool_name: _TypeAlias = _typing.Literal["_recall_tool_name", b"_recall_tool_name"]  # noqa: Y015
     _WhichOneofReturnType__retain_ratio: _TypeAlias = _typing.Literal["retain_ratio"]  # noqa: Y015
     _WhichOneofArgType__retain_ratio: _TypeAlias = _typing.Literal["_retain_ratio", b"_retain_ratio"]  # noqa: Y015
     _WhichOneofReturnType__retain_tokens: _TypeAlias = _typing.Literal["retain_tokens"]  # noqa: Y015
@@ -808,6 +1007,10 @@ class CompactionPolicy(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_probe_retention) -> _WhichOneofReturnType__min_probe_retention | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_reduction_ratio) -> _WhichOneofReturnType__min_reduction_ratio | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__recall_tool) -> _WhichOneofReturnType__recall_tool | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__recall_tool_name) -> _WhichOneofReturnType__recall_tool_name | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__retain_ratio) -> _WhichOneofReturnType__retain_ratio | None: ...
     @_typing.overload
@@ -847,6 +1050,8 @@ class ModelCompactionPolicy(_message.Message):
     EXTRACTIVE_FALLBACK_FIELD_NUMBER: _builtins.int
     FAILURE_BACKOFF_SECONDS_FIELD_NUMBER: _builtins.int
     FAILURE_BACKOFF_MAX_SECONDS_FIELD_NUMBER: _builtins.int
+    RECALL_TOOL_FIELD_NUMBER: _builtins.int
+    RECALL_TOOL_NAME_FIELD_NUMBER: _builtins.int
     provider: _builtins.str
     """The route's provider (required)."""
     model: _builtins.str
@@ -883,6 +1088,10 @@ class ModelCompactionPolicy(_message.Message):
     """As `CompactionPolicy.failure_backoff_seconds`."""
     failure_backoff_max_seconds: _builtins.float
     """As `CompactionPolicy.failure_backoff_max_seconds`."""
+    recall_tool: _builtins.bool
+    """As `CompactionPolicy.recall_tool`."""
+    recall_tool_name: _builtins.str
+    """As `CompactionPolicy.recall_tool_name`."""
     def __init__(
         self,
         *,
@@ -904,10 +1113,12 @@ class ModelCompactionPolicy(_message.Message):
         extractive_fallback: _builtins.bool | None = ...,
         failure_backoff_seconds: _builtins.float | None = ...,
         failure_backoff_max_seconds: _builtins.float | None = ...,
+        recall_tool: _builtins.bool | None = ...,
+        recall_tool_name: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_recall_tool", b"_recall_tool", "_recall_tool_name", b"_recall_tool_name", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "recall_tool", b"recall_tool", "recall_tool_name", b"recall_tool_name", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "model", b"model", "provider", b"provider", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_recall_tool", b"_recall_tool", "_recall_tool_name", b"_recall_tool_name", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "model", b"model", "provider", b"provider", "recall_tool", b"recall_tool", "recall_tool_name", b"recall_tool_name", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__auto: _TypeAlias = _typing.Literal["auto"]  # noqa: Y015
     _WhichOneofArgType__auto: _TypeAlias = _typing.Literal["_auto", b"_auto"]  # noqa: Y015
@@ -929,6 +1140,10 @@ class ModelCompactionPolicy(_message.Message):
     _WhichOneofArgType__min_probe_retention: _TypeAlias = _typing.Literal["_min_probe_retention", b"_min_probe_retention"]  # noqa: Y015
     _WhichOneofReturnType__min_reduction_ratio: _TypeAlias = _typing.Literal["min_reduction_ratio"]  # noqa: Y015
     _WhichOneofArgType__min_reduction_ratio: _TypeAlias = _typing.Literal["_min_reduction_ratio", b"_min_reduction_ratio"]  # noqa: Y015
+    _WhichOneofReturnType__recall_tool: _TypeAlias = _typing.Literal["recall_tool"]  # noqa: Y015
+    _WhichOneofArgType__recall_tool: _TypeAlias = _typing.Literal["_recall_tool", b"_recall_tool"]  # noqa: Y015
+    _WhichOneofReturnType__recall_tool_name: _TypeAlias = _typing.Literal["recall_tool_name"]  # noqa: Y015
+    _WhichOneofArgType__recall_tool_name: _TypeAlias = _typing.Literal["_recall_tool_name", b"_recall_tool_name"]  # noqa: Y015
     _WhichOneofReturnType__retain_ratio: _TypeAlias = _typing.Literal["retain_ratio"]  # noqa: Y015
     _WhichOneofArgType__retain_ratio: _TypeAlias = _typing.Literal["_retain_ratio", b"_retain_ratio"]  # noqa: Y015
     _WhichOneofReturnType__retain_tokens: _TypeAlias = _typing.Literal["retain_tokens"]  # noqa: Y015
@@ -961,6 +1176,10 @@ class ModelCompactionPolicy(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_probe_retention) -> _WhichOneofReturnType__min_probe_retention | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_reduction_ratio) -> _WhichOneofReturnType__min_reduction_ratio | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__recall_tool) -> _WhichOneofReturnType__recall_tool | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__recall_tool_name) -> _WhichOneofReturnType__recall_tool_name | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__retain_ratio) -> _WhichOneofReturnType__retain_ratio | None: ...
     @_typing.overload

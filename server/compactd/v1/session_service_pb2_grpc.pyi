@@ -92,6 +92,19 @@ class SessionServiceStub:
     of the session (ListEvents with `follow`, WatchPressure) end with NOT_FOUND; afterwards the
     id answers NOT_FOUND and may be created again, fresh. Errors: NOT_FOUND.
     """
+    Recall: _grpc.UnaryUnaryMultiCallable[_session_service_pb2.RecallRequest, _session_service_pb2.RecallResponse]
+    """Returns the original events behind a recall handle (or given seqs): what a compaction took
+    off the surface, as the model saw it before. Every checkpoint and pruned tool result names
+    what it replaced in a handle (`[recall:c41-9f3a]`, `[recall:p17-03bc]`); a handle is a
+    function of the log, valid for the session's life on every replica. Each event comes with
+    the SHA-256 of its stored bytes; a page holds at most `max_bytes` of events, and `query`
+    narrows them to the matching lines. Reads only: the log does not change.
+    Errors: NOT_FOUND for the session, and with reason `RECALL_HANDLE_UNKNOWN` for a handle the
+    session's log does not name (another tenant's handle is NOT_FOUND too: its session does
+    not exist for the caller); INVALID_ARGUMENT for a malformed handle, neither or both of
+    `handle` and `seqs`, a seq outside the log, more than 1000 seqs, a negative `max_bytes` or
+    a `page_token` this server did not issue for the same request.
+    """
 
 @_typing.type_check_only
 class SessionServiceAsyncStub(SessionServiceStub):
@@ -156,6 +169,19 @@ class SessionServiceAsyncStub(SessionServiceStub):
     """Deletes a session: its log and everything derived from it are removed durably. Followers
     of the session (ListEvents with `follow`, WatchPressure) end with NOT_FOUND; afterwards the
     id answers NOT_FOUND and may be created again, fresh. Errors: NOT_FOUND.
+    """
+    Recall: _aio.UnaryUnaryMultiCallable[_session_service_pb2.RecallRequest, _session_service_pb2.RecallResponse]  # type: ignore[assignment]
+    """Returns the original events behind a recall handle (or given seqs): what a compaction took
+    off the surface, as the model saw it before. Every checkpoint and pruned tool result names
+    what it replaced in a handle (`[recall:c41-9f3a]`, `[recall:p17-03bc]`); a handle is a
+    function of the log, valid for the session's life on every replica. Each event comes with
+    the SHA-256 of its stored bytes; a page holds at most `max_bytes` of events, and `query`
+    narrows them to the matching lines. Reads only: the log does not change.
+    Errors: NOT_FOUND for the session, and with reason `RECALL_HANDLE_UNKNOWN` for a handle the
+    session's log does not name (another tenant's handle is NOT_FOUND too: its session does
+    not exist for the caller); INVALID_ARGUMENT for a malformed handle, neither or both of
+    `handle` and `seqs`, a seq outside the log, more than 1000 seqs, a negative `max_bytes` or
+    a `page_token` this server did not issue for the same request.
     """
 
 class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -260,6 +286,25 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
         """Deletes a session: its log and everything derived from it are removed durably. Followers
         of the session (ListEvents with `follow`, WatchPressure) end with NOT_FOUND; afterwards the
         id answers NOT_FOUND and may be created again, fresh. Errors: NOT_FOUND.
+        """
+
+    @_abc_1.abstractmethod
+    def Recall(
+        self,
+        request: _session_service_pb2.RecallRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_session_service_pb2.RecallResponse, _abc.Awaitable[_session_service_pb2.RecallResponse]]:
+        """Returns the original events behind a recall handle (or given seqs): what a compaction took
+        off the surface, as the model saw it before. Every checkpoint and pruned tool result names
+        what it replaced in a handle (`[recall:c41-9f3a]`, `[recall:p17-03bc]`); a handle is a
+        function of the log, valid for the session's life on every replica. Each event comes with
+        the SHA-256 of its stored bytes; a page holds at most `max_bytes` of events, and `query`
+        narrows them to the matching lines. Reads only: the log does not change.
+        Errors: NOT_FOUND for the session, and with reason `RECALL_HANDLE_UNKNOWN` for a handle the
+        session's log does not name (another tenant's handle is NOT_FOUND too: its session does
+        not exist for the caller); INVALID_ARGUMENT for a malformed handle, neither or both of
+        `handle` and `seqs`, a seq outside the log, more than 1000 seqs, a negative `max_bytes` or
+        a `page_token` this server did not issue for the same request.
         """
 
 def add_SessionServiceServicer_to_server(servicer: SessionServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -19,9 +19,10 @@ from typing import Any, Self, TypeVar
 import grpc
 
 from compactd_client import _requests as rq
+from compactd_client import recall as recall_tool
 from compactd_client._requests import UNSET, Timeout, resolve_timeout
 from compactd_client.config import DEFAULT_RETRY, RetryPolicy, auth_metadata, channel_options
-from compactd_client.errors import from_rpc_error
+from compactd_client.errors import CompactdError, from_rpc_error
 from compactd_client.steps import DEFAULT_HELD_SESSIONS, HeldRequests, PreparedStep
 from compactd_client.streams import CompactionStream, ServerStream
 from compactd_client.v1.compaction_service_pb2 import (
@@ -36,6 +37,8 @@ from compactd_client.v1.compaction_service_pb2 import (
     PressureReport,
     ProviderError,
     RecoverFromErrorResult,
+    RevertCompactionRequest,
+    RevertCompactionResponse,
     SwitchModelResult,
 )
 from compactd_client.v1.compaction_service_pb2_grpc import CompactionServiceStub
@@ -50,6 +53,8 @@ from compactd_client.v1.session_service_pb2 import (
     ListEventsRequest,
     ListSessionsRequest,
     ListSessionsResponse,
+    RecallRequest,
+    RecallResponse,
     Session,
 )
 from compactd_client.v1.session_service_pb2_grpc import SessionServiceStub
@@ -258,7 +263,72 @@ class CompactdClient:
         request = BuildRequestRequest(session_id=session_id)
         return self._unary(self._sessions.BuildRequest, request, timeout)
 
+    def recall(
+        self,
+        session_id: str,
+        handle: str = "",
+        *,
+        seqs: Sequence[int] = (),
+        query: str = "",
+        max_bytes: int = 0,
+        page_token: str = "",
+        timeout: Timeout = UNSET,
+    ) -> RecallResponse:
+        """Returns one page of the original events behind a recall handle (or ``seqs``).
+
+        Raises:
+            NotFoundError: no such session (of the caller's tenant), or the handle names
+                nothing in it (reason ``RECALL_HANDLE_UNKNOWN``).
+            InvalidArgumentError: a malformed handle, seqs outside the log, a bad page token.
+        """
+        request = RecallRequest(
+            session_id=session_id, handle=handle, seqs=seqs, query=query,
+            max_bytes=max_bytes, page_token=page_token,
+        )  # fmt: skip
+        return self._unary(self._sessions.Recall, request, timeout)
+
+    def answer_recall(
+        self,
+        session_id: str,
+        tool_call: recall_tool.ToolCallLike,
+        *,
+        max_bytes: int = recall_tool.DEFAULT_TOOL_MAX_BYTES,
+        timeout: Timeout = UNSET,
+    ) -> SessionEvent:
+        """Answers the model's call of the recall tool: the ``tool/result`` event to append
+        and send back (the recalled page as text; an error result the model can read for an
+        unknown handle or unusable arguments).
+
+        ``tool_call``: compactd's ``ToolCallBlock``, an OpenAI ``tool_calls`` item or an
+        Anthropic ``tool_use`` block.
+
+        Raises:
+            NotFoundError: no such session (of the caller's tenant).
+        """
+        request = recall_tool.recall_request(session_id, tool_call, max_bytes)
+        if isinstance(request, SessionEvent):
+            return request
+        try:
+            response = self._unary(self._sessions.Recall, request, timeout)
+        except CompactdError as error:
+            return recall_tool.error_answer(tool_call, error)
+        return recall_tool.answer(tool_call, response)
+
     # CompactionService
+
+    def revert_compaction(
+        self, session_id: str, compaction_id: str, *, timeout: Timeout = UNSET
+    ) -> RevertCompactionResponse:
+        """Reverts a committed compaction: its checkpoint's shadowed nodes come back in place.
+
+        Raises:
+            NotFoundError: no such session, or no such compaction (``COMPACTION_UNKNOWN``).
+            FailedPreconditionError: ``REVERT_BLOCKED``: a later bracket covers the checkpoint
+                (revert that one first), or it was reverted already.
+            CompactionBusyError: a turn is open or a bracket is live.
+        """
+        request = RevertCompactionRequest(session_id=session_id, compaction_id=compaction_id)
+        return self._unary(self._compaction.RevertCompaction, request, timeout)
 
     def check_pressure(
         self, session_id: str, *, destination: Route | None = None, timeout: Timeout = UNSET

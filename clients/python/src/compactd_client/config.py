@@ -31,6 +31,7 @@ IDEMPOTENT_METHODS: tuple[tuple[str, str], ...] = (
     ("compactd.v1.SessionService", "GetSurface"),
     ("compactd.v1.SessionService", "BuildRequest"),
     ("compactd.v1.SessionService", "ListSessions"),
+    ("compactd.v1.SessionService", "Recall"),
     ("compactd.v1.CompactionService", "CheckPressure"),
     ("compactd.v1.CompactionService", "WatchPressure"),
     ("compactd.v1.CompactionService", "ClassifyProviderError"),

@@ -535,6 +535,10 @@ class SessionHandle:
         """The session's stored events in ``[from_seq, to_seq)`` (see ``EventStore.read``)."""
         return self._store.read(self.session_id, from_seq, to_seq, tenant=self.tenant)
 
+    async def read_seqs(self, seqs: Sequence[int]) -> list[events_pb2.SessionEvent]:
+        """The session's stored events at ``seqs`` (see ``EventStore.read_seqs``)."""
+        return await self._store.read_seqs(self.session_id, seqs, tenant=self.tenant)
+
     async def mark_deleted(self) -> None:
         """Called by the manager with the lock held: wake every follower to end its stream."""
         self.deleted = True

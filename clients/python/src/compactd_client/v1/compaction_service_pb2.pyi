@@ -2162,3 +2162,71 @@ class ListBracketsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListBracketsResponse: _TypeAlias = ListBracketsResponse  # noqa: Y015
+
+@_typing.final
+class RevertCompactionRequest(_message.Message):
+    """Request for `RevertCompaction`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    COMPACTION_ID_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    compaction_id: _builtins.str
+    """The compaction id of the committed bracket to revert (`CompactionOutcome.compaction_id`)."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        compaction_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevertCompactionRequest: _TypeAlias = RevertCompactionRequest  # noqa: Y015
+
+@_typing.final
+class RevertCompactionResponse(_message.Message):
+    """Response for `RevertCompaction`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REVERT_COMPACTION_ID_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_SEQ_FIELD_NUMBER: _builtins.int
+    RESTORED_SEQS_FIELD_NUMBER: _builtins.int
+    ORIGINAL_SEQS_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    revert_compaction_id: _builtins.str
+    """The revert's own bracket id."""
+    checkpoint_seq: _builtins.int
+    """Seq of the reverted checkpoint (now shadowed)."""
+    revision: _builtins.int
+    """The log revision after the revert."""
+    @_builtins.property
+    def restored_seqs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The seqs of the restored copies, in surface order; each cites its original."""
+
+    @_builtins.property
+    def original_seqs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The seqs of the originals they copy, in the same order."""
+
+    def __init__(
+        self,
+        *,
+        revert_compaction_id: _builtins.str = ...,
+        checkpoint_seq: _builtins.int = ...,
+        restored_seqs: _abc.Iterable[_builtins.int] | None = ...,
+        original_seqs: _abc.Iterable[_builtins.int] | None = ...,
+        revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_seq", b"checkpoint_seq", "original_seqs", b"original_seqs", "restored_seqs", b"restored_seqs", "revert_compaction_id", b"revert_compaction_id", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevertCompactionResponse: _TypeAlias = RevertCompactionResponse  # noqa: Y015

@@ -90,6 +90,11 @@ class CompactionServiceStub:
                 request_serializer=compactd_dot_v1_dot_compaction__service__pb2.ListBracketsRequest.SerializeToString,
                 response_deserializer=compactd_dot_v1_dot_compaction__service__pb2.ListBracketsResponse.FromString,
                 _registered_method=True)
+        self.RevertCompaction = channel.unary_unary(
+                '/compactd.v1.CompactionService/RevertCompaction',
+                request_serializer=compactd_dot_v1_dot_compaction__service__pb2.RevertCompactionRequest.SerializeToString,
+                response_deserializer=compactd_dot_v1_dot_compaction__service__pb2.RevertCompactionResponse.FromString,
+                _registered_method=True)
 
 
 class CompactionServiceServicer:
@@ -251,6 +256,25 @@ class CompactionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RevertCompaction(self, request, context):
+        """Reverts a committed compaction: puts the nodes its checkpoint shadowed back on the surface
+        in its place, as copies citing the originals (the log stays append-only). One atomic batch
+        recorded as a bracket with trigger REVERT: `compaction/start` (naming the checkpoint),
+        a REPLACE of the checkpoint by the first node, an INSERT of each next node after the
+        previous one, `compaction/end`; traced as `compaction.revert`. The surface and the rebuilt
+        request are then what they were before the bracket (pruned results stay pruned if they were).
+        Errors: NOT_FOUND for the session or, with reason `COMPACTION_UNKNOWN`, a compaction id
+        that names no committed checkpoint of it; FAILED_PRECONDITION with reason `REVERT_BLOCKED`
+        when the checkpoint is no longer on the surface (a later bracket covers it: revert that one
+        first; or it was reverted already); ABORTED `COMPACTION_BUSY` while a bracket is live or a
+        turn is open; RESOURCE_EXHAUSTED `SURFACE_FULL` when the restored surface would exceed
+        `max_surface_bytes`; INVALID_ARGUMENT `REPLACEMENT_REJECTED` when the result would break
+        the pairing rules.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CompactionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -303,6 +327,11 @@ def add_CompactionServiceServicer_to_server(servicer, server):
                     servicer.ListBrackets,
                     request_deserializer=compactd_dot_v1_dot_compaction__service__pb2.ListBracketsRequest.FromString,
                     response_serializer=compactd_dot_v1_dot_compaction__service__pb2.ListBracketsResponse.SerializeToString,
+            ),
+            'RevertCompaction': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevertCompaction,
+                    request_deserializer=compactd_dot_v1_dot_compaction__service__pb2.RevertCompactionRequest.FromString,
+                    response_serializer=compactd_dot_v1_dot_compaction__service__pb2.RevertCompactionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -581,6 +610,33 @@ class CompactionService:
             '/compactd.v1.CompactionService/ListBrackets',
             compactd_dot_v1_dot_compaction__service__pb2.ListBracketsRequest.SerializeToString,
             compactd_dot_v1_dot_compaction__service__pb2.ListBracketsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevertCompaction(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/compactd.v1.CompactionService/RevertCompaction',
+            compactd_dot_v1_dot_compaction__service__pb2.RevertCompactionRequest.SerializeToString,
+            compactd_dot_v1_dot_compaction__service__pb2.RevertCompactionResponse.FromString,
             options,
             channel_credentials,
             insecure,

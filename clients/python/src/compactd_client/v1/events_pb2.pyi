@@ -39,6 +39,11 @@ class _SurfaceOpKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Surface
     """Shadow the contiguous span from `start_seq` to `end_seq` (by surface position) and put the
     new node at the span's position.
     """
+    SURFACE_OP_KIND_INSERT: _SurfaceOpKind.ValueType  # 3
+    """Written only by compactd (`RevertCompaction`): put the new node right after the current
+    node `start_seq` (`end_seq` equals it), shadowing nothing. It cites its source in
+    `source_event_seqs`.
+    """
 
 class SurfaceOpKind(_SurfaceOpKind, metaclass=_SurfaceOpKindEnumTypeWrapper):
     """The kind of surface change a surface event makes."""
@@ -50,6 +55,11 @@ SURFACE_OP_KIND_APPEND: SurfaceOpKind.ValueType  # 1
 SURFACE_OP_KIND_REPLACE: SurfaceOpKind.ValueType  # 2
 """Shadow the contiguous span from `start_seq` to `end_seq` (by surface position) and put the
 new node at the span's position.
+"""
+SURFACE_OP_KIND_INSERT: SurfaceOpKind.ValueType  # 3
+"""Written only by compactd (`RevertCompaction`): put the new node right after the current
+node `start_seq` (`end_seq` equals it), shadowing nothing. It cites its source in
+`source_event_seqs`.
 """
 Global___SurfaceOpKind: _TypeAlias = SurfaceOpKind  # noqa: Y015
 
@@ -109,6 +119,10 @@ class _CompactionTriggerEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Com
     """Provider-confirmed context overflow."""
     COMPACTION_TRIGGER_MODEL_SWITCH: _CompactionTrigger.ValueType  # 4
     """A model switch to a destination whose threshold the history exceeds."""
+    COMPACTION_TRIGGER_REVERT: _CompactionTrigger.ValueType  # 5
+    """`RevertCompaction`: the bracket puts a committed checkpoint's shadowed nodes back (its
+    `shadowed_seqs` is the checkpoint; `reverted_compaction_id` names the reverted bracket).
+    """
 
 class CompactionTrigger(_CompactionTrigger, metaclass=_CompactionTriggerEnumTypeWrapper):
     """What started a compaction bracket."""
@@ -123,6 +137,10 @@ COMPACTION_TRIGGER_OVERFLOW: CompactionTrigger.ValueType  # 3
 """Provider-confirmed context overflow."""
 COMPACTION_TRIGGER_MODEL_SWITCH: CompactionTrigger.ValueType  # 4
 """A model switch to a destination whose threshold the history exceeds."""
+COMPACTION_TRIGGER_REVERT: CompactionTrigger.ValueType  # 5
+"""`RevertCompaction`: the bracket puts a committed checkpoint's shadowed nodes back (its
+`shadowed_seqs` is the checkpoint; `reverted_compaction_id` names the reverted bracket).
+"""
 Global___CompactionTrigger: _TypeAlias = CompactionTrigger  # noqa: Y015
 
 class _CompactionRung:
@@ -1301,12 +1319,15 @@ class CompactionStart(_message.Message):
     RANGE_FIELD_NUMBER: _builtins.int
     SHADOWED_SEQS_FIELD_NUMBER: _builtins.int
     TURN_FIELD_NUMBER: _builtins.int
+    REVERTED_COMPACTION_ID_FIELD_NUMBER: _builtins.int
     compaction_id: _builtins.str
     """Unique bracket id."""
     trigger: Global___CompactionTrigger.ValueType
     """What started it."""
     turn: _builtins.int
     """The open turn that owns an automatic bracket; absent for on-demand compaction."""
+    reverted_compaction_id: _builtins.str
+    """With trigger REVERT: the compaction id of the bracket whose checkpoint this one reverts."""
     @_builtins.property
     def range(self) -> Global___SurfaceRange:
         """The selected span."""
@@ -1323,10 +1344,11 @@ class CompactionStart(_message.Message):
         range: Global___SurfaceRange | None = ...,
         shadowed_seqs: _abc.Iterable[_builtins.int] | None = ...,
         turn: _builtins.int | None = ...,
+        reverted_compaction_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_turn", b"_turn", "range", b"range", "turn", b"turn"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_turn", b"_turn", "compaction_id", b"compaction_id", "range", b"range", "shadowed_seqs", b"shadowed_seqs", "trigger", b"trigger", "turn", b"turn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_turn", b"_turn", "compaction_id", b"compaction_id", "range", b"range", "reverted_compaction_id", b"reverted_compaction_id", "shadowed_seqs", b"shadowed_seqs", "trigger", b"trigger", "turn", b"turn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__turn: _TypeAlias = _typing.Literal["turn"]  # noqa: Y015
     _WhichOneofArgType__turn: _TypeAlias = _typing.Literal["_turn", b"_turn"]  # noqa: Y015

@@ -78,6 +78,11 @@ class SessionServiceStub:
                 request_serializer=compactd_dot_v1_dot_session__service__pb2.DeleteSessionRequest.SerializeToString,
                 response_deserializer=compactd_dot_v1_dot_session__service__pb2.DeleteSessionResponse.FromString,
                 _registered_method=True)
+        self.Recall = channel.unary_unary(
+                '/compactd.v1.SessionService/Recall',
+                request_serializer=compactd_dot_v1_dot_session__service__pb2.RecallRequest.SerializeToString,
+                response_deserializer=compactd_dot_v1_dot_session__service__pb2.RecallResponse.FromString,
+                _registered_method=True)
 
 
 class SessionServiceServicer:
@@ -170,6 +175,23 @@ class SessionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Recall(self, request, context):
+        """Returns the original events behind a recall handle (or given seqs): what a compaction took
+        off the surface, as the model saw it before. Every checkpoint and pruned tool result names
+        what it replaced in a handle (`[recall:c41-9f3a]`, `[recall:p17-03bc]`); a handle is a
+        function of the log, valid for the session's life on every replica. Each event comes with
+        the SHA-256 of its stored bytes; a page holds at most `max_bytes` of events, and `query`
+        narrows them to the matching lines. Reads only: the log does not change.
+        Errors: NOT_FOUND for the session, and with reason `RECALL_HANDLE_UNKNOWN` for a handle the
+        session's log does not name (another tenant's handle is NOT_FOUND too: its session does
+        not exist for the caller); INVALID_ARGUMENT for a malformed handle, neither or both of
+        `handle` and `seqs`, a seq outside the log, more than 1000 seqs, a negative `max_bytes` or
+        a `page_token` this server did not issue for the same request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SessionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -207,6 +229,11 @@ def add_SessionServiceServicer_to_server(servicer, server):
                     servicer.DeleteSession,
                     request_deserializer=compactd_dot_v1_dot_session__service__pb2.DeleteSessionRequest.FromString,
                     response_serializer=compactd_dot_v1_dot_session__service__pb2.DeleteSessionResponse.SerializeToString,
+            ),
+            'Recall': grpc.unary_unary_rpc_method_handler(
+                    servicer.Recall,
+                    request_deserializer=compactd_dot_v1_dot_session__service__pb2.RecallRequest.FromString,
+                    response_serializer=compactd_dot_v1_dot_session__service__pb2.RecallResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -407,6 +434,33 @@ class SessionService:
             '/compactd.v1.SessionService/DeleteSession',
             compactd_dot_v1_dot_session__service__pb2.DeleteSessionRequest.SerializeToString,
             compactd_dot_v1_dot_session__service__pb2.DeleteSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Recall(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/compactd.v1.SessionService/Recall',
+            compactd_dot_v1_dot_session__service__pb2.RecallRequest.SerializeToString,
+            compactd_dot_v1_dot_session__service__pb2.RecallResponse.FromString,
             options,
             channel_credentials,
             insecure,

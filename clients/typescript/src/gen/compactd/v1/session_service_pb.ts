@@ -16,7 +16,7 @@ import type { JsonObject, Message as Message$1 } from "@bufbuild/protobuf";
  * Describes the file compactd/v1/session_service.proto.
  */
 export const file_compactd_v1_session_service: GenFile = /*@__PURE__*/
-  fileDesc("CiFjb21wYWN0ZC92MS9zZXNzaW9uX3NlcnZpY2UucHJvdG8SC2NvbXBhY3RkLnYxIogCCgdTZXNzaW9uEhIKCnNlc3Npb25faWQYASABKAkSEAoIcmV2aXNpb24YAiABKAMSLwoLY3JlYXRlX3RpbWUYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEjIKEWNvbXBhY3Rpb25fcG9saWN5GAQgASgLMhcuZ29vZ2xlLnByb3RvYnVmLlN0cnVjdBItCgZwb2xpY3kYZCABKAsyHS5jb21wYWN0ZC52MS5Db21wYWN0aW9uUG9saWN5EhkKEXBhcmVudF9zZXNzaW9uX2lkGGUgASgJEhgKC2ZvcmtfYXRfc2VxGGYgASgDSACIAQFCDgoMX2ZvcmtfYXRfc2VxItYBChRDcmVhdGVTZXNzaW9uUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEjYKEWNvbXBhY3Rpb25fcG9saWN5GAIgASgLMhcuZ29vZ2xlLnByb3RvYnVmLlN0cnVjdEICGAESLQoGcG9saWN5GGQgASgLMh0uY29tcGFjdGQudjEuQ29tcGFjdGlvblBvbGljeRIZChFwYXJlbnRfc2Vzc2lvbl9pZBhlIAEoCRIYCgtmb3JrX2F0X3NlcRhmIAEoA0gAiAEBQg4KDF9mb3JrX2F0X3NlcSI+ChVDcmVhdGVTZXNzaW9uUmVzcG9uc2USJQoHc2Vzc2lvbhgBIAEoCzIULmNvbXBhY3RkLnYxLlNlc3Npb24iigEKE0FwcGVuZEV2ZW50c1JlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRIpCgZldmVudHMYAiADKAsyGS5jb21wYWN0ZC52MS5TZXNzaW9uRXZlbnQSHgoRZXhwZWN0ZWRfbGFzdF9zZXEYAyABKANIAIgBAUIUChJfZXhwZWN0ZWRfbGFzdF9zZXEiNgoUQXBwZW5kRXZlbnRzUmVzcG9uc2USDAoEc2VxcxgBIAMoAxIQCghyZXZpc2lvbhgCIAEoAyJJChFMaXN0RXZlbnRzUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEhAKCGZyb21fc2VxGAIgASgDEg4KBmZvbGxvdxgDIAEoCCI+ChJMaXN0RXZlbnRzUmVzcG9uc2USKAoFZXZlbnQYASABKAsyGS5jb21wYWN0ZC52MS5TZXNzaW9uRXZlbnQiWgoRR2V0U3VyZmFjZVJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRIOCgZkZXRhaWwYZCABKAgSIQoFcm91dGUYZSABKAsyEi5jb21wYWN0ZC52MS5Sb3V0ZSKpAQoHTWVzc2FnZRImCgRyb2xlGAEgASgOMhguY29tcGFjdGQudjEuTWVzc2FnZVJvbGUSKgoHY29udGVudBgCIAMoCzIZLmNvbXBhY3RkLnYxLkNvbnRlbnRCbG9jaxIUCgx0b29sX2NhbGxfaWQYAyABKAkSEAoIaXNfZXJyb3IYBCABKAgSDAoEbmFtZRgFIAEoCRIUCgxwaW5uZWRfc3RhdGUYBiABKAgiwwEKC1N1cmZhY2VOb2RlEhAKCHBvc2l0aW9uGAEgASgDEgsKA3NlcRgCIAEoAxIMCgR0eXBlGAMgASgJEiUKB21lc3NhZ2UYBCABKAsyFC5jb21wYWN0ZC52MS5NZXNzYWdlEhkKEXNvdXJjZV9ldmVudF9zZXFzGAUgAygDEhUKDWNvbXBhY3Rpb25faWQYBiABKAkSLgoGZGV0YWlsGGQgASgLMh4uY29tcGFjdGQudjEuU3VyZmFjZU5vZGVEZXRhaWwiewoSR2V0U3VyZmFjZVJlc3BvbnNlEhAKCHJldmlzaW9uGAEgASgDEicKBW5vZGVzGAIgAygLMhguY29tcGFjdGQudjEuU3VyZmFjZU5vZGUSKgoGZGV0YWlsGGQgASgLMhouY29tcGFjdGQudjEuU3VyZmFjZURldGFpbCIpChNCdWlsZFJlcXVlc3RSZXF1ZXN0EhIKCnNlc3Npb25faWQYASABKAkilQIKFEJ1aWxkUmVxdWVzdFJlc3BvbnNlEhAKCHJldmlzaW9uGAEgASgDEiYKCG1lc3NhZ2VzGAIgAygLMhQuY29tcGFjdGQudjEuTWVzc2FnZRIqCgZjb25maWcYAyABKAsyGi5jb21wYWN0ZC52MS5SZXF1ZXN0Q29uZmlnEjEKEGFkYXB0ZXJfZGVmYXVsdHMYBCABKAsyFy5nb29nbGUucHJvdG9idWYuU3RydWN0EisKBXRvb2xzGAUgAygLMhwuY29tcGFjdGQudjEuVG9vbERlY2xhcmF0aW9uEhIKCmhlYWRlcl9zZXEYBiABKAMSIwoEcGlucxgHIAMoCzIVLmNvbXBhY3RkLnYxLlN0YXRlUGluIlcKE0xpc3RTZXNzaW9uc1JlcXVlc3QSEQoJcGFnZV9zaXplGAEgASgFEhIKCnBhZ2VfdG9rZW4YAiABKAkSGQoRcGFyZW50X3Nlc3Npb25faWQYAyABKAkiVwoUTGlzdFNlc3Npb25zUmVzcG9uc2USJgoIc2Vzc2lvbnMYASADKAsyFC5jb21wYWN0ZC52MS5TZXNzaW9uEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCSIqChREZWxldGVTZXNzaW9uUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJIhcKFURlbGV0ZVNlc3Npb25SZXNwb25zZSKkBwoQQ29tcGFjdGlvblBvbGljeRIcCg90aHJlc2hvbGRfcmF0aW8YASABKAFIAIgBARIcCg9oZWFkcm9vbV90b2tlbnMYAiABKANIAYgBARIZCgxyZXRhaW5fcmF0aW8YAyABKAFIAogBARIaCg1yZXRhaW5fdG9rZW5zGAQgASgDSAOIAQESIwoWc3VtbWFyaXphdGlvbl9wcm92aWRlchgFIAEoCUgEiAEBEiAKE3N1bW1hcml6YXRpb25fbW9kZWwYBiABKAlIBYgBARIXCgptYXhfdG9rZW5zGAcgASgDSAaIAQESHwoSY29tcGFjdGlvbl9yZXRyaWVzGAggASgDSAeIAQESIQoUbWF4X292ZXJmbG93X3JldHJpZXMYCSABKANICIgBARIRCgRhdXRvGAogASgISAmIAQESGQoMc3VtbWFyeV9nYXRlGAsgASgISAqIAQESIAoTbWluX3JlZHVjdGlvbl9yYXRpbxgMIAEoAUgLiAEBEiAKE21pbl9wcm9iZV9yZXRlbnRpb24YDSABKAFIDIgBARIgChNleHRyYWN0aXZlX2ZhbGxiYWNrGA4gASgISA2IAQESJAoXZmFpbHVyZV9iYWNrb2ZmX3NlY29uZHMYDyABKAFIDogBARIoChtmYWlsdXJlX2JhY2tvZmZfbWF4X3NlY29uZHMYECABKAFID4gBARI6Cg5tb2RlbF9wb2xpY2llcxgRIAMoCzIiLmNvbXBhY3RkLnYxLk1vZGVsQ29tcGFjdGlvblBvbGljeUISChBfdGhyZXNob2xkX3JhdGlvQhIKEF9oZWFkcm9vbV90b2tlbnNCDwoNX3JldGFpbl9yYXRpb0IQCg5fcmV0YWluX3Rva2Vuc0IZChdfc3VtbWFyaXphdGlvbl9wcm92aWRlckIWChRfc3VtbWFyaXphdGlvbl9tb2RlbEINCgtfbWF4X3Rva2Vuc0IVChNfY29tcGFjdGlvbl9yZXRyaWVzQhcKFV9tYXhfb3ZlcmZsb3dfcmV0cmllc0IHCgVfYXV0b0IPCg1fc3VtbWFyeV9nYXRlQhYKFF9taW5fcmVkdWN0aW9uX3JhdGlvQhYKFF9taW5fcHJvYmVfcmV0ZW50aW9uQhYKFF9leHRyYWN0aXZlX2ZhbGxiYWNrQhoKGF9mYWlsdXJlX2JhY2tvZmZfc2Vjb25kc0IeChxfZmFpbHVyZV9iYWNrb2ZmX21heF9zZWNvbmRzIo4HChVNb2RlbENvbXBhY3Rpb25Qb2xpY3kSEAoIcHJvdmlkZXIYASABKAkSDQoFbW9kZWwYAiABKAkSHAoPdGhyZXNob2xkX3JhdGlvGAMgASgBSACIAQESHAoPaGVhZHJvb21fdG9rZW5zGAQgASgDSAGIAQESGQoMcmV0YWluX3JhdGlvGAUgASgBSAKIAQESGgoNcmV0YWluX3Rva2VucxgGIAEoA0gDiAEBEiMKFnN1bW1hcml6YXRpb25fcHJvdmlkZXIYByABKAlIBIgBARIgChNzdW1tYXJpemF0aW9uX21vZGVsGAggASgJSAWIAQESFwoKbWF4X3Rva2VucxgJIAEoA0gGiAEBEh8KEmNvbXBhY3Rpb25fcmV0cmllcxgKIAEoA0gHiAEBEiEKFG1heF9vdmVyZmxvd19yZXRyaWVzGAsgASgDSAiIAQESEQoEYXV0bxgMIAEoCEgJiAEBEhkKDHN1bW1hcnlfZ2F0ZRgNIAEoCEgKiAEBEiAKE21pbl9yZWR1Y3Rpb25fcmF0aW8YDiABKAFIC4gBARIgChNtaW5fcHJvYmVfcmV0ZW50aW9uGA8gASgBSAyIAQESIAoTZXh0cmFjdGl2ZV9mYWxsYmFjaxgQIAEoCEgNiAEBEiQKF2ZhaWx1cmVfYmFja29mZl9zZWNvbmRzGBEgASgBSA6IAQESKAobZmFpbHVyZV9iYWNrb2ZmX21heF9zZWNvbmRzGBIgASgBSA+IAQFCEgoQX3RocmVzaG9sZF9yYXRpb0ISChBfaGVhZHJvb21fdG9rZW5zQg8KDV9yZXRhaW5fcmF0aW9CEAoOX3JldGFpbl90b2tlbnNCGQoXX3N1bW1hcml6YXRpb25fcHJvdmlkZXJCFgoUX3N1bW1hcml6YXRpb25fbW9kZWxCDQoLX21heF90b2tlbnNCFQoTX2NvbXBhY3Rpb25fcmV0cmllc0IXChVfbWF4X292ZXJmbG93X3JldHJpZXNCBwoFX2F1dG9CDwoNX3N1bW1hcnlfZ2F0ZUIWChRfbWluX3JlZHVjdGlvbl9yYXRpb0IWChRfbWluX3Byb2JlX3JldGVudGlvbkIWChRfZXh0cmFjdGl2ZV9mYWxsYmFja0IaChhfZmFpbHVyZV9iYWNrb2ZmX3NlY29uZHNCHgocX2ZhaWx1cmVfYmFja29mZl9tYXhfc2Vjb25kcyJAChFTdXJmYWNlTm9kZURldGFpbBIUCgxyb3V0ZV90b2tlbnMYASABKAMSFQoNc2hhZG93X3Rva2VucxgCIAEoAyJGCgtNZXRlckFuY2hvchILCgNzZXEYASABKAMSFAoMdXNhZ2VfdG9rZW5zGAIgASgDEhQKDGRlbHRhX3Rva2VucxgDIAEoAyJZCgxTaGFkb3dlZE5vZGUSCwoDc2VxGAEgASgDEgwKBHR5cGUYAiABKAkSFwoPc2hhZG93ZWRfYnlfc2VxGAMgASgDEhUKDWNvbXBhY3Rpb25faWQYBCABKAkixQEKDVN1cmZhY2VEZXRhaWwSIQoFcm91dGUYASABKAsyEi5jb21wYWN0ZC52MS5Sb3V0ZRIeChZyZXBsYWNlbWVudF9nZW5lcmF0aW9uGAIgASgDEhoKEmNvbnRlbnRfZ2VuZXJhdGlvbhgDIAEoAxIoCgZhbmNob3IYBCABKAsyGC5jb21wYWN0ZC52MS5NZXRlckFuY2hvchIrCghzaGFkb3dlZBgFIAMoCzIZLmNvbXBhY3RkLnYxLlNoYWRvd2VkTm9kZSqqAQoLTWVzc2FnZVJvbGUSHAoYTUVTU0FHRV9ST0xFX1VOU1BFQ0lGSUVEEAASFwoTTUVTU0FHRV9ST0xFX1NZU1RFTRABEhoKFk1FU1NBR0VfUk9MRV9ERVZFTE9QRVIQAhIVChFNRVNTQUdFX1JPTEVfVVNFUhADEhoKFk1FU1NBR0VfUk9MRV9BU1NJU1RBTlQQBBIVChFNRVNTQUdFX1JPTEVfVE9PTBAFMt8ECg5TZXNzaW9uU2VydmljZRJWCg1DcmVhdGVTZXNzaW9uEiEuY29tcGFjdGQudjEuQ3JlYXRlU2Vzc2lvblJlcXVlc3QaIi5jb21wYWN0ZC52MS5DcmVhdGVTZXNzaW9uUmVzcG9uc2USUwoMQXBwZW5kRXZlbnRzEiAuY29tcGFjdGQudjEuQXBwZW5kRXZlbnRzUmVxdWVzdBohLmNvbXBhY3RkLnYxLkFwcGVuZEV2ZW50c1Jlc3BvbnNlEk8KCkxpc3RFdmVudHMSHi5jb21wYWN0ZC52MS5MaXN0RXZlbnRzUmVxdWVzdBofLmNvbXBhY3RkLnYxLkxpc3RFdmVudHNSZXNwb25zZTABEk0KCkdldFN1cmZhY2USHi5jb21wYWN0ZC52MS5HZXRTdXJmYWNlUmVxdWVzdBofLmNvbXBhY3RkLnYxLkdldFN1cmZhY2VSZXNwb25zZRJTCgxCdWlsZFJlcXVlc3QSIC5jb21wYWN0ZC52MS5CdWlsZFJlcXVlc3RSZXF1ZXN0GiEuY29tcGFjdGQudjEuQnVpbGRSZXF1ZXN0UmVzcG9uc2USUwoMTGlzdFNlc3Npb25zEiAuY29tcGFjdGQudjEuTGlzdFNlc3Npb25zUmVxdWVzdBohLmNvbXBhY3RkLnYxLkxpc3RTZXNzaW9uc1Jlc3BvbnNlElYKDURlbGV0ZVNlc3Npb24SIS5jb21wYWN0ZC52MS5EZWxldGVTZXNzaW9uUmVxdWVzdBoiLmNvbXBhY3RkLnYxLkRlbGV0ZVNlc3Npb25SZXNwb25zZWIGcHJvdG8z", [file_compactd_v1_events, file_google_protobuf_struct, file_google_protobuf_timestamp]);
+  fileDesc("CiFjb21wYWN0ZC92MS9zZXNzaW9uX3NlcnZpY2UucHJvdG8SC2NvbXBhY3RkLnYxIogCCgdTZXNzaW9uEhIKCnNlc3Npb25faWQYASABKAkSEAoIcmV2aXNpb24YAiABKAMSLwoLY3JlYXRlX3RpbWUYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEjIKEWNvbXBhY3Rpb25fcG9saWN5GAQgASgLMhcuZ29vZ2xlLnByb3RvYnVmLlN0cnVjdBItCgZwb2xpY3kYZCABKAsyHS5jb21wYWN0ZC52MS5Db21wYWN0aW9uUG9saWN5EhkKEXBhcmVudF9zZXNzaW9uX2lkGGUgASgJEhgKC2ZvcmtfYXRfc2VxGGYgASgDSACIAQFCDgoMX2ZvcmtfYXRfc2VxItYBChRDcmVhdGVTZXNzaW9uUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEjYKEWNvbXBhY3Rpb25fcG9saWN5GAIgASgLMhcuZ29vZ2xlLnByb3RvYnVmLlN0cnVjdEICGAESLQoGcG9saWN5GGQgASgLMh0uY29tcGFjdGQudjEuQ29tcGFjdGlvblBvbGljeRIZChFwYXJlbnRfc2Vzc2lvbl9pZBhlIAEoCRIYCgtmb3JrX2F0X3NlcRhmIAEoA0gAiAEBQg4KDF9mb3JrX2F0X3NlcSI+ChVDcmVhdGVTZXNzaW9uUmVzcG9uc2USJQoHc2Vzc2lvbhgBIAEoCzIULmNvbXBhY3RkLnYxLlNlc3Npb24iigEKE0FwcGVuZEV2ZW50c1JlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRIpCgZldmVudHMYAiADKAsyGS5jb21wYWN0ZC52MS5TZXNzaW9uRXZlbnQSHgoRZXhwZWN0ZWRfbGFzdF9zZXEYAyABKANIAIgBAUIUChJfZXhwZWN0ZWRfbGFzdF9zZXEiNgoUQXBwZW5kRXZlbnRzUmVzcG9uc2USDAoEc2VxcxgBIAMoAxIQCghyZXZpc2lvbhgCIAEoAyJJChFMaXN0RXZlbnRzUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEhAKCGZyb21fc2VxGAIgASgDEg4KBmZvbGxvdxgDIAEoCCI+ChJMaXN0RXZlbnRzUmVzcG9uc2USKAoFZXZlbnQYASABKAsyGS5jb21wYWN0ZC52MS5TZXNzaW9uRXZlbnQiWgoRR2V0U3VyZmFjZVJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRIOCgZkZXRhaWwYZCABKAgSIQoFcm91dGUYZSABKAsyEi5jb21wYWN0ZC52MS5Sb3V0ZSKpAQoHTWVzc2FnZRImCgRyb2xlGAEgASgOMhguY29tcGFjdGQudjEuTWVzc2FnZVJvbGUSKgoHY29udGVudBgCIAMoCzIZLmNvbXBhY3RkLnYxLkNvbnRlbnRCbG9jaxIUCgx0b29sX2NhbGxfaWQYAyABKAkSEAoIaXNfZXJyb3IYBCABKAgSDAoEbmFtZRgFIAEoCRIUCgxwaW5uZWRfc3RhdGUYBiABKAgiwwEKC1N1cmZhY2VOb2RlEhAKCHBvc2l0aW9uGAEgASgDEgsKA3NlcRgCIAEoAxIMCgR0eXBlGAMgASgJEiUKB21lc3NhZ2UYBCABKAsyFC5jb21wYWN0ZC52MS5NZXNzYWdlEhkKEXNvdXJjZV9ldmVudF9zZXFzGAUgAygDEhUKDWNvbXBhY3Rpb25faWQYBiABKAkSLgoGZGV0YWlsGGQgASgLMh4uY29tcGFjdGQudjEuU3VyZmFjZU5vZGVEZXRhaWwiewoSR2V0U3VyZmFjZVJlc3BvbnNlEhAKCHJldmlzaW9uGAEgASgDEicKBW5vZGVzGAIgAygLMhguY29tcGFjdGQudjEuU3VyZmFjZU5vZGUSKgoGZGV0YWlsGGQgASgLMhouY29tcGFjdGQudjEuU3VyZmFjZURldGFpbCIpChNCdWlsZFJlcXVlc3RSZXF1ZXN0EhIKCnNlc3Npb25faWQYASABKAkilQIKFEJ1aWxkUmVxdWVzdFJlc3BvbnNlEhAKCHJldmlzaW9uGAEgASgDEiYKCG1lc3NhZ2VzGAIgAygLMhQuY29tcGFjdGQudjEuTWVzc2FnZRIqCgZjb25maWcYAyABKAsyGi5jb21wYWN0ZC52MS5SZXF1ZXN0Q29uZmlnEjEKEGFkYXB0ZXJfZGVmYXVsdHMYBCABKAsyFy5nb29nbGUucHJvdG9idWYuU3RydWN0EisKBXRvb2xzGAUgAygLMhwuY29tcGFjdGQudjEuVG9vbERlY2xhcmF0aW9uEhIKCmhlYWRlcl9zZXEYBiABKAMSIwoEcGlucxgHIAMoCzIVLmNvbXBhY3RkLnYxLlN0YXRlUGluIlcKE0xpc3RTZXNzaW9uc1JlcXVlc3QSEQoJcGFnZV9zaXplGAEgASgFEhIKCnBhZ2VfdG9rZW4YAiABKAkSGQoRcGFyZW50X3Nlc3Npb25faWQYAyABKAkiVwoUTGlzdFNlc3Npb25zUmVzcG9uc2USJgoIc2Vzc2lvbnMYASADKAsyFC5jb21wYWN0ZC52MS5TZXNzaW9uEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCSIqChREZWxldGVTZXNzaW9uUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJIhcKFURlbGV0ZVNlc3Npb25SZXNwb25zZSJ3Cg1SZWNhbGxSZXF1ZXN0EhIKCnNlc3Npb25faWQYASABKAkSDgoGaGFuZGxlGAIgASgJEgwKBHNlcXMYAyADKAMSDQoFcXVlcnkYBCABKAkSEQoJbWF4X2J5dGVzGAUgASgFEhIKCnBhZ2VfdG9rZW4YBiABKAkirgEKDVJlY2FsbGVkRXZlbnQSCwoDc2VxGAEgASgDEgwKBHR5cGUYAiABKAkSJQoHbWVzc2FnZRgDIAEoCzIULmNvbXBhY3RkLnYxLk1lc3NhZ2USDgoGc2hhMjU2GAQgASgJEigKBWxpbmVzGAUgAygLMhkuY29tcGFjdGQudjEuUmVjYWxsZWRMaW5lEg4KBm9mZnNldBgGIAEoAxIRCgl0cnVuY2F0ZWQYByABKAgiOQoMUmVjYWxsZWRMaW5lEg0KBWJsb2NrGAEgASgFEgwKBGxpbmUYAiABKAUSDAoEdGV4dBgDIAEoCSKDAQoOUmVjYWxsUmVzcG9uc2USEAoIcmV2aXNpb24YASABKAMSDAoEc2VxcxgCIAMoAxIqCgZldmVudHMYAyADKAsyGi5jb21wYWN0ZC52MS5SZWNhbGxlZEV2ZW50EhcKD25leHRfcGFnZV90b2tlbhgEIAEoCRIMCgR0ZXh0GAUgASgJIoIIChBDb21wYWN0aW9uUG9saWN5EhwKD3RocmVzaG9sZF9yYXRpbxgBIAEoAUgAiAEBEhwKD2hlYWRyb29tX3Rva2VucxgCIAEoA0gBiAEBEhkKDHJldGFpbl9yYXRpbxgDIAEoAUgCiAEBEhoKDXJldGFpbl90b2tlbnMYBCABKANIA4gBARIjChZzdW1tYXJpemF0aW9uX3Byb3ZpZGVyGAUgASgJSASIAQESIAoTc3VtbWFyaXphdGlvbl9tb2RlbBgGIAEoCUgFiAEBEhcKCm1heF90b2tlbnMYByABKANIBogBARIfChJjb21wYWN0aW9uX3JldHJpZXMYCCABKANIB4gBARIhChRtYXhfb3ZlcmZsb3dfcmV0cmllcxgJIAEoA0gIiAEBEhEKBGF1dG8YCiABKAhICYgBARIZCgxzdW1tYXJ5X2dhdGUYCyABKAhICogBARIgChNtaW5fcmVkdWN0aW9uX3JhdGlvGAwgASgBSAuIAQESIAoTbWluX3Byb2JlX3JldGVudGlvbhgNIAEoAUgMiAEBEiAKE2V4dHJhY3RpdmVfZmFsbGJhY2sYDiABKAhIDYgBARIkChdmYWlsdXJlX2JhY2tvZmZfc2Vjb25kcxgPIAEoAUgOiAEBEigKG2ZhaWx1cmVfYmFja29mZl9tYXhfc2Vjb25kcxgQIAEoAUgPiAEBEjoKDm1vZGVsX3BvbGljaWVzGBEgAygLMiIuY29tcGFjdGQudjEuTW9kZWxDb21wYWN0aW9uUG9saWN5EhgKC3JlY2FsbF90b29sGBIgASgISBCIAQESHQoQcmVjYWxsX3Rvb2xfbmFtZRgTIAEoCUgRiAEBQhIKEF90aHJlc2hvbGRfcmF0aW9CEgoQX2hlYWRyb29tX3Rva2Vuc0IPCg1fcmV0YWluX3JhdGlvQhAKDl9yZXRhaW5fdG9rZW5zQhkKF19zdW1tYXJpemF0aW9uX3Byb3ZpZGVyQhYKFF9zdW1tYXJpemF0aW9uX21vZGVsQg0KC19tYXhfdG9rZW5zQhUKE19jb21wYWN0aW9uX3JldHJpZXNCFwoVX21heF9vdmVyZmxvd19yZXRyaWVzQgcKBV9hdXRvQg8KDV9zdW1tYXJ5X2dhdGVCFgoUX21pbl9yZWR1Y3Rpb25fcmF0aW9CFgoUX21pbl9wcm9iZV9yZXRlbnRpb25CFgoUX2V4dHJhY3RpdmVfZmFsbGJhY2tCGgoYX2ZhaWx1cmVfYmFja29mZl9zZWNvbmRzQh4KHF9mYWlsdXJlX2JhY2tvZmZfbWF4X3NlY29uZHNCDgoMX3JlY2FsbF90b29sQhMKEV9yZWNhbGxfdG9vbF9uYW1lIuwHChVNb2RlbENvbXBhY3Rpb25Qb2xpY3kSEAoIcHJvdmlkZXIYASABKAkSDQoFbW9kZWwYAiABKAkSHAoPdGhyZXNob2xkX3JhdGlvGAMgASgBSACIAQESHAoPaGVhZHJvb21fdG9rZW5zGAQgASgDSAGIAQESGQoMcmV0YWluX3JhdGlvGAUgASgBSAKIAQESGgoNcmV0YWluX3Rva2VucxgGIAEoA0gDiAEBEiMKFnN1bW1hcml6YXRpb25fcHJvdmlkZXIYByABKAlIBIgBARIgChNzdW1tYXJpemF0aW9uX21vZGVsGAggASgJSAWIAQESFwoKbWF4X3Rva2VucxgJIAEoA0gGiAEBEh8KEmNvbXBhY3Rpb25fcmV0cmllcxgKIAEoA0gHiAEBEiEKFG1heF9vdmVyZmxvd19yZXRyaWVzGAsgASgDSAiIAQESEQoEYXV0bxgMIAEoCEgJiAEBEhkKDHN1bW1hcnlfZ2F0ZRgNIAEoCEgKiAEBEiAKE21pbl9yZWR1Y3Rpb25fcmF0aW8YDiABKAFIC4gBARIgChNtaW5fcHJvYmVfcmV0ZW50aW9uGA8gASgBSAyIAQESIAoTZXh0cmFjdGl2ZV9mYWxsYmFjaxgQIAEoCEgNiAEBEiQKF2ZhaWx1cmVfYmFja29mZl9zZWNvbmRzGBEgASgBSA6IAQESKAobZmFpbHVyZV9iYWNrb2ZmX21heF9zZWNvbmRzGBIgASgBSA+IAQESGAoLcmVjYWxsX3Rvb2wYEyABKAhIEIgBARIdChByZWNhbGxfdG9vbF9uYW1lGBQgASgJSBGIAQFCEgoQX3RocmVzaG9sZF9yYXRpb0ISChBfaGVhZHJvb21fdG9rZW5zQg8KDV9yZXRhaW5fcmF0aW9CEAoOX3JldGFpbl90b2tlbnNCGQoXX3N1bW1hcml6YXRpb25fcHJvdmlkZXJCFgoUX3N1bW1hcml6YXRpb25fbW9kZWxCDQoLX21heF90b2tlbnNCFQoTX2NvbXBhY3Rpb25fcmV0cmllc0IXChVfbWF4X292ZXJmbG93X3JldHJpZXNCBwoFX2F1dG9CDwoNX3N1bW1hcnlfZ2F0ZUIWChRfbWluX3JlZHVjdGlvbl9yYXRpb0IWChRfbWluX3Byb2JlX3JldGVudGlvbkIWChRfZXh0cmFjdGl2ZV9mYWxsYmFja0IaChhfZmFpbHVyZV9iYWNrb2ZmX3NlY29uZHNCHgocX2ZhaWx1cmVfYmFja29mZl9tYXhfc2Vjb25kc0IOCgxfcmVjYWxsX3Rvb2xCEwoRX3JlY2FsbF90b29sX25hbWUiQAoRU3VyZmFjZU5vZGVEZXRhaWwSFAoMcm91dGVfdG9rZW5zGAEgASgDEhUKDXNoYWRvd190b2tlbnMYAiABKAMiRgoLTWV0ZXJBbmNob3ISCwoDc2VxGAEgASgDEhQKDHVzYWdlX3Rva2VucxgCIAEoAxIUCgxkZWx0YV90b2tlbnMYAyABKAMiWQoMU2hhZG93ZWROb2RlEgsKA3NlcRgBIAEoAxIMCgR0eXBlGAIgASgJEhcKD3NoYWRvd2VkX2J5X3NlcRgDIAEoAxIVCg1jb21wYWN0aW9uX2lkGAQgASgJIsUBCg1TdXJmYWNlRGV0YWlsEiEKBXJvdXRlGAEgASgLMhIuY29tcGFjdGQudjEuUm91dGUSHgoWcmVwbGFjZW1lbnRfZ2VuZXJhdGlvbhgCIAEoAxIaChJjb250ZW50X2dlbmVyYXRpb24YAyABKAMSKAoGYW5jaG9yGAQgASgLMhguY29tcGFjdGQudjEuTWV0ZXJBbmNob3ISKwoIc2hhZG93ZWQYBSADKAsyGS5jb21wYWN0ZC52MS5TaGFkb3dlZE5vZGUqqgEKC01lc3NhZ2VSb2xlEhwKGE1FU1NBR0VfUk9MRV9VTlNQRUNJRklFRBAAEhcKE01FU1NBR0VfUk9MRV9TWVNURU0QARIaChZNRVNTQUdFX1JPTEVfREVWRUxPUEVSEAISFQoRTUVTU0FHRV9ST0xFX1VTRVIQAxIaChZNRVNTQUdFX1JPTEVfQVNTSVNUQU5UEAQSFQoRTUVTU0FHRV9ST0xFX1RPT0wQBTKiBQoOU2Vzc2lvblNlcnZpY2USVgoNQ3JlYXRlU2Vzc2lvbhIhLmNvbXBhY3RkLnYxLkNyZWF0ZVNlc3Npb25SZXF1ZXN0GiIuY29tcGFjdGQudjEuQ3JlYXRlU2Vzc2lvblJlc3BvbnNlElMKDEFwcGVuZEV2ZW50cxIgLmNvbXBhY3RkLnYxLkFwcGVuZEV2ZW50c1JlcXVlc3QaIS5jb21wYWN0ZC52MS5BcHBlbmRFdmVudHNSZXNwb25zZRJPCgpMaXN0RXZlbnRzEh4uY29tcGFjdGQudjEuTGlzdEV2ZW50c1JlcXVlc3QaHy5jb21wYWN0ZC52MS5MaXN0RXZlbnRzUmVzcG9uc2UwARJNCgpHZXRTdXJmYWNlEh4uY29tcGFjdGQudjEuR2V0U3VyZmFjZVJlcXVlc3QaHy5jb21wYWN0ZC52MS5HZXRTdXJmYWNlUmVzcG9uc2USUwoMQnVpbGRSZXF1ZXN0EiAuY29tcGFjdGQudjEuQnVpbGRSZXF1ZXN0UmVxdWVzdBohLmNvbXBhY3RkLnYxLkJ1aWxkUmVxdWVzdFJlc3BvbnNlElMKDExpc3RTZXNzaW9ucxIgLmNvbXBhY3RkLnYxLkxpc3RTZXNzaW9uc1JlcXVlc3QaIS5jb21wYWN0ZC52MS5MaXN0U2Vzc2lvbnNSZXNwb25zZRJWCg1EZWxldGVTZXNzaW9uEiEuY29tcGFjdGQudjEuRGVsZXRlU2Vzc2lvblJlcXVlc3QaIi5jb21wYWN0ZC52MS5EZWxldGVTZXNzaW9uUmVzcG9uc2USQQoGUmVjYWxsEhouY29tcGFjdGQudjEuUmVjYWxsUmVxdWVzdBobLmNvbXBhY3RkLnYxLlJlY2FsbFJlc3BvbnNlYgZwcm90bzM", [file_compactd_v1_events, file_google_protobuf_struct, file_google_protobuf_timestamp]);
 
 /**
  * A session.
@@ -660,6 +660,218 @@ export const DeleteSessionResponseSchema: GenMessage<DeleteSessionResponse> = /*
   messageDesc(file_compactd_v1_session_service, 16);
 
 /**
+ * Request for `Recall`.
+ *
+ * @generated from message compactd.v1.RecallRequest
+ */
+export type RecallRequest = Message$1<"compactd.v1.RecallRequest"> & {
+  /**
+   * The session.
+   *
+   * @generated from field: string session_id = 1;
+   */
+  sessionId: string;
+
+  /**
+   * A handle as the model quoted it: `c41-9f3a`, `recall:c41-9f3a` or `[recall:c41-9f3a]`.
+   * Set this or `seqs`.
+   *
+   * @generated from field: string handle = 2;
+   */
+  handle: string;
+
+  /**
+   * The seqs of the events to read (at most 1000); set this or `handle`.
+   *
+   * @generated from field: repeated int64 seqs = 3;
+   */
+  seqs: bigint[];
+
+  /**
+   * Optional: only the lines of text (messages, tool results, tool-call arguments) that contain
+   * this, compared case-insensitively; events without such a line are left out.
+   *
+   * @generated from field: string query = 4;
+   */
+  query: string;
+
+  /**
+   * Most bytes of `RecalledEvent`s in one page: 0 means 65536; values are clamped to
+   * [1024, 1048576]. An event larger than a page is cut into pieces (`RecalledEvent.offset`).
+   *
+   * @generated from field: int32 max_bytes = 5;
+   */
+  maxBytes: number;
+
+  /**
+   * `next_page_token` of the previous page of the same request; empty for the first page.
+   *
+   * @generated from field: string page_token = 6;
+   */
+  pageToken: string;
+};
+
+/**
+ * Describes the message compactd.v1.RecallRequest.
+ * Use `create(RecallRequestSchema)` to create a new message.
+ */
+export const RecallRequestSchema: GenMessage<RecallRequest> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_session_service, 17);
+
+/**
+ * One original event (or, for an event larger than a page, one piece of it).
+ *
+ * @generated from message compactd.v1.RecalledEvent
+ */
+export type RecalledEvent = Message$1<"compactd.v1.RecalledEvent"> & {
+  /**
+   * Its seq.
+   *
+   * @generated from field: int64 seq = 1;
+   */
+  seq: bigint;
+
+  /**
+   * Its event type string, e.g. `tool/result`.
+   *
+   * @generated from field: string type = 2;
+   */
+  type: string;
+
+  /**
+   * The model-visible message it projects to, images as they were (no offload applied);
+   * absent for an event that projects to none (a `compaction/*` event, an empty message) and
+   * with `query` (see `lines`).
+   *
+   * @generated from field: compactd.v1.Message message = 3;
+   */
+  message?: Message | undefined;
+
+  /**
+   * Hex SHA-256 of the event's stored bytes (the deterministic serialization `ListEvents`
+   * returns): a recalled event can be checked against the log.
+   *
+   * @generated from field: string sha256 = 4;
+   */
+  sha256: string;
+
+  /**
+   * With `query`: the matching lines.
+   *
+   * @generated from field: repeated compactd.v1.RecalledLine lines = 5;
+   */
+  lines: RecalledLine[];
+
+  /**
+   * The code point offset of this piece's text in the event's text (its text blocks joined);
+   * 0 for a whole event or its first piece.
+   *
+   * @generated from field: int64 offset = 6;
+   */
+  offset: bigint;
+
+  /**
+   * Whether the event's text continues on the next page.
+   *
+   * @generated from field: bool truncated = 7;
+   */
+  truncated: boolean;
+};
+
+/**
+ * Describes the message compactd.v1.RecalledEvent.
+ * Use `create(RecalledEventSchema)` to create a new message.
+ */
+export const RecalledEventSchema: GenMessage<RecalledEvent> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_session_service, 18);
+
+/**
+ * A line of a recalled event that matches `RecallRequest.query`.
+ *
+ * @generated from message compactd.v1.RecalledLine
+ */
+export type RecalledLine = Message$1<"compactd.v1.RecalledLine"> & {
+  /**
+   * Index of the content block (tool calls: the call's arguments) in the message.
+   *
+   * @generated from field: int32 block = 1;
+   */
+  block: number;
+
+  /**
+   * Line number in the block, from 1.
+   *
+   * @generated from field: int32 line = 2;
+   */
+  line: number;
+
+  /**
+   * The line.
+   *
+   * @generated from field: string text = 3;
+   */
+  text: string;
+};
+
+/**
+ * Describes the message compactd.v1.RecalledLine.
+ * Use `create(RecalledLineSchema)` to create a new message.
+ */
+export const RecalledLineSchema: GenMessage<RecalledLine> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_session_service, 19);
+
+/**
+ * Response for `Recall`.
+ *
+ * @generated from message compactd.v1.RecallResponse
+ */
+export type RecallResponse = Message$1<"compactd.v1.RecallResponse"> & {
+  /**
+   * The log revision the page was read at.
+   *
+   * @generated from field: int64 revision = 1;
+   */
+  revision: bigint;
+
+  /**
+   * Every seq the handle covers, in the order the model saw them (surface order), or the
+   * requested seqs in ascending order; the pages walk them in this order.
+   *
+   * @generated from field: repeated int64 seqs = 2;
+   */
+  seqs: bigint[];
+
+  /**
+   * This page's events.
+   *
+   * @generated from field: repeated compactd.v1.RecalledEvent events = 3;
+   */
+  events: RecalledEvent[];
+
+  /**
+   * Token for the next page; empty on the last page.
+   *
+   * @generated from field: string next_page_token = 4;
+   */
+  nextPageToken: string;
+
+  /**
+   * The page rendered as plain text for a model: what a recall tool call's result holds (see
+   * the clients' `answer_recall`). It ends with how to ask for the next page, if any.
+   *
+   * @generated from field: string text = 5;
+   */
+  text: string;
+};
+
+/**
+ * Describes the message compactd.v1.RecallResponse.
+ * Use `create(RecallResponseSchema)` to create a new message.
+ */
+export const RecallResponseSchema: GenMessage<RecallResponse> = /*@__PURE__*/
+  messageDesc(file_compactd_v1_session_service, 20);
+
+/**
  * Per-session compaction policy overrides: every setting of the service's `[compaction]` table.
  * An absent field inherits (the service's setting for the route, else the default). The spec's
  * camelCase names are these fields' JSON names. Defaults and units are the README's policy table.
@@ -788,6 +1000,22 @@ export type CompactionPolicy = Message$1<"compactd.v1.CompactionPolicy"> & {
    * @generated from field: repeated compactd.v1.ModelCompactionPolicy model_policies = 17;
    */
   modelPolicies: ModelCompactionPolicy[];
+
+  /**
+   * `recallTool`: rebuilt requests declare the recall tool, whose calls the runtime answers
+   * through `SessionService.Recall`; it is priced in the envelope like any tool. Default false.
+   *
+   * @generated from field: optional bool recall_tool = 18;
+   */
+  recallTool?: boolean | undefined;
+
+  /**
+   * `recallToolName`: the recall tool's name, 1-64 characters of `[A-Za-z0-9_-]`. Default
+   * `recall`.
+   *
+   * @generated from field: optional string recall_tool_name = 19;
+   */
+  recallToolName?: string | undefined;
 };
 
 /**
@@ -795,7 +1023,7 @@ export type CompactionPolicy = Message$1<"compactd.v1.CompactionPolicy"> & {
  * Use `create(CompactionPolicySchema)` to create a new message.
  */
 export const CompactionPolicySchema: GenMessage<CompactionPolicy> = /*@__PURE__*/
-  messageDesc(file_compactd_v1_session_service, 17);
+  messageDesc(file_compactd_v1_session_service, 21);
 
 /**
  * The overrides of one exact provider/model route (`modelPolicies[i]`); absent fields inherit.
@@ -928,6 +1156,20 @@ export type ModelCompactionPolicy = Message$1<"compactd.v1.ModelCompactionPolicy
    * @generated from field: optional double failure_backoff_max_seconds = 18;
    */
   failureBackoffMaxSeconds?: number | undefined;
+
+  /**
+   * As `CompactionPolicy.recall_tool`.
+   *
+   * @generated from field: optional bool recall_tool = 19;
+   */
+  recallTool?: boolean | undefined;
+
+  /**
+   * As `CompactionPolicy.recall_tool_name`.
+   *
+   * @generated from field: optional string recall_tool_name = 20;
+   */
+  recallToolName?: string | undefined;
 };
 
 /**
@@ -935,7 +1177,7 @@ export type ModelCompactionPolicy = Message$1<"compactd.v1.ModelCompactionPolicy
  * Use `create(ModelCompactionPolicySchema)` to create a new message.
  */
 export const ModelCompactionPolicySchema: GenMessage<ModelCompactionPolicy> = /*@__PURE__*/
-  messageDesc(file_compactd_v1_session_service, 18);
+  messageDesc(file_compactd_v1_session_service, 22);
 
 /**
  * The prices of one surface node.
@@ -963,7 +1205,7 @@ export type SurfaceNodeDetail = Message$1<"compactd.v1.SurfaceNodeDetail"> & {
  * Use `create(SurfaceNodeDetailSchema)` to create a new message.
  */
 export const SurfaceNodeDetailSchema: GenMessage<SurfaceNodeDetail> = /*@__PURE__*/
-  messageDesc(file_compactd_v1_session_service, 19);
+  messageDesc(file_compactd_v1_session_service, 23);
 
 /**
  * The meter's usage anchor: provider usage prices the envelope up to `seq`.
@@ -998,7 +1240,7 @@ export type MeterAnchor = Message$1<"compactd.v1.MeterAnchor"> & {
  * Use `create(MeterAnchorSchema)` to create a new message.
  */
 export const MeterAnchorSchema: GenMessage<MeterAnchor> = /*@__PURE__*/
-  messageDesc(file_compactd_v1_session_service, 20);
+  messageDesc(file_compactd_v1_session_service, 24);
 
 /**
  * A log node no longer on the surface, and the replacement that shadowed it.
@@ -1040,7 +1282,7 @@ export type ShadowedNode = Message$1<"compactd.v1.ShadowedNode"> & {
  * Use `create(ShadowedNodeSchema)` to create a new message.
  */
 export const ShadowedNodeSchema: GenMessage<ShadowedNode> = /*@__PURE__*/
-  messageDesc(file_compactd_v1_session_service, 21);
+  messageDesc(file_compactd_v1_session_service, 25);
 
 /**
  * Surface-wide detail of `GetSurface`.
@@ -1089,7 +1331,7 @@ export type SurfaceDetail = Message$1<"compactd.v1.SurfaceDetail"> & {
  * Use `create(SurfaceDetailSchema)` to create a new message.
  */
 export const SurfaceDetailSchema: GenMessage<SurfaceDetail> = /*@__PURE__*/
-  messageDesc(file_compactd_v1_session_service, 22);
+  messageDesc(file_compactd_v1_session_service, 26);
 
 /**
  * The role of a derived model message.
@@ -1258,6 +1500,26 @@ export const SessionService: GenService<{
     methodKind: "unary";
     input: typeof DeleteSessionRequestSchema;
     output: typeof DeleteSessionResponseSchema;
+  },
+  /**
+   * Returns the original events behind a recall handle (or given seqs): what a compaction took
+   * off the surface, as the model saw it before. Every checkpoint and pruned tool result names
+   * what it replaced in a handle (`[recall:c41-9f3a]`, `[recall:p17-03bc]`); a handle is a
+   * function of the log, valid for the session's life on every replica. Each event comes with
+   * the SHA-256 of its stored bytes; a page holds at most `max_bytes` of events, and `query`
+   * narrows them to the matching lines. Reads only: the log does not change.
+   * Errors: NOT_FOUND for the session, and with reason `RECALL_HANDLE_UNKNOWN` for a handle the
+   * session's log does not name (another tenant's handle is NOT_FOUND too: its session does
+   * not exist for the caller); INVALID_ARGUMENT for a malformed handle, neither or both of
+   * `handle` and `seqs`, a seq outside the log, more than 1000 seqs, a negative `max_bytes` or
+   * a `page_token` this server did not issue for the same request.
+   *
+   * @generated from rpc compactd.v1.SessionService.Recall
+   */
+  recall: {
+    methodKind: "unary";
+    input: typeof RecallRequestSchema;
+    output: typeof RecallResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_compactd_v1_session_service, 0);
