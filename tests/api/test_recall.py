@@ -74,7 +74,7 @@ async def pruned_and_compacted(h: Harness) -> tuple[str, str]:
     replacement = next(e for e in log if e.HasField("tool_result") and e.source_event_seqs)
     assert list(replacement.source_event_seqs) == [big.seq]
     assert replacement.seq in start.compaction_start.shadowed_seqs  # the pruned node
-    return prune_handle(big.seq), checkpoint_handle(start.seq, start.compaction_start.compaction_id)
+    return prune_handle(big.seq), checkpoint_handle(start.seq)
 
 
 def _text(event: events_pb2.SessionEvent) -> str:

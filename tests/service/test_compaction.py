@@ -200,7 +200,7 @@ async def test_the_bracket_is_logged_in_order_and_streamed_step_by_step(
         raw = summary.compaction_summary.summary
         assert message.content[0].text.text == (
             f"{prompts.CHECKPOINT_PREAMBLE}\n\n<compacted-summary>\n{raw}\n</compacted-summary>"
-            f"\n\n{recall_section([checkpoint_handle(start.seq, cid)])}"
+            f"\n\n{recall_section([checkpoint_handle(start.seq)])}"
         )
         assert end.compaction_end.compaction_id == cid
         assert end.compaction_end.error == ""

@@ -107,9 +107,9 @@ def checkpoint_text(
 ) -> str:
     """The checkpoint's text: the framed summary with its open handles
     (``prompts.frame_checkpoint``), then the recall handle of what it replaces
-    (``core.recall``), named by the bracket's start seq and id."""
+    (``core.recall``), named by the bracket's start seq."""
     framed = prompts.frame_checkpoint(summary, open_handles)
-    return with_recall_handles(framed, [checkpoint_handle(start_seq, compaction_id)])
+    return with_recall_handles(framed, [checkpoint_handle(start_seq)])
 
 
 def checkpoint_message(compaction_id: str, framed_text: str) -> SessionEvent:

@@ -5,7 +5,8 @@ quote, ``[recall:c41-9f3a]`` or ``[recall:p17-03bc]``. A handle is a pure functi
 
 - ``c<start>-<check>``: the checkpoint of the bracket whose ``compaction/start`` is at seq
   ``start``; it covers that start's ``shadowed_seqs``. ``check`` is four hex digits of the
-  SHA-256 of the compaction id, so a misquoted handle does not name another bracket.
+  SHA-256 of the kind and the seq, so a misquoted handle does not name another bracket (and the
+  same log always gets the same checkpoint bytes: replays and prefix caches see no noise).
 - ``p<seq>-<check>``: the pruned result that shadowed the ``tool/result`` node at ``seq``; it
   covers ``[seq]``. ``check`` hashes the seq.
 
@@ -44,9 +45,9 @@ class Handle:
         return f"{self.kind}{self.seq}-{self.check}"
 
 
-def checkpoint_handle(start_seq: int, compaction_id: str) -> str:
+def checkpoint_handle(start_seq: int) -> str:
     """The handle of the checkpoint of the bracket that opened at ``start_seq``."""
-    return f"{CHECKPOINT}{start_seq}-{_check(CHECKPOINT + compaction_id)}"
+    return f"{CHECKPOINT}{start_seq}-{_check(f'{CHECKPOINT}{start_seq}')}"
 
 
 def prune_handle(shadowed_seq: int) -> str:
@@ -75,7 +76,7 @@ def covered_seqs(handle: Handle, event: SessionEvent | None) -> tuple[int, ...] 
     body = event.WhichOneof("body")
     if handle.kind == CHECKPOINT and body == "compaction_start":
         start = event.compaction_start
-        if str(handle) == checkpoint_handle(event.seq, start.compaction_id):
+        if str(handle) == checkpoint_handle(event.seq):
             return tuple(start.shadowed_seqs)
         return None
     if handle.kind == PRUNED and body == "tool_result" and str(handle) == prune_handle(event.seq):

@@ -75,7 +75,7 @@ def _framed_tokens(summary: str) -> float:
 #: The checkpoint's recall section (``core.recall``; a handle of typical width), at one token
 #: per two characters: a handle's digits and punctuation split into short pieces, so the byte-pair
 #: estimate would count it low.
-_SECTION_TOKENS = len(with_recall_handles("", [checkpoint_handle(10_000, "")])) / 2
+_SECTION_TOKENS = len(with_recall_handles("", [checkpoint_handle(10_000)])) / 2
 _FRAME_UNITS = utf16_length(prompts.frame_checkpoint("")) + int(_SECTION_TOKENS * 4)
 #: The least a framed checkpoint may take (estimated tokens) when ``SPAN_SHARE`` of its span is
 #: less: the eight sections with the current state and the first probes (about a hundred tokens
