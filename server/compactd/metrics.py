@@ -14,8 +14,8 @@ Instruments (attribute keys in brackets):
 ``compactd.pressure.tokens``           histogram    measured tokens of each report [route, state]
 ``compactd.compactions``               counter      brackets by outcome: committed, declined,
                                                     relieved (pruning sufficed), failed, skipped
-                                                    (failure memory, crossing budget) [trigger,
-                                                    outcome, reason]
+                                                    (failure memory), masked [trigger, outcome,
+                                                    reason, rung]
 ``compactd.summary.gate``              counter      summaries the quality gate judged: passed,
                                                     rejected, fallback [summarizer, outcome]
 ``compactd.summary.probe_retention``   histogram    share of its span's probes a judged summary

@@ -88,7 +88,7 @@ class Session:
         trigger = events_pb2.COMPACTION_TRIGGER_MANUAL
         self.append([bracket.start_event(cid, trigger, selection, None)])
         start_seq = self.fold.revision - 1
-        text = bracket.checkpoint_text(f"summary of {len(nodes)} nodes", cid, start_seq)
+        text = bracket.checkpoint_text(f"summary of {len(nodes)} nodes", start_seq)
         summary = bracket.summary_event(cid, "summary", selection, TOKENS)
         self.append([summary])
         checkpoint = bracket.checkpoint_event(

@@ -102,9 +102,7 @@ def summary_event(
     return SessionEvent(compaction_summary=body)
 
 
-def checkpoint_text(
-    summary: str, compaction_id: str, start_seq: int, open_handles: str = ""
-) -> str:
+def checkpoint_text(summary: str, start_seq: int, open_handles: str = "") -> str:
     """The checkpoint's text: the framed summary with its open handles
     (``prompts.frame_checkpoint``), then the recall handle of what it replaces
     (``core.recall``), named by the bracket's start seq."""

@@ -22,8 +22,8 @@ The summary quality gate and failure memory (``core.gate``, ``core.attempts``):
 ``minReductionRatio``         0.1      the checkpoint is at least this much smaller, [0, 1)
 ``minProbeRetention``         0.5      share of the span's probes a summary keeps, [0, 1]
 ``extractiveFallback``        false    a rejected summary is replaced by the extractive one
-``failureBackoffSeconds``     300      first wait before a failed span is sent again (0: no
-                                       failure memory and no per-crossing budget)
+``failureBackoffSeconds``     300      first wait before a span that failed transiently is
+                                       sent again (0: no failure memory)
 ``failureBackoffMaxSeconds``  3600     the longest wait (the backoff doubles up to it)
 ============================  =======  ===================================================
 

@@ -168,7 +168,7 @@ class Brackets:
 
     Args:
         summarizers: Summary targets and their summarizers.
-        guard: Minimum spans, failure memory and crossing budgets.
+        guard: Minimum spans and failure memory.
         screener: The quality gate.
         tracer: Where the ``compaction.<step>`` spans go (timed by ``metrics``).
         metrics: Where the compactions' outcomes go.
@@ -558,9 +558,7 @@ class Brackets:
             raise BracketFailed(f"stale summary rejected: {stale}", reason=Reason.SPAN_DRIFT)
         span = handle.fold.surface.nodes[selection.start_position : selection.end_position + 1]
         handles = prompts.open_handles_section(open_handles(handle.fold, span))
-        framed = bracket.checkpoint_text(
-            screened.summary.text, compaction_id, opened.start_seq, handles
-        )
+        framed = bracket.checkpoint_text(screened.summary.text, opened.start_seq, handles)
         checkpoint = bracket.checkpoint_message(compaction_id, framed)
         tokens = _measurement(job, selection, written.envelope_before, checkpoint, screened)
         summary_seq = handle.fold.revision

@@ -10,7 +10,7 @@ the session stays in memory:
   service's usage calibration.
 - ``policy``: the session's policy resolved over the service's, kept until either changes.
 - ``memory``: what the session's compactions learned in this process (``SessionMemory``: the
-  failure memory and crossing budget of ``core.attempts``, the targets already warned about). It
+  failure memory of ``core.attempts``, the targets already warned about). It
   outlives an eviction (the manager hands it to the next context of the session) but not a
   restart; the log keeps every failed bracket for audit.
 """
@@ -28,7 +28,7 @@ from compactd.core.policy import PressurePolicy
 class SessionMemory:
     """What a session's compactions learned in this process (kept across an eviction)."""
 
-    #: Failed spans per summary target, and the current threshold crossing's budget.
+    #: Failed spans per summary target.
     failures: AttemptLedger = field(default_factory=AttemptLedger)
     #: Targets whose pressure could not be checked, already warned about once.
     warned_targets: set[str] = field(default_factory=set)

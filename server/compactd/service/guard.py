@@ -45,7 +45,7 @@ _TYPICAL_START = 10_000
 
 
 class CompactionGuard:
-    """Minimum spans, failure memory and crossing budgets; one per server."""
+    """Minimum spans and failure memory; one per server."""
 
     def __init__(
         self,
@@ -82,12 +82,12 @@ class CompactionGuard:
         """The empty checkpoint's price per pricing profile: priced once, not every bracket."""
         price = self._skeletons.get(pricing)
         if price is None:
-            text = bracket.checkpoint_text(prompts.summary_skeleton(), "", _TYPICAL_START)
+            text = bracket.checkpoint_text(prompts.summary_skeleton(), _TYPICAL_START)
             skeleton = bracket.checkpoint_message("", text)
             price = self._skeletons[pricing] = price_node(skeleton, pricing).total
         return price
 
-    # ---- 2. failure memory and crossing budgets -------------------------------------------
+    # ---- 2. failure memory -------------------------------------------------------------
 
     def hold(
         self, handle: SessionHandle, selection: Selection, target: Route, policy: TargetPolicy

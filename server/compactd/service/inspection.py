@@ -438,7 +438,7 @@ def _nodes(fold: SessionFold, chosen: Selection) -> list[SurfaceNode]:
 
 def _skeleton() -> events_pb2.SessionEvent:
     """The smallest useful checkpoint: the framing around the instruction's empty sections."""
-    text = bracket.checkpoint_text(prompts.summary_skeleton(), "", 10_000)  # a typical handle
+    text = bracket.checkpoint_text(prompts.summary_skeleton(), 10_000)  # a typical handle
     return bracket.checkpoint_message("", text)
 
 

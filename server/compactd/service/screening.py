@@ -246,7 +246,7 @@ async def _verdict(judging: _Judging, text: str) -> gate.Verdict:
     the text checks run here (a chat template route's whole price, which renders text first).
     Collecting the texts here leaves the worker little but the tokenizer to run.
     """
-    framed = bracket.checkpoint_text(text, judging.compaction_id, judging.start_seq)
+    framed = bracket.checkpoint_text(text, judging.start_seq)
     checkpoint = bracket.checkpoint_message(judging.compaction_id, framed)
     route = judging.shrink_route
     texts = node_texts(checkpoint, route.pricing)

@@ -8,10 +8,11 @@
    its policy) and logs its header;
 3. the envelope is priced on the step's route; a route that cannot be priced (no capacity, a
    policy that does not fit its window, no route at all) warns once per target and goes on;
-4. below the trigger nothing happens (a below-pressure step never prunes) and the crossing ends;
-   above it, with ``auto``, the step relieves pressure: it prunes, then runs brackets
-   (``service.bracket``) on the oldest balanced spans until pressure is below the trigger, the
-   policy's ``compactionRetries`` are spent, or the guard's crossing budget is;
+4. below the trigger nothing happens (a below-pressure step never prunes); above it, with
+   ``auto``, the step goes down a ladder (``_relieve``): it prunes, runs one bracket
+   (``service.bracket``), and while the request is still over the window masks older tool
+   outputs and runs the overflow path's extractive bracket; every step ends with a typed
+   outcome (``core.outcome``);
 5. the result carries the reports before and after, what was pruned and compacted, the
    warnings, and the request to send (only the messages appended since ``held_revision`` when
    the surface just grew since).
