@@ -22,6 +22,12 @@ Instruments (attribute keys in brackets):
                                                     kept [summarizer]
 ``compactd.compaction.tokens_freed``   counter      route tokens a committed bracket freed
 ``compactd.prunes``                    counter      tool results pruned
+``compactd.ahead.candidates``          counter      summaries prepared ahead of the trigger, by
+                                                    outcome: started, ready, failed, applied,
+                                                    discarded, fallback (the bounded wait ran
+                                                    out), cancelled [outcome]
+``compactd.ahead.wait``                histogram    seconds a step at the trigger waited for a
+                                                    candidate it applied (0: it was ready)
 ``compactd.bracket.step.duration``     histogram    seconds per bracket step [step]
 ``compactd.summary.duration``          histogram    seconds per summary [summarizer, outcome]
 ``gen_ai.client.operation.duration``   histogram    seconds per model call (GenAI conventions)
@@ -117,6 +123,14 @@ class Metrics:
             explicit_bucket_boundaries_advisory=_SHARES,
             description="Share of its span's probes a judged summary kept",
         )  # fmt: skip
+        self._ahead = meter.create_counter(
+            "compactd.ahead.candidates", unit="{candidate}",
+            description="Summaries prepared ahead of the trigger, by outcome",
+        )  # fmt: skip
+        self._ahead_wait = meter.create_histogram(
+            "compactd.ahead.wait", unit="s", explicit_bucket_boundaries_advisory=_SECONDS,
+            description="Seconds a step at the trigger waited for the candidate it applied",
+        )  # fmt: skip
         self._appended = meter.create_counter(
             "compactd.events.appended", unit="{event}", description="Events appended by clients"
         )
@@ -153,6 +167,13 @@ class Metrics:
         self._compactions.add(1, attributes)
         if freed > 0:
             self._freed.add(freed, {"compactd.trigger": trigger})
+
+    def ahead(self, outcome: str, *, waited: float | None = None) -> None:
+        """A candidate prepared ahead of the trigger moved on (``started``, ``ready``, ``failed``,
+        ``applied`` after ``waited`` seconds, ``discarded``, ``fallback``, ``cancelled``)."""
+        self._ahead.add(1, {"compactd.outcome": outcome})
+        if waited is not None:
+            self._ahead_wait.record(waited)
 
     def gate(self, summarizer: str, outcome: str, retention: float) -> None:
         """The quality gate judged a summary (``passed``, ``rejected`` or ``fallback``)."""

@@ -145,6 +145,7 @@ class CompactionRecord:
     summarizer: str
     seconds: float
     outcome: str  # "committed", or the failure's reason
+    prepared_ahead: bool = False  # its summary was written before the trigger (issue 35)
 
     @property
     def committed(self) -> bool:
@@ -409,6 +410,7 @@ def _bracket(
         summarizer=written.summarizer if written is not None else "",
         seconds=max(0.0, seconds),
         outcome="committed" if committed else (closed.error_reason or "not committed"),
+        prepared_ahead=opened.HasField("prepared_ahead"),
     )
 
 

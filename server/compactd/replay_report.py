@@ -141,7 +141,7 @@ def bracket_table(replays: Sequence[SessionReplay]) -> str:
             f"{c.checkpoint_tokens:,}",
             f"{c.summary_chars:,}",
             f"{c.seconds * 1000:,.0f}",
-            c.outcome,
+            _outcome(c),
         )
         for number, result in enumerate(replays, 1)
         for index, c in enumerate(result.compactions, 1)
@@ -149,6 +149,11 @@ def bracket_table(replays: Sequence[SessionReplay]) -> str:
     if not body:
         return "no compaction brackets"
     return _aligned(BRACKET_COLUMNS, body)
+
+
+def _outcome(record: CompactionRecord) -> str:
+    """A bracket's outcome, marked when its summary was prepared ahead of the trigger."""
+    return f"{record.outcome} (ahead)" if record.prepared_ahead else record.outcome
 
 
 def _aligned(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
@@ -384,7 +389,7 @@ def _compaction_table(compactions: Sequence[CompactionRecord]) -> str:
             f"{c.summary_chars:,}",
             c.summarizer,
             f"{c.seconds * 1000:,.0f} ms",
-            c.outcome,
+            _outcome(c),
         )
         body.append(
             "<tr>" + "".join(f"<td class=n>{html.escape(cell)}</td>" for cell in cells) + "</tr>"

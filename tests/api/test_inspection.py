@@ -188,7 +188,7 @@ async def test_the_plan_names_every_setting_with_its_origin(
         assert origins["auto"] == cpb.POLICY_ORIGIN_SESSION_ROUTE
         assert origins["summaryGate"] == cpb.POLICY_ORIGIN_DEFAULT
         assert origins["retainRatio"] == cpb.POLICY_ORIGIN_SERVICE  # retainTokens replaced it
-        assert len(origins) == 18  # the policy table, recallTool and recallToolName included
+        assert len(origins) == 20  # the policy table, the recall tool and prepare-ahead included
         assert plan.policy.compaction_retries == 3
         assert not plan.policy.auto
         assert not plan.policy.HasField("retain_ratio")

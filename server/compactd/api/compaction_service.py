@@ -11,6 +11,7 @@ from compactd.api.session_service import require_session_id
 from compactd.api.status import handle_errors
 from compactd.errors import FieldViolation, InvalidArgument
 from compactd.routes import Route
+from compactd.service.ahead import AheadService
 from compactd.service.bracket import Progress
 from compactd.service.inspection import MODES, InspectionService
 from compactd.service.pressure import PressureService
@@ -40,7 +41,9 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
         switch: SwitchService,
         inspection: InspectionService,
         reverts: RevertService,
+        ahead: AheadService | None = None,
     ) -> None:
+        self._ahead = ahead  # WatchPressure's candidate in progress
         self._inspection = inspection
         self._reverts = reverts
         self._pressure = pressure
@@ -64,7 +67,12 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
         require_session_id(request.session_id)
         destination = self._destination(request.destination, request.HasField("destination"))
         async for report in self._pressure.watch(request.session_id, destination):
-            yield pb.WatchPressureResponse(report=report)
+            response = pb.WatchPressureResponse(report=report)
+            if self._ahead is not None:
+                candidate = await self._ahead.candidate_of(request.session_id)
+                if candidate is not None:
+                    response.candidate.CopyFrom(candidate)
+            yield response
 
     @handle_errors
     async def PrepareStep(  # type: ignore[override]  # streams through context.write

@@ -40,6 +40,7 @@ from compactd.metrics import Metrics
 from compactd.providers.base import Summarizer
 from compactd.reasons import Reason
 from compactd.routes import RouteCatalog
+from compactd.service.ahead import AheadService
 from compactd.service.bracket import Brackets, SummaryErrorRecovery
 from compactd.service.guard import CompactionGuard
 from compactd.service.inspection import InspectionService
@@ -95,6 +96,7 @@ class RunningServer:
     health_server: grpc.aio.Server | None = None  # the plaintext health-only listener
     health_port: int = 0
     quotas: QuotaBook | None = None  # issue 10: tenant quotas
+    ahead: AheadService | None = None  # issue 35: summaries prepared ahead, in the background
 
     async def reload(self) -> bool:
         """Re-read the TLS and tokens files now (what SIGHUP does); True if any changed."""
@@ -116,6 +118,8 @@ class RunningServer:
             if background is not None:
                 await background.stop()
         await self.server.stop(self.config.shutdown_grace_s if grace is None else grace)
+        if self.ahead is not None:  # background summaries: cancelled, their candidates dropped
+            await self.ahead.close()
         if self.health_server is not None:
             await self.health_server.stop(0)
         await self.manager.close()
@@ -367,7 +371,8 @@ async def _serve_on(
     pruning = Pruning(parts.pruner, tracer=tracer, metrics=metrics)
     recovery = RecoveryService(manager, pressure, brackets, pruning, wall_clock)
     switch = SwitchService(manager, pressure, brackets, pruning)
-    steps = StepService(manager, pressure, brackets, pruning, switch)
+    ahead = AheadService(manager, store, pressure, brackets, tracer=tracer, metrics=metrics)
+    steps = StepService(manager, pressure, brackets, pruning, switch, ahead)
     telemetry.quiet_cancelled_stream_detach()
     chain = interceptors.chain(
         provider,
@@ -384,12 +389,23 @@ async def _serve_on(
     )  # plans, surface detail, bracket history
     replies.add_servicer(  # GetSurface and BuildRequest hand grpc their bytes
         session_service_pb2_grpc.add_SessionServiceServicer_to_server,
-        SessionServicer(manager, max_batch_events=config.max_batch_events, inspection=inspection),
+        SessionServicer(
+            manager,
+            max_batch_events=config.max_batch_events,
+            inspection=inspection,
+            after_append=ahead.after_append,
+        ),
         server,
     )
     compaction_service_pb2_grpc.add_CompactionServiceServicer_to_server(
         CompactionServicer(
-            pressure, steps, recovery, switch, inspection, RevertService(manager, tracer)
+            pressure,
+            steps,
+            recovery,
+            switch,
+            inspection,
+            RevertService(manager, tracer),
+            ahead,
         ),
         server,
     )
@@ -407,7 +423,7 @@ async def _serve_on(
     uninstall = redaction.install(redactor)  # every log line, from here on
     running = RunningServer(
         server, bound, store, manager, health_servicer, config, provider, owns_provider,
-        owned_meter, prometheus, pressure, uninstall, quotas=quotas,
+        owned_meter, prometheus, pressure, uninstall, quotas=quotas, ahead=ahead,
     )  # fmt: skip
     for message, fields in startup_report(running, parts, summarizers):
         log.info(message, extra=fields)

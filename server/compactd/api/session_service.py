@@ -6,7 +6,7 @@ import base64
 import json
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -45,7 +45,9 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         *,
         max_batch_events: int,
         inspection: InspectionService,
+        after_append: Callable[[SessionHandle], None] | None = None,
     ) -> None:
+        self._after_append = after_append  # prepare-ahead (``AheadService.after_append``)
         self._manager = manager
         self._max_batch_events = max_batch_events
         self._inspection = inspection  # GetSurface's detail
@@ -85,6 +87,8 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
             max_events=self._max_batch_events,
             origin=Origin.CLIENT,
         )
+        if self._after_append is not None:
+            self._after_append(handle)
         return pb.AppendEventsResponse(seqs=result.seqs, revision=result.revision)
 
     @handle_errors

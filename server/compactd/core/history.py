@@ -88,6 +88,8 @@ def _opened(event: SessionEvent) -> cpb.BracketRecord:
     )
     if start.HasField("turn"):
         record.turn = start.turn
+    if start.HasField("prepared_ahead"):  # its summary was written before the trigger
+        record.prepared_ahead.CopyFrom(start.prepared_ahead)
     record.steps.append(_step(cpb.COMPACTION_STEP_START, event, ""))
     return record
 

@@ -13,6 +13,11 @@ Settings use the spec's camelCase names and defaults:
 ``maxOverflowRetries`` 1          retries after a provider-confirmed overflow
 ``modelPolicies``      ``[]``     exact ``{provider, model, ...}`` overrides
 ``auto``               true       automatic compaction and overflow recovery
+``prepareAheadRatio``  0 (off)    prepare the summary ahead once the envelope reaches
+                                  ``floor(min(W * prepareAheadRatio, W - O - B))``, in
+                                  (0, thresholdRatio); 0 or absent: off (``core.ahead``)
+``prepareAheadWaitMs`` 2000       how long a step at the trigger waits for a candidate still
+                                  being prepared before it summarizes itself (integer >= 0)
 =====================  =========  ==========================================================
 
 The summary quality gate and failure memory (``core.gate``, ``core.attempts``):
@@ -66,6 +71,9 @@ DEFAULT_MAX_OVERFLOW_RETRIES: Final = 1
 DEFAULT_FAILURE_BACKOFF_SECONDS: Final = 300.0
 DEFAULT_FAILURE_BACKOFF_MAX_SECONDS: Final = 3600.0
 DEFAULT_RECALL_TOOL_NAME: Final = "recall"
+DEFAULT_PREPARE_AHEAD_WAIT_MS: Final = 2000
+#: The longest bounded wait for a candidate a policy may ask for (ten minutes).
+MAX_PREPARE_AHEAD_WAIT_MS: Final = 600_000
 
 # camelCase setting -> PolicyLayer attribute.
 _SETTINGS: Final[dict[str, str]] = {
@@ -87,6 +95,8 @@ _SETTINGS: Final[dict[str, str]] = {
     "failureBackoffMaxSeconds": "failure_backoff_max_seconds",
     "recallTool": "recall_tool",
     "recallToolName": "recall_tool_name",
+    "prepareAheadRatio": "prepare_ahead_ratio",
+    "prepareAheadWaitMs": "prepare_ahead_wait_ms",
 }
 
 RouteKey = tuple[str, str]
@@ -116,6 +126,8 @@ class PolicyLayer:
     failure_backoff_max_seconds: float | None = None
     recall_tool: bool | None = None
     recall_tool_name: str | None = None
+    prepare_ahead_ratio: float | None = None
+    prepare_ahead_wait_ms: int | None = None
 
     def over(self, base: PolicyLayer) -> PolicyLayer:
         """This layer's settings over ``base``'s.
@@ -153,6 +165,13 @@ class TargetPolicy:
     failure_backoff_max_seconds: float = DEFAULT_FAILURE_BACKOFF_MAX_SECONDS
     recall_tool: bool = False
     recall_tool_name: str = DEFAULT_RECALL_TOOL_NAME
+    prepare_ahead_ratio: float = 0.0  # 0: off
+    prepare_ahead_wait_ms: int = DEFAULT_PREPARE_AHEAD_WAIT_MS
+
+    @property
+    def prepares_ahead(self) -> bool:
+        """Whether summaries are prepared ahead of the trigger (``prepareAheadRatio`` > 0)."""
+        return self.prepare_ahead_ratio > 0
 
     @property
     def gate(self) -> GateSettings | None:
@@ -177,6 +196,8 @@ class CompactSpec:
         headroom: B, the headroom tokens.
         trigger: ``floor(min(W * thresholdRatio, W - O - B))``.
         retained_budget: ``floor(retainRatio * (W - O))`` or ``retainTokens``.
+        prepare_ahead: ``floor(min(W * prepareAheadRatio, W - O - B))``, where a summary starts
+            being prepared ahead of the trigger; 0 when ``prepareAheadRatio`` is off.
     """
 
     window: int
@@ -184,6 +205,12 @@ class CompactSpec:
     headroom: int
     trigger: int
     retained_budget: int
+    prepare_ahead: int = 0
+
+    def prepares_ahead(self, measured: int) -> bool:
+        """Whether ``measured`` tokens are at or past the prepare-ahead point (and the option
+        is on)."""
+        return self.prepare_ahead > 0 and measured >= self.prepare_ahead
 
     def is_above(self, measured: int) -> bool:
         """Whether ``measured`` tokens are under pressure (at or over the trigger)."""
@@ -270,7 +297,10 @@ def compact_spec(
     retained = _retained_budget(policy, window - output_reservation)
     if retained >= trigger:
         _invalid(route, f"retained budget {retained} is not below the trigger {trigger}")
-    return CompactSpec(window, output_reservation, headroom, trigger, retained)
+    ahead = 0
+    if policy.prepare_ahead_ratio > 0:
+        ahead = min(math.floor(_exact(policy.prepare_ahead_ratio) * window), room)
+    return CompactSpec(window, output_reservation, headroom, trigger, retained, ahead)
 
 
 def _retained_budget(policy: TargetPolicy, usable: int) -> int:
@@ -323,6 +353,8 @@ def _resolve(layer: PolicyLayer) -> TargetPolicy:
         ),
         recall_tool=_pick(layer.recall_tool, defaults.recall_tool),
         recall_tool_name=_pick(layer.recall_tool_name, defaults.recall_tool_name),
+        prepare_ahead_ratio=_pick(layer.prepare_ahead_ratio, defaults.prepare_ahead_ratio),
+        prepare_ahead_wait_ms=_pick(layer.prepare_ahead_wait_ms, defaults.prepare_ahead_wait_ms),
     )
 
 
@@ -404,6 +436,12 @@ def _check_layer(layer: PolicyLayer, prefix: str) -> None:
             prefix + "failureBackoffMaxSeconds",
             f"{resolved.failure_backoff_max_seconds} must not be below failureBackoffSeconds "
             f"{resolved.failure_backoff_seconds}",
+        )
+    if resolved.prepare_ahead_ratio >= resolved.threshold_ratio:
+        _bad(
+            prefix + "prepareAheadRatio",
+            f"{resolved.prepare_ahead_ratio} must be below thresholdRatio "
+            f"{resolved.threshold_ratio} (0: off)",
         )
 
 
@@ -509,6 +547,10 @@ _VALIDATORS: Final[dict[str, _Validator]] = {
     "failure_backoff_max_seconds": _seconds,
     "recall_tool": _flag,
     "recall_tool_name": _tool_name,
+    # 0 is "off", as absent is; any other value is a ratio below thresholdRatio (checked on
+    # the resolved layer).
+    "prepare_ahead_ratio": _ratio(low_open=False, high=1.0, high_open=True),
+    "prepare_ahead_wait_ms": _count(0, MAX_PREPARE_AHEAD_WAIT_MS),
 }
 
 

@@ -56,6 +56,7 @@ class DeclineCode(enum.StrEnum):
     SPAN_TOO_SMALL = "SPAN_TOO_SMALL"
     KNOWN_FAILURE = "KNOWN_FAILURE"  # the caller's failure memory holds this span back
     FLOOR_ABOVE_TRIGGER = "FLOOR_ABOVE_TRIGGER"  # no compaction can bring pressure below it
+    SPAN_CHANGED = "SPAN_CHANGED"  # a summary prepared ahead no longer fits its span (core.ahead)
 
 
 @dataclass(frozen=True, slots=True)

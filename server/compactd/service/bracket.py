@@ -96,6 +96,27 @@ class Bracket:
     min_span_tokens: int = 0  # selection declines a smaller span (0: overflow recovery)
     guarded: bool = False  # failure memory may hold the span back (PrepareStep)
     extractive: bool = False  # the extractive checkpoint, without a model call (the ladder)
+    prepared: PreparedSummary | None = None  # a summary prepared ahead (``service.ahead``)
+
+
+@dataclass(frozen=True)
+class PreparedSummary:
+    """A summary written ahead of the trigger, off the log (``service.ahead``), that a bracket
+    applies instead of writing one: its five steps follow one another at once.
+
+    Attributes:
+        summary: The summary as the summarizer returned it (redacted).
+        target: The route that wrote it; ``summarizer`` its summarizer's name.
+        span: The span it summarizes as it sits on the surface now, priced on the job's route,
+            or ``Declined`` when it changed (called under the lock, at step 1).
+        record: What ``compaction/start`` records of it (``prepared_ahead``).
+    """
+
+    summary: SummaryResult
+    target: Route
+    summarizer: str
+    span: Callable[[SessionFold], Selection | Declined]
+    record: events_pb2.PreparedAhead
 
 
 @dataclass(frozen=True)
@@ -258,6 +279,9 @@ class Brackets:
 
     def _writer(self, job: Bracket) -> _Writer:
         """The summary target's writer, or the extractive rung's for a job that asks for it."""
+        if job.prepared is not None:  # written already: its target, no call (``_write``)
+            prepared = job.prepared
+            return _Writer(prepared.target, _Prepared(prepared.summarizer))
         if job.extractive:
             return _Writer(
                 EXTRACTIVE_TARGET, self._extractive, events_pb2.COMPACTION_RUNG_EXTRACTIVE
@@ -317,12 +341,7 @@ class Brackets:
             async with handle.lock:
                 refuse_live_bracket(handle)
                 meter = handle.context.meter
-                chosen = choose_span(
-                    handle.fold, node_pricer(meter, handle.fold, job.route),
-                    selection=job.mode, retained_budget=job.retained_budget,
-                    min_span_tokens=job.min_span_tokens,
-                    span_price=span_pricer(meter, handle.fold, job.route),
-                )  # fmt: skip
+                chosen = self._chosen(job)
                 if isinstance(chosen, Declined):
                     return chosen
                 held = self._held(job, chosen)
@@ -331,12 +350,27 @@ class Brackets:
                 snapshot = surface_snapshot(handle.fold)
                 envelope_before = meter.measure(handle.fold, job.route).total
                 start = bracket.start_event(compaction_id, job.trigger, chosen, job.turn)
+                if job.prepared is not None:
+                    start.compaction_start.prepared_ahead.CopyFrom(job.prepared.record)
+                    for target in (span, parent):
+                        target.set_attribute("compactd.prepared_ahead", True)
                 result = await handle.append_locked([start])
             for target in (span, parent):
                 range_attributes(target, chosen)
             span.set_attribute("compactd.seq", result.seqs[0])
             parent.set_attribute("compactd.tokens_before", envelope_before)
         return _Opened(compaction_id, chosen, result.seqs[0], snapshot, envelope_before, held)
+
+    def _chosen(self, job: Bracket) -> Selection | Declined:
+        """The span step 1 opens on: the prepared summary's, else selection's (under the lock)."""
+        fold, meter = job.handle.fold, job.handle.context.meter
+        if job.prepared is not None:
+            return job.prepared.span(fold)
+        return choose_span(
+            fold, node_pricer(meter, fold, job.route),
+            selection=job.mode, retained_budget=job.retained_budget,
+            min_span_tokens=job.min_span_tokens, span_price=span_pricer(meter, fold, job.route),
+        )  # fmt: skip
 
     def _held(self, job: Bracket, chosen: Selection) -> Declined | None:
         """Failure memory's say on a selected span (guarded jobs only; called under the lock)."""
@@ -364,6 +398,14 @@ class Brackets:
         """The summary of the span, its request re-derived on every attempt (a recovery's change,
         an offload, must show) until it succeeds or the summary-error step gives up."""
         selection, envelope_before = opened.selection, opened.envelope_before
+        if job.prepared is not None:  # written ahead of the trigger: nothing to call now
+            request, serialized = summary_request(
+                job.handle, selection, writer.target, job.policy, job.focus
+            )
+            summary = job.prepared.summary
+            await progress(_step(cpb.COMPACTION_STEP_SUMMARIZE, opened.compaction_id, -1,
+                                 f"{len(summary.text)} chars, prepared ahead"))  # fmt: skip
+            return _Written(request, serialized, summary, selection, envelope_before, None, writer)
         attempt = 1
         while True:
             request, serialized = summary_request(
@@ -610,6 +652,16 @@ class Brackets:
                 span.set_attribute("compactd.error", message)
         if not isinstance(error, asyncio.CancelledError):
             await progress(_step(cpb.COMPACTION_STEP_END, compaction_id, result.seqs[0], message))
+
+
+class _Prepared:
+    """The summarizer of a prepared summary, by name only: ``_write`` never calls it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def summarize(self, request: SummaryRequest) -> SummaryResult:
+        raise AssertionError("a prepared summary is never written again")  # pragma: no cover
 
 
 _RUNGS = {

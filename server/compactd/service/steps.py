@@ -34,6 +34,7 @@ from compactd.core.selection import DeclineCode, Declined, SelectionMode
 from compactd.errors import CompactdError, CompactionBusy
 from compactd.reasons import Reason
 from compactd.routes import Route
+from compactd.service.ahead import AheadService
 from compactd.service.bracket import Bracket, Brackets, Progress
 from compactd.service.guard import CompactionGuard
 from compactd.service.preconditions import (
@@ -111,8 +112,10 @@ class StepService:
         brackets: Brackets,
         pruning: Pruning,
         switch: SwitchService,
+        ahead: AheadService | None = None,
     ) -> None:
         self._manager = manager
+        self._ahead = ahead
         self._pressure = pressure
         self._brackets = brackets
         self._guard: CompactionGuard = brackets.guard
@@ -180,19 +183,39 @@ class StepService:
                 await self._relieve(relief)
             else:
                 relief.why = f"automatic compaction is off for {route.name} (auto)"
+        elif self._ahead is not None:  # below the trigger: at most start a candidate, never wait
+            self._ahead.consider(handle, route)
         return self._ended(before, relief)
 
     async def _relieve(self, relief: _Relief) -> None:
         """Go down the ladder until the request fits: prune; one bracket (the summary target's
         summary, else the extractive checkpoint); while the request is over the window, mask
         older tool outputs, then the overflow path's maximal extractive bracket. No model call
-        when the floor alone is at or above the trigger; no work repeated (``guard``)."""
+        when the floor alone is at or above the trigger; no work repeated (``guard``). A summary
+        prepared ahead (``service.ahead``) is applied first, before pruning changes its span."""
+        if await self._applied_ahead(relief):
+            return
         committed = await self._compact_once(relief, first=True)
         if committed is None or not _over_window(relief.report) or self._irreducible(relief):
             return
         await self._mask(relief)
         if _over_window(relief.report) and relief.brackets <= relief.policy.compaction_retries:
             await self._compact_once(relief, first=False)
+
+    async def _applied_ahead(self, relief: _Relief) -> bool:
+        """The candidate prepared ahead, applied if there is one (``AheadService.apply``);
+        whether that brought pressure below the trigger."""
+        if self._ahead is None:
+            return False
+        job = self._job(relief, first=True)
+        committed = await self._ahead.apply(relief.handle, job, relief.progress)
+        if committed is None:
+            return False
+        relief.brackets += 1
+        relief.outcome.compactions.append(committed)
+        relief.report = self._pressure.report(relief.handle, relief.route)
+        await relief.progress(_measured(relief.report, "re-measured after compaction"))
+        return relief.report.state != ABOVE
 
     def _job(self, relief: _Relief, *, first: bool) -> Bracket:
         """The relief's next bracket, on what the step measured last: a request over the window

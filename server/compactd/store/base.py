@@ -24,6 +24,7 @@ from typing import NamedTuple, Self
 from compactd import errors
 from compactd.core.steps import run_to_end
 from compactd.reasons import Reason
+from compactd.store.candidates import Candidate, CandidateClaim, ProcessCandidates
 from compactd.store.leases import Lease, LeaseOp
 from compactd.tenancy import DEFAULT_TENANT
 from compactd.v1 import events_pb2
@@ -515,6 +516,54 @@ class EventStore(abc.ABC):
     ) -> bool:
         """Extends the lease for ``ttl_s`` from now if it still names ``owner`` and ``token``;
         False when it was lost (the bracket is fenced)."""
+
+    # --- prepared-ahead candidates (``store.candidates``, issue 35) ------------------------
+    # The defaults keep them in process memory, as a store one process owns may
+    # (``ProcessCandidates``); a shared store keeps them where every replica sees them.
+
+    _candidate_table: ProcessCandidates | None = None
+
+    @property
+    def _candidates(self) -> ProcessCandidates:
+        if self._candidate_table is None:
+            self._candidate_table = ProcessCandidates(utc_now)
+        return self._candidate_table
+
+    async def get_candidate(
+        self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID
+    ) -> Candidate | None:
+        """The session's prepared-ahead candidate, its lease's remaining time by the store's
+        clock; None when it has none."""
+        return self._candidates.get((tenant, session_id))
+
+    async def claim_candidate(
+        self, session_id: str, claim: CandidateClaim, ttl_s: float, *,
+        tenant: str = DEFAULT_TENANT_ID,
+    ) -> bool:  # fmt: skip
+        """Takes the session's candidate for ``claim`` (lease ``ttl_s`` from now) unless another
+        one holds it (``candidates.may_claim``); False then."""
+        return self._candidates.claim((tenant, session_id), claim, ttl_s)
+
+    async def renew_candidate(
+        self, session_id: str, candidate_id: str, owner: str, ttl_s: float, *,
+        tenant: str = DEFAULT_TENANT_ID,
+    ) -> bool:  # fmt: skip
+        """Extends the preparer's lease; False when the candidate is gone or claimed over."""
+        return self._candidates.renew((tenant, session_id), candidate_id, owner, ttl_s)
+
+    async def finish_candidate(
+        self, session_id: str, candidate_id: str, owner: str, summary: bytes, *,
+        tenant: str = DEFAULT_TENANT_ID,
+    ) -> bool:  # fmt: skip
+        """Stores the prepared summary; False when the candidate is gone or claimed over."""
+        return self._candidates.finish((tenant, session_id), candidate_id, owner, summary)
+
+    async def drop_candidate(
+        self, session_id: str, candidate_id: str, *, tenant: str = DEFAULT_TENANT_ID
+    ) -> bool:
+        """Removes candidate ``candidate_id`` (applied, or judged stale); False when the session
+        holds another one or none."""
+        return self._candidates.drop((tenant, session_id), candidate_id)
 
     async def changes(self) -> AsyncIterator[tuple[str, str]]:
         """(tenant, session id) of sessions other processes appended to or deleted, as they

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from compactd.store import base
 from compactd.store.base import DEFAULT_TENANT_ID
+from compactd.store.candidates import ProcessCandidates
 from compactd.store.leases import Lease, LeaseOp, ProcessLeases
 from compactd.v1 import events_pb2
 
@@ -46,6 +47,7 @@ class MemoryEventStore(base.EventStore):
         self._open = False
         self._stats = base.StoreStats()
         self._leases = ProcessLeases(clock)
+        self._candidate_table = ProcessCandidates(clock)
 
     async def open(self) -> None:
         self._open = True
@@ -109,6 +111,7 @@ class MemoryEventStore(base.EventStore):
         with self._lock:
             gone = self._sessions.pop((tenant, session_id), None)
             self._leases.forget((tenant, session_id))
+            self._candidates.forget((tenant, session_id))
             if gone is not None:
                 self._count(commits=1)
             return gone is not None

@@ -49,6 +49,7 @@ from compactd import deadlines, errors
 from compactd.reasons import Reason
 from compactd.store import base, postgres_schema
 from compactd.store.base import DEFAULT_TENANT_ID, SessionKey
+from compactd.store.candidates import Candidate, CandidateClaim
 from compactd.store.leases import Lease, LeaseAction, LeaseOp, apply
 from compactd.v1 import events_pb2
 
@@ -494,6 +495,87 @@ class PostgresEventStore(base.EventStore):
                 row = await cursor.fetchone()
         return None if row is None else (int(row[0]), bytes(row[1]))
 
+    # --- prepared-ahead candidates (issue 35) -----------------------------------------------
+
+    @_bounded("read a candidate")
+    async def get_candidate(
+        self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID
+    ) -> Candidate | None:
+        with _db_errors("read a candidate"):
+            async with self._connection() as conn:
+                cursor = await conn.execute(
+                    f"SELECT {_CANDIDATE_COLUMNS}, clock_timestamp() FROM candidates"
+                    f" WHERE {_WHERE_KEY}",
+                    (tenant, session_id),
+                )
+                row = await cursor.fetchone()
+        return None if row is None else _candidate_of(row)
+
+    @_bounded("claim a candidate")
+    async def claim_candidate(
+        self, session_id: str, claim: CandidateClaim, ttl_s: float, *,
+        tenant: str = DEFAULT_TENANT_ID,
+    ) -> bool:  # fmt: skip
+        # One statement: a candidate may be claimed over only once it is abandoned (its summary
+        # not ready and its lease lapsed by the database's clock): ``candidates.may_claim``.
+        with _db_errors("claim a candidate"):
+            async with self._connection() as conn:
+                await _require_session(conn, SessionKey(tenant, session_id))
+                cursor = await conn.execute(
+                    "INSERT INTO candidates AS c (tenant, session_id, candidate_id, owner, digest,"
+                    " start_seq, end_seq, started, expires) VALUES (%s, %s, %s, %s, %s, %s, %s,"
+                    " clock_timestamp(), clock_timestamp() + make_interval(secs => %s))"
+                    " ON CONFLICT (tenant, session_id) DO UPDATE SET"
+                    " candidate_id = EXCLUDED.candidate_id, owner = EXCLUDED.owner,"
+                    " digest = EXCLUDED.digest, start_seq = EXCLUDED.start_seq,"
+                    " end_seq = EXCLUDED.end_seq, started = EXCLUDED.started,"
+                    " expires = EXCLUDED.expires, summary = NULL, ready = NULL"
+                    " WHERE c.summary IS NULL AND c.expires <= clock_timestamp()",
+                    (tenant, session_id, claim.candidate_id, claim.owner, claim.digest,
+                     claim.start_seq, claim.end_seq, ttl_s),
+                )  # fmt: skip
+                return cursor.rowcount == 1
+
+    @_bounded("renew a candidate")
+    async def renew_candidate(
+        self, session_id: str, candidate_id: str, owner: str, ttl_s: float, *,
+        tenant: str = DEFAULT_TENANT_ID,
+    ) -> bool:  # fmt: skip
+        with _db_errors("renew a candidate"):
+            async with self._connection() as conn:
+                cursor = await conn.execute(
+                    "UPDATE candidates SET expires = clock_timestamp() + make_interval("
+                    f"secs => %s) WHERE {_WHERE_KEY} AND candidate_id = %s AND owner = %s",
+                    (ttl_s, tenant, session_id, candidate_id, owner),
+                )
+                return cursor.rowcount == 1
+
+    @_bounded("store a candidate's summary")
+    async def finish_candidate(
+        self, session_id: str, candidate_id: str, owner: str, summary: bytes, *,
+        tenant: str = DEFAULT_TENANT_ID,
+    ) -> bool:  # fmt: skip
+        with _db_errors("store a candidate's summary"):
+            async with self._connection() as conn:
+                cursor = await conn.execute(
+                    "UPDATE candidates SET summary = %s, ready = clock_timestamp()"
+                    f" WHERE {_WHERE_KEY} AND candidate_id = %s AND owner = %s",
+                    (summary, tenant, session_id, candidate_id, owner),
+                )
+                return cursor.rowcount == 1
+
+    @_bounded("drop a candidate")
+    async def drop_candidate(
+        self, session_id: str, candidate_id: str, *, tenant: str = DEFAULT_TENANT_ID
+    ) -> bool:
+        with _db_errors("drop a candidate"):
+            async with self._connection() as conn:
+                cursor = await conn.execute(
+                    f"DELETE FROM candidates WHERE {_WHERE_KEY} AND candidate_id = %s",
+                    (tenant, session_id, candidate_id),
+                )
+                return cursor.rowcount == 1
+
     # --- leases and notifications ---------------------------------------------------------------
 
     @_bounded("read a lease")
@@ -630,6 +712,20 @@ async def _apply_lease(
         f" WHERE {_WHERE_KEY}",
         (after.owner, after.token, after.expires, *key),
     )
+
+
+_CANDIDATE_COLUMNS = (
+    "candidate_id, owner, digest, start_seq, end_seq, started, expires, summary, ready"
+)
+
+
+def _candidate_of(row: tuple[Any, ...]) -> Candidate:
+    candidate_id, owner, digest, start, end, started, expires, summary, ready, now = row
+    claim = CandidateClaim(str(candidate_id), str(owner), str(digest), int(start), int(end))
+    return Candidate(
+        claim, started, expires, (expires - now).total_seconds(),
+        None if summary is None else bytes(summary), ready,
+    )  # fmt: skip
 
 
 def _lease_of(row: tuple[Any, ...], now: datetime) -> Lease | None:

@@ -84,6 +84,26 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         """CREATE INDEX sessions_parent ON sessions (tenant, parent_id, session_id)
             WHERE parent_id IS NOT NULL""",
     ),
+    # 6: summaries prepared ahead of the trigger (issue 35): one candidate per session, with
+    # its preparer's lease, so any replica may apply it and a dead preparer's lapses.
+    (
+        """CREATE TABLE candidates (
+            tenant       TEXT COLLATE "C" NOT NULL,
+            session_id   TEXT COLLATE "C" NOT NULL,
+            candidate_id TEXT NOT NULL,
+            owner        TEXT NOT NULL,
+            digest       TEXT NOT NULL,
+            start_seq    BIGINT NOT NULL,
+            end_seq      BIGINT NOT NULL,
+            started      TIMESTAMPTZ NOT NULL,
+            expires      TIMESTAMPTZ NOT NULL,
+            summary      BYTEA,
+            ready        TIMESTAMPTZ,
+            PRIMARY KEY (tenant, session_id),
+            FOREIGN KEY (tenant, session_id) REFERENCES sessions (tenant, session_id)
+                ON DELETE CASCADE
+        )""",
+    ),
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)

@@ -32,6 +32,7 @@ from compactd import errors
 from compactd.reasons import Reason
 from compactd.store import base
 from compactd.store.base import DEFAULT_TENANT_ID, SessionKey
+from compactd.store.candidates import ProcessCandidates
 from compactd.store.leases import Lease, LeaseOp, ProcessLeases
 from compactd.store.owner import OwnerLock
 from compactd.v1 import events_pb2
@@ -159,6 +160,7 @@ class SqliteEventStore(base.EventStore):
         self._last_stats = base.StoreStats()  # what a closed store still reports
         # One owner per file: bracket leases need not outlive the process (``store.leases``).
         self._leases = ProcessLeases(clock)
+        self._candidate_table = ProcessCandidates(clock)
 
     @property
     def path(self) -> str:
@@ -255,6 +257,7 @@ class SqliteEventStore(base.EventStore):
         op = functools.partial(_delete_session, SessionKey(tenant, session_id))
         deleted = await self._write(op, events=None)
         self._leases.forget((tenant, session_id))
+        self._candidates.forget((tenant, session_id))
         return deleted
 
     async def append(

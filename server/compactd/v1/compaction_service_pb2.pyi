@@ -136,6 +136,11 @@ class _CompactionStepEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Compac
     """A bracket was not opened: failure memory holds its span back, or the threshold crossing's
     budget is spent (`detail` says which, and when a retry may happen).
     """
+    COMPACTION_STEP_AHEAD: _CompactionStep.ValueType  # 12
+    """The summary prepared ahead of the trigger (`prepareAheadRatio`): the step waits for it,
+    found it changed and discarded it, or gave up waiting (`detail` says which). Applying it is
+    an ordinary bracket's steps.
+    """
 
 class CompactionStep(_CompactionStep, metaclass=_CompactionStepEnumTypeWrapper):
     """A step of a compaction, as streamed to the caller."""
@@ -167,6 +172,11 @@ with the failed checks).
 COMPACTION_STEP_SKIP: CompactionStep.ValueType  # 11
 """A bracket was not opened: failure memory holds its span back, or the threshold crossing's
 budget is spent (`detail` says which, and when a retry may happen).
+"""
+COMPACTION_STEP_AHEAD: CompactionStep.ValueType  # 12
+"""The summary prepared ahead of the trigger (`prepareAheadRatio`): the step waits for it,
+found it changed and discarded it, or gave up waiting (`detail` says which). Applying it is
+an ordinary bracket's steps.
 """
 Global___CompactionStep: _TypeAlias = CompactionStep  # noqa: Y015
 
@@ -661,22 +671,74 @@ class WatchPressureResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REPORT_FIELD_NUMBER: _builtins.int
+    CANDIDATE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def report(self) -> Global___PressureReport:
         """The report."""
+
+    @_builtins.property
+    def candidate(self) -> Global___AheadCandidate:
+        """The summary being prepared ahead of the trigger (`prepareAheadRatio`), if any, as the
+        store holds it when the report was taken.
+        """
 
     def __init__(
         self,
         *,
         report: Global___PressureReport | None = ...,
+        candidate: Global___AheadCandidate | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["report", b"report"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["candidate", b"candidate", "report", b"report"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["report", b"report"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidate", b"candidate", "report", b"report"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchPressureResponse: _TypeAlias = WatchPressureResponse  # noqa: Y015
+
+@_typing.final
+class AheadCandidate(_message.Message):
+    """A summary prepared ahead of the trigger, off the log, until a step applies it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CANDIDATE_ID_FIELD_NUMBER: _builtins.int
+    START_SEQ_FIELD_NUMBER: _builtins.int
+    END_SEQ_FIELD_NUMBER: _builtins.int
+    READY_FIELD_NUMBER: _builtins.int
+    START_TIME_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    candidate_id: _builtins.str
+    """The candidate's id."""
+    start_seq: _builtins.int
+    """Seq of the span's first node."""
+    end_seq: _builtins.int
+    """Seq of the span's last node."""
+    ready: _builtins.bool
+    """Whether its summary is ready to be applied."""
+    owner: _builtins.str
+    """The replica preparing it (its instance id)."""
+    @_builtins.property
+    def start_time(self) -> _timestamp_pb2.Timestamp:
+        """When its background summary started."""
+
+    def __init__(
+        self,
+        *,
+        candidate_id: _builtins.str = ...,
+        start_seq: _builtins.int = ...,
+        end_seq: _builtins.int = ...,
+        ready: _builtins.bool = ...,
+        start_time: _timestamp_pb2.Timestamp | None = ...,
+        owner: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["start_time", b"start_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidate_id", b"candidate_id", "end_seq", b"end_seq", "owner", b"owner", "ready", b"ready", "start_seq", b"start_seq", "start_time", b"start_time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AheadCandidate: _TypeAlias = AheadCandidate  # noqa: Y015
 
 @_typing.final
 class CompactionProgress(_message.Message):
@@ -2027,6 +2089,7 @@ class BracketRecord(_message.Message):
     GATE_FIELD_NUMBER: _builtins.int
     SUMMARY_ERRORS_FIELD_NUMBER: _builtins.int
     RUNG_FIELD_NUMBER: _builtins.int
+    PREPARED_AHEAD_FIELD_NUMBER: _builtins.int
     compaction_id: _builtins.str
     """The bracket id."""
     trigger: _events_pb2.CompactionTrigger.ValueType
@@ -2087,6 +2150,13 @@ class BracketRecord(_message.Message):
     def gate(self) -> _events_pb2.SummaryGateReport:
         """The quality gate's report (from the summary, or the end of a rejected one)."""
 
+    @_builtins.property
+    def prepared_ahead(self) -> _events_pb2.PreparedAhead:
+        """Set when the summary was prepared ahead (`prepareAheadRatio`): when it started, when it
+        was ready, how long the step waited for it; the bracket's `start_time` is when it was
+        applied.
+        """
+
     def __init__(
         self,
         *,
@@ -2112,10 +2182,11 @@ class BracketRecord(_message.Message):
         gate: _events_pb2.SummaryGateReport | None = ...,
         summary_errors: _builtins.int = ...,
         rung: _events_pb2.CompactionRung.ValueType = ...,
+        prepared_ahead: _events_pb2.PreparedAhead | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_turn", b"_turn", "end_time", b"end_time", "gate", b"gate", "range", b"range", "start_time", b"start_time", "summary_target", b"summary_target", "tokens", b"tokens", "turn", b"turn", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_turn", b"_turn", "end_time", b"end_time", "gate", b"gate", "prepared_ahead", b"prepared_ahead", "range", b"range", "start_time", b"start_time", "summary_target", b"summary_target", "tokens", b"tokens", "turn", b"turn", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_turn", b"_turn", "checkpoint_seq", b"checkpoint_seq", "compaction_id", b"compaction_id", "duration_seconds", b"duration_seconds", "end_seq", b"end_seq", "end_time", b"end_time", "error", b"error", "error_reason", b"error_reason", "gate", b"gate", "outcome", b"outcome", "range", b"range", "rung", b"rung", "shadowed_count", b"shadowed_count", "start_seq", b"start_seq", "start_time", b"start_time", "steps", b"steps", "summarizer", b"summarizer", "summary_errors", b"summary_errors", "summary_target", b"summary_target", "tokens", b"tokens", "trigger", b"trigger", "turn", b"turn", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_turn", b"_turn", "checkpoint_seq", b"checkpoint_seq", "compaction_id", b"compaction_id", "duration_seconds", b"duration_seconds", "end_seq", b"end_seq", "end_time", b"end_time", "error", b"error", "error_reason", b"error_reason", "gate", b"gate", "outcome", b"outcome", "prepared_ahead", b"prepared_ahead", "range", b"range", "rung", b"rung", "shadowed_count", b"shadowed_count", "start_seq", b"start_seq", "start_time", b"start_time", "steps", b"steps", "summarizer", b"summarizer", "summary_errors", b"summary_errors", "summary_target", b"summary_target", "tokens", b"tokens", "trigger", b"trigger", "turn", b"turn", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__turn: _TypeAlias = _typing.Literal["turn"]  # noqa: Y015
     _WhichOneofArgType__turn: _TypeAlias = _typing.Literal["_turn", b"_turn"]  # noqa: Y015

@@ -1320,6 +1320,7 @@ class CompactionStart(_message.Message):
     SHADOWED_SEQS_FIELD_NUMBER: _builtins.int
     TURN_FIELD_NUMBER: _builtins.int
     REVERTED_COMPACTION_ID_FIELD_NUMBER: _builtins.int
+    PREPARED_AHEAD_FIELD_NUMBER: _builtins.int
     compaction_id: _builtins.str
     """Unique bracket id."""
     trigger: Global___CompactionTrigger.ValueType
@@ -1336,6 +1337,12 @@ class CompactionStart(_message.Message):
     def shadowed_seqs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Seqs of the nodes the span covers, in surface order."""
 
+    @_builtins.property
+    def prepared_ahead(self) -> Global___PreparedAhead:
+        """Set when the summary was prepared ahead of the trigger (`prepareAheadRatio`) and this
+        bracket applied it: the bracket's steps then follow one another at once.
+        """
+
     def __init__(
         self,
         *,
@@ -1345,16 +1352,55 @@ class CompactionStart(_message.Message):
         shadowed_seqs: _abc.Iterable[_builtins.int] | None = ...,
         turn: _builtins.int | None = ...,
         reverted_compaction_id: _builtins.str = ...,
+        prepared_ahead: Global___PreparedAhead | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_turn", b"_turn", "range", b"range", "turn", b"turn"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_turn", b"_turn", "prepared_ahead", b"prepared_ahead", "range", b"range", "turn", b"turn"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_turn", b"_turn", "compaction_id", b"compaction_id", "range", b"range", "reverted_compaction_id", b"reverted_compaction_id", "shadowed_seqs", b"shadowed_seqs", "trigger", b"trigger", "turn", b"turn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_turn", b"_turn", "compaction_id", b"compaction_id", "prepared_ahead", b"prepared_ahead", "range", b"range", "reverted_compaction_id", b"reverted_compaction_id", "shadowed_seqs", b"shadowed_seqs", "trigger", b"trigger", "turn", b"turn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__turn: _TypeAlias = _typing.Literal["turn"]  # noqa: Y015
     _WhichOneofArgType__turn: _TypeAlias = _typing.Literal["_turn", b"_turn"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__turn) -> _WhichOneofReturnType__turn | None: ...
 
 Global___CompactionStart: _TypeAlias = CompactionStart  # noqa: Y015
+
+@_typing.final
+class PreparedAhead(_message.Message):
+    """A summary prepared ahead of the trigger, off the log, and applied by a bracket."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CANDIDATE_ID_FIELD_NUMBER: _builtins.int
+    START_TIME_FIELD_NUMBER: _builtins.int
+    READY_TIME_FIELD_NUMBER: _builtins.int
+    AGENT_WAIT_MS_FIELD_NUMBER: _builtins.int
+    candidate_id: _builtins.str
+    """The candidate's id (the store kept it while it was prepared)."""
+    agent_wait_ms: _builtins.int
+    """How long the step that applied it waited for it, in milliseconds: 0 when it was ready."""
+    @_builtins.property
+    def start_time(self) -> _timestamp_pb2.Timestamp:
+        """When its background summary started."""
+
+    @_builtins.property
+    def ready_time(self) -> _timestamp_pb2.Timestamp:
+        """When its summary was ready."""
+
+    def __init__(
+        self,
+        *,
+        candidate_id: _builtins.str = ...,
+        start_time: _timestamp_pb2.Timestamp | None = ...,
+        ready_time: _timestamp_pb2.Timestamp | None = ...,
+        agent_wait_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ready_time", b"ready_time", "start_time", b"start_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_wait_ms", b"agent_wait_ms", "candidate_id", b"candidate_id", "ready_time", b"ready_time", "start_time", b"start_time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PreparedAhead: _TypeAlias = PreparedAhead  # noqa: Y015
 
 @_typing.final
 class CompactionPrune(_message.Message):

@@ -874,6 +874,8 @@ class CompactionPolicy(_message.Message):
     MODEL_POLICIES_FIELD_NUMBER: _builtins.int
     RECALL_TOOL_FIELD_NUMBER: _builtins.int
     RECALL_TOOL_NAME_FIELD_NUMBER: _builtins.int
+    PREPARE_AHEAD_RATIO_FIELD_NUMBER: _builtins.int
+    PREPARE_AHEAD_WAIT_MS_FIELD_NUMBER: _builtins.int
     threshold_ratio: _builtins.float
     """`thresholdRatio`, in (0, 1]: trigger = floor(min(W * thresholdRatio, W - O - B)). Default 0.8."""
     headroom_tokens: _builtins.int
@@ -920,6 +922,15 @@ class CompactionPolicy(_message.Message):
     """`recallToolName`: the recall tool's name, 1-64 characters of `[A-Za-z0-9_-]`. Default
     `recall`.
     """
+    prepare_ahead_ratio: _builtins.float
+    """`prepareAheadRatio`, in [0, `threshold_ratio`): once the envelope reaches
+    floor(min(W * prepareAheadRatio, W - O - B)), the summary is prepared in the background and
+    applied at the trigger. 0 (the default): off.
+    """
+    prepare_ahead_wait_ms: _builtins.int
+    """`prepareAheadWaitMs`, >= 0: how long a step at the trigger waits for a candidate still
+    being prepared before it summarizes itself. Default 2000.
+    """
     @_builtins.property
     def model_policies(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelCompactionPolicy]:
         """`modelPolicies`: overrides for exact provider/model routes, layered over the settings above."""
@@ -946,10 +957,12 @@ class CompactionPolicy(_message.Message):
         model_policies: _abc.Iterable[Global___ModelCompactionPolicy] | None = ...,
         recall_tool: _builtins.bool | None = ...,
         recall_tool_name: _builtins.str | None = ...,
+        prepare_ahead_ratio: _builtins.float | None = ...,
+        prepare_ahead_wait_ms: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_recall_tool", b"_recall_tool", "_recall_tool_name", b"_recall_tool_name", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "recall_tool", b"recall_tool", "recall_tool_name", b"recall_tool_name", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_prepare_ahead_ratio", b"_prepare_ahead_ratio", "_prepare_ahead_wait_ms", b"_prepare_ahead_wait_ms", "_recall_tool", b"_recall_tool", "_recall_tool_name", b"_recall_tool_name", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "prepare_ahead_ratio", b"prepare_ahead_ratio", "prepare_ahead_wait_ms", b"prepare_ahead_wait_ms", "recall_tool", b"recall_tool", "recall_tool_name", b"recall_tool_name", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_recall_tool", b"_recall_tool", "_recall_tool_name", b"_recall_tool_name", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "model_policies", b"model_policies", "recall_tool", b"recall_tool", "recall_tool_name", b"recall_tool_name", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_prepare_ahead_ratio", b"_prepare_ahead_ratio", "_prepare_ahead_wait_ms", b"_prepare_ahead_wait_ms", "_recall_tool", b"_recall_tool", "_recall_tool_name", b"_recall_tool_name", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "model_policies", b"model_policies", "prepare_ahead_ratio", b"prepare_ahead_ratio", "prepare_ahead_wait_ms", b"prepare_ahead_wait_ms", "recall_tool", b"recall_tool", "recall_tool_name", b"recall_tool_name", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__auto: _TypeAlias = _typing.Literal["auto"]  # noqa: Y015
     _WhichOneofArgType__auto: _TypeAlias = _typing.Literal["_auto", b"_auto"]  # noqa: Y015
@@ -971,6 +984,10 @@ class CompactionPolicy(_message.Message):
     _WhichOneofArgType__min_probe_retention: _TypeAlias = _typing.Literal["_min_probe_retention", b"_min_probe_retention"]  # noqa: Y015
     _WhichOneofReturnType__min_reduction_ratio: _TypeAlias = _typing.Literal["min_reduction_ratio"]  # noqa: Y015
     _WhichOneofArgType__min_reduction_ratio: _TypeAlias = _typing.Literal["_min_reduction_ratio", b"_min_reduction_ratio"]  # noqa: Y015
+    _WhichOneofReturnType__prepare_ahead_ratio: _TypeAlias = _typing.Literal["prepare_ahead_ratio"]  # noqa: Y015
+    _WhichOneofArgType__prepare_ahead_ratio: _TypeAlias = _typing.Literal["_prepare_ahead_ratio", b"_prepare_ahead_ratio"]  # noqa: Y015
+    _WhichOneofReturnType__prepare_ahead_wait_ms: _TypeAlias = _typing.Literal["prepare_ahead_wait_ms"]  # noqa: Y015
+    _WhichOneofArgType__prepare_ahead_wait_ms: _TypeAlias = _typing.Literal["_prepare_ahead_wait_ms", b"_prepare_ahead_wait_ms"]  # noqa: Y015
     _WhichOneofReturnType__recall_tool: _TypeAlias = _typing.Literal["recall_tool"]  # noqa: Y015
     _WhichOneofArgType__recall_tool: _TypeAlias = _typing.Literal["_recall_tool", b"_recall_tool"]  # noqa: Y015
     _WhichOneofReturnType__recall_tool_name: _TypeAlias = _typing.Literal["recall_tool_name"]  # noqa: Y015
@@ -1007,6 +1024,10 @@ class CompactionPolicy(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_probe_retention) -> _WhichOneofReturnType__min_probe_retention | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_reduction_ratio) -> _WhichOneofReturnType__min_reduction_ratio | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prepare_ahead_ratio) -> _WhichOneofReturnType__prepare_ahead_ratio | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prepare_ahead_wait_ms) -> _WhichOneofReturnType__prepare_ahead_wait_ms | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__recall_tool) -> _WhichOneofReturnType__recall_tool | None: ...
     @_typing.overload
@@ -1052,6 +1073,8 @@ class ModelCompactionPolicy(_message.Message):
     FAILURE_BACKOFF_MAX_SECONDS_FIELD_NUMBER: _builtins.int
     RECALL_TOOL_FIELD_NUMBER: _builtins.int
     RECALL_TOOL_NAME_FIELD_NUMBER: _builtins.int
+    PREPARE_AHEAD_RATIO_FIELD_NUMBER: _builtins.int
+    PREPARE_AHEAD_WAIT_MS_FIELD_NUMBER: _builtins.int
     provider: _builtins.str
     """The route's provider (required)."""
     model: _builtins.str
@@ -1092,6 +1115,10 @@ class ModelCompactionPolicy(_message.Message):
     """As `CompactionPolicy.recall_tool`."""
     recall_tool_name: _builtins.str
     """As `CompactionPolicy.recall_tool_name`."""
+    prepare_ahead_ratio: _builtins.float
+    """As `CompactionPolicy.prepare_ahead_ratio`."""
+    prepare_ahead_wait_ms: _builtins.int
+    """As `CompactionPolicy.prepare_ahead_wait_ms`."""
     def __init__(
         self,
         *,
@@ -1115,10 +1142,12 @@ class ModelCompactionPolicy(_message.Message):
         failure_backoff_max_seconds: _builtins.float | None = ...,
         recall_tool: _builtins.bool | None = ...,
         recall_tool_name: _builtins.str | None = ...,
+        prepare_ahead_ratio: _builtins.float | None = ...,
+        prepare_ahead_wait_ms: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_recall_tool", b"_recall_tool", "_recall_tool_name", b"_recall_tool_name", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "recall_tool", b"recall_tool", "recall_tool_name", b"recall_tool_name", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_prepare_ahead_ratio", b"_prepare_ahead_ratio", "_prepare_ahead_wait_ms", b"_prepare_ahead_wait_ms", "_recall_tool", b"_recall_tool", "_recall_tool_name", b"_recall_tool_name", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "prepare_ahead_ratio", b"prepare_ahead_ratio", "prepare_ahead_wait_ms", b"prepare_ahead_wait_ms", "recall_tool", b"recall_tool", "recall_tool_name", b"recall_tool_name", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_recall_tool", b"_recall_tool", "_recall_tool_name", b"_recall_tool_name", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "model", b"model", "provider", b"provider", "recall_tool", b"recall_tool", "recall_tool_name", b"recall_tool_name", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_auto", b"_auto", "_compaction_retries", b"_compaction_retries", "_extractive_fallback", b"_extractive_fallback", "_failure_backoff_max_seconds", b"_failure_backoff_max_seconds", "_failure_backoff_seconds", b"_failure_backoff_seconds", "_headroom_tokens", b"_headroom_tokens", "_max_overflow_retries", b"_max_overflow_retries", "_max_tokens", b"_max_tokens", "_min_probe_retention", b"_min_probe_retention", "_min_reduction_ratio", b"_min_reduction_ratio", "_prepare_ahead_ratio", b"_prepare_ahead_ratio", "_prepare_ahead_wait_ms", b"_prepare_ahead_wait_ms", "_recall_tool", b"_recall_tool", "_recall_tool_name", b"_recall_tool_name", "_retain_ratio", b"_retain_ratio", "_retain_tokens", b"_retain_tokens", "_summarization_model", b"_summarization_model", "_summarization_provider", b"_summarization_provider", "_summary_gate", b"_summary_gate", "_threshold_ratio", b"_threshold_ratio", "auto", b"auto", "compaction_retries", b"compaction_retries", "extractive_fallback", b"extractive_fallback", "failure_backoff_max_seconds", b"failure_backoff_max_seconds", "failure_backoff_seconds", b"failure_backoff_seconds", "headroom_tokens", b"headroom_tokens", "max_overflow_retries", b"max_overflow_retries", "max_tokens", b"max_tokens", "min_probe_retention", b"min_probe_retention", "min_reduction_ratio", b"min_reduction_ratio", "model", b"model", "prepare_ahead_ratio", b"prepare_ahead_ratio", "prepare_ahead_wait_ms", b"prepare_ahead_wait_ms", "provider", b"provider", "recall_tool", b"recall_tool", "recall_tool_name", b"recall_tool_name", "retain_ratio", b"retain_ratio", "retain_tokens", b"retain_tokens", "summarization_model", b"summarization_model", "summarization_provider", b"summarization_provider", "summary_gate", b"summary_gate", "threshold_ratio", b"threshold_ratio"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__auto: _TypeAlias = _typing.Literal["auto"]  # noqa: Y015
     _WhichOneofArgType__auto: _TypeAlias = _typing.Literal["_auto", b"_auto"]  # noqa: Y015
@@ -1140,6 +1169,10 @@ class ModelCompactionPolicy(_message.Message):
     _WhichOneofArgType__min_probe_retention: _TypeAlias = _typing.Literal["_min_probe_retention", b"_min_probe_retention"]  # noqa: Y015
     _WhichOneofReturnType__min_reduction_ratio: _TypeAlias = _typing.Literal["min_reduction_ratio"]  # noqa: Y015
     _WhichOneofArgType__min_reduction_ratio: _TypeAlias = _typing.Literal["_min_reduction_ratio", b"_min_reduction_ratio"]  # noqa: Y015
+    _WhichOneofReturnType__prepare_ahead_ratio: _TypeAlias = _typing.Literal["prepare_ahead_ratio"]  # noqa: Y015
+    _WhichOneofArgType__prepare_ahead_ratio: _TypeAlias = _typing.Literal["_prepare_ahead_ratio", b"_prepare_ahead_ratio"]  # noqa: Y015
+    _WhichOneofReturnType__prepare_ahead_wait_ms: _TypeAlias = _typing.Literal["prepare_ahead_wait_ms"]  # noqa: Y015
+    _WhichOneofArgType__prepare_ahead_wait_ms: _TypeAlias = _typing.Literal["_prepare_ahead_wait_ms", b"_prepare_ahead_wait_ms"]  # noqa: Y015
     _WhichOneofReturnType__recall_tool: _TypeAlias = _typing.Literal["recall_tool"]  # noqa: Y015
     _WhichOneofArgType__recall_tool: _TypeAlias = _typing.Literal["_recall_tool", b"_recall_tool"]  # noqa: Y015
     _WhichOneofReturnType__recall_tool_name: _TypeAlias = _typing.Literal["recall_tool_name"]  # noqa: Y015
@@ -1176,6 +1209,10 @@ class ModelCompactionPolicy(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_probe_retention) -> _WhichOneofReturnType__min_probe_retention | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_reduction_ratio) -> _WhichOneofReturnType__min_reduction_ratio | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prepare_ahead_ratio) -> _WhichOneofReturnType__prepare_ahead_ratio | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prepare_ahead_wait_ms) -> _WhichOneofReturnType__prepare_ahead_wait_ms | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__recall_tool) -> _WhichOneofReturnType__recall_tool | None: ...
     @_typing.overload
