@@ -19,7 +19,7 @@ import pytest
 from compactd.store.candidates import Candidate
 from compactd.testing.openai_server import OpenAICompatServer, RecordedRequest, Reply
 from compactd.v1 import compaction_service_pb2 as cpb
-from tests.builders import replace, tool_result, turn_start, user
+from tests.builders import assistant, in_step, replace, tool_result, turn_start, user
 from tests.compaction_fixtures import (
     ABOVE,
     BELOW,
@@ -300,3 +300,32 @@ async def test_with_the_option_off_nothing_is_prepared_and_the_step_summarizes_a
         assert record.outcome == cpb.BRACKET_OUTCOME_COMMITTED
         assert not record.HasField("prepared_ahead")
         assert run.result.before.state == ABOVE
+
+
+def answered(input_tokens: int) -> list[Any]:
+    """A step of turn 1 whose answer carries the usage of a request of ``input_tokens``."""
+    message = assistant(text="Done with the checks.")
+    message.assistant_message.usage.input_tokens = input_tokens
+    message.assistant_message.usage.output_tokens = 40  # a little more than its text
+    return in_step(1, 1, message)
+
+
+@pytest.mark.parametrize("stale", [True, False])
+async def test_usage_that_answered_a_request_built_before_the_apply_does_not_anchor(
+    tmp_path: Path, loop: OpenAICompatServer, held: Held, stale: bool
+) -> None:
+    held.release.set()
+    async with started(tmp_path, loop, policy=AHEAD) as h:
+        await h.create(*opening(), *units(BEFORE_TRIGGER))
+        await until_candidate(h, ready=True)
+        run = await step_at_trigger(h)
+        before, after = run.result.before.measured_tokens, run.result.after.measured_tokens
+
+        # Stale: the usage of the request built before the apply (the larger surface); fresh:
+        # the usage of the request the step answered (the new, smaller one).
+        await h.append(*answered(before if stale else after))
+
+        report = await h.pressure()
+        anchored = report.breakdown.method == cpb.MEASUREMENT_METHOD_ANCHORED
+        assert anchored is not stale
+        assert report.measured_tokens < before  # never the old surface's price

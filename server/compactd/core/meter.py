@@ -15,7 +15,13 @@ after it is priced by the meter. Only the latest such message counts, and only w
   (image offload) since it arrived;
 - the route measured is the latest header's route, and the header in force now is the same
   request (``core.header.same_request``) as the one in force when the message arrived;
-- the usage is not below the meter's own estimate of the same envelope.
+- the usage is not below the meter's own estimate of the same envelope;
+- for the first such message after a checkpoint whose summary was prepared ahead of the trigger
+  (``CompactionCheckpointSource.prepared_ahead``), the usage is not closer to the envelope
+  before that checkpoint than to the one after it (it exceeds the meter's estimate by less than
+  half of what the checkpoint freed on the route's pricing): a request built before the
+  candidate was applied priced the larger surface, not the new one. The margin is kept in
+  memory only: a meter rebuilt from a snapshot or the log between the two accepts the usage.
 
 Otherwise the estimate stands. Reports say how the figure was obtained: EXACT (the route's
 tokenizer and chat template), TOKENIZER (the route's tokenizer with its family's published
@@ -27,7 +33,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
@@ -182,6 +188,14 @@ class _Anchor:
     usage: int
     header_seq: int  # the request/header in force when the message arrived (-1: none)
     header: events_pb2.RequestHeader | None
+    # Per pricing, the tokens a checkpoint prepared ahead freed just before this message: usage
+    # that exceeds the estimate by half of it or more priced the surface before the checkpoint.
+    stale_margins: Mapping[PricingProfile, int] = field(default_factory=dict)
+
+
+def _prepared_ahead(node: SurfaceNode) -> bool:
+    """Whether ``node`` is a checkpoint whose summary was prepared ahead of the trigger."""
+    return node.event.user_message.source.compaction_checkpoint.prepared_ahead
 
 
 class _Ledger:
@@ -308,6 +322,8 @@ class SessionMeter:
         self._declare: DeclaredTools = _no_tools
         self._declared_version = 0
         self._anchor: _Anchor | None = None
+        self._stale_margins: dict[PricingProfile, int] = {}  # for the next anchor (_new_anchor)
+        self._shadowed_prices: dict[PricingProfile, int] = {}  # a checkpoint's span, per pricing
         self._after_anchor: set[int] = set()
         self._same_header: tuple[tuple[int, int], bool] = ((-1, -2), False)  # (anchor, header)
         # Node prices restored from a snapshot, per ``PricingProfile.key``: a ledger built for
@@ -384,7 +400,7 @@ class SessionMeter:
         self._nodes.update(appended.nodes)
         if appended.anchor is not None:
             seq, usage = appended.anchor
-            self._anchor = _Anchor(seq, usage, self._header_seq, self._header)
+            self._anchor = self._new_anchor(seq, usage)
             self._after_anchor = set(appended.after)
         elif self._anchor is not None:
             self._after_anchor.update(appended.after)
@@ -582,6 +598,13 @@ class SessionMeter:
         seq = change.node.seq
         event = change.node.event if kind == "assistant_message" else None  # parsed once
         in_delta = False
+        ahead = bool(change.shadowed) and kind == "user_message" and _prepared_ahead(change.node)
+        if ahead:  # priced before they are forgotten
+            self._shadowed_prices = {
+                pricing: sum(ledger.costs[s.seq].total for s in change.shadowed
+                             if s.seq in ledger.costs)
+                for pricing, ledger in self._ledgers.items()
+            }  # fmt: skip
         if change.shadowed or change.inserted:  # an INSERT changes what comes before later nodes
             if change.shadowed:
                 self._forget_span([old.seq for old in change.shadowed])
@@ -606,6 +629,8 @@ class SessionMeter:
                     event = change.node.event
                 cost = price_node(event, ledger.pricing)
             ledger.put(seq, cost, in_delta)
+        if ahead:
+            self._ahead_margins(change)
 
     def _forget_span(self, seqs: Sequence[int]) -> None:
         """``_forget`` each of ``seqs`` (a REPLACE's shadowed span), with the lookups hoisted
@@ -657,10 +682,27 @@ class SessionMeter:
     # ---- the anchor ---------------------------------------------------------------------
 
     def _set_anchor(self, seq: int, event: SessionEvent) -> None:
-        self._anchor = _Anchor(seq, _usage(event), self._header_seq, self._header)
+        self._anchor = self._new_anchor(seq, _usage(event))
         self._after_anchor.clear()
         for ledger in self._ledgers.values():
             ledger.delta = 0
+
+    def _new_anchor(self, seq: int, usage: int) -> _Anchor:
+        """The anchor of message ``seq``; the first after a checkpoint prepared ahead carries
+        that checkpoint's freed tokens as its stale margins."""
+        margins, self._stale_margins = self._stale_margins, {}
+        return _Anchor(seq, usage, self._header_seq, self._header, MappingProxyType(margins))
+
+    def _ahead_margins(self, change: SurfaceChange) -> None:
+        """After a checkpoint prepared ahead: per pricing, what it freed (route tokens of the
+        nodes it shadowed less its own), for the next usage anchor (``_new_anchor``)."""
+        seq = change.node.seq
+        margins = {}
+        for pricing, ledger in self._ledgers.items():
+            checkpoint = ledger.costs.get(seq)
+            if checkpoint is not None:
+                margins[pricing] = self._shadowed_prices[pricing] - checkpoint.total
+        self._stale_margins = margins
 
     def _drop_anchor(self) -> None:
         self._anchor = None
@@ -750,6 +792,9 @@ class SessionMeter:
         covered = estimate.total - ledger.delta  # the estimate of the envelope usage priced
         if self._anchor.usage < covered:
             return estimate
+        margin = self._anchor.stale_margins.get(route.pricing)
+        if margin is not None and self._anchor.usage - covered >= margin / 2:
+            return estimate  # it priced the surface before a checkpoint prepared ahead
         gap = self._anchor.usage - covered
         return _replace_anchored(estimate, gap, self._anchor.seq)
 

@@ -605,6 +605,11 @@ class Brackets:
         tokens = _measurement(job, selection, written.envelope_before, checkpoint, screened)
         summary_seq = handle.fold.revision
         target = events_pb2.Route(provider=screened.target.provider, model=screened.target.model)
+        replacement = bracket.checkpoint_event(
+            compaction_id, framed, selection, opened.start_seq, summary_seq
+        )
+        if job.prepared is not None:  # the meter's usage anchoring reads it (``core.meter``)
+            replacement.user_message.source.compaction_checkpoint.prepared_ahead = True
         return [
             bracket.summary_event(
                 compaction_id, screened.summary.text, selection, tokens, target=target,
@@ -612,9 +617,7 @@ class Brackets:
                 gate=screened.report, fallback=screened.fallback or written.writer.fallback,
                 rung=rung,
             ),
-            bracket.checkpoint_event(
-                compaction_id, framed, selection, opened.start_seq, summary_seq
-            ),
+            replacement,
         ], tokens  # fmt: skip
 
     # ---- 5. close --------------------------------------------------------------------------

@@ -890,16 +890,23 @@ class CompactionCheckpointSource(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     COMPACTION_ID_FIELD_NUMBER: _builtins.int
+    PREPARED_AHEAD_FIELD_NUMBER: _builtins.int
     compaction_id: _builtins.str
     """The id of the compaction bracket (`compaction/start.compaction_id`)."""
+    prepared_ahead: _builtins.bool
+    """True when the checkpoint's summary was prepared ahead of the trigger (`prepareAheadRatio`):
+    the usage of the next `assistant/message` may answer a request built before it, and is not
+    taken as the price of the smaller surface when it is closer to the old one.
+    """
     def __init__(
         self,
         *,
         compaction_id: _builtins.str = ...,
+        prepared_ahead: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_id", b"compaction_id", "prepared_ahead", b"prepared_ahead"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
