@@ -54,7 +54,20 @@ def test_defaults_are_the_spec_table() -> None:
         extractive_fallback=False,
         failure_backoff_seconds=300.0,
         failure_backoff_max_seconds=3600.0,
+        prepare_ahead_ratio=0.0,
+        prepare_ahead_wait_ms=2000,
     )
+
+
+def test_prepare_ahead_is_off_unless_set_and_uses_the_triggers_formula() -> None:
+    assert spec(window=128_000, output=8192).prepare_ahead == 0
+    assert not PressurePolicy.from_settings(None).for_target("p", "m").prepares_ahead
+    # floor(min(128000 * 0.3, 128000 - 8192 - 65536)) = min(38400, 54272)
+    assert spec({"prepareAheadRatio": 0.3}, window=128_000, output=8192).prepare_ahead == 38400
+    # W - O - B bounds it as it bounds the trigger (then both are the same point)
+    capped = spec({"prepareAheadRatio": 0.7}, window=128_000, output=8192)
+    assert capped.prepare_ahead == capped.trigger == 54272
+    assert spec({"prepareAheadRatio": 0}).prepare_ahead == 0
 
 
 def test_worked_example_w128000_o8192_b65536_triggers_at_54272() -> None:
@@ -293,6 +306,20 @@ def test_duplicate_model_overrides_are_rejected() -> None:
         ({"modelPolicies": [{"provider": "p", "model": ""}]}, "modelPolicies[0].model"),
         ({"modelPolicies": "p/m"}, "modelPolicies"),
         ({"modelPolicies": ["p/m"]}, "modelPolicies[0]"),
+        ({"prepareAheadRatio": 0.8}, "prepareAheadRatio"),  # not below thresholdRatio
+        ({"prepareAheadRatio": 0.5, "thresholdRatio": 0.4}, "prepareAheadRatio"),
+        ({"prepareAheadRatio": -0.1}, "prepareAheadRatio"),
+        ({"prepareAheadRatio": "half"}, "prepareAheadRatio"),
+        ({"prepareAheadWaitMs": -1}, "prepareAheadWaitMs"),
+        ({"prepareAheadWaitMs": 600_001}, "prepareAheadWaitMs"),
+        (
+            {
+                "modelPolicies": [
+                    {"provider": "p", "model": "m", "thresholdRatio": 0.2, "prepareAheadRatio": 0.3}
+                ]
+            },
+            "modelPolicies[0].prepareAheadRatio",
+        ),
     ],
 )
 def test_invalid_values_are_rejected_naming_the_field(settings: dict[str, Any], field: str) -> None:

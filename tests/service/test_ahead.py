@@ -9,16 +9,24 @@ the prepare-ahead point at 4000 (``floor(min(16000 * 0.25, 16000 - 1000 - 1000))
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from compactd.api.server import create_server
 from compactd.store.candidates import Candidate
 from compactd.testing.openai_server import OpenAICompatServer, RecordedRequest, Reply
 from compactd.v1 import compaction_service_pb2 as cpb
+from tests import postgres
 from tests.builders import assistant, in_step, replace, tool_result, turn_start, user
 from tests.compaction_fixtures import (
     ABOVE,
@@ -27,6 +35,7 @@ from tests.compaction_fixtures import (
     Harness,
     Run,
     opening,
+    server_config,
     started,
     summary_requests,
     units,
@@ -329,3 +338,113 @@ async def test_usage_that_answered_a_request_built_before_the_apply_does_not_anc
         anchored = report.breakdown.method == cpb.MEASUREMENT_METHOD_ANCHORED
         assert anchored is not stale
         assert report.measured_tokens < before  # never the old surface's price
+
+
+@pytest.fixture(scope="module")
+def database() -> Iterator[str]:
+    yield from postgres.database()
+
+
+@asynccontextmanager
+async def replicas(
+    tmp_path: Path, loop: OpenAICompatServer, url: str
+) -> AsyncIterator[tuple[Harness, Harness]]:
+    """Two servers on one PostgreSQL schema (a short bracket lease), a harness for each."""
+    settings = server_config(tmp_path, loop, policy=AHEAD)
+    settings = dataclasses.replace(settings, store=url, bracket_lease_s=1.0)
+    async with AsyncExitStack() as stack:
+        harnesses = []
+        for _ in range(2):
+            running = await create_server(settings, tracer_provider=trace.NoOpTracerProvider())
+            stack.push_async_callback(running.stop, 0)
+            channel = await stack.enter_async_context(grpc.aio.insecure_channel(running.address))
+            harnesses.append(Harness(channel, loop, running))
+        yield harnesses[0], harnesses[1]
+
+
+async def test_a_replica_that_dies_while_preparing_is_taken_over_by_another_that_applies(
+    tmp_path: Path, loop: OpenAICompatServer, held: Held, database: str
+) -> None:
+    async with replicas(tmp_path, loop, postgres.fresh_schema(database)) as (a, b):
+        assert a.server is not None
+        assert b.server is not None
+        await a.create(*opening(), *units(BEFORE_TRIGGER))  # A starts preparing (held)
+        dying = await until_candidate(a, ready=False)
+        assert dying.claim.owner == a.server.manager.instance_id
+
+        async def frozen(*_: Any, **__: Any) -> bool:
+            await asyncio.Event().wait()  # a replica that stopped: it never renews again
+            return False
+
+        a.server.store.renew_candidate = frozen  # type: ignore[method-assign]
+        async with asyncio.timeout(30):
+            while True:  # the lease lapses by the database's clock
+                seen = await b.server.store.get_candidate(b.session_id)
+                if seen is not None and seen.abandoned:
+                    break
+                await asyncio.sleep(0.05)
+
+        await b.append(*units(1, BEFORE_TRIGGER))  # B's next append prepares again
+        async with asyncio.timeout(30):
+            while True:
+                taken = await until_candidate(b, ready=True)
+                if taken.candidate_id != dying.candidate_id:
+                    break
+        assert taken.claim.owner == b.server.manager.instance_id
+
+        await b.append(*units(AT_TRIGGER - BEFORE_TRIGGER - 1, BEFORE_TRIGGER + 1))
+        await b.append(turn_start(1), user("Carry on."))
+        run = await b.prepare(1)
+
+        assert len(run.result.compactions) == 1
+        (record,) = await brackets(b)
+        assert record.prepared_ahead.candidate_id == taken.candidate_id
+        held.release.set()  # A's late summary finds its candidate gone: nothing is written
+        assert await b.server.store.get_candidate(b.session_id) is None
+
+
+async def test_watch_pressure_reports_the_candidate_in_progress(
+    tmp_path: Path, loop: OpenAICompatServer, held: Held
+) -> None:
+    async with started(tmp_path, loop, policy=AHEAD) as h:
+        await h.create(*opening(), *units(BEFORE_TRIGGER))
+        preparing = await until_candidate(h, ready=False)
+        watch = h.compaction.WatchPressure(cpb.WatchPressureRequest(session_id=h.session_id))
+
+        first = await anext(aiter(watch))
+        watch.cancel()
+
+        shown = first.candidate
+        assert shown.candidate_id == preparing.candidate_id
+        assert not shown.ready
+        assert (shown.start_seq, shown.end_seq) == (
+            preparing.claim.start_seq,
+            preparing.claim.end_seq,
+        )
+        assert h.server is not None
+        assert shown.owner == h.server.manager.instance_id
+
+
+async def test_the_background_summary_and_the_bracket_that_applies_it_are_traced(
+    tmp_path: Path,
+    loop: OpenAICompatServer,
+    held: Held,
+    provider: TracerProvider,
+    exporter: InMemorySpanExporter,
+) -> None:
+    held.release.set()
+    async with started(tmp_path, loop, policy=AHEAD, tracer_provider=provider) as h:
+        await h.create(*opening(), *units(BEFORE_TRIGGER))
+        ready = await until_candidate(h, ready=True)
+        await step_at_trigger(h)
+
+        spans = {s.name: s for s in exporter.get_finished_spans()}
+        prepared = spans["compaction.prepare_ahead"]
+        assert prepared.attributes is not None
+        assert prepared.attributes["compactd.candidate_id"] == ready.candidate_id
+        assert prepared.parent is None  # no caller waits on it
+        assert any(s.parent == prepared.context for s in exporter.get_finished_spans())
+        bracket = spans["compaction.bracket"]
+        assert bracket.attributes is not None
+        assert bracket.attributes["compactd.prepared_ahead"] is True
+        assert "compaction.summarize" not in spans  # the step called no summarizer
