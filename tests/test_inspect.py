@@ -17,6 +17,8 @@ from compactd.api.auth import hash_token
 from compactd.api.server import create_server
 from compactd.cli import main
 from compactd.testing.openai_server import OpenAICompatServer
+from compactd.v1 import compaction_service_pb2 as cpb
+from compactd.v1 import events_pb2
 from tests.builders import compaction_start, turn_start, user
 from tests.compaction_fixtures import (
     PROVIDER,
@@ -198,3 +200,18 @@ async def test_inspect_sends_its_token_to_a_service_that_requires_one(
         assert "== brackets" in out
     finally:
         await running.stop(0)
+
+
+def test_a_bracket_prepared_ahead_is_marked_with_the_steps_wait() -> None:
+    record = cpb.BracketRecord(
+        compaction_id="ab12cd34ef", summarizer="openai", end_seq=40,
+        outcome=cpb.BRACKET_OUTCOME_COMMITTED, duration_seconds=0.01,
+        prepared_ahead=events_pb2.PreparedAhead(candidate_id="c1", agent_wait_ms=7),
+    )  # fmt: skip
+    plain = cpb.BracketRecord(compaction_id="ffee0011", summarizer="openai", end_seq=9)
+
+    rows = inspect._bracket_rows(cpb.ListBracketsResponse(brackets=[record, plain]))
+
+    assert rows[1].endswith("openai ahead 7ms")
+    assert len(rows[1]) <= inspect.WIDTH
+    assert "ahead" not in rows[2]

@@ -400,3 +400,23 @@ async def test_replay_presents_a_client_certificate_to_a_mutual_tls_server(
         assert "compactions" in capsys.readouterr().out
     finally:
         await running.stop(0)
+
+
+def test_the_report_marks_a_bracket_prepared_ahead() -> None:
+    def record(*, ahead: bool) -> rp.CompactionRecord:
+        return rp.CompactionRecord(
+            compaction_id="c", step=3, trigger="threshold", start_position=1, end_position=9,
+            start_seq=3, end_seq=40, shadowed=9, tokens_before=5400, tokens_after=1500,
+            span_tokens=4000, checkpoint_tokens=300, summary_chars=900, summarizer="openai",
+            seconds=0.01, outcome="committed", prepared_ahead=ahead,
+        )  # fmt: skip
+
+    replay = rp.SessionReplay(source="t", session_id="s", messages=9)
+    replay.compactions = [record(ahead=True), record(ahead=False)]
+
+    rows = report.bracket_table([replay]).splitlines()[1:]
+    page = report.render_html([replay], title="t", settings="s")
+
+    assert rows[0].endswith("committed (ahead)")
+    assert rows[1].endswith("committed")
+    assert page.count("committed (ahead)") == 1

@@ -287,10 +287,10 @@ def _bracket_rows(history: cpb.ListBracketsResponse) -> list[str]:
         before = str(b.tokens.envelope_before) if b.HasField("tokens") else ""
         after = str(b.tokens.envelope_after) if b.HasField("tokens") else ""
         note = b.error_reason or b.summarizer
-        if b.end_seq >= 0:
+        if b.HasField("prepared_ahead"):  # written before the trigger: the step's wait instead
+            note += f" ahead {b.prepared_ahead.agent_wait_ms}ms"
+        elif b.end_seq >= 0:
             note += f" {b.duration_seconds:.1f}s"
-        if b.HasField("prepared_ahead"):  # its summary was written before the trigger
-            note += f" ahead (waited {b.prepared_ahead.agent_wait_ms} ms)"
         rows.append(
             f"{b.compaction_id[:8]:<8} {_TRIGGERS.get(b.trigger, '?'):<8} "
             f"{_OUTCOMES.get(b.outcome, '?'):<9} {span:<13} {b.shadowed_count:>3} {before:>7} "
