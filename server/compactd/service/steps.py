@@ -205,8 +205,8 @@ class StepService:
     async def _applied_ahead(self, relief: _Relief) -> bool:
         """The candidate prepared ahead, applied if there is one (``AheadService.apply``);
         whether that brought pressure below the trigger."""
-        if self._ahead is None:
-            return False
+        if self._ahead is None or not relief.policy.prepares_ahead:
+            return False  # off: not even the job is built
         job = self._job(relief, first=True)
         committed = await self._ahead.apply(relief.handle, job, relief.progress)
         if committed is None:
