@@ -448,3 +448,29 @@ async def test_the_background_summary_and_the_bracket_that_applies_it_are_traced
         assert bracket.attributes is not None
         assert bracket.attributes["compactd.prepared_ahead"] is True
         assert "compaction.summarize" not in spans  # the step called no summarizer
+
+
+async def test_a_background_summary_that_fails_leaves_no_candidate_and_the_step_summarizes(
+    tmp_path: Path, loop: OpenAICompatServer, held: Held
+) -> None:
+    held.release.set()
+    loop.enqueue(*[Reply.server_error(500)] * 3)  # every attempt of the background summary
+    async with started(tmp_path, loop, policy=AHEAD) as h:
+        await h.create(*opening(), *units(BEFORE_TRIGGER))
+        assert await asyncio.to_thread(loop.wait_for_requests, 3)
+        assert h.server is not None
+        assert h.server.ahead is not None
+        handle = await h.server.manager.get(h.session_id)
+        async with asyncio.timeout(30):
+            while True:  # the background task ends after its last attempt
+                if not h.server.ahead.preparing(handle):
+                    break
+                await asyncio.sleep(0.02)
+        assert await candidate(h) is None
+        assert not any(e.HasField("compaction_start") for e in await h.events())
+
+        run = await step_at_trigger(h)
+
+        assert len(run.result.compactions) == 1
+        (record,) = await brackets(h)
+        assert not record.HasField("prepared_ahead")
