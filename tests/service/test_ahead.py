@@ -474,3 +474,22 @@ async def test_a_background_summary_that_fails_leaves_no_candidate_and_the_step_
         assert len(run.result.compactions) == 1
         (record,) = await brackets(h)
         assert not record.HasField("prepared_ahead")
+
+
+async def test_a_step_below_the_trigger_never_waits_for_a_candidate_in_progress(
+    tmp_path: Path, loop: OpenAICompatServer, held: Held
+) -> None:
+    async with started(tmp_path, loop, policy=AHEAD) as h:
+        await h.create(*opening(), *units(BEFORE_TRIGGER))
+        preparing = await until_candidate(h, ready=False)  # held until the test ends
+        await h.append(turn_start(1), user("Carry on."))
+
+        run = await h.prepare(1)  # returns while the summary is still held (the wait is 60 s)
+
+        assert run.result.before.state == BELOW
+        assert run.result.outcome == cpb.PRESSURE_OUTCOME_FITS
+        assert [p for p in run.progress if p.step == STEP.COMPACTION_STEP_AHEAD] == []
+        still = await candidate(h)
+        assert still is not None
+        assert still.candidate_id == preparing.candidate_id
+        assert still.summary is None
