@@ -8,8 +8,8 @@ side by side:
 
 - **wait p50 / p95 / max / total**: the agent-visible wait compaction added, measured by the
   client (``replay.compaction_waits``): at every step that compacted (a bracket the log places in
-  it, or ``PrepareStep`` reporting one), how much longer its ``PrepareStep`` took than the
-  session's median step that compacted nothing;
+  it, or ``PrepareStep`` reporting one), how much longer its ``PrepareStep`` and the appends
+  that follow it (a step boundary) took than the session's median step that compacted nothing;
 - **compactions**: brackets committed;
 - **summary input tokens / requests**: what the summary model received (every request, including
   those of candidates discarded or cancelled; 4 characters a token, as the model bills);

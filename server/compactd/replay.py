@@ -125,6 +125,9 @@ class StepRecord:
     #: ``OVER_WINDOW_IRREDUCIBLE``, ``OVER_WINDOW``, ``UNPRICED``; "" from a server before it).
     outcome: str = ""
     limit: int = 0  # the window less the output reservation: what a request sent must fit
+    #: Seconds the runtime then spent appending the step's events (its reply, tool results and
+    #: whatever came before the next ``PrepareStep``): a step boundary compactd may act at.
+    append_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -249,7 +252,7 @@ async def replay(
     log_length, pending = 0, list[SessionEvent]()
     for event in events:
         if event.HasField("step_start"):
-            log_length = await _append(client, result.session_id, pending) or log_length
+            log_length = await _timed_append(client, result, pending) or log_length
             pending = []
             step = await _prepare(
                 client, result, event.step_start.turn, log_length, answered, keep_requests
@@ -259,10 +262,22 @@ async def replay(
             if think > 0:
                 await asyncio.sleep(think)  # the agent's model answering the request
         pending.append(event)
-    await _append(client, result.session_id, pending)
+    await _timed_append(client, result, pending)
     await read_log(client, result)
     result.seconds = time.perf_counter() - started
     return result
+
+
+async def _timed_append(
+    client: AsyncCompactdClient, result: SessionReplay, events: list[SessionEvent]
+) -> int:
+    """``_append``, its duration recorded on the last step (the one these events follow)."""
+    started = time.perf_counter()
+    length = await _append(client, result.session_id, events)
+    if result.steps:
+        seconds = time.perf_counter() - started
+        result.steps[-1] = dataclasses.replace(result.steps[-1], append_seconds=seconds)
+    return length
 
 
 async def _append(client: AsyncCompactdClient, session_id: str, events: list[SessionEvent]) -> int:
@@ -476,14 +491,22 @@ def compaction_waits(result: SessionReplay) -> list[float]:
     """The agent-visible wait compaction added to each step that compacted, in seconds.
 
     A step compacted when its ``PrepareStep`` reported a compaction or the log places a bracket
-    in it. Its wait is how much longer its ``PrepareStep`` took than the session's typical step
-    that compacted nothing (their median), measured by the client; 0 when not longer.
+    in it (between its ``PrepareStep`` and the next: a bracket applied at a step boundary is the
+    step's too). Its wait is how much longer its ``PrepareStep`` and the appends that follow it
+    took than the session's typical step that compacted nothing (their median), measured by the
+    client; 0 when not longer.
     """
     busy = {record.step for record in result.compactions if record.step}
     busy |= {step.index for step in result.steps if step.compactions}
-    quiet = [step.seconds for step in result.steps if step.index not in busy]
+    quiet = [_blocked(step) for step in result.steps if step.index not in busy]
     typical = statistics.median(quiet) if quiet else 0.0
-    return [max(0.0, step.seconds - typical) for step in result.steps if step.index in busy]
+    return [max(0.0, _blocked(step) - typical) for step in result.steps if step.index in busy]
+
+
+def _blocked(step: StepRecord) -> float:
+    """Seconds compactd kept the runtime waiting for ``step``: its ``PrepareStep``, then the
+    appends until the next."""
+    return step.seconds + step.append_seconds
 
 
 def embedded_config(
