@@ -22,10 +22,12 @@ times. Summaries are extractive unless the configuration (``--config``) says oth
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import contextlib
 import dataclasses
 import json
+import statistics
 import tempfile
 import time
 import uuid
@@ -123,6 +125,9 @@ class StepRecord:
     #: ``OVER_WINDOW_IRREDUCIBLE``, ``OVER_WINDOW``, ``UNPRICED``; "" from a server before it).
     outcome: str = ""
     limit: int = 0  # the window less the output reservation: what a request sent must fit
+    #: Seconds the runtime then spent appending the step's events (its reply, tool results and
+    #: whatever came before the next ``PrepareStep``): a step boundary compactd may act at.
+    append_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -211,6 +216,7 @@ async def replay(
     on_step: Progress | None = None,
     keep_requests: bool = False,
     plant: Plant | None = None,
+    think: float = 0.0,
 ) -> SessionReplay:
     """Play ``transcript`` as one new session; returns its steps and what the log says.
 
@@ -224,6 +230,9 @@ async def replay(
         keep_requests: Keep each step's rebuilt request (``SessionReplay.requests``).
         plant: Rewrites the converted events before they are played (a benchmark plants pins
             and sub-agent events this way); it must keep the log valid.
+        think: Seconds the agent's model takes after each ``PrepareStep`` before its reply is
+            logged (default 0: the recorded reply at once). A summary prepared ahead runs in
+            that time, as beside a real agent.
 
     Raises:
         ValueError: The transcript holds a message the converter does not carry (named).
@@ -244,18 +253,32 @@ async def replay(
     log_length, pending = 0, list[SessionEvent]()
     for event in events:
         if event.HasField("step_start"):
-            log_length = await _append(client, result.session_id, pending) or log_length
+            log_length = await _timed_append(client, result, pending) or log_length
             pending = []
             step = await _prepare(
                 client, result, event.step_start.turn, log_length, answered, keep_requests
             )
             if on_step is not None:
                 on_step(step)
+            if think > 0:
+                await asyncio.sleep(think)  # the agent's model answering the request
         pending.append(event)
-    await _append(client, result.session_id, pending)
+    await _timed_append(client, result, pending)
     await read_log(client, result)
     result.seconds = time.perf_counter() - started
     return result
+
+
+async def _timed_append(
+    client: AsyncCompactdClient, result: SessionReplay, events: list[SessionEvent]
+) -> int:
+    """``_append``, its duration recorded on the last step (the one these events follow)."""
+    started = time.perf_counter()
+    length = await _append(client, result.session_id, events)
+    if result.steps:
+        seconds = time.perf_counter() - started
+        result.steps[-1] = dataclasses.replace(result.steps[-1], append_seconds=seconds)
+    return length
 
 
 async def _append(client: AsyncCompactdClient, session_id: str, events: list[SessionEvent]) -> int:
@@ -446,6 +469,48 @@ def window_policy(window: int) -> dict[str, int | float]:
     }
 
 
+#: The policy key that makes compactd prepare a summary before the trigger (issue 35).
+PREPARE_AHEAD = "prepareAheadRatio"
+
+
+def prepare_ahead_policy(
+    policy: Mapping[str, Any] | None, ratio: float | None
+) -> dict[str, Any] | None:
+    """``policy`` with ``prepareAheadRatio`` set to ``ratio`` (None: ``policy`` unchanged).
+
+    Raises:
+        ConfigError: ``ratio`` is not in (0, 1) (the server also wants it below
+            ``thresholdRatio``, and says so when the session is created).
+    """
+    if ratio is None:
+        return dict(policy) if policy is not None else None
+    if not 0 < ratio < 1:
+        raise ConfigError(f"--prepare-ahead: expected a ratio in (0, 1), got {ratio:g}")
+    return {**(policy or {}), PREPARE_AHEAD: ratio}
+
+
+def compaction_waits(result: SessionReplay) -> list[float]:
+    """The agent-visible wait compaction added to each step that compacted, in seconds.
+
+    A step compacted when its ``PrepareStep`` reported a compaction or the log places a bracket
+    in it (between its ``PrepareStep`` and the next: a bracket applied at a step boundary is the
+    step's too). Its wait is how much longer its ``PrepareStep`` and the appends that follow it
+    took than the session's typical step that compacted nothing (their median), measured by the
+    client; 0 when not longer.
+    """
+    busy = {record.step for record in result.compactions if record.step}
+    busy |= {step.index for step in result.steps if step.compactions}
+    quiet = [_blocked(step) for step in result.steps if step.index not in busy]
+    typical = statistics.median(quiet) if quiet else 0.0
+    return [max(0.0, _blocked(step) - typical) for step in result.steps if step.index in busy]
+
+
+def _blocked(step: StepRecord) -> float:
+    """Seconds compactd kept the runtime waiting for ``step``: its ``PrepareStep``, then the
+    appends until the next."""
+    return step.seconds + step.append_seconds
+
+
 def embedded_config(
     config_path: str | None,
     store_dir: Path,
@@ -521,12 +586,13 @@ async def replay_all(
     credentials: grpc.ChannelCredentials | None = None,
     token: str | None = None,
     plant: Plant | None = None,
+    think: float = 0.0,
 ) -> list[SessionReplay]:
     """Replay every transcript against ``address``, one session each, in order.
 
     ``on_step(conversation index, step)`` is called after each step's ``PrepareStep``;
     ``credentials`` (TLS, a client certificate for mutual TLS) and ``token`` (a bearer token) are
-    the client's (``AsyncCompactdClient``).
+    the client's (``AsyncCompactdClient``); ``think`` is ``replay``'s.
     """
     results = []
     client = AsyncCompactdClient(address, timeout=120.0, credentials=credentials, token=token)
@@ -542,6 +608,7 @@ async def replay_all(
                     on_step=step,
                     keep_requests=keep_requests,
                     plant=plant,
+                    think=think,
                 )
             )
     return results

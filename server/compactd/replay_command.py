@@ -55,6 +55,17 @@ def add_parser(commands: Any) -> None:
         help="where the HTML report goes (default replay-report.html)",
     )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument(
+        "--prepare-ahead", type=float, metavar="RATIO",
+        help="set the sessions' policy prepareAheadRatio to RATIO (0 < RATIO < thresholdRatio): "
+        "compactd prepares each summary once the envelope passes RATIO x W and applies it at a "
+        "step boundary; with --think the agent-visible wait shows the difference",
+    )  # fmt: skip
+    parser.add_argument(
+        "--think", type=float, default=0.0, metavar="SECONDS",
+        help="seconds the agent's model takes after each PrepareStep (default 0); then the "
+        "agent-visible wait compaction added is printed",
+    )  # fmt: skip
     # Issue 14: a --target behind TLS, mutual TLS or bearer tokens (issue 10's listener).
     secure = parser.add_argument_group("a --target with TLS or authentication")
     secure.add_argument(
@@ -95,6 +106,10 @@ def run(args: argparse.Namespace) -> int:
                 "routes and summarizer are its own configuration"
             )
         args.credentials, args.token = _security(args)
+        if args.think < 0:
+            raise ConfigError(f"--think: expected seconds >= 0, got {args.think:g}")
+        window = rp.window_policy(args.window) if args.window is not None else None
+        args.policy = rp.prepare_ahead_policy(window, args.prepare_ahead)
         _check_writable(args.html)  # now, not after a replay that may take minutes
         replays, where = asyncio.run(_replay(args, route, transcripts))
     except ConfigError as err:
@@ -106,6 +121,9 @@ def run(args: argparse.Namespace) -> int:
     print(report.table(replays))
     print()
     print(report.bracket_table(replays))
+    if args.think or args.prepare_ahead is not None:
+        print()
+        print(report.wait_line(replays))
     for number, result in enumerate(replays, 1):
         for warning in result.warnings:  # a route without a window, a bracket that failed, ...
             print(f"warning ({number}): {warning}", file=sys.stderr)
@@ -183,20 +201,21 @@ async def _replay(
     steps = sum(1 for t in transcripts for m in t.messages if m.get("role") == "assistant")
     bar = None if args.no_progress else report.ProgressBar(sys.stderr, steps, len(transcripts))
     on_step = bar.step if bar is not None else None
-    policy = rp.window_policy(args.window) if args.window is not None else None
+    policy, think = args.policy, args.think
     try:
         if args.target:
             results = await rp.replay_all(
-                args.target, transcripts, route=route, on_step=on_step,
-                credentials=args.credentials, token=args.token,
+                args.target, transcripts, route=route, policy=policy, on_step=on_step,
+                credentials=args.credentials, token=args.token, think=think,
             )  # fmt: skip
             return results, f"server {args.target}"
         async with rp.temporary_store() as folder:
             config = rp.embedded_config(args.config, folder, route=route, window=args.window)
             async with rp.embedded_server(config) as address:
                 results = await rp.replay_all(
-                    address, transcripts, route=route, policy=policy, on_step=on_step
-                )
+                    address, transcripts, route=route, policy=policy, on_step=on_step,
+                    think=think,
+                )  # fmt: skip
         window = f"window {args.window:,}" if args.window else "the route's window"
         summarizer = config.summarizer.get("kind", "extractive")
         return results, f"embedded server ({window}, {summarizer} summaries)"

@@ -16,7 +16,9 @@ import pytest
 
 from compactd import config
 from compactd.api.server import components, create_server
-from compactd.routes import RouteCatalog
+from compactd.errors import ConfigError
+from compactd.providers.chunking import ChunkingSummarizer
+from compactd.routes import Route, RouteCatalog
 from compactd.service.summarizers import SummarizerRegistry, SummarizerSettings, named_routes
 from compactd.testing.openai_server import OpenAICompatServer
 from compactd.v1 import events_pb2
@@ -128,3 +130,23 @@ def test_the_summarization_pair_of_a_model_policy_names_its_route() -> None:
     parts = components(dataclasses.replace(config.load(None, environ={}), compaction=policy))
     named = named_routes((), SummarizerSettings(), parts.policy)
     assert ("openai", "gpt-4.1") in named
+
+
+def test_chunk_concurrency_bounds_the_chunking_summarizer_of_a_windowed_route() -> None:
+    route = Route("local", "small", base_url="http://127.0.0.1:9/v1", context_window=8192)
+    settings = SummarizerSettings.from_mapping({"kind": "openai", "chunk_concurrency": 2})
+    registry = SummarizerRegistry(
+        RouteCatalog([route]), settings, named=frozenset({("local", "small")})
+    )
+
+    summarizer = registry.for_route(route)
+
+    assert isinstance(summarizer, ChunkingSummarizer)
+    assert summarizer.concurrency == 2
+    assert SummarizerSettings().chunk_concurrency == 4  # the default
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "4"])
+def test_a_chunk_concurrency_below_one_or_not_an_integer_is_refused(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"summarizer\.chunk_concurrency"):
+        SummarizerSettings.from_mapping({"chunk_concurrency": value})

@@ -15,11 +15,17 @@ summary route, so sending it in one request would fail. This wrapper bounds the 
    longest text (or tool-call arguments) is cut repeatedly and ends with ``TRUNCATION_MARKER``;
    images become a short placeholder as a last resort. If it still does not fit, the summary fails
    with ``CONTEXT_WINDOW_EXCEEDED``.
-4. **Summarize each chunk** with the inner summarizer and the original instruction, one call at a
-   time, in order. A chunk summarized before (the same messages, instruction, tools and cap: the
-   first chunk of a span that grew since its bracket failed, say) is not sent again: the last
-   ``CHUNK_CACHE`` chunk summaries are kept (merges' too), so no identical request goes to the
-   model twice.
+4. **Summarize each chunk** with the inner summarizer and the original instruction. The chunks
+   are independent, so up to ``concurrency`` of them are in flight at once (the
+   ``[summarizer] chunk_concurrency`` setting): a span of five chunks with a 3 s model waits about
+   3 s for its chunks, not 15 s. The partial summaries keep the chunks' order whatever order they
+   finish in, so the merge request is the same as one-at-a-time would send. The first chunk that
+   fails cancels the others (each cancelled request is closed, no task outlives the call) and
+   its error is raised; when several fail, the earliest chunk's error is. A chunk summarized
+   before (the same messages, instruction, tools and cap: the first chunk of a span that grew
+   since its bracket failed, say) is not sent again: the last ``CHUNK_CACHE`` chunk summaries are
+   kept (merges' too; chunks that finished before a failure too), and identical chunks of one
+   span are sent once, so no identical request goes to the model twice.
 5. **Merge.** One final call receives the partial summaries, each framed as a prior checkpoint
    (``prompts.frame_checkpoint``), with the same instruction, which already tells the model to fold
    prior checkpoints into one. If the partial summaries themselves do not fit, they are chunked
@@ -30,6 +36,7 @@ Usage is summed over every call; provider, model and finish reason are the final
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import json
@@ -53,6 +60,8 @@ IMAGE_PLACEHOLDER = "[image omitted to fit the summarizer's context window]"
 _MAX_SHRINK_STEPS = 64
 #: Chunk summaries kept per summarizer (least recently used dropped first).
 CHUNK_CACHE = 64
+#: Chunk requests of one summary in flight at once, unless the caller says otherwise.
+DEFAULT_CONCURRENCY = 4
 
 
 class ChunkingSummarizer:
@@ -65,6 +74,7 @@ class ChunkingSummarizer:
         window_tokens: int,
         count_tokens: TokenCounter,
         max_rounds: int = 3,
+        concurrency: int = DEFAULT_CONCURRENCY,
     ) -> None:
         """Wrap ``inner``.
 
@@ -74,15 +84,24 @@ class ChunkingSummarizer:
             count_tokens: Price of a request input carrying these messages and tools, in the
                 summary route's tokens (the token meter's route price).
             max_rounds: Merge rounds allowed when partial summaries need chunking themselves.
+            concurrency: Chunk requests of one summary in flight at once (1: one after another).
         """
         if window_tokens <= 0:
             raise ValueError("window_tokens must be positive")
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
         self.name = inner.name
         self._inner = inner
         self._window = window_tokens
         self._count = count_tokens
         self._max_rounds = max_rounds
+        self._concurrency = concurrency
         self._partials: OrderedDict[str, SummaryResult] = OrderedDict()
+
+    @property
+    def concurrency(self) -> int:
+        """Chunk requests of one summary in flight at once, at most."""
+        return self._concurrency
 
     async def summarize(self, request: SummaryRequest) -> SummaryResult:
         """Summarize in one call when the request fits, otherwise chunk and merge.
@@ -128,16 +147,45 @@ class ChunkingSummarizer:
         chunks = self.chunks(request)
         if not chunks:
             raise SummaryError("nothing to summarize: the span is empty")
+        partials = await self._partials_of([dataclasses.replace(request, messages=chunk)
+                                            for chunk in chunks])  # fmt: skip
         usage: events_pb2.Usage | None = None
-        partials: list[SummaryResult] = []
-        for chunk in chunks:
-            result = await self._partial(dataclasses.replace(request, messages=chunk))
+        for result in partials:
             usage = add_usage(usage, result.usage)
-            partials.append(result)
         if len(partials) == 1:
             return dataclasses.replace(partials[0], usage=usage)
         final = await self._merge(request, partials, round_)
         return dataclasses.replace(final, usage=add_usage(usage, final.usage))
+
+    async def _partials_of(self, chunks: Sequence[SummaryRequest]) -> list[SummaryResult]:
+        """Every chunk's summary, in the chunks' order, ``concurrency`` requests at a time.
+
+        Identical chunks are summarized once (the copies' usage is not counted again). A failure
+        cancels the chunks still running or waiting, and the earliest failed chunk's error is
+        raised once they have all ended.
+        """
+        keys = [_digest(chunk) for chunk in chunks]
+        unique = dict(zip(keys, chunks, strict=True))  # the first of each identical chunk
+        gate = asyncio.Semaphore(self._concurrency)
+
+        async def summarize(chunk: SummaryRequest) -> SummaryResult:
+            async with gate:
+                return await self._partial(chunk)
+
+        tasks: dict[str, asyncio.Task[SummaryResult]] = {}
+        try:
+            async with asyncio.TaskGroup() as group:
+                for key, chunk in unique.items():
+                    tasks[key] = group.create_task(summarize(chunk))
+        except BaseExceptionGroup:
+            raise _earliest_error(list(tasks.values())) from None
+        seen: set[str] = set()
+        results = []
+        for key in keys:
+            result = tasks[key].result()
+            results.append(result if key not in seen else dataclasses.replace(result, usage=None))
+            seen.add(key)
+        return results
 
     async def _partial(self, chunk: SummaryRequest) -> SummaryResult:
         """One chunk's summary: the inner summarizer's, or the one it wrote for the same chunk
@@ -207,6 +255,16 @@ class ChunkingSummarizer:
             if not _cut_longest(messages, excess) and not _drop_one_image(messages):
                 return None
         return messages if self.fits([*prefix, *messages], request) else None
+
+
+def _earliest_error(tasks: Sequence[asyncio.Task[SummaryResult]]) -> BaseException:
+    """The error of the earliest chunk that failed (not cancelled), all tasks having ended."""
+    for task in tasks:
+        if not task.cancelled() and task.exception() is not None:
+            error = task.exception()
+            assert error is not None
+            return error
+    raise AssertionError("a task group failed without a failed task")  # pragma: no cover
 
 
 def _digest(request: SummaryRequest) -> str:

@@ -28,7 +28,7 @@ from compactd.core.policy import PressurePolicy, TargetPolicy
 from compactd.core.pricing import price_message, price_tools
 from compactd.errors import ConfigError, FailedPrecondition
 from compactd.providers.base import Summarizer
-from compactd.providers.chunking import ChunkingSummarizer
+from compactd.providers.chunking import DEFAULT_CONCURRENCY, ChunkingSummarizer
 from compactd.providers.extractive import ExtractiveSummarizer
 from compactd.providers.openai import OpenAISummarizer, RetryPolicy, Timeouts
 from compactd.reasons import Reason
@@ -42,18 +42,23 @@ EXTRACTIVE_TARGET = Route("compactd", "extractive")
 
 @dataclass(frozen=True)
 class SummarizerSettings:
-    """The ``[summarizer]`` table: the summarizer kind, a default target, and HTTP limits."""
+    """The ``[summarizer]`` table: the summarizer kind, a default target, and HTTP limits.
+
+    ``chunk_concurrency`` bounds the chunk requests of one summary in flight at once (a span
+    larger than the summary route's window is summarized in chunks: ``ChunkingSummarizer``).
+    """
 
     kind: str = "auto"
     provider: str = ""
     model: str = ""
     timeout_s: float = 120.0
     max_attempts: int = 4
+    chunk_concurrency: int = DEFAULT_CONCURRENCY
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> SummarizerSettings:
         """Parse and validate (``ConfigError`` names the bad key)."""
-        known = {"kind", "provider", "model", "timeout_s", "max_attempts"}
+        known = {"kind", "provider", "model", "timeout_s", "max_attempts", "chunk_concurrency"}
         for key in values:
             if key not in known:
                 raise ConfigError(f"summarizer.{key}: unknown setting (known: {sorted(known)})")
@@ -66,6 +71,9 @@ class SummarizerSettings:
             raise ConfigError("summarizer.timeout_s: must be a positive number")
         if not isinstance(settings.max_attempts, int) or settings.max_attempts < 1:
             raise ConfigError("summarizer.max_attempts: must be an integer >= 1")
+        concurrency = settings.chunk_concurrency
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ConfigError("summarizer.chunk_concurrency: must be an integer >= 1")
         return settings
 
 
@@ -199,4 +207,9 @@ class SummarizerRegistry:
                 tools, pricing
             )
 
-        return ChunkingSummarizer(model, window_tokens=route.context_window, count_tokens=count)
+        return ChunkingSummarizer(
+            model,
+            window_tokens=route.context_window,
+            count_tokens=count,
+            concurrency=self.settings.chunk_concurrency,
+        )
