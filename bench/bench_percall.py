@@ -45,6 +45,8 @@ from compactd.api.server import create_server, settle_interpreter
 from compactd.v1 import session_service_pb2, session_service_pb2_grpc
 
 SERVERS = ("compactd", "bare aio", "sync, 64 threads")
+#: ``--experiment``: the bare aio handler appending through compactd's own store.
+EXPERIMENT = "bare aio + compactd's store"
 CONNECTIONS = 8
 #: (name, clients); the figures are per load and call.
 LOADS = (("1 client", 1), ("64 clients", 64))
@@ -176,9 +178,15 @@ async def run(args: argparse.Namespace) -> Rates:
             sync = await stack.enter_async_context(
                 served("bench.reference_server", 1, folder, "--mode", "sync")
             )
+            servers = [(SERVERS[0], compactd), (SERVERS[1], aio), (SERVERS[2], sync)]
+            if args.experiment:
+                store = await stack.enter_async_context(
+                    served("bench.reference_server", 1, folder, "--mode", "store")
+                )
+                servers.append((EXPERIMENT, store))
             targets = [
                 await stack.enter_async_context(_target(name, address[0]))
-                for name, address in zip(SERVERS, (compactd, aio, sync), strict=True)
+                for name, address in servers
             ]
             return await measure(targets, args)
 
@@ -211,9 +219,9 @@ def table(rates: Rates) -> str:
     keys = [(load, call) for load, _ in LOADS for call in CALLS]
     head = " | ".join(f"{load}: {call} calls/s" for load, call in keys)
     lines = [f"| server | {head} |", "|---|" + "---|" * len(keys)]
-    for server in SERVERS:
+    for server in m[keys[0]]:
         lines.append(f"| {server} | " + " | ".join(f"{m[k][server]:,.0f}" for k in keys) + " |")
-    for reference in SERVERS[1:]:
+    for reference in list(m[keys[0]])[1:]:
         ratios = " | ".join(f"{m[k][SERVERS[0]] / m[k][reference]:.2f}x" for k in keys)
         lines.append(f"| compactd / {reference} | {ratios} |")
     return "\n".join(lines)
@@ -243,6 +251,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--singles", type=int, default=400, help="calls per round, 1 client")
     parser.add_argument("--each", type=int, default=30, help="calls per caller, 64 clients")
     parser.add_argument("--warmup", type=int, default=200, help="calls of the untimed round")
+    parser.add_argument(
+        "--experiment", action="store_true", help="also the bare handler over compactd's store"
+    )
     parser.add_argument("--serve", help=argparse.SUPPRESS)  # compactd's child: its folder
     return parser.parse_args(argv)
 

@@ -16,7 +16,12 @@ Two modes, each the fastest honest way its kind of server does that work:
 - ``sync``: a ``grpc.server`` with 64 threads; a handler queues its rows and blocks on its own
   lock until the writer releases it.
 
-    python -m bench.reference_server --serve FOLDER --mode aio|sync
+One more, an experiment rather than a reference (``bench_percall --experiment``): ``store``, the
+bare aio handler appending through compactd's own ``SqliteEventStore`` (its schema, its writer
+thread and group commit) instead of the minimal writer: what compactd's store costs apart from
+its service and its RPC stack.
+
+    python -m bench.reference_server --serve FOLDER --mode aio|sync|store
 
 prints the address it listens on, then serves until its stdin closes.
 """
@@ -39,6 +44,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2
 
+from compactd.store.sqlite import SqliteEventStore
 from compactd.v1 import session_service_pb2
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
@@ -155,6 +161,31 @@ def _settled(future: asyncio.Future[None], error: BaseException | None) -> None:
             future.set_exception(error)
 
 
+# ---- the experiment: compactd's store under the bare handler ---------------------------------
+
+
+def store_handlers(store: SqliteEventStore, log: Log) -> list[grpc.GenericRpcHandler[Any, Any]]:
+    async def check(request: Any, context: Any) -> Any:
+        return SERVING
+
+    async def create(request: Any, context: Any) -> Any:
+        await store.create_session(request.session_id, None)
+        return _created(request, log)
+
+    async def append(request: session_service_pb2.AppendEventsRequest, context: Any) -> Any:
+        events = request.events
+        first = log.revisions.get(request.session_id, 0)
+        log.revisions[request.session_id] = first + len(events)
+        for offset, event in enumerate(events):
+            event.seq = first + offset
+            event.time.GetCurrentTime()
+        await store.append(request.session_id, events)  # serialized on its writer thread
+        seqs = [first + i for i in range(len(events))]
+        return session_service_pb2.AppendEventsResponse(seqs=seqs, revision=seqs[-1] + 1)
+
+    return _handlers(check, create, append)
+
+
 # ---- sync --------------------------------------------------------------------------------------
 
 
@@ -215,14 +246,22 @@ def _handlers(check: Any, create: Any, append: Any) -> list[grpc.GenericRpcHandl
 # ---- serving -----------------------------------------------------------------------------------
 
 
-async def serve_aio(log: Log) -> None:
+async def serve_aio(log: Log, mode: str) -> None:
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    server.add_generic_rpc_handlers(aio_handlers(log))
+    store = None
+    if mode == "store":
+        store = SqliteEventStore(str(log.path.with_suffix(".store.db")))
+        await store.open()
+        server.add_generic_rpc_handlers(store_handlers(store, log))
+    else:
+        server.add_generic_rpc_handlers(aio_handlers(log))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(f"127.0.0.1:{port}", flush=True)
     await asyncio.to_thread(sys.stdin.read)
     await server.stop(0)
+    if store is not None:
+        await store.close()
 
 
 def serve_sync(log: Log) -> None:
@@ -241,16 +280,18 @@ def serve_sync(log: Log) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--mode", choices=("aio", "sync"), required=True)
+    parser.add_argument("--mode", choices=("aio", "sync", "store"), required=True)
     parser.add_argument("--serve", required=True, help="the folder its SQLite file goes in")
     args = parser.parse_args(argv)
     log = Log(Path(args.serve) / f"reference-{args.mode}.db")
-    log.start()
     sys.setswitchinterval(0.0002)  # as compactd's server settles its interpreter
-    if args.mode == "aio":
-        asyncio.run(serve_aio(log))
-    else:
+    if args.mode == "sync":
+        log.start()
         serve_sync(log)
+    else:
+        if args.mode == "aio":
+            log.start()
+        asyncio.run(serve_aio(log, args.mode))
 
 
 if __name__ == "__main__":
