@@ -1,7 +1,9 @@
 """compactd's per-call cost against bare servers doing the same work, in one run.
 
 Three servers, each a process of its own on loopback, started side by side and driven in turn
-from this one client process (5 rounds; the servers' order rotates each round):
+from this one client process: 5 rounds, the servers' order rotating each round, and in a round
+each measure taken in 5 slices, the servers taking turns slice by slice (the machine is shared:
+each server meets the load of the same moments). A server's rate is the median of its rounds.
 
 - compactd at its shipped defaults (SQLite store, ``synchronous=FULL``, in a temporary folder;
   no credentials: every call runs as the default tenant, as a sidecar does);
@@ -48,6 +50,7 @@ SERVERS = ("compactd", "bare aio", "sync, 64 threads")
 #: ``--experiment``: the bare aio handler appending through compactd's own store.
 EXPERIMENT = "bare aio + compactd's store"
 CONNECTIONS = 8
+SLICES = 5  # turns each server takes per load and call in a round
 #: (name, clients); the figures are per load and call.
 LOADS = (("1 client", 1), ("64 clients", 64))
 CALLS = ("empty", "append")
@@ -101,38 +104,40 @@ async def _target(name: str, address: str) -> AsyncIterator[Target]:
             await channel.close(None)
 
 
-async def _rate(callers: int, each: int, call: Callable[[int, int], Awaitable[object]]) -> float:
-    """Calls per second of ``callers`` concurrent callers making ``each`` calls back to back
-    (``call(caller, k)``)."""
+#: One call of a caller: ``call(caller, k)`` makes caller's ``k``-th call.
+Call = Callable[[int, int], Awaitable[object]]
+
+
+async def _elapsed(callers: int, calls: range, call: Call) -> float:
+    """Seconds ``callers`` concurrent callers take to make ``call(caller, k)`` for each ``k`` in
+    ``calls``, back to back."""
 
     async def caller(index: int) -> None:
-        for k in range(each):
+        for k in calls:
             await call(index, k)
 
     start = time.perf_counter()
     await asyncio.gather(*(caller(i) for i in range(callers)))
-    return callers * each / (time.perf_counter() - start)
+    return time.perf_counter() - start
 
 
-async def empties(target: Target, callers: int, each: int) -> float:
-    """The rate of the empty call (health ``Check``)."""
+def empties(target: Target, callers: int) -> Call:
+    """The empty call (health ``Check``) of caller ``i``."""
     empty = health_pb2.HealthCheckRequest()
     stubs = [target.health(i) for i in range(callers)]
-    return await _rate(callers, each, lambda i, _: stubs[i].Check(empty))
+    return lambda i, _: stubs[i].Check(empty)
 
 
-async def appends(target: Target, events: list[list[SessionEvent]]) -> float:
-    """The rate of single-event appends, ``events[i]`` by caller ``i`` to a session of its own
-    (its sessions and requests made before the clock starts)."""
+async def appends(target: Target, events: list[list[SessionEvent]]) -> Call:
+    """The single-event append ``k`` of caller ``i``: ``events[i][k]``, to a session of the
+    caller's own (its session and its requests made here, before any clock starts)."""
     names = [await target.session() for _ in events]
     stubs = [target.sessions(i) for i in range(len(events))]
     requests = [
         [session_service_pb2.AppendEventsRequest(session_id=n, events=[e]) for e in mine]
         for n, mine in zip(names, events, strict=True)
     ]
-    return await _rate(
-        len(events), len(events[0]), lambda i, k: stubs[i].AppendEvents(requests[i][k])
-    )
+    return lambda i, k: stubs[i].AppendEvents(requests[i][k])
 
 
 # ---- rounds ------------------------------------------------------------------------------------
@@ -146,26 +151,39 @@ async def measure(targets: list[Target], args: argparse.Namespace) -> Rates:
     rates: Rates = {
         (load, call): {t.name: [] for t in targets} for load, _ in LOADS for call in CALLS
     }
-    await _round(targets, source, args.warmup, args.warmup // 10, {})  # connections, code paths
+    warmup = (args.warmup, max(SLICES, args.warmup // 10))
+    await _round(targets, source, args, {}, warmup)  # connections, code paths
     for round_ in range(args.rounds):
         order = targets[round_ % len(targets) :] + targets[: round_ % len(targets)]
-        await _round(order, source, args.singles, args.each, rates)
+        await _round(order, source, args, rates, (args.singles, args.each))
     return rates
 
 
 async def _round(
-    targets: list[Target], source: Iterator[SessionEvent], singles: int, each: int, rates: Rates
+    targets: list[Target],
+    source: Iterator[SessionEvent],
+    args: argparse.Namespace,
+    rates: Rates,
+    calls: tuple[int, int],
 ) -> None:
-    """One round: every load and call, each on every server in turn (the same events each)."""
+    """One round: every load and call on every server, the servers taking turns slice by slice
+    (``SLICES`` per round) so that each meets the machine's load of the same moments; the same
+    events for each server."""
     for load, callers in LOADS:
-        calls = singles if callers == 1 else each
-        events = [[next(source) for _ in range(calls)] for _ in range(callers)]
-        for target in targets:
-            rate = await empties(target, callers, calls)
-            rates.get((load, "empty"), {}).setdefault(target.name, []).append(rate)
-        for target in targets:
-            rate = await appends(target, events)
-            rates.get((load, "append"), {}).setdefault(target.name, []).append(rate)
+        count = calls[0] if callers == 1 else calls[1]
+        events = [[next(source) for _ in range(count)] for _ in range(callers)]
+        for call in CALLS:
+            made = {
+                t.name: await appends(t, events) if call == "append" else empties(t, callers)
+                for t in targets
+            }
+            spent = dict.fromkeys(made, 0.0)
+            for part in range(SLICES):
+                ks = range(part * count // SLICES, (part + 1) * count // SLICES)
+                for target in targets:
+                    spent[target.name] += await _elapsed(callers, ks, made[target.name])
+            for name, seconds in spent.items():
+                rates.get((load, call), {}).setdefault(name, []).append(callers * count / seconds)
 
 
 async def run(args: argparse.Namespace) -> Rates:
