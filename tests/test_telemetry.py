@@ -8,6 +8,9 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from opentelemetry.metrics import NoOpMeterProvider
+from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from compactd import telemetry
 from compactd.errors import ConfigError
@@ -89,3 +92,14 @@ def test_an_unknown_otlp_protocol_is_named(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "carrier-pigeon")
     with pytest.raises(ConfigError, match="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"):
         telemetry.exporter_names("traces")
+
+
+def test_without_a_reader_or_an_exporter_metrics_are_not_recorded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in list(telemetry.os.environ):
+        if name.startswith("OTEL_"):
+            monkeypatch.delenv(name)
+    assert isinstance(telemetry.meter_provider_from_env(), NoOpMeterProvider)
+    reader = InMemoryMetricReader()
+    assert isinstance(telemetry.meter_provider_from_env([reader]), SdkMeterProvider)

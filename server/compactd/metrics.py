@@ -76,7 +76,10 @@ class Metrics:
     """Every metric compactd records (see the module docstring); thread- and task-safe."""
 
     def __init__(self, meter_provider: MeterProvider | None = None) -> None:
-        meter = (meter_provider or NoOpMeterProvider()).get_meter("compactd", __version__)
+        provider = meter_provider or NoOpMeterProvider()
+        #: Whether anything records: a no-op provider's RPCs are not timed at all.
+        self.recording = not isinstance(provider, NoOpMeterProvider)
+        meter = provider.get_meter("compactd", __version__)
         self._pressure_ratio = meter.create_histogram(
             "compactd.pressure.ratio", unit="1", explicit_bucket_boundaries_advisory=_RATIOS,
             description="Measured tokens over the trigger, per pressure report",
@@ -317,6 +320,8 @@ class _RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         return timed
 
     def _timed(self, method: str, handler: Any) -> Any:
+        if not self._metrics.recording:  # nothing to time or count: the log context alone
+            return _bound(handler)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self._unary(method, handler.unary_unary),
@@ -381,6 +386,38 @@ class _RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 report.route.provider, report.route.model, _state_name(report.state),
                 report.measured_tokens, report.trigger_tokens,
             )  # fmt: skip
+
+
+def _bound(handler: Any) -> Any:
+    """``handler`` binding its request's session id to the log context, timing nothing."""
+    if handler.unary_unary is not None:
+        behavior = handler.unary_unary
+        factory = grpc.unary_unary_rpc_method_handler
+    elif handler.unary_stream is not None:
+        behavior = handler.unary_stream
+        factory = grpc.unary_stream_rpc_method_handler
+    else:
+        return handler  # no client-streaming RPCs in compactd
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
+            _bind_session(request)
+            async for response in behavior(request, context):
+                yield response
+
+        wrapped: Callable[..., Any] = stream
+    else:
+
+        async def call(request: Any, context: Any) -> Any:
+            _bind_session(request)
+            return await behavior(request, context)
+
+        wrapped = call
+    return factory(
+        wrapped,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
 
 
 #: ``observe_store``'s counters: name, unit, description, the ``StoreStats`` field.

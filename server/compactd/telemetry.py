@@ -32,7 +32,7 @@ from typing import Any, Literal
 import httpx
 from opentelemetry import trace
 from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
-from opentelemetry.metrics import MeterProvider
+from opentelemetry.metrics import MeterProvider, NoOpMeterProvider
 from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
 from opentelemetry.sdk.metrics.export import (
     MetricExporter,
@@ -139,7 +139,9 @@ def tracer_provider_from_env() -> trace.TracerProvider:
 
 
 def meter_provider_from_env(readers: Sequence[MetricReader] = ()) -> MeterProvider:
-    """An SDK meter provider with ``readers`` and what the ``OTEL_*`` variables select.
+    """An SDK meter provider with ``readers`` and what the ``OTEL_*`` variables select; a no-op
+    one when there is neither: a measurement no reader collects is per-call work for nothing
+    (recording each RPC's duration cost a tenth of an empty call).
 
     ``readers`` are compactd's own (the ``metrics_listen`` endpoint): with ``OTEL_SDK_DISABLED``
     the provider still records for them, and exports nowhere else.
@@ -153,6 +155,8 @@ def meter_provider_from_env(readers: Sequence[MetricReader] = ()) -> MeterProvid
         else:
             name = exporter.__name__
             raise ConfigError(f"OTEL_METRICS_EXPORTER: {name} is not a metric exporter")
+    if not selected:
+        return NoOpMeterProvider()
     if readers and sdk_disabled():
         with _sdk_enabled():
             return SdkMeterProvider(resource=resource(), metric_readers=selected)

@@ -14,6 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
@@ -423,3 +424,50 @@ async def test_neighbours_that_resolve_per_method_are_resolved_once_per_handler_
     servicer[0] = grpc.unary_unary_rpc_method_handler(lambda request, context: None)
     assert await resolve(0, call) is servicer[0]  # a new handler under them: resolved afresh
     assert (inner.resolved, innermost.resolved) == (2, 2)
+
+
+#: A method of the test's own, behind the chain: answers the trace and span ids its handler runs
+#: in (16 + 8 bytes; zeros outside any trace).
+TRACE_ECHO = "/test.v1.Echo/Trace"
+
+
+def _trace_echo() -> grpc.GenericRpcHandler[Any, Any]:
+    async def echo(request: bytes, context: Any) -> bytes:
+        span = trace.get_current_span().get_span_context()
+        return span.trace_id.to_bytes(16, "big") + span.span_id.to_bytes(8, "big")
+
+    handler = grpc.unary_unary_rpc_method_handler(echo)
+    return grpc.method_handlers_generic_handler("test.v1.Echo", {"Trace": handler})
+
+
+async def test_without_an_exporter_a_call_still_runs_in_its_caller_s_trace(
+    server_config: config.ServerConfig,
+) -> None:
+    running = await create_server(
+        server_config, tracer_provider=trace.NoOpTracerProvider(), extra_handlers=[_trace_echo()]
+    )
+    trace_id, parent_id = 0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331
+    traceparent = f"00-{trace_id:032x}-{parent_id:016x}-01"
+    try:
+        async with grpc.aio.insecure_channel(running.address) as channel:
+            echo = channel.unary_unary(TRACE_ECHO)
+            joined = await echo(b"", metadata=(("traceparent", traceparent),))
+            alone = await echo(b"")
+            again = await echo(b"", metadata=(("traceparent", traceparent),))
+    finally:
+        await running.stop(0)
+    assert joined == again == trace_id.to_bytes(16, "big") + parent_id.to_bytes(8, "big")
+    assert alone == bytes(24)  # no caller's trace: none leaks in from an earlier call
+
+
+def test_over_a_no_op_tracer_provider_the_chain_opens_no_server_spans() -> None:
+    noop = interceptors.chain(trace.NoOpTracerProvider(), max_streams=1, max_streams_per_session=1)
+    sdk = interceptors.chain(TracerProvider(), max_streams=1, max_streams_per_session=1)
+    assert isinstance(_parts(noop)[0], interceptors.CallerContext)
+    assert isinstance(_parts(sdk)[0], interceptors.Tracing)
+
+
+def _parts(chain: list[interceptors.Interceptor]) -> list[interceptors.Interceptor]:
+    (composed,) = chain
+    assert isinstance(composed, interceptors.Composed)
+    return composed.parts

@@ -36,6 +36,7 @@ class GatedStore(MemoryEventStore):
         self.gate = asyncio.Event()
         self.fail = False
         self.encoded: list[bool] = []
+        self.rows: list[list[EventRow]] = []
 
     async def append(
         self,
@@ -47,6 +48,7 @@ class GatedStore(MemoryEventStore):
         rows: Sequence[EventRow] | None = None,
     ) -> int:
         self.encoded.append(rows is not None)
+        self.rows.append(list(rows or ()))
         self.entered.set()
         await self.gate.wait()
         if self.fail:
@@ -267,13 +269,15 @@ async def test_a_flood_of_ready_calls_slows_a_large_batch_but_never_stops_it() -
     assert turns <= 4 * (YIELD_TURNS + 2)
 
 
-async def test_a_large_batch_is_serialized_in_steps_before_the_store_gets_it() -> None:
+async def test_every_batch_reaches_the_store_serialized_with_its_surface_nodes_bytes() -> None:
     store = GatedStore()
     store.gate.set()
     handle = await (await _session(store)).get("s")
     await handle.append([user("one")])
-    await handle.append([user(str(n)) for n in range(ADMIT_STEP)])
-    assert store.encoded[-2:] == [False, True]  # a small batch is left to the store
+    await handle.append([user(str(n)) for n in range(ADMIT_STEP)])  # in steps
+    assert store.encoded[-2:] == [True, True]  # the store serializes nothing again
+    node = handle.fold.surface.nodes[-1]
+    assert store.rows[-1][-1].data is node.data  # the very bytes the node keeps
     assert [e.seq for e in [e async for e in handle.read()]] == list(range(1 + ADMIT_STEP))
 
 

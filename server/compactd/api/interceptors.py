@@ -4,6 +4,8 @@
    coroutines writing through ``context.write`` rather than async generators (the health
    service's ``Watch``, an UNIMPLEMENTED stub): upstream wraps every response-streaming handler
    as an async generator and answers such calls UNKNOWN (opentelemetry-python-contrib #3066).
+   Over a no-op tracer provider (nothing exports spans) ``CallerContext`` takes its place: the
+   caller's W3C context made current for the call, no span.
 2. ``api.auth.Authentication`` (when given): binds the caller's tenant, or answers
    UNAUTHENTICATED, before anything reads the request.
 3. ``UndecodableRequests``: request bytes that do not parse (invalid UTF-8 in a string field, a
@@ -39,7 +41,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import grpc
-from opentelemetry import trace
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
 from opentelemetry.instrumentation.grpc import _aio_server, aio_server_interceptor
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
@@ -79,9 +82,14 @@ def chain(
     see every call and every status the others set; ``authentication`` (``api.auth``) binds
     the caller's tenant before anything reads the request (``tenant_binding``: a test's own
     binding, after it); the limits and ``quotas`` count the tenant bound."""
+    tracing: Interceptor = (
+        CallerContext()
+        if isinstance(tracer_provider, trace.NoOpTracerProvider)
+        else Tracing.for_provider(tracer_provider)
+    )
     return composed(
         [
-            Tracing.for_provider(tracer_provider),
+            tracing,
             *observe,
             *([authentication] if authentication is not None else []),
             UndecodableRequests(),
@@ -357,6 +365,64 @@ class _AbortsUnrecorded:
     def record_exception(self, exception: BaseException, *args: Any, **kwargs: Any) -> None:
         if not isinstance(exception, grpc.aio.AbortError):
             self._span.record_exception(exception, *args, **kwargs)
+
+
+class CallerContext(Interceptor):
+    """The caller's W3C context (``traceparent``, ``tracestate``, ``baggage``: the global
+    propagator's fields) current while its call runs, without a span: what ``Tracing`` over a
+    no-op tracer provider leaves of a call, for a fraction of its cost (upstream starts a
+    non-recording span, sets its attributes and status, and parses every call's metadata).
+
+    Log lines and the summary calls' ``traceparent`` still carry the caller's trace; a call
+    without one runs in no trace, as it would under a no-op tracer.
+    """
+
+    resolves_per_method = True
+
+    def __init__(self) -> None:
+        self._fields = frozenset(propagate.get_global_textmap().fields)
+        self._cache = HandlerCache()
+
+    async def intercept_service(
+        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> Handler:
+        handler: Handler | None = await continuation(handler_call_details)
+        if handler is None:
+            return cast(Handler, handler)
+        return self._cache.get(
+            handler_call_details.method, handler, lambda inner: rewrapped(inner, self._joined)
+        )
+
+    def _joined(self, behavior: Behavior) -> Behavior:
+        if inspect.isasyncgenfunction(behavior):
+            return guarded(behavior, self._guard)
+
+        async def call(request: Any, context: Any) -> Any:
+            carrier = self._carrier(context)
+            token = otel_context.attach(propagate.extract(carrier)) if carrier else None
+            try:
+                result = behavior(request, context)
+                return await result if inspect.isawaitable(result) else result
+            finally:
+                if token is not None:
+                    otel_context.detach(token)
+
+        return call
+
+    @asynccontextmanager
+    async def _guard(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        carrier = self._carrier(context)
+        token = otel_context.attach(propagate.extract(carrier)) if carrier else None
+        try:
+            yield request
+        finally:
+            if token is not None:
+                otel_context.detach(token)
+
+    def _carrier(self, context: Any) -> dict[str, str]:
+        """The call's metadata the propagator reads (empty: the caller sent no context)."""
+        fields = self._fields
+        return {k: v for k, v in context.invocation_metadata() or () if k in fields}
 
 
 # ---- 2. undecodable requests ------------------------------------------------------------------

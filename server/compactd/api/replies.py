@@ -52,15 +52,14 @@ class _Registration:
 
 
 def add_servicer(add: Callable[[Any, Any], None], servicer: object, server: Any) -> None:
-    """``add(servicer, server)`` (a generated ``add_*Servicer_to_server``; ``server`` a
-    ``grpc.aio.Server``, whose stubs lack ``add_registered_method_handlers``), each method's
-    reply serializer taking ``Serialized`` bytes as they are."""
+    """``add(servicer, server)`` (a generated ``add_*Servicer_to_server``; ``server`` takes
+    generic handlers, ``api.registration.GenericOnly``), each method's reply serializer taking
+    ``Serialized`` bytes as they are."""
     registration = _Registration()
     add(servicer, registration)
     handlers = {name: _passing(handler) for name, handler in registration.handlers.items()}
     generic = grpc.method_handlers_generic_handler(registration.service, handlers)
     server.add_generic_rpc_handlers((generic,))
-    server.add_registered_method_handlers(registration.service, handlers)
 
 
 def _passing(handler: Handler) -> Handler:

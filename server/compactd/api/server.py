@@ -29,6 +29,7 @@ from compactd import redaction, telemetry
 from compactd.api import auth, interceptors, reflection_v1, replies
 from compactd.api.compaction_service import CompactionServicer
 from compactd.api.health import HealthServicer
+from compactd.api.registration import GenericOnly
 from compactd.api.session_service import SessionServicer
 from compactd.api.tls import Reloader, ServerTls
 from compactd.config import ServerConfig
@@ -384,6 +385,7 @@ async def _serve_on(
         quotas=quotas,
     )
     server = grpc.aio.server(options=_channel_options(config), interceptors=chain)
+    services = GenericOnly(server)  # no registered methods: see ``api.registration``
     inspection = InspectionService(
         manager, pressure, brackets, parts.pruner, recovery, switch
     )  # plans, surface detail, bracket history
@@ -395,9 +397,10 @@ async def _serve_on(
             inspection=inspection,
             after_append=ahead.after_append,
         ),
-        server,
+        services,
     )
-    compaction_service_pb2_grpc.add_CompactionServiceServicer_to_server(
+    services.add(
+        compaction_service_pb2_grpc.add_CompactionServiceServicer_to_server,
         CompactionServicer(
             pressure,
             steps,
@@ -407,10 +410,9 @@ async def _serve_on(
             RevertService(manager, tracer),
             ahead,
         ),
-        server,
     )
     health_servicer = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    services.add(health_pb2_grpc.add_HealthServicer_to_server, health_servicer)
     reflection_v1.enable((*SERVICE_NAMES, health.SERVICE_NAME), server)  # v1 and v1alpha
     server.add_generic_rpc_handlers(tuple(extra_handlers))
     host, port = config.host_port

@@ -24,6 +24,7 @@ from compactd.core.fold import AdmittedBatch, SessionFold
 from compactd.core.limits import DEFAULT_LIMITS, AppendLimits
 from compactd.core.lock import live_bracket
 from compactd.core.pricing import NodeCost
+from compactd.core.steps import run_to_end
 from compactd.core.validation import Origin, check_batch, check_batch_in_steps
 from compactd.errors import (
     CompactdError,
@@ -358,9 +359,13 @@ class SessionHandle:
     ) -> AppendResult:
         prepared = self._prepare(batch)
         try:
-            rows = None
-            if len(batch.events) >= ADMIT_STEP:  # serialized here in steps, not in the store
-                rows = await in_steps(encode_batch_in_steps(batch.events, batch.serialized()))
+            # The store takes the rows made here, with the bytes the fold's surface nodes keep:
+            # nothing is serialized twice (a large batch in steps, other calls between).
+            encoding = encode_batch_in_steps(batch.events, batch.serialized())
+            if len(batch.events) >= ADMIT_STEP:
+                rows = await in_steps(encoding)
+            else:
+                rows = run_to_end(encoding)
             await self._store.append(
                 self.session_id, batch.events, tenant=self.tenant, lease=lease, rows=rows
             )
