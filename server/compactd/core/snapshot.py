@@ -18,7 +18,6 @@ log instead.
 
 from __future__ import annotations
 
-import itertools
 import json
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -253,14 +252,15 @@ def _facts_in_steps(facts: NodeFacts) -> Generator[None, None, dict[str, Any]]:
     names: dict[str, int] = {}
     type_of: list[int] = []
     for start in range(0, len(facts.types), CHUNK):
-        for name in facts.types[start : start + CHUNK]:
-            type_of.append(names.setdefault(name, len(names)))
+        chunk = facts.types[start : start + CHUNK]
+        for name in dict.fromkeys(chunk):  # a few distinct types: one C pass finds them
+            names.setdefault(name, len(names))
+        type_of += [names[name] for name in chunk]
         yield
+    items = list(facts.calls.items())
     calls: list[list[Any]] = []
-    for start in range(0, len(facts.calls), CHUNK):
-        calls += [
-            [seq, list(c)] for seq, c in itertools.islice(facts.calls.items(), start, start + CHUNK)
-        ]
+    for start in range(0, len(items), CHUNK):
+        calls += [[seq, list(c)] for seq, c in items[start : start + CHUNK]]
         yield
     answers = [[seq, call] for seq, call in facts.answers.items()]
     yield
