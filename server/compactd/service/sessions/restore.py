@@ -72,13 +72,11 @@ async def from_snapshot(
             raise snapshots.SnapshotInvalid(
                 f"snapshot at revision {snap.revision} for a log of {record.revision} events"
             )
+        stored = await store.read_seqs(session_id, needed, tenant=tenant)
+        rows = None
         if snap.facts is not None:  # the nodes made from their stored bytes, none parsed
-            stored = await store.read_seqs(session_id, snap.parsed_seqs(), tenant=tenant)
             rows = await store.read_stored(session_id, snap.surface, tenant=tenant)
-            fold, restored = await asyncio.to_thread(_rebuilt, snap, stored, rows)
-        else:
-            stored = await store.read_seqs(session_id, needed, tenant=tenant)
-            fold, restored = await asyncio.to_thread(_rebuilt, snap, stored)
+        fold, restored = await asyncio.to_thread(_rebuilt, snap, stored, rows)
     except snapshots.SnapshotInvalid as err:
         log.warning(
             "snapshot unusable, replaying the log: %s", err, extra={"session_id": session_id}
@@ -88,9 +86,10 @@ async def from_snapshot(
 
 
 def _decoded(data: bytes) -> tuple[snapshots.FoldSnapshot, list[int]]:
-    """A worker thread's: the snapshot and the seqs of the events it needs."""
+    """A worker thread's: the snapshot and the seqs of the events it needs parsed (the nodes'
+    too when it has no node facts)."""
     snap = snapshots.decode(data)
-    return snap, snap.needed_seqs()
+    return snap, snap.parsed_seqs() if snap.facts is not None else snap.needed_seqs()
 
 
 #: Parsed events let go of at once: freeing many is one C call that holds the GIL throughout.
