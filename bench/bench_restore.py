@@ -6,7 +6,7 @@ repository's transcripts (``testdata/transcripts``), cycled, as a compacting run
 (each event with an ``event_id``, as a runtime that retries its appends sends them):
 every 1,000 events the older part of the surface is REPLACEd by a summary, so a 100,000-event log
 keeps a surface of a few thousand nodes, as a real long session does. Snapshots every 1,000
-events (the default). Two comparisons (another session's calls during a restore are
+events (the default). Three comparisons (another session's calls during a restore are
 ``bench/bench_neighbours.py``'s: over gRPC from another process, at the largest surface the
 limits admit):
 
@@ -15,12 +15,18 @@ limits admit):
    parsing all its rows raw (``SELECT data ... ORDER BY seq`` + ``ParseFromString``), rounds
    interleaved. Goal: ≤ 2x. The same restore with the snapshot deleted (a full replay) is shown
    for scale.
-2. RSS per resident session against its surface's bytes: a fresh interpreter restores
-   ``--sessions`` sessions of ~300 transcript events each and reports its RSS growth per session
-   (after a collection and ``malloc_trim``) next to the mean ``surface_bytes`` (and the log's
-   bytes). Goal: ≤ 2x the surface. Their surface is their log; so the same for ``--compacting``
-   sessions of ``--compacting-events`` events compacted as ``big`` is, whose log is several
-   times their surface: what grows with the log must not stay resident. Beside it, for
+2. Restart + first CheckPressure of ``flat``, an *uncompacted* session of as many events (its
+   surface is its log), over gRPC: a server started in its own process on the file (nothing
+   resident), its first CheckPressure timed from this process, against reading and parsing
+   ``flat``'s rows raw, rounds interleaved. Goal: ≤ 2x. The same without its snapshot (a full
+   replay) beside it.
+3. RSS per resident session against its surface's bytes: a fresh interpreter restores
+   ``--sessions`` sessions of ~300 transcript events each and reports its ``VmRSS`` growth per
+   session after a collection, as ``/proc`` shows it (no heap trimmed first), and the process's
+   ``VmRSS`` and ``VmHWM`` (its peak) at the end, next to the mean ``surface_bytes`` (and the log's bytes). Goal: ≤ 2x the surface. Their
+   surface is their log; so the same for ``--compacting`` sessions of ``--compacting-events``
+   events compacted as ``big`` is, whose log is several times their surface: what grows with
+   the log must not stay resident. Beside it, for
    information: the objects the cyclic collector tracks per resident surface node, and how long
    a full collection takes with those sessions resident (a pause of the event loop).
 
@@ -32,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import functools
 import gc
 import itertools
@@ -47,13 +52,18 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import grpc
+
+from bench.children import served, until_stdin_closes
 from bench.corpus import SessionEvent, header, summary, surface_events
-from compactd.api.server import settle_interpreter
+from compactd import config
+from compactd.api.server import create_server, settle_interpreter
 from compactd.core.policy import PressurePolicy
 from compactd.routes import RouteCatalog
 from compactd.service.pressure import PressureService, warm_up
 from compactd.service.sessions import SessionManager
 from compactd.store.sqlite import SqliteEventStore
+from compactd.v1 import compaction_service_pb2, compaction_service_pb2_grpc
 
 PROVIDER, MODEL = "openai", "gpt-4-turbo"
 BATCH = 1000
@@ -78,13 +88,15 @@ def _services(store: SqliteEventStore) -> tuple[SessionManager, PressureService]
 
 
 async def build(path: Path, events: int, small: int, compacting: int = 0, length: int = 0) -> None:
-    """The big compacting session ``big``, ``small`` sessions of ~300 events (``s0``...) and
-    ``compacting`` sessions of ``length`` events compacted as ``big`` is (``c0``...)."""
+    """The big compacting session ``big``, the uncompacted ``flat`` of as many events, ``small``
+    sessions of ~300 events (``s0``...) and ``compacting`` sessions of ``length`` events
+    compacted as ``big`` is (``c0``...)."""
     store = SqliteEventStore(str(path))
     await store.open()
     try:
         manager, service = _services(store)
         await compacting_session(manager, service, "big", events)
+        await flat_session(manager, service, "flat", events)
         for index in range(small):
             await manager.create(f"s{index}", None)
             handle = await manager.get(f"s{index}")
@@ -142,6 +154,22 @@ async def compacting_session(
                 closed = [s for s in closed if s > end]
         if handle.revision % 10_000 < BATCH:
             print(f"  built {handle.revision:,} events", file=sys.stderr, flush=True)
+
+
+async def flat_session(
+    manager: SessionManager, service: PressureService, name: str, events: int
+) -> None:
+    """The session ``name``: ``events`` transcript events appended ``BATCH`` at a time, never
+    compacted (its surface is its log), priced after each batch, snapshotted at the end."""
+    await manager.create(name, None)
+    handle = await manager.get(name)
+    await handle.append([header(PROVIDER, MODEL)])
+    source = surface_events(name)
+    while handle.revision < events:
+        batch = [next(source) for _ in range(min(BATCH, events - handle.revision))]
+        await handle.append(_identified(name, batch))
+        await service.check(name)
+    await manager.snapshot(handle)
 
 
 def _track(event: SessionEvent, open_calls: set[str]) -> None:
@@ -214,32 +242,90 @@ async def restarts(path: Path, rounds: int) -> list[tuple[str, str, str]]:
 
 
 async def _without_snapshot(path: Path) -> float:
-    _delete_snapshot(path)
+    _delete_snapshot(path, "big")
     return await restart_and_check(path, "big")
 
 
-def _delete_snapshot(path: Path) -> None:
+def _delete_snapshot(path: Path, name: str) -> None:
     conn = sqlite3.connect(path)
     with conn:
-        conn.execute("DELETE FROM snapshots WHERE session_id = 'big'")
+        conn.execute("DELETE FROM snapshots WHERE session_id = ?", (name,))
     conn.close()
+
+
+# ---- 1b. restart + first check of an uncompacted session, over gRPC ---------------------------
+
+
+async def flat_restarts(path: Path, rounds: int) -> list[tuple[str, str, str]]:
+    """The first CheckPressure of ``flat`` after a start of a server in its own process (its
+    restore, its pricing, the report), over gRPC, against reading its rows raw, interleaved;
+    then the same without its snapshot (a full replay)."""
+    raw, restored = [], []
+    rows = 0
+    for round_ in range(rounds):
+        for step in ("raw", "restore") if round_ % 2 == 0 else ("restore", "raw"):
+            if step == "raw":
+                start = time.perf_counter()
+                rows = await asyncio.to_thread(read_raw, path, "flat")
+                raw.append(time.perf_counter() - start)
+            else:
+                restored.append(await first_check_served(path, "flat"))
+    replays = []
+    for _ in range(max(1, rounds // 2)):
+        _delete_snapshot(path, "flat")  # the replay's restore writes one again
+        replays.append(await first_check_served(path, "flat"))
+    r, s, p = statistics.median(raw), statistics.median(restored), statistics.median(replays)
+    return [
+        (
+            f"restart + first CheckPressure of an uncompacted {rows:,}-event session, over gRPC "
+            "(the server in its own process) ≤ 2x reading its rows",
+            f"from its snapshot {fmt(s)} = {s / r:.2f}x; without a snapshot (a full replay) "
+            f"{fmt(p)} = {p / r:.2f}x",
+            f"reading + parsing its rows raw {fmt(r)}; its surface is its log (no compaction): "
+            f"{rows:,} nodes",
+        )
+    ]
+
+
+async def first_check_served(path: Path, name: str) -> float:
+    """A server on ``path`` started in its own process (nothing resident): its first
+    CheckPressure of ``name``, timed from this process."""
+    async with (
+        served("bench.bench_restore", 1, str(path)) as (address,),
+        grpc.aio.insecure_channel(address) as channel,
+    ):
+        stub = compaction_service_pb2_grpc.CompactionServiceStub(channel)
+        await channel.channel_ready()
+        start = time.perf_counter()
+        await stub.CheckPressure(compaction_service_pb2.CheckPressureRequest(session_id=name))
+        return time.perf_counter() - start
+
+
+async def serve(path: str) -> None:
+    """compactd on the SQLite file ``path`` (a child process): prints its address, serves until
+    stdin closes."""
+    overrides = {"listen": "127.0.0.1:0", "store": f"sqlite:///{path}", "log_level": "WARNING"}
+    running = await create_server(config.load(None, environ={}, overrides=overrides))
+    settle_interpreter()  # as ``compactd serve`` does
+    print(running.address, flush=True)
+    await until_stdin_closes()
+    await running.stop(0)
 
 
 # ---- 2. memory --------------------------------------------------------------------------------
 
 
-def rss_bytes() -> int:
-    """The process's RSS once freed memory is handed back: after a collection, glibc's
-    ``malloc_trim`` returns the free heap pages a restore's transient parses left, which would
-    otherwise count (or, reused by later sessions, hide their growth)."""
+def rss_bytes() -> tuple[int, int]:
+    """The process's ``VmRSS`` and ``VmHWM`` (its peak RSS) after a collection, as ``/proc``
+    shows them to an operator: freed heap pages that glibc keeps count, nothing is trimmed."""
     gc.collect()
-    if sys.platform == "linux":
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    found: dict[str, int] = {}
     with open("/proc/self/status", encoding="ascii") as status:
         for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
+            name, _, value = line.partition(":")
+            if name in ("VmRSS", "VmHWM"):
+                found[name] = int(value.split()[0]) * 1024
+    return found["VmRSS"], found["VmHWM"]
 
 
 async def resident(path: Path, sessions: int, compacting: int) -> dict[str, dict[str, float]]:
@@ -264,12 +350,12 @@ async def _grown(
 ) -> dict[str, float]:
     """RSS growth per session while ``names`` are restored and kept, their surfaces' and
     logs' mean bytes."""
-    before, tracked = rss_bytes(), len(gc.get_objects())
+    (before, _), tracked = rss_bytes(), len(gc.get_objects())
     handles = []
     for name in names:
         await service.check(name)
         handles.append(await manager.get(name))
-    grown = rss_bytes() - before
+    after, peak = rss_bytes()
     nodes = sum(len(h.fold.surface) for h in handles)
     tracked = len(gc.get_objects()) - tracked
     surface = statistics.mean(h.fold.surface_bytes for h in handles)
@@ -280,7 +366,9 @@ async def _grown(
     ).fetchone()[0]
     conn.close()
     return {
-        "per_session": grown / len(handles),
+        "per_session": (after - before) / len(handles),
+        "rss": after,
+        "peak": peak,
         "surface": surface,
         "log": log / len(names),
         "tracked_per_node": tracked / nodes,
@@ -312,7 +400,9 @@ def memory(path: Path, sessions: int, compacting: int) -> list[tuple[str, str, s
         rows.append(
             (
                 goals[group],
-                f"{per / 1024:,.0f} KiB = {per / surface:.2f}x",
+                f"{per / 1024:,.0f} KiB = {per / surface:.2f}x (VmRSS as /proc shows it, no heap "
+                f"trimmed; the process then: VmRSS {figures['rss'] / 2**20:,.0f} MiB, VmHWM "
+                f"{figures['peak'] / 2**20:,.0f} MiB)",
                 f"surface {surface / 1024:,.0f} KiB (its log: {log / 1024:,.0f} KiB); "
                 f"objects the cyclic collector tracks: {figures['tracked_per_node']:.2f} per "
                 f"resident node, a full collection {fmt(figures['collection'])} with "
@@ -333,6 +423,7 @@ async def run(args: argparse.Namespace) -> list[tuple[str, str, str]]:
         print(f"building {args.events:,} events ...", file=sys.stderr, flush=True)
         await build(path, args.events, args.sessions, args.compacting, args.compacting_events)
         rows = await restarts(path, args.rounds)
+        rows += await flat_restarts(path, args.rounds)
         rows += memory(path, args.sessions, args.compacting)
         return rows
 
@@ -345,6 +436,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compacting", type=int, default=4)
     parser.add_argument("--compacting-events", type=int, default=32_000)
     parser.add_argument("--rss", type=Path, help=argparse.SUPPRESS)  # the memory child
+    parser.add_argument("--serve", help=argparse.SUPPRESS)  # the server child: its SQLite file
     return parser.parse_args(argv)
 
 
@@ -355,6 +447,9 @@ def readme_rows() -> list[tuple[str, str, str]]:
 
 def main() -> None:
     args = parse_args()
+    if args.serve:
+        asyncio.run(serve(args.serve))
+        return
     if args.rss is not None:
         print(json.dumps(asyncio.run(resident(args.rss, args.sessions, args.compacting))))
         return

@@ -88,7 +88,7 @@ def test_a_batch_is_counted_below_the_event_loops_cpu_priority() -> None:
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # caller untouched
 
 
-def test_a_batch_is_one_tiktoken_call_per_thread_not_one_per_text() -> None:
+def test_a_batch_is_a_few_tiktoken_calls_per_thread_not_one_per_text() -> None:
     # Each call is a GIL hand-back: per text, a count beside a busy loop waits a switch each.
     tokenizer = tiktoken_cl100k()
     calls: list[int] = []
@@ -105,7 +105,43 @@ def test_a_batch_is_one_tiktoken_call_per_thread_not_one_per_text() -> None:
     finally:
         del tokenizer._encoding.encode_to_numpy
     assert counts == [tokenizer.count(text) for text in texts]
-    assert 1 <= len(calls) <= tokenizers.BATCH_THREADS
+    assert 1 <= len(calls) <= tokenizers.BATCH_THREADS * tokenizers.SHARES_PER_THREAD
+
+
+@pytest.mark.skipif(tokenizers.BATCH_THREADS < 2, reason="one core: one counting thread")
+def test_runs_a_held_back_thread_has_not_started_are_counted_by_the_other_threads() -> None:
+    # A thread the event loop keeps off its core must not leave the other cores idle.
+    tokenizer = tiktoken_cl100k()
+    texts = [sample for sample in SAMPLES.values() if "<|endoftext|>" not in sample] * 50
+    shares = tokenizers.BATCH_THREADS * tokenizers.SHARES_PER_THREAD
+    runs = len(tokenizers._balanced_runs(texts, shares))
+    count_joined = tokenizer._count_joined
+    others_done = threading.Event()
+    lock = threading.Lock()
+    started: list[int] = []
+    finished: list[int] = []
+
+    def spying(share: list[str]) -> list[int]:
+        with lock:
+            started.append(threading.get_ident())
+            held = len(started) == 1
+        if held:  # the first run's thread is held back until every other run is counted
+            assert others_done.wait(30)
+        counted = count_joined(share)
+        with lock:
+            finished.append(threading.get_ident())
+            if len(finished) == runs - 1:
+                others_done.set()
+        return counted
+
+    tokenizer._count_joined = spying  # type: ignore[method-assign]
+    try:
+        counts = tokenizer.count_batch(texts)
+    finally:
+        del tokenizer._count_joined
+    assert counts == [tokenizer.count(text) for text in texts]
+    assert runs > tokenizers.BATCH_THREADS
+    assert started.count(started[0]) == 1  # the held thread counted its one run only
 
 
 #: Text made of what tiktoken's splitting treats apart: special-token text and its pieces, the

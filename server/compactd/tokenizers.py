@@ -135,6 +135,8 @@ _DEEPSEEK_TOOL_CALL: Final = (
 # Threads a batch count uses: the machine's cores (tiktoken's own default is 8, more than most
 # hosts have; HF tokenizers sizes its pool itself).
 BATCH_THREADS: Final = max(1, min(8, os.cpu_count() or 1))
+#: Runs of texts a batch count makes per thread (``TiktokenTokenizer.count_batch``).
+SHARES_PER_THREAD: Final = 4
 
 
 #: How far below the event loop's priority batch counting runs (niceness added to the loop's,
@@ -215,15 +217,21 @@ class TiktokenTokenizer:
         switch (CPython's switch interval: 5 ms by default, 0.2 ms under ``compactd serve``)."""
         if len(texts) < 2:  # nothing to share: a thread would cost more than it runs
             return self._count_each(texts)
-        shares = _balanced_runs(texts, BATCH_THREADS)
+        # More runs than threads, each thread taking the next run as it finishes one: a thread
+        # that the event loop keeps off its core for a while counts fewer runs, and the other
+        # does not idle meanwhile (one run per thread would wait for the slower one).
+        shares = _balanced_runs(texts, BATCH_THREADS * SHARES_PER_THREAD)
         counts: list[list[int] | None] = [None] * len(shares)
+        taken = itertools.count()  # ``next`` of it is atomic: each run is counted once
 
-        def count_share(index: int) -> None:
+        def count_shares() -> None:
             yield_cpu()
-            with contextlib.suppress(Exception):  # a share left uncounted is counted below
-                counts[index] = self._count_joined(shares[index])
+            while (index := next(taken)) < len(shares):
+                with contextlib.suppress(Exception):  # a share left uncounted is counted below
+                    counts[index] = self._count_joined(shares[index])
 
-        helpers = [threading.Thread(target=count_share, args=(k,)) for k in range(len(shares))]
+        threads = min(BATCH_THREADS, len(shares))
+        helpers = [threading.Thread(target=count_shares) for _ in range(threads)]
         for helper in helpers:
             helper.start()
         for helper in helpers:

@@ -628,6 +628,32 @@ def test_a_snapshot_made_in_steps_equals_one_made_at_once_byte_for_byte() -> Non
     assert snapshots.decode(data).surface == [n.seq for n in fold.surface]
 
 
+def test_a_restore_from_the_nodes_stored_bytes_makes_the_nodes_parsing_them_would() -> None:
+    fold = SessionFold()
+    fold.admit([system("be brief"), *list(transcript_events())[:400]])
+    snap = snapshots.decode(snapshots.encode(snapshots.capture(fold, "i", {}, None)))
+    assert snap.facts is not None
+    assert any(snap.facts.calls.values())
+    assert any(snap.facts.answers.values())
+    stored = {n.seq: n.data for n in fold.surface}
+    parsed = {n.seq: n.event for n in fold.surface}
+    others = {s: parsed[s] for s in snap.parsed_seqs()}
+    from_bytes = snapshots.rebuild(snap, others, stored)
+    from_events = snapshots.rebuild(snap, parsed)
+    assert [_facts(n) for n in from_bytes.surface] == [_facts(n) for n in fold.surface]
+    assert [_facts(n) for n in from_events.surface] == [_facts(n) for n in fold.surface]
+    assert fold_state(from_bytes) == fold_state(from_events)
+    # A snapshot without the facts (an earlier release's) is restored from parsed events.
+    older = dataclasses.replace(snap, facts=None)
+    assert fold_state(snapshots.rebuild(older, parsed, stored)) == fold_state(from_events)
+    with pytest.raises(snapshots.SnapshotInvalid):
+        snapshots.rebuild(snap, others, {s: d for s, d in stored.items() if s != 5})
+
+
+def _facts(node: Any) -> tuple[Any, ...]:
+    return (node.seq, node.data, node.type, node.calls, node.answers)
+
+
 def test_a_snapshot_keeps_the_fold_s_ids_and_a_restore_the_latest_of_an_older_one() -> None:
     fold = SessionFold()
     events = [user(f"m{n}") for n in range(RECENT_EVENT_IDS + 50)]

@@ -335,6 +335,21 @@ async def test_read_seqs_of_an_unknown_session_raises_not_found(store: EventStor
         await store.read_seqs("nope", [0])
 
 
+async def test_read_stored_returns_the_bytes_of_existing_events_by_seq(store: EventStore) -> None:
+    await store.create_session("s", None)
+    events = batch(0, 10)
+    await store.append("s", events)
+
+    found = await store.read_stored("s", [7, 2, 3, 4, 7, 99, -1, 0])
+
+    assert sorted(found) == [0, 2, 3, 4, 7]
+    parsed = {e.seq: e for e in await store.read_seqs("s", list(found))}
+    assert found == {seq: e.SerializeToString(deterministic=True) for seq, e in parsed.items()}
+    assert await store.read_stored("s", []) == {}
+    with pytest.raises(errors.NotFound):
+        await store.read_stored("nope", [0])
+
+
 async def test_find_event_ids_maps_known_ids_to_seqs(store: EventStore) -> None:
     await store.create_session("s", None)
     await store.append("s", [user_event(0, "a"), user_event(1), user_event(2, "b")])

@@ -4,9 +4,11 @@ A snapshot is what the fold derived from the log that the log's surface events a
 (open turns and step, the lock, the header's seq, offloads, event ids, compaction ids, the
 lifecycle boundary, the rewrite and offload counters) plus the
 surface as a list of node seqs and the meter's node prices per pricing profile
-(``PricingProfile.key``), aligned with those nodes. It holds no event bodies: the nodes are the
-stored events at those seqs (the store keeps the exact bytes the fold admitted), so a snapshot
-stays small however large the surface is.
+(``PricingProfile.key``), aligned with those nodes, and what each node keeps beside its bytes
+(``NodeFacts``: its type, the calls it makes, the call it answers). It holds no event bodies: the
+nodes are the stored events at those seqs (the store keeps the exact bytes the fold admitted,
+``EventStore.read_stored`` hands them over unparsed), so a snapshot stays small however large the
+surface is, and a restore makes the nodes from those bytes without parsing them.
 
 ``encode`` and ``decode`` are pure (JSON text, versioned); ``rebuild`` makes a ``SessionFold``
 from a decoded snapshot and the events it names. A snapshot that does not decode, or names an
@@ -17,7 +19,7 @@ log instead.
 from __future__ import annotations
 
 import json
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -84,11 +86,20 @@ class FoldSnapshot:
     pins: dict[str, int] = field(default_factory=dict)  # key -> seq of the pin in force
     pins_seq: int = -1
     open_subagents: dict[str, int] = field(default_factory=dict)  # child -> its start's seq
+    #: Each node's facts (``NodeFacts``), aligned with ``surface``: with them a restore makes
+    #: the nodes from the stored bytes without parsing them. None in a snapshot without them.
+    facts: NodeFacts | None = None
 
     def needed_seqs(self) -> list[int]:
         """The seqs of the stored events ``rebuild`` needs: the nodes, the header, the
         anchor's header, the pins in force and the open sub-agents' starts."""
-        seqs = set(self.surface) | set(self.pins.values()) | set(self.open_subagents.values())
+        return sorted(set(self.surface) | set(self.parsed_seqs()))
+
+    def parsed_seqs(self) -> list[int]:
+        """The seqs of the stored events ``rebuild`` needs parsed when it has the nodes'
+        ``facts`` (the nodes' own are needed as bytes): the header, the anchor's header, the
+        pins in force and the open sub-agents' starts."""
+        seqs = set(self.pins.values()) | set(self.open_subagents.values())
         if self.header_seq >= 0:
             seqs.add(self.header_seq)
         if self.anchor is not None and self.anchor[1] >= 0:
@@ -101,6 +112,48 @@ class FoldSnapshot:
             key: {seq: node_cost(m, i) for seq, (m, i) in zip(self.surface, costs, strict=True)}
             for key, costs in self.prices.items()
         }
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What a surface node keeps beside its bytes (``SurfaceNode``), for every node of a
+    snapshot's surface: its type, the tool calls it makes and the call it answers (by seq, only
+    where there are any)."""
+
+    types: list[str]
+    calls: dict[int, tuple[str, ...]]
+    answers: dict[int, str]
+
+    @classmethod
+    def of(cls, nodes: Sequence[SurfaceNode]) -> NodeFacts:
+        return cls(
+            [n.type for n in nodes],
+            {n.seq: n.calls for n in nodes if n.calls},
+            {n.seq: n.answers for n in nodes if n.answers},
+        )
+
+    def document(self) -> dict[str, Any]:
+        """The JSON value: the distinct types and each node's index among them."""
+        names = list(dict.fromkeys(self.types))
+        index = {name: i for i, name in enumerate(names)}
+        return {
+            "types": names,
+            "type_of": [index[t] for t in self.types],
+            "calls": [[seq, list(calls)] for seq, calls in self.calls.items()],
+            "answers": [[seq, call] for seq, call in self.answers.items()],
+        }
+
+    @classmethod
+    def decoded(cls, raw: dict[str, Any], nodes: int) -> NodeFacts:
+        names = [str(t) for t in raw["types"]]
+        types = [names[i] for i in raw["type_of"]]
+        if len(types) != nodes:
+            raise SnapshotInvalid("node facts do not cover the surface")
+        return cls(
+            types,
+            {int(seq): tuple(str(c) for c in calls) for seq, calls in raw["calls"]},
+            {int(seq): str(call) for seq, call in raw["answers"]},
+        )
 
 
 def capture(
@@ -123,8 +176,16 @@ def capture_in_steps(
     """``capture``, pausing (``yield``) after every ``CHUNK`` nodes, so that the event loop runs
     other calls between steps (the session's lock keeps the fold still)."""
     surface: list[int] = []
+    types: list[str] = []
+    calls: dict[int, tuple[str, ...]] = {}
+    answers: dict[int, str] = {}
     for start in range(0, len(fold.surface), CHUNK):
-        surface += [n.seq for n in fold.surface.nodes[start : start + CHUNK]]
+        nodes = fold.surface.nodes[start : start + CHUNK]
+        facts = NodeFacts.of(nodes)
+        surface += [n.seq for n in nodes]
+        types += facts.types
+        calls.update(facts.calls)
+        answers.update(facts.answers)
         yield
     kept: dict[str, list[tuple[int, int]]] = {}
     for key, costs in prices.items():
@@ -160,6 +221,7 @@ def capture_in_steps(
         pins={key: seq for key, (seq, _) in fold.pins.items()},
         pins_seq=fold.pins_seq,
         open_subagents={child: open.seq for child, open in fold.open_subagents.items()},
+        facts=NodeFacts(types, calls, answers),
     )
 
 
@@ -178,8 +240,31 @@ def encode_in_steps(snapshot: FoldSnapshot) -> Generator[None, None, bytes]:
             values += [c for pair in pairs[start : start + CHUNK] for c in pair]
             yield
         flat[key] = values
-    text = yield from _json_in_steps(_document(snapshot, flat))
+    facts = None
+    if snapshot.facts is not None:
+        facts = yield from _facts_in_steps(snapshot.facts)
+    text = yield from _json_in_steps(_document(snapshot, flat, facts))
     return text.encode("utf-8")
+
+
+def _facts_in_steps(facts: NodeFacts) -> Generator[None, None, dict[str, Any]]:
+    """``facts.document()``, ``CHUNK`` nodes at a time with a pause (``yield``) between."""
+    names: dict[str, int] = {}
+    type_of: list[int] = []
+    for start in range(0, len(facts.types), CHUNK):
+        chunk = facts.types[start : start + CHUNK]
+        for name in dict.fromkeys(chunk):  # a few distinct types: one C pass finds them
+            names.setdefault(name, len(names))
+        type_of += [names[name] for name in chunk]
+        yield
+    items = list(facts.calls.items())
+    calls: list[list[Any]] = []
+    for start in range(0, len(items), CHUNK):
+        calls += [[seq, list(c)] for seq, c in items[start : start + CHUNK]]
+        yield
+    answers = [[seq, call] for seq, call in facts.answers.items()]
+    yield
+    return {"types": list(names), "type_of": type_of, "calls": calls, "answers": answers}
 
 
 def _json_in_steps(value: Any) -> Generator[None, None, str]:
@@ -211,7 +296,9 @@ def _dumps(value: Any) -> str:
 
 
 def _document(
-    snapshot: FoldSnapshot, flat_prices: dict[str, list[int]] | None = None
+    snapshot: FoldSnapshot,
+    flat_prices: dict[str, list[int]] | None = None,
+    facts: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     if flat_prices is None:
         flat_prices = {
@@ -242,6 +329,10 @@ def _document(
         "open_subagents": snapshot.open_subagents,
         "shadowed_by": [],  # no longer kept; written empty so earlier releases still decode it
     }
+    if facts is not None:  # a key earlier releases do not read: they parse the nodes
+        data["node_facts"] = facts
+    elif snapshot.facts is not None:
+        data["node_facts"] = snapshot.facts.document()
     return data
 
 
@@ -285,6 +376,9 @@ def decode(data: bytes) -> FoldSnapshot:
             pins={str(k): int(v) for k, v in raw.get("pins", {}).items()},
             pins_seq=int(raw.get("pins_seq", -1)),
             open_subagents={str(k): int(v) for k, v in raw.get("open_subagents", {}).items()},
+            facts=NodeFacts.decoded(raw["node_facts"], len(surface))
+            if "node_facts" in raw
+            else None,
         )  # an earlier snapshot's "shadowed_by" is ignored: the fold no longer keeps it
     except SnapshotInvalid:
         raise
@@ -292,19 +386,35 @@ def decode(data: bytes) -> FoldSnapshot:
         raise SnapshotInvalid(f"malformed snapshot: {err!r}") from err
 
 
-def rebuild(snapshot: FoldSnapshot, events: Mapping[int, SessionEvent]) -> SessionFold:
+def rebuild(
+    snapshot: FoldSnapshot,
+    events: Mapping[int, SessionEvent],
+    node_bytes: Mapping[int, bytes] | None = None,
+) -> SessionFold:
     """The fold the snapshot describes, its nodes and header taken from ``events`` (by seq).
+    With ``node_bytes`` (the stored bytes of the nodes' events, by seq) and the snapshot's node
+    ``facts``, the nodes are made from those bytes and ``events`` needs only the
+    ``parsed_seqs``: no node's event is parsed.
 
     Raises:
         SnapshotInvalid: An event the snapshot names is missing, or is not what it says.
     """
-    missing = [s for s in snapshot.needed_seqs() if s not in events]
+    facts = snapshot.facts if node_bytes is not None else None
+    needed = snapshot.parsed_seqs() if facts is not None else snapshot.needed_seqs()
+    missing = [s for s in needed if s not in events]
+    if facts is not None:
+        assert node_bytes is not None
+        missing += [s for s in snapshot.surface if s not in node_bytes]
     if missing:
         raise SnapshotInvalid(f"the log has no events at seqs {missing[:5]}")
     fold = SessionFold()
     fold.revision = snapshot.revision
     offloads = {seq: frozenset(idx) for seq, idx in snapshot.offloads.items()}
-    nodes = [SurfaceNode(seq, events[seq]) for seq in snapshot.surface]
+    if facts is not None:
+        assert node_bytes is not None
+        nodes = _stored_nodes(snapshot.surface, facts, node_bytes)
+    else:
+        nodes = [SurfaceNode(seq, events[seq]) for seq in snapshot.surface]
     fold.surface.restore(nodes, snapshot.replacements)
     if snapshot.header_seq >= 0:
         stored = events[snapshot.header_seq]
@@ -340,3 +450,13 @@ def rebuild(snapshot: FoldSnapshot, events: Mapping[int, SessionEvent]) -> Sessi
         fold.open_subagents[child] = OpenSubagent(seq, body.tool_call_id, body.task)
     fold.restore_sizes()
     return fold
+
+
+def _stored_nodes(
+    surface: Sequence[int], facts: NodeFacts, stored: Mapping[int, bytes]
+) -> list[SurfaceNode]:
+    calls, answers, of_stored = facts.calls, facts.answers, SurfaceNode.of_stored
+    return [
+        of_stored(seq, stored[seq], type_, calls.get(seq, ()), answers.get(seq, ""))
+        for seq, type_ in zip(surface, facts.types, strict=True)
+    ]

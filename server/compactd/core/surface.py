@@ -51,6 +51,18 @@ class SurfaceNode:
         self.answers = event.tool_result.tool_call_id if self.type == ev.TOOL_RESULT else ""
         untrack(self)  # compactd.speed: see the class docstring
 
+    @classmethod
+    def of_stored(
+        cls, seq: int, data: bytes, type_: str, calls: tuple[str, ...], answers: str
+    ) -> SurfaceNode:
+        """The node of the stored event ``data`` at ``seq`` whose facts (its type, the calls
+        it makes, the call it answers) a snapshot kept: made without parsing the event."""
+        node = cls.__new__(cls)
+        node.seq, node.data, node.type = seq, data, type_
+        node.calls, node.answers = calls, answers
+        untrack(node)  # compactd.speed: see the class docstring
+        return node
+
     @property
     def event(self) -> SessionEvent:
         """The node's event, parsed anew: a copy (changing it changes no node)."""

@@ -420,6 +420,21 @@ class EventStore(abc.ABC):
             NotFound: if the session does not exist.
         """
 
+    async def read_stored(
+        self, session_id: str, seqs: Sequence[int], *, tenant: str = DEFAULT_TENANT_ID
+    ) -> dict[int, bytes]:
+        """The stored bytes of the events at the given seqs, by seq, unparsed (what a restore
+        makes surface nodes of). Seqs outside the log are skipped.
+
+        This default parses ``read_seqs`` and serializes each event again (deterministic: the
+        bytes the fold admitted); a backend that can hand its rows over as they are does.
+
+        Raises:
+            NotFound: if the session does not exist.
+        """
+        events = await self.read_seqs(session_id, seqs, tenant=tenant)
+        return {e.seq: e.SerializeToString(deterministic=True) for e in events}
+
     @abc.abstractmethod
     async def find_event_ids(
         self, session_id: str, event_ids: Sequence[str], *, tenant: str = DEFAULT_TENANT_ID

@@ -191,6 +191,14 @@ class MemoryEventStore(base.EventStore):
             wanted = sorted({s for s in seqs if 0 <= s < len(rows)})
             return [base.decode_event(rows[s].data) for s in wanted]
 
+    async def read_stored(
+        self, session_id: str, seqs: Sequence[int], *, tenant: str = DEFAULT_TENANT_ID
+    ) -> dict[int, bytes]:
+        self._check_open()
+        with self._lock:
+            rows = self._session(tenant, session_id).rows
+            return {s: rows[s].data for s in sorted(set(seqs)) if 0 <= s < len(rows)}
+
     async def find_event_ids(
         self, session_id: str, event_ids: Sequence[str], *, tenant: str = DEFAULT_TENANT_ID
     ) -> dict[str, int]:

@@ -326,6 +326,14 @@ class SqliteEventStore(base.EventStore):
             functools.partial(_select_seqs, SessionKey(tenant, session_id), wanted)
         )
 
+    async def read_stored(
+        self, session_id: str, seqs: Sequence[int], *, tenant: str = DEFAULT_TENANT_ID
+    ) -> dict[int, bytes]:
+        wanted = sorted({s for s in seqs if s >= 0})
+        return await self._read(
+            functools.partial(_select_stored, SessionKey(tenant, session_id), wanted)
+        )
+
     async def find_event_ids(
         self, session_id: str, event_ids: Sequence[str], *, tenant: str = DEFAULT_TENANT_ID
     ) -> dict[str, int]:
@@ -777,6 +785,31 @@ def _select_seqs(
         ).fetchall()
         found.extend(base.decode_event(row[0]) for row in rows)
     return found
+
+
+def _select_stored(key: SessionKey, seqs: list[int], conn: sqlite3.Connection) -> dict[int, bytes]:
+    """The rows' bytes at ``seqs`` (ascending): each run of consecutive seqs read as one range
+    of the primary key (a restore's surface is mostly such runs), not an ``IN`` list."""
+    _require_revision(key, conn)
+    found: dict[int, bytes] = {}
+    for first, last in _runs(seqs):
+        rows = conn.execute(
+            f"SELECT seq, data FROM events WHERE {_WHERE_KEY} AND seq >= ? AND seq <= ?",
+            (*key, first, last),
+        )
+        found.update(rows)
+    return found
+
+
+def _runs(seqs: list[int]) -> list[tuple[int, int]]:
+    """``seqs`` (ascending, distinct) as runs of consecutive seqs: (first, last) each."""
+    runs: list[tuple[int, int]] = []
+    for seq in seqs:
+        if runs and runs[-1][1] == seq - 1:
+            runs[-1] = (runs[-1][0], seq)
+        else:
+            runs.append((seq, seq))
+    return runs
 
 
 def _select_event_ids(

@@ -211,6 +211,13 @@ class SessionHandle:
         bounds the batch by ``self.limits`` (blocks, events, the surface).
         """
         self._counting = None  # an earlier batch's counts, if it was refused, are not this one's
+        if len(events) > max_events:  # refused before its texts cost tokenizer time
+            check_batch(events, max_events=max_events, origin=origin, limits=self.limits)
+        if self._precounters and _priced_ahead(events):
+            # Counted in worker threads while the batch is checked and admitted on the loop:
+            # the count is most of a large batch's time, and a core would idle meanwhile. A
+            # batch the checks refuse wastes its count, bounded by the request size limit.
+            await self._count_ahead(events)
         if len(events) >= ADMIT_STEP:  # a large batch is checked in steps, other calls between
             await in_steps(
                 check_batch_in_steps(
@@ -219,8 +226,6 @@ class SessionHandle:
             )
         else:
             check_batch(events, max_events=max_events, origin=origin, limits=self.limits)
-        if self._precounters and _priced_ahead(events):
-            await self._count_ahead(events)  # only a batch of valid events costs tokenizer time
         if self._store.shared and origin is Origin.CLIENT:
             return await self._append_optimistic(events, expected_last_seq)
         async with self.lock:

@@ -73,7 +73,10 @@ async def from_snapshot(
                 f"snapshot at revision {snap.revision} for a log of {record.revision} events"
             )
         stored = await store.read_seqs(session_id, needed, tenant=tenant)
-        fold, restored = await asyncio.to_thread(_rebuilt, snap, stored)
+        rows = None
+        if snap.facts is not None:  # the nodes made from their stored bytes, none parsed
+            rows = await store.read_stored(session_id, snap.surface, tenant=tenant)
+        fold, restored = await asyncio.to_thread(_rebuilt, snap, stored, rows)
     except snapshots.SnapshotInvalid as err:
         log.warning(
             "snapshot unusable, replaying the log: %s", err, extra={"session_id": session_id}
@@ -83,9 +86,10 @@ async def from_snapshot(
 
 
 def _decoded(data: bytes) -> tuple[snapshots.FoldSnapshot, list[int]]:
-    """A worker thread's: the snapshot and the seqs of the events it needs."""
+    """A worker thread's: the snapshot and the seqs of the events it needs parsed (the nodes'
+    too when it has no node facts)."""
     snap = snapshots.decode(data)
-    return snap, snap.needed_seqs()
+    return snap, snap.parsed_seqs() if snap.facts is not None else snap.needed_seqs()
 
 
 #: Parsed events let go of at once: freeing many is one C call that holds the GIL throughout.
@@ -93,14 +97,17 @@ FREE_STEP = 256
 
 
 def _rebuilt(
-    snap: snapshots.FoldSnapshot, stored: list[SessionEvent]
+    snap: snapshots.FoldSnapshot,
+    stored: list[SessionEvent],
+    rows: dict[int, bytes] | None = None,
 ) -> tuple[SessionFold, Restored]:
-    """A worker thread's: the snapshot's fold from the ``stored`` events it names, and what it
-    leaves for the meter. Empties ``stored`` ``FREE_STEP`` events at a time (raising or not),
-    so that neither this thread nor the loop frees them all in one call."""
+    """A worker thread's: the snapshot's fold from the ``stored`` events it names (with
+    ``rows``, the nodes' stored bytes: the events it needs parsed), and what it leaves for the
+    meter. Empties ``stored`` ``FREE_STEP`` events at a time (raising or not), so that neither
+    this thread nor the loop frees them all in one call."""
     by_seq = {e.seq: e for e in stored}
     try:
-        fold = snapshots.rebuild(snap, by_seq)
+        fold = snapshots.rebuild(snap, by_seq, rows)
         anchor = None
         if snap.anchor is not None:
             seq, header_seq = snap.anchor
@@ -111,6 +118,8 @@ def _rebuilt(
         return fold, Restored(snap.node_prices(), anchor)
     finally:
         by_seq.clear()
+        if rows is not None:  # the nodes hold the bytes: what is left is the dict's own entries
+            rows.clear()
         while stored:
             del stored[-FREE_STEP:]
 
