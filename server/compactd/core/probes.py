@@ -172,12 +172,17 @@ def call_facts(arguments_json: str, *, every_path: bool = True) -> CallFacts:
     commands: dict[str, None] = {}
     paths: dict[str, None] = {}
     named: dict[str, None] = {}
+    # An editor tool's ``command`` ("view", "str_replace" beside a ``path``) names an action on
+    # that path, not a shell command.
+    editor = isinstance(arguments, dict) and any(str(k).lower() in PATH_KEYS for k in arguments)
     for key, value in _walk(arguments):
         strings = [value] if isinstance(value, str) else []
         if isinstance(value, list) and all(isinstance(item, str) for item in value):
             strings = value
         if key in COMMAND_KEYS and strings:
             command = " ".join(strings)
+            if editor and len(command.split()) == 1:
+                continue
             commands[command] = None
             named.update(dict.fromkeys(paths_in(command)))
         elif key in PATH_KEYS:
@@ -340,6 +345,7 @@ REQUEST_WORDS = 6  # a quote of a request: this many consecutive words of it
 ERROR_WORDS = 4
 COMMAND_WORDS = 2
 QUOTE_CHARS = 160  # the longest quote of a request's first REQUEST_WORDS words worth probing
+SHORT_QUOTE_CHARS = 100  # the longest shortest quote of REQUEST_WORDS words worth probing
 MIN_REQUEST_WORDS = 3  # shorter requests ("yes", "continue") carry no fact to keep
 
 
@@ -432,7 +438,23 @@ def _is_request(text: str) -> bool:
     head = text.split(maxsplit=4 * MIN_REQUEST_WORDS)[: 4 * MIN_REQUEST_WORDS]  # not all of it
     if len(" ".join(head[:REQUEST_WORDS])) > QUOTE_CHARS:
         return False
-    return len(_words(" ".join(head))) >= MIN_REQUEST_WORDS
+    return len(_words(" ".join(head))) >= MIN_REQUEST_WORDS and _quotable(text)
+
+
+def _quotable(text: str) -> bool:
+    """Whether some run of ``REQUEST_WORDS`` words of ``text`` (within its first words) takes at
+    most ``SHORT_QUOTE_CHARS``: what a summary writes to keep the request. A tool's observation
+    relayed as a user message, a path in every other word, has no such run: a summary within a
+    small share of its span could not keep it, so it is not probed."""
+    words = _words(text[: 64 * QUOTE_CHARS])[: 64 * REQUEST_WORDS]
+    k = min(len(words), REQUEST_WORDS)
+    lengths = [len(word) + 1 for word in words]
+    run = sum(lengths[:k])
+    best = run
+    for i in range(k, len(lengths)):
+        run += lengths[i] - lengths[i - k]
+        best = min(best, run)
+    return best - 1 <= SHORT_QUOTE_CHARS
 
 
 def _is_file_path(path: str) -> bool:

@@ -84,6 +84,8 @@ MIN_CHECKPOINT_TOKENS = 250
 #: The share of the gate's probes a summary keeps before it is refitted with the probes first:
 #: the gate's default threshold (``minProbeRetention``).
 PROBE_FLOOR = DEFAULT_MIN_PROBE_RETENTION
+#: What identifies an error line: its first characters (a clip keeps at least these).
+ERROR_CHARS = 60
 #: Error lines taken from one tool result (the gate probes its last three).
 _ERRORS_PER_RESULT = 12
 _ROOMY_UNITS = 2400  # bullets below this share keep one state line, leaving room for probes
@@ -103,9 +105,6 @@ class _Limits:
     error_units: int = 100  # an error line: its first 60 characters identify it
     state_units: int = 80  # a "Work in Progress" line; the next step takes ``item_units``
     state_lines: int = 3  # the last assistant message, tool call and tool result
-    max_paths: int = 60
-    max_commands: int = 30
-    max_errors: int = 30
 
 
 @dataclass
@@ -117,9 +116,6 @@ class _Facts:
     tools: dict[str, int] = field(default_factory=dict)
     # Ordered sets (dicts): a long span names thousands of paths.
     commands: dict[str, None] = field(default_factory=dict)
-    paths: dict[str, None] = field(default_factory=dict)
-    result_paths: dict[str, None] = field(default_factory=dict)
-    errors: dict[str, None] = field(default_factory=dict)
     named_paths: dict[str, None] = field(default_factory=dict)  # the paths the span acts on
     stated_errors: dict[str, None] = field(default_factory=dict)  # lines that state an error
     updates: list[str] = field(default_factory=list)
@@ -191,7 +187,7 @@ class ExtractiveSummarizer:
                 reason=Reason.SUMMARIZER_MISCONFIGURED,
             )
         span = _span(messages)
-        found = probes.span_facts(span, bulk=True)
+        found = probes.span_facts(span)
         facts = _extract(span, found, self._limits)
         limits = self._limits
         # A lone prior checkpoint is written again as it was: only the budget bounds it.
@@ -261,10 +257,10 @@ def _tightened(limits: _Limits, content_units: int) -> _Limits:
     a quote of a few words, a state line by its head."""
     return replace(
         limits,
-        request_units=min(limits.request_units, max(60, content_units // 6)),
+        request_units=min(limits.request_units, max(60, content_units // 10)),
         state_units=min(limits.state_units, max(48, content_units // 10)),
         state_lines=1 if content_units < _ROOMY_UNITS else limits.state_lines,
-        error_units=min(limits.error_units, max(72, content_units // 12)),
+        error_units=min(limits.error_units, max(ERROR_CHARS * 5 // 4 + 4, content_units // 12)),
         command_units=min(limits.command_units, max(48, content_units // 16)),
     )
 
@@ -313,13 +309,7 @@ def _span(messages: Sequence[Message]) -> Sequence[Message]:
 def _extract(messages: Sequence[Message], found: probes.SpanFacts, limits: _Limits) -> _Facts:
     """The span's facts: paths, commands and errors from ``found`` (``probes.span_facts``), the
     requests, prior checkpoints, tools and the state of the work from this walk."""
-    facts = _Facts(
-        commands=dict.fromkeys(found.commands),
-        paths=found.mentioned,
-        result_paths=found.result_paths,
-        errors=found.error_entries,
-        named_paths=dict.fromkeys(found.paths),
-    )
+    facts = _Facts(commands=dict.fromkeys(found.commands), named_paths=dict.fromkeys(found.paths))
     for message in messages:
         if message.role == _ROLE.MESSAGE_ROLE_USER:
             _add_user(facts, message)
@@ -542,12 +532,9 @@ def _candidates(facts: _Facts, limits: _Limits) -> _Ranking:
     ranking.add(3, _GOALS, prior_goals[1:], request, newest_first=True)
     ranking.add(3, _OUTSTANDING, facts.prior.get(_OUTSTANDING, []), request, newest_first=False)
     # Lines that merely mention an error (source code, logs) are no fact: only stated errors
-    # (``states_error``) enter the summary, in the pool above.
-    paths = [path for path in facts.paths if _FileGroups.is_file(path)]
-    ranking.add(4, _FILES, paths[: limits.max_paths], item, newest_first=True)
-    spare = max(0, limits.max_paths - len(facts.paths))
-    seen_in_output = [path for path in facts.result_paths if path not in facts.paths][:spare]
-    ranking.add(5, _FILES, seen_in_output, item, newest_first=False)
+    # (``states_error``) enter the summary, in the pool above. Paths seen only in tool output or
+    # in a written file's content are bulk, not what the span acted on: a checkpoint that listed
+    # them would hand them to the next fold as if they were facts, crowding out real ones.
     tools = [f"Tool {name} called {count}x" for name, count in facts.tools.items()]
     ranking.add(4, _TECH, tools, item, newest_first=False)
     updates = [f"Instruction update: {text}" for text in facts.updates]
@@ -582,7 +569,7 @@ def _fact_pool(ranking: _Ranking, facts: _Facts, limits: _Limits) -> None:
         if stated and command_identity(stated) not in own:
             prior.setdefault(command_identity(stated), f"$ {stated}")
     _interleave(ranking, _TECH, list(own.values()), list(prior.values()), _WHOLE)
-    errors = list(reversed(list(facts.stated_errors)))
+    errors = [e for e in reversed(list(facts.stated_errors)) if _identifies(e)]
     _interleave(ranking, _ERRORS, errors, facts.prior.get(_ERRORS, []), limits.error_units)
 
 
@@ -836,7 +823,10 @@ def _shrunk(candidate: _Candidate, room: int) -> _Candidate | None:
     # what ``str.splitlines`` cuts (``\r``, ``\x1e``, ... too), as ``_bullet`` does.
     continuations = max(0, len(candidate.text.splitlines()) - 1)
     room_for_text = room - 2 - 2 * continuations
-    if room_for_text < 24:
+    # A fact clipped below what identifies it is no longer that fact: it is left for a later,
+    # smaller one.
+    least = max(24, _identity_units(candidate) + len(_ELLIPSIS))
+    if room_for_text < least:
         return None
     text = _clip(candidate.text, room_for_text)
     for _ in range(_REFITS):  # text the estimate prices above its code units: clip it further
@@ -844,10 +834,28 @@ def _shrunk(candidate: _Candidate, room: int) -> _Candidate | None:
         if cost <= room:
             return _Candidate(candidate.rank, candidate.section, candidate.order, text)
         room_for_text = room_for_text * room // cost - 1
-        if room_for_text < 24:
+        if room_for_text < least:
             return None
         text = _clip(candidate.text, room_for_text)
     return None
+
+
+def _identity_units(candidate: _Candidate) -> int:
+    """The code units a clip of ``candidate`` must keep for it to still identify its fact: a
+    command's ``$ program argument``, an error line's first ``ERROR_CHARS`` characters (a word
+    cut included, ``_at_word``), nothing for other bullets."""
+    text = candidate.text
+    if candidate.section == _TECH and text.startswith("$ "):
+        return utf16_length(" ".join(text.split()[:3]))
+    if candidate.section == _ERRORS:
+        return min(utf16_length(text), ERROR_CHARS * 5 // 4)
+    return 0
+
+
+def _identifies(error: str) -> bool:
+    """Whether an error line's first ``ERROR_CHARS`` characters say something (two words or
+    more): a bare ``ERROR:`` tells a later reader nothing."""
+    return len(error[:ERROR_CHARS].split()) >= 2
 
 
 def _render(sections: dict[int, list[str]]) -> str:
@@ -896,3 +904,8 @@ def _at_word(head: str, room: int) -> str:
 
 
 _SKELETON_TOKENS = _framed_tokens(_render({}))
+#: The least ``max_tokens`` that holds the eight empty sections (a smaller cap fails).
+SKELETON_TOKENS = -(-utf16_length(_render({})) // _UNITS_PER_TOKEN)
+#: What a checkpoint adds to its summary, in estimated tokens: the preamble, the tags, the recall
+#: section, and a short "Open Handles" section.
+CHECKPOINT_FRAME_TOKENS = math.ceil(_FRAME_UNITS / _UNITS_PER_TOKEN) + 16

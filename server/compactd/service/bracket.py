@@ -97,6 +97,10 @@ class Bracket:
     guarded: bool = False  # failure memory may hold the span back (PrepareStep)
     extractive: bool = False  # the extractive checkpoint, without a model call (the ladder)
     prepared: PreparedSummary | None = None  # a summary prepared ahead (``service.ahead``)
+    #: Whether the quality gate judges the extractive rung's checkpoint: not when the request is
+    #: over the window and the summary is cut to fit it (a checkpoint that fits beats a request
+    #: a provider refuses; the shrink check still runs).
+    gate_extractive: bool = True
 
 
 @dataclass(frozen=True)
@@ -532,8 +536,11 @@ class Brackets:
         progress: Progress,
     ) -> Screened:
         """The summary the quality gate lets commit (``Screener.screen``)."""
+        policy = job.policy
+        if writer.summarizer is self._extractive and not job.gate_extractive:
+            policy = replace(policy, summary_gate=False)
         return await self._screener.screen(
-            policy=job.policy, compaction_id=opened.compaction_id, start_seq=opened.start_seq,
+            policy=policy, compaction_id=opened.compaction_id, start_seq=opened.start_seq,
             request=written.request,
             summary=written.summary, serialized=written.serialized,
             summarizer=writer.summarizer.name, target=writer.target,

@@ -32,6 +32,7 @@ from compactd.core.planner import SHAPES, PlanMode, node_pricer, span_pricer
 from compactd.core.policy import TargetPolicy
 from compactd.core.selection import DeclineCode, Declined, SelectionMode
 from compactd.errors import CompactdError, CompactionBusy
+from compactd.providers.extractive import CHECKPOINT_FRAME_TOKENS, SKELETON_TOKENS
 from compactd.reasons import Reason
 from compactd.routes import Route
 from compactd.service.ahead import AheadService
@@ -188,18 +189,25 @@ class StepService:
         return self._ended(before, relief)
 
     async def _relieve(self, relief: _Relief) -> None:
-        """Go down the ladder until the request fits: prune; one bracket (the summary target's
-        summary, else the extractive checkpoint); while the request is over the window, mask
-        older tool outputs, then the overflow path's maximal extractive bracket. No model call
-        when the floor alone is at or above the trigger; no work repeated (``guard``). A summary
-        prepared ahead (``service.ahead``) is applied first, before pruning changes its span."""
+        """Go down the ladder until the request fits, with one bracket at most: a summary
+        prepared ahead (``service.ahead``), applied first, before pruning changes its span, is
+        that bracket when there is one; else prune and run one bracket (the summary target's
+        summary, else the extractive checkpoint of the same span; over the window, the maximal
+        span with a summary cut to the room the window leaves); while the request is over the
+        window, mask older tool outputs, and only when no bracket opened yet (the span was too
+        small to be worth one), the overflow path's maximal extractive bracket. No model call
+        when the floor alone is at or above the trigger; no work repeated (``guard``)."""
         if await self._applied_ahead(relief):
             return
-        committed = await self._compact_once(relief, first=True)
+        committed = True if relief.brackets else await self._compact_once(relief, first=True)
         if committed is None or not _over_window(relief.report) or self._irreducible(relief):
             return
         await self._mask(relief)
-        if _over_window(relief.report) and relief.brackets <= relief.policy.compaction_retries:
+        if (
+            _over_window(relief.report)
+            and not relief.brackets
+            and relief.policy.compaction_retries > 0
+        ):
             await self._compact_once(relief, first=False)
 
     async def _applied_ahead(self, relief: _Relief) -> bool:
@@ -220,13 +228,20 @@ class StepService:
     def _job(self, relief: _Relief, *, first: bool) -> Bracket:
         """The relief's next bracket, on what the step measured last: a request over the window
         reaches for everything but the last unit (the first bracket still declines a span too
-        small to be worth a checkpoint: masking is cheaper); the overflow path's (not first)
-        and one whose floor alone is above the trigger write the extractive checkpoint, no model
-        call; the overflow path's is not judged by the quality gate (only the shrink check)."""
+        small to be worth a checkpoint: masking is cheaper), with a summary cut to the room the
+        window leaves beside the floor and the extractive checkpoint of the same span when the
+        target's summary fails (in the same bracket: a step runs one); the overflow path's (not
+        first) and one whose floor alone is above the trigger write the extractive checkpoint,
+        no model call; the overflow path's is not judged by the quality gate (only the shrink
+        check)."""
         handle, route, policy = relief.handle, relief.route, relief.policy
         if not first:  # the last rung: any checkpoint that fits beats a request over the window
             policy = dataclasses.replace(policy, summary_gate=False)
         maximal = _over_window(relief.report)
+        if maximal:
+            policy = dataclasses.replace(
+                policy, extractive_fallback=True, max_tokens=self._fitting_summary(relief)
+            )
         retained = 0 if maximal else self._pressure.spec(handle, route).retained_budget
         return Bracket(
             handle, AUTO.trigger, SelectionMode.MAXIMAL if maximal else AUTO.selection, route,
@@ -235,6 +250,7 @@ class StepService:
                 self._guard.min_span_tokens(route, policy, handle.fold) if first else 0
             ),
             guarded=True, extractive=not first or self._floor_above_trigger(relief),
+            gate_extractive=not maximal,
         )  # fmt: skip
 
     async def _compact_once(self, relief: _Relief, *, first: bool) -> bool | None:
@@ -286,6 +302,15 @@ class StepService:
             )
             return Declined(DeclineCode.FLOOR_ABOVE_TRIGGER, relief.why)
         return self._job(relief, first=True)
+
+    def _fitting_summary(self, relief: _Relief) -> int:
+        """The summary cap of a bracket whose request is over the window: the policy's, or less,
+        so that its checkpoint fits the room the window leaves beside the floor (never below
+        what the eight empty sections take: such a room leaves the request to the masking
+        rung)."""
+        report = relief.report
+        room = report.context_window - report.output_reservation - relief.floor
+        return min(relief.policy.max_tokens, max(room - CHECKPOINT_FRAME_TOKENS, SKELETON_TOKENS))
 
     def _floor_above_trigger(self, relief: _Relief) -> bool:
         """Whether no summary can bring pressure below the trigger (then the extractive
