@@ -27,6 +27,7 @@ from compactd.store.candidates import Candidate
 from compactd.testing.openai_server import OpenAICompatServer, RecordedRequest, Reply
 from compactd.v1 import compaction_service_pb2 as cpb
 from tests import postgres
+from tests.api.rpc import details
 from tests.builders import assistant, in_step, replace, tool_result, turn_start, user
 from tests.compaction_fixtures import (
     ABOVE,
@@ -493,3 +494,26 @@ async def test_a_step_below_the_trigger_never_waits_for_a_candidate_in_progress(
         assert still is not None
         assert still.candidate_id == preparing.candidate_id
         assert still.summary is None
+
+
+async def test_two_replicas_at_the_trigger_apply_one_candidate_once(
+    tmp_path: Path, loop: OpenAICompatServer, held: Held, database: str
+) -> None:
+    held.release.set()
+    async with replicas(tmp_path, loop, postgres.fresh_schema(database)) as (a, b):
+        await a.create(*opening(), *units(BEFORE_TRIGGER))
+        ready = await until_candidate(a, ready=True)
+        await a.append(*units(AT_TRIGGER - BEFORE_TRIGGER, BEFORE_TRIGGER))
+        await a.append(turn_start(1), user("Carry on."))
+
+        outcomes = await asyncio.gather(a.prepare(1), b.prepare(1), return_exceptions=True)
+
+        for outcome in outcomes:  # a step either ran or met the live bracket, as always
+            if isinstance(outcome, BaseException):
+                assert isinstance(outcome, grpc.aio.AioRpcError)
+                assert details(outcome).reason == "COMPACTION_BUSY"
+        starts = [e for e in await a.events() if e.HasField("compaction_start")]
+        assert [s.compaction_start.prepared_ahead.candidate_id for s in starts] == [
+            ready.candidate_id
+        ]
+        assert len(summary_requests(loop)) == 1
