@@ -19,6 +19,8 @@ from typing import Any
 import grpc
 import pytest
 from opentelemetry import trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -517,3 +519,31 @@ async def test_two_replicas_at_the_trigger_apply_one_candidate_once(
             ready.candidate_id
         ]
         assert len(summary_requests(loop)) == 1
+
+
+def outcomes(reader: InMemoryMetricReader) -> dict[str, float]:
+    """``compactd.ahead.candidates`` by outcome."""
+    data = reader.get_metrics_data()
+    found: dict[str, float] = {}
+    for resource in data.resource_metrics if data else ():
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                if metric.name == "compactd.ahead.candidates":
+                    for point in metric.data.data_points:
+                        outcome = str(dict(point.attributes or {})["compactd.outcome"])
+                        found[outcome] = found.get(outcome, 0) + point.value  # type: ignore[union-attr]
+    return found
+
+
+async def test_candidates_are_counted_by_outcome(
+    tmp_path: Path, loop: OpenAICompatServer, held: Held
+) -> None:
+    held.release.set()
+    reader = InMemoryMetricReader()
+    meters = MeterProvider(metric_readers=[reader])
+    async with started(tmp_path, loop, policy=AHEAD, meter_provider=meters) as h:
+        await h.create(*opening(), *units(BEFORE_TRIGGER))
+        await until_candidate(h, ready=True)
+        await step_at_trigger(h)
+
+        assert outcomes(reader) == {"started": 1, "ready": 1, "applied": 1}
