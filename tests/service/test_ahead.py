@@ -19,6 +19,8 @@ from typing import Any
 import grpc
 import pytest
 from opentelemetry import trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -27,6 +29,7 @@ from compactd.store.candidates import Candidate
 from compactd.testing.openai_server import OpenAICompatServer, RecordedRequest, Reply
 from compactd.v1 import compaction_service_pb2 as cpb
 from tests import postgres
+from tests.api.rpc import details
 from tests.builders import assistant, in_step, replace, tool_result, turn_start, user
 from tests.compaction_fixtures import (
     ABOVE,
@@ -493,3 +496,54 @@ async def test_a_step_below_the_trigger_never_waits_for_a_candidate_in_progress(
         assert still is not None
         assert still.candidate_id == preparing.candidate_id
         assert still.summary is None
+
+
+async def test_two_replicas_at_the_trigger_apply_one_candidate_once(
+    tmp_path: Path, loop: OpenAICompatServer, held: Held, database: str
+) -> None:
+    held.release.set()
+    async with replicas(tmp_path, loop, postgres.fresh_schema(database)) as (a, b):
+        await a.create(*opening(), *units(BEFORE_TRIGGER))
+        ready = await until_candidate(a, ready=True)
+        await a.append(*units(AT_TRIGGER - BEFORE_TRIGGER, BEFORE_TRIGGER))
+        await a.append(turn_start(1), user("Carry on."))
+
+        outcomes = await asyncio.gather(a.prepare(1), b.prepare(1), return_exceptions=True)
+
+        for outcome in outcomes:  # a step either ran or met the live bracket, as always
+            if isinstance(outcome, BaseException):
+                assert isinstance(outcome, grpc.aio.AioRpcError)
+                assert details(outcome).reason == "COMPACTION_BUSY"
+        starts = [e for e in await a.events() if e.HasField("compaction_start")]
+        assert [s.compaction_start.prepared_ahead.candidate_id for s in starts] == [
+            ready.candidate_id
+        ]
+        assert len(summary_requests(loop)) == 1
+
+
+def outcomes(reader: InMemoryMetricReader) -> dict[str, float]:
+    """``compactd.ahead.candidates`` by outcome."""
+    data = reader.get_metrics_data()
+    found: dict[str, float] = {}
+    for resource in data.resource_metrics if data else ():
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                if metric.name == "compactd.ahead.candidates":
+                    for point in metric.data.data_points:
+                        outcome = str(dict(point.attributes or {})["compactd.outcome"])
+                        found[outcome] = found.get(outcome, 0) + point.value  # type: ignore[union-attr]
+    return found
+
+
+async def test_candidates_are_counted_by_outcome(
+    tmp_path: Path, loop: OpenAICompatServer, held: Held
+) -> None:
+    held.release.set()
+    reader = InMemoryMetricReader()
+    meters = MeterProvider(metric_readers=[reader])
+    async with started(tmp_path, loop, policy=AHEAD, meter_provider=meters) as h:
+        await h.create(*opening(), *units(BEFORE_TRIGGER))
+        await until_candidate(h, ready=True)
+        await step_at_trigger(h)
+
+        assert outcomes(reader) == {"started": 1, "ready": 1, "applied": 1}
