@@ -10,6 +10,9 @@ side by side:
   client (``replay.compaction_waits``): at every step that compacted (a bracket the log places in
   it, or ``PrepareStep`` reporting one), how much longer its ``PrepareStep`` and the appends
   that follow it (a step boundary) took than the session's median step that compacted nothing;
+- **of them jumped**: steps that compacted although the step before had sent less than the
+  "on" ratio of the window, their own envelope at the trigger or above: one step's appends
+  crossed both, so nothing could be prepared for them in time (a large tool output, say);
 - **compactions**: brackets committed;
 - **summary input tokens / requests**: what the summary model received (every request, including
   those of candidates discarded or cancelled; 4 characters a token, as the model bills);
@@ -264,13 +267,26 @@ def facts_kept(arm: Arm) -> tuple[int, int]:
     return hits, total
 
 
+def jumped(arm: Arm, ratio: float) -> int:
+    """Steps that compacted although the step before them had sent less than ``ratio`` x W and
+    they measured the trigger or more: one step's appends crossed both, so nothing could have
+    been prepared ahead for them."""
+    count = 0
+    for result, _ in arm.replays:
+        busy = rp.compacted_steps(result)
+        for before, step in zip(result.steps, result.steps[1:], strict=False):
+            low = before.sent_tokens < ratio * step.window
+            count += step.index in busy and low and step.before_tokens >= step.trigger_tokens
+    return count
+
+
 HEADER = ("summary model", "prepare-ahead", "wait p50", "p95", "max", "total",
-          "steps that compacted", "compactions", "summary input tokens", "summary requests",
-          "facts kept", "agent input tokens", "run")  # fmt: skip
+          "steps that compacted", "of them jumped", "compactions", "summary input tokens",
+          "summary requests", "facts kept", "agent input tokens", "run")  # fmt: skip
 
 
-def row(arm: Arm) -> tuple[str, ...]:
-    """One arm's cells."""
+def row(arm: Arm, ratio: float) -> tuple[str, ...]:
+    """One arm's cells (``ratio``: the "on" arms' prepareAheadRatio)."""
     waits = [w for result, _ in arm.replays for w in rp.compaction_waits(result)]
 
     def ms(q: float) -> str:
@@ -281,7 +297,8 @@ def row(arm: Arm) -> tuple[str, ...]:
     assert arm.model is not None
     return (
         arm.pace.label, arm.name, ms(0.5), ms(0.95), ms(1.0), f"{sum(waits):,.1f} s",
-        str(len(waits)), str(committed), f"{arm.model.prompt_tokens:,}", str(arm.model.requests),
+        str(len(waits)), str(jumped(arm, ratio)), str(committed),
+        f"{arm.model.prompt_tokens:,}", str(arm.model.requests),
         f"{hits / total:.1%} of {total:,}" if total else "-",
         f"{sum(result.tokens_sent for result, _ in arm.replays):,}", f"{arm.seconds:,.0f} s",
     )  # fmt: skip
@@ -314,7 +331,7 @@ async def measure(args: argparse.Namespace) -> tuple[list[tuple[str, ...]], str]
     for name in args.models:
         arms = [Arm(PACES[name], None if arm == "off" else ratio) for arm in args.arms]
         done = await asyncio.gather(*(run_arm(arm, transcripts, args) for arm in arms))
-        rows += [row(arm) for arm in done]
+        rows += [row(arm, ratio) for arm in done]
     steps = sum(_steps(t) for t in transcripts)
     played = (
         f"{len(transcripts)} transcripts (those of {', '.join(p.name for p in args.transcripts)} "

@@ -59,3 +59,26 @@ def test_a_transcript_is_cut_before_the_model_reply_past_the_limit() -> None:
     assert pa._first_steps(transcript, 1).messages == messages[:3]
     assert pa._first_steps(transcript, 2).messages == messages[:5]
     assert pa._first_steps(transcript, 9).messages == messages
+
+
+def _step(index: int, before: int, sent: int, compactions: int = 0) -> rp.StepRecord:
+    return rp.StepRecord(
+        index=index, turn=1, before_tokens=before, sent_tokens=sent, trigger_tokens=800,
+        window=1000, pruned=0, compactions=compactions, request_messages=0, request_bytes=0,
+        seconds=0.0, first_seq=index,
+    )  # fmt: skip
+
+
+def test_a_step_that_compacted_straight_from_below_the_ratio_counts_as_jumped() -> None:
+    steps = [
+        _step(1, 500, 500),
+        _step(2, 900, 400, compactions=1),  # from 500 (< 650) to 900 (>= 800): jumped
+        _step(3, 700, 700),
+        _step(4, 850, 400, compactions=1),  # from 700 (>= 650): there was time to prepare
+        _step(5, 600, 600, compactions=1),  # compacted below the trigger: not a jump
+    ]
+    result = rp.SessionReplay("t", "s", 0, steps=steps)
+    arm = pa.Arm(pa.PACES["3s"], 0.65, replays=[(result, [])])
+
+    assert pa.jumped(arm, 0.65) == 1
+    assert rp.compacted_steps(result) == {2, 4, 5}

@@ -498,11 +498,17 @@ def compaction_waits(result: SessionReplay) -> list[float]:
     took than the session's typical step that compacted nothing (their median), measured by the
     client; 0 when not longer.
     """
-    busy = {record.step for record in result.compactions if record.step}
-    busy |= {step.index for step in result.steps if step.compactions}
+    busy = compacted_steps(result)
     quiet = [_blocked(step) for step in result.steps if step.index not in busy]
     typical = statistics.median(quiet) if quiet else 0.0
     return [max(0.0, _blocked(step) - typical) for step in result.steps if step.index in busy]
+
+
+def compacted_steps(result: SessionReplay) -> set[int]:
+    """The (1-based) steps that compacted: a bracket the log places in the step, or
+    ``PrepareStep`` reporting one."""
+    busy = {record.step for record in result.compactions if record.step}
+    return busy | {step.index for step in result.steps if step.compactions}
 
 
 def _blocked(step: StepRecord) -> float:

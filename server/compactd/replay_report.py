@@ -124,6 +124,26 @@ def table(replays: Sequence[SessionReplay]) -> str:
     return _aligned((*COLUMNS, ""), [(*row, "") for row in rows(replays)])
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile of ``values`` (not empty)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def wait_line(replays: Sequence[SessionReplay]) -> str:
+    """The agent-visible wait compaction added (``replay.compaction_waits``), over every step
+    that compacted: p50, p95 and the total."""
+    waits = [w for r in replays for w in compaction_waits(r)]
+    if not waits:
+        return "agent-visible wait added by compaction: no step compacted"
+    p50, p95 = percentile(waits, 0.5), percentile(waits, 0.95)
+    return (
+        f"agent-visible wait added by compaction over {counted(len(waits), 'step')} that "
+        f"compacted: p50 {p50 * 1000:,.0f} ms, p95 {p95 * 1000:,.0f} ms, "
+        f"total {sum(waits):,.1f} s"
+    )
+
+
 BRACKET_COLUMNS = ("#", "step", "seqs", "shadowed", "before", "after", "span", "ckpt", "chars",
                    "ms", "outcome")  # fmt: skip
 
@@ -155,26 +175,6 @@ def bracket_table(replays: Sequence[SessionReplay]) -> str:
 def _outcome(record: CompactionRecord) -> str:
     """A bracket's outcome, marked when its summary was prepared ahead of the trigger."""
     return f"{record.outcome} (ahead)" if record.prepared_ahead else record.outcome
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The nearest-rank ``q`` quantile of ``values`` (not empty)."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
-def wait_line(replays: Sequence[SessionReplay]) -> str:
-    """The agent-visible wait compaction added (``replay.compaction_waits``), over every step
-    that compacted: p50, p95 and the total."""
-    waits = [w for r in replays for w in compaction_waits(r)]
-    if not waits:
-        return "agent-visible wait added by compaction: no step compacted"
-    p50, p95 = percentile(waits, 0.5), percentile(waits, 0.95)
-    return (
-        f"agent-visible wait added by compaction over {counted(len(waits), 'step')} that "
-        f"compacted: p50 {p50 * 1000:,.0f} ms, p95 {p95 * 1000:,.0f} ms, "
-        f"total {sum(waits):,.1f} s"
-    )
 
 
 def _aligned(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
