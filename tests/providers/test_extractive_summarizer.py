@@ -108,11 +108,15 @@ async def test_the_system_head_stays_out_of_the_summary() -> None:
     assert "SECRET-SYSTEM-HEAD" not in await _summary(SPAN)
 
 
-async def test_empty_sections_say_none() -> None:
-    sections = _sections(await _summary([user("hello")]))
+async def test_an_empty_section_is_its_heading_alone() -> None:
+    # A "(none)" line in each empty section took tokens a carried-forward fact could use.
+    text = await _summary([user("hello")])
+    sections = _sections(text)
 
-    assert sections["Outstanding Work"] == f"- {prompts.EMPTY_SECTION}"
+    assert sections["Outstanding Work"] == ""
+    assert prompts.EMPTY_SECTION not in text
     assert sections["Goals and Requests"] == "- hello"
+    assert list(sections) == list(prompts.SUMMARY_SECTIONS)
 
 
 async def test_the_same_span_gives_the_same_bytes() -> None:

@@ -93,7 +93,7 @@ _REFITS = 4  # fits tried before settling on the smallest (each shrinks the room
 _ELLIPSIS = "…"
 
 # A prior checkpoint is exactly ``prompts.frame_checkpoint(summary)``; see ``_checkpoint_summary``.
-_CHECKPOINT_HEAD = f"{prompts.CHECKPOINT_PREAMBLE}\n\n{prompts.SUMMARY_OPEN_TAG}\n"
+_CHECKPOINT_HEADS = tuple(f"{p}\n\n{prompts.SUMMARY_OPEN_TAG}\n" for p in prompts.PREAMBLES)
 _CHECKPOINT_TAIL = f"\n{prompts.SUMMARY_CLOSE_TAG}"
 
 
@@ -163,7 +163,7 @@ class ExtractiveSummarizer:
         Raises:
             SummaryError: ``max_tokens`` cannot hold even the eight empty sections.
         """
-        text, found = self._summary(request.messages, request.max_tokens)
+        text, found = self._summary(request.messages, request.max_tokens, request.span_tokens)
         text = self._distinct(text, _span(request.messages), _Facts())
         return SummaryResult(
             text=text, usage=None, provider="compactd", model=self.name, finish_reason="stop",
@@ -175,9 +175,10 @@ class ExtractiveSummarizer:
         return self._distinct(self._summary(messages, max_tokens)[0], _span(messages), _Facts())
 
     def _summary(
-        self, messages: Sequence[Message], max_tokens: int
+        self, messages: Sequence[Message], max_tokens: int, span_tokens: int = 0
     ) -> tuple[str, probes.SpanFacts]:
-        """The summary and the span facts it was written from."""
+        """The summary and the span facts it was written from; ``span_tokens``, the span's route
+        price when known (else its heuristic price), is what its share is taken of."""
         budget = max_tokens * _UNITS_PER_TOKEN
         skeleton = _render({})
         if utf16_length(skeleton) > budget:
@@ -193,7 +194,8 @@ class ExtractiveSummarizer:
         # A lone prior checkpoint is written again as it was: only the budget bounds it.
         allowed = None
         if facts.has_new and self._share is not None:
-            allowed = allowed_tokens(sum(map(heuristic_price, span)), self._share)
+            priced = span_tokens or sum(map(heuristic_price, span))
+            allowed = allowed_tokens(priced, self._share)
         share = budget
         if allowed is not None:
             room = int(allowed * _UNITS_PER_TOKEN) - _FRAME_UNITS
@@ -399,10 +401,11 @@ def _checkpoint_summary(text: str) -> str | None:
     quotes a closing tag, is never cut at an inner tag (that lost the rest of the summary).
     """
     text = without_recall_handles(text)
-    framed = len(text) >= len(_CHECKPOINT_HEAD) + len(_CHECKPOINT_TAIL)
-    if framed and text.startswith(_CHECKPOINT_HEAD) and text.endswith(_CHECKPOINT_TAIL):
-        inner = text[len(_CHECKPOINT_HEAD) : len(text) - len(_CHECKPOINT_TAIL)]
-        return prompts.without_open_handles(inner)
+    for head in _CHECKPOINT_HEADS:  # today's preamble, or one an earlier version wrote
+        framed = len(text) >= len(head) + len(_CHECKPOINT_TAIL)
+        if framed and text.startswith(head) and text.endswith(_CHECKPOINT_TAIL):
+            inner = text[len(head) : len(text) - len(_CHECKPOINT_TAIL)]
+            return prompts.without_open_handles(inner)
     return None
 
 
@@ -682,9 +685,8 @@ def _fit(candidates: Sequence[_Candidate], budget: int) -> str:
     )
     used = _units(_render({}))
     for candidate in sorted(candidates, key=lambda c: (c.rank, c.order)):
-        # The first bullet of a section replaces its "(none)" line; later ones add a newline.
-        first = candidate.section not in chosen
-        credit = _units(_bullet(prompts.EMPTY_SECTION)) if first else -1
+        # Each bullet adds its line and a newline (an empty section is its heading alone).
+        credit = -1
         room = budget - used + credit
         if candidate.section == _FILES and _FileGroups.is_path(candidate.text):
             cost = files.cost(candidate.text)
@@ -859,10 +861,11 @@ def _identifies(error: str) -> bool:
 
 
 def _render(sections: dict[int, list[str]]) -> str:
+    """The eight sections in order; an empty one is its heading alone (every token a "(none)"
+    line took is one a fact cannot)."""
     blocks = []
     for index, title in enumerate(prompts.SUMMARY_SECTIONS):
-        items = sections.get(index) or [prompts.EMPTY_SECTION]
-        blocks.append(f"## {title}\n" + "\n".join(_bullet(item) for item in items))
+        blocks.append("\n".join([f"## {title}", *map(_bullet, sections.get(index, []))]))
     return "\n\n".join(blocks)
 
 
