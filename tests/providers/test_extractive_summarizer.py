@@ -299,11 +299,11 @@ async def test_paths_of_a_project_share_their_directory_lines() -> None:
     paths = [f"{ROOT}/src/cart/total.py", f"{ROOT}/src/cart/tax.py", f"{ROOT}/tests/test_cart.py"]
     files = _sections(await _summary(_long_span(paths)))["Files Touched"]
 
-    # The deepest directory most paths are under is written once; each path keeps its last two
-    # segments on the line.
+    # The directory the paths take the fewest characters under is written once (here the
+    # project's root: one line beats a line for src/ and another for tests/); each path keeps
+    # at least its last two segments on the line.
     assert files.splitlines() == [
-        f"- {ROOT}/src/: cart/total.py, cart/tax.py",
-        f"- {ROOT}/: tests/test_cart.py",
+        f"- {ROOT}/: src/cart/total.py, src/cart/tax.py, tests/test_cart.py",
     ]
 
 

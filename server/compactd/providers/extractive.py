@@ -804,9 +804,10 @@ class _FileGroups:
 
 
 def _common_root(paths: Sequence[str]) -> str:
-    """The deepest directory (``/a/b/``), two levels deep or more, at least half of the absolute
-    ``paths`` are under with two segments to spare; "" when there is none."""
-    absolute = [p for p in paths if p.startswith("/")]
+    """The directory (``/a/b/``), two levels deep or more, that the absolute ``paths`` take the
+    fewest characters under when the ones below it (with two segments to spare) are written
+    after it once and the others one line per directory; "" when none saves any."""
+    absolute = list(dict.fromkeys(p for p in paths if p.startswith("/")))
     if len(absolute) < 2:
         return ""
     counts: dict[str, int] = {}
@@ -815,8 +816,30 @@ def _common_root(paths: Sequence[str]) -> str:
         for depth in range(2, len(parts) + 1):
             root = "/" + "/".join(parts[:depth]) + "/"
             counts[root] = counts.get(root, 0) + 1
-    shared = [root for root, n in counts.items() if 2 * n >= len(absolute) and n >= 2]
-    return max(shared, key=len, default="")
+    shared = sorted((r for r, n in counts.items() if n >= 2), key=lambda r: -counts[r] * len(r))
+    candidates = ["", *shared[:_ROOTS_TRIED]]
+    return min(candidates, key=lambda root: (_grouped_length(absolute, root), -len(root)))
+
+
+_ROOTS_TRIED = 12  # the directories that share the most characters
+
+
+def _grouped_length(paths: Sequence[str], root: str) -> int:
+    """The characters ``paths`` take written under ``root`` (those below it) and one line per
+    directory (the others), as ``_FileGroups`` writes them."""
+    prefixes: set[str] = set()
+    total = len(root) + 4 if root else 0
+    for path in paths:
+        rest = path[len(root) :] if root and path.startswith(root) else ""
+        if rest.rstrip("/").count("/") >= 1:
+            total += len(rest) + 2
+            continue
+        prefix, item = _FileGroups.split(path)
+        total += len(item) + 2
+        if prefix not in prefixes:
+            prefixes.add(prefix)
+            total += len(prefix) + 4
+    return total
 
 
 def _shrunk(candidate: _Candidate, room: int) -> _Candidate | None:
