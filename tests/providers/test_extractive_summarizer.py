@@ -302,8 +302,9 @@ async def test_paths_of_a_project_share_their_directory_lines() -> None:
     # The directory the paths take the fewest characters under is written once (here the
     # project's root: one line beats a line for src/ and another for tests/); each path keeps
     # at least its last two segments on the line.
+    # (Most recent first, as a later fold reads them back.)
     assert files.splitlines() == [
-        f"- {ROOT}/: src/cart/total.py, src/cart/tax.py, tests/test_cart.py",
+        f"- {ROOT}/: tests/test_cart.py, src/cart/tax.py, src/cart/total.py",
     ]
 
 
@@ -407,8 +408,10 @@ async def test_a_tight_share_keeps_the_gates_probes_before_other_facts() -> None
 def test_a_fold_keeps_the_older_spans_paths_beside_the_new_spans_probes() -> None:
     summarizer = ExtractiveSummarizer()
     first = _work(20, seed=1)
-    paths = [p for p in probes.select_probes(probes.span_facts(first[1:]))
-             if p.kind is probes.ProbeKind.PATH]  # fmt: skip
+    # The older span's newest paths: a fold lists the facts most recent first, the prior's after
+    # the span's own, so a budget drops the older span's oldest paths first.
+    named = list(reversed(probes.span_facts(first[1:]).paths))
+    paths = [probes.Probe(probes.ProbeKind.PATH, path) for path in named[:8]]
     summary = summarizer.summary_text(first, 100_000)
     folded = [first[0], user(prompts.frame_checkpoint(summary)), *_work(20, seed=2)[1:]]
     summary = summarizer.summary_text(folded, 100_000)

@@ -485,6 +485,10 @@ class _Ranking:
         self.candidates: list[_Candidate] = []
         self._seen: dict[tuple[int, str], int] = {}  # -> index in candidates
 
+    def has(self, section: int, text: str) -> bool:
+        """Whether ``text`` (as clipped) is a candidate of ``section`` already."""
+        return (section, text) in self._seen
+
     def add(
         self,
         tier: int,
@@ -635,10 +639,17 @@ def _promote_probes(
         by_kind[probe.kind].append(probe.origin or probe.text)
     item, request = limits.item_units, limits.request_units
     kinds = probes.ProbeKind
-    requests, cap = by_kind[kinds.REQUEST], request
+    requests = by_kind[kinds.REQUEST]
     if tier < 0:  # quoted by their first words only: a run of REQUEST_WORDS of them keeps one
-        requests, cap = [_quote(r) for r in requests], _WHOLE
-    ranking.add(tier, _GOALS, requests, cap, newest_first=False, promote=True)
+        ranking.add(tier, _GOALS, [_quote(r) for r in requests], _WHOLE, newest_first=False,
+                    promote=True)  # fmt: skip
+    else:
+        # The first and the latest request are written whole already (tier 0); the others are
+        # quoted by a run of words, which keeps them for the gate at a fraction of the room a
+        # whole request takes from the facts.
+        whole = [r for r in requests if ranking.has(_GOALS, _clip(r, request))]
+        quoted = [_quote(r) for r in requests if r not in whole]
+        ranking.add(tier, _GOALS, quoted, _WHOLE, newest_first=False, promote=True)
     ranking.add(tier, _FILES, by_kind[kinds.PATH], item, newest_first=False, promote=True)
     commands = [f"$ {command_form(c, limits.command_units)}" for c in by_kind[kinds.COMMAND]]
     ranking.add(tier, _TECH, commands, _WHOLE, newest_first=False, promote=True)
@@ -680,9 +691,9 @@ def _fit(candidates: Sequence[_Candidate], budget: int) -> str:
     """Render the highest-ranked candidates that fit in ``budget`` (code units of estimated
     tokens, ``_units``); one that does not fit is clipped, or skipped for a later, smaller one."""
     chosen: dict[int, list[_Candidate]] = {}
-    files = _FileGroups(
-        [c.text for c in candidates if c.section == _FILES and _FileGroups.is_path(c.text)]
-    )
+    paths = [c.text for c in candidates if c.section == _FILES and _FileGroups.is_path(c.text)]
+    files = _FileGroups(paths)
+    taken: list[_Candidate] = []  # the paths, in the order the budget took them
     used = _units(_render({}))
     for candidate in sorted(candidates, key=lambda c: (c.rank, c.order)):
         # Each bullet adds its line and a newline (an empty section is its heading alone).
@@ -693,6 +704,7 @@ def _fit(candidates: Sequence[_Candidate], budget: int) -> str:
             if cost > room:
                 continue
             files.add(candidate.text)
+            taken.append(candidate)
             chosen.setdefault(_FILES, [])
             used += cost - credit
             continue
@@ -706,7 +718,12 @@ def _fit(candidates: Sequence[_Candidate], budget: int) -> str:
         for index, items in chosen.items()
     }
     if _FILES in by_section:
-        by_section[_FILES] = [*files.lines(), *by_section[_FILES]]
+        # Written in their section's order (most recent first), not in the order the budget
+        # took them: a later fold reads the list back in this order.
+        ordered = _FileGroups(paths)
+        for candidate in sorted(taken, key=lambda c: c.order):
+            ordered.add(candidate.text)
+        by_section[_FILES] = [*ordered.lines(), *by_section[_FILES]]
     return _render(by_section)
 
 
