@@ -2,8 +2,10 @@
 
 For air-gapped deployments, as the test default, and as the quality gate's optional fallback. It
 extracts facts instead of writing prose: the user's requests (verbatim, clipped), tools and
-commands used, file paths, error lines, and the last state of the work, laid out in the same eight
-sections the compaction instruction asks a model for (``prompts.SUMMARY_SECTIONS``). Paths,
+commands used, the file paths the span acts on (not those only a tool printed or a written file
+holds: bulk, not facts), error lines, and the last state of the work, laid out in the same eight
+sections the compaction instruction asks a model for (``prompts.SUMMARY_SECTIONS``; an empty one
+is its heading alone). Paths,
 commands and error lines come from ``core.probes``, the extraction the quality gate probes with,
 so a summary this summarizer writes keeps the gate's probes whenever they fit ``max_tokens``.
 
@@ -24,7 +26,8 @@ would keep less than the gate's default share of its probes is refitted with the
 requests quoted by their shortest run of six words (``PROBE_FLOOR``). Same input, same bytes.
 
 A checkpoint costs a small share of what it replaces: the framed checkpoint fits ``SPAN_SHARE``
-of its span, whatever the span's size, the gate's probes included (they rank right after the
+of its span (of the span's route price, ``SummaryRequest.span_tokens``, when the bracket knows it),
+whatever the span's size, the gate's probes included (they rank right after the
 current state, so a tight share keeps the most valuable facts and drops the rest). The share is
 checked with ``estimated_tokens``, which errs high where the heuristic errs low (punctuation-dense
 paths and commands, non-ASCII text), so the route's count stays under 15% too. A span so small
@@ -33,7 +36,9 @@ first probes) gets that many, never more than half the span; a policy that wants
 above 15% sets ``minReductionRatio`` to 0.85: selection then declines such a span
 (``SPAN_TOO_SMALL``, ``minimum_span_tokens``) before any summary is written.
 Paths are dense: "Files Touched" writes one line per directory (``DIR/: a/b.py, c/d.py``, each
-path keeping its last two segments), which a later fold reads back as paths.
+path keeping its last two segments; the directory the paths take the fewest characters under is
+written once), in the section's order (most recent first), which a later fold reads back as
+paths in that order.
 """
 
 from __future__ import annotations
@@ -324,7 +329,7 @@ def _extract(messages: Sequence[Message], found: probes.SpanFacts, limits: _Limi
             if text:
                 facts.updates.append(text)
                 facts.has_new = True
-    facts.next_step = _next_step(messages, limits)
+    facts.next_step = _next_step(messages)
     return facts
 
 
@@ -382,13 +387,14 @@ def states_error(line: str) -> bool:
     return probes.stated_error(line) is not None or _STATES.search(line) is not None
 
 
-def _next_step(messages: Sequence[Message], limits: _Limits) -> str:
-    """What comes next, judged only from how the span ends."""
+def _next_step(messages: Sequence[Message]) -> str:
+    """What comes next, judged only from how the span ends (a request is not quoted again: the
+    Goals section holds the latest one whole)."""
     if not messages:
         return ""
     last = messages[-1]
     if last.role == _ROLE.MESSAGE_ROLE_USER and _checkpoint_summary(_text(last)) is None:
-        return "Answer the latest user request: " + _clip(_text(last).strip(), limits.item_units)
+        return f"Answer the latest user request (the last in {prompts.SUMMARY_SECTIONS[_GOALS]})"
     if last.role == _ROLE.MESSAGE_ROLE_TOOL:
         return f"Continue from the result of {last.name or 'the last tool call'}"
     return ""
