@@ -265,4 +265,4 @@ def _text(message: Message) -> str:
 
 
 def _is_checkpoint(text: str) -> bool:
-    return text.startswith(prompts.CHECKPOINT_PREAMBLE) and prompts.SUMMARY_OPEN_TAG in text
+    return text.startswith(prompts.PREAMBLES) and prompts.SUMMARY_OPEN_TAG in text

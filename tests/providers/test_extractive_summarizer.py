@@ -108,11 +108,15 @@ async def test_the_system_head_stays_out_of_the_summary() -> None:
     assert "SECRET-SYSTEM-HEAD" not in await _summary(SPAN)
 
 
-async def test_empty_sections_say_none() -> None:
-    sections = _sections(await _summary([user("hello")]))
+async def test_an_empty_section_is_its_heading_alone() -> None:
+    # A "(none)" line in each empty section took tokens a carried-forward fact could use.
+    text = await _summary([user("hello")])
+    sections = _sections(text)
 
-    assert sections["Outstanding Work"] == f"- {prompts.EMPTY_SECTION}"
+    assert sections["Outstanding Work"] == ""
+    assert prompts.EMPTY_SECTION not in text
     assert sections["Goals and Requests"] == "- hello"
+    assert list(sections) == list(prompts.SUMMARY_SECTIONS)
 
 
 async def test_the_same_span_gives_the_same_bytes() -> None:
@@ -295,11 +299,12 @@ async def test_paths_of_a_project_share_their_directory_lines() -> None:
     paths = [f"{ROOT}/src/cart/total.py", f"{ROOT}/src/cart/tax.py", f"{ROOT}/tests/test_cart.py"]
     files = _sections(await _summary(_long_span(paths)))["Files Touched"]
 
-    # The deepest directory most paths are under is written once; each path keeps its last two
-    # segments on the line.
+    # The directory the paths take the fewest characters under is written once (here the
+    # project's root: one line beats a line for src/ and another for tests/); each path keeps
+    # at least its last two segments on the line.
+    # (Most recent first, as a later fold reads them back.)
     assert files.splitlines() == [
-        f"- {ROOT}/src/: cart/total.py, cart/tax.py",
-        f"- {ROOT}/: tests/test_cart.py",
+        f"- {ROOT}/: tests/test_cart.py, src/cart/tax.py, src/cart/total.py",
     ]
 
 
@@ -403,8 +408,10 @@ async def test_a_tight_share_keeps_the_gates_probes_before_other_facts() -> None
 def test_a_fold_keeps_the_older_spans_paths_beside_the_new_spans_probes() -> None:
     summarizer = ExtractiveSummarizer()
     first = _work(20, seed=1)
-    paths = [p for p in probes.select_probes(probes.span_facts(first[1:]))
-             if p.kind is probes.ProbeKind.PATH]  # fmt: skip
+    # The older span's newest paths: a fold lists the facts most recent first, the prior's after
+    # the span's own, so a budget drops the older span's oldest paths first.
+    named = list(reversed(probes.span_facts(first[1:]).paths))
+    paths = [probes.Probe(probes.ProbeKind.PATH, path) for path in named[:8]]
     summary = summarizer.summary_text(first, 100_000)
     folded = [first[0], user(prompts.frame_checkpoint(summary)), *_work(20, seed=2)[1:]]
     summary = summarizer.summary_text(folded, 100_000)

@@ -219,3 +219,43 @@ async def test_the_extractive_rung_writes_the_checkpoint_a_failed_model_could_no
     ends = [e.compaction_end for e in events if e.HasField("compaction_end")]
     assert any(end.rung == events_pb2.COMPACTION_RUNG_EXTRACTIVE for end in ends)
     assert all(sent_tokens(r) <= LIMIT for r in results)
+
+
+# ---- one bracket a step -------------------------------------------------------------------------
+
+
+def _large_unit(i: int) -> list[events_pb2.SessionEvent]:
+    """A unit whose tool output alone is about 1,500 tokens: each step's request jumps over the
+    4k window by what one unit adds."""
+    return unit(i, result=f"line {i} of the build output, nothing failed\n" * 150)
+
+
+async def test_a_step_over_the_window_opens_one_bracket_and_leaves_a_request_that_fits(
+    tmp_path: Path,
+) -> None:
+    # A model that always fails and no extractiveFallback: the step's one bracket still writes
+    # the extractive checkpoint of its span itself (no second, overflow bracket), and the
+    # request it leaves fits the window.
+    with model(_failing) as loop:
+        async with started(tmp_path, loop, routes=[small_route(loop)], policy=SMALL_POLICY) as h:
+            await h.create(*small_opening())
+            per_step, results = [], []
+            for i in range(12):
+                await h.append(*_large_unit(i), turn_start(i + 1))
+                before = len(await h.events())
+                results.append((await h.prepare(i + 1)).result)
+                per_step.append(starts((await h.events())[before:]))
+            events = await h.events()
+
+    assert max(per_step) == 1
+    assert any(r.before.measured_tokens > LIMIT for r in results)  # steps did start over W
+    for result in results:
+        assert sent_tokens(result) <= LIMIT, result.outcome_detail
+        assert result.outcome in FITTING
+    summaries = [e.compaction_summary for e in events if e.HasField("compaction_summary")]
+    assert summaries
+    assert {s.rung for s in summaries} == {events_pb2.COMPACTION_RUNG_EXTRACTIVE}
+    rejected = [
+        e for e in events if e.HasField("compaction_end") and e.compaction_end.gate.failures
+    ]
+    assert rejected == []

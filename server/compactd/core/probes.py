@@ -240,7 +240,7 @@ def _may_hold_error(text: str) -> bool:
 
 def is_checkpoint(text: str) -> bool:
     """Whether a user message's text is a checkpoint written by a bracket (``frame_checkpoint``)."""
-    return text.startswith(prompts.CHECKPOINT_PREAMBLE) and prompts.SUMMARY_OPEN_TAG in text
+    return text.startswith(prompts.PREAMBLES) and prompts.SUMMARY_OPEN_TAG in text
 
 
 # ---- the facts of a span ---------------------------------------------------------------------

@@ -33,12 +33,21 @@ SUMMARY_SECTIONS: tuple[str, ...] = (
 #: What an empty section holds, so no section is ever dropped.
 EMPTY_SECTION = "(none)"
 
+#: Short, as it opens every checkpoint: on a small window each token it takes is one a fact
+#: carried forward cannot.
 CHECKPOINT_PREAMBLE = (
+    "Automatic summary of an earlier part of this conversation, condensed to free context space. "
+    "Treat it as settled background, do not comment on it, and continue from the messages after it."
+)
+#: The preambles earlier versions opened checkpoints with: a log holding one still folds it as a
+#: checkpoint.
+EARLIER_PREAMBLES = (
     "The block below was written automatically to stand in for an older part of this "
     "conversation, which was condensed to make room in the context window. Rely on it as settled "
     "background rather than repeating it, do not comment on it, and carry on with the task from "
-    "the messages that come after it."
+    "the messages that come after it.",
 )
+PREAMBLES = (CHECKPOINT_PREAMBLE, *EARLIER_PREAMBLES)
 
 _SECTION_GUIDANCE: tuple[str, ...] = (
     "what the user asked for, first and as it changed; quote their words when the wording matters",

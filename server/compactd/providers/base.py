@@ -37,6 +37,9 @@ class SummaryRequest:
         pins: The pins in force (key -> text; ``core.pins``). The pinned-state message that
             renders them follows the system head in ``messages`` (``Message.pinned_state``);
             they are kept outside every checkpoint, so a summary need not repeat them.
+        span_tokens: The span's route price, what the quality gate measures a checkpoint's
+            reduction against; 0 when unknown (a summarizer that takes a share of the span
+            prices it itself).
     """
 
     messages: Sequence[session_service_pb2.Message]
@@ -45,6 +48,7 @@ class SummaryRequest:
     instruction: str
     max_tokens: int
     pins: Mapping[str, str] = field(default_factory=dict)
+    span_tokens: int = 0
 
 
 @dataclass(frozen=True)

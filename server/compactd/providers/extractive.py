@@ -2,8 +2,10 @@
 
 For air-gapped deployments, as the test default, and as the quality gate's optional fallback. It
 extracts facts instead of writing prose: the user's requests (verbatim, clipped), tools and
-commands used, file paths, error lines, and the last state of the work, laid out in the same eight
-sections the compaction instruction asks a model for (``prompts.SUMMARY_SECTIONS``). Paths,
+commands used, the file paths the span acts on (not those only a tool printed or a written file
+holds: bulk, not facts), error lines, and the last state of the work, laid out in the same eight
+sections the compaction instruction asks a model for (``prompts.SUMMARY_SECTIONS``; an empty one
+is its heading alone). Paths,
 commands and error lines come from ``core.probes``, the extraction the quality gate probes with,
 so a summary this summarizer writes keeps the gate's probes whenever they fit ``max_tokens``.
 
@@ -24,7 +26,8 @@ would keep less than the gate's default share of its probes is refitted with the
 requests quoted by their shortest run of six words (``PROBE_FLOOR``). Same input, same bytes.
 
 A checkpoint costs a small share of what it replaces: the framed checkpoint fits ``SPAN_SHARE``
-of its span, whatever the span's size, the gate's probes included (they rank right after the
+of its span (of the span's route price, ``SummaryRequest.span_tokens``, when the bracket knows it),
+whatever the span's size, the gate's probes included (they rank right after the
 current state, so a tight share keeps the most valuable facts and drops the rest). The share is
 checked with ``estimated_tokens``, which errs high where the heuristic errs low (punctuation-dense
 paths and commands, non-ASCII text), so the route's count stays under 15% too. A span so small
@@ -33,7 +36,9 @@ first probes) gets that many, never more than half the span; a policy that wants
 above 15% sets ``minReductionRatio`` to 0.85: selection then declines such a span
 (``SPAN_TOO_SMALL``, ``minimum_span_tokens``) before any summary is written.
 Paths are dense: "Files Touched" writes one line per directory (``DIR/: a/b.py, c/d.py``, each
-path keeping its last two segments), which a later fold reads back as paths.
+path keeping its last two segments; the directory the paths take the fewest characters under is
+written once), in the section's order (most recent first), which a later fold reads back as
+paths in that order.
 """
 
 from __future__ import annotations
@@ -93,7 +98,7 @@ _REFITS = 4  # fits tried before settling on the smallest (each shrinks the room
 _ELLIPSIS = "…"
 
 # A prior checkpoint is exactly ``prompts.frame_checkpoint(summary)``; see ``_checkpoint_summary``.
-_CHECKPOINT_HEAD = f"{prompts.CHECKPOINT_PREAMBLE}\n\n{prompts.SUMMARY_OPEN_TAG}\n"
+_CHECKPOINT_HEADS = tuple(f"{p}\n\n{prompts.SUMMARY_OPEN_TAG}\n" for p in prompts.PREAMBLES)
 _CHECKPOINT_TAIL = f"\n{prompts.SUMMARY_CLOSE_TAG}"
 
 
@@ -163,7 +168,7 @@ class ExtractiveSummarizer:
         Raises:
             SummaryError: ``max_tokens`` cannot hold even the eight empty sections.
         """
-        text, found = self._summary(request.messages, request.max_tokens)
+        text, found = self._summary(request.messages, request.max_tokens, request.span_tokens)
         text = self._distinct(text, _span(request.messages), _Facts())
         return SummaryResult(
             text=text, usage=None, provider="compactd", model=self.name, finish_reason="stop",
@@ -175,9 +180,10 @@ class ExtractiveSummarizer:
         return self._distinct(self._summary(messages, max_tokens)[0], _span(messages), _Facts())
 
     def _summary(
-        self, messages: Sequence[Message], max_tokens: int
+        self, messages: Sequence[Message], max_tokens: int, span_tokens: int = 0
     ) -> tuple[str, probes.SpanFacts]:
-        """The summary and the span facts it was written from."""
+        """The summary and the span facts it was written from; ``span_tokens``, the span's route
+        price when known (else its heuristic price), is what its share is taken of."""
         budget = max_tokens * _UNITS_PER_TOKEN
         skeleton = _render({})
         if utf16_length(skeleton) > budget:
@@ -193,7 +199,8 @@ class ExtractiveSummarizer:
         # A lone prior checkpoint is written again as it was: only the budget bounds it.
         allowed = None
         if facts.has_new and self._share is not None:
-            allowed = allowed_tokens(sum(map(heuristic_price, span)), self._share)
+            priced = span_tokens or sum(map(heuristic_price, span))
+            allowed = allowed_tokens(priced, self._share)
         share = budget
         if allowed is not None:
             room = int(allowed * _UNITS_PER_TOKEN) - _FRAME_UNITS
@@ -322,7 +329,7 @@ def _extract(messages: Sequence[Message], found: probes.SpanFacts, limits: _Limi
             if text:
                 facts.updates.append(text)
                 facts.has_new = True
-    facts.next_step = _next_step(messages, limits)
+    facts.next_step = _next_step(messages)
     return facts
 
 
@@ -380,13 +387,14 @@ def states_error(line: str) -> bool:
     return probes.stated_error(line) is not None or _STATES.search(line) is not None
 
 
-def _next_step(messages: Sequence[Message], limits: _Limits) -> str:
-    """What comes next, judged only from how the span ends."""
+def _next_step(messages: Sequence[Message]) -> str:
+    """What comes next, judged only from how the span ends (a request is not quoted again: the
+    Goals section holds the latest one whole)."""
     if not messages:
         return ""
     last = messages[-1]
     if last.role == _ROLE.MESSAGE_ROLE_USER and _checkpoint_summary(_text(last)) is None:
-        return "Answer the latest user request: " + _clip(_text(last).strip(), limits.item_units)
+        return f"Answer the latest user request (the last in {prompts.SUMMARY_SECTIONS[_GOALS]})"
     if last.role == _ROLE.MESSAGE_ROLE_TOOL:
         return f"Continue from the result of {last.name or 'the last tool call'}"
     return ""
@@ -399,10 +407,11 @@ def _checkpoint_summary(text: str) -> str | None:
     quotes a closing tag, is never cut at an inner tag (that lost the rest of the summary).
     """
     text = without_recall_handles(text)
-    framed = len(text) >= len(_CHECKPOINT_HEAD) + len(_CHECKPOINT_TAIL)
-    if framed and text.startswith(_CHECKPOINT_HEAD) and text.endswith(_CHECKPOINT_TAIL):
-        inner = text[len(_CHECKPOINT_HEAD) : len(text) - len(_CHECKPOINT_TAIL)]
-        return prompts.without_open_handles(inner)
+    for head in _CHECKPOINT_HEADS:  # today's preamble, or one an earlier version wrote
+        framed = len(text) >= len(head) + len(_CHECKPOINT_TAIL)
+        if framed and text.startswith(head) and text.endswith(_CHECKPOINT_TAIL):
+            inner = text[len(head) : len(text) - len(_CHECKPOINT_TAIL)]
+            return prompts.without_open_handles(inner)
     return None
 
 
@@ -481,6 +490,10 @@ class _Ranking:
     def __init__(self) -> None:
         self.candidates: list[_Candidate] = []
         self._seen: dict[tuple[int, str], int] = {}  # -> index in candidates
+
+    def has(self, section: int, text: str) -> bool:
+        """Whether ``text`` (as clipped) is a candidate of ``section`` already."""
+        return (section, text) in self._seen
 
     def add(
         self,
@@ -632,10 +645,17 @@ def _promote_probes(
         by_kind[probe.kind].append(probe.origin or probe.text)
     item, request = limits.item_units, limits.request_units
     kinds = probes.ProbeKind
-    requests, cap = by_kind[kinds.REQUEST], request
+    requests = by_kind[kinds.REQUEST]
     if tier < 0:  # quoted by their first words only: a run of REQUEST_WORDS of them keeps one
-        requests, cap = [_quote(r) for r in requests], _WHOLE
-    ranking.add(tier, _GOALS, requests, cap, newest_first=False, promote=True)
+        ranking.add(tier, _GOALS, [_quote(r) for r in requests], _WHOLE, newest_first=False,
+                    promote=True)  # fmt: skip
+    else:
+        # The first and the latest request are written whole already (tier 0); the others are
+        # quoted by a run of words, which keeps them for the gate at a fraction of the room a
+        # whole request takes from the facts.
+        whole = [r for r in requests if ranking.has(_GOALS, _clip(r, request))]
+        quoted = [_quote(r) for r in requests if r not in whole]
+        ranking.add(tier, _GOALS, quoted, _WHOLE, newest_first=False, promote=True)
     ranking.add(tier, _FILES, by_kind[kinds.PATH], item, newest_first=False, promote=True)
     commands = [f"$ {command_form(c, limits.command_units)}" for c in by_kind[kinds.COMMAND]]
     ranking.add(tier, _TECH, commands, _WHOLE, newest_first=False, promote=True)
@@ -677,20 +697,20 @@ def _fit(candidates: Sequence[_Candidate], budget: int) -> str:
     """Render the highest-ranked candidates that fit in ``budget`` (code units of estimated
     tokens, ``_units``); one that does not fit is clipped, or skipped for a later, smaller one."""
     chosen: dict[int, list[_Candidate]] = {}
-    files = _FileGroups(
-        [c.text for c in candidates if c.section == _FILES and _FileGroups.is_path(c.text)]
-    )
+    paths = [c.text for c in candidates if c.section == _FILES and _FileGroups.is_path(c.text)]
+    files = _FileGroups(paths)
+    taken: list[_Candidate] = []  # the paths, in the order the budget took them
     used = _units(_render({}))
     for candidate in sorted(candidates, key=lambda c: (c.rank, c.order)):
-        # The first bullet of a section replaces its "(none)" line; later ones add a newline.
-        first = candidate.section not in chosen
-        credit = _units(_bullet(prompts.EMPTY_SECTION)) if first else -1
+        # Each bullet adds its line and a newline (an empty section is its heading alone).
+        credit = -1
         room = budget - used + credit
         if candidate.section == _FILES and _FileGroups.is_path(candidate.text):
             cost = files.cost(candidate.text)
             if cost > room:
                 continue
             files.add(candidate.text)
+            taken.append(candidate)
             chosen.setdefault(_FILES, [])
             used += cost - credit
             continue
@@ -704,7 +724,12 @@ def _fit(candidates: Sequence[_Candidate], budget: int) -> str:
         for index, items in chosen.items()
     }
     if _FILES in by_section:
-        by_section[_FILES] = [*files.lines(), *by_section[_FILES]]
+        # Written in their section's order (most recent first), not in the order the budget
+        # took them: a later fold reads the list back in this order.
+        ordered = _FileGroups(paths)
+        for candidate in sorted(taken, key=lambda c: c.order):
+            ordered.add(candidate.text)
+        by_section[_FILES] = [*ordered.lines(), *by_section[_FILES]]
     return _render(by_section)
 
 
@@ -802,9 +827,10 @@ class _FileGroups:
 
 
 def _common_root(paths: Sequence[str]) -> str:
-    """The deepest directory (``/a/b/``), two levels deep or more, at least half of the absolute
-    ``paths`` are under with two segments to spare; "" when there is none."""
-    absolute = [p for p in paths if p.startswith("/")]
+    """The directory (``/a/b/``), two levels deep or more, that the absolute ``paths`` take the
+    fewest characters under when the ones below it (with two segments to spare) are written
+    after it once and the others one line per directory; "" when none saves any."""
+    absolute = list(dict.fromkeys(p for p in paths if p.startswith("/")))
     if len(absolute) < 2:
         return ""
     counts: dict[str, int] = {}
@@ -813,8 +839,30 @@ def _common_root(paths: Sequence[str]) -> str:
         for depth in range(2, len(parts) + 1):
             root = "/" + "/".join(parts[:depth]) + "/"
             counts[root] = counts.get(root, 0) + 1
-    shared = [root for root, n in counts.items() if 2 * n >= len(absolute) and n >= 2]
-    return max(shared, key=len, default="")
+    shared = sorted((r for r, n in counts.items() if n >= 2), key=lambda r: -counts[r] * len(r))
+    candidates = ["", *shared[:_ROOTS_TRIED]]
+    return min(candidates, key=lambda root: (_grouped_length(absolute, root), -len(root)))
+
+
+_ROOTS_TRIED = 12  # the directories that share the most characters
+
+
+def _grouped_length(paths: Sequence[str], root: str) -> int:
+    """The characters ``paths`` take written under ``root`` (those below it) and one line per
+    directory (the others), as ``_FileGroups`` writes them."""
+    prefixes: set[str] = set()
+    total = len(root) + 4 if root else 0
+    for path in paths:
+        rest = path[len(root) :] if root and path.startswith(root) else ""
+        if rest.rstrip("/").count("/") >= 1:
+            total += len(rest) + 2
+            continue
+        prefix, item = _FileGroups.split(path)
+        total += len(item) + 2
+        if prefix not in prefixes:
+            prefixes.add(prefix)
+            total += len(prefix) + 4
+    return total
 
 
 def _shrunk(candidate: _Candidate, room: int) -> _Candidate | None:
@@ -859,10 +907,11 @@ def _identifies(error: str) -> bool:
 
 
 def _render(sections: dict[int, list[str]]) -> str:
+    """The eight sections in order; an empty one is its heading alone (every token a "(none)"
+    line took is one a fact cannot)."""
     blocks = []
     for index, title in enumerate(prompts.SUMMARY_SECTIONS):
-        items = sections.get(index) or [prompts.EMPTY_SECTION]
-        blocks.append(f"## {title}\n" + "\n".join(_bullet(item) for item in items))
+        blocks.append("\n".join([f"## {title}", *map(_bullet, sections.get(index, []))]))
     return "\n\n".join(blocks)
 
 

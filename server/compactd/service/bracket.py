@@ -80,6 +80,11 @@ class BracketFailed(CompactdError):
     reason = Reason.SUMMARY_FAILED
 
 
+#: The share of a span's price an extractive checkpoint the route counted above its share is
+#: written again for (``Brackets._screened``).
+_REFIT_SHARE = 0.85
+
+
 @dataclass(frozen=True)
 class Bracket:
     """The inputs of one bracket run."""
@@ -317,7 +322,7 @@ class Brackets:
         try:
             written = await self._write(job, writer, opened, progress)
             try:
-                screened = await self._screen(job, written.writer, opened, written, progress)
+                written, screened = await self._screened(job, opened, written, progress)
             finally:
                 drop_facts(written.facts)
             rung = _rung_of(written.writer, screened)
@@ -547,6 +552,28 @@ class Brackets:
             span_tokens=span_tokens(job.handle, written.selection, job.shrink_route),
             shrink_route=job.shrink_route, progress=progress, facts=written.facts,
         )  # fmt: skip
+
+    async def _screened(
+        self, job: Bracket, opened: _Opened, written: _Written, progress: Progress
+    ) -> tuple[_Written, Screened]:
+        """``_screen``, with one refit of an extractive checkpoint the route counted above its
+        share of the span (the only failed check ``REDUCTION``): its estimate of its own tokens
+        ran low, so it is written again for a span priced ``_REFIT_SHARE`` as high, without a
+        model call."""
+        try:
+            return written, await self._screen(job, written.writer, opened, written, progress)
+        except SummaryRejected as error:
+            checks = {failure.check for failure in error.gate.failures}
+            summarizer = written.writer.summarizer
+            extractive = isinstance(summarizer, ExtractiveSummarizer)
+            if not extractive or checks != {events_pb2.SUMMARY_CHECK_REDUCTION}:
+                raise
+        request = replace(
+            written.request, span_tokens=int(written.request.span_tokens * _REFIT_SHARE)
+        )
+        summary = await summarizer.summarize(request)
+        written = replace(written, request=request, summary=summary)
+        return written, await self._screen(job, written.writer, opened, written, progress)
 
     # ---- 4. commit -------------------------------------------------------------------------
 
@@ -834,6 +861,7 @@ def summary_request(
         instruction=prompts.compaction_instruction(focus),
         max_tokens=policy.max_tokens,
         pins=fold.pin_texts(),
+        span_tokens=selection.shadowed_price,
     )
     return request, serialized
 
