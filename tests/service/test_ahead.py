@@ -547,3 +547,25 @@ async def test_candidates_are_counted_by_outcome(
         await step_at_trigger(h)
 
         assert outcomes(reader) == {"started": 1, "ready": 1, "applied": 1}
+
+
+async def test_a_prepared_summary_the_gate_rejects_is_the_steps_one_bracket(
+    tmp_path: Path, loop: OpenAICompatServer, held: Held
+) -> None:
+    held.release.set()
+    loop.enqueue(Reply(text="Nothing worth keeping happened."))  # no section, no fact: rejected
+    async with started(tmp_path, loop, policy=AHEAD) as h:
+        await h.create(*opening(), *units(BEFORE_TRIGGER))
+        await until_candidate(h, ready=True)
+
+        run = await step_at_trigger(h)
+
+        assert len(summary_requests(loop)) == 1  # the step sent nothing: no second bracket
+        (record,) = await brackets(h)
+        assert record.outcome != cpb.BRACKET_OUTCOME_COMMITTED
+        assert record.HasField("prepared_ahead")
+        assert run.result.compactions == []
+        assert any("SUMMARY_REJECTED" in warning for warning in run.result.warnings)
+        assert run.result.after.state == ABOVE
+        assert run.result.outcome == cpb.PRESSURE_OUTCOME_ABOVE_TRIGGER
+        assert await candidate(h) is None

@@ -55,6 +55,7 @@ from compactd.providers.base import SummaryError, SummaryResult
 from compactd.routes import Route
 from compactd.service.bracket import (
     Bracket,
+    BracketFailed,
     Brackets,
     PreparedSummary,
     Progress,
@@ -63,6 +64,7 @@ from compactd.service.bracket import (
     summary_request,
 )
 from compactd.service.pressure import PressureService
+from compactd.service.screening import SummaryRejected
 from compactd.service.sessions import SessionHandle, SessionManager
 from compactd.store.base import EventStore
 from compactd.store.candidates import Candidate, CandidateClaim
@@ -311,6 +313,9 @@ class AheadService:
 
         Raises:
             CompactionBusy: Another bracket is live (as any bracket raises it).
+            BracketFailed, SummaryRejected: The candidate's bracket opened and closed without
+                committing (its span drifted, the quality gate rejected the prepared summary):
+                it was the step's one bracket.
         """
         if not job.policy.prepares_ahead:
             return None
@@ -321,10 +326,13 @@ class AheadService:
         waited = time.monotonic() - began
         try:
             committed = await self._brackets.run(self._applying(job, stored, waited), progress)
+        except (BracketFailed, SummaryRejected):  # it opened and closed without committing
+            self._metrics.ahead("discarded")
+            raise
         except CompactionBusy:
             raise
         except CompactdError:
-            committed = None  # the step's own ladder goes on (and reports its failure)
+            committed = None  # nothing opened: the step's own ladder goes on
         finally:
             await self._drop(handle, stored.candidate_id)
         if isinstance(committed, cpb.CompactionOutcome):

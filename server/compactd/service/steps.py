@@ -36,7 +36,7 @@ from compactd.providers.extractive import CHECKPOINT_FRAME_TOKENS, SKELETON_TOKE
 from compactd.reasons import Reason
 from compactd.routes import Route
 from compactd.service.ahead import AheadService
-from compactd.service.bracket import Bracket, Brackets, Progress
+from compactd.service.bracket import Bracket, BracketFailed, Brackets, Progress
 from compactd.service.guard import CompactionGuard
 from compactd.service.preconditions import (
     check_held_revision,
@@ -46,6 +46,7 @@ from compactd.service.preconditions import (
 from compactd.service.pressure import PressureService
 from compactd.service.pruning import Pruning
 from compactd.service.requests import appended_messages, request_in_steps
+from compactd.service.screening import SummaryRejected
 from compactd.service.sessions import SessionHandle, SessionManager
 from compactd.service.switch import SwitchService
 from compactd.v1 import compaction_service_pb2 as cpb
@@ -212,11 +213,18 @@ class StepService:
 
     async def _applied_ahead(self, relief: _Relief) -> bool:
         """The candidate prepared ahead, applied if there is one (``AheadService.apply``);
-        whether that brought pressure below the trigger."""
+        whether that brought pressure below the trigger. A candidate whose bracket opened and
+        failed (the gate rejected it) was the step's one bracket: no second one follows."""
         if self._ahead is None or not relief.policy.prepares_ahead:
             return False  # off: not even the job is built
         job = self._job(relief, first=True)
-        committed = await self._ahead.apply(relief.handle, job, relief.progress)
+        try:
+            committed = await self._ahead.apply(relief.handle, job, relief.progress)
+        except (BracketFailed, SummaryRejected) as error:  # the step's one bracket ran, failed
+            relief.brackets += 1
+            relief.outcome.warnings.append(f"compaction failed ({error.reason}): {error.message}")
+            relief.why = f"the bracket prepared ahead failed with {error.reason}"
+            return False
         if committed is None:
             return False
         relief.brackets += 1
