@@ -27,8 +27,8 @@ limits admit):
    log's bytes). Goal: ≤ 2x the surface. Their surface is their log; so the same for
    ``--compacting`` sessions of ``--compacting-events`` events compacted as ``big`` is, whose
    log is several times their surface: what grows with the log must not stay resident. Beside
-   it, for information: the objects the cyclic collector tracks per resident surface node, and how long
-   a full collection takes with those sessions resident (a pause of the event loop).
+   it, for information: the objects the cyclic collector tracks per resident surface node, and
+   how long a full collection takes with those sessions resident (a pause of the event loop).
 
     python -m bench.bench_restore [--events 100000] [--rounds 3] [--sessions 100]
                                      [--compacting 4] [--compacting-events 32000]
