@@ -155,8 +155,8 @@ def raw_counts(tokenizer: str) -> dict[str, Callable[[list[str]], object]]:
         ways["joined halves, encode_ordinary on 2 threads"] = lambda texts: _on_two_threads(
             lambda half: len(encoding.encode_ordinary("".join(half))), _halves(texts)
         )
-        ways["halves joined by <|endoftext|>, encode_to_numpy on 2 threads"] = lambda texts: (
-            _on_two_threads(separated, _halves(texts))
+        ways["halves joined by the end-of-text token, encode_to_numpy on 2 threads"] = (
+            lambda texts: _on_two_threads(separated, _halves(texts))
         )
         return ways
     raw = counter._tokenizer
