@@ -17,7 +17,10 @@ clients and the references run in this process. Events are the repository's tran
    first is sent) appends 1,000-event batches, in three phases per round, in rotating order:
    A idle; A's batches to B's server; A's batches to *another* compactd process on the same
    machine (the isolation floor: what B's calls meet when A's work only takes the cores, not
-   B's server). Goal: B's p99 beside A ≤ 1.3x the floor. The idle p99 is printed beside.
+   B's server). Goal: B's p99 beside A ≤ 1.3x the floor. The idle p99 is printed beside, and
+   B's server's own view of each phase (``bench_neighbours.LoopPauses``): the longest its event
+   loop paused, and its longest slice of CPU on the loop, which the machine's load does not
+   lengthen.
 
     python -m bench.bench_batches [--rounds 5] [--checks 300]
 
@@ -45,7 +48,8 @@ from typing import Any
 import grpc
 import numpy
 
-from bench.children import ROOT, served, until_stdin_closes
+from bench.bench_neighbours import LoopPauses
+from bench.children import ROOT, identity, served, until_stdin_closes
 from bench.corpus import SessionEvent, header, in_steps, surface_events, texts_of, turn_start
 from compactd import config
 from compactd.api.server import create_server, settle_interpreter
@@ -67,6 +71,7 @@ class Client:
     """One server's stubs and a source of transcript events, per session."""
 
     def __init__(self, channel: grpc.aio.Channel, prefix: str = "s") -> None:
+        self.channel = channel
         self.prefix = prefix
         self.sessions = session_service_pb2_grpc.SessionServiceStub(channel)
         self.compaction = compaction_service_pb2_grpc.CompactionServiceStub(channel)
@@ -150,8 +155,8 @@ def raw_counts(tokenizer: str) -> dict[str, Callable[[list[str]], object]]:
         ways["joined halves, encode_ordinary on 2 threads"] = lambda texts: _on_two_threads(
             lambda half: len(encoding.encode_ordinary("".join(half))), _halves(texts)
         )
-        ways["halves joined by <|endoftext|>, encode_to_numpy on 2 threads"] = lambda texts: (
-            _on_two_threads(separated, _halves(texts))
+        ways["halves joined by the end-of-text token, encode_to_numpy on 2 threads"] = (
+            lambda texts: _on_two_threads(separated, _halves(texts))
         )
         return ways
     raw = counter._tokenizer
@@ -243,32 +248,52 @@ async def checks_beside_batches(
     """B's checks on ``addresses[0]``, A idle, A appending there, A appending to the other."""
     b = await near.session(ROUTES["cl100k_base"])
     await near.append(b, near.batch(b, 200))
+    take = near.channel.unary_unary(
+        "/bench.Lag/Take", request_serializer=identity, response_deserializer=identity
+    )
     phases: dict[str, list[float]] = {"idle": [], "same": [], "other": []}
+    loop: dict[str, tuple[float, float]] = dict.fromkeys(phases, (0.0, 0.0))  # pause, slice
     for round_ in range(rounds):
         names = list(phases)
         for phase in names[round_ % 3 :] + names[: round_ % 3]:
+            await take(b"")
             if phase == "idle":
                 phases[phase] += await _checks(near, b, checks)
-                continue
-            target = addresses[0] if phase == "same" else addresses[1]
-            appender = await _appender(target, f"a{round_}{phase}-")
-            assert appender.stdout is not None
-            assert appender.stdin is not None
-            if await appender.stdout.readline() != b"appending\n":  # its first batch is sent
-                raise RuntimeError(f"session A's appender stopped: exit {await appender.wait()}")
-            phases[phase] += await _checks(near, b, checks)
-            appender.stdin.close()
-            await appender.wait()
-            await asyncio.sleep(SETTLE_S)  # A's last batch's background work, done
+            else:
+                phases[phase] += await _beside_appender(near, b, addresses, phase, round_, checks)
+            pause, cpu = (float(x) for x in (await take(b"")).split())
+            loop[phase] = (max(loop[phase][0], pause), max(loop[phase][1], cpu))
+            if phase != "idle":
+                await asyncio.sleep(SETTLE_S)  # A's last batch's background work, done
     idle, same, other = (_pct(phases[p], 0.99) for p in ("idle", "same", "other"))
     return (
         "CheckPressure p99 on B while A appends 1,000-event batches to B's server ≤ 1.3x the "
         "isolation floor",
-        f"{fmt(same)} = {same / other:.2f}x the floor ({same / idle:.2f}x idle)",
+        f"{fmt(same)} = {same / other:.2f}x the floor ({same / idle:.2f}x idle); B's server's "
+        f"event loop paused at most {fmt(loop['same'][0])}, its longest slice of CPU "
+        f"{fmt(loop['same'][1])}",
         f"the floor, B's p99 while A's batches go to another compactd process on the same "
-        f"machine: {fmt(other)} ({other / idle:.2f}x idle); B's p99 while A is idle "
-        f"{fmt(idle)}; {rounds} rounds of {checks} checks a phase, phases in rotating order",
+        f"machine: {fmt(other)} ({other / idle:.2f}x idle; B's server's loop paused at most "
+        f"{fmt(loop['other'][0])}, slice {fmt(loop['other'][1])}); B's p99 while A is idle "
+        f"{fmt(idle)} (pause {fmt(loop['idle'][0])}, slice {fmt(loop['idle'][1])}); {rounds} "
+        f"rounds of {checks} checks a phase, phases in rotating order",
     )
+
+
+async def _beside_appender(
+    near: Client, b: str, addresses: tuple[str, str], phase: str, round_: int, checks: int
+) -> list[float]:
+    """B's checks while A appends to B's server (``same``) or to the other one."""
+    target = addresses[0] if phase == "same" else addresses[1]
+    appender = await _appender(target, f"a{round_}{phase}-")
+    assert appender.stdout is not None
+    assert appender.stdin is not None
+    if await appender.stdout.readline() != b"appending\n":  # its first batch is sent
+        raise RuntimeError(f"session A's appender stopped: exit {await appender.wait()}")
+    samples = await _checks(near, b, checks)
+    appender.stdin.close()
+    await appender.wait()
+    return samples
 
 
 async def _checks(client: Client, name: str, times: int) -> list[float]:
@@ -346,7 +371,9 @@ async def run(args: argparse.Namespace) -> list[Row]:
 
 
 async def serve(path: str) -> None:
-    """A benchmarked server (a child process): prints its address, serves until stdin closes."""
+    """A benchmarked server (a child process): prints its address, serves until stdin closes;
+    ``bench.Lag/Take`` answers its event loop's longest pause and slice of CPU since asked
+    (``bench_neighbours.LoopPauses``)."""
     overrides = {
         "listen": "127.0.0.1:0",
         "store": f"sqlite:///{path}",
@@ -354,11 +381,18 @@ async def serve(path: str) -> None:
         "max_batch_events": 4 * BATCH,  # a batch of BATCH events with its step brackets
         "max_resident_sessions": 0,
     }
-    running = await create_server(config.load(None, environ={}, overrides=overrides))
+    pauses = LoopPauses()
+    running = await create_server(
+        config.load(None, environ={}, overrides=overrides), extra_handlers=[pauses.handlers()]
+    )
     settle_interpreter()  # as ``compactd serve`` does
-    print(running.address, flush=True)
-    await until_stdin_closes()
-    await running.stop(0)
+    watching = asyncio.ensure_future(pauses.watch())
+    try:
+        print(running.address, flush=True)
+        await until_stdin_closes()
+    finally:
+        watching.cancel()
+        await running.stop(0)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

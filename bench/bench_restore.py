@@ -23,12 +23,12 @@ limits admit):
 3. RSS per resident session against its surface's bytes: a fresh interpreter restores
    ``--sessions`` sessions of ~300 transcript events each and reports its ``VmRSS`` growth per
    session after a collection, as ``/proc`` shows it (no heap trimmed first), and the process's
-   ``VmRSS`` and ``VmHWM`` (its peak) at the end, next to the mean ``surface_bytes`` (and the log's bytes). Goal: ≤ 2x the surface. Their
-   surface is their log; so the same for ``--compacting`` sessions of ``--compacting-events``
-   events compacted as ``big`` is, whose log is several times their surface: what grows with
-   the log must not stay resident. Beside it, for
-   information: the objects the cyclic collector tracks per resident surface node, and how long
-   a full collection takes with those sessions resident (a pause of the event loop).
+   ``VmRSS`` and ``VmHWM`` (its peak) at the end, next to the mean ``surface_bytes`` (and the
+   log's bytes). Goal: ≤ 2x the surface. Their surface is their log; so the same for
+   ``--compacting`` sessions of ``--compacting-events`` events compacted as ``big`` is, whose
+   log is several times their surface: what grows with the log must not stay resident. Beside
+   it, for information: the objects the cyclic collector tracks per resident surface node, and
+   how long a full collection takes with those sessions resident (a pause of the event loop).
 
     python -m bench.bench_restore [--events 100000] [--rounds 3] [--sessions 100]
                                      [--compacting 4] [--compacting-events 32000]

@@ -60,9 +60,11 @@ def run(name: str) -> list[Row]:
 
 
 def table(rows: Sequence[tuple[str, Row]], note: str) -> str:
-    """The markdown between the markers."""
+    """The markdown between the markers. A ``|`` in a cell would split it (and ``kept_rows``
+    would drop the row on the next run): it is written as ``/``."""
     lines = [note, "", HEADER]
-    for name, (goal, measured, reference) in rows:
+    for name, row in rows:
+        goal, measured, reference = (cell.replace("|", "/") for cell in row)
         lines.append(f"| `{name}` | {goal} | {measured} | {reference} |")
     return "\n".join(lines)
 

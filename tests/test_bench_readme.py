@@ -22,6 +22,14 @@ def test_the_table_between_the_markers_is_replaced_and_its_rows_read_back() -> N
     assert readme.kept_rows(rewritten) == rows
 
 
+def test_a_row_whose_text_holds_a_bar_is_read_back_whole() -> None:
+    rows = [("bench_x", ("goal ≤ 2x", "joined by <|endoftext|>", "raw 1.6 s"))]
+    text = readme.rewrite(f"{readme.START}\n{readme.END}\n", readme.table(rows, "note"))
+    assert readme.kept_rows(text) == [
+        ("bench_x", ("goal ≤ 2x", "joined by </endoftext/>", "raw 1.6 s"))
+    ]
+
+
 def test_the_benchmarks_page_has_the_markers_and_names_the_command() -> None:
     text = readme.PAGE.read_text(encoding="utf-8")
     assert "`python -m bench.readme`" in text[: text.index(readme.START)]

@@ -9,7 +9,7 @@ Each keeps a figure of ``bench/`` within its goal; remove one only with that ben
 - ``in_steps``: runs work written as steps (``core.steps``: a generator that yields where the
   loop may run other calls) on the event loop, letting other calls run every ``STEP_S`` and
   waiting while they are ready (``let_others_run``), so a large batch's checks, admission,
-  pricing and snapshot never hold the loop for long (``bench/bench_appends.py``: a pressure
+  pricing and snapshot never hold the loop for long (``bench/bench_batches.py``: a pressure
   check's p99 beside 1,000-event appends), nor do the replies of ``GetSurface`` and
   ``BuildRequest`` (``service.requests``, sent as made: ``api.replies``;
   ``bench/bench_neighbours.py``: another session's calls beside large reads).

@@ -262,8 +262,11 @@ def _facts_in_steps(facts: NodeFacts) -> Generator[None, None, dict[str, Any]]:
     for start in range(0, len(items), CHUNK):
         calls += [[seq, list(c)] for seq, c in items[start : start + CHUNK]]
         yield
-    answers = [[seq, call] for seq, call in facts.answers.items()]
-    yield
+    pairs = list(facts.answers.items())
+    answers: list[list[Any]] = []
+    for start in range(0, len(pairs), CHUNK):
+        answers += [[seq, call] for seq, call in pairs[start : start + CHUNK]]
+        yield
     return {"types": list(names), "type_of": type_of, "calls": calls, "answers": answers}
 
 

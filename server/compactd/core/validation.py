@@ -175,12 +175,15 @@ def check_batch_in_steps(
         if client:
             _origin_violation(event, kind, index, server_only)
             _size_violations(event, kind, index, limits, too_large)
-        prefix = f"events[{index}]"
-        violations.extend(_event_violations(event, kind, prefix, limits))
+        found = _event_violations(event, kind, index, limits)
+        if found:
+            violations += found
         if event.event_id:
             if event.event_id in ids:
                 violations.append(
-                    FieldViolation(f"{prefix}.event_id", f"repeats events[{ids[event.event_id]}]")
+                    FieldViolation(
+                        f"events[{index}].event_id", f"repeats events[{ids[event.event_id]}]"
+                    )
                 )
             ids[event.event_id] = index
         yield
@@ -217,11 +220,12 @@ def _size_violations(
 
 
 def _event_violations(
-    event: SessionEvent, kind: str, prefix: str, limits: AppendLimits
+    event: SessionEvent, kind: str, index: int, limits: AppendLimits
 ) -> list[FieldViolation]:
     out: list[FieldViolation] = []
 
     def bad(field: str, description: str) -> None:
+        prefix = f"events[{index}]"  # made only for a violation: most events have none
         out.append(FieldViolation(f"{prefix}.{field}" if field else prefix, description))
 
     if event.seq:

@@ -141,9 +141,10 @@ class StoreUsage:
     bytes: int = 0
 
 
-@dataclass(frozen=True)
-class EventRow:
-    """One event ready to store: its indexed columns and its serialized bytes."""
+class EventRow(NamedTuple):
+    """One event ready to store: its indexed columns and its serialized bytes (a tuple: a large
+    batch makes one per event on the event loop, and a frozen dataclass costs several times as
+    much to make)."""
 
     seq: int
     event_id: str | None
@@ -163,8 +164,15 @@ def event_type(event: events_pb2.SessionEvent) -> str:
     field = event.WhichOneof("body")
     if field is None:
         raise errors.InvalidArgument("event has no body")
-    family, _, rest = field.partition("_")
-    return f"{family}/{rest.replace('_', '-')}"
+    known = _TYPES.get(field)
+    if known is None:
+        family, _, rest = field.partition("_")
+        known = _TYPES[field] = f"{family}/{rest.replace('_', '-')}"
+    return known
+
+
+#: ``event_type`` by body field, as it makes them (a large batch asks once per event).
+_TYPES: dict[str, str] = {}
 
 
 def encode_batch(events: Sequence[events_pb2.SessionEvent]) -> list[EventRow]:
