@@ -1,7 +1,7 @@
 """Appends over gRPC against their physical references, each measured in the same run.
 
 One server (SQLite store, ``synchronous=FULL``, in a temporary folder) on loopback, in a child
-process as in production; the clients and the references run in this process. Four comparisons,
+process as in production; the clients and the references run in this process. Two comparisons,
 each interleaved round by round with its reference:
 
 1. Single-event ``AppendEvents``, one client, back to back, against an empty unary RPC (health
@@ -18,18 +18,7 @@ each interleaved round by round with its reference:
    service, no gRPC). Goal: ≥ 0.5x the store's rate. Beside it, the ceiling any RPC meets: 64
    concurrent clients calling the empty unary RPC through the same server and interceptors;
    when half the store's rate is above that ceiling, the row says so.
-3. Batched priced appends: ``AppendEvents`` of 1,000 transcript events (with their step
-   brackets) on a session routed to a tokenizer route, against raw tokenizer time (the batch API
-   counting the same texts on both cores: tiktoken ``encode_ordinary_batch(num_threads=2)``, HF
-   ``encode_batch_fast``, its batch call without offsets) plus a raw SQLite insert of the same
-   serialized rows in one transaction.
-   Goal: ≥ 0.8x (reference time / append time).
-4. CheckPressure p99 on session B while session A appends 1,000-event batches, against B's p99
-   while A is idle. Goal: ≤ 2x. A is another runtime: a child process of its own, which builds
-   and serializes its batches before it sends the first, so that neither its event loop nor its
-   making of events is timed in B's calls; what B meets is the service handling A's batches.
-   Each idle phase starts ``SETTLE_S`` after A stopped, once its last batch's background work
-   is done.
+The priced 1,000-event batch and CheckPressure beside batches are ``bench_batches``' rows.
 
 Events are the repository's transcripts (``testdata/transcripts``), cycled. The machine is
 shared: figures move from run to run; the ratios are the point.
@@ -46,7 +35,6 @@ import itertools
 import os
 import sqlite3
 import statistics
-import sys
 import tempfile
 import time
 import urllib.request
@@ -59,22 +47,17 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.children import ROOT, served, until_stdin_closes
-from bench.corpus import SessionEvent, header, in_steps, surface_events, texts_of, turn_start
+from bench.children import served, until_stdin_closes
+from bench.corpus import SessionEvent, header, in_steps, surface_events, turn_start
 from compactd import config
 from compactd.api.server import create_server, settle_interpreter
 from compactd.store.sqlite import SqliteEventStore
-from compactd.tokenizers import load_tokenizer
 from compactd.v1 import (
     compaction_service_pb2,
     compaction_service_pb2_grpc,
     session_service_pb2,
     session_service_pb2_grpc,
 )
-
-ROUTES = {"cl100k_base": ("openai", "gpt-4-turbo"), "deepseek-v4": ("deepseek", "deepseek-chat")}
-BATCH = 1000
-SETTLE_S = 0.5  # after A stops: longer than its last batch's background work takes
 
 
 class Bench:
@@ -145,6 +128,28 @@ def fmt(seconds: float) -> str:
 
 
 # ---- 1. one client ----------------------------------------------------------------------------
+
+
+def raw_insert(path: Path) -> Callable[[list[SessionEvent]], None]:
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA synchronous = FULL")
+    conn.execute(
+        "CREATE TABLE IF NOT EXISTS events (session_id TEXT, seq INTEGER, event_id TEXT,"
+        " type TEXT, data BLOB, PRIMARY KEY (session_id, seq))"
+    )
+    seqs = itertools.count()
+
+    def insert(events: list[SessionEvent]) -> None:
+        rows = [
+            ("raw", next(seqs), None, e.WhichOneof("body"), e.SerializeToString(deterministic=True))
+            for e in events
+        ]
+        conn.execute("BEGIN")
+        conn.executemany("INSERT INTO events VALUES (?, ?, ?, ?, ?)", rows)
+        conn.execute("COMMIT")
+
+    return insert
 
 
 async def single_client(bench: Bench, rounds: int, singles: int) -> tuple[str, str, str]:
@@ -286,167 +291,7 @@ async def _service(bench: Bench, names: list[str], events: list[SessionEvent], e
 # ---- 3. batched priced appends ----------------------------------------------------------------
 
 
-def raw_batch_count(tokenizer: str) -> Callable[[list[str]], object]:
-    counter = load_tokenizer(tokenizer)
-    encoding = getattr(counter, "_encoding", None)
-    if encoding is not None:
-        return lambda texts: encoding.encode_ordinary_batch(texts, num_threads=2)
-    raw = counter._tokenizer  # type: ignore[attr-defined]
-    return lambda texts: raw.encode_batch_fast(texts, add_special_tokens=False)
-
-
-def raw_insert(path: Path) -> Callable[[list[SessionEvent]], None]:
-    conn = sqlite3.connect(path, isolation_level=None)
-    conn.execute("PRAGMA journal_mode = WAL")
-    conn.execute("PRAGMA synchronous = FULL")
-    conn.execute(
-        "CREATE TABLE IF NOT EXISTS events (session_id TEXT, seq INTEGER, event_id TEXT,"
-        " type TEXT, data BLOB, PRIMARY KEY (session_id, seq))"
-    )
-    seqs = itertools.count()
-
-    def insert(events: list[SessionEvent]) -> None:
-        rows = [
-            ("raw", next(seqs), None, e.WhichOneof("body"), e.SerializeToString(deterministic=True))
-            for e in events
-        ]
-        conn.execute("BEGIN")
-        conn.executemany("INSERT INTO events VALUES (?, ?, ?, ?, ?)", rows)
-        conn.execute("COMMIT")
-
-    return insert
-
-
-async def priced_batches(bench: Bench, rounds: int, tokenizer: str) -> tuple[str, str, str]:
-    name = await bench.session(ROUTES[tokenizer])
-    await bench.check(name)  # the route's prices are kept from here on
-    count = raw_batch_count(tokenizer)
-    own = load_tokenizer(tokenizer).count_batch  # type: ignore[attr-defined]
-    insert = raw_insert(bench.folder / f"raw-{tokenizer}.db")
-    appends: list[float] = []
-    counts: list[float] = []
-    owns: list[float] = []
-    inserts: list[float] = []
-    for round_ in range(rounds):
-        events = bench.batch(name, BATCH)
-        texts = [t for e in events for t in texts_of(e)]
-        steps: list[tuple[list[float], Callable[[], Any]]] = [
-            (counts, functools.partial(count, texts)),
-            (inserts, functools.partial(insert, events)),
-        ]
-        order = round_ % 3
-        for index in range(3):
-            if index == order:
-                start = time.perf_counter()
-                await bench.append(name, events)
-                appends.append(time.perf_counter() - start)
-            else:
-                target, step = steps[(index - (index > order))]
-                start = time.perf_counter()
-                step()
-                target.append(time.perf_counter() - start)
-                if target is counts:  # shown beside the reference, never part of it
-                    start = time.perf_counter()
-                    own(texts)
-                    owns.append(time.perf_counter() - start)
-    a = statistics.median(appends)
-    reference = statistics.median(counts) + statistics.median(inserts)
-    return (
-        f"priced append of {BATCH:,}-event batches ({tokenizer}) ≥ 0.8x reference",
-        f"{fmt(a)} per batch = {reference / a:.2f}x",
-        f"raw batch count on 2 cores {fmt(statistics.median(counts))} + raw SQLite insert "
-        f"{fmt(statistics.median(inserts))} (compactd's own count of the texts: "
-        f"{fmt(statistics.median(owns))})",
-    )
-
-
 # ---- 4. pressure checks beside a large append -----------------------------------------------
-
-
-async def checks_beside_appends(bench: Bench, rounds: int, checks: int) -> tuple[str, str, str]:
-    idle = await bench.session(ROUTES["cl100k_base"])
-    await bench.append(idle, bench.batch(idle, 200))
-    await bench.check(idle)
-    idle_samples: list[float] = []
-    busy_samples: list[float] = []
-    for turn in range(rounds):
-        idle_samples += await _checks(bench, idle, checks)
-        # A is another runtime: its own process, so building and sending its batches does not
-        # hold this process's event loop, which times B's calls.
-        appender = await _appender(bench.address, f"a{turn}-")
-        assert appender.stdout is not None
-        assert appender.stdin is not None
-        if await appender.stdout.readline() != b"appending\n":  # its first batch is under way
-            raise RuntimeError(f"session A's appender stopped: exit {await appender.wait()}")
-        busy_samples += await _checks(bench, idle, checks)
-        appender.stdin.close()
-        await appender.wait()
-        # A's last batch leaves background work (its snapshot, its freeing, in steps): done
-        # before B's next idle phase, which must not time B beside it.
-        await asyncio.sleep(SETTLE_S)
-    i, b = _pct(idle_samples, 0.99), _pct(busy_samples, 0.99)
-    return (
-        "CheckPressure p99 on B while A appends 1,000-event batches ≤ 2x idle",
-        f"{fmt(b)} = {b / i:.2f}x",
-        f"B's p99 while A is idle {fmt(i)} (A: another process)",
-    )
-
-
-async def _checks(bench: Bench, name: str, times: int) -> list[float]:
-    samples = []
-    for _ in range(times):
-        start = time.perf_counter()
-        await bench.check(name)
-        samples.append(time.perf_counter() - start)
-    return samples
-
-
-async def _appender(address: str, prefix: str) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "bench.bench_appends", "--append-to", address, "--prefix", prefix,
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        cwd=ROOT,
-    )  # fmt: skip
-
-
-async def append_until_stdin_closes(address: str, prefix: str) -> None:
-    """Session A (a child process): appends 1,000-event batches until stdin closes; prints a
-    line once its first batch is on its way.
-
-    A runtime holds the events it appends: the batches (a fresh session every three, before the
-    surface reaches its byte limit) are built and serialized before the first is sent, so what
-    A costs beside B is the service's handling of them, not this bench making them."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        bench = Bench(channel, Path(tempfile.gettempdir()), prefix)
-        send = channel.unary_unary(
-            "/compactd.v1.SessionService/AppendEvents",
-            request_serializer=None,  # already serialized
-            response_deserializer=session_service_pb2.AppendEventsResponse.FromString,
-        )
-        batches = await _built_batches(bench, sessions=4)
-        closed = asyncio.ensure_future(asyncio.to_thread(sys.stdin.read))
-        for index, data in enumerate(itertools.cycle(batches)):
-            if closed.done():
-                break
-            if index == len(batches):  # a long phase: more sessions, built while B waits
-                batches += await _built_batches(bench, sessions=4)
-            sent = asyncio.ensure_future(send(data))
-            if index == 0:
-                await asyncio.sleep(0.05)
-                print("appending", flush=True)
-            await sent
-
-
-async def _built_batches(bench: Bench, sessions: int) -> list[bytes]:
-    batches = []
-    for _ in range(sessions):
-        name = await bench.session(ROUTES["cl100k_base"])
-        await bench.check(name)
-        for _ in range(3):
-            events = bench.batch(name, BATCH)
-            request = session_service_pb2.AppendEventsRequest(session_id=name, events=events)
-            batches.append(request.SerializeToString())
-    return batches
 
 
 # ---- running ----------------------------------------------------------------------------------
@@ -465,9 +310,6 @@ async def run(args: argparse.Namespace) -> list[tuple[str, str, str]]:
             bench.metrics_url = metrics_url
             rows = [await single_client(bench, args.rounds, args.singles)]
             rows.append(await many_clients(bench, args.rounds, args.clients, args.each))
-            for tokenizer in ROUTES:
-                rows.append(await priced_batches(bench, args.rounds, tokenizer))
-            rows.append(await checks_beside_appends(bench, args.rounds, args.checks))
             return rows
 
 
@@ -478,7 +320,6 @@ async def serve(folder: str) -> None:
         "listen": "127.0.0.1:0",
         "store": f"sqlite:///{folder}/service.db",
         "log_level": "WARNING",
-        "max_batch_events": 4 * BATCH,  # a batch of BATCH events with its step brackets
         "max_resident_sessions": 0,
         "metrics_listen": "127.0.0.1:0",  # its store's own figures, scraped between phases
     }
@@ -496,10 +337,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--singles", type=int, default=300, help="calls per round, 1 client")
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--each", type=int, default=20, help="appends per client per round")
-    parser.add_argument("--checks", type=int, default=300, help="checks per phase")
     parser.add_argument("--serve", help=argparse.SUPPRESS)  # the server child: its folder
-    parser.add_argument("--append-to", help=argparse.SUPPRESS)  # session A's child: the address
-    parser.add_argument("--prefix", default="a", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -518,7 +356,5 @@ if __name__ == "__main__":
     arguments = parse_args()
     if arguments.serve:
         asyncio.run(serve(arguments.serve))
-    elif arguments.append_to:
-        asyncio.run(append_until_stdin_closes(arguments.append_to, arguments.prefix))
     else:
         _show(asyncio.run(run(arguments)))
