@@ -569,25 +569,3 @@ async def test_a_prepared_summary_the_gate_rejects_is_the_steps_one_bracket(
         assert run.result.after.state == ABOVE
         assert run.result.outcome == cpb.PRESSURE_OUTCOME_ABOVE_TRIGGER
         assert await candidate(h) is None
-
-
-async def test_a_ready_candidate_is_applied_at_the_next_step_below_the_trigger(
-    tmp_path: Path, loop: OpenAICompatServer, held: Held
-) -> None:
-    held.release.set()
-    async with started(tmp_path, loop, policy=AHEAD) as h:
-        await h.create(*opening(), *units(BEFORE_TRIGGER))
-        ready = await until_candidate(h, ready=True)
-        await h.append(turn_start(1), user("Carry on."))
-
-        run = await h.prepare(1)
-
-        assert run.result.before.state == BELOW
-        assert len(run.result.compactions) == 1
-        assert len(summary_requests(loop)) == 1  # written ahead: the step called no model
-        (record,) = await brackets(h)
-        assert record.outcome == cpb.BRACKET_OUTCOME_COMMITTED
-        assert record.prepared_ahead.candidate_id == ready.candidate_id
-        assert record.prepared_ahead.agent_wait_ms == 0
-        assert run.result.after.measured_tokens < run.result.before.measured_tokens
-        assert await candidate(h) is None

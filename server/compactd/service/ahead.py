@@ -29,7 +29,6 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -302,24 +301,15 @@ class AheadService:
         with contextlib.suppress(CompactdError):
             await self._store.drop_candidate(handle.session_id, candidate_id, tenant=handle.tenant)
 
-    # ---- applying it at a step boundary-------------------------------------------------------
+    # ---- applying it at the trigger ----------------------------------------------------------
 
     async def apply(
-        self,
-        handle: SessionHandle,
-        policy: TargetPolicy,
-        job: Callable[[], Bracket],
-        progress: Progress,
-        *,
-        wait: bool = True,
+        self, handle: SessionHandle, job: Bracket, progress: Progress
     ) -> cpb.CompactionOutcome | None:
-        """At a step boundary: the session's candidate, applied as soon as it is ready by a
-        bracket shaped like ``job()`` (the step's first bracket, made only when there is one to
-        apply); at or above the trigger (``wait``) one being prepared is waited for boundedly,
-        below it (not ``wait``) never. None when
-        there is none to apply (none, not ready, it no longer fits, its bounded wait ran out,
-        or its bracket did not commit): the step then goes on as it always did. Off
-        (``prepareAheadRatio`` unset): None at once, no store read.
+        """At or above the trigger: the session's candidate, applied by a bracket shaped like
+        ``job`` (the step's first bracket); None when there is none to apply (none, it no longer
+        fits, its bounded wait ran out, or its bracket did not commit): the step then goes on
+        as it always did. Off (``prepareAheadRatio`` unset): None at once, no store read.
 
         Raises:
             CompactionBusy: Another bracket is live (as any bracket raises it).
@@ -327,15 +317,15 @@ class AheadService:
                 committing (its span drifted, the quality gate rejected the prepared summary):
                 it was the step's one bracket.
         """
-        if not policy.prepares_ahead:
+        if not job.policy.prepares_ahead:
             return None
         began = time.monotonic()
-        stored = await self._awaited(handle, policy, began, progress, wait=wait)
+        stored = await self._awaited(handle, job.policy, began, progress)
         if stored is None:
             return None
         waited = time.monotonic() - began
         try:
-            committed = await self._brackets.run(self._applying(job(), stored, waited), progress)
+            committed = await self._brackets.run(self._applying(job, stored, waited), progress)
         except (BracketFailed, SummaryRejected):  # it opened and closed without committing
             self._metrics.ahead("discarded")
             raise
@@ -352,17 +342,10 @@ class AheadService:
         return None
 
     async def _awaited(
-        self,
-        handle: SessionHandle,
-        policy: TargetPolicy,
-        began: float,
-        progress: Progress,
-        *,
-        wait: bool,
+        self, handle: SessionHandle, policy: TargetPolicy, began: float, progress: Progress
     ) -> Candidate | None:
         """The ready candidate a step applies, waiting at most ``prepareAheadWaitMs`` for one
-        being prepared (not at all unless ``wait``); None when there is none to apply (a stale
-        one is dropped)."""
+        being prepared; None when there is none to apply (a stale one is dropped)."""
         deadline, waiting = began + policy.prepare_ahead_wait_ms / 1000, False
         while True:
             stored = await self._store.get_candidate(handle.session_id, tenant=handle.tenant)
@@ -371,8 +354,6 @@ class AheadService:
                 return None
             if choice is StepChoice.APPLY:
                 return stored
-            if choice is StepChoice.WAIT and not wait:
-                return None  # below the trigger: never wait, the preparer goes on
             named = f"candidate {stored.candidate_id}"
             if choice is StepChoice.DISCARD:
                 await self._drop(handle, stored.candidate_id)
@@ -383,13 +364,13 @@ class AheadService:
             if left <= 0:
                 self._metrics.ahead("fallback")
                 self._cancel(handle)  # the step summarizes the span itself
-                ms = policy.prepare_ahead_wait_ms
-                await progress(_ahead(f"{named} not ready within {ms} ms: summarizing now"))
+                wait = policy.prepare_ahead_wait_ms
+                await progress(_ahead(f"{named} not ready within {wait} ms: summarizing now"))
                 return None
             if not waiting:
                 waiting = True
-                ms = policy.prepare_ahead_wait_ms
-                await progress(_ahead(f"waiting up to {ms} ms for {named}"))
+                wait = policy.prepare_ahead_wait_ms
+                await progress(_ahead(f"waiting up to {wait} ms for {named}"))
             await self._until_changed(handle, min(left, POLL_S))
 
     async def _until_changed(self, handle: SessionHandle, seconds: float) -> None:

@@ -185,8 +185,7 @@ class StepService:
                 await self._relieve(relief)
             else:
                 relief.why = f"automatic compaction is off for {route.name} (auto)"
-        elif self._ahead is not None and policy.prepares_ahead and policy.auto:
-            await self._applied_ahead(relief, wait=False)  # below the trigger: never waits
+        elif self._ahead is not None:  # below the trigger: at most start a candidate, never wait
             self._ahead.consider(handle, route)
         return self._ended(before, relief)
 
@@ -212,18 +211,15 @@ class StepService:
         ):
             await self._compact_once(relief, first=False)
 
-    async def _applied_ahead(self, relief: _Relief, *, wait: bool = True) -> bool:
-        """The candidate prepared ahead, applied if there is one ready (``AheadService.apply``;
-        ``wait``: at or above the trigger, one being prepared is waited for boundedly); whether
-        that brought pressure below the trigger. A candidate whose bracket opened and
+    async def _applied_ahead(self, relief: _Relief) -> bool:
+        """The candidate prepared ahead, applied if there is one (``AheadService.apply``);
+        whether that brought pressure below the trigger. A candidate whose bracket opened and
         failed (the gate rejected it) was the step's one bracket: no second one follows."""
         if self._ahead is None or not relief.policy.prepares_ahead:
             return False  # off: not even the job is built
-        job = partial(self._job, relief, first=True)
+        job = self._job(relief, first=True)
         try:
-            committed = await self._ahead.apply(
-                relief.handle, relief.policy, job, relief.progress, wait=wait
-            )
+            committed = await self._ahead.apply(relief.handle, job, relief.progress)
         except (BracketFailed, SummaryRejected) as error:  # the step's one bracket ran, failed
             relief.brackets += 1
             relief.outcome.warnings.append(f"compaction failed ({error.reason}): {error.message}")
