@@ -55,7 +55,7 @@ def test_defaults_are_the_spec_table() -> None:
         failure_backoff_seconds=300.0,
         failure_backoff_max_seconds=3600.0,
         prepare_ahead_ratio=0.0,
-        prepare_ahead_wait_ms=2000,
+        prepare_ahead_wait_ms=30_000,
     )
 
 

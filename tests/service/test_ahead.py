@@ -569,3 +569,22 @@ async def test_a_prepared_summary_the_gate_rejects_is_the_steps_one_bracket(
         assert run.result.after.state == ABOVE
         assert run.result.outcome == cpb.PRESSURE_OUTCOME_ABOVE_TRIGGER
         assert await candidate(h) is None
+
+
+async def test_a_ready_candidate_waits_for_the_trigger_and_a_step_below_it_leaves_it_ready(
+    tmp_path: Path, loop: OpenAICompatServer, held: Held
+) -> None:
+    held.release.set()
+    async with started(tmp_path, loop, policy=AHEAD) as h:
+        await h.create(*opening(), *units(BEFORE_TRIGGER))
+        ready = await until_candidate(h, ready=True)
+        await h.append(turn_start(1), user("Carry on."))
+
+        below = await h.prepare(1)
+
+        assert below.result.before.state == BELOW
+        assert list(below.result.compactions) == []
+        kept = await candidate(h)
+        assert kept is not None
+        assert kept.candidate_id == ready.candidate_id
+        assert await brackets(h) == []

@@ -16,7 +16,7 @@ Settings use the spec's camelCase names and defaults:
 ``prepareAheadRatio``  0 (off)    prepare the summary ahead once the envelope reaches
                                   ``floor(min(W * prepareAheadRatio, W - O - B))``, in
                                   (0, thresholdRatio); 0 or absent: off (``core.ahead``)
-``prepareAheadWaitMs`` 2000       how long a step at the trigger waits for a candidate still
+``prepareAheadWaitMs`` 30000      how long a step at the trigger waits for a candidate still
                                   being prepared before it summarizes itself (integer >= 0)
 =====================  =========  ==========================================================
 
@@ -71,7 +71,9 @@ DEFAULT_MAX_OVERFLOW_RETRIES: Final = 1
 DEFAULT_FAILURE_BACKOFF_SECONDS: Final = 300.0
 DEFAULT_FAILURE_BACKOFF_MAX_SECONDS: Final = 3600.0
 DEFAULT_RECALL_TOOL_NAME: Final = "recall"
-DEFAULT_PREPARE_AHEAD_WAIT_MS: Final = 2000
+#: A candidate still being written is nearer to done than a summary the step would start now
+#: (the same span to the same model): the bound is for a preparer that hangs.
+DEFAULT_PREPARE_AHEAD_WAIT_MS: Final = 30_000
 #: The longest bounded wait for a candidate a policy may ask for (ten minutes).
 MAX_PREPARE_AHEAD_WAIT_MS: Final = 600_000
 
