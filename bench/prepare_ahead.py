@@ -325,8 +325,8 @@ async def measure(args: argparse.Namespace) -> tuple[list[tuple[str, ...]], str]
     if "on" in args.arms:
         try:
             PressurePolicy.from_settings({PREPARE_AHEAD_KEY: ratio})
-        except ConfigError as err:  # the prepare-ahead change is not in this build
-            raise SystemExit(f"{err.message}: run with --arms off") from None
+        except ConfigError as err:  # a --lead that leaves no valid ratio
+            raise SystemExit(f"--lead {args.lead}: {err.message}") from None
     rows = []
     for name in args.models:
         arms = [Arm(PACES[name], None if arm == "off" else ratio) for arm in args.arms]

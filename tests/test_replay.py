@@ -27,8 +27,6 @@ from compactd import replay as rp
 from compactd import replay_report as report
 from compactd.api.auth import hash_token
 from compactd.api.server import create_server
-from compactd.core.policy import PressurePolicy
-from compactd.errors import ConfigError
 from compactd.v1 import events_pb2
 from compactd.v1 import session_service_pb2 as spb
 from compactd.v1 import session_service_pb2_grpc as sgrpc
@@ -368,22 +366,6 @@ async def fitted(tmp_path: Path) -> AsyncIterator[str]:
         yield served
 
 
-def _ahead_landed() -> bool:
-    """Whether the policy knows ``prepareAheadRatio`` yet (issue 35's prepare-ahead itself lands
-    separately from the replay flag)."""
-    try:
-        PressurePolicy.from_settings({"prepareAheadRatio": 0.6})
-    except ConfigError:
-        return False
-    return True
-
-
-AHEAD_LANDED = _ahead_landed()
-
-
-@pytest.mark.xfail(
-    not AHEAD_LANDED, strict=True, reason="the server does not know prepareAheadRatio yet"
-)
 async def test_the_replayed_sessions_carry_the_prepare_ahead_ratio(
     fitted: str, tmp_path: Path
 ) -> None:
