@@ -214,9 +214,13 @@ class StepService:
     async def _applied_ahead(self, relief: _Relief) -> bool:
         """The candidate prepared ahead, applied if there is one (``AheadService.apply``);
         whether that brought pressure below the trigger. A candidate whose bracket opened and
-        failed (the gate rejected it) was the step's one bracket: no second one follows."""
+        failed (the gate rejected it) was the step's one bracket: no second one follows. Over
+        the window none is applied: a span chosen before the trigger is too small to make the
+        request fit, and the step runs one bracket only (the maximal one)."""
         if self._ahead is None or not relief.policy.prepares_ahead:
             return False  # off: not even the job is built
+        if _over_window(relief.report):  # the step's one bracket must take the maximal span
+            return False
         job = self._job(relief, first=True)
         try:
             committed = await self._ahead.apply(relief.handle, job, relief.progress)
