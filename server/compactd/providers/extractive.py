@@ -580,21 +580,44 @@ def _fact_pool(ranking: _Ranking, facts: _Facts, limits: _Limits) -> None:
     for bullet in facts.prior.get(_TECH, []):
         stated = _prior_command(bullet)
         if stated and command_identity(stated) not in own:
-            prior.setdefault(command_identity(stated), f"$ {stated}")
+            # An older span's command keeps what identifies it and a little of the rest.
+            form = command_form(stated, _PRIOR_COMMAND_UNITS) or stated
+            prior.setdefault(command_identity(stated), f"$ {form}")
     _interleave(ranking, _TECH, list(own.values()), list(prior.values()), _WHOLE)
     errors = [e for e in reversed(list(facts.stated_errors)) if _identifies(e)]
-    _interleave(ranking, _ERRORS, errors, facts.prior.get(_ERRORS, []), limits.error_units)
+    seen = {_error_identity(e) for e in errors}
+    older = [e for e in facts.prior.get(_ERRORS, []) if _error_identity(e) not in seen]
+    _interleave(ranking, _ERRORS, errors, older, limits.error_units, _PRIOR_ERROR_UNITS)
 
 
 def _interleave(
-    ranking: _Ranking, section: int, own: Sequence[str], prior: Sequence[str], cap: int
+    ranking: _Ranking,
+    section: int,
+    own: Sequence[str],
+    prior: Sequence[str],
+    cap: int,
+    prior_cap: int | None = None,
 ) -> None:
     """``own`` then ``prior`` into ``section`` at tier 2 (listed in that order), ranked
-    alternately: the span's n-th and the prior's n-th come before either's n+1-th."""
+    alternately: the span's n-th and the prior's n-th come before either's n+1-th. ``prior`` is
+    clipped to ``prior_cap`` (default ``cap``): an older fact keeps what identifies it."""
     for position, item in enumerate(own):
         ranking.add(2, section, [item], cap, newest_first=False, after=2 * position)
     for position, item in enumerate(prior):
-        ranking.add(2, section, [item], cap, newest_first=False, after=2 * position + 1)
+        ranking.add(2, section, [item], min(cap, prior_cap or cap), newest_first=False,
+                    after=2 * position + 1)  # fmt: skip
+
+
+def _error_identity(line: str) -> str:
+    """What identifies an error line: its first ``ERROR_CHARS`` characters, whitespace
+    collapsed, case-folded (a clip's ellipsis dropped)."""
+    return " ".join(line.removesuffix(_ELLIPSIS).split()).casefold()[:ERROR_CHARS]
+
+
+#: What an older span's fact keeps (code units): a command its program, first argument and a
+#: little more; an error line its first ``ERROR_CHARS`` characters even when cut at a word.
+_PRIOR_COMMAND_UNITS = 40
+_PRIOR_ERROR_UNITS = ERROR_CHARS * 5 // 4 + 1
 
 
 def _prior_command(bullet: str) -> str | None:
