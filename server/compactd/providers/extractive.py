@@ -30,7 +30,8 @@ of its span (of the span's route price, ``SummaryRequest.span_tokens``, when the
 whatever the span's size, the gate's probes included (they rank right after the
 current state, so a tight share keeps the most valuable facts and drops the rest). The share is
 checked with ``estimated_tokens``, which errs high where the heuristic errs low (punctuation-dense
-paths and commands, non-ASCII text), so the route's count stays under 15% too. A span so small
+paths and commands, non-ASCII text), so the route's count mostly stays under 15% too (the bracket
+writes one that does not again, smaller). A span so small
 that the share cannot hold ``MIN_CHECKPOINT_TOKENS`` (the sections, the current state and the
 first probes) gets that many, never more than half the span; a policy that wants no checkpoint
 above 15% sets ``minReductionRatio`` to 0.85: selection then declines such a span
@@ -63,11 +64,12 @@ _ROLE = session_service_pb2
 # Section indexes into prompts.SUMMARY_SECTIONS.
 _GOALS, _TECH, _FILES, _ERRORS, _OUTSTANDING, _PROGRESS, _NEXT, _ESSENTIAL = range(8)
 _UNITS_PER_TOKEN = 4
-#: The largest share of its span a framed checkpoint takes (below the 15% the summary-quality
-#: goal allows: the span is priced with the heuristic, which a route may count a little lower).
-SPAN_SHARE = 0.135
+#: The largest share of its span a framed checkpoint takes, by its estimate (below the 15% the
+#: summary-quality goal allows: the estimate errs high on most text; a checkpoint the route counts
+#: above 15% anyway is written again smaller, ``service.bracket``).
+SPAN_SHARE = 0.14
 #: The share of the policy's allowance (``1 - minReductionRatio``) a smallest checkpoint may take
-#: of the smallest span selection accepts: at 0.85, 250 tokens of 1,852 (13.5%, as SPAN_SHARE).
+#: of the smallest span selection accepts: at 0.85, 250 tokens of 1,852 (13.5%).
 _SPAN_MARGIN = 0.9
 
 
