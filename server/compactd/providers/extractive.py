@@ -16,11 +16,12 @@ command's program and first argument) and listed most recent first; the newer st
 older "Work in Progress" and "Immediate Next Step".
 
 The output fits ``max_tokens`` under the reference heuristic (4 UTF-16 code units per token):
-when everything does not fit, the most useful facts are kept first: the current state, the
-session's first and the latest request; the gate's probes; then every path, command and stated
-error line of the span and of the prior checkpoint, alternating between the two and between the
-kinds, so a tight budget keeps the newest of each and an older span's facts keep a share; then
-the other requests, tool counts and updates. A command keeps its first segment that runs a
+when everything does not fit, the most useful facts are kept first: the session's first and the
+latest request; the gate's probes; then every path, command and stated error line of the span
+and of the prior checkpoint, alternating between the two and between the kinds, so a tight budget
+keeps the newest of each and an older span's facts keep a share; then the current state and the
+next step (the retained messages right after the checkpoint show where the work stands) and the
+other requests; then tool counts and updates. A command keeps its first segment that runs a
 program (``cd`` steps and pipelines dropped), an error line its first characters. A summary that
 would keep less than the gate's default share of its probes is refitted with the probes first,
 requests quoted by their shortest run of six words (``PROBE_FLOOR``). Same input, same bytes.
@@ -527,19 +528,20 @@ class _Ranking:
 
 
 def _candidates(facts: _Facts, limits: _Limits) -> _Ranking:
-    """Every possible bullet, ranked: tier 0 (state, first and latest request, next step) is kept
-    first, then the gate's probes and the session's first request (tier 1, ``_promote_probes``),
-    then every path, command and error line of this span and of the prior checkpoint, merged and
-    most recent first (tier 2, ``_fact_pool``), then the other requests (tier 3), tools, updates
-    and lines that merely mention an error (tier 4), then paths seen only in tool output."""
+    """Every possible bullet, ranked: tier 0 (the first and the latest request) is kept first,
+    then the gate's probes and the session's first request (tier 1, ``_promote_probes``), then
+    every path, command and error line of this span and of the prior checkpoint, merged and most
+    recent first (tier 2, ``_fact_pool``), then the state of the work, the next step and the
+    other requests (tier 3: the retained messages right after the checkpoint show where the work
+    stands), then tools and updates (tier 4)."""
     ranking = _Ranking()
     item, request = limits.item_units, limits.request_units
     progress = facts.progress if facts.has_new else facts.prior.get(_PROGRESS, [])
     state = progress[-limits.state_lines :]
-    ranking.add(0, _PROGRESS, state, limits.state_units, newest_first=False)
+    ranking.add(3, _PROGRESS, state, limits.state_units, newest_first=False)
     next_step = [facts.next_step] if facts.has_new else facts.prior.get(_NEXT, [])
     step_units = min(item, 2 * limits.state_units)
-    ranking.add(0, _NEXT, [step for step in next_step if step][:1], step_units, newest_first=False)
+    ranking.add(3, _NEXT, [step for step in next_step if step][:1], step_units, newest_first=False)
     prior_goals = [g for g in facts.prior.get(_GOALS, []) if not _is_quoted(g, facts.requests)]
     ranking.add(0, _GOALS, prior_goals[:1], request, newest_first=False)  # the original request
     _rank_requests(ranking, facts.requests, request, first=not prior_goals)
