@@ -29,6 +29,7 @@ from tests.compaction_fixtures import (
     started,
     summary_requests,
     unit,
+    units,
 )
 
 SMALL = "small"
@@ -259,3 +260,30 @@ async def test_a_step_over_the_window_opens_one_bracket_and_leaves_a_request_tha
         e for e in events if e.HasField("compaction_end") and e.compaction_end.gate.failures
     ]
     assert rejected == []
+
+
+async def test_a_room_too_small_for_a_model_summary_gets_the_extractive_checkpoint_unasked(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    # The trigger sits near the window and the system prompt takes most of it: the step's
+    # request is over the window, and the room the window leaves beside the floor is fewer
+    # tokens than a model writes a summary in. The bracket writes the extractive checkpoint
+    # without calling the model (a call bound to be cut off), and the request fits.
+    policy = {**SMALL_POLICY, "thresholdRatio": 0.95, "retainTokens": 100}
+    async with started(tmp_path, loop, routes=[small_route(loop)], policy=policy) as h:
+        await h.create(*small_opening("Rules. " * SYSTEM_WORDS), *units(3), turn_start(1))
+        result = (await h.prepare(1)).result
+        events = await h.events()
+
+    assert result.before.measured_tokens > LIMIT
+    # The floor sits below the trigger (this is not the floor-above-trigger rung) ...
+    assert result.floor_tokens < result.before.trigger_tokens
+    # ... and leaves fewer than MODEL_SUMMARY_TOKENS beside the checkpoint's frame.
+    assert summary_requests(loop) == []
+    summaries = [e.compaction_summary for e in events if e.HasField("compaction_summary")]
+    assert [s.summarizer for s in summaries] == ["extractive"]
+    assert sent_tokens(result) <= LIMIT, result.outcome_detail
+    assert result.outcome in FITTING
+
+
+SYSTEM_WORDS = 1960  # "Rules. " this many times: a floor between W - O - 376 and the trigger

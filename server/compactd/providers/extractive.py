@@ -16,11 +16,12 @@ command's program and first argument) and listed most recent first; the newer st
 older "Work in Progress" and "Immediate Next Step".
 
 The output fits ``max_tokens`` under the reference heuristic (4 UTF-16 code units per token):
-when everything does not fit, the most useful facts are kept first: the current state, the
-session's first and the latest request; the gate's probes; then every path, command and stated
-error line of the span and of the prior checkpoint, alternating between the two and between the
-kinds, so a tight budget keeps the newest of each and an older span's facts keep a share; then
-the other requests, tool counts and updates. A command keeps its first segment that runs a
+when everything does not fit, the most useful facts are kept first: the session's first and the
+latest request; the gate's probes; then every path, command and stated error line of the span
+and of the prior checkpoint, alternating between the two and between the kinds, so a tight budget
+keeps the newest of each and an older span's facts keep a share; then the current state and the
+next step (the retained messages right after the checkpoint show where the work stands) and the
+other requests; then tool counts and updates. A command keeps its first segment that runs a
 program (``cd`` steps and pipelines dropped), an error line its first characters. A summary that
 would keep less than the gate's default share of its probes is refitted with the probes first,
 requests quoted by their shortest run of six words (``PROBE_FLOOR``). Same input, same bytes.
@@ -30,7 +31,8 @@ of its span (of the span's route price, ``SummaryRequest.span_tokens``, when the
 whatever the span's size, the gate's probes included (they rank right after the
 current state, so a tight share keeps the most valuable facts and drops the rest). The share is
 checked with ``estimated_tokens``, which errs high where the heuristic errs low (punctuation-dense
-paths and commands, non-ASCII text), so the route's count stays under 15% too. A span so small
+paths and commands, non-ASCII text), so the route's count mostly stays under 15% too (the bracket
+writes one that does not again, smaller). A span so small
 that the share cannot hold ``MIN_CHECKPOINT_TOKENS`` (the sections, the current state and the
 first probes) gets that many, never more than half the span; a policy that wants no checkpoint
 above 15% sets ``minReductionRatio`` to 0.85: selection then declines such a span
@@ -63,11 +65,12 @@ _ROLE = session_service_pb2
 # Section indexes into prompts.SUMMARY_SECTIONS.
 _GOALS, _TECH, _FILES, _ERRORS, _OUTSTANDING, _PROGRESS, _NEXT, _ESSENTIAL = range(8)
 _UNITS_PER_TOKEN = 4
-#: The largest share of its span a framed checkpoint takes (below the 15% the summary-quality
-#: goal allows: the span is priced with the heuristic, which a route may count a little lower).
-SPAN_SHARE = 0.135
+#: The largest share of its span a framed checkpoint takes, by its estimate (below the 15% the
+#: summary-quality goal allows: the estimate errs high on most text; a checkpoint the route counts
+#: above 15% anyway is written again smaller, ``service.bracket``).
+SPAN_SHARE = 0.14
 #: The share of the policy's allowance (``1 - minReductionRatio``) a smallest checkpoint may take
-#: of the smallest span selection accepts: at 0.85, 250 tokens of 1,852 (13.5%, as SPAN_SHARE).
+#: of the smallest span selection accepts: at 0.85, 250 tokens of 1,852 (13.5%).
 _SPAN_MARGIN = 0.9
 
 
@@ -525,19 +528,20 @@ class _Ranking:
 
 
 def _candidates(facts: _Facts, limits: _Limits) -> _Ranking:
-    """Every possible bullet, ranked: tier 0 (state, first and latest request, next step) is kept
-    first, then the gate's probes and the session's first request (tier 1, ``_promote_probes``),
-    then every path, command and error line of this span and of the prior checkpoint, merged and
-    most recent first (tier 2, ``_fact_pool``), then the other requests (tier 3), tools, updates
-    and lines that merely mention an error (tier 4), then paths seen only in tool output."""
+    """Every possible bullet, ranked: tier 0 (the first and the latest request) is kept first,
+    then the gate's probes and the session's first request (tier 1, ``_promote_probes``), then
+    every path, command and error line of this span and of the prior checkpoint, merged and most
+    recent first (tier 2, ``_fact_pool``), then the state of the work, the next step and the
+    other requests (tier 3: the retained messages right after the checkpoint show where the work
+    stands), then tools and updates (tier 4)."""
     ranking = _Ranking()
     item, request = limits.item_units, limits.request_units
     progress = facts.progress if facts.has_new else facts.prior.get(_PROGRESS, [])
     state = progress[-limits.state_lines :]
-    ranking.add(0, _PROGRESS, state, limits.state_units, newest_first=False)
+    ranking.add(3, _PROGRESS, state, limits.state_units, newest_first=False)
     next_step = [facts.next_step] if facts.has_new else facts.prior.get(_NEXT, [])
     step_units = min(item, 2 * limits.state_units)
-    ranking.add(0, _NEXT, [step for step in next_step if step][:1], step_units, newest_first=False)
+    ranking.add(3, _NEXT, [step for step in next_step if step][:1], step_units, newest_first=False)
     prior_goals = [g for g in facts.prior.get(_GOALS, []) if not _is_quoted(g, facts.requests)]
     ranking.add(0, _GOALS, prior_goals[:1], request, newest_first=False)  # the original request
     _rank_requests(ranking, facts.requests, request, first=not prior_goals)
@@ -580,21 +584,44 @@ def _fact_pool(ranking: _Ranking, facts: _Facts, limits: _Limits) -> None:
     for bullet in facts.prior.get(_TECH, []):
         stated = _prior_command(bullet)
         if stated and command_identity(stated) not in own:
-            prior.setdefault(command_identity(stated), f"$ {stated}")
+            # An older span's command keeps what identifies it and a little of the rest.
+            form = command_form(stated, _PRIOR_COMMAND_UNITS) or stated
+            prior.setdefault(command_identity(stated), f"$ {form}")
     _interleave(ranking, _TECH, list(own.values()), list(prior.values()), _WHOLE)
     errors = [e for e in reversed(list(facts.stated_errors)) if _identifies(e)]
-    _interleave(ranking, _ERRORS, errors, facts.prior.get(_ERRORS, []), limits.error_units)
+    seen = {_error_identity(e) for e in errors}
+    older = [e for e in facts.prior.get(_ERRORS, []) if _error_identity(e) not in seen]
+    _interleave(ranking, _ERRORS, errors, older, limits.error_units, _PRIOR_ERROR_UNITS)
 
 
 def _interleave(
-    ranking: _Ranking, section: int, own: Sequence[str], prior: Sequence[str], cap: int
+    ranking: _Ranking,
+    section: int,
+    own: Sequence[str],
+    prior: Sequence[str],
+    cap: int,
+    prior_cap: int | None = None,
 ) -> None:
     """``own`` then ``prior`` into ``section`` at tier 2 (listed in that order), ranked
-    alternately: the span's n-th and the prior's n-th come before either's n+1-th."""
+    alternately: the span's n-th and the prior's n-th come before either's n+1-th. ``prior`` is
+    clipped to ``prior_cap`` (default ``cap``): an older fact keeps what identifies it."""
     for position, item in enumerate(own):
         ranking.add(2, section, [item], cap, newest_first=False, after=2 * position)
     for position, item in enumerate(prior):
-        ranking.add(2, section, [item], cap, newest_first=False, after=2 * position + 1)
+        ranking.add(2, section, [item], min(cap, prior_cap or cap), newest_first=False,
+                    after=2 * position + 1)  # fmt: skip
+
+
+def _error_identity(line: str) -> str:
+    """What identifies an error line: its first ``ERROR_CHARS`` characters, whitespace
+    collapsed, case-folded (a clip's ellipsis dropped)."""
+    return " ".join(line.removesuffix(_ELLIPSIS).split()).casefold()[:ERROR_CHARS]
+
+
+#: What an older span's fact keeps (code units): a command its program, first argument and a
+#: little more; an error line its first ``ERROR_CHARS`` characters even when cut at a word.
+_PRIOR_COMMAND_UNITS = 40
+_PRIOR_ERROR_UNITS = ERROR_CHARS * 5 // 4 + 1
 
 
 def _prior_command(bullet: str) -> str | None:

@@ -102,9 +102,9 @@ class Bracket:
     guarded: bool = False  # failure memory may hold the span back (PrepareStep)
     extractive: bool = False  # the extractive checkpoint, without a model call (the ladder)
     prepared: PreparedSummary | None = None  # a summary prepared ahead (``service.ahead``)
-    #: Whether the quality gate judges the extractive rung's checkpoint: not when the request is
-    #: over the window and the summary is cut to fit it (a checkpoint that fits beats a request
-    #: a provider refuses; the shrink check still runs).
+    #: Whether the quality gate's probe check judges the extractive rung's checkpoint: not when
+    #: the request is over the window and the summary is cut to fit it (a checkpoint that fits
+    #: beats a request a provider refuses; its size, sections and echo are still judged).
     gate_extractive: bool = True
 
 
@@ -542,8 +542,8 @@ class Brackets:
     ) -> Screened:
         """The summary the quality gate lets commit (``Screener.screen``)."""
         policy = job.policy
-        if writer.summarizer is self._extractive and not job.gate_extractive:
-            policy = replace(policy, summary_gate=False)
+        if isinstance(writer.summarizer, ExtractiveSummarizer) and not job.gate_extractive:
+            policy = replace(policy, min_probe_retention=0.0)
         return await self._screener.screen(
             policy=policy, compaction_id=opened.compaction_id, start_seq=opened.start_seq,
             request=written.request,

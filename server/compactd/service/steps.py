@@ -59,6 +59,10 @@ ABOVE = cpb.PRESSURE_STATE_ABOVE
 #: Why a step could not be priced: it warns once per target and goes on unpriced.
 _UNPRICEABLE = frozenset({Reason.CAPACITY_UNKNOWN, Reason.POLICY_INVALID, Reason.ROUTE_UNKNOWN})
 _IN_A_TURN = "automatic compaction runs only inside an open turn"
+#: The least output a model is asked to write a summary in when the window's room cuts the cap:
+#: below it the eight sections hardly fit, the call would end cut off (``SUMMARY_TRUNCATED``), and
+#: the extractive checkpoint is written without it.
+MODEL_SUMMARY_TOKENS = 256
 _OUTCOMES = {
     Outcome.FITS: cpb.PRESSURE_OUTCOME_FITS,
     Outcome.ABOVE_TRIGGER: cpb.PRESSURE_OUTCOME_ABOVE_TRIGGER,
@@ -244,16 +248,18 @@ class StepService:
         window leaves beside the floor and the extractive checkpoint of the same span when the
         target's summary fails (in the same bracket: a step runs one); the overflow path's (not
         first) and one whose floor alone is above the trigger write the extractive checkpoint,
-        no model call; the overflow path's is not judged by the quality gate (only the shrink
-        check)."""
+        no model call, as does one whose room leaves a model fewer than ``MODEL_SUMMARY_TOKENS``
+        (a call bound to be cut off); the overflow path's is not judged by the quality gate (only
+        the shrink check)."""
         handle, route, policy = relief.handle, relief.route, relief.policy
         if not first:  # the last rung: any checkpoint that fits beats a request over the window
             policy = dataclasses.replace(policy, summary_gate=False)
         maximal = _over_window(relief.report)
+        cramped = False  # the room leaves a model too few tokens to finish a summary in
         if maximal:
-            policy = dataclasses.replace(
-                policy, extractive_fallback=True, max_tokens=self._fitting_summary(relief)
-            )
+            cap = self._fitting_summary(relief)
+            cramped = cap < min(policy.max_tokens, MODEL_SUMMARY_TOKENS)
+            policy = dataclasses.replace(policy, extractive_fallback=True, max_tokens=cap)
         retained = 0 if maximal else self._pressure.spec(handle, route).retained_budget
         return Bracket(
             handle, AUTO.trigger, SelectionMode.MAXIMAL if maximal else AUTO.selection, route,
@@ -261,7 +267,8 @@ class StepService:
             min_span_tokens=(
                 self._guard.min_span_tokens(route, policy, handle.fold) if first else 0
             ),
-            guarded=True, extractive=not first or self._floor_above_trigger(relief),
+            guarded=True,
+            extractive=not first or cramped or self._floor_above_trigger(relief),
             gate_extractive=not maximal,
         )  # fmt: skip
 
