@@ -221,6 +221,16 @@ async def test_any_span_fits_max_tokens_deterministically(
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(_messages, max_size=15))
+@example(  # an error line of characters outside the BMP: two code units each, kept whole
+    [
+        tool_result(
+            "c",
+            "\U00010000000000 " + "\U00010000" * 20 + "\U0001d47a" * 12,
+            name="bash",
+            is_error=True,
+        )
+    ]
+)
 async def test_folding_a_lone_checkpoint_reproduces_it(span: list[Message]) -> None:
     first = await _summary(span, max_tokens=100_000)
 

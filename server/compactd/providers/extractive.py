@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from compactd.core import probes, prompts
@@ -591,7 +591,7 @@ def _fact_pool(ranking: _Ranking, facts: _Facts, limits: _Limits) -> None:
     errors = [e for e in reversed(list(facts.stated_errors)) if _identifies(e)]
     seen = {_error_identity(e) for e in errors}
     older = [e for e in facts.prior.get(_ERRORS, []) if _error_identity(e) not in seen]
-    _interleave(ranking, _ERRORS, errors, older, limits.error_units, _PRIOR_ERROR_UNITS)
+    _interleave(ranking, _ERRORS, errors, older, limits.error_units, _prior_error_units)
 
 
 def _interleave(
@@ -600,16 +600,16 @@ def _interleave(
     own: Sequence[str],
     prior: Sequence[str],
     cap: int,
-    prior_cap: int | None = None,
+    prior_cap: Callable[[str], int] | None = None,
 ) -> None:
     """``own`` then ``prior`` into ``section`` at tier 2 (listed in that order), ranked
     alternately: the span's n-th and the prior's n-th come before either's n+1-th. ``prior`` is
-    clipped to ``prior_cap`` (default ``cap``): an older fact keeps what identifies it."""
+    clipped to ``prior_cap(item)`` (default ``cap``): an older fact keeps what identifies it."""
     for position, item in enumerate(own):
         ranking.add(2, section, [item], cap, newest_first=False, after=2 * position)
     for position, item in enumerate(prior):
-        ranking.add(2, section, [item], min(cap, prior_cap or cap), newest_first=False,
-                    after=2 * position + 1)  # fmt: skip
+        kept = cap if prior_cap is None else min(cap, prior_cap(item))
+        ranking.add(2, section, [item], kept, newest_first=False, after=2 * position + 1)
 
 
 def _error_identity(line: str) -> str:
@@ -621,7 +621,13 @@ def _error_identity(line: str) -> str:
 #: What an older span's fact keeps (code units): a command its program, first argument and a
 #: little more; an error line its first ``ERROR_CHARS`` characters even when cut at a word.
 _PRIOR_COMMAND_UNITS = 40
-_PRIOR_ERROR_UNITS = ERROR_CHARS * 5 // 4 + 1
+_PRIOR_ERROR_CHARS = ERROR_CHARS * 5 // 4
+
+
+def _prior_error_units(line: str) -> int:
+    """The code units an older error line keeps: its first ``_PRIOR_ERROR_CHARS`` characters
+    (characters, not units: one outside the BMP takes two) and the ellipsis."""
+    return utf16_length(line[:_PRIOR_ERROR_CHARS]) + len(_ELLIPSIS)
 
 
 def _prior_command(bullet: str) -> str | None:
@@ -923,7 +929,7 @@ def _identity_units(candidate: _Candidate) -> int:
     if candidate.section == _TECH and text.startswith("$ "):
         return utf16_length(" ".join(text.split()[:3]))
     if candidate.section == _ERRORS:
-        return min(utf16_length(text), ERROR_CHARS * 5 // 4)
+        return utf16_length(text[:_PRIOR_ERROR_CHARS])
     return 0
 
 
