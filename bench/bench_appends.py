@@ -33,7 +33,6 @@ import asyncio
 import functools
 import itertools
 import os
-import sqlite3
 import statistics
 import tempfile
 import time
@@ -47,6 +46,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.bench_batches import raw_insert
 from bench.children import served, until_stdin_closes
 from bench.corpus import SessionEvent, header, in_steps, surface_events, turn_start
 from compactd import config
@@ -128,28 +128,6 @@ def fmt(seconds: float) -> str:
 
 
 # ---- 1. one client ----------------------------------------------------------------------------
-
-
-def raw_insert(path: Path) -> Callable[[list[SessionEvent]], None]:
-    conn = sqlite3.connect(path, isolation_level=None)
-    conn.execute("PRAGMA journal_mode = WAL")
-    conn.execute("PRAGMA synchronous = FULL")
-    conn.execute(
-        "CREATE TABLE IF NOT EXISTS events (session_id TEXT, seq INTEGER, event_id TEXT,"
-        " type TEXT, data BLOB, PRIMARY KEY (session_id, seq))"
-    )
-    seqs = itertools.count()
-
-    def insert(events: list[SessionEvent]) -> None:
-        rows = [
-            ("raw", next(seqs), None, e.WhichOneof("body"), e.SerializeToString(deterministic=True))
-            for e in events
-        ]
-        conn.execute("BEGIN")
-        conn.executemany("INSERT INTO events VALUES (?, ?, ?, ?, ?)", rows)
-        conn.execute("COMMIT")
-
-    return insert
 
 
 async def single_client(bench: Bench, rounds: int, singles: int) -> tuple[str, str, str]:
