@@ -7,7 +7,6 @@ import pytest
 from compactd.core.ahead import (
     CandidateView,
     StepChoice,
-    ahead_retained,
     span_digest,
     span_now,
     step_choice,
@@ -135,10 +134,3 @@ def test_a_candidate_starts_between_the_prepare_ahead_point_and_the_trigger(
     measured: int, ahead: int, trigger: int, worth: bool
 ) -> None:
     assert worth_preparing(measured, ahead, trigger) is worth
-
-
-def test_a_candidate_keeps_out_only_the_tail_the_history_until_the_trigger_will_not_fill() -> None:
-    assert ahead_retained(retained_budget=3000, trigger=8000, measured=6500) == 1500
-    assert ahead_retained(retained_budget=3000, trigger=8000, measured=4000) == 0
-    assert ahead_retained(retained_budget=3000, trigger=8000, measured=8000) == 3000
-    assert ahead_retained(retained_budget=3000, trigger=8000, measured=9000) == 3000

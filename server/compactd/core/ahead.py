@@ -91,13 +91,3 @@ def worth_preparing(measured: int, prepare_ahead: int, trigger: int) -> bool:
     prepare-ahead point (0: off) and still below the trigger (at the trigger the step itself
     summarizes, or applies what was prepared)."""
     return 0 < prepare_ahead <= measured < trigger
-
-
-def ahead_retained(retained_budget: int, trigger: int, measured: int) -> int:
-    """The tail a candidate's selection keeps out of its span, chosen at ``measured`` tokens to
-    be applied at the ``trigger``: the retained tail *then* holds what is appended until then
-    (at least ``trigger - measured`` tokens), so only the rest of it must be kept now. The span
-    is then about the one selection would choose at the trigger; with the whole retained budget
-    kept now, it would be smaller by the distance to the trigger, free that much less, and the
-    next compaction would come that much sooner."""
-    return max(0, retained_budget - max(0, trigger - measured))

@@ -39,7 +39,6 @@ from compactd import genai
 from compactd.core.ahead import (
     CandidateView,
     StepChoice,
-    ahead_retained,
     span_digest,
     span_now,
     step_choice,
@@ -216,17 +215,15 @@ class AheadService:
     async def _chosen(
         self, handle: SessionHandle, route: Route, policy: TargetPolicy, spec: CompactSpec
     ) -> _Preparation | None:
-        """The span selection would choose at the trigger (the step's rules: balanced cuts, the
-        open tail, the minimum span, failure memory; the retained tail less what will be
-        appended until the trigger, ``core.ahead.ahead_retained``), its digest and its summary
-        target; None when nothing is selectable or the target cannot be resolved."""
+        """The span selection would choose now (the step's rules: retention, balanced cuts, the
+        open tail, the minimum span, failure memory), its digest and its summary target; None
+        when nothing is selectable or the target cannot be resolved."""
         brackets = self._brackets
         async with handle.lock:
             fold, meter = handle.fold, handle.context.meter
-            measured = self._pressure.report(handle, route).measured_tokens
             chosen = choose_span(
                 fold, node_pricer(meter, fold, route), selection=SelectionMode.PRESSURE,
-                retained_budget=ahead_retained(spec.retained_budget, spec.trigger, measured),
+                retained_budget=spec.retained_budget,
                 min_span_tokens=brackets.guard.min_span_tokens(route, policy, fold),
                 span_price=span_pricer(meter, fold, route),
             )  # fmt: skip
