@@ -7,7 +7,6 @@ import pytest
 from compactd.core.ahead import (
     CandidateView,
     StepChoice,
-    frees_enough,
     span_digest,
     span_now,
     step_choice,
@@ -135,10 +134,3 @@ def test_a_candidate_starts_between_the_prepare_ahead_point_and_the_trigger(
     measured: int, ahead: int, trigger: int, worth: bool
 ) -> None:
     assert worth_preparing(measured, ahead, trigger) is worth
-
-
-def test_a_candidate_over_the_window_must_free_what_is_needed_with_a_margin() -> None:
-    assert frees_enough(span_price=3000, checkpoint_price=300, need=2000)  # 2700 >= 2500
-    assert not frees_enough(span_price=3000, checkpoint_price=300, need=2200)  # 2700 < 2750
-    assert not frees_enough(span_price=400, checkpoint_price=300, need=40)  # 100 < 40 + 64
-    assert frees_enough(span_price=400, checkpoint_price=300, need=0)

@@ -41,7 +41,6 @@ from tests.compaction_fixtures import (
     server_config,
     started,
     summary_requests,
-    unit,
     units,
 )
 
@@ -589,54 +588,3 @@ async def test_a_ready_candidate_waits_for_the_trigger_and_a_step_below_it_leave
         assert kept is not None
         assert kept.candidate_id == ready.candidate_id
         assert await brackets(h) == []
-
-
-async def _over_the_window_by(h: Harness, tokens: int) -> int:
-    """Append units after the candidate's span until the envelope exceeds the window less the
-    reservation by at least ``tokens``; the index of the next unit."""
-    i = BEFORE_TRIGGER
-    while True:
-        report = await h.pressure()
-        if report.measured_tokens - (report.context_window - report.output_reservation) >= tokens:
-            return i
-        await h.append(*unit(i))
-        i += 1
-
-
-async def test_over_the_window_a_candidate_that_frees_enough_is_applied(
-    tmp_path: Path, loop: OpenAICompatServer, held: Held
-) -> None:
-    held.release.set()
-    async with started(tmp_path, loop, policy=AHEAD) as h:
-        await h.create(*opening(), *units(BEFORE_TRIGGER))
-        ready = await until_candidate(h, ready=True)
-        await _over_the_window_by(h, 1)
-        await h.append(turn_start(1), user("Carry on."))
-
-        run = await h.prepare(1)
-
-        limit = run.result.before.context_window - run.result.before.output_reservation
-        assert run.result.before.measured_tokens > limit
-        assert len(summary_requests(loop)) == 1  # the step called no model
-        (record,) = await brackets(h)
-        assert record.prepared_ahead.candidate_id == ready.candidate_id
-        assert run.result.after.measured_tokens <= limit
-
-
-async def test_over_the_window_a_candidate_too_small_to_fit_it_leaves_the_maximal_bracket(
-    tmp_path: Path, loop: OpenAICompatServer, held: Held
-) -> None:
-    held.release.set()
-    async with started(tmp_path, loop, policy=AHEAD) as h:
-        await h.create(*opening(), *units(BEFORE_TRIGGER))
-        await until_candidate(h, ready=True)
-        await _over_the_window_by(h, 6000)  # more than the candidate's span holds
-        await h.append(turn_start(1), user("Carry on."))
-
-        run = await h.prepare(1)
-
-        (record,) = await brackets(h)
-        assert not record.HasField("prepared_ahead")  # the step's one bracket: the maximal one
-        assert len(summary_requests(loop)) > 1  # the step summarized the maximal span itself
-        limit = run.result.before.context_window - run.result.before.output_reservation
-        assert run.result.after.measured_tokens <= limit

@@ -91,16 +91,3 @@ def worth_preparing(measured: int, prepare_ahead: int, trigger: int) -> bool:
     prepare-ahead point (0: off) and still below the trigger (at the trigger the step itself
     summarizes, or applies what was prepared)."""
     return 0 < prepare_ahead <= measured < trigger
-
-
-#: The share of a candidate's estimated saving a request over the window must be able to lose
-#: beyond what it needs: the checkpoint is priced by the reference heuristic, not the route.
-FREE_MARGIN = 0.25
-
-
-def frees_enough(span_price: int, checkpoint_price: int, need: int) -> bool:
-    """Whether replacing a span priced ``span_price`` by a checkpoint priced about
-    ``checkpoint_price`` frees ``need`` tokens with a margin (``FREE_MARGIN`` of ``need``, at
-    least 64): a request over the window applies a candidate only then, else the step's one
-    bracket takes the maximal span."""
-    return span_price - checkpoint_price >= need + max(64, int(need * FREE_MARGIN))

@@ -39,18 +39,15 @@ from compactd import genai
 from compactd.core.ahead import (
     CandidateView,
     StepChoice,
-    frees_enough,
     span_digest,
     span_now,
     step_choice,
     worth_preparing,
 )
-from compactd.core.bracket import checkpoint_message, checkpoint_text
 from compactd.core.fold import SessionFold
 from compactd.core.lock import live_bracket
 from compactd.core.planner import SHAPES, PlanMode, choose_span, node_pricer, span_pricer
 from compactd.core.policy import CompactSpec, TargetPolicy
-from compactd.core.pricing import heuristic_price
 from compactd.core.selection import DeclineCode, Declined, Selection, SelectionMode
 from compactd.errors import CompactdError, CompactionBusy
 from compactd.metrics import Metrics
@@ -307,15 +304,12 @@ class AheadService:
     # ---- applying it at the trigger ----------------------------------------------------------
 
     async def apply(
-        self, handle: SessionHandle, job: Bracket, progress: Progress, *, need: int = 0
+        self, handle: SessionHandle, job: Bracket, progress: Progress
     ) -> cpb.CompactionOutcome | None:
         """At or above the trigger: the session's candidate, applied by a bracket shaped like
         ``job`` (the step's first bracket); None when there is none to apply (none, it no longer
         fits, its bounded wait ran out, or its bracket did not commit): the step then goes on
         as it always did. Off (``prepareAheadRatio`` unset): None at once, no store read.
-        ``need``: the tokens the request must lose to fit the window (0: it fits); a candidate
-        that would not free them (``core.ahead.frees_enough``) is left for the step's own
-        maximal bracket.
 
         Raises:
             CompactionBusy: Another bracket is live (as any bracket raises it).
@@ -327,7 +321,7 @@ class AheadService:
             return None
         began = time.monotonic()
         stored = await self._awaited(handle, job.policy, began, progress)
-        if stored is None or not _frees_enough(job, stored, need):
+        if stored is None:
             return None
         waited = time.monotonic() - began
         try:
@@ -440,20 +434,6 @@ def view_of(stored: Candidate) -> CandidateView:
     return CandidateView(
         claim.start_seq, claim.end_seq, claim.digest, stored.summary is not None, stored.abandoned
     )
-
-
-def _frees_enough(job: Bracket, stored: Candidate, need: int) -> bool:
-    """Whether applying ``stored`` frees ``need`` tokens, by the span's route price and the
-    checkpoint's reference price (``core.ahead.frees_enough``)."""
-    if need <= 0:
-        return True
-    span = _priced_span(job, view_of(stored), job.handle.fold)
-    if isinstance(span, Declined):
-        return False
-    summary = decode_summary(stored.summary or b"")[0]
-    framed = checkpoint_text(summary.text, stored.claim.start_seq)
-    checkpoint = heuristic_price(checkpoint_message("", framed))
-    return frees_enough(span.shadowed_price, checkpoint, need)
 
 
 def _priced_span(job: Bracket, view: CandidateView, fold: SessionFold) -> Selection | Declined:
