@@ -48,11 +48,9 @@ from typing import Any
 import grpc
 import numpy
 
-from bench.bench_neighbours import LoopPauses
-from bench.children import ROOT, identity, served, until_stdin_closes
+from bench import bench_neighbours
+from bench.children import ROOT, identity, served
 from bench.corpus import SessionEvent, header, in_steps, surface_events, texts_of, turn_start
-from compactd import config
-from compactd.api.server import create_server, settle_interpreter
 from compactd.tokenizers import load_tokenizer
 from compactd.v1 import (
     compaction_service_pb2,
@@ -373,26 +371,12 @@ async def run(args: argparse.Namespace) -> list[Row]:
 async def serve(path: str) -> None:
     """A benchmarked server (a child process): prints its address, serves until stdin closes;
     ``bench.Lag/Take`` answers its event loop's longest pause and slice of CPU since asked
-    (``bench_neighbours.LoopPauses``)."""
-    overrides = {
-        "listen": "127.0.0.1:0",
-        "store": f"sqlite:///{path}",
-        "log_level": "WARNING",
-        "max_batch_events": 4 * BATCH,  # a batch of BATCH events with its step brackets
-        "max_resident_sessions": 0,
-    }
-    pauses = LoopPauses()
-    running = await create_server(
-        config.load(None, environ={}, overrides=overrides), extra_handlers=[pauses.handlers()]
+    (``bench_neighbours.serve``)."""
+    await bench_neighbours.serve(
+        path,
+        max_batch_events=4 * BATCH,  # a batch of BATCH events with its step brackets
+        max_resident_sessions=0,
     )
-    settle_interpreter()  # as ``compactd serve`` does
-    watching = asyncio.ensure_future(pauses.watch())
-    try:
-        print(running.address, flush=True)
-        await until_stdin_closes()
-    finally:
-        watching.cancel()
-        await running.stop(0)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

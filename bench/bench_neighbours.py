@@ -171,10 +171,15 @@ class LoopPauses:
         return grpc.method_handlers_generic_handler("bench.Lag", {"Take": method})
 
 
-async def serve(path: str) -> None:
-    """compactd on the SQLite file ``path``, default limits, and ``bench.Lag``; prints its
-    address, serves until stdin closes."""
-    overrides = {"listen": "127.0.0.1:0", "store": f"sqlite:///{path}", "log_level": "WARNING"}
+async def serve(path: str, **settings: object) -> None:
+    """compactd on the SQLite file ``path``, default limits but ``settings``, and ``bench.Lag``;
+    prints its address, serves until stdin closes."""
+    overrides: dict[str, object] = {
+        "listen": "127.0.0.1:0",
+        "store": f"sqlite:///{path}",
+        "log_level": "WARNING",
+        **settings,
+    }
     pauses = LoopPauses()
     running = await create_server(
         config.load(None, environ={}, overrides=overrides), extra_handlers=[pauses.handlers()]
