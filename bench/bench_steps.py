@@ -23,16 +23,24 @@ At each size, ``--calls`` rounds run call by call, each round in an order that a
 - the Python client's default step, ``prepare_step(session, turn)`` (asyncio and blocking
   clients, each on its own channel): the call a runtime makes, which holds the session's
   request, sends its revision and appends the answered messages to it (one PrepareStepUnary);
+- the TypeScript and Go clients' default step (``prepareStep(session, turn)``,
+  ``PrepareStep(ctx, session, turn, nil)``), each timed by a driver in its own language
+  (``bench/step_drivers.py``) beside an empty unary RPC (a health check) sent from the same
+  process, interleaved call by call, after the Python rounds of each size; with a progress
+  callback too (the streamed step, as the examples call it);
 - grpc.aio's own floor: one empty unary call and one server-streaming call of one empty message
   on a bare grpc.aio server (no interceptors). A server-streaming call costs 1.2 to 1.5x a unary one
   there (two batches on the server, message then status, and more reads on the client), up to
   more than the goal's 1.2x: so the goal is measured on the unary step, and the streamed step is
   compared with the empty RPC of its own shape.
 
-Every call is timed from the client's side (this process), its stream drained; the bare server
-runs in the child process too.
+Every call is timed from the client's side (this process, or the language's driver), its
+stream drained; the bare server runs in the child process too. The drivers need node with
+clients/typescript/node_modules and Debian's Go (``clients/setup``); ``--python-only`` leaves
+them out.
 
     python -m bench.bench_steps [--sizes 100,1000,10000,100000] [--calls 400] [--full-calls 20]
+                                [--python-only]
 
 ``readme_rows()`` returns rows of docs/benchmarks.md (goal, measured, reference):
 ``python -m bench.readme``.
@@ -47,7 +55,7 @@ import itertools
 import statistics
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -56,6 +64,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.bench_pressure import BATCH, conversations, fmt, in_steps, surface_events, table
 from bench.children import identity, served, until_stdin_closes
+from bench.step_drivers import Driver, DriverTimings, drivers
 from compactd import config
 from compactd.api.server import create_server, settle_interpreter
 from compactd.v1 import (
@@ -89,6 +98,36 @@ OVERRIDES: dict[str, Any] = {
 
 
 @dataclass(frozen=True)
+class ClientRow:
+    """Another language's default step at one session length: p50/p99 seconds, measured by its
+    driver against an empty RPC from the same process, interleaved."""
+
+    language: str
+    empty: tuple[float, float]  # an empty unary RPC (health check) from the driver's process
+    step: tuple[float, float]  # the client's default step (PrepareStepUnary, held revision)
+    streamed: tuple[float, float]  # the same with a progress callback (streamed, held)
+    reply_bytes: int  # the largest timed step's result, serialized
+
+    @classmethod
+    def of(cls, language: str, timings: DriverTimings) -> ClientRow:
+        assert timings.unchanged  # every timed step answered from the held request
+        return cls(
+            language, _pcts(timings.empty), _pcts(timings.step), _pcts(timings.streamed),
+            timings.reply_bytes,
+        )  # fmt: skip
+
+    @property
+    def ratio(self) -> float:
+        """The default step's p50 / the same process's empty RPC p50: the goal."""
+        return self.step[0] / self.empty[0]
+
+    @property
+    def streamed_ratio(self) -> float:
+        """The streamed (progress callback) step's p50 / the empty RPC p50."""
+        return self.streamed[0] / self.empty[0]
+
+
+@dataclass(frozen=True)
 class StepRow:
     """One session length: p50/p99 seconds of each call kind, measured interleaved."""
 
@@ -102,6 +141,8 @@ class StepRow:
     bare_stream: tuple[float, float]  # one empty message streamed by a bare grpc.aio server
     client: tuple[float, float]  # AsyncCompactdClient.prepare_step, the default (held) path
     sync_client: tuple[float, float]  # CompactdClient.prepare_step, the default (held) path
+    # The TypeScript and Go clients' default step (keyword-only: the fields above are positional).
+    clients: tuple[ClientRow, ...] = field(default=(), kw_only=True)
 
     @property
     def ratio(self) -> float:
@@ -195,13 +236,16 @@ def _empty_stream_handlers() -> grpc.GenericRpcHandler[Any, Any]:
 
 
 async def measure(
-    sizes: Sequence[int] = SIZES, calls: int = 400, full_calls: int = 20
+    sizes: Sequence[int] = SIZES, calls: int = 400, full_calls: int = 20, languages: bool = True
 ) -> list[StepRow]:
     """PrepareStepUnary and PrepareStep (held revision and, in the first ``full_calls`` rounds,
     full), and the empty RPCs, interleaved at each size, against the servers of one child
-    process (``serve``)."""
+    process (``serve``); then, with ``languages``, the TypeScript and Go drivers' rounds."""
     async with served("bench.bench_steps", 2) as (address, bare_address):
-        return await _measured(address, bare_address, sizes, calls, full_calls)
+        if not languages:
+            return await _measured(address, bare_address, sizes, calls, full_calls, [])
+        async with drivers(address, "bench", 1) as started:
+            return await _measured(address, bare_address, sizes, calls, full_calls, started)
 
 
 async def serve() -> None:
@@ -223,7 +267,12 @@ async def serve() -> None:
 
 
 async def _measured(
-    address: str, bare_address: str, sizes: Sequence[int], calls: int, full_calls: int
+    address: str,
+    bare_address: str,
+    sizes: Sequence[int],
+    calls: int,
+    full_calls: int,
+    languages: Sequence[Driver],
 ) -> list[StepRow]:
     bare_channel = grpc.aio.insecure_channel(bare_address)
     bare_unary_call = bare_channel.unary_unary(
@@ -344,7 +393,12 @@ async def _measured(
                         order = [kind for kind in order if kind != FULL]
                     for kind in order:
                         samples[kind].append(await _timed(kinds[kind]))
-                rows.append(StepRow(size, *(_pcts(s) for s in samples)))
+                others = []
+                for driver in languages:
+                    timings = await driver.measure(calls)
+                    assert timings.revision == held  # the request the Python clients hold
+                    others.append(ClientRow.of(driver.language, timings))
+                rows.append(StepRow(size, *(_pcts(s) for s in samples), clients=tuple(others)))
     finally:
         sync_client.close()
         await bare_channel.close(None)
@@ -381,6 +435,49 @@ def readme_rows(sizes: Sequence[int] = SIZES, calls: int = 400) -> list[tuple[st
             f"{', '.join(f'{row.events:,}' for row in measured)} events)",
             f"the same empty unary RPC, interleaved call by call: p50 {empties}",
         ),
+        *_language_rows(measured),
+    ]
+
+
+NAMES = {"typescript": "TypeScript", "go": "Go"}
+CALLS = {"typescript": "prepareStep(sessionId, turn)", "go": "PrepareStep(ctx, id, turn, nil)"}
+
+
+def _language_rows(measured: Sequence[StepRow]) -> list[tuple[str, str, str]]:
+    """The TypeScript and Go clients' row, when their drivers ran."""
+    languages = [client.language for client in measured[0].clients] if measured else []
+    if not languages:
+        return []
+
+    def each(language: str, value: Callable[[ClientRow], str]) -> str:
+        return ", ".join(
+            value(client) for row in measured for client in row.clients
+            if client.language == language
+        )  # fmt: skip
+
+    at = ", ".join(f"{row.events:,}" for row in measured)
+    steps = "; ".join(
+        f"{NAMES[lang]} {CALLS[lang]}: p50 {each(lang, lambda c: f'{c.ratio:.2f}x')}"
+        for lang in languages
+    )
+    streamed = "; ".join(
+        f"{NAMES[lang]} {each(lang, lambda c: f'{c.streamed_ratio:.2f}x')}" for lang in languages
+    )
+    replies = "; ".join(
+        f"{NAMES[lang]} {each(lang, lambda c: f'{c.reply_bytes:,}')} bytes" for lang in languages
+    )
+    empties = "; ".join(
+        f"{NAMES[lang]} {each(lang, lambda c: fmt(c.empty[0]).strip())}" for lang in languages
+    )
+    return [
+        (
+            "The TypeScript and Go clients' default step ≤ 1.3x an empty RPC at 100 and 100k "
+            "events, its reply the size of the step",
+            f"{steps} (at {at} events); with a progress callback (the streamed PrepareStep, as "
+            f"the examples call it): {streamed}; the largest step reply: {replies}",
+            "an empty unary RPC (health check) from the same client process, interleaved call "
+            f"by call: p50 {empties}",
+        )
     ]
 
 
@@ -391,6 +488,9 @@ def main() -> None:
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="session lengths")
     parser.add_argument("--calls", type=int, default=400, help="rounds per size")
     parser.add_argument("--full-calls", type=int, default=20, help="rounds with a full request")
+    parser.add_argument(
+        "--python-only", action="store_true", help="leave out the TypeScript and Go drivers"
+    )
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child
     args = parser.parse_args()
     if args.serve:
@@ -398,7 +498,7 @@ def main() -> None:
         return
     sizes = [int(s) for s in args.sizes.split(",")]
     started = time.perf_counter()
-    measured = asyncio.run(measure(sizes, args.calls, args.full_calls))
+    measured = asyncio.run(measure(sizes, args.calls, args.full_calls, not args.python_only))
     table(
         "PrepareStep below pressure vs an empty RPC, interleaved call by call (p50 / p99)",
         ["events", "empty RPC", "StepUnary held", "unary/empty", "PrepareStep held",
@@ -437,6 +537,27 @@ def main() -> None:
         "one PrepareStepUnary with held_revision, the answered messages appended) / the empty "
         "unary RPC: the goal (<= 1.3x)."
     )
+    if measured and measured[0].clients:
+        table(
+            "The TypeScript and Go clients' default step vs an empty RPC from the same process, "
+            "interleaved call by call (p50 / p99)",
+            ["events", "client", "empty RPC", "default step", "step/empty", "streamed step",
+             "streamed/empty", "largest reply"],
+            [
+                (
+                    f"{row.events:,}",
+                    NAMES[client.language],
+                    f"{fmt(client.empty[0])} / {fmt(client.empty[1])}",
+                    f"{fmt(client.step[0])} / {fmt(client.step[1])}",
+                    f"{client.ratio:5.2f}x",
+                    f"{fmt(client.streamed[0])} / {fmt(client.streamed[1])}",
+                    f"{client.streamed_ratio:5.2f}x",
+                    f"{client.reply_bytes:,} B",
+                )
+                for row in measured
+                for client in row.clients
+            ],
+        )  # fmt: skip
     print(f"\ndone in {time.perf_counter() - started:.0f} s")
 
 
