@@ -106,6 +106,7 @@ class ClientRow:
     empty: tuple[float, float]  # an empty unary RPC (health check) from the driver's process
     step: tuple[float, float]  # the client's default step (PrepareStepUnary, held revision)
     streamed: tuple[float, float]  # the same with a progress callback (streamed, held)
+    unary: tuple[float, float]  # the client's bare PrepareStepUnary, held revision, nothing held
     reply_bytes: int  # the largest timed step's result, serialized
 
     @classmethod
@@ -113,13 +114,18 @@ class ClientRow:
         assert timings.unchanged  # every timed step answered from the held request
         return cls(
             language, _pcts(timings.empty), _pcts(timings.step), _pcts(timings.streamed),
-            timings.reply_bytes,
+            _pcts(timings.unary), timings.reply_bytes,
         )  # fmt: skip
 
     @property
     def ratio(self) -> float:
         """The default step's p50 / the same process's empty RPC p50: the goal."""
         return self.step[0] / self.empty[0]
+
+    @property
+    def unary_ratio(self) -> float:
+        """The bare PrepareStepUnary's p50 / the empty RPC p50: the server's share."""
+        return self.unary[0] / self.empty[0]
 
     @property
     def streamed_ratio(self) -> float:
@@ -463,6 +469,9 @@ def _language_rows(measured: Sequence[StepRow]) -> list[tuple[str, str, str]]:
     streamed = "; ".join(
         f"{NAMES[lang]} {each(lang, lambda c: f'{c.streamed_ratio:.2f}x')}" for lang in languages
     )
+    bare = "; ".join(
+        f"{NAMES[lang]} {each(lang, lambda c: f'{c.unary_ratio:.2f}x')}" for lang in languages
+    )
     replies = "; ".join(
         f"{NAMES[lang]} {each(lang, lambda c: f'{c.reply_bytes:,}')} bytes" for lang in languages
     )
@@ -474,7 +483,8 @@ def _language_rows(measured: Sequence[StepRow]) -> list[tuple[str, str, str]]:
             "The TypeScript and Go clients' default step ≤ 1.3x an empty RPC at 100 and 100k "
             "events, its reply the size of the step",
             f"{steps} (at {at} events); with a progress callback (the streamed PrepareStep, as "
-            f"the examples call it): {streamed}; the largest step reply: {replies}",
+            f"the examples call it): {streamed}; the bare PrepareStepUnary with the held revision "
+            f"(nothing held: the server's share): {bare}; the largest step reply: {replies}",
             "an empty unary RPC (health check) from the same client process, interleaved call "
             f"by call: p50 {empties}",
         )
@@ -542,7 +552,7 @@ def main() -> None:
             "The TypeScript and Go clients' default step vs an empty RPC from the same process, "
             "interleaved call by call (p50 / p99)",
             ["events", "client", "empty RPC", "default step", "step/empty", "streamed step",
-             "streamed/empty", "largest reply"],
+             "streamed/empty", "bare StepUnary", "bare/empty", "largest reply"],
             [
                 (
                     f"{row.events:,}",
@@ -552,6 +562,8 @@ def main() -> None:
                     f"{client.ratio:5.2f}x",
                     f"{fmt(client.streamed[0])} / {fmt(client.streamed[1])}",
                     f"{client.streamed_ratio:5.2f}x",
+                    f"{fmt(client.unary[0])} / {fmt(client.unary[1])}",
+                    f"{client.unary_ratio:5.2f}x",
                     f"{client.reply_bytes:,} B",
                 )
                 for row in measured

@@ -4,7 +4,8 @@ Each client has a small driver that times its default step beside an empty unary
 health check) sent by the same process, interleaved call by call (so the reference pays the same
 language's client costs): ``clients/typescript/bench/steps.ts`` (``prepareStep(session, turn)``)
 and ``clients/go/internal/stepbench`` (``PrepareStep(ctx, session, turn, nil)``); each also times
-the step with a progress callback (the streamed PrepareStep, the examples' call). This module
+the step with a progress callback (the streamed PrepareStep, the examples' call) and the bare
+PrepareStepUnary RPC with the held revision (nothing held: the client's own share). This module
 builds them (tsc, as ``npm test`` does; ``go build`` in GOPATH mode over Debian's Go sources, as
 ``clients/go/gotest`` does), starts each as a child process on the bench's session, and asks for
 one measurement per session length: it writes the number of rounds to the driver's stdin and
@@ -40,6 +41,7 @@ class DriverTimings:
     empty: list[float]  # the empty unary RPC (health check) from the driver's process
     step: list[float]  # the client's default step (one PrepareStepUnary, held revision)
     streamed: list[float]  # the default step with a progress callback (streamed, held)
+    unary: list[float]  # the client's bare PrepareStepUnary with the held revision, nothing held
     unchanged: bool  # every timed step answered only the messages appended (none here)
     reply_bytes: int  # the largest timed step's result, serialized
     revision: int  # the held request's revision
@@ -104,7 +106,8 @@ class Driver:
             raise RuntimeError(f"the {self.language} step driver exited: {code}")
         got = json.loads(line)
         return DriverTimings(
-            got["empty"], got["step"], got["streamed"], got["unchanged"], got["replyBytes"],
+            got["empty"], got["step"], got["streamed"], got["unary"], got["unchanged"],
+            got["replyBytes"],
             int(got["revision"]), got["messages"],
         )  # fmt: skip
 

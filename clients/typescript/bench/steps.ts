@@ -4,7 +4,8 @@
 // with `heldRevision`, the answered messages appended), beside an empty unary RPC (a gRPC health
 // check) sent from this same process, interleaved call by call, so the reference pays the same
 // language's client costs. Also timed: the step with `onProgress` (the streamed PrepareStep,
-// held alike), the call the examples make.
+// held alike), the call the examples make, and `prepareStepUnary` with the held request's
+// revision (the RPC alone, nothing held: what the client's holding adds is the difference).
 //
 //   node dist/bench/steps.js ADDRESS SESSION TURN
 //
@@ -71,6 +72,7 @@ interface Timings {
   empty: number[];
   step: number[];
   streamed: number[];
+  unary: number[];
   unchanged: boolean;
   replyBytes: number;
   revision: string;
@@ -106,16 +108,19 @@ async function main(): Promise<void> {
       empty: [],
       step: [],
       streamed: [],
+      unary: [],
       unchanged: true,
       replyBytes: 0,
       revision: second.request.revision.toString(),
       messages: second.request.messages.length,
     };
+    const heldRevision = second.request.revision;
     const results: PrepareStepResult[] = [];
     const kinds: Array<[number[], () => Promise<unknown>]> = [
       [timings.empty, empty],
       [timings.step, async () => results.push((await step()).result)],
       [timings.streamed, async () => results.push((await streamed()).result)],
+      [timings.unary, () => client.prepareStepUnary(sessionId, turn, { heldRevision })],
     ];
     for (let round = -WARM_UP_ROUNDS; round < rounds; round++) {
       const order = round % 2 === 0 ? kinds : [...kinds].reverse();

@@ -4,7 +4,9 @@
 // PrepareStepUnary with the held revision, the answered messages appended), beside an empty unary
 // RPC (a gRPC health check) sent from this same process, interleaved call by call, so the
 // reference pays the same language's client costs. Also timed: the step with OnProgress (the
-// streamed PrepareStep, held alike), the call the examples make.
+// streamed PrepareStep, held alike), the call the examples make, and PrepareStepUnary with the
+// held request's revision (the RPC alone, nothing held: what the client's holding adds is the
+// difference).
 //
 //	stepbench ADDRESS SESSION TURN
 //
@@ -42,6 +44,7 @@ type timings struct {
 	Empty      []float64 `json:"empty"`
 	Step       []float64 `json:"step"`
 	Streamed   []float64 `json:"streamed"`
+	Unary      []float64 `json:"unary"`
 	Unchanged  bool      `json:"unchanged"`
 	ReplyBytes int       `json:"replyBytes"`
 	Revision   string    `json:"revision"`
@@ -129,6 +132,11 @@ func measure(ctx context.Context, client *compactd.Client, health grpc_health_v1
 		}},
 		{&t.Step, step(nil)},
 		{&t.Streamed, step(streamed)},
+		{&t.Unary, func() error {
+			revision := second.Request.GetRevision()
+			_, err := client.PrepareStepUnary(ctx, sessionID, turn, nil, &revision)
+			return err
+		}},
 	}
 	for round := -warmUpRounds; round < rounds; round++ {
 		for i := range kinds {
