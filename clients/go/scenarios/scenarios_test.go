@@ -401,9 +401,19 @@ func TestHeldStepsAcrossACompaction(t *testing.T) {
 	}
 	var full, compacted []int
 	for step := int64(1); step <= 9; step++ {
-		prepared, err := c.PrepareStep(ctx, id, 9, nil)
+		// Even steps stream (OnProgress, as the examples step), odd ones are one unary call:
+		// both extend the same held request.
+		var seen []*v1.CompactionProgress
+		var opts *compactd.StepOptions
+		if step%2 == 0 {
+			opts = &compactd.StepOptions{OnProgress: func(p *v1.CompactionProgress) { seen = append(seen, p) }}
+		}
+		prepared, err := c.PrepareStep(ctx, id, 9, opts)
 		if err != nil {
 			t.Fatal(err)
+		}
+		if len(prepared.Progress) != len(seen) {
+			t.Fatalf("step %d: %d updates kept, %d seen", step, len(prepared.Progress), len(seen))
 		}
 		built, err := c.BuildRequest(ctx, id)
 		if err != nil {

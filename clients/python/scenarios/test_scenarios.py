@@ -246,15 +246,21 @@ def work_step(turn: int, step: int) -> list[events_pb2.SessionEvent]:
 
 def test_held_steps_across_a_compaction(client: CompactdClient) -> None:
     """The default step holds the request: every step's is BuildRequest's, while the server
-    answers only the messages each step added, except the step that compacts."""
+    answers only the messages each step added, except the step that compacts. Even steps
+    stream (a progress callback, as the examples step), odd ones are one unary call: both
+    extend the same held request."""
     session_id = new_session(client)
     seed(client, session_id, turns=8)  # ~8,000 tokens: five steps below the trigger (9,830)
     client.append_events(session_id, [turn_start(9), user_message("Now fix every handler.")])
     answers: list[cpb.PrepareStepResult] = []
     for step in range(1, 10):
-        prepared = client.prepare_step(session_id, 9)
+        seen: list[cpb.CompactionProgress] = []
+        prepared = client.prepare_step(
+            session_id, 9, on_progress=seen.append if step % 2 == 0 else None
+        )
         built = client.build_request(session_id)
         assert prepared.request == built, f"step {step}"
+        assert list(prepared.progress) == seen
         answers.append(prepared.result)
         if prepared.result.request_unchanged:
             assert list(prepared.result.appended_messages) == list(built.messages[-2:])

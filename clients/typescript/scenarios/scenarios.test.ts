@@ -14,6 +14,7 @@ import {
   assistantMessage,
   CompactdClient,
   CompactionBusyError,
+  type CompactionProgress,
   CompactionStep,
   eventType,
   MessageRole,
@@ -260,9 +261,14 @@ describe("scenarios", { skip: address === "" ? "COMPACTD_ADDRESS is not set" : f
     await client.appendEvents(sessionId, [turnStart(9), userMessage("Now fix every handler.")]);
     const answers: PrepareStepResult[] = [];
     for (let step = 1; step <= 9; step++) {
-      const prepared = await client.prepareStep(sessionId, 9);
+      // Even steps stream (onProgress, as the examples step), odd ones are one unary call: both
+      // extend the same held request.
+      const seen: CompactionProgress[] = [];
+      const onProgress = step % 2 === 0 ? (p: CompactionProgress) => seen.push(p) : undefined;
+      const prepared = await client.prepareStep(sessionId, 9, { onProgress });
       const built = await client.buildRequest(sessionId);
       assert.deepEqual(prepared.request, built, `step ${step}`);
+      assert.deepEqual(prepared.progress, seen);
       answers.push(prepared.result);
       if (prepared.result.requestUnchanged) {
         assert.deepEqual(prepared.result.appendedMessages, built.messages.slice(-2));
