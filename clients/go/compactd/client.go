@@ -155,6 +155,17 @@ func (c *Client) ListSessions(ctx context.Context, pageSize int32, pageToken, pa
 	return resp, FromError(err)
 }
 
+// DeleteSession deletes the session and its log, durably, and drops the request the client holds
+// for it (the id may be created again, fresh: a held request would name the old log's
+// revision). NOT_FOUND when it does not exist.
+func (c *Client) DeleteSession(ctx context.Context, sessionID string) error {
+	c.held.forget(sessionID)
+	ctx, cancel := c.unaryContext(ctx)
+	defer cancel()
+	_, err := c.Sessions.DeleteSession(ctx, &v1.DeleteSessionRequest{SessionId: sessionID})
+	return FromError(err)
+}
+
 // BuildRequest returns the reconstructed model request.
 func (c *Client) BuildRequest(ctx context.Context, sessionID string) (*v1.BuildRequestResponse, error) {
 	ctx, cancel := c.unaryContext(ctx)

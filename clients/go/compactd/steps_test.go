@@ -70,6 +70,10 @@ func (l *heldLog) BuildRequest(ctx context.Context, req *v1.BuildRequestRequest)
 	return &v1.BuildRequestResponse{Revision: int64(len(l.messages)), Messages: append([]*v1.Message(nil), l.messages...)}, nil
 }
 
+func (l *heldLog) DeleteSession(ctx context.Context, req *v1.DeleteSessionRequest) (*v1.DeleteSessionResponse, error) {
+	return &v1.DeleteSessionResponse{}, nil
+}
+
 func (l *heldLog) sentRevisions() []int64 {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -200,5 +204,18 @@ func TestHeldRequestsAreBoundedForgottenAndRebuiltWhenMovedOn(t *testing.T) {
 	}
 	if !proto.Equal(rebuilt.Request, &v1.BuildRequestResponse{Revision: 2, Messages: []*v1.Message{{Name: "a"}, {Name: "b"}}}) {
 		t.Fatalf("rebuilt %v", rebuilt.Request)
+	}
+}
+
+func TestDeleteSessionDropsTheHeldRequest(t *testing.T) {
+	client, log := startHeld(t)
+	step(t, client, "s", nil)
+	step(t, client, "s", nil)
+	if err := client.DeleteSession(context.Background(), "s"); err != nil {
+		t.Fatal(err)
+	}
+	step(t, client, "s", nil) // the id again: nothing held, the full request
+	if got := log.sentRevisions(); !equal(got, []int64{-1, 1, -1}) {
+		t.Fatalf("held revisions sent %v", got)
 	}
 }

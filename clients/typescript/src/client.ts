@@ -235,6 +235,16 @@ export class CompactdClient {
   }
 
   /**
+   * Deletes the session and its log, durably, and drops the request the client holds for it
+   * (the id may be created again, fresh: a held request would name the old log's revision).
+   * Throws NotFoundError when it does not exist.
+   */
+  async deleteSession(sessionId: string, opts?: CallOpts): Promise<void> {
+    this.held.forget(sessionId);
+    await call(() => this.sessions.deleteSession({ sessionId }, this.unaryOptions(opts)));
+  }
+
+  /**
    * Appends events atomically. With `expectedLastSeq` (-1 for an empty log), a mismatch throws
    * SeqConflictError and appends nothing.
    */

@@ -16,6 +16,7 @@ import {
   CompactionStep,
   CompactResponseSchema,
   DeadlineExceededError,
+  DeleteSessionResponseSchema,
   errorClass,
   GetSurfaceResponseSchema,
   HeldRequests,
@@ -375,6 +376,26 @@ describe("prepareStep", () => {
       );
       assert.equal(seen.length, 2);
       assert.equal(fake.calls.get("PrepareStepUnary"), undefined);
+    } finally {
+      client.close();
+      await fake.close();
+    }
+  });
+
+  test("deleteSession drops the held request: the next step of the id holds nothing", async () => {
+    const log = new Log();
+    const fake = await startFake(
+      { deleteSession: () => create(DeleteSessionResponseSchema, {}) },
+      { prepareStepUnary: (req) => create(PrepareStepUnaryResponseSchema, { result: log.result(req) }) },
+    );
+    const client = new CompactdClient(fake.target);
+    try {
+      await client.prepareStep("s", 1);
+      await client.prepareStep("s", 1);
+      await client.deleteSession("s");
+      await client.prepareStep("s", 1);
+      assert.deepEqual(log.sent, [undefined, 1n, undefined]);
+      assert.equal(fake.calls.get("DeleteSession"), 1);
     } finally {
       client.close();
       await fake.close();
