@@ -7,8 +7,6 @@ import pytest
 from compactd.core.ahead import (
     CandidateView,
     StepChoice,
-    extends,
-    frees_enough,
     span_digest,
     span_now,
     step_choice,
@@ -136,19 +134,3 @@ def test_a_candidate_starts_between_the_prepare_ahead_point_and_the_trigger(
     measured: int, ahead: int, trigger: int, worth: bool
 ) -> None:
     assert worth_preparing(measured, ahead, trigger) is worth
-
-
-@pytest.mark.parametrize(
-    ("delta", "minimum", "worth"),
-    [(699, 700, False), (700, 700, True), (1, 0, True), (0, 0, False)],
-)
-def test_a_ready_candidate_is_extended_only_by_a_delta_worth_a_bracket(
-    delta: int, minimum: int, worth: bool
-) -> None:
-    assert extends(delta, minimum) is worth
-
-
-def test_a_candidate_over_the_window_must_free_what_it_needs_with_a_margin() -> None:
-    assert frees_enough(3000, 300, 2000)  # 2700 >= 2000 + 500
-    assert not frees_enough(2700, 300, 2000)  # 2400 < 2500
-    assert not frees_enough(400, 300, 40)  # 100 < 40 + 64

@@ -25,8 +25,6 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from compactd.api.server import create_server
-from compactd.service.ahead import AheadService
-from compactd.service.sessions import SessionHandle
 from compactd.store.candidates import Candidate
 from compactd.testing.openai_server import OpenAICompatServer, RecordedRequest, Reply
 from compactd.v1 import compaction_service_pb2 as cpb
@@ -43,7 +41,6 @@ from tests.compaction_fixtures import (
     server_config,
     started,
     summary_requests,
-    unit,
     units,
 )
 
@@ -97,15 +94,6 @@ async def until_candidate(h: Harness, *, ready: bool, session_id: str | None = N
             found = await candidate(h, session_id)
             if found is not None and (found.summary is not None or not ready):
                 return found
-            await asyncio.sleep(0.02)
-
-
-async def until_idle(ahead: AheadService, handle: SessionHandle) -> None:
-    """Wait until the server writes no candidate of ``handle`` (written, screened, settled)."""
-    async with asyncio.timeout(30):
-        while True:
-            if not ahead.preparing(handle):
-                return
             await asyncio.sleep(0.02)
 
 
@@ -561,45 +549,25 @@ async def test_candidates_are_counted_by_outcome(
         assert outcomes(reader) == {"started": 1, "ready": 1, "applied": 1}
 
 
-async def test_a_prepared_summary_the_gate_would_reject_is_dropped_before_the_trigger(
+async def test_a_prepared_summary_the_gate_rejects_is_the_steps_one_bracket(
     tmp_path: Path, loop: OpenAICompatServer, held: Held
 ) -> None:
     held.release.set()
     loop.enqueue(Reply(text="Nothing worth keeping happened."))  # no section, no fact: rejected
     async with started(tmp_path, loop, policy=AHEAD) as h:
         await h.create(*opening(), *units(BEFORE_TRIGGER))
-        assert await asyncio.to_thread(loop.wait_for_requests, 1)
-        assert h.server is not None
-        assert h.server.ahead is not None
-        await until_idle(h.server.ahead, await h.server.manager.get(h.session_id))
-        assert await candidate(h) is None  # never stored: the step would spend its bracket
+        await until_candidate(h, ready=True)
 
         run = await step_at_trigger(h)
 
-        assert len(summary_requests(loop)) == 2  # the step summarized (a larger span) itself
+        assert len(summary_requests(loop)) == 1  # the step sent nothing: no second bracket
         (record,) = await brackets(h)
-        assert record.outcome == cpb.BRACKET_OUTCOME_COMMITTED
-        assert not record.HasField("prepared_ahead")
-        assert run.result.after.state == BELOW
-
-
-async def test_after_the_gate_would_reject_a_candidate_none_starts_for_a_span_hardly_larger(
-    tmp_path: Path, loop: OpenAICompatServer, held: Held
-) -> None:
-    held.release.set()
-    loop.enqueue(Reply(text="Nothing worth keeping happened."))  # rejected when screened
-    async with started(tmp_path, loop, policy=AHEAD) as h:
-        await h.create(*opening(), *units(BEFORE_TRIGGER))
-        assert await asyncio.to_thread(loop.wait_for_requests, 1)
-        assert h.server is not None
-        assert h.server.ahead is not None
-        handle = await h.server.manager.get(h.session_id)
-        await until_idle(h.server.ahead, handle)
-
-        await h.append(turn_start(1), user("Carry on."))  # a few tokens more
-        await until_idle(h.server.ahead, handle)
-
-        assert len(summary_requests(loop)) == 1
+        assert record.outcome != cpb.BRACKET_OUTCOME_COMMITTED
+        assert record.HasField("prepared_ahead")
+        assert run.result.compactions == []
+        assert any("SUMMARY_REJECTED" in warning for warning in run.result.warnings)
+        assert run.result.after.state == ABOVE
+        assert run.result.outcome == cpb.PRESSURE_OUTCOME_ABOVE_TRIGGER
         assert await candidate(h) is None
 
 
@@ -620,162 +588,3 @@ async def test_a_ready_candidate_waits_for_the_trigger_and_a_step_below_it_leave
         assert kept is not None
         assert kept.candidate_id == ready.candidate_id
         assert await brackets(h) == []
-
-
-def request_text(body: dict[str, Any]) -> str:
-    """Every text a summary request sent, joined."""
-    parts = []
-    for message in body["messages"]:
-        content = message.get("content")
-        if isinstance(content, str):
-            parts.append(content)
-        elif isinstance(content, list):
-            parts += [block.get("text", "") for block in content if isinstance(block, dict)]
-    return "\n".join(parts)
-
-
-async def until_replaced(h: Harness, previous: Candidate) -> Candidate:
-    """Poll the store until a ready candidate other than ``previous`` holds the session."""
-    async with asyncio.timeout(30):
-        while True:
-            found = await candidate(h)
-            ready = found is not None and found.summary is not None
-            if ready and found is not None and found.candidate_id != previous.candidate_id:
-                return found
-            await asyncio.sleep(0.02)
-
-
-EARLY: dict[str, Any] = {**AHEAD, "prepareAheadRatio": 0.15}  # 2400 tokens: ~8 units
-
-
-async def test_a_ready_candidate_is_extended_from_its_summary_and_the_history_after_it(
-    tmp_path: Path, loop: OpenAICompatServer, held: Held
-) -> None:
-    held.release.set()
-    async with started(tmp_path, loop, policy=EARLY) as h:
-        await h.create(*opening(), *units(9))
-        first = await until_candidate(h, ready=True)
-        await h.append(*units(BEFORE_TRIGGER + 2 - 9, 9))  # still below the trigger
-
-        second = await until_replaced(h, first)
-
-        assert second.claim.start_seq == first.claim.start_seq
-        assert second.claim.end_seq > first.claim.end_seq
-        one, two = summary_requests(loop)
-        sent = request_text(two)
-        assert "ok 0 ok 0 ok 0" in request_text(one)  # the first: the span itself
-        assert "ok 0 ok 0 ok 0" not in sent  # not resent: its summary stands for it
-        assert "Automatic summary of an earlier part of this conversation" in sent
-        assert "src/mod0.py" in sent
-        assert "Step 10: run the check" in sent  # the history after the first one's span
-
-        run = await step_at_trigger(h)  # the extended candidate is applied, no call
-
-        assert len(summary_requests(loop)) == 2
-        (record,) = await brackets(h)
-        assert record.outcome == cpb.BRACKET_OUTCOME_COMMITTED
-        assert record.prepared_ahead.candidate_id == second.candidate_id
-        assert record.range.end_seq == second.claim.end_seq
-        assert run.result.after.state == BELOW
-
-
-async def test_a_step_at_the_trigger_applies_the_ready_candidate_while_its_extension_is_written(
-    tmp_path: Path, loop: OpenAICompatServer, held: Held
-) -> None:
-    held.count = 2  # the first summary is released below; the extension stays held
-    async with started(tmp_path, loop, policy=EARLY) as h:
-        await h.create(*opening(), *units(9))
-        await until_candidate(h, ready=False)
-        held.release.set()
-        first = await until_candidate(h, ready=True)
-        held.release.clear()
-        await h.append(*units(BEFORE_TRIGGER + 2 - 9, 9))
-        assert await asyncio.to_thread(loop.wait_for_requests, 2)  # the extension is held
-
-        run = await step_at_trigger(h)
-
-        assert [p for p in run.progress if p.step == STEP.COMPACTION_STEP_AHEAD] == []
-        (record,) = await brackets(h)
-        assert record.prepared_ahead.candidate_id == first.candidate_id
-        assert record.prepared_ahead.agent_wait_ms == 0
-        assert h.server is not None
-        assert h.server.ahead is not None
-        assert not h.server.ahead.preparing(await h.server.manager.get(h.session_id))
-        held.release.set()
-        assert await candidate(h) is None  # the extension's base is gone: nothing is stored
-
-
-#: Over the window (15000) is only 1400 tokens above the trigger (13600); a candidate starts
-#: at 8000 (~27 units).
-NEAR: dict[str, Any] = {**AHEAD, "thresholdRatio": 0.85, "prepareAheadRatio": 0.5}
-NEAR_UNITS = 28
-
-
-def huge(i: int, tokens: int) -> list[Any]:
-    """A unit whose request alone is about ``tokens`` tokens (pruning cannot shrink it)."""
-    events = unit(i)
-    events[1].user_message.content[0].text.text = "big " * tokens
-    return events
-
-
-async def test_over_the_window_a_ready_candidate_that_brings_it_below_the_trigger_is_applied(
-    tmp_path: Path, loop: OpenAICompatServer, held: Held
-) -> None:
-    held.release.set()
-    async with started(tmp_path, loop, policy=NEAR) as h:
-        await h.create(*opening(), *units(NEAR_UNITS))
-        ready = await until_candidate(h, ready=True)
-        await h.append(*huge(NEAR_UNITS, 7000), turn_start(1), user("Carry on."))
-
-        run = await h.prepare(1)
-
-        before, after = run.result.before, run.result.after
-        assert before.measured_tokens > before.context_window - before.output_reservation
-        assert len(summary_requests(loop)) == 1  # the step called no model
-        (record,) = await brackets(h)
-        assert record.prepared_ahead.candidate_id == ready.candidate_id
-        assert after.state == BELOW
-
-
-async def test_over_the_window_a_candidate_that_would_leave_it_above_the_trigger_is_not_applied(
-    tmp_path: Path, loop: OpenAICompatServer, held: Held
-) -> None:
-    held.release.set()
-    async with started(tmp_path, loop, policy=NEAR) as h:
-        await h.create(*opening(), *units(NEAR_UNITS))
-        await until_candidate(h, ready=True)
-        await h.append(*huge(NEAR_UNITS, 7000), *huge(NEAR_UNITS + 1, 7000))
-        await h.append(turn_start(1), user("Carry on."))
-
-        run = await h.prepare(1)
-
-        (record,) = await brackets(h)
-        assert not record.HasField("prepared_ahead")  # the step's one bracket: the maximal one
-        assert len(summary_requests(loop)) > 1  # the step summarized the maximal span itself
-        after = run.result.after
-        assert after.measured_tokens <= after.context_window - after.output_reservation
-
-
-async def test_over_the_window_a_candidate_being_written_that_would_free_enough_is_waited_for(
-    tmp_path: Path, loop: OpenAICompatServer, held: Held
-) -> None:
-    async with started(tmp_path, loop, policy=NEAR) as h:
-        await h.create(*opening(), *units(NEAR_UNITS))
-        preparing = await until_candidate(h, ready=False)
-        await h.append(*huge(NEAR_UNITS, 7000), turn_start(1), user("Carry on."))
-
-        run = Run()
-        call = h.compaction.PrepareStep(cpb.PrepareStepRequest(session_id=h.session_id, turn=1))
-        async for response in call:
-            if response.HasField("progress"):
-                run.progress.append(response.progress)
-                if response.progress.step == STEP.COMPACTION_STEP_AHEAD:
-                    held.release.set()  # the summary is done only while the step waits
-            else:
-                run.result = response.result
-
-        assert len(summary_requests(loop)) == 1
-        (record,) = await brackets(h)
-        assert record.prepared_ahead.candidate_id == preparing.candidate_id
-        assert record.prepared_ahead.agent_wait_ms > 0
-        assert run.result.after.state == BELOW

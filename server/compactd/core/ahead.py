@@ -87,28 +87,7 @@ def step_choice(fold: SessionFold, view: CandidateView | None) -> StepChoice:
 
 
 def worth_preparing(measured: int, prepare_ahead: int, trigger: int) -> bool:
-    """Whether an envelope of ``measured`` tokens starts a candidate (or extends the ready
-    one): at or past the prepare-ahead point (0: off) and still below the trigger (at the
-    trigger the step itself summarizes, or applies what was prepared)."""
+    """Whether an envelope of ``measured`` tokens starts a candidate: at or past the
+    prepare-ahead point (0: off) and still below the trigger (at the trigger the step itself
+    summarizes, or applies what was prepared)."""
     return 0 < prepare_ahead <= measured < trigger
-
-
-def extends(delta_price: int, min_span_tokens: int) -> bool:
-    """Whether history appended after a ready candidate's span, ``delta_price`` tokens of
-    what selection would now add to it, is worth a new candidate written from the ready one's
-    summary and that delta: only a delta that would be worth a bracket of its own (the summary
-    request resends the system head, the tools and the prior summary each time)."""
-    return delta_price >= max(1, min_span_tokens)
-
-
-#: The share of a candidate's estimated saving a request over the window must be able to lose
-#: beyond what it needs: the checkpoint is priced by the reference heuristic, not the route.
-FREE_MARGIN = 0.25
-
-
-def frees_enough(span_price: int, checkpoint_price: int, need: int) -> bool:
-    """Whether replacing a span priced ``span_price`` by a checkpoint priced about
-    ``checkpoint_price`` frees ``need`` tokens with a margin (``FREE_MARGIN`` of ``need``, at
-    least 64): a request over the window applies a ready candidate only then, else the step's
-    one bracket takes the maximal span."""
-    return span_price - checkpoint_price >= need + max(64, int(need * FREE_MARGIN))

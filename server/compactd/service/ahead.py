@@ -27,39 +27,31 @@ import contextlib
 import contextvars
 import json
 import logging
-import math
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 
 from google.protobuf.timestamp_pb2 import Timestamp
 from opentelemetry import trace
 
 from compactd import genai
-from compactd.core import events as ev
 from compactd.core.ahead import (
     CandidateView,
     StepChoice,
-    extends,
-    frees_enough,
     span_digest,
     span_now,
     step_choice,
     worth_preparing,
 )
-from compactd.core.bracket import checkpoint_message, checkpoint_text
 from compactd.core.fold import SessionFold
 from compactd.core.lock import live_bracket
-from compactd.core.pins import head_length
 from compactd.core.planner import SHAPES, PlanMode, choose_span, node_pricer, span_pricer
 from compactd.core.policy import CompactSpec, TargetPolicy
-from compactd.core.pricing import heuristic_price
-from compactd.core.projection import project
 from compactd.core.selection import DeclineCode, Declined, Selection, SelectionMode
 from compactd.errors import CompactdError, CompactionBusy
 from compactd.metrics import Metrics
-from compactd.providers.base import SummaryError, SummaryRequest, SummaryResult
+from compactd.providers.base import SummaryError, SummaryResult
 from compactd.routes import Route
 from compactd.service.bracket import (
     Bracket,
@@ -94,12 +86,6 @@ class _Preparation:
     selection: Selection
     target: Route
     policy: TargetPolicy
-    #: The ready candidate this one extends (``_extension``), which stays applicable until this
-    #: one replaces it; None for a candidate written from its whole span.
-    base: Candidate | None = None
-    #: An extension's summary request (its base's summary, then the history after its span),
-    #: built under the lock with the digest; None: built from the span when the summary starts.
-    request: SummaryRequest | None = None
 
 
 class AheadService:
@@ -131,13 +117,6 @@ class AheadService:
         self._tracer = tracer
         self._metrics = metrics
         self._tasks: dict[Key, asyncio.Task[None]] = {}
-        #: Sessions whose ready candidate's last extension failed the quality gate: the next
-        #: candidate summarizes its whole span instead (and replaces it the same way).
-        self._whole: set[Key] = set()
-        #: Per session, after its candidate failed the gate: (its span's start seq, the smallest
-        #: span a new candidate from there must take). Without it the next append would start
-        #: the same summary for a span hardly larger, to be rejected the same way.
-        self._grown: dict[Key, tuple[int, int]] = {}
         self._closed = False
 
     # ---- starting a candidate --------------------------------------------------------------
@@ -195,113 +174,57 @@ class AheadService:
         self, handle: SessionHandle, route: Route, policy: TargetPolicy, spec: CompactSpec
     ) -> None:
         """The background task: choose, claim, summarize, store (or drop on any failure)."""
-        current = await self._current(handle)
-        if current is not None and current.summary is None:
-            return  # one per session: being prepared (here, or by a live replica)
-        prepared = await self._chosen(handle, route, policy, spec, current)
+        if not await self._room_for_one(handle):
+            return
+        prepared = await self._chosen(handle, route, policy, spec)
         if prepared is None:
             return
-        if prepared.base is None:
-            claimed = await self._store.claim_candidate(
-                handle.session_id, prepared.claim, handle.leases.ttl_s, tenant=handle.tenant
-            )
-            if not claimed:  # another replica (or task) holds the session's candidate
-                return
+        claimed = await self._store.claim_candidate(
+            handle.session_id, prepared.claim, handle.leases.ttl_s, tenant=handle.tenant
+        )
+        if not claimed:  # another replica (or task) holds the session's candidate
+            return
         self._metrics.ahead("started")
         try:
             summary, name = await self._summarized(handle, prepared)
-            rejected = await self._brackets.prescreen(
-                handle, prepared.selection, summary, summarizer=name, target=prepared.target,
-                policy=prepared.policy, shrink_route=route,
-            )  # fmt: skip
         except BaseException as error:
-            if prepared.base is None:
-                await asyncio.shield(self._drop(handle, prepared.claim.candidate_id))
+            await asyncio.shield(self._drop(handle, prepared.claim.candidate_id))
             self._metrics.ahead("cancelled" if isinstance(error, asyncio.CancelledError) else
                                 "failed")  # fmt: skip
             if isinstance(error, SummaryError | asyncio.CancelledError):
                 return  # the step at the trigger summarizes itself (and reports a failure)
             raise
-        if rejected is not None:
-            await self._rejected(handle, prepared, rejected)
-            return
-        encoded = encode_summary(summary, prepared.target, name)
-        stored = await self._stored(handle, prepared, encoded)
+        stored = await self._store.finish_candidate(
+            handle.session_id, prepared.claim.candidate_id, prepared.claim.owner,
+            encode_summary(summary, prepared.target, name), tenant=handle.tenant,
+        )  # fmt: skip
         self._metrics.ahead("ready" if stored else "discarded")
 
-    async def _rejected(
-        self, handle: SessionHandle, prepared: _Preparation, rejected: SummaryRejected
-    ) -> None:
-        """A summary the quality gate would reject at the trigger is never stored: a step there
-        would spend its one bracket on it. A candidate of its own span is dropped (failure
-        memory holds the span back, as a bracket's failure does: the step at the trigger
-        summarizes a larger one); a rejected extension leaves its base ready, and the session's
-        next candidate summarizes its whole span instead."""
-        self._metrics.ahead("discarded")
-        if prepared.request is not None:  # an extension
-            self._whole.add((handle.tenant, handle.session_id))
-            return
-        if prepared.base is None:
-            await self._drop(handle, prepared.claim.candidate_id)
-        selection = prepared.selection
-        self._grown[(handle.tenant, handle.session_id)] = (
-            selection.start_seq,
-            regrown(rejected, selection.shadowed_price, self._min_span(handle, prepared)),
-        )
-
-    def _min_span(self, handle: SessionHandle, prepared: _Preparation) -> int:
-        route = self._pressure.logged_route(handle)
-        return self._brackets.guard.min_span_tokens(route, prepared.policy, handle.fold)
-
-    async def _stored(self, handle: SessionHandle, prepared: _Preparation, summary: bytes) -> bool:
-        """Store ``prepared``'s summary; an extension replaces the ready candidate it was
-        written from (the session keeps one), unless that one was applied or dropped meanwhile.
-        False when the candidate is gone."""
-        claim, session_id, tenant = prepared.claim, handle.session_id, handle.tenant
-        if prepared.base is not None:
-            base = prepared.base.candidate_id
-            if not await self._store.drop_candidate(session_id, base, tenant=tenant):
-                return False
-            if not await self._store.claim_candidate(
-                session_id, claim, handle.leases.ttl_s, tenant=tenant
-            ):
-                return False
-        return await self._store.finish_candidate(
-            session_id, claim.candidate_id, claim.owner, summary, tenant=tenant
-        )
-
-    async def _current(self, handle: SessionHandle) -> Candidate | None:
-        """The session's candidate while it still fits its span; one that no longer does, or
-        that was abandoned, is dropped here (None)."""
+    async def _room_for_one(self, handle: SessionHandle) -> bool:
+        """Whether the session may take a new candidate: it holds none, or only one that no
+        longer fits its span or was abandoned (dropped here)."""
         current = await self._store.get_candidate(handle.session_id, tenant=handle.tenant)
         if current is None:
-            return None
+            return True
         if not current.abandoned and span_now(handle.fold, view_of(current)) is not None:
-            return current
+            return False  # one per session: still good, being prepared or ready
         await self._drop(handle, current.candidate_id)
         self._metrics.ahead("discarded")
-        return None
+        return True
 
     async def _chosen(
-        self,
-        handle: SessionHandle,
-        route: Route,
-        policy: TargetPolicy,
-        spec: CompactSpec,
-        base: Candidate | None,
+        self, handle: SessionHandle, route: Route, policy: TargetPolicy, spec: CompactSpec
     ) -> _Preparation | None:
         """The span selection would choose now (the step's rules: retention, balanced cuts, the
-        open tail, the minimum span, failure memory), its digest and its summary target; with
-        ``base`` (the session's ready candidate), that span's extension of it (``_extension``).
-        None when nothing is selectable, the target cannot be resolved, or ``base`` is not
-        worth extending."""
+        open tail, the minimum span, failure memory), its digest and its summary target; None
+        when nothing is selectable or the target cannot be resolved."""
         brackets = self._brackets
         async with handle.lock:
             fold, meter = handle.fold, handle.context.meter
-            min_span = brackets.guard.min_span_tokens(route, policy, fold)
             chosen = choose_span(
                 fold, node_pricer(meter, fold, route), selection=SelectionMode.PRESSURE,
-                retained_budget=spec.retained_budget, min_span_tokens=min_span,
+                retained_budget=spec.retained_budget,
+                min_span_tokens=brackets.guard.min_span_tokens(route, policy, fold),
                 span_price=span_pricer(meter, fold, route),
             )  # fmt: skip
             if isinstance(chosen, Declined):
@@ -312,27 +235,12 @@ class AheadService:
                 return None  # the step's bracket reports a misconfigured target
             if brackets.guard.hold(handle, chosen, target, policy) is not None:
                 return None  # the span failed with this target lately
-            request = None
-            if base is None and _new_history(handle, route, chosen) < min_span:
-                return None  # mostly the last checkpoint: its summary would only echo it
-            grown = self._grown.get((handle.tenant, handle.session_id), (-1, 0))
-            if grown[0] == chosen.start_seq and chosen.shadowed_price < grown[1]:
-                return None  # a span hardly larger than one the gate rejected
-            if base is not None:
-                delta = _delta(handle, route, chosen, base, target, min_span)
-                if delta is None:
-                    return None
-                key = (handle.tenant, handle.session_id)
-                if key in self._whole:
-                    self._whole.discard(key)  # the whole span this time, replacing the base
-                else:
-                    request = _extension(handle, chosen, delta, base, target, policy)
             nodes = fold.surface.nodes[chosen.start_position : chosen.end_position + 1]
             claim = CandidateClaim(
                 uuid.uuid4().hex, handle.owner, span_digest(fold, nodes), chosen.start_seq,
                 chosen.end_seq,
             )  # fmt: skip
-        return _Preparation(claim, chosen, target, policy, base, request)
+        return _Preparation(claim, chosen, target, policy)
 
     async def _summarized(
         self, handle: SessionHandle, prepared: _Preparation
@@ -341,12 +249,8 @@ class AheadService:
         its summarizer's name."""
         claim, target = prepared.claim, prepared.target
         summarizer = self._brackets.summarizers.for_route(target)
-        request = prepared.request
-        if request is None:
-            async with handle.lock:  # the span's messages as the fold holds them now
-                request, _ = summary_request(
-                    handle, prepared.selection, target, prepared.policy, None
-                )
+        async with handle.lock:  # the span's messages as the fold holds them now
+            request, _ = summary_request(handle, prepared.selection, target, prepared.policy, None)
         with self._tracer.start_as_current_span("compaction.prepare_ahead") as span:
             span.set_attribute("compactd.session_id", handle.session_id)
             span.set_attribute("compactd.candidate_id", claim.candidate_id)
@@ -358,10 +262,7 @@ class AheadService:
             ) as call:
                 writing = asyncio.ensure_future(summarizer.summarize(request))
                 try:
-                    if prepared.base is None:
-                        summary = await self._renewing(handle, claim, writing)
-                    else:  # no lease: the ready base stays applicable meanwhile
-                        summary = await writing
+                    summary = await self._renewing(handle, claim, writing)
                 except SummaryError as error:
                     redact_error(error, self._brackets.redact)
                     record_error(span, error)
@@ -403,17 +304,12 @@ class AheadService:
     # ---- applying it at the trigger ----------------------------------------------------------
 
     async def apply(
-        self, handle: SessionHandle, job: Bracket, progress: Progress, *, need: int = 0
+        self, handle: SessionHandle, job: Bracket, progress: Progress
     ) -> cpb.CompactionOutcome | None:
         """At or above the trigger: the session's candidate, applied by a bracket shaped like
         ``job`` (the step's first bracket); None when there is none to apply (none, it no longer
         fits, its bounded wait ran out, or its bracket did not commit): the step then goes on
         as it always did. Off (``prepareAheadRatio`` unset): None at once, no store read.
-        ``need``: the tokens a request over the window must lose to come below the trigger (0:
-        it is not over the window): then only a candidate that frees them
-        (``core.ahead.frees_enough``; one being written, with the largest summary it may
-        return) is applied or waited for, and otherwise the step's own bracket takes the
-        maximal span.
 
         Raises:
             CompactionBusy: Another bracket is live (as any bracket raises it).
@@ -424,10 +320,8 @@ class AheadService:
         if not job.policy.prepares_ahead:
             return None
         began = time.monotonic()
-        if need > 0 and not await self._may_free(handle, job, need):
-            return None
         stored = await self._awaited(handle, job.policy, began, progress)
-        if stored is None or (need > 0 and not _frees_enough(job, stored, need)):
+        if stored is None:
             return None
         waited = time.monotonic() - began
         try:
@@ -441,21 +335,11 @@ class AheadService:
             committed = None  # nothing opened: the step's own ladder goes on
         finally:
             await self._drop(handle, stored.candidate_id)
-            self._cancel(handle)  # an extension of it, written here: its base is gone
         if isinstance(committed, cpb.CompactionOutcome):
             self._metrics.ahead("applied", waited=waited)
             return committed
         self._metrics.ahead("discarded")
         return None
-
-    async def _may_free(self, handle: SessionHandle, job: Bracket, need: int) -> bool:
-        """Whether the session's candidate could free ``need`` tokens: a ready one by its
-        summary's price, one being written by the largest summary it may return (the policy's
-        ``maxTokens``): only then is it waited for over the window."""
-        stored = await self._store.get_candidate(handle.session_id, tenant=handle.tenant)
-        if stored is None or span_now(handle.fold, view_of(stored)) is None:
-            return False
-        return _frees_enough(job, stored, need)
 
     async def _awaited(
         self, handle: SessionHandle, policy: TargetPolicy, began: float, progress: Progress
@@ -550,95 +434,6 @@ def view_of(stored: Candidate) -> CandidateView:
     return CandidateView(
         claim.start_seq, claim.end_seq, claim.digest, stored.summary is not None, stored.abandoned
     )
-
-
-def regrown(rejected: SummaryRejected, span_price: int, min_span: int) -> int:
-    """The smallest span a candidate may take after one of ``span_price`` tokens was rejected:
-    one its checkpoint (about as large again) would reduce enough when only the reduction
-    failed, else one larger by a minimum span."""
-    checks = {failure.check for failure in rejected.gate.failures}
-    gate = rejected.gate
-    if checks == {events_pb2.SUMMARY_CHECK_REDUCTION} and 0 < gate.min_reduction_ratio < 1:
-        checkpoint = span_price * (1 - gate.reduction)
-        return math.ceil(checkpoint / (1 - gate.min_reduction_ratio))
-    return span_price + max(1, min_span)
-
-
-def _new_history(handle: SessionHandle, route: Route, chosen: Selection) -> int:
-    """The route price of ``chosen`` less a checkpoint it opens with (the last compaction's)."""
-    nodes = handle.fold.surface.nodes[chosen.start_position : chosen.end_position + 1]
-    if nodes and ev.checkpoint_compaction_id(nodes[0].event):
-        nodes = nodes[1:]
-    return span_pricer(handle.context.meter, handle.fold, route)(nodes)
-
-
-def _delta(
-    handle: SessionHandle,
-    route: Route,
-    chosen: Selection,
-    base: Candidate,
-    target: Route,
-    min_span: int,
-) -> Selection | None:
-    """The history ``chosen`` holds after the ready candidate ``base``'s span; None when
-    ``chosen`` does not extend ``base`` (another start, no further end, another target) or the
-    delta is not worth it (``core.ahead.extends``). Called under the session's lock."""
-    fold = handle.fold
-    prior = span_now(fold, view_of(base))
-    written_by = decode_summary(base.summary or b"")[1]
-    if (
-        prior is None
-        or prior.start_seq != chosen.start_seq
-        or chosen.end_position <= prior.end_position
-        or written_by != (target.provider, target.model)
-    ):
-        return None
-    nodes = fold.surface.nodes[prior.end_position + 1 : chosen.end_position + 1]
-    price = span_pricer(handle.context.meter, fold, route)(nodes)
-    if not extends(price, min_span):
-        return None
-    return Selection(
-        prior.end_position + 1, chosen.end_position, nodes[0].seq, chosen.end_seq,
-        tuple(node.seq for node in nodes), price,
-    )  # fmt: skip
-
-
-def _extension(
-    handle: SessionHandle,
-    chosen: Selection,
-    delta: Selection,
-    base: Candidate,
-    target: Route,
-    policy: TargetPolicy,
-) -> SummaryRequest:
-    """The summary request of ``chosen`` written from the ready candidate ``base``: the system
-    head and tools, ``base``'s summary framed as the checkpoint it would be, then ``delta``,
-    the history after ``base``'s span (resending the whole span would cost the summary model
-    it all again). Called under the session's lock."""
-    summary = decode_summary(base.summary or b"")[0]
-    request, _ = summary_request(handle, delta, target, policy, None)
-    framed = checkpoint_text(summary.text, base.claim.start_seq)
-    checkpoint = project(checkpoint_message(base.candidate_id, framed))
-    messages = list(request.messages)
-    if checkpoint is not None:
-        messages.insert(head_length(messages), checkpoint)
-    return replace(request, messages=messages, span_tokens=chosen.shadowed_price)
-
-
-def _frees_enough(job: Bracket, stored: Candidate, need: int) -> bool:
-    """Whether applying ``stored`` frees ``need`` tokens, by the span's route price and the
-    checkpoint's reference price (``core.ahead.frees_enough``); for one still being written,
-    the largest checkpoint it may bring."""
-    span = _priced_span(job, view_of(stored), job.handle.fold)
-    if isinstance(span, Declined):
-        return False
-    if stored.summary is None:  # being written: at most the policy's cap, framed
-        checkpoint = job.policy.max_tokens + heuristic_price(checkpoint_message("", ""))
-    else:
-        summary = decode_summary(stored.summary)[0]
-        framed = checkpoint_text(summary.text, stored.claim.start_seq)
-        checkpoint = heuristic_price(checkpoint_message("", framed))
-    return frees_enough(span.shadowed_price, checkpoint, need)
 
 
 def _priced_span(job: Bracket, view: CandidateView, fold: SessionFold) -> Selection | Declined:

@@ -231,34 +231,6 @@ class Brackets:
         self._recoveries = tuple(recoveries)
         self._extractive = ExtractiveSummarizer()
 
-    async def prescreen(
-        self,
-        handle: SessionHandle,
-        selection: Selection,
-        summary: SummaryResult,
-        *,
-        summarizer: str,
-        target: Route,
-        policy: TargetPolicy,
-        shrink_route: Route,
-    ) -> SummaryRejected | None:
-        """The quality gate's verdict on a summary of ``selection`` written ahead of its bracket
-        (``service.ahead``), judged as the bracket that applies it will judge it (against the
-        span as the fold holds it now); the rejection, or None when it passes (or the span
-        changed: the bracket that applies it finds that out)."""
-        async with handle.lock:
-            request, serialized = summary_request(handle, selection, target, policy, None)
-            tokens = span_tokens(handle, selection, shrink_route)
-        try:
-            await self._screener.screen(
-                policy=policy, compaction_id="", start_seq=selection.start_seq, request=request,
-                summary=summary, serialized=serialized, summarizer=summarizer, target=target,
-                span_tokens=tokens, shrink_route=shrink_route, progress=_ignored,
-            )  # fmt: skip
-        except SummaryRejected as error:
-            return error
-        return None
-
     async def run(
         self,
         job: Bracket,
@@ -820,10 +792,6 @@ def shadow_price_of_nodes(meter: SessionMeter, fold: SessionFold, seqs: Iterable
         ValueError: A seq is not a current surface node.
     """
     return meter.route_price_of_nodes(fold, seqs, _HEURISTIC_ROUTE)
-
-
-async def _ignored(_: cpb.CompactionProgress) -> None:
-    """Progress nobody waits for (a summary screened ahead of its bracket)."""
 
 
 def span_tokens(handle: SessionHandle, selection: Selection, route: Route) -> int | None:

@@ -219,15 +219,15 @@ class StepService:
         """The candidate prepared ahead, applied if there is one (``AheadService.apply``);
         whether that brought pressure below the trigger. A candidate whose bracket opened and
         failed (the gate rejected it) was the step's one bracket: no second one follows. Over
-        the window only a ready candidate that brings the request below the trigger is applied
-        (none is waited for): else the step's one bracket takes the maximal span."""
+        the window none is applied: a span chosen before the trigger is too small to make the
+        request fit, and the step runs one bracket only (the maximal one)."""
         if self._ahead is None or not relief.policy.prepares_ahead:
             return False  # off: not even the job is built
-        report = relief.report
-        need = report.measured_tokens - report.trigger_tokens if _over_window(report) else 0
+        if _over_window(relief.report):  # the step's one bracket must take the maximal span
+            return False
         job = self._job(relief, first=True)
         try:
-            committed = await self._ahead.apply(relief.handle, job, relief.progress, need=need)
+            committed = await self._ahead.apply(relief.handle, job, relief.progress)
         except (BracketFailed, SummaryRejected) as error:  # the step's one bracket ran, failed
             relief.brackets += 1
             relief.outcome.warnings.append(f"compaction failed ({error.reason}): {error.message}")
