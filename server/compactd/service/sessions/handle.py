@@ -71,7 +71,8 @@ OFFLOAD_BYTES = 16 * 1024
 # A batch of at least this many events is checked and admitted in steps, between which other
 # calls run.
 ADMIT_STEP = 128
-# A batch of fewer events is admitted in one go (a step of its own is at most this many events).
+# A batch of fewer events is admitted in one go: the steps' own cost would exceed the pauses they
+# spare other calls (a step holds the loop for at most this many events' admission).
 ADMIT_IN_ONE = 16
 
 
@@ -326,7 +327,7 @@ class SessionHandle:
                 self.leases.ttl_s,
                 shared=self._store.shared,
             )
-        commit = asyncio.ensure_future(self._commit(batch, reservation, lease))
+        commit = asyncio.get_running_loop().create_task(self._commit(batch, reservation, lease))
         try:
             return await asyncio.shield(commit)
         except asyncio.CancelledError:
