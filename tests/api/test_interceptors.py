@@ -426,6 +426,29 @@ async def test_neighbours_that_resolve_per_method_are_resolved_once_per_handler_
     assert (inner.resolved, innermost.resolved) == (2, 2)
 
 
+async def test_a_check_that_passes_lets_the_call_on_and_one_that_must_wait_is_awaited_first() -> (
+    None
+):
+    seen: list[object] = []
+
+    async def handler(request: str, context: Any) -> str:
+        seen.append(request)
+        return request.upper()
+
+    async def wait() -> None:
+        seen.append("waited")
+
+    def check(request: str, context: Any) -> Any:
+        return wait() if request == "slow" else None
+
+    call = interceptors.checked(handler, check)
+    assert [await call("fast", None), await call("slow", None)] == ["FAST", "SLOW"]
+    assert seen == ["fast", "waited", "slow"]
+    # A plain function's result is awaited only when it is awaitable, as before.
+    doubled = interceptors.checked(lambda request, context: request * 2, check)
+    assert await doubled("ab", None) == "abab"
+
+
 #: A method of the test's own, behind the chain: answers the trace and span ids its handler runs
 #: in (16 + 8 bytes; zeros outside any trace).
 TRACE_ECHO = "/test.v1.Echo/Trace"

@@ -300,6 +300,7 @@ async def test_the_logged_route_and_its_policy_come_from_the_committed_header(
     assert route == service.route_for("test", "small")
     assert service.target_policy(handle, route).headroom_tokens == 4096
     assert service.logged_route_or_heuristic(handle) == route
+    assert service.named_route(handle) == route
 
 
 async def test_without_a_header_there_is_only_a_heuristic_route(
@@ -308,6 +309,7 @@ async def test_without_a_header_there_is_only_a_heuristic_route(
     handle = await manager.get(await session(manager, user("hello")))
     with pytest.raises(FailedPrecondition):
         service.logged_route(handle)
+    assert service.named_route(handle) is None  # said without an error raised and caught
     fallback = service.logged_route_or_heuristic(handle)
     assert fallback.context_window is None
     assert not fallback.pricing.exact

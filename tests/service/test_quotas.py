@@ -78,6 +78,16 @@ def test_quotas_count_the_tenant_the_call_runs_as() -> None:
             book.open_stream()
 
 
+def test_only_a_tenant_with_an_append_rate_has_one_to_keep() -> None:
+    book = QuotaBook(QuotaSettings(tenants={"noisy": QuotaLimits(appends_per_second=5)}))
+    with bound_tenant(Tenant("quiet")):
+        assert not book.keeps_append_rate()  # its appends are admitted without a token
+        for _ in range(1000):
+            book.admit_append()
+    with bound_tenant(Tenant("noisy")):
+        assert book.keeps_append_rate()
+
+
 def test_a_session_not_created_gives_its_place_back_once() -> None:
     book = QuotaBook(QuotaSettings(QuotaLimits(max_sessions=2)))
     not_created = book.reserve_session()

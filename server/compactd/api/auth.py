@@ -38,6 +38,7 @@ from compactd.api.interceptors import (
     Handler,
     HandlerCache,
     Interceptor,
+    coroutine,
     guarded,
     rewrapped,
 )
@@ -198,16 +199,17 @@ class Authentication(Interceptor):
     def _wrapped(self, behavior: Behavior) -> Behavior:
         if inspect.isasyncgenfunction(behavior):
             return guarded(behavior, self._guard)
+        awaited = coroutine(behavior)
 
         # A coroutine handler (every unary call) without a context manager per call.
         async def call(request: Any, context: Any) -> Any:
+            if not self.credentials.enabled:  # authentication off: the default tenant's call
+                return await awaited(request, context)
             tenant = await self._tenant(context)
             if tenant is None:
-                result = behavior(request, context)
-                return await result if inspect.isawaitable(result) else result
+                return await awaited(request, context)
             with bound_tenant(tenant):
-                result = behavior(request, context)
-                return await result if inspect.isawaitable(result) else result
+                return await awaited(request, context)
 
         return call
 

@@ -172,16 +172,32 @@ def guarded(behavior: Behavior, guard: Guard) -> Behavior:
 
         return stream
 
+    awaited = coroutine(behavior)
+
     async def call(request: Any, context: Any) -> Any:
         async with guard(request, context) as checked:
-            result = behavior(checked, context)
-            return await result if inspect.isawaitable(result) else result
+            return await awaited(checked, context)
 
     return call
 
 
-#: A check before a call that needs no cleanup after it: given (request, context) it may abort.
-Check = Callable[[Any, Any], Awaitable[None]]
+def coroutine(behavior: Behavior) -> Callable[[Any, Any], Awaitable[Any]]:
+    """``behavior`` as a coroutine function: itself when it is one (every handler of compactd's
+    own), so a wrapper awaits it without asking each call whether its result is awaitable."""
+    if inspect.iscoroutinefunction(behavior):
+        return cast(Callable[[Any, Any], Awaitable[Any]], behavior)
+
+    async def call(request: Any, context: Any) -> Any:
+        result = behavior(request, context)
+        return await result if inspect.isawaitable(result) else result
+
+    return call
+
+
+#: A check before a call that needs no cleanup after it: given (request, context) it answers
+#: None when the call may go on at once, or an awaitable to await first, which may abort (a
+#: refusal, or a wait): a call that passes makes no coroutine for its check.
+Check = Callable[[Any, Any], Awaitable[None] | None]
 
 
 def checked(behavior: Behavior, check: Check) -> Behavior:
@@ -190,16 +206,21 @@ def checked(behavior: Behavior, check: Check) -> Behavior:
     if inspect.isasyncgenfunction(behavior):
 
         async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
-            await check(request, context)
+            waiting = check(request, context)
+            if waiting is not None:
+                await waiting
             async for response in behavior(request, context):
                 yield response
 
         return stream
 
+    awaited = coroutine(behavior)
+
     async def call(request: Any, context: Any) -> Any:
-        await check(request, context)
-        result = behavior(request, context)
-        return await result if inspect.isawaitable(result) else result
+        waiting = check(request, context)
+        if waiting is not None:
+            await waiting
+        return await awaited(request, context)
 
     return call
 
@@ -396,16 +417,17 @@ class CallerContext(Interceptor):
     def _joined(self, behavior: Behavior) -> Behavior:
         if inspect.isasyncgenfunction(behavior):
             return guarded(behavior, self._guard)
+        awaited = coroutine(behavior)
 
         async def call(request: Any, context: Any) -> Any:
             carrier = self._carrier(context)
-            token = otel_context.attach(propagate.extract(carrier)) if carrier else None
+            if not carrier:  # the caller sent no trace context: nothing to make current
+                return await awaited(request, context)
+            token = otel_context.attach(propagate.extract(carrier))
             try:
-                result = behavior(request, context)
-                return await result if inspect.isawaitable(result) else result
+                return await awaited(request, context)
             finally:
-                if token is not None:
-                    otel_context.detach(token)
+                otel_context.detach(token)
 
         return call
 
@@ -474,9 +496,11 @@ def _decoding(handler: Handler) -> Handler:
     )  # fmt: skip
 
 
-async def _refuse_if_undecodable(request: Any, context: Any) -> None:
+def _refuse_if_undecodable(request: Any, context: Any) -> Awaitable[None] | None:
+    """The refusal of a request that did not parse (a ``Check``); None for one that did."""
     if isinstance(request, Undecodable):
-        await _refuse_undecodable(context, request)
+        return _refuse_undecodable(context, request)
+    return None
 
 
 def _decoded_guard() -> Guard:
@@ -657,7 +681,14 @@ class TenantQuotas(Interceptor):
 
         return call
 
-    async def _admit_append(self, request: Any, context: Any) -> None:
+    def _admit_append(self, request: Any, context: Any) -> Awaitable[None] | None:
+        """The append's token (a ``Check``): None at once when the caller's tenant has no
+        append rate to keep, else its wait for a token, or its refusal."""
+        if not self.book.keeps_append_rate():
+            return None
+        return self._take_append(context)
+
+    async def _take_append(self, context: Any) -> None:
         try:
             await self.book.admit_append_or_wait()
         except QuotaExceeded as error:

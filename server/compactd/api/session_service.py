@@ -79,7 +79,11 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
     async def AppendEvents(
         self, request: pb.AppendEventsRequest, context: Context
     ) -> pb.AppendEventsResponse:
-        handle = await self._handle(request.session_id, fresh=False)  # the append catches up
+        require_session_id(request.session_id)
+        # The append catches up (a shared store's fold), so a resident handle is the one.
+        handle = self._manager.in_memory(request.session_id) or await self._manager.get(
+            request.session_id, fresh=False
+        )
         expected = request.expected_last_seq if request.HasField("expected_last_seq") else None
         result = await handle.append(
             request.events,

@@ -162,11 +162,13 @@ class SessionFold:
         origin: Origin = Origin.SERVER,
         max_surface_bytes: int | None = None,
         step: int = 256,
+        origin_checked: bool = False,
     ) -> Generator[None, None, AdmittedBatch]:
         """``admit``, pausing (``yield``) after every ``step`` events so a caller on an event loop
         can let other work run; the generator returns the batch. Closing it before it returns
-        rolls back what it admitted."""
-        if check:
+        rolls back what it admitted. ``origin_checked``: the caller refused the batch's
+        server-only events for ``origin`` already (``check_batch`` does)."""
+        if check and not origin_checked:
             yield from check_origin_in_steps(events, origin)
         self._forget_older_ids()
         client = check and origin is Origin.CLIENT

@@ -124,9 +124,11 @@ class AheadService:
     def after_append(self, handle: SessionHandle) -> None:
         """An append committed: start a candidate if it took the envelope past the point."""
         try:
-            self.consider(handle, self._pressure.logged_route(handle))
+            route = self._pressure.named_route(handle)
+            if route is not None:  # none yet: nothing to price
+                self.consider(handle, route)
         except CompactdError:
-            return  # no route, no capacity, a policy that does not fit: the step reports it
+            return  # an unknown route, no capacity, a policy that does not fit: the step says so
 
     def consider(self, handle: SessionHandle, route: Route) -> None:
         """Start a background candidate for ``handle`` on ``route`` when the envelope is at or

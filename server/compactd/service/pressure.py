@@ -249,12 +249,15 @@ class PressureService:
         """The route of the latest logged header (``ROUTE_UNKNOWN`` when none names one)."""
         return self._logged_route(handle.context.meter)
 
+    def named_route(self, handle: SessionHandle) -> Route | None:
+        """``logged_route``, or None when no logged header names a route: for a caller that
+        only skips such a session (an error raised and caught per append costs more than the
+        rest of its check)."""
+        return self._route_of(handle.context.meter.header)
+
     def logged_route_or_heuristic(self, handle: SessionHandle) -> Route:
         """The logged route, or an undeclared heuristic route when no header names one."""
-        header = handle.context.meter.header
-        if header is None or not (header.config.provider and header.config.model):
-            return Route("", "")
-        return self.routes.resolve(header.config.provider, header.config.model)
+        return self.named_route(handle) or Route("", "")
 
     def target_policy(self, handle: SessionHandle, route: Route) -> TargetPolicy:
         """The session's resolved policy for ``route`` (service policy + session overrides)."""
@@ -285,12 +288,18 @@ class PressureService:
         cache[key] = value
 
     def _logged_route(self, meter: SessionMeter) -> Route:
-        header = meter.header
-        if header is None or not (header.config.provider and header.config.model):
+        route = self._route_of(meter.header)
+        if route is None:
             raise FailedPrecondition(
                 "no route given and no request/header names one; pass a destination route",
                 reason=Reason.ROUTE_UNKNOWN,
             )
+        return route
+
+    def _route_of(self, header: events_pb2.RequestHeader | None) -> Route | None:
+        """The route ``header`` names (None: no header, or one that names none)."""
+        if header is None or not (header.config.provider and header.config.model):
+            return None
         return self.routes.resolve(header.config.provider, header.config.model)
 
     def _session_policy(self, handle: SessionHandle) -> PressurePolicy:

@@ -165,6 +165,11 @@ class QuotaBook:
         """
         self._refuse(self.ledger.take_append(current_tenant().id, self._clock()))
 
+    def keeps_append_rate(self) -> bool:
+        """Whether the caller's tenant has an ``appends_per_second`` to keep: without one every
+        append is admitted at once (``admit_append_or_wait`` takes nothing)."""
+        return bool(self.ledger.limits(current_tenant().id).appends_per_second)
+
     async def admit_append_or_wait(self) -> None:
         """Take one append from the caller's bucket, waiting up to ``MAX_HOLD_S`` for it.
 

@@ -71,6 +71,9 @@ OFFLOAD_BYTES = 16 * 1024
 # A batch of at least this many events is checked and admitted in steps, between which other
 # calls run.
 ADMIT_STEP = 128
+# A batch of fewer events is admitted in one go: the steps' own cost would exceed the pauses they
+# spare other calls (a step holds the loop for at most this many events' admission).
+ADMIT_IN_ONE = 16
 
 
 class PriceSource(Protocol):
@@ -230,7 +233,7 @@ class SessionHandle:
             return await self._append_optimistic(events, expected_last_seq)
         async with self.lock:
             return await self.append_locked(
-                events, expected_last_seq=expected_last_seq, origin=origin
+                events, expected_last_seq=expected_last_seq, origin=origin, checked=True
             )
 
     async def _append_optimistic(
@@ -242,11 +245,13 @@ class SessionHandle:
         failed) is decided again on the caught-up fold, where it stands or falls for real."""
         async with self.lock.as_cached():
             try:
-                return await self._append_once(events, expected_last_seq, Origin.CLIENT)
+                return await self._append_once(
+                    events, expected_last_seq, Origin.CLIENT, checked=True
+                )
             except CompactdError:
                 await self._catch_up()
             return await self.append_locked(
-                events, expected_last_seq=expected_last_seq, origin=Origin.CLIENT
+                events, expected_last_seq=expected_last_seq, origin=Origin.CLIENT, checked=True
             )
 
     async def append_locked(
@@ -255,11 +260,13 @@ class SessionHandle:
         *,
         expected_last_seq: int | None = None,
         origin: Origin = Origin.SERVER,
+        checked: bool = False,
     ) -> AppendResult:
-        """``append`` for a caller that holds ``self.lock`` already (a bracket, a prune)."""
+        """``append`` for a caller that holds ``self.lock`` already (a bracket, a prune).
+        ``checked``: the batch passed ``check_batch`` for ``origin`` (``append``'s own)."""
         for attempt in range(1, MAX_APPEND_ATTEMPTS + 1):
             try:
-                return await self._append_once(events, expected_last_seq, origin)
+                return await self._append_once(events, expected_last_seq, origin, checked=checked)
             except (SeqConflict, InvalidArgument) as error:
                 # The store refused ids of the log that the fold no longer keeps (a late retry,
                 # or a reuse): decided from the log, on a fold that is current (a shared store's
@@ -283,12 +290,15 @@ class SessionHandle:
         expected_last_seq: int | None,
         origin: Origin,
         lease: LeaseOp | None = None,
+        *,
+        checked: bool = False,
     ) -> AppendResult:
         if self.deleted:  # a caller that got the handle before the delete
             raise session_not_found(self.session_id)
-        replay = await self._replayed(events)
-        if replay is not None:
-            return replay
+        if self._maybe_retried(events):
+            replay = await self._logged(events)
+            if replay is not None:
+                return replay
         if expected_last_seq is not None and expected_last_seq != self.fold.revision - 1:
             raise SeqConflict(
                 f"expected last seq {expected_last_seq}, but the log ends at "
@@ -301,7 +311,11 @@ class SessionHandle:
         now = Timestamp()
         # GetCurrentTime's precision (microseconds), without its trip through a datetime.
         now.FromMicroseconds(time.time_ns() // 1000)
-        batch = await self._admit(events, now, origin)
+        admission = self._admission(events, now, origin, checked)
+        if len(events) < ADMIT_IN_ONE:  # a few events: steps would cost more than they do
+            batch = run_to_end(admission)
+        else:  # between steps the loop runs other calls; cancelled, it rolls back
+            batch = await in_steps(admission)
         if origin is Origin.CLIENT:
             self._check(batch)
         reservation = self._reserve_bytes(batch, origin)
@@ -313,7 +327,7 @@ class SessionHandle:
                 self.leases.ttl_s,
                 shared=self._store.shared,
             )
-        commit = asyncio.ensure_future(self._commit(batch, reservation, lease))
+        commit = asyncio.get_running_loop().create_task(self._commit(batch, reservation, lease))
         try:
             return await asyncio.shield(commit)
         except asyncio.CancelledError:
@@ -324,19 +338,25 @@ class SessionHandle:
             await asyncio.wait([commit])
             raise
 
-    async def _admit(
-        self, events: Sequence[events_pb2.SessionEvent], now: Timestamp, origin: Origin
-    ) -> AdmittedBatch:
-        """``fold.admit``, in steps between which the loop runs other calls (readers that do not
-        hold the lock read only the committed state)."""
-        steps = self.fold.admit_in_steps(
+    def _admission(
+        self,
+        events: Sequence[events_pb2.SessionEvent],
+        now: Timestamp,
+        origin: Origin,
+        checked: bool,
+    ) -> Generator[None, None, AdmittedBatch]:
+        """``fold.admit`` in steps, between which the loop may run other calls (readers that do
+        not hold the lock read only the committed state). ``checked``: the batch passed
+        ``check_batch`` for ``origin``, whose rules include the fold's check of the origin:
+        not made twice."""
+        return self.fold.admit_in_steps(
             events,
             now=now,
             origin=origin,
             max_surface_bytes=self.limits.max_surface_bytes,
             step=1,  # ``in_steps`` decides when to let other calls run
+            origin_checked=checked,
         )
-        return await in_steps(steps)  # a cancelled admission rolls back what it admitted
 
     def _check(self, batch: AdmittedBatch) -> None:
         """Run the checkers (``add_checker``) on an admitted batch; refused, it is rolled back."""
@@ -387,7 +407,8 @@ class SessionHandle:
             await prepared
         self.leases.landed(lease)
         self._folded(batch)
-        await self._notify()
+        if self.followers:  # only ``revisions`` waits for a commit
+            await self._notify()
         first, count = batch.first_seq, len(batch.events)  # seqs are assigned in order
         if count >= ADMIT_STEP:  # the observers are done with it: free it in the background
             free_in_steps(batch.release())
@@ -568,15 +589,14 @@ class SessionHandle:
         async with self._changed:
             self._changed.notify_all()
 
-    async def _replayed(self, events: Sequence[events_pb2.SessionEvent]) -> AppendResult | None:
-        """The original result when this batch was already committed (a retried batch).
+    def _maybe_retried(self, events: Sequence[events_pb2.SessionEvent]) -> bool:
+        """Whether this batch may have been committed already (a retried batch): then
+        ``_logged`` has its original result.
 
         Decided on the ids the fold keeps (its latest events'): a batch none of whose ids it
         keeps goes on to its commit, where the store's unique index refuses an older id
         (``DUPLICATE_EVENT_ID``) and ``_logged_before`` decides from the log."""
-        if self.fold.event_ids.keys().isdisjoint(e.event_id for e in events):  # one C pass
-            return None
-        return await self._logged(events)
+        return not self.fold.event_ids.keys().isdisjoint(e.event_id for e in events)
 
     async def _logged_before(
         self, events: Sequence[events_pb2.SessionEvent], error: InvalidArgument

@@ -217,6 +217,11 @@ class SessionManager:
                 ) from None
             return existing
 
+    def in_memory(self, session_id: str, *, tenant: Tenant | None = None) -> SessionHandle | None:
+        """The session's handle when it is in memory: what ``get(fresh=False)`` answers then,
+        without a coroutine (None: ``get`` restores it, or says it does not exist)."""
+        return self.residency.find((_tenant_id(tenant), session_id))
+
     async def get(
         self, session_id: str, *, tenant: Tenant | None = None, fresh: bool = True
     ) -> SessionHandle:
