@@ -745,8 +745,9 @@ def _drops_older_facts(facts: _Facts, text: str) -> bool:
     paths = (p for p in facts.prior.get(_FILES, []) if _FileGroups.is_path(p))
     if any(_FileGroups.tail(path) not in shown for path in paths):
         return True
-    commands = (_prior_command(bullet) for bullet in facts.prior.get(_TECH, []))
-    return any(c is not None and command_identity(c) not in shown for c in commands)
+    stated = (_prior_command(bullet) for bullet in facts.prior.get(_TECH, []))
+    forms = (command_form(command) or command for command in stated if command is not None)
+    return any(command_identity(form) not in shown for form in forms)
 
 
 def _path_tail(bullet: str) -> str:
