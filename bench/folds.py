@@ -3,8 +3,9 @@ of the shipped transcripts, each span starting with the previous span's checkpoi
 
 A transcript's messages (projected as ``compactd replay`` projects them) are cut, after the system
 head, into consecutive chunks of at least ``span_tokens`` (route tokens, o200k_base); each span is
-the previous checkpoint followed by the next chunk, summarized by the extractive summarizer with
-``max_tokens`` and judged by the gate (``core.gate.judge``: the span's probes, the framed
+the previous checkpoint followed by the next chunk, summarized by the extractive summarizer
+(15% of the span, the checkpoint counted by o200k_base as a bracket hands the count over) and
+judged by the gate (``core.gate.judge``: the span's probes, the framed
 checkpoint's and the span's route prices) with replay's thresholds (a checkpoint at most 15% of
 its span, half the probes kept). Every fact of each chunk (``bench.facts``) is looked for in its
 own checkpoint ("after 1") and in the checkpoint two folds later ("after 3").
@@ -75,12 +76,16 @@ def folds(
         if size < span_tokens or sum(map(heuristic_price, [*prior, *chunk])) < least:
             continue
         span = [*prior, *chunk]
-        summary = summarizer.summary_text([*head, *span], max_tokens)
+        priced = sum(price_message(m, profile).total for m in span)
+        summary = summarizer.summary_text(
+            [*head, *span], max_tokens, span_tokens=priced,
+            checkpoint_tokens=lambda text: price_message(checkpoint_message(text), profile).total,
+        )  # fmt: skip
         framed = checkpoint_message(summary)
         verdict = gate.judge(
             summary, span, probes.select_probes(probes.span_facts(span)),
-            checkpoint_tokens=price_message(framed, profile).total,
-            span_tokens=sum(price_message(m, profile).total for m in span), settings=SETTINGS,
+            checkpoint_tokens=price_message(framed, profile).total, span_tokens=priced,
+            settings=SETTINGS,
         )  # fmt: skip
         yield Fold(span, fx.span_facts(chunk), summary, verdict)
         prior, chunk, size = [framed], [], 0

@@ -90,6 +90,35 @@ async def test_a_plan_appends_nothing_and_compact_then_replaces_the_planned_span
         _assert_same_span(plan, start)
 
 
+def _paths_unit(i: int) -> list[events_pb2.SessionEvent]:
+    """A closed turn whose request names 30 files: an extractive checkpoint fills its share."""
+    named = " ".join(f"pkg{i}/area{j}/module_{i}_{j}.py" for j in range(30))
+    return [
+        turn_start(1000 + i),
+        user(f"Step {i}: review {named} and report."),
+        *in_step(1000 + i, 1, assistant(text=f"Reviewed step {i}; every module passes.")),
+        turn_end(1000 + i),
+    ]
+
+
+async def test_a_plans_largest_outcome_bounds_an_extractive_checkpoint_that_maxtokens_does_not(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    # maxTokens caps a model's summary; the extractive checkpoint takes its share of the span
+    # instead, and the plan's largest expected envelope says so.
+    policy = {"thresholdRatio": 0.3125, "headroomTokens": 1000, "retainTokens": 1200,
+              "maxTokens": 64}  # fmt: skip
+    async with started(tmp_path, loop, kind="extractive", policy=policy) as h:
+        await h.create(*opening(), *[e for i in range(24) for e in _paths_unit(i)])
+        plan = await _plan(h, cpb.PLAN_MODE_MANUAL)
+        await h.compact()
+        (summary,) = [e.compaction_summary for e in await h.events()
+                      if body(e) == "compaction_summary"]  # fmt: skip
+
+    assert summary.tokens.checkpoint_route_tokens > 64 + 100
+    assert summary.tokens.envelope_after <= plan.expected_tokens_after_max
+
+
 async def test_an_auto_plan_predicts_the_prunes_and_the_span_prepare_step_makes(
     tmp_path: Path, loop: OpenAICompatServer
 ) -> None:

@@ -147,6 +147,27 @@ async def test_a_chunk_summarized_before_is_not_sent_again_when_its_span_grew(
     assert len(loopback.requests) - sent < len(chunker.chunks(_request(_span(12)))) + 1
 
 
+async def test_a_request_refused_for_good_is_not_sent_again_as_a_grown_spans_first_chunk() -> None:
+    # A span whose request the model refused (HTTP 400: sending it again cannot help) grows by
+    # new history: its first chunk is that same request, and it fails again unsent.
+    with OpenAICompatServer(responder=lambda _: Reply.http_error(400, "refused")) as refusing:
+        window = _instruction_tokens() + 200 + 900
+        chunker = _chunker(refusing, window)
+        grown = _request(_span(12))
+        first = _request(chunker.chunks(grown)[0])  # the span before it grew: one request
+        assert chunker.fits(first.messages, first)
+        with pytest.raises(SummaryError):
+            await chunker.summarize(first)
+
+        with pytest.raises(SummaryError) as again:
+            await chunker.summarize(grown)
+        bodies = [call.body for call in refusing.requests]
+
+    assert len(bodies) == len(set(bodies))  # no identical request went out twice
+    assert again.value.reason == Reason.SUMMARY_FAILED
+    assert not again.value.retryable
+
+
 class Overlap:
     """A loopback model that holds each request until ``together`` requests are held at once,
     every one of ``total`` has arrived, or ``grace`` seconds pass with no newcomer; it records

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 from hypothesis import assume, example, given, settings
@@ -20,11 +21,13 @@ from compactd.providers.extractive import (
     _clip,
     _FileGroups,
     allowed_tokens,
+    counted_allowance,
     estimated_tokens,
     minimum_span_tokens,
 )
 from compactd.reasons import Reason
 from compactd.testing.messages import assistant, developer, system, tool_result, user
+from compactd.tokenizers import pricing_profile
 from compactd.v1 import events_pb2
 from compactd.v1.session_service_pb2 import Message
 
@@ -502,3 +505,98 @@ def test_a_high_reduction_ratio_asks_for_a_span_the_minimum_checkpoint_fits() ->
     assert minimum_span_tokens(None) == 0
     assert minimum_span_tokens(0.1) == 0
     assert minimum_span_tokens(0.85) == math.ceil(MIN_CHECKPOINT_TOKENS / (0.15 * 0.9)) == 1852
+
+
+# ---- the route's count, the room and the older facts ---------------------------------------------
+
+_O200K = pricing_profile("o200k_base")
+
+
+def _counted(summary: str) -> int:
+    """A route's count of the checkpoint ``summary`` becomes (o200k_base, framed)."""
+    return _O200K.count(prompts.frame_checkpoint(summary))
+
+
+def _route_span(messages: Sequence[Message]) -> int:
+    return sum(_O200K.count(m.content[0].text.text) + 8 for m in messages[1:])
+
+
+def _counted_request(
+    messages: Sequence[Message], *, span_tokens: int, max_tokens: int = 2000, room: int = 0
+) -> SummaryRequest:
+    return replace(
+        _request(messages, max_tokens), span_tokens=span_tokens, checkpoint_tokens=_counted,
+        room_tokens=room,
+    )  # fmt: skip
+
+
+@settings(max_examples=20, deadline=None)
+@given(steps=st.integers(min_value=20, max_value=60), seed=st.integers(0, 6))
+async def test_a_counted_checkpoint_fills_its_share_of_the_span_and_no_more(
+    steps: int, seed: int
+) -> None:
+    # With the route's count the checkpoint takes 15% of its span as the route counts it: the
+    # estimate errs high, and fitting it alone left a fifth of that room unused.
+    messages = _work(steps, seed=seed)
+    span = _route_span(messages)
+    summarizer = ExtractiveSummarizer()
+
+    counted = await summarizer.summarize(_counted_request(messages, span_tokens=span))
+    estimated = summarizer.summary_text(messages, 2000, span_tokens=span)
+
+    assert _counted(counted.text) <= counted_allowance(span) <= 0.15 * span
+    assert _counted(counted.text) >= 0.14 * span
+    assert _counted(counted.text) > _counted(estimated)
+
+
+async def test_max_tokens_caps_a_models_output_not_a_checkpoint_that_takes_its_share() -> None:
+    # maxTokens bounds a model's generation (the spec: the summary call's output cap); the
+    # extractive checkpoint is bounded by its share of the span, and by the room the window
+    # leaves when the request is over it.
+    messages = _work(60)
+    span = _route_span(messages)
+    summarizer = ExtractiveSummarizer()
+
+    free = await summarizer.summarize(_counted_request(messages, span_tokens=span, max_tokens=64))
+    roomed = await summarizer.summarize(
+        _counted_request(messages, span_tokens=span, max_tokens=64, room=300)
+    )
+
+    assert _counted(free.text) > 0.14 * span > 300
+    assert estimated_tokens(roomed.text) <= 300
+    with pytest.raises(SummaryError, match="the room=10"):
+        await summarizer.summarize(_counted_request(messages, span_tokens=span, room=10))
+
+
+async def test_a_checkpoint_cut_to_the_room_takes_its_share_however_small_the_span() -> None:
+    # A span too small for 15% to hold MIN_CHECKPOINT_TOKENS gets that many when the quality
+    # gate judges the checkpoint's probes; one cut to fit the window (a room) takes 15%.
+    messages = _work(7)
+    span = _route_span(messages)
+    assert 120 < span * 0.15 < MIN_CHECKPOINT_TOKENS  # room for the eight sections, not for 250
+    summarizer = ExtractiveSummarizer()
+
+    gated = await summarizer.summarize(_counted_request(messages, span_tokens=span))
+    cut = await summarizer.summarize(_counted_request(messages, span_tokens=span, room=5000))
+
+    assert _counted(gated.text) > 0.15 * span
+    assert _counted(cut.text) <= counted_allowance(span, strict=True) <= 0.15 * span
+
+
+def test_older_facts_that_do_not_all_fit_keep_only_what_identifies_them() -> None:
+    # A fold whose older paths and commands do not all fit whole writes each by its identity (a
+    # path's last two segments, a command's program and first argument): more of them fit.
+    summarizer = ExtractiveSummarizer()
+    first = _work(30, seed=1)
+    older = summarizer.summary_text(first, 100_000)
+    folded = [first[0], user(prompts.frame_checkpoint(older)), *_work(30, seed=2)[1:]]
+    span = _route_span(folded)
+    paths = [p for p in dict.fromkeys(probes.span_facts(first[1:]).paths) if p.startswith("/")]
+
+    summary = summarizer.summary_text(folded, 2000, span_tokens=span, checkpoint_tokens=_counted)
+
+    whole = [p for p in paths if p in summary]
+    tails = [p for p in paths if "/".join(p.split("/")[-2:]) in summary]
+    assert whole == []  # the older span's paths by their last two segments only
+    assert len(paths) == 30
+    assert len(tails) >= 10  # the older span keeps a share of the room

@@ -34,7 +34,17 @@ from compactd.testing.openai_server import OpenAICompatServer, Reply, ScriptedTo
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2
 from tests.api.rpc import details
-from tests.builders import assistant, exchange, header, system, tool_result, turn_start, user
+from tests.builders import (
+    assistant,
+    exchange,
+    header,
+    in_step,
+    system,
+    tool_result,
+    turn_end,
+    turn_start,
+    user,
+)
 from tests.compaction_fixtures import (
     ABOVE,
     BELOW,
@@ -501,6 +511,40 @@ async def test_the_extractive_summarizer_compacts_without_a_model(
         assert summary.compaction_summary.summarizer == "extractive"
         assert "src/mod0.py" in summary.compaction_summary.summary
         assert loop.requests == []
+
+
+def _paths_unit(i: int) -> list[events_pb2.SessionEvent]:
+    """A closed turn whose request names 30 files of its own: more facts than 15% of a span
+    holds, so a checkpoint fills its share."""
+    named = " ".join(f"pkg{i}/area{j}/module_{i}_{j}.py" for j in range(30))
+    return [
+        turn_start(1000 + i),
+        user(f"Step {i}: review {named} and report."),
+        *in_step(1000 + i, 1, assistant(text=f"Reviewed step {i}; every module passes.")),
+        turn_end(1000 + i),
+    ]
+
+
+async def test_the_extractive_checkpoint_fills_its_share_of_the_span_as_the_route_counts_it(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    # The bracket hands the extractive summarizer the route's count of the checkpoint: it
+    # takes 15% of its span as the route counts it (the quality gate's measure), not what an
+    # estimate that errs high would leave, and the model's output cap (maxTokens, 64 here)
+    # does not bound it.
+    policy = {**POLICY, "minReductionRatio": 0.85, "maxTokens": 64}
+    async with started(tmp_path, loop, kind="extractive", policy=policy) as h:
+        opened = [e for i in range(24) for e in _paths_unit(i)]
+        await h.create(*opening(), *opened, turn_start(1))
+        await h.prepare(1)
+        summaries = of_type(await h.events(), "compaction_summary")
+
+    assert summaries
+    for summary in summaries:
+        tokens = summary.compaction_summary.tokens
+        share = tokens.checkpoint_route_tokens / tokens.shadowed_route_tokens
+        assert 0.14 <= share <= 0.15, share
+        assert tokens.checkpoint_route_tokens > 64
 
 
 async def test_the_configured_summarization_pair_writes_the_summary(

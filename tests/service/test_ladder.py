@@ -287,3 +287,35 @@ async def test_a_room_too_small_for_a_model_summary_gets_the_extractive_checkpoi
 
 
 SYSTEM_WORDS = 1960  # "Rules. " this many times: a floor between W - O - 376 and the trigger
+
+
+# ---- the checkpoint's share ---------------------------------------------------------------------
+
+
+def _mid_unit(i: int) -> list[events_pb2.SessionEvent]:
+    """A unit whose tool output alone is about 800 tokens."""
+    return unit(i, result=f"row {i} of the listing, nothing failed\n" * 90)
+
+
+async def test_a_checkpoint_cut_to_fit_the_window_takes_at_most_its_share_of_the_span(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    # Over the window the step's bracket takes the maximal span and cuts its summary to the room
+    # the window leaves. Such a checkpoint takes 15% of its span at most however small the span:
+    # the smallest checkpoint's allowance (room for the gate's first probes) does not apply, the
+    # gate not judging its probes.
+    async with started(
+        tmp_path, loop, kind="extractive", routes=[small_route(loop)], policy=SMALL_POLICY
+    ) as h:
+        await h.create(*small_opening("Rules. " * 1500))
+        results = []
+        for i in range(10):
+            await h.append(*_mid_unit(i), turn_start(i + 1))
+            results.append((await h.prepare(i + 1)).result)
+        events = await h.events()
+
+    summaries = [e.compaction_summary for e in events if e.HasField("compaction_summary")]
+    shares = [s.tokens.checkpoint_route_tokens / s.tokens.shadowed_route_tokens for s in summaries]
+    assert summaries
+    assert max(shares) <= 0.15
+    assert all(sent_tokens(r) <= LIMIT for r in results)

@@ -12,7 +12,7 @@ trying again may help, and, for image offload, how many input images the provide
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -40,6 +40,15 @@ class SummaryRequest:
         span_tokens: The span's route price, what the quality gate measures a checkpoint's
             reduction against; 0 when unknown (a summarizer that takes a share of the span
             prices it itself).
+        room_tokens: The most the summary may take for the request to fit the window (a
+            request over it cuts its summary to the room left beside the floor; ``max_tokens``
+            is no larger); 0 when nothing but ``max_tokens`` bounds it. A summarizer that writes
+            no model output (the extractive one) is bounded by its share of the span and by
+            this room, not by ``max_tokens``, which caps a model's generation.
+        checkpoint_tokens: The route price of the checkpoint a summary text becomes (framed,
+            with its recall handle: what the quality gate measures against ``span_tokens``);
+            None when unknown. A summarizer that fits a share of the span counts with it instead
+            of estimating.
     """
 
     messages: Sequence[session_service_pb2.Message]
@@ -49,6 +58,8 @@ class SummaryRequest:
     max_tokens: int
     pins: Mapping[str, str] = field(default_factory=dict)
     span_tokens: int = 0
+    room_tokens: int = 0
+    checkpoint_tokens: Callable[[str], int] | None = None
 
 
 @dataclass(frozen=True)

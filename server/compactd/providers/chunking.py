@@ -24,8 +24,10 @@ summary route, so sending it in one request would fail. This wrapper bounds the 
    its error is raised; when several fail, the earliest chunk's error is. A chunk summarized
    before (the same messages, instruction, tools and cap: the first chunk of a span that grew
    since its bracket failed, say) is not sent again: the last ``CHUNK_CACHE`` chunk summaries are
-   kept (merges' too; chunks that finished before a failure too), and identical chunks of one
-   span are sent once, so no identical request goes to the model twice.
+   kept (merges' too; chunks that finished before a failure too; a whole request's too, which
+   is the first chunk of its span once that grows), and identical chunks of one span are sent
+   once, so no identical request goes to the model twice. A chunk the provider refused before
+   with an error that says sending it again cannot help fails again with it, unsent.
 5. **Merge.** One final call receives the partial summaries, each framed as a prior checkpoint
    (``prompts.frame_checkpoint``), with the same instruction, which already tells the model to fold
    prior checkpoints into one. If the partial summaries themselves do not fit, they are chunked
@@ -97,6 +99,9 @@ class ChunkingSummarizer:
         self._max_rounds = max_rounds
         self._concurrency = concurrency
         self._partials: OrderedDict[str, SummaryResult] = OrderedDict()
+        #: Requests the provider refused for good (a failure sending them again cannot mend):
+        #: the first chunk of a span that grew since is not sent again.
+        self._refused: OrderedDict[str, SummaryError] = OrderedDict()
 
     @property
     def concurrency(self) -> int:
@@ -112,8 +117,28 @@ class ChunkingSummarizer:
                 enough.
         """
         if self.fits(request.messages, request):
-            return await self._inner.summarize(request)
+            # Sent whatever it got before (failure memory decides whether the same span may go
+            # again), and kept: it is the first chunk of the same span once that grows.
+            return await self._sent(request)
         return await self._chunked(request, round_=1)
+
+    async def _sent(self, request: SummaryRequest) -> SummaryResult:
+        """The inner summarizer's summary of ``request``, kept by its digest; a refusal that
+        says sending it again cannot help is kept too."""
+        key = _digest(request)
+        try:
+            result = await self._inner.summarize(request)
+        except SummaryError as error:
+            if not error.retryable:
+                self._refused[key] = error
+                while len(self._refused) > CHUNK_CACHE:
+                    self._refused.popitem(last=False)
+            raise
+        self._partials[key] = result
+        self._partials.move_to_end(key)
+        while len(self._partials) > CHUNK_CACHE:
+            self._partials.popitem(last=False)
+        return result
 
     def fits(self, messages: Sequence[Message], request: SummaryRequest) -> bool:
         """Whether ``messages`` with ``request``'s instruction, tools and cap fit the window."""
@@ -195,11 +220,11 @@ class ChunkingSummarizer:
         if kept is not None:
             self._partials.move_to_end(key)
             return dataclasses.replace(kept, usage=None)
-        result = await self._inner.summarize(chunk)
-        self._partials[key] = result
-        while len(self._partials) > CHUNK_CACHE:
-            self._partials.popitem(last=False)
-        return result
+        refused = self._refused.get(key)
+        if refused is not None:  # refused for good before (as a whole request, say): unsent
+            self._refused.move_to_end(key)
+            raise _again(refused)
+        return await self._sent(chunk)
 
     async def _merge(
         self, request: SummaryRequest, partials: Sequence[SummaryResult], round_: int
@@ -265,6 +290,15 @@ def _earliest_error(tasks: Sequence[asyncio.Task[SummaryResult]]) -> BaseExcepti
             assert error is not None
             return error
     raise AssertionError("a task group failed without a failed task")  # pragma: no cover
+
+
+def _again(error: SummaryError) -> SummaryError:
+    """A fresh copy of ``error`` to raise again (its traceback is the first call's)."""
+    return SummaryError(
+        error.message, reason=error.reason, retryable=error.retryable,
+        offload_images=error.offload_images, status=error.status, retry_after=error.retry_after,
+        metadata=error.metadata,
+    )  # fmt: skip
 
 
 def _digest(request: SummaryRequest) -> str:

@@ -15,28 +15,40 @@ with the span's own, deduplicated by what identifies each (a path's last two seg
 command's program and first argument) and listed most recent first; the newer state replaces the
 older "Work in Progress" and "Immediate Next Step".
 
-The output fits ``max_tokens`` under the reference heuristic (4 UTF-16 code units per token):
-when everything does not fit, the most useful facts are kept first: the session's first and the
-latest request; the gate's probes; then every path, command and stated error line of the span
-and of the prior checkpoint, alternating between the two and between the kinds, so a tight budget
-keeps the newest of each and an older span's facts keep a share; then the current state and the
-next step (the retained messages right after the checkpoint show where the work stands) and the
-other requests; then tool counts and updates. A command keeps its first segment that runs a
+The output fits its budget (below) under the reference heuristic (4 UTF-16 code units per
+token), or the route's own count when the bracket hands it over: when everything does not
+fit, the most useful facts are kept first: the session's first and the latest request; the
+gate's probes; then every path, command and stated error line of the span and of the prior
+checkpoint, alternating between the two and between the kinds, so a tight budget keeps the
+newest of each and an older span's facts keep a share; then the current state and the next step
+(the retained messages right after the checkpoint show where the work stands) and the other
+requests; then tool counts and updates. A command keeps its first segment that runs a
 program (``cd`` steps and pipelines dropped), an error line its first characters. A summary that
 would keep less than the gate's default share of its probes is refitted with the probes first,
-requests quoted by their shortest run of six words (``PROBE_FLOOR``). Same input, same bytes.
+requests quoted by their shortest run of six words (``PROBE_FLOOR``). When the prior
+checkpoint's paths and commands do not all fit, each is written by what identifies it only (a
+path's last two segments, a command's program and first argument), so that more of them do.
+Same input, same bytes.
 
 A checkpoint costs a small share of what it replaces: the framed checkpoint fits ``SPAN_SHARE``
 of its span (of the span's route price, ``SummaryRequest.span_tokens``, when the bracket knows it),
 whatever the span's size, the gate's probes included (they rank right after the
 current state, so a tight share keeps the most valuable facts and drops the rest). The share is
-checked with ``estimated_tokens``, which errs high where the heuristic errs low (punctuation-dense
-paths and commands, non-ASCII text), so the route's count mostly stays under 15% too (the bracket
-writes one that does not again, smaller). A span so small
+counted by the route when the bracket hands over its count (``SummaryRequest.checkpoint_tokens``):
+the framed checkpoint then takes the largest fit within ``ROUTE_SHARE`` (15%) of the span as the
+quality gate measures it. Without that count the share is checked with ``estimated_tokens``,
+which errs high where the heuristic errs low (punctuation-dense paths and commands, non-ASCII
+text), so the route's count mostly stays under 15% too (the bracket writes one that does not
+again, smaller), at the cost of room left unused. ``max_tokens`` caps a model's generation, not
+this checkpoint: a summary that takes a share of its span is bounded by that share and by the
+room the window leaves (``SummaryRequest.room_tokens``); without a share (``span_share=None``),
+``max_tokens`` bounds it. A span so small
 that the share cannot hold ``MIN_CHECKPOINT_TOKENS`` (the sections, the current state and the
 first probes) gets that many, never more than half the span; a policy that wants no checkpoint
 above 15% sets ``minReductionRatio`` to 0.85: selection then declines such a span
-(``SPAN_TOO_SMALL``, ``minimum_span_tokens``) before any summary is written.
+(``SPAN_TOO_SMALL``, ``minimum_span_tokens``) before any summary is written. A checkpoint cut
+to fit the window (a room) takes its share alone however small the span: the gate does not judge
+its probes, and the recall handle keeps the span's facts within reach.
 Paths are dense: "Files Touched" writes one line per directory (``DIR/: a/b.py, c/d.py``, each
 path keeping its last two segments; the directory the paths take the fewest characters under is
 written once), in the section's order (most recent first), which a later fold reads back as
@@ -69,6 +81,9 @@ _UNITS_PER_TOKEN = 4
 #: summary-quality goal allows: the estimate errs high on most text; a checkpoint the route counts
 #: above 15% anyway is written again smaller, ``service.bracket``).
 SPAN_SHARE = 0.14
+#: The largest share of its span a framed checkpoint takes when the route counts it
+#: (``SummaryRequest.checkpoint_tokens``): the summary-quality goal itself.
+ROUTE_SHARE = 0.15
 #: The share of the policy's allowance (``1 - minReductionRatio``) a smallest checkpoint may take
 #: of the smallest span selection accepts: at 0.85, 250 tokens of 1,852 (13.5%).
 _SPAN_MARGIN = 0.9
@@ -113,6 +128,7 @@ class _Limits:
     error_units: int = 100  # an error line: its first 60 characters identify it
     state_units: int = 80  # a "Work in Progress" line; the next step takes ``item_units``
     state_lines: int = 3  # the last assistant message, tool call and tool result
+    older_identities: bool = False  # a prior checkpoint's paths and commands: identities only
 
 
 @dataclass
@@ -171,27 +187,53 @@ class ExtractiveSummarizer:
         Raises:
             SummaryError: ``max_tokens`` cannot hold even the eight empty sections.
         """
-        text, found = self._summary(request.messages, request.max_tokens, request.span_tokens)
+        text, found = self._summary(
+            request.messages, request.max_tokens, request.span_tokens, request.checkpoint_tokens,
+            request.room_tokens,
+        )  # fmt: skip
         text = self._distinct(text, _span(request.messages), _Facts())
         return SummaryResult(
             text=text, usage=None, provider="compactd", model=self.name, finish_reason="stop",
             span_facts=found,
         )  # fmt: skip
 
-    def summary_text(self, messages: Sequence[Message], max_tokens: int) -> str:
-        """The summary of ``messages`` (a leading system message is the head and is skipped)."""
-        return self._distinct(self._summary(messages, max_tokens)[0], _span(messages), _Facts())
+    def summary_text(
+        self,
+        messages: Sequence[Message],
+        max_tokens: int,
+        *,
+        span_tokens: int = 0,
+        checkpoint_tokens: Callable[[str], int] | None = None,
+    ) -> str:
+        """The summary of ``messages`` (a leading system message is the head and is skipped);
+        ``span_tokens`` and ``checkpoint_tokens`` as ``SummaryRequest`` has them."""
+        text = self._summary(messages, max_tokens, span_tokens, checkpoint_tokens)[0]
+        return self._distinct(text, _span(messages), _Facts())
 
     def _summary(
-        self, messages: Sequence[Message], max_tokens: int, span_tokens: int = 0
+        self,
+        messages: Sequence[Message],
+        max_tokens: int,
+        span_tokens: int = 0,
+        count: Callable[[str], int] | None = None,
+        room: int = 0,
     ) -> tuple[str, probes.SpanFacts]:
         """The summary and the span facts it was written from; ``span_tokens``, the span's route
-        price when known (else its heuristic price), is what its share is taken of."""
-        budget = max_tokens * _UNITS_PER_TOKEN
+        price when known (else its heuristic price), is what its share is taken of; ``count``,
+        the route price of the checkpoint a text becomes, when known: the checkpoint then fills
+        ``ROUTE_SHARE`` of the span as the route counts it rather than as the estimate does.
+        A summary that takes a share of its span is bounded by that share and ``room`` (the
+        request's room beside the floor, 0: none), not by ``max_tokens``: that caps a model's
+        generation, and a checkpoint of a span many times the window needs more than a model
+        would write in one call."""
+        shared = self._share is not None
+        cap = room if shared else min(room or max_tokens, max_tokens)
+        budget = cap * _UNITS_PER_TOKEN if cap else _UNBOUNDED
         skeleton = _render({})
         if utf16_length(skeleton) > budget:
+            name = "the room" if shared else "max_tokens"
             raise SummaryError(
-                f"max_tokens={max_tokens} cannot hold the summary's eight sections (needs at "
+                f"{name}={cap} cannot hold the summary's eight sections (needs at "
                 f"least {-(-utf16_length(skeleton) // _UNITS_PER_TOKEN)})",
                 reason=Reason.SUMMARIZER_MISCONFIGURED,
             )
@@ -203,17 +245,28 @@ class ExtractiveSummarizer:
         allowed = None
         if facts.has_new and self._share is not None:
             priced = span_tokens or sum(map(heuristic_price, span))
-            allowed = allowed_tokens(priced, self._share)
+            allowed = allowed_tokens(priced, self._share, strict=_strict(room))
         share = budget
+        fits: _Fits | None = None
         if allowed is not None:
-            room = int(allowed * _UNITS_PER_TOKEN) - _FRAME_UNITS
-            share = min(budget, max(utf16_length(skeleton), room))
-        # Clipped to the room the bullets share, whichever bounds it (the span's share or
-        # ``max_tokens``): a long request quoted whole would crowd out every fact.
+            units = int(allowed * _UNITS_PER_TOKEN) - _FRAME_UNITS
+            share = min(budget, max(utf16_length(skeleton), units))
+            if count is not None and span_tokens:
+                fits = _Fits(count, counted_allowance(span_tokens, strict=_strict(room)), budget)
+        # Clipped to the room the bullets share, whichever bounds it (the span's share, the
+        # room or ``max_tokens``): a long request quoted whole would crowd out every fact.
         limits = _tightened(limits, share - utf16_length(skeleton))
         ranking = _candidates(facts, limits)
         _promote_probes(ranking, found, limits)
-        text = _fit_share(ranking.candidates, share, allowed)
+        text = _fit_share(ranking.candidates, share, allowed, fits)
+        if _drops_older_facts(facts, text):
+            # The older spans' paths and commands did not all fit: each keeps only what
+            # identifies it (a path's last two segments, a command's program and first
+            # argument), so that the room holds more of them.
+            limits = replace(limits, older_identities=True)
+            ranking = _candidates(facts, limits)
+            _promote_probes(ranking, found, limits)
+            text = _fit_share(ranking.candidates, share, allowed, fits)
         checked = probes.select_probes(found)
         if probes.retention(checked, text).ratio >= PROBE_FLOOR:
             return text, found
@@ -223,7 +276,7 @@ class ExtractiveSummarizer:
         ranking = _candidates(facts, limits)
         _promote_probes(ranking, found, limits, tier=-1)
         first = text
-        text = _fit_share(ranking.candidates, share, allowed)
+        text = _fit_share(ranking.candidates, share, allowed, fits)
         better = probes.retention(checked, text).ratio > probes.retention(checked, first).ratio
         return (text if better else first), found
 
@@ -242,12 +295,21 @@ class ExtractiveSummarizer:
         return text
 
 
-def allowed_tokens(span_tokens: float, share: float = SPAN_SHARE) -> float:
+def allowed_tokens(span_tokens: float, share: float = SPAN_SHARE, *, strict: bool = False) -> float:
     """The estimated tokens a framed checkpoint of a ``span_tokens`` span may take: ``share`` of
     it, or for a span too small for that to hold ``MIN_CHECKPOINT_TOKENS``, that many but never
-    more than half the span (and never less than the eight empty sections)."""
-    small = min(MIN_CHECKPOINT_TOKENS, span_tokens / 2)
+    more than half the span (and never less than the eight empty sections). ``strict``: the
+    share alone (and the sections), for a checkpoint cut to fit the window (``_strict``)."""
+    small = 0.0 if strict else min(MIN_CHECKPOINT_TOKENS, span_tokens / 2)
     return max(span_tokens * share, small, _SKELETON_TOKENS)
+
+
+def _strict(room: int) -> bool:
+    """Whether a checkpoint takes its share of the span and no more, however small the span: one
+    cut to fit the window (``room``). ``MIN_CHECKPOINT_TOKENS`` is room for the quality gate's
+    first probes, and the gate does not judge the probes of such a checkpoint; a span too small
+    for its share to hold facts keeps them behind the checkpoint's recall handle."""
+    return room > 0
 
 
 def minimum_span_tokens(min_reduction_ratio: float | None) -> int:
@@ -275,9 +337,36 @@ def _tightened(limits: _Limits, content_units: int) -> _Limits:
     )
 
 
-def _fit_share(candidates: Sequence[_Candidate], share: int, allowed: float | None) -> str:
+@dataclass(frozen=True)
+class _Fits:
+    """The route's count of a checkpoint, the most it may take, and the most code units its
+    summary may (``max_tokens``)."""
+
+    count: Callable[[str], int]
+    allowed: int
+    budget: int
+
+
+def counted_allowance(span_tokens: int, *, strict: bool = False) -> int:
+    """The route tokens a framed checkpoint of a ``span_tokens`` span (route-priced) may take
+    when the route counts it: ``ROUTE_SHARE`` of it, rounded down, or for a span too small for
+    that to hold ``MIN_CHECKPOINT_TOKENS``, that many but never more than half the span
+    (``strict``: the share alone)."""
+    small = 0 if strict else min(MIN_CHECKPOINT_TOKENS, span_tokens // 2)
+    share = math.floor(span_tokens * ROUTE_SHARE)
+    if share and 1 - share / span_tokens < 1 - ROUTE_SHARE:  # the gate's float comparison
+        share -= 1
+    return max(share, small)
+
+
+def _fit_share(
+    candidates: Sequence[_Candidate], share: int, allowed: float | None, fits: _Fits | None = None
+) -> str:
     """``_fit`` within ``share`` code units, refitted smaller while the framed checkpoint's
-    ``estimated_tokens`` exceed ``allowed`` (None: the code units alone bound it)."""
+    ``estimated_tokens`` exceed ``allowed`` (None: the code units alone bound it); with the
+    route's count (``fits``), the largest fit it counts within its allowance instead."""
+    if fits is not None:
+        return _fit_counted(candidates, share, fits)
     text = _fit(candidates, share)
     if allowed is None:
         return text
@@ -289,6 +378,39 @@ def _fit_share(candidates: Sequence[_Candidate], share: int, allowed: float | No
         share = max(floor, int(share * allowed / estimate) - _UNITS_PER_TOKEN)
         text = _fit(candidates, share)
     return text
+
+
+def _fit_counted(candidates: Sequence[_Candidate], share: int, fits: _Fits) -> str:
+    """The fit of the most code units whose checkpoint the route counts within
+    ``fits.allowed``, searched from ``share`` (the estimate's guess): the estimate errs high, so
+    the route's count leaves room the estimate would waste (a checkpoint at 11% of its span where
+    15% is allowed). Each try scales the code units by what the count says is left; the smallest
+    fit (the eight sections) stands when nothing fits."""
+    floor = utf16_length(_render({}))
+    low, high = floor, fits.budget + 1  # the largest share known to fit, the least known not to
+    best = ""
+    share = max(floor, min(share, fits.budget))
+    for _ in range(_COUNTED_TRIES):
+        text = _fit(candidates, share)
+        counted = fits.count(text)
+        if counted <= fits.allowed:
+            if share > low or not best:
+                low, best = share, text
+        else:
+            high = min(high, share)
+        if high - low <= _COUNTED_PRECISION:
+            break
+        guess = int(share * fits.allowed / max(counted, 1))
+        share = min(max(guess, low + 1), high - 1)
+        if share <= low:  # pragma: no cover - the bracket closes before this
+            break
+    return best or _fit(candidates, floor)
+
+
+#: Fits tried against the route's count, and how close (code units) the search stops.
+_COUNTED_TRIES = 6
+_UNBOUNDED = 1 << 40  # code units: no bound but the span's share
+_COUNTED_PRECISION = 16
 
 
 # Roughly how a byte-pair tokenizer splits text before merging (a word with its leading space,
@@ -573,8 +695,10 @@ def _fact_pool(ranking: _Ranking, facts: _Facts, limits: _Limits) -> None:
     ranks alike): a tight budget keeps the newest facts of every kind, and an older span's facts
     keep a share of the room instead of being summarized away by the newer ones."""
     named = [p for p in facts.named_paths if _FileGroups.is_file(p)]
-    _interleave(ranking, _FILES, list(reversed(named)), facts.prior.get(_FILES, []),
-                limits.item_units)  # fmt: skip
+    older = facts.prior.get(_FILES, [])
+    if limits.older_identities:
+        older = list(dict.fromkeys(map(_path_tail, older)))
+    _interleave(ranking, _FILES, list(reversed(named)), older, limits.item_units)
     own: dict[str, str] = {}  # identity -> the command's newest form
     for command in reversed(list(facts.commands)):
         form = command_form(command, limits.command_units)
@@ -584,8 +708,10 @@ def _fact_pool(ranking: _Ranking, facts: _Facts, limits: _Limits) -> None:
     for bullet in facts.prior.get(_TECH, []):
         stated = _prior_command(bullet)
         if stated and command_identity(stated) not in own:
-            # An older span's command keeps what identifies it and a little of the rest.
-            form = command_form(stated, _PRIOR_COMMAND_UNITS) or stated
+            # An older span's command keeps what identifies it and a little of the rest (only
+            # what identifies it when the older facts do not all fit).
+            units = 0 if limits.older_identities else _PRIOR_COMMAND_UNITS
+            form = command_form(stated, units) or stated
             prior.setdefault(command_identity(stated), f"$ {form}")
     _interleave(ranking, _TECH, list(own.values()), list(prior.values()), _WHOLE)
     errors = [e for e in reversed(list(facts.stated_errors)) if _identifies(e)]
@@ -610,6 +736,27 @@ def _interleave(
     for position, item in enumerate(prior):
         kept = cap if prior_cap is None else min(cap, prior_cap(item))
         ranking.add(2, section, [item], kept, newest_first=False, after=2 * position + 1)
+
+
+def _drops_older_facts(facts: _Facts, text: str) -> bool:
+    """Whether ``text`` leaves out a path (by its last two segments) or a command (by its
+    program and first argument) of the prior checkpoint."""
+    shown = text.casefold()
+    paths = (p for p in facts.prior.get(_FILES, []) if _FileGroups.is_path(p))
+    if any(_FileGroups.tail(path) not in shown for path in paths):
+        return True
+    stated = (_prior_command(bullet) for bullet in facts.prior.get(_TECH, []))
+    forms = (command_form(command) or command for command in stated if command is not None)
+    return any(command_identity(form) not in shown for form in forms)
+
+
+def _path_tail(bullet: str) -> str:
+    """A prior checkpoint's path as its last two segments (a trailing slash kept); any other
+    bullet as it is."""
+    if not _FileGroups.is_path(bullet) or bullet.strip("/").count("/") < 2:
+        return bullet
+    tail = "/".join(bullet.rstrip("/").split("/")[-2:])
+    return tail + "/" if bullet.endswith("/") else tail
 
 
 def _error_identity(line: str) -> str:
@@ -776,7 +923,7 @@ class _FileGroups:
     """
 
     _SEPARATOR = ", "
-    MIN_PREFIX = 16  # a shorter directory is written out in each path
+    MIN_PREFIX = 8  # a shorter directory is written out in each path
 
     def __init__(self, paths: Sequence[str]) -> None:
         """Group under the deepest directory most of ``paths`` share (a session's project root),

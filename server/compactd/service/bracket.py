@@ -106,6 +106,9 @@ class Bracket:
     #: the request is over the window and the summary is cut to fit it (a checkpoint that fits
     #: beats a request a provider refuses; its size, sections and echo are still judged).
     gate_extractive: bool = True
+    #: The most a summary may take for the request to fit the window (0: unbounded but for the
+    #: policy's ``maxTokens``); ``policy.max_tokens`` is no larger.
+    room_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -420,6 +423,12 @@ class Brackets:
             request, serialized = summary_request(
                 job.handle, selection, writer.target, job.policy, job.focus
             )
+            # The checkpoint as the gate will price it: a summarizer fitting a share of the span
+            # counts its checkpoint instead of estimating it.
+            request = replace(
+                request, checkpoint_tokens=checkpoint_pricer(job, opened),
+                room_tokens=job.room_tokens,
+            )  # fmt: skip
             facts = self._screener.facts_beside(job.policy, request, writer.summarizer)
             try:
                 summary = await self._summarize(opened.compaction_id, writer, request, progress)
@@ -820,6 +829,24 @@ def projected_span(
             messages.append(message)
             serialized.append(message.SerializeToString() if offloaded else node.data)
     return messages, serialized
+
+
+def checkpoint_pricer(job: Bracket, opened: _Opened) -> Callable[[str], int]:
+    """The shrink route's price of the checkpoint a summary text becomes in ``opened``'s
+    bracket, framed and with its recall handle, as the commit will record it: as the quality
+    gate prices it, or with its open handles when no gate judges it (``_measurement``)."""
+    handles = ""
+    if job.policy.gate is None:
+        selection, nodes = opened.selection, job.handle.fold.surface.nodes
+        span = nodes[selection.start_position : selection.end_position + 1]
+        handles = prompts.open_handles_section(open_handles(job.handle.fold, span))
+
+    def price(summary: str) -> int:
+        framed = bracket.checkpoint_text(summary, opened.start_seq, handles)
+        return route_price(bracket.checkpoint_message(opened.compaction_id, framed),
+                           job.shrink_route)  # fmt: skip
+
+    return price
 
 
 def summary_request(

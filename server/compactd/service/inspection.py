@@ -33,6 +33,7 @@ from compactd.core.pruner import PrunePlan, PrunerConfig, plan_prunes
 from compactd.core.selection import DeclineCode, Declined, Selection, SelectionMode
 from compactd.core.surface import ShadowHistory, SurfaceChange, SurfaceNode
 from compactd.errors import CompactdError, FieldViolation, InvalidArgument
+from compactd.providers.extractive import ExtractiveSummarizer, counted_allowance
 from compactd.reasons import Reason
 from compactd.routes import Route
 from compactd.service.bracket import Brackets, shadow_price_of
@@ -323,10 +324,25 @@ class InspectionService:
             )
         )
         floor = route_price(_skeleton(), job.route)
-        ceiling = min(floor + job.writer_policy.max_tokens, chosen.shadowed_price - 1)
+        # A model's summary is capped at maxTokens; the extractive checkpoint at its share of
+        # the span (``counted_allowance``), whatever maxTokens says.
+        written = (
+            counted_allowance(chosen.shadowed_price)
+            if target is not None and self._extractive(target)
+            else floor + job.writer_policy.max_tokens
+        )
+        ceiling = min(written, chosen.shadowed_price - 1)
         base = plan.tokens_after_prune - chosen.shadowed_price
         plan.expected_tokens_after = base + min(floor, ceiling)
         plan.expected_tokens_after_max = base + max(floor, ceiling)
+
+    def _extractive(self, target: Route) -> bool:
+        """Whether the extractive summarizer writes the summaries of ``target``."""
+        try:
+            summarizer = self._brackets.summarizers.for_route(target)
+        except CompactdError:
+            return False
+        return isinstance(summarizer, ExtractiveSummarizer)
 
     def _chosen(
         self,

@@ -256,8 +256,10 @@ class StepService:
             policy = dataclasses.replace(policy, summary_gate=False)
         maximal = _over_window(relief.report)
         cramped = False  # the room leaves a model too few tokens to finish a summary in
+        room = 0
         if maximal:
-            cap = self._fitting_summary(relief)
+            room = self._summary_room(relief)
+            cap = min(policy.max_tokens, room)
             cramped = cap < min(policy.max_tokens, MODEL_SUMMARY_TOKENS)
             policy = dataclasses.replace(policy, extractive_fallback=True, max_tokens=cap)
         retained = 0 if maximal else self._pressure.spec(handle, route).retained_budget
@@ -270,6 +272,7 @@ class StepService:
             guarded=True,
             extractive=not first or cramped or self._floor_above_trigger(relief),
             gate_extractive=not maximal,
+            room_tokens=room,
         )  # fmt: skip
 
     async def _compact_once(self, relief: _Relief, *, first: bool) -> bool | None:
@@ -322,14 +325,14 @@ class StepService:
             return Declined(DeclineCode.FLOOR_ABOVE_TRIGGER, relief.why)
         return self._job(relief, first=True)
 
-    def _fitting_summary(self, relief: _Relief) -> int:
-        """The summary cap of a bracket whose request is over the window: the policy's, or less,
-        so that its checkpoint fits the room the window leaves beside the floor (never below
-        what the eight empty sections take: such a room leaves the request to the masking
-        rung)."""
+    def _summary_room(self, relief: _Relief) -> int:
+        """The most the summary of a bracket whose request is over the window may take, so
+        that its checkpoint fits the room the window leaves beside the floor (never below what
+        the eight empty sections take: such a room leaves the request to the masking rung). A
+        model's summary is capped at the policy's ``maxTokens`` too."""
         report = relief.report
         room = report.context_window - report.output_reservation - relief.floor
-        return min(relief.policy.max_tokens, max(room - CHECKPOINT_FRAME_TOKENS, SKELETON_TOKENS))
+        return max(room - CHECKPOINT_FRAME_TOKENS, SKELETON_TOKENS)
 
     def _floor_above_trigger(self, relief: _Relief) -> bool:
         """Whether no summary can bring pressure below the trigger (then the extractive
