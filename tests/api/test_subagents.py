@@ -232,3 +232,19 @@ async def test_open_subagent_handles_survive_ten_compactions_of_the_parent(
             assert (b in handles) == (round < 4), round
             assert "`goal`" in handles
             assert checkpoint.count("## Open Handles") == 1
+
+
+async def test_a_checkpoint_with_open_handles_is_measured_as_committed(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    # The gate prices a checkpoint without its Open Handles section (what it judges is the
+    # summary); the commit's envelope_after must still be the envelope the session then has.
+    async with started(tmp_path, loop, policy=RELAXED) as h:
+        await h.create(*opening(), *units(3))
+        await _create(h, "s1.a", "s1")
+        await h.append(subagent_start("s1.a", "call-0", "audit src/mod0.py"), *units(6, start=10))
+        run = await h.compact()
+        assert run.result.outcome.checkpoint_seq
+        summary = next(e for e in await h.events() if e.HasField("compaction_summary"))
+        after = summary.compaction_summary.tokens.envelope_after
+        assert after == (await h.pressure()).measured_tokens

@@ -645,7 +645,9 @@ class Brackets:
         handles = prompts.open_handles_section(open_handles(handle.fold, span))
         framed = bracket.checkpoint_text(screened.summary.text, opened.start_seq, handles)
         checkpoint = bracket.checkpoint_message(compaction_id, framed)
-        tokens = _measurement(job, selection, written.envelope_before, checkpoint, screened)
+        tokens = _measurement(
+            job, selection, written.envelope_before, checkpoint, screened, handles
+        )
         summary_seq = handle.fold.revision
         target = events_pb2.Route(provider=screened.target.provider, model=screened.target.model)
         replacement = bracket.checkpoint_event(
@@ -729,14 +731,16 @@ def _measurement(
     envelope_before: int,
     checkpoint: events_pb2.SessionEvent,
     screened: Screened,
+    open_handles: str,
 ) -> events_pb2.TokenMeasurement:
     """The commit's token figures; raises ``SUMMARY_NOT_SMALLER`` when the checkpoint does not
     shrink the span on the shrink route (call under the lock)."""
     handle = job.handle
+    # The gate priced the checkpoint without its Open Handles section (it judges the summary):
+    # its count is the committed checkpoint's only when that section is empty.
+    gate_priced = screened.checkpoint_tokens if not open_handles else None
     checkpoint_route = (
-        screened.checkpoint_tokens
-        if screened.checkpoint_tokens is not None
-        else route_price(checkpoint, job.shrink_route)
+        gate_priced if gate_priced is not None else route_price(checkpoint, job.shrink_route)
     )
     shadowed_route = handle.context.meter.route_price_of_nodes(
         handle.fold, selection.shadowed_seqs, job.shrink_route
