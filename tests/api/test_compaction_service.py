@@ -346,6 +346,29 @@ async def test_a_held_request_comes_back_as_the_messages_appended_since(
         assert changed.request == await h.build()
 
 
+async def test_a_held_step_during_a_write_answers_once_the_write_commits(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    async with started(tmp_path, loop, policy=RELAXED) as h:
+        await h.create(*opening(), *units(2), turn_start(1))
+        built = await h.build()
+        assert h.server is not None
+        handle = await h.server.manager.get(h.session_id)
+        request = cpb.PrepareStepUnaryRequest(
+            session_id=h.session_id, turn=1, held_revision=built.revision
+        )
+        async with handle.lock:  # a write between its admission and its commit
+            step = asyncio.ensure_future(h.compaction.PrepareStepUnary(request))
+            await asyncio.sleep(0.2)
+            assert not step.done()  # the held answer waits: the fold holds uncommitted events
+            await handle.append_locked(in_step(1, 1, assistant("Looking at src/mod1.py now.")))
+        result = (await step).result
+        now = await h.build()
+        assert result.request_unchanged
+        assert [*built.messages, *result.appended_messages] == list(now.messages)
+        assert result.request_revision == now.revision
+
+
 async def test_a_step_that_compacts_returns_the_full_request_whatever_was_held(
     tmp_path: Path, loop: OpenAICompatServer
 ) -> None:

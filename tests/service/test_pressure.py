@@ -176,6 +176,38 @@ async def test_a_session_policy_layers_over_the_service_policy(
     assert report.retained_budget == 10485  # floor(0.16 * 65536)
 
 
+async def test_interleaved_reports_each_carry_their_own_route_and_policy_figures(
+    manager: SessionManager, service: PressureService
+) -> None:
+    # A report copies the figures its spec and route fix (built once per pair): checks that
+    # alternate routes and policies must never see another pair's.
+    small = {"modelPolicies": [{"provider": "test", "model": "small", "headroomTokens": 4096}]}
+    plain = await session(manager, routed("test", "small"), user("hello"))
+    custom = await session(manager, routed("test", "small"), user("hello"), policy=small)
+    small_route, wide_route = (
+        service.route_for("test", "small"),
+        service.route_for("test", "heuristic"),
+    )
+    pairs = [(plain, wide_route), (custom, small_route), (custom, wide_route)]
+    headrooms = set()
+    for _ in range(2):
+        for sid, route in pairs:
+            handle = await manager.get(sid)
+            report = await service.check(sid, route)
+            spec = service.spec(handle, route)
+            assert (report.route.provider, report.route.model) == (route.provider, route.model)
+            assert report.context_window == spec.window
+            assert report.output_reservation == spec.output_reservation
+            assert report.headroom_tokens == spec.headroom
+            assert report.trigger_tokens == spec.trigger
+            assert report.retained_budget == spec.retained_budget
+            assert report.measured_tokens == await measured(manager, sid, route)
+            headrooms.add((sid, route.model, report.headroom_tokens))
+    assert len(headrooms) == 3  # the same figures both rounds
+    assert (custom, "small", 4096) in headrooms  # the override, on its route only
+    assert all(headroom != 4096 for _, model, headroom in headrooms if model == "heuristic")
+
+
 async def test_an_invalid_session_policy_is_a_config_error(
     manager: SessionManager, service: PressureService
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Any, TypeVar
 
 import grpc
@@ -23,6 +24,8 @@ from compactd.v1 import compaction_service_pb2 as pb
 from compactd.v1 import compaction_service_pb2_grpc, events_pb2
 
 Context = grpc.aio.ServicerContext[Any, Any]
+#: A step to run: given its progress callback (and, unary, the result to write in), its result.
+_Step = Callable[..., Awaitable[pb.PrepareStepResult]]
 Result = TypeVar("Result")
 Response = TypeVar("Response")
 #: The longest ``CompactRequest.focus`` (it is added to the summary instruction as written).
@@ -84,23 +87,20 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
     async def PrepareStepUnary(
         self, request: pb.PrepareStepUnaryRequest, context: Context
     ) -> pb.PrepareStepUnaryResponse:
-        result = await self._step(request)(_unreported)
-        return pb.PrepareStepUnaryResponse(result=result)
+        response = pb.PrepareStepUnaryResponse()
+        await self._step(request)(_unreported, into=response.result)  # written in place
+        return response
 
-    def _step(
-        self, request: pb.PrepareStepRequest | pb.PrepareStepUnaryRequest
-    ) -> Callable[[Progress], Awaitable[pb.PrepareStepResult]]:
+    def _step(self, request: pb.PrepareStepRequest | pb.PrepareStepUnaryRequest) -> _Step:
         """The step ``request`` asks for, run with a progress callback (both PrepareSteps)."""
         require_session_id(request.session_id)
         intended = self._destination(request.intended_route, request.HasField("intended_route"))
         held = request.held_revision if request.HasField("held_revision") else None
-
-        def run(progress: Progress) -> Awaitable[pb.PrepareStepResult]:
-            return self._steps.prepare_step(
-                request.session_id, request.turn, intended, progress, held
-            )
-
-        return run
+        step: _Step = partial(
+            self._steps.prepare_step, request.session_id, request.turn, intended,
+            held_revision=held,
+        )  # fmt: skip
+        return step
 
     @handle_errors
     async def Compact(  # type: ignore[override]  # streams through context.write

@@ -770,11 +770,12 @@ class SessionMeter:
         With ``anchored=False``, the meter's own estimate even when usage would anchor it.
         """
         self._check_fold(fold)
-        ledger = self._ledger(route.pricing)
+        pricing = route.pricing  # a property that looks the profile up: once per measurement
+        ledger = self._ledger(pricing)
         head_text = self._system_text()
         estimate = _assemble(
             revision=self.revision,
-            pricing=route.pricing,
+            pricing=pricing,
             costs=ledger.costs,
             head=self._head,
             totals=NodeCost(ledger.messages, ledger.images),
@@ -783,7 +784,7 @@ class SessionMeter:
                 lambda: envelope_tools(self._header, self.declared_tools(self._header)),
                 (self._head, head_text),
             ),
-            config=price_config(self._header, route.pricing, head_text),
+            config=price_config(self._header, pricing, head_text),
             pins=ledger.pins(self._pins_seq, self._pins_message),
         )
         if not anchored or not self._anchor_applies(route):
@@ -792,7 +793,7 @@ class SessionMeter:
         covered = estimate.total - ledger.delta  # the estimate of the envelope usage priced
         if self._anchor.usage < covered:
             return estimate
-        margin = self._anchor.stale_margins.get(route.pricing)
+        margin = self._anchor.stale_margins.get(pricing)
         if margin is not None and self._anchor.usage - covered >= margin / 2:
             return estimate  # it priced the surface before a checkpoint prepared ahead
         gap = self._anchor.usage - covered

@@ -113,6 +113,8 @@ class PressureService:
         # Resolved once per policy and route (per step they cost more than the measurement).
         self._targets: dict[tuple[int, str, str], tuple[PressurePolicy, TargetPolicy]] = {}
         self._specs: dict[tuple[int, str, int | None, int], tuple[TargetPolicy, CompactSpec]] = {}
+        # A report's fields that follow from its spec and route alone, per spec and route.
+        self._fixed: dict[tuple[int, str, str], tuple[CompactSpec, PressureReport]] = {}
         manager.build_contexts(self._context)
         manager.on_restore(self._attach)
         self.fallbacks = route_fallbacks(routes)
@@ -214,7 +216,7 @@ class PressureService:
         spec = self.spec(handle, route)
         stats = self.calibration.stats(route)
         measurement = estimated(route, raw, stats)
-        report = _report(route, spec, measurement)
+        report = _report(self._fixed_fields(route, spec), spec, measurement)
         annotate(
             report.breakdown,
             route=route,
@@ -244,6 +246,17 @@ class PressureService:
         )
         self._remember(self._specs, key, (target, spec))
         return spec
+
+    def _fixed_fields(self, route: Route, spec: CompactSpec) -> PressureReport:
+        """The fields of ``route``'s reports that ``spec`` fixes (``_fixed_report``), built once
+        per spec and route: a report copies them and writes its measurement over the copy."""
+        key = (id(spec), route.provider, route.model)
+        cached = self._fixed.get(key)
+        if cached is not None and cached[0] is spec:
+            return cached[1]
+        fixed = _fixed_report(route, spec)
+        self._remember(self._fixed, key, (spec, fixed))
+        return fixed
 
     def logged_route(self, handle: SessionHandle) -> Route:
         """The route of the latest logged header (``ROUTE_UNKNOWN`` when none names one)."""
@@ -298,9 +311,10 @@ class PressureService:
 
     def _route_of(self, header: events_pb2.RequestHeader | None) -> Route | None:
         """The route ``header`` names (None: no header, or one that names none)."""
-        if header is None or not (header.config.provider and header.config.model):
+        config = header.config if header is not None else None  # read once: every step asks
+        if config is None or not (config.provider and config.model):
             return None
-        return self.routes.resolve(header.config.provider, header.config.model)
+        return self.routes.resolve(config.provider, config.model)
 
     def _session_policy(self, handle: SessionHandle) -> PressurePolicy:
         overrides = handle.policy_overrides
@@ -366,32 +380,41 @@ def _envelope_max_output(header: events_pb2.RequestHeader | None, route: Route) 
     return header.config.max_output_tokens
 
 
-def _report(route: Route, spec: CompactSpec, measured: Measurement) -> PressureReport:
-    above = spec.is_above(measured.total)
-    breakdown = compaction_service_pb2.PressureBreakdown(
-        system_tokens=measured.system,
-        tools_tokens=measured.tools,
-        messages_tokens=measured.messages,
-        images_tokens=measured.images,
-        config_tokens=measured.config,
-        method=_METHODS[measured.method],
-        tokenizer=measured.tokenizer,
-        anchor_seq=measured.anchor_seq if measured.anchor_seq is not None else 0,
-        pins_tokens=measured.pins,
-    )
+def _fixed_report(route: Route, spec: CompactSpec) -> PressureReport:
+    """The fields of a report against ``spec`` on ``route`` that no measurement changes (the
+    route, the window and what the policy derives from it), with the breakdown present."""
     return PressureReport(
-        revision=measured.revision,
         route=events_pb2.Route(provider=route.provider, model=route.model),
-        measured_tokens=measured.total,
         context_window=spec.window,
         output_reservation=spec.output_reservation,
         headroom_tokens=spec.headroom,
         trigger_tokens=spec.trigger,
         retained_budget=spec.retained_budget,
-        state=(
-            compaction_service_pb2.PRESSURE_STATE_ABOVE
-            if above
-            else compaction_service_pb2.PRESSURE_STATE_BELOW
-        ),
-        breakdown=breakdown,
+        breakdown=compaction_service_pb2.PressureBreakdown(),
     )
+
+
+def _report(fixed: PressureReport, spec: CompactSpec, measured: Measurement) -> PressureReport:
+    """``measured`` against ``spec``: a copy of the spec's fixed fields (``_fixed_report``) with
+    the measurement written over it (a copy and a few assignments cost less than building the
+    report and its two nested messages from keywords, every step)."""
+    report = PressureReport()
+    report.CopyFrom(fixed)
+    report.revision = measured.revision
+    report.measured_tokens = measured.total
+    report.state = (
+        compaction_service_pb2.PRESSURE_STATE_ABOVE
+        if spec.is_above(measured.total)
+        else compaction_service_pb2.PRESSURE_STATE_BELOW
+    )
+    breakdown = report.breakdown
+    breakdown.system_tokens = measured.system
+    breakdown.tools_tokens = measured.tools
+    breakdown.messages_tokens = measured.messages
+    breakdown.images_tokens = measured.images
+    breakdown.config_tokens = measured.config
+    breakdown.method = _METHODS[measured.method]
+    breakdown.tokenizer = measured.tokenizer
+    breakdown.anchor_seq = measured.anchor_seq if measured.anchor_seq is not None else 0
+    breakdown.pins_tokens = measured.pins
+    return report

@@ -27,6 +27,7 @@ import logging
 from dataclasses import dataclass, field
 from functools import partial
 
+from compactd.core.fold import SessionFold
 from compactd.core.outcome import Outcome, StepFigures, floor_tokens, outcome_of
 from compactd.core.planner import SHAPES, PlanMode, node_pricer, span_pricer
 from compactd.core.policy import TargetPolicy
@@ -137,11 +138,15 @@ class StepService:
         intended: Route | None,
         progress: Progress,
         held_revision: int | None = None,
+        *,
+        into: cpb.PrepareStepResult | None = None,
     ) -> cpb.PrepareStepResult:
         """The pre-step check (see ``CompactionService.PrepareStep``).
 
         ``held_revision``: the revision of the request the caller holds; the result then omits
         the full request when the surface only grew since (``SessionFold.appended_since``).
+        ``into``: an empty result to write the answer in (a reply's own field, so the reply
+        does not copy it); a new one when None. The result written is returned.
 
         Raises:
             NotFound: The session does not exist.
@@ -159,7 +164,7 @@ class StepService:
             switched = await self._switch.fit(handle, intended, turn, progress)
         outcome = StepOutcome()
         ended = await self._measured_and_relieved(handle, turn, intended, outcome, progress)
-        result = await self._step_result(handle, ended, outcome, held_revision)
+        result = await self._step_result(handle, ended, outcome, held_revision, into)
         if switched is not None:
             switched.lead(result)
         return result
@@ -403,23 +408,30 @@ class StepService:
         ended: _Ended | None,
         outcome: StepOutcome,
         held_revision: int | None,
+        into: cpb.PrepareStepResult | None = None,
     ) -> cpb.PrepareStepResult:
-        result = cpb.PrepareStepResult(
-            pruned_count=outcome.pruned, compactions=outcome.compactions, warnings=outcome.warnings
-        )
+        result = cpb.PrepareStepResult() if into is None else into
+        # What the step did, set only when it did something (fields left at their defaults).
+        if outcome.pruned:
+            result.pruned_count = outcome.pruned
+        if outcome.compactions:
+            result.compactions.extend(outcome.compactions)
+        if outcome.warnings:
+            result.warnings.extend(outcome.warnings)
         # The request shows committed events only, of the fold as the step last caught it up
         # (on a shared store, catching up again would read the session's revision once more).
-        async with handle.lock.as_cached():
-            fold = handle.fold
-            result.request_revision = fold.revision
-            appended = None if held_revision is None else fold.appended_since(held_revision)
-            if appended is None:
-                result.request.MergeFromString(await request_in_steps(handle))
-            else:
-                # Cost follows the step: the nodes appended since the caller's request, not the
-                # whole surface (the caller holds the rest).
-                result.request_unchanged = True
-                result.appended_messages.extend(appended_messages(fold, appended))
+        # A write holds the lock from its admission to its commit: while nothing holds it, the
+        # fold is committed, and the held request's answer (read without awaiting) is what
+        # holding the lock would read, without the lock's context manager per step.
+        if (
+            held_revision is None
+            or handle.lock.locked()
+            or not _answered_held(result, handle.fold, held_revision)
+        ):
+            async with handle.lock.as_cached():
+                if held_revision is None or not _answered_held(result, handle.fold, held_revision):
+                    result.request_revision = handle.fold.revision
+                    result.request.MergeFromString(await request_in_steps(handle))
         if ended is None:
             result.outcome = _OUTCOMES[Outcome.UNPRICED]
             result.outcome_detail = "the route could not be priced (see warnings)"
@@ -483,6 +495,19 @@ def _declined_why(declined: Declined) -> str:
     if declined.code is DeclineCode.KNOWN_FAILURE and declined.cause:
         return f"the bracket failed with {declined.cause} ({declined.reason})"
     return f"nothing to compact: {declined.reason}"
+
+
+def _answered_held(result: cpb.PrepareStepResult, fold: SessionFold, held_revision: int) -> bool:
+    """Answer the caller's held request in ``result``, if the surface only grew since
+    ``held_revision``: with the messages appended since, not the whole surface (cost follows
+    the step: the caller holds the rest); False, and ``result`` untouched, if it did not."""
+    appended = fold.appended_since(held_revision)
+    if appended is None:
+        return False
+    result.request_revision = fold.revision
+    result.request_unchanged = True
+    result.appended_messages.extend(appended_messages(fold, appended))
+    return True
 
 
 def _over_window(report: cpb.PressureReport) -> bool:
