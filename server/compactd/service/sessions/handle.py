@@ -230,7 +230,7 @@ class SessionHandle:
             return await self._append_optimistic(events, expected_last_seq)
         async with self.lock:
             return await self.append_locked(
-                events, expected_last_seq=expected_last_seq, origin=origin
+                events, expected_last_seq=expected_last_seq, origin=origin, checked=True
             )
 
     async def _append_optimistic(
@@ -242,11 +242,13 @@ class SessionHandle:
         failed) is decided again on the caught-up fold, where it stands or falls for real."""
         async with self.lock.as_cached():
             try:
-                return await self._append_once(events, expected_last_seq, Origin.CLIENT)
+                return await self._append_once(
+                    events, expected_last_seq, Origin.CLIENT, checked=True
+                )
             except CompactdError:
                 await self._catch_up()
             return await self.append_locked(
-                events, expected_last_seq=expected_last_seq, origin=Origin.CLIENT
+                events, expected_last_seq=expected_last_seq, origin=Origin.CLIENT, checked=True
             )
 
     async def append_locked(
@@ -255,11 +257,13 @@ class SessionHandle:
         *,
         expected_last_seq: int | None = None,
         origin: Origin = Origin.SERVER,
+        checked: bool = False,
     ) -> AppendResult:
-        """``append`` for a caller that holds ``self.lock`` already (a bracket, a prune)."""
+        """``append`` for a caller that holds ``self.lock`` already (a bracket, a prune);
+        ``checked``: ``check_batch`` passed the batch for ``origin`` (``append``'s own call)."""
         for attempt in range(1, MAX_APPEND_ATTEMPTS + 1):
             try:
-                return await self._append_once(events, expected_last_seq, origin)
+                return await self._append_once(events, expected_last_seq, origin, checked=checked)
             except (SeqConflict, InvalidArgument) as error:
                 # The store refused ids of the log that the fold no longer keeps (a late retry,
                 # or a reuse): decided from the log, on a fold that is current (a shared store's
@@ -283,6 +287,8 @@ class SessionHandle:
         expected_last_seq: int | None,
         origin: Origin,
         lease: LeaseOp | None = None,
+        *,
+        checked: bool = False,
     ) -> AppendResult:
         if self.deleted:  # a caller that got the handle before the delete
             raise session_not_found(self.session_id)
@@ -301,7 +307,7 @@ class SessionHandle:
         now = Timestamp()
         # GetCurrentTime's precision (microseconds), without its trip through a datetime.
         now.FromMicroseconds(time.time_ns() // 1000)
-        batch = await self._admit(events, now, origin)
+        batch = await self._admit(events, now, origin, checked)
         if origin is Origin.CLIENT:
             self._check(batch)
         reservation = self._reserve_bytes(batch, origin)
@@ -325,16 +331,22 @@ class SessionHandle:
             raise
 
     async def _admit(
-        self, events: Sequence[events_pb2.SessionEvent], now: Timestamp, origin: Origin
+        self,
+        events: Sequence[events_pb2.SessionEvent],
+        now: Timestamp,
+        origin: Origin,
+        checked: bool,
     ) -> AdmittedBatch:
         """``fold.admit``, in steps between which the loop runs other calls (readers that do not
-        hold the lock read only the committed state)."""
+        hold the lock read only the committed state); ``checked``: ``check_batch`` passed it."""
         steps = self.fold.admit_in_steps(
             events,
             now=now,
             origin=origin,
             max_surface_bytes=self.limits.max_surface_bytes,
             step=1,  # ``in_steps`` decides when to let other calls run
+            # ``check_batch`` refused server-only events already: looking again costs a pass.
+            origin_checked=checked,
         )
         return await in_steps(steps)  # a cancelled admission rolls back what it admitted
 
