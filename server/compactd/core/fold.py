@@ -67,6 +67,9 @@ class AdmittedBatch:
     surface_changes: list[SurfaceChange] = field(default_factory=list)
     reprojected: set[int] = field(default_factory=set)  # node seqs whose projection changed
     header_changed: bool = False
+    rewrites: bool = (
+        False  # it holds a rewrite (see ``SessionFold.rewritten_at``), not appends only
+    )
     byte_size: int = 0  # the admitted events' ``ByteSize`` (as stored), summed; 0 for a restore
     answered: list[int] = field(default_factory=list)  # appended assistant/messages with usage
     # The events it was admitted from (the caller's: what a meter's prices made ahead of the
@@ -312,10 +315,10 @@ class SessionFold:
         self._folded += 1
         # ``ev.is_replace(event) or ev.is_insert(event)``, reading the op once
         replace = surface and event.HasField("surface_op") and event.surface_op.kind in _REWRITING
-
         if replace or kind in _REWRITES:  # a rewrite, not an append
             batch._undo.append((setattr, self, "rewritten_at", self.rewritten_at))
             self.rewritten_at = seq
+            batch.rewrites = True
         event_id = event.event_id
         if event_id:
             self.event_ids[event_id] = seq

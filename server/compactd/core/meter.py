@@ -851,7 +851,6 @@ class SessionMeter:
 
 
 #: Bodies whose events ``observe`` folds one by one (``_Appended`` does not cover them).
-_NOT_APPENDS = frozenset({"request_header", "image_offload", "state_pin"})
 _NONE: Mapping[int, NodeCost] = MappingProxyType({})  # no staged prices
 _PRICED_STEP = 64  # entries summed or looked at between pauses (a few operations each)
 
@@ -874,14 +873,13 @@ def _counted_ahead(
 def _only_appended(batch: AdmittedBatch) -> Generator[None, None, _Appended | None]:
     """The nodes ``batch`` appended, when that is all it did to what the meter keeps; pauses
     (``yield``) between passes over the batch."""
-    if batch.reprojected or any(c.shadowed or c.inserted for c in batch.surface_changes):
+    # ``rewrites``: a header, an image offload, a pin (or a REPLACE or INSERT) among its events.
+    if batch.rewrites or batch.reprojected:
+        return None
+    if any(c.shadowed or c.inserted for c in batch.surface_changes):
         return None
     yield
     events = batch.events
-    for start in range(0, len(events), _PRICED_STEP):
-        if any(e.WhichOneof("body") in _NOT_APPENDS for e in events[start : start + _PRICED_STEP]):
-            return None
-        yield
     nodes = {change.node.seq: change.node for change in batch.surface_changes}
     anchor = None
     # Only an appended assistant/message with usage (``answered``) can be the anchor: the
