@@ -140,12 +140,21 @@ class LoopPauses:
     the longest its event loop went without running a 1 ms timer (beyond that 1 ms), and the
     most CPU time the loop's thread spent in one such stretch. The first also counts the time
     the process waited for a core or the loop for the GIL (a worker thread's long C call); the
-    second only what ran on the loop itself, whatever the machine's load."""
+    second only what ran on the loop itself, whatever the machine's load. It watches from the
+    first ``Take`` on: its timer wakes the loop every millisecond, work production's loop does
+    not do, so rows that do not read it (``bench_batches``' priced batches, timed before their
+    server is first asked) run without it."""
 
     TICK_S = 0.001
 
     def __init__(self) -> None:
         self.longest = self.longest_cpu = 0.0
+        self._watching: asyncio.Future[None] | None = None
+
+    def stop(self) -> None:
+        """Stop watching (if it started)."""
+        if self._watching is not None:
+            self._watching.cancel()
 
     async def watch(self) -> None:
         """Time the loop's turns until cancelled."""
@@ -161,6 +170,8 @@ class LoopPauses:
         """``bench.Lag/Take``: both figures (seconds, as ``wall cpu`` text) since the last call."""
 
         async def take(request: bytes, context: object) -> bytes:
+            if self._watching is None:  # the first call: the watch starts (0 0 so far)
+                self._watching = asyncio.ensure_future(self.watch())
             taken = f"{self.longest!r} {self.longest_cpu!r}"
             self.longest = self.longest_cpu = 0.0
             return taken.encode()
@@ -185,12 +196,11 @@ async def serve(path: str, **settings: object) -> None:
         config.load(None, environ={}, overrides=overrides), extra_handlers=[pauses.handlers()]
     )
     settle_interpreter()  # as ``compactd serve`` does
-    watching = asyncio.ensure_future(pauses.watch())
     try:
         print(running.address, flush=True)
         await until_stdin_closes()
     finally:
-        watching.cancel()
+        pauses.stop()
         await running.stop(0)
 
 

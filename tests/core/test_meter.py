@@ -616,6 +616,20 @@ def test_texts_counted_ahead_price_a_batch_as_counting_it_while_preparing() -> N
     assert ahead.meter.measure(ahead.fold, EXACT, anchored=False) == recount(ahead.fold, EXACT)
 
 
+def test_prices_counted_ahead_of_other_events_are_not_taken() -> None:
+    plain, ahead = Session(routed(), system("head")), Session(routed(), system("head"))
+    for session in (plain, ahead):
+        session.measure(EXACT)
+    _count_ahead(ahead.meter, [user("a batch refused before its admission"), assistant("no")])
+    events = [user("what the log holds"), assistant("instead")]
+    plain.add(*events)
+    batch = ahead.fold.admit(events)  # as many nodes as the batch counted ahead
+    ahead.meter.prepare(ahead.fold, batch)
+    ahead.meter.observe(ahead.fold, batch)
+    for route in (ROUTE, EXACT):
+        assert ahead.measure(route) == plain.measure(route)
+
+
 def test_a_meter_restored_from_persisted_prices_measures_as_the_one_that_made_them() -> None:
     live = Session(routed(), system("be brief"), user("hello"), with_usage(assistant("hi"), 500))
     live.measure(EXACT)

@@ -16,6 +16,7 @@ from compactd.core.pricing import (
     ImagePricing,
     NodeCost,
     PricingProfile,
+    TextsAhead,
     canonical_block_json,
     heuristic_price,
     node_cost,
@@ -306,6 +307,58 @@ def test_a_node_priced_on_its_texts_counted_apart_is_priced_as_price_node_does(
             assert texts is not None
             counted = with_counted(refusing, {text: profile.count(text) for text in texts})
             assert price_node(event, counted, offloaded) == price_node(event, profile, offloaded)
+
+
+def _sends_nothing(texts: list[str]) -> SessionEvent:
+    """An assistant message of empty text blocks: it projects to no message."""
+    return SessionEvent(
+        assistant_message=events_pb2.AssistantMessage(content=[text_block(t) for t in texts])
+    )
+
+
+_AHEAD_NODES = st.lists(
+    st.one_of(
+        _NODES.map(lambda nodes: nodes[0] if nodes else user("")),
+        _TEXTS.map(lambda t: user(t, blocks=[image_block(t[:8]), text_block(t)])),
+        _TEXTS.map(lambda t: assistant(t, reasoning=t, calls=[("c1", t[:3], t)])),
+        st.lists(st.just(""), max_size=2).map(_sends_nothing),
+    ),
+    max_size=10,
+)
+
+
+@given(_AHEAD_NODES)
+def test_prices_made_from_texts_counted_ahead_equal_price_node(events: list[SessionEvent]) -> None:
+    for name in ("cl100k_base", "deepseek-v4"):
+        tokenizer = load_tokenizer(name)
+        for profile in (
+            PricingProfile(tokenizer, Framing(per_message=3, per_block=1, per_tool_call=2)),
+            PricingProfile(tokenizer, Framing()),  # nothing framed: a 0 price may hold texts
+            PricingProfile(tokenizer, Framing(4, 4), image_pricing=ImagePricing(per_image=85)),
+            PricingProfile(tokenizer, Framing(4), image_pricing=ImagePricing(per_image=0)),
+            PricingProfile(tokenizer, Framing(4, per_block=1), sends_reasoning=False),
+        ):
+            ahead = TextsAhead.of(profile)
+            assert ahead is not None
+            for event in events:
+                ahead.add(event)
+            counted = ahead.count()
+            priced = with_counted(profile, counted.counts)
+            for event, price in zip(events, counted.prices, strict=True):
+                made = price_node(event, priced) if price is None else price
+                assert made == price_node(event, profile)
+
+
+def test_text_only_nodes_counted_ahead_are_priced_with_their_counts() -> None:
+    profile = PricingProfile(load_tokenizer("cl100k_base"), Framing(3, per_block=1))
+    ahead = TextsAhead.of(profile)
+    assert ahead is not None
+    events = [user("hello there"), assistant("ok", calls=[("c1", "read", "{}")]), system("")]
+    for event in [*events, user(blocks=[image_block("a.png")])]:
+        ahead.add(event)
+    prices = ahead.count().prices
+    assert prices[:3] == [price_node(event, profile) for event in events]
+    assert prices[3] is None  # an image's handle is priced with it: price_node prices it
 
 
 def test_equal_text_only_costs_are_one_shared_object() -> None:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import itertools
+import socket
 import time
 from collections.abc import Generator, Iterator, Sequence
 from typing import Any
@@ -256,6 +257,46 @@ async def test_a_large_batchs_steps_wait_while_other_calls_have_turns_to_run() -
         await asyncio.sleep(0)
     assert len(done) <= 2  # not a step of the batch before each of its turns
     assert await batch == 50
+
+
+async def test_a_large_batchs_steps_take_no_loop_turn_while_nothing_else_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    turns: list[None] = []
+    original = speed.let_others_run
+
+    async def counted() -> None:
+        turns.append(None)
+        await original()
+
+    monkeypatch.setattr(speed, "let_others_run", counted)
+    assert await in_steps(_long_steps([], 5)) == 5
+    assert not turns  # every step used up its share, but no other callback, timer or I/O waited
+
+
+async def test_a_call_arriving_during_a_large_batch_runs_before_its_next_step() -> None:
+    loop = asyncio.get_running_loop()
+    done: list[int] = []
+    seen: list[int] = []
+    reader, writer = socket.socketpair()
+
+    def steps() -> Generator[None, None, int]:
+        for index in range(5):
+            time.sleep(STEP_S)
+            done.append(index)
+            if index == 1:
+                writer.send(b"x")  # a request arrives while the batch holds the loop
+            yield
+        return 5
+
+    try:
+        loop.add_reader(reader, lambda: (seen.append(len(done)), reader.recv(1)))
+        assert await in_steps(steps()) == 5
+        assert seen == [2]  # its callback ran right after the step it arrived in
+    finally:
+        loop.remove_reader(reader)
+        reader.close()
+        writer.close()
 
 
 async def test_a_flood_of_ready_calls_slows_a_large_batch_but_never_stops_it() -> None:

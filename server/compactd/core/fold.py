@@ -67,8 +67,14 @@ class AdmittedBatch:
     surface_changes: list[SurfaceChange] = field(default_factory=list)
     reprojected: set[int] = field(default_factory=set)  # node seqs whose projection changed
     header_changed: bool = False
+    rewrites: bool = (
+        False  # it holds a rewrite (see ``SessionFold.rewritten_at``), not appends only
+    )
     byte_size: int = 0  # the admitted events' ``ByteSize`` (as stored), summed; 0 for a restore
     answered: list[int] = field(default_factory=list)  # appended assistant/messages with usage
+    # The events it was admitted from (the caller's: what a meter's prices made ahead of the
+    # admission were made from, ``SessionMeter.count_ahead``).
+    source: Sequence[SessionEvent] = ()
     # Undo records, ``(function, *arguments)`` each: one tuple for what ``_fold`` does to every
     # event, where closures or partials would hold the collector's young generation several
     # objects per event (a large batch's young collections are pauses of the event loop).
@@ -86,6 +92,7 @@ class AdmittedBatch:
         milliseconds. Afterwards the batch names only its first seq and its counts."""
         held: list[list[Any]] = [self._undo, self.surface_changes, self.events]
         self._undo, self.surface_changes, self.events = [], [], []
+        self.source = ()
         return held
 
 
@@ -172,7 +179,7 @@ class SessionFold:
             yield from check_origin_in_steps(events, origin)
         self._forget_older_ids()
         client = check and origin is Origin.CLIENT
-        batch = AdmittedBatch(self.revision, [])
+        batch = AdmittedBatch(self.revision, [], source=events)
         before = self.surface_bytes
         try:
             for index, event in enumerate(events):
@@ -242,7 +249,7 @@ class SessionFold:
     ) -> None:
         seq = self.revision
         size: int | None = None
-        kind = ev.body_name(source)
+        kind = source.WhichOneof("body") or ""  # ``ev.body_name``, once per event
         surface = kind in ev.SURFACE_BODIES
         if check:
             event = SessionEvent()
@@ -259,9 +266,10 @@ class SessionFold:
                 _invalid("event_id", f"{event.event_id!r} is already in the log")
             if surface:
                 self.surface.check(event, seq)
-            if client:
+            if client and kind in _STEP_RULED:
                 self._check_step_rules(event, kind)
-            self._check_log_rules(event, kind, seq)
+            if not surface:  # the log's rules are about log-only events
+                self._check_log_rules(event, kind, seq)
             # Once: the surface bound and the tenant's quota read its length; a surface node
             # and the store keep these very bytes.
             if surface:
@@ -273,7 +281,7 @@ class SessionFold:
             raise InvalidArgument(
                 f"stored log is not contiguous: expected seq {seq}, got {event.seq}"
             )
-        self._fold(event, kind, seq, batch, data)
+        self._fold(event, kind, seq, batch, data, surface)
         if size is not None:  # the fold fills in a header's reason: count the header as stored
             batch.byte_size += event.ByteSize() if kind == "request_header" else size
         batch.events.append(event)
@@ -299,15 +307,18 @@ class SessionFold:
         seq: int,
         batch: AdmittedBatch,
         data: bytes | None = None,
+        surface: bool = False,
     ) -> None:
-        """Fold ``event`` (its body is ``kind``; ``data``: its deterministic bytes, if known)."""
+        """Fold ``event`` (its body is ``kind``, a surface body if ``surface``; ``data``: its
+        deterministic bytes, if known)."""
         self.revision += 1
         self._folded += 1
-        surface = kind in ev.SURFACE_BODIES
-        replace = surface and (ev.is_replace(event) or ev.is_insert(event))
+        # ``ev.is_replace(event) or ev.is_insert(event)``, reading the op once
+        replace = surface and event.HasField("surface_op") and event.surface_op.kind in _REWRITING
         if replace or kind in _REWRITES:  # a rewrite, not an append
             batch._undo.append((setattr, self, "rewritten_at", self.rewritten_at))
             self.rewritten_at = seq
+            batch.rewrites = True
         event_id = event.event_id
         if event_id:
             self.event_ids[event_id] = seq
@@ -319,9 +330,8 @@ class SessionFold:
             batch._undo[undo] = (SessionFold._unfold, self, event_id, change)
             if change.shadowed:
                 self._drop_sizes(change.shadowed, batch)
-            size = _node_bytes(change.node)  # a new node: its read size is its own
-            self.surface_bytes += size
-            self._set_node_bytes(change.node, size)
+            self.surface_bytes += _node_bytes(change.node)  # a new node: its read size is its own
+            self._node_bytes.pop(change.node.seq, None)  # ``_set_node_bytes`` of that size
         usage = kind == "assistant_message" and event.assistant_message.HasField("usage")
         if usage and not replace:  # what the calibration reads, not every event
             batch.answered.append(seq)
@@ -614,6 +624,12 @@ class SessionFold:
 
 #: Log-only events that change what an earlier request showed (see ``rewritten_at``).
 _REWRITES: Final = frozenset({"image_offload", "request_header", "state_pin"})
+#: Surface ops that rewrite the surface rather than append to it.
+_REWRITING: Final = frozenset(
+    {events_pb2.SURFACE_OP_KIND_REPLACE, events_pb2.SURFACE_OP_KIND_INSERT}
+)
+#: The events ``_check_step_rules`` has a rule for.
+_STEP_RULED: Final = frozenset({"assistant_message", "step_start", "step_end", "turn_end"})
 
 
 def _pin_bytes(pin: tuple[int, str] | None) -> int:

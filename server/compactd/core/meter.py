@@ -42,6 +42,7 @@ from compactd.core.events import SessionEvent
 from compactd.core.fold import AdmittedBatch, SessionFold
 from compactd.core.header import same_request
 from compactd.core.pricing import (
+    CountedAhead,
     NodeCost,
     PricingProfile,
     TextsAhead,
@@ -334,9 +335,9 @@ class SessionMeter:
         }
         # Prices ``prepare_in_steps`` made for the batch being committed.
         self._staged: _Staged | None = None
-        # Texts of the batch on its way counted ahead (``count_ahead``), per profile; filled in
-        # by a worker thread.
-        self._ahead: dict[PricingProfile, dict[str, int]] = {}
+        # Texts of the batch on its way counted ahead (``count_ahead``) and its nodes' prices, per
+        # profile, with the events they were collected from; filled in by a worker thread.
+        self._ahead: dict[PricingProfile, tuple[Sequence[SessionEvent], CountedAhead]] = {}
         self._batch_prices: dict[PricingProfile, dict[int, NodeCost]] = {}
         if anchor is None:
             self._bootstrap_anchor(fold)
@@ -429,8 +430,9 @@ class SessionMeter:
         be priced by for every ledger with a batch tokenizer (or for ``profiles``, beside what
         was counted ahead already), pausing (``yield``) after each event; the job it returns
         counts them in one batched call per profile (a worker thread: the tokenizers release
-        the GIL), for ``prepare`` to take. Counts depend on the texts alone: a batch refused
-        after all leaves nothing wrong behind."""
+        the GIL) and prices the nodes from the counts, for ``prepare`` to take. Counts depend
+        on the texts alone, and the prices are taken only for a batch admitted from these very
+        ``events``: a batch refused after all leaves nothing wrong behind."""
         chosen = list(self._ledgers) if profiles is None else list(profiles)
         aheads = [a for p in chosen if (a := TextsAhead.of(p)) is not None]
         if profiles is None:
@@ -446,7 +448,7 @@ class SessionMeter:
 
         def count() -> None:
             for ahead in aheads:
-                counted[ahead.pricing] = ahead.count()
+                counted[ahead.pricing] = (events, ahead.count())
 
         return count
 
@@ -492,36 +494,39 @@ class SessionMeter:
         self._staged = None
         profiles = list(self._ledgers)
         ledgers = {p: c for p, c in (ledgers or {}).items() if p not in self._ledgers}
-        items: list[tuple[int, SessionEvent, Set[int]]] = []
+        # (key, event, offloaded, index of its surface change or -1: a reprojected node)
+        items: list[tuple[int, SessionEvent, Set[int], int]] = []
         parsed = {event.seq: event for event in batch.events}  # a node parses its bytes anew
         position_of = fold.surface.position_of
-        for change in batch.surface_changes:
+        for index, change in enumerate(batch.surface_changes):
             seq = change.node.seq
             if position_of(seq) is not None:
                 event = parsed.get(seq)
-                items.append((seq, change.node.event if event is None else event, frozenset()))
+                node = change.node.event if event is None else event
+                items.append((seq, node, frozenset(), index))
             yield
         for seq in batch.reprojected:
             position = position_of(seq)
             if position is not None:
                 event = fold.surface[position].event
-                items.append((-1 - seq, event, fold.offloads.get(seq, frozenset())))
+                items.append((-1 - seq, event, fold.offloads.get(seq, frozenset()), -1))
             yield
         nodes: dict[PricingProfile, dict[int, NodeCost]] = {}
         ahead, self._ahead = self._ahead, {}
         for pricing in [*profiles, *ledgers]:
             costs = nodes[pricing] = {}
-            counted = ahead.get(pricing)
+            counted, prices = _counted_ahead(ahead.get(pricing), batch)
             if counted is None and TextsAhead.of(pricing) is None:  # priced node by node
                 counted = {}
             if counted is None:  # nothing counted ahead: one batched count of all the texts
-                made = price_nodes([(e, o) for _, e, o in items], pricing)
-                costs.update(zip([key for key, _, _ in items], made, strict=True))
+                made = price_nodes([(e, o) for _, e, o, _ in items], pricing)
+                costs.update(zip([key for key, _, _, _ in items], made, strict=True))
                 yield
                 continue
             priced = with_counted(pricing, counted)
-            for key, event, offloaded in items:
-                costs[key] = price_node(event, priced, offloaded)
+            for key, event, offloaded, index in items:
+                cost = prices[index] if index >= 0 and prices else None
+                costs[key] = price_node(event, priced, offloaded) if cost is None else cost
                 yield
         appended = yield from _only_appended(batch)
         if appended is not None:
@@ -847,28 +852,43 @@ class SessionMeter:
 
 
 #: Bodies whose events ``observe`` folds one by one (``_Appended`` does not cover them).
-_NOT_APPENDS = frozenset({"request_header", "image_offload", "state_pin"})
 _NONE: Mapping[int, NodeCost] = MappingProxyType({})  # no staged prices
 _PRICED_STEP = 64  # entries summed or looked at between pauses (a few operations each)
+
+
+def _counted_ahead(
+    ahead: tuple[Sequence[SessionEvent], CountedAhead] | None, batch: AdmittedBatch
+) -> tuple[dict[str, int] | None, list[NodeCost | None]]:
+    """The texts ``count_ahead`` counted (None: none), and the prices it made of the batch's
+    surface changes, by index (empty: it collected other events than the batch was admitted
+    from, a batch refused since)."""
+    if ahead is None:
+        return None, []
+    events, counted = ahead
+    same = events is batch.source or events is batch.events
+    if not same or len(counted.prices) != len(batch.surface_changes):
+        return counted.counts, []
+    return counted.counts, counted.prices
 
 
 def _only_appended(batch: AdmittedBatch) -> Generator[None, None, _Appended | None]:
     """The nodes ``batch`` appended, when that is all it did to what the meter keeps; pauses
     (``yield``) between passes over the batch."""
-    if batch.reprojected or any(c.shadowed or c.inserted for c in batch.surface_changes):
+    # ``rewrites``: a header, an image offload, a pin (or a REPLACE or INSERT) among its events.
+    if batch.rewrites or batch.reprojected:
+        return None
+    if any(c.shadowed or c.inserted for c in batch.surface_changes):
         return None
     yield
     events = batch.events
-    for start in range(0, len(events), _PRICED_STEP):
-        if any(e.WhichOneof("body") in _NOT_APPENDS for e in events[start : start + _PRICED_STEP]):
-            return None
-        yield
     nodes = {change.node.seq: change.node for change in batch.surface_changes}
     anchor = None
-    for event in reversed(batch.events):  # parsed already: a node parses its bytes anew
-        usage = _usage(event) if event.seq in nodes else 0
+    # Only an appended assistant/message with usage (``answered``) can be the anchor: the
+    # latest one whose usage is not 0. Its event is parsed already (a node parses anew).
+    for seq in reversed(batch.answered):
+        usage = _usage(events[seq - batch.first_seq]) if seq in nodes else 0
         if usage:
-            anchor = (event.seq, usage)
+            anchor = (seq, usage)
             break
         yield
     after = [seq for seq in nodes if anchor is None or seq > anchor[0]]

@@ -24,6 +24,7 @@ placeholder text, which the projection already put in their place.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
@@ -346,16 +347,42 @@ def with_counted(pricing: PricingProfile, counted: Mapping[str, int]) -> Pricing
     return replace(pricing, tokenizer=_CountedTexts(pricing.tokenizer, counted))
 
 
+@dataclass(frozen=True, slots=True)
+class CountedAhead:
+    """What ``TextsAhead.count`` made: every collected text's tokens, and the price of each node
+    collected, in ``TextsAhead.add`` order (None: one ``price_node`` must price, with the
+    counts)."""
+
+    counts: dict[str, int]
+    prices: list[NodeCost | None]
+
+
 class TextsAhead:
     """The texts nodes will be priced by with ``pricing``, collected before they are priced, so
-    that one batched tokenizer call (``count``) can run while other work goes on; None from
-    ``of`` for a profile without a batch tokenizer or with a chat template."""
+    that one batched tokenizer call (``count``) can run while other work goes on, and the nodes'
+    prices made from the counts in the same worker thread; None from ``of`` for a profile
+    without a batch tokenizer or with a chat template.
+
+    A node's price is its price with every text counted as 0 tokens (which ``add`` makes while
+    it collects the texts) plus the tokens of the texts it counted, each time it counted one:
+    every text's count is added to the message part. Only an image's handle text is added to
+    the image part, and a priced image shows in that part's price (unless the route prices an
+    image at 0 tokens: then no node is priced so); an assistant message that sends no block
+    costs 0 whatever its empty texts count (a node priced 0 with texts is left to
+    ``price_node``)."""
 
     def __init__(self, pricing: PricingProfile, batch: Callable[[list[str]], list[int]]) -> None:
         self.pricing = pricing
         self._batch = batch
         self._recorder = _TextRecorder(pricing.tokenizer)
         self._recording = replace(pricing, tokenizer=self._recorder)
+        # Per node collected: its price without its texts' tokens (-1: ``price_node`` prices
+        # it), and where its texts end in the recorder's ``counted``. Flat lists of ints: a
+        # container per node would be as many more objects for the cyclic collector to chase.
+        self._partial: list[int] = []
+        self._ends: list[int] = []
+        images = pricing.image_pricing
+        self._sums = images is None or images.per_image > 0
 
     @classmethod
     def of(cls, pricing: PricingProfile) -> TextsAhead | None:
@@ -364,25 +391,43 @@ class TextsAhead:
 
     def add(self, event: SessionEvent) -> None:
         """Collect the texts of a new node of ``event`` (no image offloaded yet)."""
-        price_node(event, self._recording)
+        counted = self._recorder.counted
+        start = len(counted)
+        partial = price_node(event, self._recording)
+        summed = self._sums and not partial.images and (partial.messages or len(counted) == start)
+        self._partial.append(partial.messages if summed else -1)
+        self._ends.append(len(counted))
 
-    def count(self) -> dict[str, int]:
+    def count(self) -> CountedAhead:
         """Every collected text's tokens, in one batched call (a worker thread: the tokenizers
-        release the GIL)."""
+        release the GIL), and the collected nodes' prices."""
         texts = list(self._recorder.texts)
-        return dict(zip(texts, self._batch(texts), strict=True)) if texts else {}
+        counts = dict(zip(texts, self._batch(texts), strict=True)) if texts else {}
+        # Tokens of the texts counted so far, in the order they were counted: a node's texts'
+        # tokens are the difference of two of these.
+        running = [0, *itertools.accumulate(map(counts.__getitem__, self._recorder.counted))]
+        prices: list[NodeCost | None] = []
+        start = 0
+        for partial, end in zip(self._partial, self._ends, strict=True):
+            summed = partial >= 0
+            prices.append(node_cost(partial + running[end] - running[start]) if summed else None)
+            start = end
+        return CountedAhead(counts, prices)
 
 
 class _TextRecorder:
-    """A tokenizer that only remembers the texts it is asked to count (each once)."""
+    """A tokenizer that only remembers the texts it is asked to count: each once (``texts``),
+    and each time, in order (``counted``)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.name = tokenizer.name
         self.exact = tokenizer.exact
         self.texts: dict[str, None] = {}
+        self.counted: list[str] = []
 
     def count(self, text: str) -> int:
         self.texts[text] = None
+        self.counted.append(text)
         return 0
 
 

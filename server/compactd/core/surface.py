@@ -17,6 +17,7 @@ from compactd.core.events import SessionEvent
 from compactd.core.pairing import CorruptPairing
 from compactd.errors import FieldViolation, ReplacementRejected
 from compactd.speed import untrack
+from compactd.v1 import events_pb2
 
 #: A call index entry: the one seq of a call id's node, or the seqs of several (a tuple of one
 #: costs 56 bytes, a set 216; a bare int is the node's own ``seq`` object).
@@ -45,10 +46,11 @@ class SurfaceNode:
         # (``AdmittedBatch.serialized``; a surface event holds no map field, so both ways of
         # serializing it give the same bytes).
         self.data = event.SerializeToString(deterministic=True) if data is None else data
-        self.type = ev.event_type(event)
-        calls = ev.tool_call_ids(event)
+        kind = event.WhichOneof("body") or ""  # read once: ``ev.event_type``, ``tool_call_ids``
+        self.type = ev.EVENT_TYPES.get(kind, "")
+        calls = ev.tool_call_ids(event) if kind == "assistant_message" else ()
         self.calls: tuple[str, ...] = tuple(calls) if calls else ()
-        self.answers = event.tool_result.tool_call_id if self.type == ev.TOOL_RESULT else ""
+        self.answers = event.tool_result.tool_call_id if kind == "tool_result" else ""
         untrack(self)  # compactd.speed: see the class docstring
 
     @classmethod
@@ -153,12 +155,13 @@ class Surface:
 
     def check(self, event: SessionEvent, seq: int) -> None:
         """Raise ``ReplacementRejected`` or ``CorruptPairing`` if ``event`` may not fold."""
-        _check_sources(event, seq)
-        if ev.is_replace(event):
+        op = _op_kind(event)
+        _check_sources(event, seq, op == events_pb2.SURFACE_OP_KIND_REPLACE)
+        if op == events_pb2.SURFACE_OP_KIND_REPLACE:
             self._check_replace(event, seq)
-        elif ev.is_insert(event):
+        elif op == events_pb2.SURFACE_OP_KIND_INSERT:
             self._check_insert(event, seq)
-        if ev.body_name(event) == "tool_result":
+        if event.HasField("tool_result"):
             self._check_result_has_call(event)
 
     def apply(self, event: SessionEvent, seq: int, data: bytes | None = None) -> SurfaceChange:
@@ -166,11 +169,12 @@ class Surface:
         the caller has them). Returns the change, for ``undo``."""
         self.changes += 1
         node = SurfaceNode(seq, event, data)
-        if ev.is_insert(event):
+        op = _op_kind(event)
+        if op == events_pb2.SURFACE_OP_KIND_INSERT:
             position = self._position[event.surface_op.start_seq] + 1
             self._splice(position, (), (node,))
             return SurfaceChange(position, node, (), inserted=True)
-        if not ev.is_replace(event):
+        if op != events_pb2.SURFACE_OP_KIND_REPLACE:
             position = len(self._nodes)
             self._nodes.append(node)
             self._position[seq] = position
@@ -427,9 +431,15 @@ def _seqs(entry: _Seqs | None) -> tuple[int, ...]:
     return (entry,) if isinstance(entry, int) else entry
 
 
-def _check_sources(event: SessionEvent, seq: int) -> None:
+def _op_kind(event: SessionEvent) -> int:
+    """The event's surface op kind (``SURFACE_OP_KIND_UNSPECIFIED`` without an op): read once
+    where ``ev.is_replace`` and ``ev.is_insert`` would each read it."""
+    return event.surface_op.kind if event.HasField("surface_op") else 0
+
+
+def _check_sources(event: SessionEvent, seq: int, replace: bool) -> None:
     if not event.source_event_seqs:  # an append's (nearly every event): nothing to compare
-        if ev.is_replace(event):
+        if replace:
             _reject("source_event_seqs", "a replacement must cite its source_event_seqs")
         return
     sources = list(event.source_event_seqs)

@@ -170,14 +170,14 @@ def check_batch_in_steps(
             )
         )
     ids: dict[str, int] = {}
+    bad = _EventViolations(violations)
     for index, event in enumerate(events):
         kind = ev.body_name(event)
         if client:
             _origin_violation(event, kind, index, server_only)
             _size_violations(event, kind, index, limits, too_large)
-        found = _event_violations(event, kind, index, limits)
-        if found:
-            violations += found
+        bad.index = index
+        _event_violations(event, kind, bad, limits)
         if event.event_id:
             if event.event_id in ids:
                 violations.append(
@@ -219,15 +219,21 @@ def _size_violations(
             )
 
 
-def _event_violations(
-    event: SessionEvent, kind: str, index: int, limits: AppendLimits
-) -> list[FieldViolation]:
-    out: list[FieldViolation] = []
+class _EventViolations:
+    """Records the violations of the event at ``index`` (set before each event's checks) into
+    ``out``: one recorder per batch, where a closure per event would cost more than most
+    events' checks."""
 
-    def bad(field: str, description: str) -> None:
-        prefix = f"events[{index}]"  # made only for a violation: most events have none
-        out.append(FieldViolation(f"{prefix}.{field}" if field else prefix, description))
+    def __init__(self, out: list[FieldViolation]) -> None:
+        self.out = out
+        self.index = 0
 
+    def __call__(self, field: str, description: str, /) -> None:
+        prefix = f"events[{self.index}]"  # made only for a violation: most events have none
+        self.out.append(FieldViolation(f"{prefix}.{field}" if field else prefix, description))
+
+
+def _event_violations(event: SessionEvent, kind: str, bad: _Bad, limits: AppendLimits) -> None:
     if event.seq:
         bad("seq", "seq is assigned by the server and must be unset")
     if len(event.event_id) > MAX_EVENT_ID_LENGTH:
@@ -236,7 +242,7 @@ def _event_violations(
         bad("time", "a Timestamp from 0001-01-01 to 9999-12-31 UTC, nanos 0..999999999")
     if not kind:
         bad("body", "exactly one event body must be set")
-        return out
+        return
     if kind in ev.SURFACE_BODIES:
         _surface_op_violations(event, bad)
         if event.source_event_seqs and not (ev.is_replace(event) or ev.is_insert(event)):
@@ -250,7 +256,6 @@ def _event_violations(
                 f"{ev.event_type(event)} is log-only and cannot carry source_event_seqs",
             )
     _body_violations(event, kind, bad, limits)
-    return out
 
 
 def _valid_timestamp(stamp: timestamp_pb2.Timestamp) -> bool:
@@ -335,6 +340,8 @@ def _image_violations(image: events_pb2.ImageBlock, field: str, bad: _Bad) -> No
 
 def _depth_violation(text: str, field: str, bad: _Bad, limits: AppendLimits) -> bool:
     """Record a violation when ``text`` nests deeper than the limit; whether it did."""
+    if text.count("[") + text.count("{") <= limits.max_json_depth:
+        return False  # fewer opening brackets than the limit: no deeper (two C scans)
     depth = json_depth(text)
     if depth > limits.max_json_depth:
         bad(field, f"JSON nests at most {limits.max_json_depth} levels deep, got {depth}")
