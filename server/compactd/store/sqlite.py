@@ -269,12 +269,7 @@ class SqliteEventStore(base.EventStore):
         lease: LeaseOp | None = None,
         rows: Sequence[base.EventRow] | None = None,
     ) -> int:
-        key = SessionKey(tenant, session_id)
-        if rows is None:  # serialized on the writer thread; the caller leaves the events be
-            op = functools.partial(_encode_and_insert, key, list(events), self._clock())
-        else:
-            op = functools.partial(_insert_events, key, list(rows), self._clock())
-        self._check_open()
+        op = self._insert(SessionKey(tenant, session_id), events, rows)
         # The session service serializes a session's appends, and this process is the store's
         # only writer: applying the lease before the write and undoing it on failure is atomic.
         undo = self._leases.apply((tenant, session_id), lease)
@@ -283,6 +278,39 @@ class SqliteEventStore(base.EventStore):
         except Exception:  # a cancelled caller does not retract the batch (nor its lease)
             undo()
             raise
+
+    def commit(
+        self,
+        session_id: str,
+        events: Sequence[events_pb2.SessionEvent],
+        *,
+        tenant: str = DEFAULT_TENANT_ID,
+        lease: LeaseOp | None = None,
+        rows: Sequence[base.EventRow] | None = None,
+    ) -> base.Outcome[int]:
+        # The writer settles the outcome itself: no task runs ``append`` for it.
+        op = self._insert(SessionKey(tenant, session_id), events, rows)
+        undo = self._leases.apply((tenant, session_id), lease)
+        outcome: base.Outcome[int] = base.Outcome()
+        try:
+            self._submit(op, outcome, events=len(events))
+        except Exception:
+            undo()
+            raise
+        if lease is not None:  # a runtime's batch holds none: no callback per append
+            outcome.add_done_callback(functools.partial(_undo_if_failed, undo))
+        return outcome
+
+    def _insert(
+        self,
+        key: SessionKey,
+        events: Sequence[events_pb2.SessionEvent],
+        rows: Sequence[base.EventRow] | None,
+    ) -> Callable[[sqlite3.Connection], int]:
+        self._check_open()
+        if rows is None:  # serialized on the writer thread; the caller leaves the events be
+            return functools.partial(_encode_and_insert, key, list(events), self._clock())
+        return functools.partial(_insert_events, key, list(rows), self._clock())
 
     async def get_lease(self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID) -> Lease | None:
         self._check_open()
@@ -391,13 +419,21 @@ class SqliteEventStore(base.EventStore):
             raise base.store_closed()
 
     async def _write(self, op: Callable[[sqlite3.Connection], T], *, events: int | None) -> T:
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._submit(op, future, events=events)
+        return await future
+
+    def _submit(
+        self,
+        op: Callable[[sqlite3.Connection], T],
+        future: asyncio.Future[T],
+        *,
+        events: int | None,
+    ) -> None:
         writer = self._writer
         if writer is None:
             raise base.store_closed()
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
-        writer.submit(_Job(op, loop, future, events))
-        return await future
+        writer.submit(_Job(op, future.get_loop(), future, events))
 
     async def _read(self, query: Callable[[sqlite3.Connection], T]) -> T:
         self._check_open()
@@ -405,6 +441,11 @@ class SqliteEventStore(base.EventStore):
             return await asyncio.to_thread(self._readers.run, query)
         except (sqlite3.Error, DecodeError) as exc:
             raise _store_failed("read", exc) from None
+
+
+def _undo_if_failed(undo: Callable[[], None], outcome: asyncio.Future[int]) -> None:
+    if outcome.exception() is not None:
+        undo()
 
 
 # --- the writer ---------------------------------------------------------------------------------
