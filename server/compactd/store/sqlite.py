@@ -2,10 +2,10 @@
 
 Writes: a single thread owns the only write connection. ``create_session`` and ``append`` hand
 it a job and await a future. The thread takes everything queued, runs it in ONE transaction
-(each job inside its own SAVEPOINT, so a job that fails its own checks is undone alone) and
-commits once, so concurrent appends share one fsync. Futures resolve only after COMMIT returns:
-nothing is acknowledged that is not on disk. A database failure fails the whole group, and the
-rollback leaves none of it.
+(when a job fails its own checks, the group runs again with each job inside its own SAVEPOINT,
+so that job is undone alone) and commits once, so concurrent appends share one fsync. Futures
+resolve only after COMMIT returns: nothing is acknowledged that is not on disk. A database
+failure fails the whole group, and the rollback leaves none of it.
 
 Reads: a small pool of read-only connections used through ``asyncio.to_thread``; WAL lets them
 run beside the writer and each sees only committed transactions.
@@ -377,8 +377,8 @@ class SqliteEventStore(base.EventStore):
     async def put_snapshot(
         self, session_id: str, revision: int, data: bytes, *, tenant: str = DEFAULT_TENANT_ID
     ) -> None:
-        # One job of the writer: its own savepoint inside one committed transaction, so a crash
-        # leaves the old row or the new one (``_replace_snapshot``).
+        # One job of the writer, inside one committed transaction, so a crash leaves the old row
+        # or the new one (``_replace_snapshot``).
         op = functools.partial(_replace_snapshot, SessionKey(tenant, session_id), revision, data)
         await self._write(op, events=None)
 
@@ -563,13 +563,29 @@ class _Writer:
         started = time.perf_counter()
         try:
             self._conn.execute("BEGIN IMMEDIATE")
-            outcomes = [self._apply(job) for job in group]
+            outcomes = self._apply_all(group)
             self._conn.execute("COMMIT")
         except Exception as exc:
             self._abandon(group, exc)
             return
         self._count(group, outcomes, started, time.perf_counter())
         _settle(group, outcomes)
+
+    def _apply_all(self, group: list[_Job[Any]]) -> list[_Outcome]:
+        """Runs the group's jobs, first without a savepoint each (two statements a job fewer):
+        when none fails, as nearly always, that is all. When one raises (its own refusal, its
+        ``ROLLBACK TO`` finding no savepoint, or the database), the transaction is rolled back
+        and the group run again with a savepoint per job (``_apply``), so that job fails alone.
+        The jobs are pure functions of the connection: running one twice writes it once."""
+        values: list[Any] = []
+        try:
+            for job in group:
+                values.append(job.op(self._conn))
+        except Exception:
+            self._conn.execute("ROLLBACK")
+            self._conn.execute("BEGIN IMMEDIATE")
+            return [self._apply(job) for job in group]
+        return [_Outcome(value=value) for value in values]
 
     def _apply(self, job: _Job[Any]) -> _Outcome:
         """Runs one job in its own savepoint; its own refusal undoes it alone.
@@ -652,7 +668,7 @@ def _store_failed(action: str, exc: Exception) -> errors.CompactdError:
     return errors.StoreUnavailable(f"event store {action} failed: {exc}")
 
 
-# --- write operations (run on the writer thread, inside a savepoint) ----------------------------
+# --- write operations (run on the writer thread, inside the group's transaction) ----------------
 
 
 _WHERE_KEY = "tenant = ? AND session_id = ?"
