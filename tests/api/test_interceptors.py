@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -447,6 +448,38 @@ async def test_a_check_that_passes_lets_the_call_on_and_one_that_must_wait_is_aw
     # A plain function's result is awaited only when it is awaitable, as before.
     doubled = interceptors.checked(lambda request, context: request * 2, check)
     assert await doubled("ab", None) == "abab"
+
+
+async def test_checks_stacked_by_two_interceptors_run_outermost_first_in_one_layer() -> None:
+    seen: list[str] = []
+
+    async def handler(request: str, context: Any) -> str:
+        seen.append("handler")
+        return request
+
+    async def refuse() -> None:
+        seen.append("refused")
+        raise PermissionError("refused")
+
+    async def wait() -> None:
+        seen.append("outer waited")
+
+    def inner(request: str, context: Any) -> Any:
+        seen.append("inner")
+        return refuse() if request == "bad" else None
+
+    def outer(request: str, context: Any) -> Any:
+        seen.append("outer")
+        return wait() if request == "slow" else None
+
+    call = interceptors.checked(interceptors.checked(handler, inner), outer)
+    assert await call("slow", None) == "slow"
+    assert seen == ["outer", "outer waited", "inner", "handler"]
+    seen.clear()
+    with pytest.raises(PermissionError):
+        await call("bad", None)
+    assert seen == ["outer", "inner", "refused"]  # the handler never ran
+    assert inspect.getclosurevars(call).nonlocals["awaited"] is handler  # no layer between
 
 
 #: A method of the test's own, behind the chain: answers the trace and span ids its handler runs

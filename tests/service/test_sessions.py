@@ -7,8 +7,10 @@ import contextlib
 import gc
 import itertools
 import socket
+import sqlite3
 import time
 from collections.abc import Generator, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +24,7 @@ from compactd.speed import FREE_STEP, STEP_S, YIELD_TURNS, in_steps
 from compactd.store.base import EventRow
 from compactd.store.leases import LeaseOp
 from compactd.store.memory import MemoryEventStore
+from compactd.store.sqlite import SqliteEventStore
 from compactd.tenancy import Tenant, bound_tenant
 from compactd.v1 import events_pb2
 from tests.builders import user
@@ -77,6 +80,32 @@ async def test_a_cancelled_append_still_folds_what_the_store_committed() -> None
     assert stored == [0]
     assert (handle.revision, handle.fold.revision) == (1, 1)
     assert (await handle.append([user("b")])).seqs == [1]
+
+
+async def test_a_cancelled_append_on_sqlite_waits_for_the_writer_and_folds_its_commit(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "e.db"
+    async with SqliteEventStore(str(path)) as store:
+        manager = SessionManager(store)
+        await manager.create("s", None)
+        handle = await manager.get("s")
+        other = sqlite3.connect(path, isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")  # the writer waits: the batch is queued, not landed
+            append = asyncio.create_task(handle.append([user("a")]))
+            await asyncio.sleep(0.05)
+            append.cancel()
+            await asyncio.sleep(0.05)
+            assert not append.done()  # a cancelled caller waits for the commit's outcome
+            other.execute("ROLLBACK")
+        finally:
+            other.close()
+        with pytest.raises(asyncio.CancelledError):
+            await append
+        assert [e.seq async for e in store.read("s")] == [0]
+        assert (handle.revision, handle.fold.revision) == (1, 1)
+        assert (await handle.append([user("b")])).seqs == [1]
 
 
 async def test_a_failed_commit_leaves_the_fold_as_the_log() -> None:

@@ -258,6 +258,31 @@ async def test_empty_event_ids_never_collide(store: EventStore) -> None:
     assert await seqs_of(store, "s") == list(range(6))
 
 
+async def test_a_caller_cancelled_while_awaiting_commit_wakes_to_its_settled_outcome(
+    store: EventStore,
+) -> None:
+    await store.create_session("s1", None)
+    await store.create_session("s2", None)
+    outcome = store.commit("s1", batch(0, 2))
+    refused = store.commit("s2", batch(5, 1))  # not at the revision: refused
+
+    async def awaiting(future: asyncio.Future[int]) -> None:
+        await future
+
+    waiters = [asyncio.create_task(awaiting(f)) for f in (outcome, refused)]
+    await asyncio.sleep(0)
+    for waiter in waiters:
+        waiter.cancel()
+    for waiter in waiters:
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+
+    assert outcome.result() == 2  # settled before its caller heard of the cancellation
+    assert isinstance(refused.exception(), errors.SeqConflict)
+    assert await seqs_of(store, "s1") == [0, 1]
+    assert await seqs_of(store, "s2") == []
+
+
 # --- reads ----------------------------------------------------------------------------------------
 
 

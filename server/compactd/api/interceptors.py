@@ -214,15 +214,36 @@ def checked(behavior: Behavior, check: Check) -> Behavior:
 
         return stream
 
+    under: tuple[tuple[Check, ...], Behavior] | None = getattr(behavior, _CHECKS, None)
+    if under is None:
+        checks: tuple[Check, ...] = (check,)
+    else:  # a checked call right under this one: one layer (one coroutine) runs both checks
+        checks, behavior = (check, *under[0]), under[1]
     awaited = coroutine(behavior)
+    if len(checks) == 1:
 
-    async def call(request: Any, context: Any) -> Any:
-        waiting = check(request, context)
-        if waiting is not None:
-            await waiting
-        return await awaited(request, context)
+        async def call(request: Any, context: Any) -> Any:
+            waiting = check(request, context)
+            if waiting is not None:
+                await waiting
+            return await awaited(request, context)
 
+    else:
+
+        async def call(request: Any, context: Any) -> Any:
+            for each in checks:  # in order: outermost first, each after the one before passed
+                waiting = each(request, context)
+                if waiting is not None:
+                    await waiting
+            return await awaited(request, context)
+
+    setattr(call, _CHECKS, (checks, behavior))
     return call
+
+
+#: The attribute of a call ``checked`` made: (its checks, outermost first; the behavior under
+#: them), so that a check added around it joins them instead of adding a layer.
+_CHECKS = "_compactd_checks"
 
 
 def rewrapped(

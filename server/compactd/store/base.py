@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Generator, Mapping, Sequenc
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import NamedTuple, Self
+from typing import Any, NamedTuple, Self, TypeVar
 
 from compactd import errors
 from compactd.core.steps import run_to_end
@@ -301,6 +301,27 @@ def _bad_field(field: str, description: str) -> errors.InvalidArgument:
     )
 
 
+T = TypeVar("T")
+
+
+class Outcome(asyncio.Future[T]):
+    """A write's outcome, which a caller's cancellation does not take: ``cancel`` is refused,
+    so a task cancelled while it awaits the outcome wakes (with ``CancelledError``) only once
+    the write is settled, and can still read it here."""
+
+    def cancel(self, msg: Any = None) -> bool:
+        return False
+
+    def settle_from(self, task: asyncio.Future[T]) -> None:
+        """Settle as ``task`` did (a done callback)."""
+        if task.cancelled():  # the loop is closing: nobody waits for the outcome
+            super().cancel()
+        elif (error := task.exception()) is not None:
+            self.set_exception(error)
+        else:
+            self.set_result(task.result())
+
+
 class EventStore(abc.ABC):
     """The durable home of session logs.
 
@@ -396,6 +417,28 @@ class EventStore(abc.ABC):
             Fenced: if ``lease`` holds or releases a lease another replica took over.
             CompactionBusy: if ``lease`` acquires or breaks a lease that is still held.
         """
+
+    def commit(
+        self,
+        session_id: str,
+        events: Sequence[events_pb2.SessionEvent],
+        *,
+        tenant: str = DEFAULT_TENANT_ID,
+        lease: LeaseOp | None = None,
+        rows: Sequence[EventRow] | None = None,
+    ) -> Outcome[int]:
+        """``append``, handed to the store now; its outcome is the returned future's.
+
+        For a caller that must learn the outcome even when it is cancelled (a session's fold
+        follows its log): awaiting the future, a cancelled caller is told so only once the
+        batch committed or failed, and the future then says which. Raises what ``append``
+        raises before the batch is handed over (a closed store, a refused lease)."""
+        outcome: Outcome[int] = Outcome()
+        task = asyncio.ensure_future(
+            self.append(session_id, events, tenant=tenant, lease=lease, rows=rows)
+        )
+        task.add_done_callback(outcome.settle_from)
+        return outcome
 
     @abc.abstractmethod
     def read(

@@ -2,10 +2,10 @@
 
 Writes: a single thread owns the only write connection. ``create_session`` and ``append`` hand
 it a job and await a future. The thread takes everything queued, runs it in ONE transaction
-(each job inside its own SAVEPOINT, so a job that fails its own checks is undone alone) and
-commits once, so concurrent appends share one fsync. Futures resolve only after COMMIT returns:
-nothing is acknowledged that is not on disk. A database failure fails the whole group, and the
-rollback leaves none of it.
+(when a job fails its own checks, the group runs again with each job inside its own SAVEPOINT,
+so that job is undone alone) and commits once, so concurrent appends share one fsync. Futures
+resolve only after COMMIT returns: nothing is acknowledged that is not on disk. A database
+failure fails the whole group, and the rollback leaves none of it.
 
 Reads: a small pool of read-only connections used through ``asyncio.to_thread``; WAL lets them
 run beside the writer and each sees only committed transactions.
@@ -269,12 +269,7 @@ class SqliteEventStore(base.EventStore):
         lease: LeaseOp | None = None,
         rows: Sequence[base.EventRow] | None = None,
     ) -> int:
-        key = SessionKey(tenant, session_id)
-        if rows is None:  # serialized on the writer thread; the caller leaves the events be
-            op = functools.partial(_encode_and_insert, key, list(events), self._clock())
-        else:
-            op = functools.partial(_insert_events, key, list(rows), self._clock())
-        self._check_open()
+        op = self._insert(SessionKey(tenant, session_id), events, rows)
         # The session service serializes a session's appends, and this process is the store's
         # only writer: applying the lease before the write and undoing it on failure is atomic.
         undo = self._leases.apply((tenant, session_id), lease)
@@ -283,6 +278,39 @@ class SqliteEventStore(base.EventStore):
         except Exception:  # a cancelled caller does not retract the batch (nor its lease)
             undo()
             raise
+
+    def commit(
+        self,
+        session_id: str,
+        events: Sequence[events_pb2.SessionEvent],
+        *,
+        tenant: str = DEFAULT_TENANT_ID,
+        lease: LeaseOp | None = None,
+        rows: Sequence[base.EventRow] | None = None,
+    ) -> base.Outcome[int]:
+        # The writer settles the outcome itself: no task runs ``append`` for it.
+        op = self._insert(SessionKey(tenant, session_id), events, rows)
+        undo = self._leases.apply((tenant, session_id), lease)
+        outcome: base.Outcome[int] = base.Outcome()
+        try:
+            self._submit(op, outcome, events=len(events))
+        except Exception:
+            undo()
+            raise
+        if lease is not None:  # a runtime's batch holds none: no callback per append
+            outcome.add_done_callback(functools.partial(_undo_if_failed, undo))
+        return outcome
+
+    def _insert(
+        self,
+        key: SessionKey,
+        events: Sequence[events_pb2.SessionEvent],
+        rows: Sequence[base.EventRow] | None,
+    ) -> Callable[[sqlite3.Connection], int]:
+        self._check_open()
+        if rows is None:  # serialized on the writer thread; the caller leaves the events be
+            return functools.partial(_encode_and_insert, key, list(events), self._clock())
+        return functools.partial(_insert_events, key, list(rows), self._clock())
 
     async def get_lease(self, session_id: str, *, tenant: str = DEFAULT_TENANT_ID) -> Lease | None:
         self._check_open()
@@ -349,8 +377,8 @@ class SqliteEventStore(base.EventStore):
     async def put_snapshot(
         self, session_id: str, revision: int, data: bytes, *, tenant: str = DEFAULT_TENANT_ID
     ) -> None:
-        # One job of the writer: its own savepoint inside one committed transaction, so a crash
-        # leaves the old row or the new one (``_replace_snapshot``).
+        # One job of the writer, inside one committed transaction, so a crash leaves the old row
+        # or the new one (``_replace_snapshot``).
         op = functools.partial(_replace_snapshot, SessionKey(tenant, session_id), revision, data)
         await self._write(op, events=None)
 
@@ -391,13 +419,21 @@ class SqliteEventStore(base.EventStore):
             raise base.store_closed()
 
     async def _write(self, op: Callable[[sqlite3.Connection], T], *, events: int | None) -> T:
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._submit(op, future, events=events)
+        return await future
+
+    def _submit(
+        self,
+        op: Callable[[sqlite3.Connection], T],
+        future: asyncio.Future[T],
+        *,
+        events: int | None,
+    ) -> None:
         writer = self._writer
         if writer is None:
             raise base.store_closed()
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
-        writer.submit(_Job(op, loop, future, events))
-        return await future
+        writer.submit(_Job(op, future.get_loop(), future, events))
 
     async def _read(self, query: Callable[[sqlite3.Connection], T]) -> T:
         self._check_open()
@@ -405,6 +441,11 @@ class SqliteEventStore(base.EventStore):
             return await asyncio.to_thread(self._readers.run, query)
         except (sqlite3.Error, DecodeError) as exc:
             raise _store_failed("read", exc) from None
+
+
+def _undo_if_failed(undo: Callable[[], None], outcome: asyncio.Future[int]) -> None:
+    if outcome.exception() is not None:
+        undo()
 
 
 # --- the writer ---------------------------------------------------------------------------------
@@ -522,13 +563,29 @@ class _Writer:
         started = time.perf_counter()
         try:
             self._conn.execute("BEGIN IMMEDIATE")
-            outcomes = [self._apply(job) for job in group]
+            outcomes = self._apply_all(group)
             self._conn.execute("COMMIT")
         except Exception as exc:
             self._abandon(group, exc)
             return
         self._count(group, outcomes, started, time.perf_counter())
         _settle(group, outcomes)
+
+    def _apply_all(self, group: list[_Job[Any]]) -> list[_Outcome]:
+        """Runs the group's jobs, first without a savepoint each (two statements a job fewer):
+        when none fails, as nearly always, that is all. When one raises (its own refusal, its
+        ``ROLLBACK TO`` finding no savepoint, or the database), the transaction is rolled back
+        and the group run again with a savepoint per job (``_apply``), so that job fails alone.
+        The jobs are pure functions of the connection: running one twice writes it once."""
+        values: list[Any] = []
+        try:
+            for job in group:
+                values.append(job.op(self._conn))
+        except Exception:
+            self._conn.execute("ROLLBACK")
+            self._conn.execute("BEGIN IMMEDIATE")
+            return [self._apply(job) for job in group]
+        return [_Outcome(value=value) for value in values]
 
     def _apply(self, job: _Job[Any]) -> _Outcome:
         """Runs one job in its own savepoint; its own refusal undoes it alone.
@@ -611,7 +668,7 @@ def _store_failed(action: str, exc: Exception) -> errors.CompactdError:
     return errors.StoreUnavailable(f"event store {action} failed: {exc}")
 
 
-# --- write operations (run on the writer thread, inside a savepoint) ----------------------------
+# --- write operations (run on the writer thread, inside the group's transaction) ----------------
 
 
 _WHERE_KEY = "tenant = ? AND session_id = ?"

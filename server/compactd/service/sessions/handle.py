@@ -327,7 +327,12 @@ class SessionHandle:
                 self.leases.ttl_s,
                 shared=self._store.shared,
             )
-        commit = asyncio.get_running_loop().create_task(self._commit(batch, reservation, lease))
+        prepared = self._prepare(batch)
+        if prepared is None and len(batch.events) < ADMIT_STEP:
+            return await self._commit_small(batch, reservation, lease)
+        commit = asyncio.get_running_loop().create_task(
+            self._commit(batch, reservation, lease, prepared)
+        )
         try:
             return await asyncio.shield(commit)
         except asyncio.CancelledError:
@@ -379,10 +384,64 @@ class SessionHandle:
             self.fold.rollback(batch)
             raise
 
-    async def _commit(
-        self, batch: AdmittedBatch, reservation: Reservation | None, lease: LeaseOp | None = None
+    async def _commit_small(
+        self, batch: AdmittedBatch, reservation: Reservation | None, lease: LeaseOp | None
     ) -> AppendResult:
-        prepared = self._prepare(batch)
+        """``_commit`` for a small batch that nothing prices ahead, in the caller's own task (no
+        task and shield per append): its one wait is the store's outcome, which a cancelled
+        caller still waits for (``EventStore.commit``), so the fold follows the log either way
+        before the caller hears of its cancellation."""
+        try:
+            rows = run_to_end(encode_batch_in_steps(batch.events, batch.serialized()))
+            outcome = self._store.commit(
+                self.session_id, batch.events, tenant=self.tenant, lease=lease, rows=rows
+            )
+        except BaseException as error:
+            self._undo(batch, reservation, lease, error)
+            raise
+        cancelled: asyncio.CancelledError | None = None
+        try:
+            await outcome
+        except asyncio.CancelledError as error:
+            cancelled = error  # the outcome is settled now: it decides the fold, then we go
+        except BaseException as error:
+            self._undo(batch, reservation, lease, error)
+            raise
+        if cancelled is not None:
+            failure = cancelled if outcome.cancelled() else outcome.exception()
+            if failure is not None:  # retrieved: nobody else will
+                self._undo(batch, reservation, lease, failure)
+                raise cancelled
+        self.leases.landed(lease)
+        self._folded(batch)
+        if self.followers:  # only ``revisions`` waits; a cancelled caller still wakes them
+            await asyncio.shield(self._notify())
+        if cancelled is not None:
+            raise cancelled
+        first = batch.first_seq
+        return AppendResult(list(range(first, first + len(batch.events))), self.fold.revision)
+
+    def _undo(
+        self,
+        batch: AdmittedBatch,
+        reservation: Reservation | None,
+        lease: LeaseOp | None,
+        error: BaseException,
+    ) -> None:
+        """Leave the fold as the log after a batch failed to land."""
+        self.fold.rollback(batch)
+        if reservation is not None:
+            reservation.release()
+        if isinstance(error, Fenced) and lease is not None:
+            self.leases.drop(lease.token)  # another replica took the bracket over
+
+    async def _commit(
+        self,
+        batch: AdmittedBatch,
+        reservation: Reservation | None,
+        lease: LeaseOp | None,
+        prepared: asyncio.Future[None] | None,
+    ) -> AppendResult:
         try:
             # The store takes the rows made here, with the bytes the fold's surface nodes keep:
             # nothing is serialized twice (a large batch in steps, other calls between).
@@ -397,11 +456,7 @@ class SessionHandle:
         except BaseException as error:
             if prepared is not None:  # the worker reads the fold: let it finish first
                 await asyncio.wait([prepared])
-            self.fold.rollback(batch)
-            if reservation is not None:
-                reservation.release()
-            if isinstance(error, Fenced) and lease is not None:
-                self.leases.drop(lease.token)  # another replica took the bracket over
+            self._undo(batch, reservation, lease, error)
             raise
         if prepared is not None:
             await prepared
