@@ -258,10 +258,18 @@ class Harness:
         return await _collect(call)
 
     async def prepare(
-        self, turn: int, route: events_pb2.Route | None = None, *, held: int | None = None
+        self,
+        turn: int,
+        route: events_pb2.Route | None = None,
+        *,
+        held: int | None = None,
+        incarnation: str = "",
     ) -> Run:
-        """Run PrepareStep to its end (``held``: the revision of the request the caller holds)."""
-        request = cpb.PrepareStepRequest(session_id=self.session_id, turn=turn)
+        """Run PrepareStep to its end (``held``: the revision of the request the caller holds;
+        ``incarnation``: that request's incarnation)."""
+        request = cpb.PrepareStepRequest(
+            session_id=self.session_id, turn=turn, held_incarnation=incarnation
+        )
         if route is not None:
             request.intended_route.CopyFrom(route)
         if held is not None:

@@ -18,6 +18,7 @@ import pytest
 from compactd.testing.openai_server import OpenAICompatServer, Reply
 from compactd.v1 import compaction_service_pb2 as cpb
 from compactd.v1 import events_pb2
+from compactd.v1 import session_service_pb2 as spb
 from tests.api.rpc import details
 from tests.builders import (
     assistant,
@@ -344,6 +345,54 @@ async def test_a_held_request_comes_back_as_the_messages_appended_since(
         changed = (await h.prepare(1, held=now.revision)).result
         assert not changed.request_unchanged
         assert changed.request == await h.build()
+
+
+async def test_a_request_held_of_a_session_deleted_and_created_again_comes_back_whole(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    async with started(tmp_path, loop, policy=RELAXED) as h:
+        await h.create(*opening(), *units(2), turn_start(1))
+        held = (await h.prepare(1)).result.request  # what a client holds
+        assert held.incarnation
+        # Another process deletes the session and creates it again: revisions restart, and the
+        # new log reaches the held revision with other messages.
+        await h.sessions.DeleteSession(spb.DeleteSessionRequest(session_id=h.session_id))
+        await h.create(*opening(), *units(3, start=7), turn_start(1))
+        await h.append(*in_step(1, 1, assistant("Looking at src/mod9.py now.")))
+        now = await h.build()
+        assert now.revision >= held.revision
+        assert now.incarnation != held.incarnation
+
+        # A client that sends its held request's incarnation gets the new session's request.
+        result = (await h.prepare(1, held=held.revision, incarnation=held.incarnation)).result
+        assert not result.request_unchanged
+        assert result.request == now
+        assert result.request_revision == now.revision
+        # Even for a held revision beyond the new log: of a session that is gone, not invalid.
+        await h.sessions.DeleteSession(spb.DeleteSessionRequest(session_id=h.session_id))
+        await h.create(*opening(), turn_start(1))
+        fresh = await h.build()
+        beyond = (await h.prepare(1, held=now.revision, incarnation=now.incarnation)).result
+        assert beyond.request == fresh
+        # The same incarnation is the session's own: its held answer as before.
+        same = (await h.prepare(1, held=fresh.revision, incarnation=fresh.incarnation)).result
+        assert same.request_unchanged
+
+
+async def test_an_old_client_holding_a_request_of_a_session_created_again_is_answered_as_before(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    # Without an incarnation the server cannot tell the sessions apart: the held revision is
+    # taken to be of the session as it is now (why clients send the incarnation).
+    async with started(tmp_path, loop, policy=RELAXED) as h:
+        await h.create(*opening(), *units(2), turn_start(1))
+        held = (await h.prepare(1)).result.request
+        await h.sessions.DeleteSession(spb.DeleteSessionRequest(session_id=h.session_id))
+        await h.create(*opening(), *units(3, start=7), turn_start(1))
+        now = await h.build()
+        result = (await h.prepare(1, held=held.revision)).result
+        assert result.request_unchanged
+        assert [*held.messages, *result.appended_messages] != list(now.messages)
 
 
 async def test_a_held_step_during_a_write_answers_once_the_write_commits(

@@ -172,3 +172,45 @@ async def test_a_deleted_session_drops_its_held_request(
         step = await client.prepare_step("gone", TURN)
         assert not step.result.request_unchanged
         assert step.request == await client.build_request("gone")
+
+
+async def test_a_session_another_client_created_again_is_stepped_whole_async(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    async with (
+        started(tmp_path, loop) as h,
+        AsyncCompactdClient(h.address) as client,
+        AsyncCompactdClient(h.address) as other,
+    ):
+        await client.create_session("again")
+        await client.append_events("again", history())
+        held = (await client.prepare_step("again", TURN)).request.revision
+        # Another process deletes the id and creates it again, its log past the held revision:
+        # the held revision names a point of the new log too, the incarnation tells them apart.
+        await other.delete_session("again")
+        await other.create_session("again")
+        await other.append_events("again", [*history(), *model_step(1)])
+        assert (await other.build_request("again")).revision > held
+        step = await client.prepare_step("again", TURN)
+        assert not step.result.request_unchanged
+        assert step.request == await client.build_request("again")
+
+
+async def test_a_session_another_client_created_again_is_stepped_whole(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    async with started(tmp_path, loop) as h:
+        await asyncio.to_thread(_step_across_a_re_creation, h.address)
+
+
+def _step_across_a_re_creation(address: str) -> None:
+    with CompactdClient(address) as client, CompactdClient(address) as other:
+        client.create_session("again")
+        client.append_events("again", history())
+        client.prepare_step("again", TURN)
+        other.delete_session("again")
+        other.create_session("again")
+        other.append_events("again", [*history(), *model_step(1)])
+        step = client.prepare_step("again", TURN, on_progress=lambda _: None)  # the stream too
+        assert not step.result.request_unchanged
+        assert step.request == client.build_request("again")

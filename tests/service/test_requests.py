@@ -119,7 +119,7 @@ def _fold(kinds: list[int]) -> SessionFold:
 
 def _handle(fold: SessionFold) -> SessionHandle:
     context = SimpleNamespace(meter=SessionMeter(fold))  # declares no tools of its own
-    return cast(SessionHandle, SimpleNamespace(fold=fold, context=context))
+    return cast(SessionHandle, SimpleNamespace(fold=fold, context=context, incarnation=""))
 
 
 @given(st.lists(st.integers(0, 8), max_size=4 * REPLY_CHUNK))
@@ -140,6 +140,11 @@ def test_a_request_reply_made_in_steps_is_the_bytes_of_the_request_built_at_once
     expected = _old_request(fold).SerializeToString()
     assert run_to_end(request_reply_in_steps(fold)) == expected
     assert build_request(_handle(fold)).SerializeToString() == expected
+    # The incarnation rides in the first part; the parsed reply is the request built at once.
+    stamped = pb.BuildRequestResponse.FromString(run_to_end(request_reply_in_steps(fold, (), "7")))
+    assert stamped.incarnation == "7"
+    stamped.incarnation = ""
+    assert stamped.SerializeToString() == expected
 
 
 def _steps(steps: Any) -> int:

@@ -286,19 +286,19 @@ func (c *Client) PrepareStep(ctx context.Context, sessionID string, turn int64, 
 	if opts != nil {
 		o = *opts
 	}
-	sent := c.held.revision(sessionID)
+	sent, incarnation := c.held.held(sessionID)
 	var result *v1.PrepareStepResult
 	var progress []*v1.CompactionProgress
 	var err error
 	if o.OnProgress == nil {
-		result, err = c.PrepareStepUnary(ctx, sessionID, turn, o.IntendedRoute, sent)
+		result, err = c.prepareStepUnary(ctx, &v1.PrepareStepUnaryRequest{SessionId: sessionID, Turn: turn, IntendedRoute: o.IntendedRoute, HeldRevision: sent, HeldIncarnation: incarnation})
 	} else {
-		result, progress, err = c.streamStep(ctx, &v1.PrepareStepRequest{SessionId: sessionID, Turn: turn, IntendedRoute: o.IntendedRoute, HeldRevision: sent}, o.OnProgress)
+		result, progress, err = c.streamStep(ctx, &v1.PrepareStepRequest{SessionId: sessionID, Turn: turn, IntendedRoute: o.IntendedRoute, HeldRevision: sent, HeldIncarnation: incarnation}, o.OnProgress)
 	}
 	if err != nil {
 		return nil, err
 	}
-	request := c.held.update(sessionID, sent, result, c.HeldSessions)
+	request := c.held.update(sessionID, sent, incarnation, result, c.HeldSessions)
 	if request == nil { // the held request moved on meanwhile (a concurrent step): rebuild it
 		full, err := c.BuildRequest(ctx, sessionID)
 		if err != nil {
@@ -343,9 +343,25 @@ func (c *Client) PrepareStepStream(ctx context.Context, sessionID string, turn i
 
 // PrepareStepHeld is PrepareStepStream for a runtime that holds the request built at heldRevision:
 // the result omits the full request while compactd changed none of it (StepRequest gives the
-// request to send either way).
+// request to send either way). It cannot tell a session deleted and created again under the
+// same id from the one held: PrepareStepHeldRequest can.
 func (c *Client) PrepareStepHeld(ctx context.Context, sessionID string, turn int64, intended *v1.Route, heldRevision int64) (*CompactionStream[*v1.PrepareStepResponse, *v1.PrepareStepResult], error) {
 	return c.prepareStep(ctx, &v1.PrepareStepRequest{SessionId: sessionID, Turn: turn, IntendedRoute: intended, HeldRevision: &heldRevision})
+}
+
+// PrepareStepHeldRequest is PrepareStepHeld for the request the runtime holds: it sends held's
+// revision and incarnation, so a session another process deleted and created again under the
+// same id (its revisions restarted) answers the full request.
+func (c *Client) PrepareStepHeldRequest(ctx context.Context, sessionID string, turn int64, intended *v1.Route, held *v1.BuildRequestResponse) (*CompactionStream[*v1.PrepareStepResponse, *v1.PrepareStepResult], error) {
+	revision := held.GetRevision()
+	return c.prepareStep(ctx, &v1.PrepareStepRequest{SessionId: sessionID, Turn: turn, IntendedRoute: intended, HeldRevision: &revision, HeldIncarnation: held.GetIncarnation()})
+}
+
+// PrepareStepUnaryHeldRequest is PrepareStepUnary for the request the runtime holds, sending its
+// revision and incarnation (as PrepareStepHeldRequest).
+func (c *Client) PrepareStepUnaryHeldRequest(ctx context.Context, sessionID string, turn int64, intended *v1.Route, held *v1.BuildRequestResponse) (*v1.PrepareStepResult, error) {
+	revision := held.GetRevision()
+	return c.prepareStepUnary(ctx, &v1.PrepareStepUnaryRequest{SessionId: sessionID, Turn: turn, IntendedRoute: intended, HeldRevision: &revision, HeldIncarnation: held.GetIncarnation()})
 }
 
 // PrepareStepUnary is the PrepareStepUnary RPC as the server answers it: PrepareStepStream's
@@ -354,7 +370,10 @@ func (c *Client) PrepareStepHeld(ctx context.Context, sessionID string, turn int
 // deadline a compaction fits in. heldRevision may be nil (the result then carries the full
 // request).
 func (c *Client) PrepareStepUnary(ctx context.Context, sessionID string, turn int64, intended *v1.Route, heldRevision *int64) (*v1.PrepareStepResult, error) {
-	request := &v1.PrepareStepUnaryRequest{SessionId: sessionID, Turn: turn, IntendedRoute: intended, HeldRevision: heldRevision}
+	return c.prepareStepUnary(ctx, &v1.PrepareStepUnaryRequest{SessionId: sessionID, Turn: turn, IntendedRoute: intended, HeldRevision: heldRevision})
+}
+
+func (c *Client) prepareStepUnary(ctx context.Context, request *v1.PrepareStepUnaryRequest) (*v1.PrepareStepResult, error) {
 	response, err := c.Compaction.PrepareStepUnary(ctx, request)
 	if err != nil {
 		return nil, FromError(err)

@@ -3,8 +3,10 @@ package compactd
 // The request a step sends. PrepareStep with a held revision (the revision of the request the
 // caller holds) answers the full request only when compactd changed what that request shows (a
 // compaction, a prune, an image offload, a new header); otherwise only the messages appended
-// since (RequestUnchanged), so a step costs what it adds, not the session's length. The
-// client's PrepareStep does this by itself with heldRequests; StepRequest is the same rule for a
+// since (RequestUnchanged), so a step costs what it adds, not the session's length. With it goes
+// the held incarnation (the held request's Incarnation): a session deleted and created again
+// under the same id by another process restarts its revisions, and the server then answers the
+// full request. The client's PrepareStep does this by itself with heldRequests; StepRequest is the same rule for a
 // runtime that calls PrepareStepUnary or PrepareStepStream and holds its requests itself.
 
 import (
@@ -55,23 +57,25 @@ type heldRequest struct {
 	request   *v1.BuildRequestResponse
 }
 
-// revision is the revision of the request held for the session (the held revision to send),
-// or nil when none is held.
-func (h *heldRequests) revision(sessionID string) *int64 {
+// held is the revision and incarnation of the request held for the session, read together
+// (the held revision and incarnation to send); nil and "" when none is held.
+func (h *heldRequests) held(sessionID string) (*int64, string) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if e, ok := h.sessions[sessionID]; ok {
-		revision := e.Value.(*heldRequest).request.GetRevision()
-		return &revision
+		request := e.Value.(*heldRequest).request
+		revision := request.GetRevision()
+		return &revision, request.GetIncarnation()
 	}
-	return nil
+	return nil, ""
 }
 
-// update holds the full request of result (a step sent with held revision sent) and returns
-// it: the result's request when it carries one, else the held request with the appended
-// messages at RequestRevision. It returns nil when the result omits the request and the held
-// one is no longer at sent (dropped, or moved on by a concurrent step).
-func (h *heldRequests) update(sessionID string, sent *int64, result *v1.PrepareStepResult, capacity int) *v1.BuildRequestResponse {
+// update holds the full request of result (a step sent with held revision sent and held
+// incarnation sentIncarnation) and returns it: the result's request when it carries one, else
+// the held request with the appended messages at RequestRevision. It returns nil when the
+// result omits the request and the held one is no longer at sent of sentIncarnation (dropped,
+// or moved on by a concurrent step).
+func (h *heldRequests) update(sessionID string, sent *int64, sentIncarnation string, result *v1.PrepareStepResult, capacity int) *v1.BuildRequestResponse {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if !result.GetRequestUnchanged() {
@@ -85,7 +89,7 @@ func (h *heldRequests) update(sessionID string, sent *int64, result *v1.PrepareS
 		return nil
 	}
 	held := e.Value.(*heldRequest).request
-	if held.GetRevision() != *sent {
+	if held.GetRevision() != *sent || held.GetIncarnation() != sentIncarnation {
 		return nil
 	}
 	// Cost follows the step: the held messages stay, the new ones are appended (amortized: the
@@ -157,6 +161,7 @@ func view(r *v1.BuildRequestResponse) *v1.BuildRequestResponse {
 		Tools:           r.GetTools(),
 		HeaderSeq:       r.GetHeaderSeq(),
 		Pins:            r.GetPins(),
+		Incarnation:     r.GetIncarnation(),
 	}
 }
 

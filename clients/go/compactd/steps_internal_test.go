@@ -10,14 +10,15 @@ import (
 
 func TestAViewKeepsEveryFieldOfTheRequest(t *testing.T) {
 	fields := (&v1.BuildRequestResponse{}).ProtoReflect().Descriptor().Fields()
-	if fields.Len() != 7 {
+	if fields.Len() != 8 {
 		t.Fatalf("BuildRequestResponse has %d fields: copy the new ones in view", fields.Len())
 	}
 	defaults, _ := structpb.NewStruct(map[string]interface{}{"top_p": 0.9})
 	full := &v1.BuildRequestResponse{
 		Revision: 7, Messages: []*v1.Message{{Name: "a"}}, Config: &v1.RequestConfig{Model: "m"},
 		AdapterDefaults: defaults, Tools: []*v1.ToolDeclaration{{Name: "run"}}, HeaderSeq: 1,
-		Pins: []*v1.StatePin{{Key: "goal", Text: "ship"}},
+		Pins:        []*v1.StatePin{{Key: "goal", Text: "ship"}},
+		Incarnation: "1",
 	}
 	v := view(full)
 	if !proto.Equal(v, full) {

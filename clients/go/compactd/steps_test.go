@@ -13,8 +13,9 @@ import (
 )
 
 // heldLog is a scripted session answering steps by the held-revision contract: the full request
-// without a held revision (or once rewrite is set), else the messages appended since (one
-// message per revision). concurrent makes a step drop the client's held request meanwhile.
+// without a held revision (or once rewrite is set, or when the held incarnation is not the
+// session's), else the messages appended since (one message per revision). concurrent makes a
+// step drop the client's held request meanwhile.
 type heldLog struct {
 	v1.UnimplementedSessionServiceServer
 	v1.UnimplementedCompactionServiceServer
@@ -24,6 +25,9 @@ type heldLog struct {
 	concurrent func(sessionID string)
 	sent       []*int64
 	builds     int
+	// incarnation is the session's; sentIncarnations the held incarnations the steps sent.
+	incarnation      string
+	sentIncarnations []string
 }
 
 func (l *heldLog) add(names ...string) {
@@ -34,24 +38,26 @@ func (l *heldLog) add(names ...string) {
 	}
 }
 
-func (l *heldLog) result(sessionID string, held *int64) *v1.PrepareStepResult {
+func (l *heldLog) result(sessionID string, held *int64, incarnation string) *v1.PrepareStepResult {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.concurrent != nil {
 		l.concurrent(sessionID)
 	}
 	l.sent = append(l.sent, held)
+	l.sentIncarnations = append(l.sentIncarnations, incarnation)
 	revision := int64(len(l.messages))
-	if held == nil || l.rewrite {
+	other := incarnation != "" && incarnation != l.incarnation
+	if held == nil || l.rewrite || other {
 		l.rewrite = false
-		full := &v1.BuildRequestResponse{Revision: revision, Messages: append([]*v1.Message(nil), l.messages...)}
+		full := &v1.BuildRequestResponse{Revision: revision, Messages: append([]*v1.Message(nil), l.messages...), Incarnation: l.incarnation}
 		return &v1.PrepareStepResult{Request: full, RequestRevision: revision}
 	}
 	return &v1.PrepareStepResult{RequestUnchanged: true, AppendedMessages: l.messages[*held:], RequestRevision: revision}
 }
 
 func (l *heldLog) PrepareStepUnary(ctx context.Context, req *v1.PrepareStepUnaryRequest) (*v1.PrepareStepUnaryResponse, error) {
-	return &v1.PrepareStepUnaryResponse{Result: l.result(req.GetSessionId(), req.HeldRevision)}, nil
+	return &v1.PrepareStepUnaryResponse{Result: l.result(req.GetSessionId(), req.HeldRevision, req.GetHeldIncarnation())}, nil
 }
 
 func (l *heldLog) PrepareStep(req *v1.PrepareStepRequest, stream v1.CompactionService_PrepareStepServer) error {
@@ -59,7 +65,7 @@ func (l *heldLog) PrepareStep(req *v1.PrepareStepRequest, stream v1.CompactionSe
 	if err := stream.Send(&v1.PrepareStepResponse{Update: &v1.PrepareStepResponse_Progress{Progress: p}}); err != nil {
 		return err
 	}
-	result := l.result(req.GetSessionId(), req.HeldRevision)
+	result := l.result(req.GetSessionId(), req.HeldRevision, req.GetHeldIncarnation())
 	return stream.Send(&v1.PrepareStepResponse{Update: &v1.PrepareStepResponse_Result{Result: result}})
 }
 
@@ -93,7 +99,7 @@ func startHeld(t *testing.T) (*compactd.Client, *heldLog) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	log := &heldLog{messages: []*v1.Message{{Name: "a"}}}
+	log := &heldLog{messages: []*v1.Message{{Name: "a"}}, incarnation: "1"}
 	server := grpc.NewServer()
 	v1.RegisterSessionServiceServer(server, log)
 	v1.RegisterCompactionServiceServer(server, log)
@@ -158,6 +164,35 @@ func TestPrepareStepHoldsTheRequestAndSendsItsRevision(t *testing.T) {
 	}
 	if !equal(names(fourth.Request), []string{"summary", "d"}) {
 		t.Fatalf("after a rewrite %v", fourth.Request)
+	}
+}
+
+func TestPrepareStepSendsTheHeldIncarnationAndASessionCreatedAgainAnswersWhole(t *testing.T) {
+	client, log := startHeld(t)
+	step(t, client, "s", nil)
+	log.add("b")
+	step(t, client, "s", nil)
+	// Another process deletes the session and creates it again, as long as the held one.
+	log.mu.Lock()
+	log.incarnation, log.messages = "2", []*v1.Message{{Name: "x"}, {Name: "y"}}
+	log.mu.Unlock()
+	again := step(t, client, "s", &compactd.StepOptions{OnProgress: func(*v1.CompactionProgress) {}})
+	if got := log.sentRevisions(); !equal(got, []int64{-1, 1, 2}) {
+		t.Fatalf("held revisions sent %v", got)
+	}
+	if got := log.sentIncarnations; !equal(got, []string{"", "1", "1"}) {
+		t.Fatalf("held incarnations sent %v", got)
+	}
+	if again.Result.GetRequestUnchanged() || !equal(names(again.Request), []string{"x", "y"}) || again.Request.GetIncarnation() != "2" {
+		t.Fatalf("after a re-creation %v %v", again.Request, again.Result)
+	}
+	held := &v1.BuildRequestResponse{Revision: 2, Incarnation: "2"}
+	result, err := client.PrepareStepUnaryHeldRequest(context.Background(), "s", 1, nil, held)
+	if err != nil || !result.GetRequestUnchanged() {
+		t.Fatalf("a held request's step %v %v", result, err)
+	}
+	if got := log.sentIncarnations[3]; got != "2" {
+		t.Fatalf("held incarnation sent %q", got)
 	}
 }
 

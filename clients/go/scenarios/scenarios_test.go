@@ -2,7 +2,8 @@
 // compactd (COMPACTD_ADDRESS; the routed model from COMPACTD_PROVIDER / COMPACTD_MODEL). Same
 // list as the Python and TypeScript suites: create, append, rebuild request, pressure check, a
 // watch receiving updates, a compaction with its streamed steps, a busy error with its reason,
-// a SEQ_CONFLICT, held steps across a compaction, the recall tool answered.
+// a SEQ_CONFLICT, held steps across a compaction, a held step of a session another client created
+// again, the recall tool answered.
 package scenarios
 
 import (
@@ -388,6 +389,47 @@ func workStep(turn, step int64) []*v1.SessionEvent {
 		compactd.AssistantMessage(fmt.Sprintf("Fixing batch %d.", step), compactd.ToolCallBlock(callID, "edit", compactd.JSON(map[string]int64{"batch": step}))),
 		compactd.StepEnd(turn, step),
 		compactd.ToolResult(callID, "edit", strings.Join(output, "\n")),
+	}
+}
+
+// Another client deletes the session and creates it again under the same id, its log past the
+// held revision: the held incarnation tells them apart, so the step answers the new request.
+func TestAHeldStepOfASessionCreatedAgainAnswersTheNewRequest(t *testing.T) {
+	c := connect(t)
+	ctx := context.Background()
+	id := newSession(t, c)
+	seed(t, c, id, 1)
+	if _, err := c.AppendEvents(ctx, id, []*v1.SessionEvent{compactd.TurnStart(2), compactd.UserMessage("Fix the first handler.")}, nil); err != nil {
+		t.Fatal(err)
+	}
+	first, err := c.PrepareStep(ctx, id, 2, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	other := connect(t)
+	if err := other.DeleteSession(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := other.CreateSession(ctx, id, nil); err != nil {
+		t.Fatal(err)
+	}
+	seed(t, other, id, 2)
+	if _, err := other.AppendEvents(ctx, id, []*v1.SessionEvent{compactd.TurnStart(3), compactd.UserMessage("Fix the second handler.")}, nil); err != nil {
+		t.Fatal(err)
+	}
+	prepared, err := c.PrepareStep(ctx, id, 3, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	built, err := c.BuildRequest(ctx, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if built.GetRevision() <= first.Request.GetRevision() {
+		t.Fatalf("the new log (revision %d) is not past the held one (%d)", built.GetRevision(), first.Request.GetRevision())
+	}
+	if prepared.Result.GetRequestUnchanged() || !proto.Equal(prepared.Request, built) {
+		t.Fatalf("the step extended the held request of the deleted session")
 	}
 }
 

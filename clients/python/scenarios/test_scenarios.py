@@ -3,7 +3,8 @@
 Every client (Python, TypeScript, Go) runs the same list against the one server that
 ``clients/run-scenarios`` starts: create (idempotent), append, rebuild request, pressure check, a
 watch receiving updates, a compaction with its streamed steps, a busy error with its reason, a
-SEQ_CONFLICT, held steps across a compaction, the recall tool answered. The server comes from
+SEQ_CONFLICT, held steps across a compaction, a held step of a session another client created
+again, the recall tool answered. The server comes from
 ``COMPACTD_ADDRESS``; the routed model from ``COMPACTD_PROVIDER`` / ``COMPACTD_MODEL`` (a route
 with a declared window).
 """
@@ -270,3 +271,24 @@ def test_held_steps_across_a_compaction(client: CompactdClient) -> None:
     assert 1 < compacted[0] < len(answers) - 1
     full = [i for i, a in enumerate(answers) if not a.request_unchanged]
     assert full == [0, *compacted]  # the first step held nothing; a compaction rewrites
+
+
+def test_a_held_step_of_a_session_created_again_answers_the_new_request(
+    client: CompactdClient,
+) -> None:
+    """Another client deletes the session and creates it again under the same id, its log past
+    the held revision: the step answers the new session's full request, never the held one
+    extended with the new session's messages (the held incarnation tells them apart)."""
+    session_id = new_session(client)
+    seed(client, session_id, turns=1)
+    client.append_events(session_id, [turn_start(2), user_message("Fix the first handler.")])
+    held = client.prepare_step(session_id, 2).request.revision
+    with CompactdClient(ADDRESS, timeout=30) as other:
+        other.delete_session(session_id)
+        other.create_session(session_id)
+        seed(other, session_id, turns=2)
+        other.append_events(session_id, [turn_start(3), user_message("Fix the second handler.")])
+        assert other.build_request(session_id).revision > held
+    prepared = client.prepare_step(session_id, 3)
+    assert not prepared.result.request_unchanged
+    assert prepared.request == client.build_request(session_id)

@@ -61,6 +61,7 @@ def test_an_omitted_request_needs_the_held_one() -> None:
 def test_prepare_step_sends_the_held_revision_only_when_given() -> None:
     assert not prepare_step("s", 1, None, None).HasField("held_revision")
     assert prepare_step("s", 1, None, 0).held_revision == 0
+    assert prepare_step("s", 1, None, 0, "7").held_incarnation == "7"
 
 
 def test_the_unary_step_sends_the_held_revision_and_returns_the_result(
@@ -88,20 +89,27 @@ def test_the_unary_step_sends_the_held_revision_and_returns_the_result(
 
 class Log:
     """A scripted session on the fake server, answering steps by the held-revision contract:
-    the full request without ``held_revision`` (or once ``rewrite`` is set), else the
-    messages appended since."""
+    the full request without ``held_revision`` (or once ``rewrite`` is set, or when
+    ``held_incarnation`` is not the session's), else the messages appended since."""
 
     def __init__(self) -> None:
         self.messages = [message("a")]
         self.rewrite = False
+        self.incarnation = "1"
         self.sent: list[int | None] = []
+        self.sent_incarnations: list[str] = []
 
     def result(self, request: PrepareStepRequest | PrepareStepUnaryRequest) -> PrepareStepResult:
         self.sent.append(request.held_revision if request.HasField("held_revision") else None)
+        self.sent_incarnations.append(request.held_incarnation)
         revision = len(self.messages)  # one message per revision, enough for the client
-        if not request.HasField("held_revision") or self.rewrite:
+        other = request.held_incarnation not in ("", self.incarnation)
+        if not request.HasField("held_revision") or self.rewrite or other:
             self.rewrite = False
-            full = BuildRequestResponse(revision=revision, messages=self.messages, config=CONFIG)
+            full = BuildRequestResponse(
+                revision=revision, messages=self.messages, config=CONFIG,
+                incarnation=self.incarnation,
+            )  # fmt: skip
             return PrepareStepResult(request=full, request_revision=revision)
         appended = self.messages[request.held_revision :]
         return PrepareStepResult(
@@ -140,6 +148,25 @@ def test_each_step_sends_the_held_revision_and_answers_the_full_request(
     assert list(fourth.request.messages) == [message("summary"), message("d")]
     assert fourth.request is third.request
     assert fake.calls["PrepareStep"] == 0  # no progress asked: one unary call per step
+
+
+def test_each_step_sends_the_held_incarnation_and_a_session_created_again_answers_whole(
+    fake: FakeCompactd,
+) -> None:
+    log = Log()
+    fake.on("PrepareStepUnary", log.unary)
+    with CompactdClient(fake.target) as client:
+        client.prepare_step("s", 1)
+        log.messages.append(message("b"))
+        client.prepare_step("s", 1)
+        # Another process deletes the session and creates it again, as long as the held one.
+        log.incarnation, log.messages = "2", [message("x"), message("y")]
+        again = client.prepare_step("s", 1)
+    assert log.sent == [None, 1, 2]
+    assert log.sent_incarnations == ["", "1", "1"]
+    assert not again.result.request_unchanged
+    assert list(again.request.messages) == [message("x"), message("y")]
+    assert again.request.incarnation == "2"
 
 
 def test_a_step_with_on_progress_is_streamed_and_held_alike(fake: FakeCompactd) -> None:
@@ -218,3 +245,17 @@ def test_held_requests_apply_appended_messages_only_at_the_revision_sent() -> No
     assert held.revision("s") == 4
     assert held.update("s", 4, PrepareStepResult(request_revision=4)) is None  # no request
     assert held.revision("s") == 4
+
+
+def test_held_requests_apply_appended_messages_only_to_the_incarnation_sent() -> None:
+    held = HeldRequests()
+    assert held.held("s") is None
+    held.hold("s", BuildRequestResponse(revision=3, messages=[message("a")], incarnation="2"))
+    assert held.held("s") == (3, "2")
+    unchanged = PrepareStepResult(
+        request_unchanged=True, appended_messages=[message("b")], request_revision=4
+    )
+    assert held.update("s", 3, unchanged, "1") is None  # the session was created again
+    request = held.update("s", 3, unchanged, "2")
+    assert request is not None
+    assert held.held("s") == (4, "2")

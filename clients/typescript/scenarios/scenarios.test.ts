@@ -2,7 +2,8 @@
 // (COMPACTD_ADDRESS; the routed model from COMPACTD_PROVIDER / COMPACTD_MODEL). Same list as
 // clients/python/scenarios and clients/go/scenarios: create, append, rebuild request, pressure
 // check, a watch receiving updates, a compaction with its streamed steps, a busy error with its
-// reason, a SEQ_CONFLICT, held steps across a compaction, the recall tool answered.
+// reason, a SEQ_CONFLICT, held steps across a compaction, a held step of a session another client
+// created again, the recall tool answered.
 
 import assert from "node:assert/strict";
 import { randomUUID } from "node:crypto";
@@ -281,5 +282,27 @@ describe("scenarios", { skip: address === "" ? "COMPACTD_ADDRESS is not set" : f
     assert.ok(first > 1 && first < answers.length - 1, String(compacted));
     const full = answers.flatMap((a, i) => (a.requestUnchanged ? [] : [i]));
     assert.deepEqual(full, [0, ...compacted]); // the first step held nothing; a compaction rewrites
+  });
+
+  test("a held step of a session created again answers the new request", async () => {
+    // Another client deletes the session and creates it again under the same id, its log past the
+    // held revision: the held incarnation tells them apart, so the step answers the new request.
+    const sessionId = await newSession();
+    await seed(sessionId, 1);
+    await client.appendEvents(sessionId, [turnStart(2), userMessage("Fix the first handler.")]);
+    const held = (await client.prepareStep(sessionId, 2)).request.revision;
+    const other = new CompactdClient({ target: address, timeoutMs: 30_000 });
+    try {
+      await other.deleteSession(sessionId);
+      await other.createSession({ sessionId });
+    } finally {
+      other.close();
+    }
+    await seed(sessionId, 2); // appends hold nothing: the client still holds the old request
+    await client.appendEvents(sessionId, [turnStart(3), userMessage("Fix the second handler.")]);
+    assert.ok((await client.buildRequest(sessionId)).revision > held);
+    const prepared = await client.prepareStep(sessionId, 3);
+    assert.ok(!prepared.result.requestUnchanged);
+    assert.deepEqual(prepared.request, await client.buildRequest(sessionId));
   });
 });

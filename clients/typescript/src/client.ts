@@ -361,7 +361,8 @@ export class CompactdClient {
     opts?: CallOpts,
   ): Promise<PreparedStep> {
     const sent = this.held.revision(sessionId);
-    const step = { intendedRoute: init.intendedRoute, heldRevision: sent };
+    const incarnation = this.held.incarnation(sessionId);
+    const step = { intendedRoute: init.intendedRoute, heldRevision: sent, heldIncarnation: incarnation };
     let result: PrepareStepResult;
     let progress: CompactionProgress[] = [];
     if (init.onProgress === undefined) {
@@ -372,7 +373,7 @@ export class CompactdClient {
       result = await stream.result();
       progress = stream.progress;
     }
-    let request = this.held.update(sessionId, sent, result);
+    let request = this.held.update(sessionId, sent, result, incarnation);
     if (request === undefined) {
       // The held request moved on meanwhile (a concurrent step of the session): rebuild it.
       request = await this.buildRequest(sessionId, opts);
@@ -384,18 +385,21 @@ export class CompactdClient {
   /**
    * The PrepareStep stream as the server sends it: `for await` the progress, `result()` for the
    * result. Nothing is held: without `heldRevision` the result carries the full request; with
-   * it, `stepRequest` gives the request to send.
+   * it, `stepRequest` gives the request to send. `heldIncarnation`: the held request's
+   * `incarnation`, sent with `heldRevision` so a session deleted and created again meanwhile
+   * answers the full request.
    */
   prepareStepStream(
     sessionId: string,
     turn: number | bigint,
-    init: { intendedRoute?: Route; heldRevision?: number | bigint } = {},
+    init: { intendedRoute?: Route; heldRevision?: number | bigint; heldIncarnation?: string } = {},
     opts?: CallOpts,
   ): CompactionStream<PrepareStepResult> {
     const heldRevision = init.heldRevision === undefined ? undefined : BigInt(init.heldRevision);
+    const heldIncarnation = init.heldIncarnation ?? "";
     return new CompactionStream(
       this.compaction.prepareStep(
-        { sessionId, turn: BigInt(turn), intendedRoute: init.intendedRoute, heldRevision },
+        { sessionId, turn: BigInt(turn), intendedRoute: init.intendedRoute, heldRevision, heldIncarnation },
         this.streamOptions(opts),
       ),
     );
@@ -418,11 +422,12 @@ export class CompactdClient {
   async prepareStepUnary(
     sessionId: string,
     turn: number | bigint,
-    init: { intendedRoute?: Route; heldRevision?: number | bigint } = {},
+    init: { intendedRoute?: Route; heldRevision?: number | bigint; heldIncarnation?: string } = {},
     opts?: CallOpts,
   ): Promise<PrepareStepResult> {
     const heldRevision = init.heldRevision === undefined ? undefined : BigInt(init.heldRevision);
-    const request = { sessionId, turn: BigInt(turn), intendedRoute: init.intendedRoute, heldRevision };
+    const heldIncarnation = init.heldIncarnation ?? "";
+    const request = { sessionId, turn: BigInt(turn), intendedRoute: init.intendedRoute, heldRevision, heldIncarnation };
     const response = await call(() => this.compaction.prepareStepUnary(request, this.streamOptions(opts)));
     if (!response.result) {
       throw new IncompleteStreamError("PrepareStepUnary answered without a result", { code: Code.Internal });

@@ -3,7 +3,10 @@
 // PrepareStep with `heldRevision` (the revision of the request the caller holds) answers the full
 // request only when compactd changed what that request shows (a compaction, a prune, an image
 // offload, a new header); otherwise only the messages appended since (`requestUnchanged`), so a
-// step costs what it adds, not the session's length. The client's `prepareStep` does this by
+// step costs what it adds, not the session's length. With it goes `heldIncarnation` (the held
+// request's `incarnation`): a session deleted and created again under the same id by another
+// process restarts its revisions, and the server then answers the full request. The client's
+// `prepareStep` does this by
 // itself with a HeldRequests; `stepRequest` is the same rule for a runtime that calls
 // `prepareStepUnary` or `prepareStepStream` and holds its requests itself.
 
@@ -56,20 +59,32 @@ export class HeldRequests {
     return this.requests.get(sessionId)?.revision;
   }
 
+  /** The incarnation of the request held for the session (the `heldIncarnation` to send), if any. */
+  incarnation(sessionId: string): string | undefined {
+    return this.requests.get(sessionId)?.incarnation;
+  }
+
   /**
    * The full request of `result` (a step sent with `heldRevision` `sent`), now held: the
    * result's request when it carries one, else the held request extended in place with
    * `appendedMessages` at `requestRevision`. Undefined when the result omits the request and
-   * the held one is no longer at `sent` (dropped, or moved on by a concurrent step): the caller
-   * then needs the full request another way.
+   * the held one is no longer at `sent` (dropped, or moved on by a concurrent step, or of another
+   * incarnation than `sentIncarnation`, when given): the caller then needs the full request
+   * another way.
    */
-  update(sessionId: string, sent: bigint | undefined, result: PrepareStepResult): BuildRequestResponse | undefined {
+  update(
+    sessionId: string,
+    sent: bigint | undefined,
+    result: PrepareStepResult,
+    sentIncarnation?: string,
+  ): BuildRequestResponse | undefined {
     if (!result.requestUnchanged) {
       if (result.request !== undefined) this.hold(sessionId, result.request);
       return result.request;
     }
     const held = this.requests.get(sessionId);
     if (held === undefined || sent === undefined || held.revision !== sent) return undefined;
+    if (sentIncarnation !== undefined && held.incarnation !== sentIncarnation) return undefined;
     // Cost follows the step: the held messages stay, the new ones are appended (one by one: a
     // spread of a long array would overflow the call stack).
     for (const message of result.appendedMessages) held.messages.push(message);

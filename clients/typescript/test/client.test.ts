@@ -286,20 +286,25 @@ describe("stepRequest", () => {
 
 /**
  * A scripted session answering steps by the held-revision contract: the full request without
- * `heldRevision` (or once `rewrite` is set), else the messages appended since (one message per
- * revision).
+ * `heldRevision` (or once `rewrite` is set, or when `heldIncarnation` is not the session's), else
+ * the messages appended since (one message per revision).
  */
 class Log {
   messages = [create(MessageSchema, { toolCallId: "a" })];
   rewrite = false;
+  incarnation = "1";
   readonly sent: (bigint | undefined)[] = [];
+  readonly sentIncarnations: string[] = [];
 
   result(req: PrepareStepRequest | PrepareStepUnaryRequest): PrepareStepResult {
     this.sent.push(req.heldRevision);
+    this.sentIncarnations.push(req.heldIncarnation);
     const revision = BigInt(this.messages.length);
-    if (req.heldRevision === undefined || this.rewrite) {
+    const other = req.heldIncarnation !== "" && req.heldIncarnation !== this.incarnation;
+    if (req.heldRevision === undefined || this.rewrite || other) {
       this.rewrite = false;
-      const request = create(BuildRequestResponseSchema, { revision, messages: [...this.messages] });
+      const messages = [...this.messages];
+      const request = create(BuildRequestResponseSchema, { revision, messages, incarnation: this.incarnation });
       return create(PrepareStepResultSchema, { request, requestRevision: revision });
     }
     const appendedMessages = this.messages.slice(Number(req.heldRevision));
@@ -307,7 +312,12 @@ class Log {
   }
 
   build(): BuildRequestResponse {
-    return create(BuildRequestResponseSchema, { revision: BigInt(this.messages.length), messages: [...this.messages] });
+    const revision = BigInt(this.messages.length);
+    return create(BuildRequestResponseSchema, {
+      revision,
+      messages: [...this.messages],
+      incarnation: this.incarnation,
+    });
   }
 
   add(toolCallId: string): void {
@@ -347,6 +357,42 @@ describe("prepareStep", () => {
       client.close();
       await fake.close();
     }
+  });
+
+  test("sends the held incarnation: a session created again by another process answers whole", async () => {
+    const log = new Log();
+    const fake = await startFake(
+      {},
+      { prepareStepUnary: (req) => create(PrepareStepUnaryResponseSchema, { result: log.result(req) }) },
+    );
+    const client = new CompactdClient(fake.target);
+    try {
+      await client.prepareStep("s", 1);
+      log.add("b");
+      await client.prepareStep("s", 1);
+      // Another process deletes the session and creates it again, as long as the held one.
+      log.incarnation = "2";
+      log.messages = [create(MessageSchema, { toolCallId: "x" }), create(MessageSchema, { toolCallId: "y" })];
+      const again = await client.prepareStep("s", 1);
+      assert.deepEqual(log.sent, [undefined, 1n, 2n]);
+      assert.deepEqual(log.sentIncarnations, ["", "1", "1"]);
+      assert.ok(!again.result.requestUnchanged);
+      assert.deepEqual(ids(again.request), ["x", "y"]);
+      assert.equal(again.request.incarnation, "2");
+    } finally {
+      client.close();
+      await fake.close();
+    }
+  });
+
+  test("HeldRequests extends a held request only of the incarnation sent", () => {
+    const held = new HeldRequests();
+    held.hold("s", create(BuildRequestResponseSchema, { revision: 3n, incarnation: "2" }));
+    assert.equal(held.incarnation("s"), "2");
+    assert.equal(held.incarnation("other"), undefined);
+    const unchanged = create(PrepareStepResultSchema, { requestUnchanged: true, requestRevision: 4n });
+    assert.equal(held.update("s", 3n, unchanged, "1"), undefined); // the session was created again
+    assert.equal(held.update("s", 3n, unchanged, "2")?.revision, 4n);
   });
 
   test("with onProgress the step is streamed and held alike", async () => {

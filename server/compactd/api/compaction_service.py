@@ -98,7 +98,7 @@ class CompactionServicer(compaction_service_pb2_grpc.CompactionServiceServicer):
         held = request.held_revision if request.HasField("held_revision") else None
         step: _Step = partial(
             self._steps.prepare_step, request.session_id, request.turn, intended,
-            held_revision=held,
+            held_revision=held, held_incarnation=request.held_incarnation,
         )  # fmt: skip
         return step
 

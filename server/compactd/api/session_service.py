@@ -137,7 +137,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
     ) -> Serialized:
         handle = await self._handle(request.session_id)
         async with handle.lock:
-            reply = request_reply_in_steps(handle.fold, declared_tools(handle))
+            reply = request_reply_in_steps(handle.fold, declared_tools(handle), handle.incarnation)
             return await after_a_turn(await in_steps(reply))
 
     @handle_errors

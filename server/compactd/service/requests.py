@@ -114,18 +114,21 @@ def build_request(handle: SessionHandle) -> pb.BuildRequestResponse:
     fold = handle.fold
     response = _request_header(fold, declared_tools(handle))
     response.revision = fold.revision
+    response.incarnation = handle.incarnation
     response.messages.extend(fold.messages())
     return response
 
 
 def request_reply_in_steps(
-    fold: SessionFold, declared: Sequence[ToolDeclaration] = ()
+    fold: SessionFold, declared: Sequence[ToolDeclaration] = (), incarnation: str = ""
 ) -> Generator[None, None, bytes]:
     """``build_request`` of the session of ``fold``, serialized, its messages made
     ``REPLY_CHUNK`` surface nodes at a time with a pause (``yield``) after each, then joined in a
-    step of its own; ``declared``: compactd's own tools (``declared_tools``). The caller keeps
-    the fold still (the session's lock)."""
-    parts = [pb.BuildRequestResponse(revision=fold.revision).SerializeToString()]
+    step of its own; ``declared``: compactd's own tools (``declared_tools``); ``incarnation``:
+    the session's (``SessionHandle.incarnation``). The caller keeps the fold still (the
+    session's lock)."""
+    first_part = pb.BuildRequestResponse(revision=fold.revision, incarnation=incarnation)
+    parts = [first_part.SerializeToString()]
     nodes = fold.surface.nodes
     parts += _head_and_pins(fold)  # the pinned-state message right after the system head
     first = 1 if fold.pins and fold.head_projects() else 0
@@ -145,7 +148,8 @@ async def request_in_steps(handle: SessionHandle) -> bytes:
     (``in_steps``): the request's bytes, for a result that carries the request
     (``MergeFromString`` parses them in one call, a fraction of building the message on the
     loop). The caller holds the session's lock."""
-    return await in_steps(request_reply_in_steps(handle.fold, declared_tools(handle)))
+    reply = request_reply_in_steps(handle.fold, declared_tools(handle), handle.incarnation)
+    return await in_steps(reply)
 
 
 def declared_tools(handle: SessionHandle) -> Sequence[ToolDeclaration]:

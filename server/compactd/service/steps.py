@@ -139,23 +139,31 @@ class StepService:
         progress: Progress,
         held_revision: int | None = None,
         *,
+        held_incarnation: str = "",
         into: cpb.PrepareStepResult | None = None,
     ) -> cpb.PrepareStepResult:
         """The pre-step check (see ``CompactionService.PrepareStep``).
 
         ``held_revision``: the revision of the request the caller holds; the result then omits
         the full request when the surface only grew since (``SessionFold.appended_since``).
+        ``held_incarnation``: the incarnation of the session that request is of; when it is not
+        this session's (the id was deleted and created again: revisions restarted), the held
+        request is of a log that is gone and the result carries the full request. Empty: the
+        held revision is taken to be of this session (a client before incarnations).
         ``into``: an empty result to write the answer in (a reply's own field, so the reply
         does not copy it); a new one when None. The result written is returned.
 
         Raises:
             NotFound: The session does not exist.
-            InvalidArgument: ``held_revision`` is negative or beyond the session's revision.
+            InvalidArgument: ``held_revision`` is negative or beyond the session's revision
+                (and of this incarnation).
             FailedPrecondition: ``NO_OPEN_TURN`` when ``turn`` is not open;
                 ``MODEL_SWITCH_COMPACTION_FAILED`` when a changed route cannot be fitted.
             CompactionBusy: A bracket is live.
         """
         handle = await self._manager.get(session_id)
+        if held_incarnation and held_incarnation != handle.incarnation:
+            held_revision = None  # of another session of this id: its revisions name nothing here
         check_held_revision(handle, held_revision)
         require_open_turn(handle, turn, _IN_A_TURN)
         refuse_live_bracket(handle)

@@ -828,6 +828,7 @@ class PrepareStepRequest(_message.Message):
     TURN_FIELD_NUMBER: _builtins.int
     INTENDED_ROUTE_FIELD_NUMBER: _builtins.int
     HELD_REVISION_FIELD_NUMBER: _builtins.int
+    HELD_INCARNATION_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session."""
     turn: _builtins.int
@@ -839,7 +840,16 @@ class PrepareStepRequest(_message.Message):
     `held_revision`: the log only appended surface nodes), the result omits `request`, sets
     `request_unchanged` and carries just the appended nodes' messages in `appended_messages`.
     Absent (old clients): the result always carries the full `request`, as before this field
-    existed. INVALID_ARGUMENT when negative or beyond the session's revision.
+    existed. INVALID_ARGUMENT when negative or beyond the session's revision (unless
+    `held_incarnation` names another session of this id).
+    """
+    held_incarnation: _builtins.str
+    """The `BuildRequestResponse.incarnation` of the request the caller holds. Revisions restart
+    when a session is deleted and created again under the same id (by another process, say):
+    when this differs from the session's incarnation, the held request is of a session that is
+    gone, `held_revision` is ignored and the result carries the full `request`. Empty (old
+    clients): `held_revision` is taken to be of the session as it is now, as before this field
+    existed.
     """
     @_builtins.property
     def intended_route(self) -> _events_pb2.Route:
@@ -852,10 +862,11 @@ class PrepareStepRequest(_message.Message):
         turn: _builtins.int = ...,
         intended_route: _events_pb2.Route | None = ...,
         held_revision: _builtins.int | None = ...,
+        held_incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_held_revision", b"_held_revision", "held_revision", b"held_revision", "intended_route", b"intended_route"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_held_revision", b"_held_revision", "held_revision", b"held_revision", "intended_route", b"intended_route", "session_id", b"session_id", "turn", b"turn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_held_revision", b"_held_revision", "held_incarnation", b"held_incarnation", "held_revision", b"held_revision", "intended_route", b"intended_route", "session_id", b"session_id", "turn", b"turn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__held_revision: _TypeAlias = _typing.Literal["held_revision"]  # noqa: Y015
     _WhichOneofArgType__held_revision: _TypeAlias = _typing.Literal["_held_revision", b"_held_revision"]  # noqa: Y015
@@ -887,7 +898,8 @@ class PrepareStepResult(_message.Message):
     header_seq: _builtins.int
     """Seq of the destination `request/header` appended when `intended_route` changed the route."""
     request_unchanged: _builtins.bool
-    """True when `held_revision` was given and the held request is still the request's prefix:
+    """True when `held_revision` was given (of this incarnation of the session, when
+    `held_incarnation` was given too) and the held request is still the request's prefix:
     the request to send is the held one's config, adapter defaults and tools, with its messages
     followed by `appended_messages`. `request` is then absent. False whenever `request` is set.
     """
@@ -1000,12 +1012,15 @@ class PrepareStepUnaryRequest(_message.Message):
     TURN_FIELD_NUMBER: _builtins.int
     INTENDED_ROUTE_FIELD_NUMBER: _builtins.int
     HELD_REVISION_FIELD_NUMBER: _builtins.int
+    HELD_INCARNATION_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session."""
     turn: _builtins.int
     """The open turn the step belongs to."""
     held_revision: _builtins.int
     """As `PrepareStepRequest.held_revision`."""
+    held_incarnation: _builtins.str
+    """As `PrepareStepRequest.held_incarnation`."""
     @_builtins.property
     def intended_route(self) -> _events_pb2.Route:
         """The route the step will use; absent uses the latest logged header's route."""
@@ -1017,10 +1032,11 @@ class PrepareStepUnaryRequest(_message.Message):
         turn: _builtins.int = ...,
         intended_route: _events_pb2.Route | None = ...,
         held_revision: _builtins.int | None = ...,
+        held_incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_held_revision", b"_held_revision", "held_revision", b"held_revision", "intended_route", b"intended_route"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_held_revision", b"_held_revision", "held_revision", b"held_revision", "intended_route", b"intended_route", "session_id", b"session_id", "turn", b"turn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_held_revision", b"_held_revision", "held_incarnation", b"held_incarnation", "held_revision", b"held_revision", "intended_route", b"intended_route", "session_id", b"session_id", "turn", b"turn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__held_revision: _TypeAlias = _typing.Literal["held_revision"]  # noqa: Y015
     _WhichOneofArgType__held_revision: _TypeAlias = _typing.Literal["_held_revision", b"_held_revision"]  # noqa: Y015

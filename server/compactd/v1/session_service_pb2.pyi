@@ -523,10 +523,18 @@ class BuildRequestResponse(_message.Message):
     TOOLS_FIELD_NUMBER: _builtins.int
     HEADER_SEQ_FIELD_NUMBER: _builtins.int
     PINS_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     """The log revision the request was built at."""
     header_seq: _builtins.int
     """Seq of the header the config and tools came from; -1 when none."""
+    incarnation: _builtins.str
+    """Which session of this id the request is of: an opaque token, the same for every request of
+    a session and different for a session deleted and created again under the same id (whose
+    revisions restart). A caller holding this request sends it back as
+    `PrepareStepRequest.held_incarnation` with `held_revision`. Empty from a server before this
+    field existed.
+    """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___Message]:
         """Messages derived from the surface, in order."""
@@ -557,10 +565,11 @@ class BuildRequestResponse(_message.Message):
         tools: _abc.Iterable[_events_pb2.ToolDeclaration] | None = ...,
         header_seq: _builtins.int = ...,
         pins: _abc.Iterable[_events_pb2.StatePin] | None = ...,
+        incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["adapter_defaults", b"adapter_defaults", "config", b"config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_defaults", b"adapter_defaults", "config", b"config", "header_seq", b"header_seq", "messages", b"messages", "pins", b"pins", "revision", b"revision", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_defaults", b"adapter_defaults", "config", b"config", "header_seq", b"header_seq", "incarnation", b"incarnation", "messages", b"messages", "pins", b"pins", "revision", b"revision", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -85,22 +85,32 @@ def watch_pressure(session_id: str, destination: Route | None) -> WatchPressureR
 
 
 def prepare_step(
-    session_id: str, turn: int, intended_route: Route | None, held_revision: int | None
+    session_id: str,
+    turn: int,
+    intended_route: Route | None,
+    held_revision: int | None,
+    held_incarnation: str = "",
 ) -> PrepareStepRequest:
     request = PrepareStepRequest(session_id=session_id, turn=turn, intended_route=intended_route)
     if held_revision is not None:
         request.held_revision = held_revision
+    request.held_incarnation = held_incarnation
     return request
 
 
 def prepare_step_unary(
-    session_id: str, turn: int, intended_route: Route | None, held_revision: int | None
+    session_id: str,
+    turn: int,
+    intended_route: Route | None,
+    held_revision: int | None,
+    held_incarnation: str = "",
 ) -> PrepareStepUnaryRequest:
     request = PrepareStepUnaryRequest(
         session_id=session_id, turn=turn, intended_route=intended_route
     )
     if held_revision is not None:
         request.held_revision = held_revision
+    request.held_incarnation = held_incarnation
     return request
 
 

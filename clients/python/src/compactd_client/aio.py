@@ -403,16 +403,19 @@ class AsyncCompactdClient:
             FailedPreconditionError: ``turn`` is not open (reason ``NO_OPEN_TURN``).
             NotFoundError: no such session.
         """
-        sent = self._held.revision(session_id)
+        held = self._held.held(session_id)
+        sent, incarnation = (None, "") if held is None else held
         progress: tuple[CompactionProgress, ...] = ()
         if on_progress is None:
             result = await self.prepare_step_unary(
                 session_id, turn, intended_route=intended_route, held_revision=sent,
+                held_incarnation=incarnation,
                 timeout=timeout,
             )  # fmt: skip
         else:
             stream = self.prepare_step_stream(
                 session_id, turn, intended_route=intended_route, held_revision=sent,
+                held_incarnation=incarnation,
                 timeout=timeout,
             )  # fmt: skip
             async with stream:
@@ -420,7 +423,7 @@ class AsyncCompactdClient:
                     on_progress(update)
                 result = await stream.result()
             progress = tuple(stream.progress)
-        request = self._held.update(session_id, sent, result)
+        request = self._held.update(session_id, sent, result, incarnation)
         if request is None:  # the held request moved on meanwhile (a concurrent step)
             request = await self.build_request(session_id, timeout=timeout)
             self._held.hold(session_id, request)
@@ -433,13 +436,16 @@ class AsyncCompactdClient:
         *,
         intended_route: Route | None = None,
         held_revision: int | None = None,
+        held_incarnation: str = "",
         timeout: Timeout = UNSET,
     ) -> AsyncCompactionStream[PrepareStepResult]:
         """The ``PrepareStep`` stream as the server sends it: ``async for`` the progress,
         ``await result()`` for the result. Nothing is held: without ``held_revision`` the result
         carries the full request; with it, ``steps.step_request`` gives the request to send.
-        Raises as ``prepare_step``."""
-        request = rq.prepare_step(session_id, turn, intended_route, held_revision)
+        ``held_incarnation``: the held request's ``incarnation``, sent with ``held_revision`` so
+        a session deleted and created again meanwhile answers the full request. Raises as
+        ``prepare_step``."""
+        request = rq.prepare_step(session_id, turn, intended_route, held_revision, held_incarnation)
         call = self._stream(self._compaction.PrepareStep, request, timeout)
         return AsyncCompactionStream(call, rq.split_prepare_step)
 
@@ -455,6 +461,7 @@ class AsyncCompactdClient:
         *,
         intended_route: Route | None = None,
         held_revision: int | None = None,
+        held_incarnation: str = "",
         timeout: Timeout = UNSET,
     ) -> PrepareStepResult:
         """``PrepareStepUnary`` as the server answers it: the result of ``prepare_step_stream``, no
@@ -463,7 +470,9 @@ class AsyncCompactdClient:
         Cheaper than the stream for a runtime that shows no compaction progress (most steps
         are below pressure). A compaction it runs happens inside the call, so its default
         deadline is the client's ``stream_timeout``. Raises as ``prepare_step``."""
-        request = rq.prepare_step_unary(session_id, turn, intended_route, held_revision)
+        request = rq.prepare_step_unary(
+            session_id, turn, intended_route, held_revision, held_incarnation
+        )
         deadline = resolve_timeout(timeout, self._stream_timeout)
         response = await self._unary(self._compaction.PrepareStepUnary, request, deadline)
         return response.result

@@ -410,16 +410,19 @@ class CompactdClient:
             FailedPreconditionError: ``turn`` is not open (reason ``NO_OPEN_TURN``).
             NotFoundError: no such session.
         """
-        sent = self._held.revision(session_id)
+        held = self._held.held(session_id)
+        sent, incarnation = (None, "") if held is None else held
         progress: tuple[CompactionProgress, ...] = ()
         if on_progress is None:
             result = self.prepare_step_unary(
                 session_id, turn, intended_route=intended_route, held_revision=sent,
+                held_incarnation=incarnation,
                 timeout=timeout,
             )  # fmt: skip
         else:
             stream = self.prepare_step_stream(
                 session_id, turn, intended_route=intended_route, held_revision=sent,
+                held_incarnation=incarnation,
                 timeout=timeout,
             )  # fmt: skip
             with stream:
@@ -427,7 +430,7 @@ class CompactdClient:
                     on_progress(update)
                 result = stream.result()
             progress = tuple(stream.progress)
-        request = self._held.update(session_id, sent, result)
+        request = self._held.update(session_id, sent, result, incarnation)
         if request is None:  # the held request moved on meanwhile (a concurrent step)
             request = self.build_request(session_id, timeout=timeout)
             self._held.hold(session_id, request)
@@ -440,13 +443,16 @@ class CompactdClient:
         *,
         intended_route: Route | None = None,
         held_revision: int | None = None,
+        held_incarnation: str = "",
         timeout: Timeout = UNSET,
     ) -> CompactionStream[PrepareStepResult]:
         """The ``PrepareStep`` stream as the server sends it: iterate for the progress,
         ``result()`` for the result. Nothing is held: without ``held_revision`` the result
         carries the full request; with it, ``steps.step_request`` gives the request to send.
-        Raises as ``prepare_step``."""
-        request = rq.prepare_step(session_id, turn, intended_route, held_revision)
+        ``held_incarnation``: the held request's ``incarnation``, sent with ``held_revision`` so
+        a session deleted and created again meanwhile answers the full request. Raises as
+        ``prepare_step``."""
+        request = rq.prepare_step(session_id, turn, intended_route, held_revision, held_incarnation)
         call = self._stream(self._compaction.PrepareStep, request, timeout)
         return CompactionStream(call, rq.split_prepare_step)
 
@@ -462,6 +468,7 @@ class CompactdClient:
         *,
         intended_route: Route | None = None,
         held_revision: int | None = None,
+        held_incarnation: str = "",
         timeout: Timeout = UNSET,
     ) -> PrepareStepResult:
         """``PrepareStepUnary`` as the server answers it: the result of ``prepare_step_stream``, no
@@ -470,7 +477,9 @@ class CompactdClient:
         Cheaper than the stream for a runtime that shows no compaction progress (most steps
         are below pressure). A compaction it runs happens inside the call, so its default
         deadline is the client's ``stream_timeout``. Raises as ``prepare_step``."""
-        request = rq.prepare_step_unary(session_id, turn, intended_route, held_revision)
+        request = rq.prepare_step_unary(
+            session_id, turn, intended_route, held_revision, held_incarnation
+        )
         deadline = resolve_timeout(timeout, self._stream_timeout)
         response = self._unary(self._compaction.PrepareStepUnary, request, deadline)
         return response.result

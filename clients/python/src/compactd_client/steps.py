@@ -3,7 +3,10 @@
 ``PrepareStep`` with ``held_revision`` (the revision of the request the caller holds) answers the
 full request only when compactd changed what that request shows (a compaction, a prune, an image
 offload, a new header); otherwise it carries just the messages appended since
-(``request_unchanged``), so a step costs what it adds, not the session's length.
+(``request_unchanged``), so a step costs what it adds, not the session's length. With it goes
+``held_incarnation`` (the held request's ``incarnation``): a session deleted and created again
+under the same id by another process restarts its revisions, and the server answers the full
+request when the incarnation is not the session's.
 
 The clients' ``prepare_step`` does this by itself: each keeps a :class:`HeldRequests` (the last
 request of each recently stepped session), sends its revision, and answers a
@@ -76,8 +79,19 @@ class HeldRequests:
             held = self._requests.get(session_id)
             return None if held is None else held.revision
 
+    def held(self, session_id: str) -> tuple[int, str] | None:
+        """The revision and incarnation of the request held for the session, read together
+        (the ``held_revision`` and ``held_incarnation`` to send), or None when none is held."""
+        with self._lock:
+            held = self._requests.get(session_id)
+            return None if held is None else (held.revision, held.incarnation)
+
     def update(
-        self, session_id: str, sent: int | None, result: PrepareStepResult
+        self,
+        session_id: str,
+        sent: int | None,
+        result: PrepareStepResult,
+        sent_incarnation: str | None = None,
     ) -> BuildRequestResponse | None:
         """The full request of ``result``, now held for the session.
 
@@ -85,13 +99,15 @@ class HeldRequests:
             session_id: The session.
             sent: The ``held_revision`` the step was sent with (None: none).
             result: The step's result.
+            sent_incarnation: The ``held_incarnation`` the step was sent with (None: not
+                checked); the held request must still be of it to be extended.
 
         Returns:
             The result's request when it carries one; else the held request extended in place
             with ``appended_messages`` at ``request_revision``. None when the result omits the
             request and the held one is no longer at ``sent`` (dropped, or moved on by a
-            concurrent step), or carries neither: the caller then needs the full request
-            another way.
+            concurrent step, or of another incarnation than ``sent_incarnation``), or carries
+            neither: the caller then needs the full request another way.
         """
         with self._lock:
             if not result.request_unchanged:
@@ -101,6 +117,8 @@ class HeldRequests:
                 return result.request
             held = self._requests.get(session_id)
             if held is None or sent is None or held.revision != sent:
+                return None
+            if sent_incarnation is not None and held.incarnation != sent_incarnation:
                 return None
             # Cost follows the step: the held messages stay, the new ones are appended.
             held.messages.extend(result.appended_messages)

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import Any, Protocol, TypeGuard
 
@@ -52,6 +53,9 @@ from compactd.store.leases import LeaseAction, LeaseOp, fenced
 from compactd.v1 import events_pb2
 
 log = logging.getLogger(__name__)
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MICROSECOND = timedelta(microseconds=1)
 
 Observer = Callable[[SessionFold, AdmittedBatch], None]
 # Prices a large batch ahead of its commit: on the loop in steps, or (True) in a worker thread.
@@ -97,6 +101,13 @@ class AppendResult:
     replayed: bool = False  # every event was already in the log (an idempotent retry)
 
 
+def incarnation_of(record: SessionRecord) -> str:
+    """The ``BuildRequestResponse.incarnation`` of the session of ``record``: its create time in
+    microseconds since the Unix epoch (the stores keep it to the microsecond), as text so a
+    later incarnation token may be anything."""
+    return str((record.create_time - _EPOCH) // _MICROSECOND)
+
+
 class SessionHandle:
     """One restored session: its fold, its lock, its observers and revision subscribers."""
 
@@ -119,6 +130,10 @@ class SessionHandle:
         self._quotas = quotas
         self.limits = limits
         self.record = record
+        # Which session of this id the handle is of: revisions restart when the id is deleted
+        # and created again, its create time does not (``catch_up_locked`` tells them apart the
+        # same way). Held requests carry it, so a step never extends one of a session gone.
+        self.incarnation = incarnation_of(record)
         self.fold = fold
         self.policy_overrides: dict[str, object] | None = (
             json.loads(record.policy_json) if record.policy_json else None
