@@ -10,8 +10,9 @@ where ``goal`` states the target (``... ≤ 2x ...``), ``measured`` the figure a
 interleaved with what it is compared to. This command imports every such module (in name order),
 calls ``readme_rows()`` once, and rewrites the table between docs/benchmarks.md's
 ``<!-- bench:table:start -->`` and ``<!-- bench:table:end -->`` markers, one row per figure,
-the module named in the first column, with the date, the core count and the load average (the
-machine may be shared: the ratios are the point).
+the module named in the first column. Above the table each module has its stamp: the date of its
+last run and the load average at the end of that run (the machine may be shared: the ratios are
+the point); a module not rerun keeps its rows and its stamp.
 
     python -m bench.readme                       # every module with readme_rows
     python -m bench.readme --only bench_restore  # rerun some; the other modules' rows are kept
@@ -82,6 +83,33 @@ def kept_rows(text: str) -> list[tuple[str, Row]]:
     return found
 
 
+#: One module's stamp as the note writes it: `` `bench_x` 2026-12-05, load average 1.0, 0.9, 0.8``.
+_STAMP = re.compile(r"`(bench_\w+)` (\d{4}-\d{2}-\d{2}, load average \d+\.\d, \d+\.\d, \d+\.\d)")
+
+
+def kept_stamps(text: str) -> dict[str, str]:
+    """Each module's stamp (its date and load average) in the page's note now."""
+    if START not in text or END not in text:
+        return {}
+    body = text[text.index(START) + len(START) : text.index(END)]
+    return {name: stamp for name, stamp in _STAMP.findall(body.split("\n|", 1)[0])}
+
+
+def stamp_now() -> str:
+    """A stamp for a module whose run just ended: today, and the load average now."""
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return f"{datetime.date.today().isoformat()}, load average {load}"
+
+
+def note(stamps: dict[str, str], names: Sequence[str]) -> str:
+    """The line above the table: every module's stamp, in ``names``' order."""
+    listed = "; ".join(f"`{n}` {stamps[n]}" for n in names if n in stamps)
+    return (
+        f"Last regenerated on {os.cpu_count()} cores (each benchmark's date, and the load average "
+        f"at the end of its run): {listed}. Regenerate with `python -m bench.readme`."
+    )
+
+
 def rewrite(text: str, rendered: str) -> str:
     """``text`` with the table between the markers replaced (the markers appended if absent)."""
     if START not in text or END not in text:
@@ -100,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     chosen = names if not args.only else [n for n in names if n in args.only]
     text = PAGE.read_text(encoding="utf-8")
     fresh: dict[str, list[Row]] = {}
+    stamps = kept_stamps(text)
     failed: list[str] = []
     for name in chosen:
         print(f"running {name} ...", file=sys.stderr, flush=True)
@@ -108,16 +137,12 @@ def main(argv: list[str] | None = None) -> None:
         except Exception:  # one benchmark's failure keeps its old rows, not the others' new ones
             traceback.print_exc()
             failed.append(name)
+            continue
+        stamps[name] = stamp_now()
     kept = [(n, r) for n, r in kept_rows(text) if n not in fresh and n in names]
     rows = kept + [(n, r) for n in chosen if n in fresh for r in fresh[n]]
     rows.sort(key=lambda item: names.index(item[0]))
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    note = (
-        f"Last regenerated {datetime.date.today().isoformat()} ({', '.join(fresh)}) on "
-        f"{os.cpu_count()} cores, load average {load} at the end; regenerate with "
-        "`python -m bench.readme`."
-    )
-    rendered = table(rows, note)
+    rendered = table(rows, note(stamps, names))
     if args.print:
         print(rendered)
     else:

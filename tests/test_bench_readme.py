@@ -34,3 +34,26 @@ def test_the_benchmarks_page_has_the_markers_and_names_the_command() -> None:
     text = readme.PAGE.read_text(encoding="utf-8")
     assert "`python -m bench.readme`" in text[: text.index(readme.START)]
     assert text.index(readme.START) < text.index(readme.END)
+
+
+def test_each_module_keeps_its_own_stamp_when_another_is_rerun() -> None:
+    names = ["bench_a", "bench_b"]
+    first = {"bench_a": "2026-12-01, load average 1.0, 2.0, 3.0", "bench_b": readme.stamp_now()}
+    rows = [("bench_a", ("goal", "measured", "reference"))]
+    page = readme.rewrite(
+        f"{readme.START}\n{readme.END}\n", readme.table(rows, readme.note(first, names))
+    )
+    stamps = readme.kept_stamps(page)
+    assert stamps == first
+    stamps["bench_b"] = "2026-12-05, load average 0.2, 0.3, 0.4"  # bench_b rerun alone
+    again = readme.rewrite(page, readme.table(rows, readme.note(stamps, names)))
+    assert readme.kept_stamps(again) == {
+        "bench_a": "2026-12-01, load average 1.0, 2.0, 3.0",
+        "bench_b": "2026-12-05, load average 0.2, 0.3, 0.4",
+    }
+    assert "`python -m bench.readme`" in readme.note(stamps, names)
+
+
+def test_the_page_stamps_every_module_that_publishes_rows() -> None:
+    text = readme.PAGE.read_text(encoding="utf-8")
+    assert set(readme.kept_stamps(text)) == set(readme.publishers())
