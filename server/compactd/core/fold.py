@@ -251,6 +251,8 @@ class SessionFold:
         size: int | None = None
         kind = source.WhichOneof("body") or ""  # ``ev.body_name``, once per event
         surface = kind in ev.SURFACE_BODIES
+        # The surface op's kind (0: none), read once for the surface's check and apply.
+        op = source.surface_op.kind if surface and source.HasField("surface_op") else 0
         if check:
             event = SessionEvent()
             event.CopyFrom(source)
@@ -265,7 +267,7 @@ class SessionFold:
                 # The service answers retries before admitting; a known id here is a reuse.
                 _invalid("event_id", f"{event.event_id!r} is already in the log")
             if surface:
-                self.surface.check(event, seq)
+                self.surface.check(event, seq, op)
             if client and kind in _STEP_RULED:
                 self._check_step_rules(event, kind)
             if not surface:  # the log's rules are about log-only events
@@ -281,7 +283,7 @@ class SessionFold:
             raise InvalidArgument(
                 f"stored log is not contiguous: expected seq {seq}, got {event.seq}"
             )
-        self._fold(event, kind, seq, batch, data, surface)
+        self._fold(event, kind, seq, batch, data, surface, op)
         if size is not None:  # the fold fills in a header's reason: count the header as stored
             batch.byte_size += event.ByteSize() if kind == "request_header" else size
         batch.events.append(event)
@@ -308,13 +310,13 @@ class SessionFold:
         batch: AdmittedBatch,
         data: bytes | None = None,
         surface: bool = False,
+        op: int = 0,
     ) -> None:
         """Fold ``event`` (its body is ``kind``, a surface body if ``surface``; ``data``: its
-        deterministic bytes, if known)."""
+        deterministic bytes, if known; ``op``: its surface op's kind, 0 without one)."""
         self.revision += 1
         self._folded += 1
-        # ``ev.is_replace(event) or ev.is_insert(event)``, reading the op once
-        replace = surface and event.HasField("surface_op") and event.surface_op.kind in _REWRITING
+        replace = op in _REWRITING  # ``ev.is_replace(event) or ev.is_insert(event)``
         if replace or kind in _REWRITES:  # a rewrite, not an append
             batch._undo.append((setattr, self, "rewritten_at", self.rewritten_at))
             self.rewritten_at = seq
@@ -325,7 +327,7 @@ class SessionFold:
         undo = len(batch._undo)
         batch._undo.append((SessionFold._unfold, self, event_id, None))
         if surface:
-            change = self.surface.apply(event, seq, data)
+            change = self.surface.apply(event, seq, data, op, kind)
             batch.surface_changes.append(change)
             batch._undo[undo] = (SessionFold._unfold, self, event_id, change)
             if change.shadowed:

@@ -937,8 +937,9 @@ def _usage(event: SessionEvent) -> int:
 
 
 def _head_seq(fold: SessionFold) -> int | None:
-    if len(fold.surface) and fold.surface[0].type == ev.SYSTEM_MESSAGE:
-        return fold.surface[0].seq
+    nodes = fold.surface.nodes  # the list, read once (``Surface``'s ``len`` and ``[]`` are calls)
+    if nodes and nodes[0].type == ev.SYSTEM_MESSAGE:
+        return nodes[0].seq
     return None
 
 

@@ -40,13 +40,16 @@ class SurfaceNode:
 
     __slots__ = ("answers", "calls", "data", "seq", "type")
 
-    def __init__(self, seq: int, event: SessionEvent, data: bytes | None = None) -> None:
+    def __init__(
+        self, seq: int, event: SessionEvent, data: bytes | None = None, kind: str | None = None
+    ) -> None:
         self.seq = seq
         # Deterministic: the log's row of the event holds these very bytes
         # (``AdmittedBatch.serialized``; a surface event holds no map field, so both ways of
         # serializing it give the same bytes).
         self.data = event.SerializeToString(deterministic=True) if data is None else data
-        kind = event.WhichOneof("body") or ""  # read once: ``ev.event_type``, ``tool_call_ids``
+        if kind is None:  # read once: ``ev.event_type``, ``tool_call_ids`` (or the caller's)
+            kind = event.WhichOneof("body") or ""
         self.type = ev.EVENT_TYPES.get(kind, "")
         calls = ev.tool_call_ids(event) if kind == "assistant_message" else ()
         self.calls: tuple[str, ...] = tuple(calls) if calls else ()
@@ -153,10 +156,14 @@ class Surface:
             return self._position[makers]
         return min(self._position[seq] for seq in makers)
 
-    def check(self, event: SessionEvent, seq: int) -> None:
-        """Raise ``ReplacementRejected`` or ``CorruptPairing`` if ``event`` may not fold."""
-        op = _op_kind(event)
-        _check_sources(event, seq, op == events_pb2.SURFACE_OP_KIND_REPLACE)
+    def check(self, event: SessionEvent, seq: int, op: int | None = None) -> None:
+        """Raise ``ReplacementRejected`` or ``CorruptPairing`` if ``event`` may not fold.
+        ``op``: its ``_op_kind``, when the caller has it."""
+        if op is None:
+            op = _op_kind(event)
+        if event.source_event_seqs or op == events_pb2.SURFACE_OP_KIND_REPLACE:
+            # an append cites no sources (nearly every event): nothing to compare
+            _check_sources(event, seq, op == events_pb2.SURFACE_OP_KIND_REPLACE)
         if op == events_pb2.SURFACE_OP_KIND_REPLACE:
             self._check_replace(event, seq)
         elif op == events_pb2.SURFACE_OP_KIND_INSERT:
@@ -164,12 +171,21 @@ class Surface:
         if event.HasField("tool_result"):
             self._check_result_has_call(event)
 
-    def apply(self, event: SessionEvent, seq: int, data: bytes | None = None) -> SurfaceChange:
-        """Fold one surface event (call ``check`` first; ``data``: its deterministic bytes, when
-        the caller has them). Returns the change, for ``undo``."""
+    def apply(
+        self,
+        event: SessionEvent,
+        seq: int,
+        data: bytes | None = None,
+        op: int | None = None,
+        kind: str | None = None,
+    ) -> SurfaceChange:
+        """Fold one surface event (call ``check`` first). ``data``: its deterministic bytes,
+        ``op``: its ``_op_kind``, ``kind``: its body, when the caller has them. Returns the
+        change, for ``undo``."""
         self.changes += 1
-        node = SurfaceNode(seq, event, data)
-        op = _op_kind(event)
+        node = SurfaceNode(seq, event, data, kind)
+        if op is None:
+            op = _op_kind(event)
         if op == events_pb2.SURFACE_OP_KIND_INSERT:
             position = self._position[event.surface_op.start_seq] + 1
             self._splice(position, (), (node,))
@@ -178,7 +194,8 @@ class Surface:
             position = len(self._nodes)
             self._nodes.append(node)
             self._position[seq] = position
-            self._track_calls(node, +1)
+            if node.calls or node.answers:  # most messages make and answer no call
+                self._track_calls(node, +1)
             return SurfaceChange(position, node, ())
         start = self._position[event.surface_op.start_seq]
         end = self._position[event.surface_op.end_seq]

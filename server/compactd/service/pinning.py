@@ -22,7 +22,10 @@ def pins_checker(routes: RouteCatalog) -> Checker:
     """The ``SessionHandle`` checker that refuses pins over the routed window."""
 
     def check(fold: SessionFold, batch: AdmittedBatch) -> None:
-        if not any(event.HasField("state_pin") for event in batch.events):
+        for event in batch.events:  # a loop, not ``any``: no generator per append
+            if event.HasField("state_pin"):
+                break
+        else:
             return
         message = fold.pins_message()
         config = fold.header.config if fold.header is not None else None

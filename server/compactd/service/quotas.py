@@ -219,8 +219,9 @@ class QuotaBook:
 
     def _refuse(self, refusal: Refusal | None) -> None:
         """Raise ``refusal`` (counted) as ``QuotaExceeded``; nothing when it is None."""
-        if refusal is not None:
-            self._metrics.quota_refused(refusal.tenant, refusal.quota.value)
+        if refusal is None:  # every admitted call: no ``_raise`` call for it
+            return
+        self._metrics.quota_refused(refusal.tenant, refusal.quota.value)
         _raise(refusal)
 
     def _release_hold(self, tenant: str) -> None:

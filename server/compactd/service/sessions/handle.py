@@ -666,7 +666,10 @@ class SessionHandle:
         Decided on the ids the fold keeps (its latest events'): a batch none of whose ids it
         keeps goes on to its commit, where the store's unique index refuses an older id
         (``DUPLICATE_EVENT_ID``) and ``_logged_before`` decides from the log."""
-        return not self.fold.event_ids.keys().isdisjoint(e.event_id for e in events)
+        ids = self.fold.event_ids
+        if len(events) == 1:  # most appends: no generator (an empty id is never a kept one)
+            return events[0].event_id in ids
+        return not ids.keys().isdisjoint(e.event_id for e in events)
 
     async def _logged_before(
         self, events: Sequence[events_pb2.SessionEvent], error: InvalidArgument
@@ -728,7 +731,9 @@ def _priced_ahead(events: Sequence[events_pb2.SessionEvent], size: int | None = 
     observers, where that costs less than the hop to a thread."""
     if len(events) >= OFFLOAD_EVENTS:
         return True
-    return (sum(e.ByteSize() for e in events) if size is None else size) >= OFFLOAD_BYTES
+    if size is None:  # ``map`` of the unbound method: no generator frame per event
+        size = sum(map(events_pb2.SessionEvent.ByteSize, events))
+    return size >= OFFLOAD_BYTES
 
 
 def _run_jobs(jobs: Sequence[Callable[[], None]]) -> None:
