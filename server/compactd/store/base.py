@@ -192,33 +192,36 @@ def encode_batch_in_steps(
     events: Sequence[events_pb2.SessionEvent],
     serialized: Mapping[int, bytes] | None = None,
 ) -> Generator[None, None, list[EventRow]]:
-    """``encode_batch``, pausing (``yield``) after each event, so that an event loop can run
-    other calls between steps (a caller then hands the rows to ``EventStore.append``).
+    """``encode_batch``, pausing (``yield``) between two events, so that an event loop can run
+    other calls between steps (a caller then hands the rows to ``EventStore.append``); a
+    one-event batch is encoded in one step.
     ``serialized`` holds, by seq, events' deterministic bytes the caller already has (a surface
     node's): they are used as they are."""
     known = serialized or {}
     rows: list[EventRow] = []
     seen: set[str] = set()
     for i, event in enumerate(events):
+        if i:
+            yield
         if event.seq != events[0].seq + i:
             raise _bad_field(f"events[{i}].seq", f"expected {events[0].seq + i}, got {event.seq}")
         if event.event_id in seen:
             raise _bad_field(f"events[{i}].event_id", f"{event.event_id!r} repeats in the batch")
         if event.event_id:
             seen.add(event.event_id)
-        if event.WhichOneof("body") is None:
+        body = event.WhichOneof("body")
+        if body is None:
             raise _bad_field(f"events[{i}].body", "exactly one body must be set")
         rows.append(
             EventRow(
                 seq=event.seq,
                 event_id=event.event_id or None,
-                type=event_type(event),
+                type=_TYPES.get(body) or event_type(event),  # a known type without the call
                 data=known[event.seq]
                 if event.seq in known
                 else event.SerializeToString(deterministic=True),
             )
         )
-        yield
     return rows
 
 
