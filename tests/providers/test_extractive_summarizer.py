@@ -10,7 +10,7 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from compactd.core import probes, prompts
+from compactd.core import gate, probes, prompts
 from compactd.core.pricing import heuristic_price, utf16_length
 from compactd.providers.base import SummaryError, SummaryRequest
 from compactd.providers.extractive import (
@@ -581,6 +581,31 @@ async def test_a_checkpoint_cut_to_the_room_takes_its_share_however_small_the_sp
 
     assert _counted(gated.text) > 0.15 * span
     assert _counted(cut.text) <= counted_allowance(span, strict=True) <= 0.15 * span
+
+
+async def test_a_room_checkpoint_too_small_for_eight_headings_leaves_the_empty_ones_out() -> None:
+    # 15% of a 445-token span cannot hold the eight empty sections framed (84 tokens): a
+    # checkpoint cut to fit the window writes only the sections it has facts for, and stays
+    # within its share; one the gate judges keeps all eight.
+    messages = _work(3)
+    span = _route_span(messages)
+    assert _counted(prompts.summary_skeleton().replace("- (none)", "")) > 0.15 * span
+    summarizer = ExtractiveSummarizer()
+
+    cut = await summarizer.summarize(_counted_request(messages, span_tokens=span, room=5000))
+    gated = await summarizer.summarize(_counted_request(messages, span_tokens=span))
+
+    assert _counted(cut.text) <= counted_allowance(span, strict=True) <= 0.15 * span
+    assert cut.text.startswith(f"## {prompts.SUMMARY_SECTIONS[0]}\n- Fix the failing build")
+    assert "## Essential Context" not in cut.text
+    assert gate.section_problem(cut.text) is not None
+    assert gate.section_problem(gated.text) is None
+    # A later checkpoint folds the lean one forward (a missing section reads as an empty one)
+    # and writes all eight sections again.
+    later = [messages[0], user(prompts.frame_checkpoint(cut.text)), *_work(4, seed=3)[1:]]
+    folded = summarizer.summary_text(later, 2000)
+    assert gate.section_problem(folded) is None
+    assert "Fix the failing build" in folded
 
 
 def test_older_facts_that_do_not_all_fit_keep_only_what_identifies_them() -> None:

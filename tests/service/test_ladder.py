@@ -319,3 +319,29 @@ async def test_a_checkpoint_cut_to_fit_the_window_takes_at_most_its_share_of_the
     assert summaries
     assert max(shares) <= 0.15
     assert all(sent_tokens(r) <= LIMIT for r in results)
+
+
+async def test_a_room_checkpoint_of_a_span_too_small_for_the_eight_headings_stays_within_15pct(
+    tmp_path: Path, loop: OpenAICompatServer
+) -> None:
+    # Over the window beside a large system prompt the maximal span is some 800 tokens: 15% of
+    # it cannot hold the preamble, the eight empty headings and the recall handle. The
+    # checkpoint leaves the empty headings out (the gate judges neither its probes nor its
+    # sections) and keeps the facts that fit, within 15% of its span; the request fits.
+    policy = {**SMALL_POLICY, "thresholdRatio": 0.95, "retainTokens": 100}
+    async with started(
+        tmp_path, loop, kind="extractive", routes=[small_route(loop)], policy=policy
+    ) as h:
+        await h.create(*small_opening("Rules. " * SYSTEM_WORDS), *units(3), turn_start(1))
+        result = (await h.prepare(1)).result
+        events = await h.events()
+
+    summaries = [e.compaction_summary for e in events if e.HasField("compaction_summary")]
+    assert len(summaries) == 1
+    tokens = summaries[0].tokens
+    assert tokens.shadowed_route_tokens < 1000
+    assert tokens.checkpoint_route_tokens <= 0.15 * tokens.shadowed_route_tokens
+    assert "src/mod0.py" in summaries[0].summary
+    assert "## Essential Context" not in summaries[0].summary  # an empty heading, left out
+    assert sent_tokens(result) <= LIMIT
+    assert result.outcome in FITTING

@@ -53,6 +53,9 @@ class GateSettings:
 
     min_reduction_ratio: float = DEFAULT_MIN_REDUCTION_RATIO
     min_probe_retention: float = DEFAULT_MIN_PROBE_RETENTION
+    #: Whether all eight sections must be there (``SECTIONS``): not for an extractive checkpoint
+    #: cut to fit the window, which leaves out the headings it has no room for (no policy key).
+    require_sections: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +153,7 @@ def judge(
     """
     found = findings if findings is not None else examine(summary, span, probes)
     failures: list[GateFailure] = []
-    if found.sections is not None:
+    if found.sections is not None and settings.require_sections:
         failures.append(GateFailure(GateCheck.SECTIONS, found.sections))
     if found.echo is not None:
         quoted = _clip(message_text(span[found.echo]))

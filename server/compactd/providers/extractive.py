@@ -48,7 +48,10 @@ first probes) gets that many, never more than half the span; a policy that wants
 above 15% sets ``minReductionRatio`` to 0.85: selection then declines such a span
 (``SPAN_TOO_SMALL``, ``minimum_span_tokens``) before any summary is written. A checkpoint cut
 to fit the window (a room) takes its share alone however small the span: the gate does not judge
-its probes, and the recall handle keeps the span's facts within reach.
+its probes, and the recall handle keeps the span's facts within reach; when the eight empty
+sections framed would take half that share or more, it is written lean (``_lean``): the sections
+it has facts for only (the gate does not judge its sections either). A later fold reads a missing
+section as an empty one.
 Paths are dense: "Files Touched" writes one line per directory (``DIR/: a/b.py, c/d.py``, each
 path keeping its last two segments; the directory the paths take the fewest characters under is
 written once), in the section's order (most recent first), which a later fold reads back as
@@ -243,22 +246,25 @@ class ExtractiveSummarizer:
         limits = self._limits
         # A lone prior checkpoint is written again as it was: only the budget bounds it.
         allowed = None
+        share = budget
+        fits: _Fits | None = None
+        lean = False
         if facts.has_new and self._share is not None:
             priced = span_tokens or sum(map(heuristic_price, span))
             allowed = allowed_tokens(priced, self._share, strict=_strict(room))
-        share = budget
-        fits: _Fits | None = None
-        if allowed is not None:
-            units = int(allowed * _UNITS_PER_TOKEN) - _FRAME_UNITS
-            share = min(budget, max(utf16_length(skeleton), units))
             if count is not None and span_tokens:
                 fits = _Fits(count, counted_allowance(span_tokens, strict=_strict(room)), budget)
+            lean = _lean(priced * self._share, _strict(room), fits)
+            if lean:  # the share alone, without the empty sections' floor
+                allowed, skeleton = priced * self._share, ""
+            units = int(allowed * _UNITS_PER_TOKEN) - _FRAME_UNITS
+            share = min(budget, max(utf16_length(skeleton), units))
         # Clipped to the room the bullets share, whichever bounds it (the span's share, the
         # room or ``max_tokens``): a long request quoted whole would crowd out every fact.
         limits = _tightened(limits, share - utf16_length(skeleton))
         ranking = _candidates(facts, limits)
         _promote_probes(ranking, found, limits)
-        text = _fit_share(ranking.candidates, share, allowed, fits)
+        text = _fit_share(ranking.candidates, share, allowed, fits, lean)
         if _drops_older_facts(facts, text):
             # The older spans' paths and commands did not all fit: each keeps only what
             # identifies it (a path's last two segments, a command's program and first
@@ -266,7 +272,7 @@ class ExtractiveSummarizer:
             limits = replace(limits, older_identities=True)
             ranking = _candidates(facts, limits)
             _promote_probes(ranking, found, limits)
-            text = _fit_share(ranking.candidates, share, allowed, fits)
+            text = _fit_share(ranking.candidates, share, allowed, fits, lean)
         checked = probes.select_probes(found)
         if probes.retention(checked, text).ratio >= PROBE_FLOOR:
             return text, found
@@ -276,7 +282,7 @@ class ExtractiveSummarizer:
         ranking = _candidates(facts, limits)
         _promote_probes(ranking, found, limits, tier=-1)
         first = text
-        text = _fit_share(ranking.candidates, share, allowed, fits)
+        text = _fit_share(ranking.candidates, share, allowed, fits, lean)
         better = probes.retention(checked, text).ratio > probes.retention(checked, first).ratio
         return (text if better else first), found
 
@@ -310,6 +316,25 @@ def _strict(room: int) -> bool:
     first probes, and the gate does not judge the probes of such a checkpoint; a span too small
     for its share to hold facts keeps them behind the checkpoint's recall handle."""
     return room > 0
+
+
+def _lean(share_tokens: float, strict: bool, fits: _Fits | None) -> bool:
+    """Whether a checkpoint leaves its empty sections out: one cut to fit the window (``strict``)
+    whose share of its span (``share_tokens`` estimated, or the route's count in ``fits``) the
+    eight empty sections framed would take more than half of (``_LEAN_SHARE``), or cannot hold
+    at all. Such a bracket cannot be declined (the request would go over the window) and the
+    gate does not judge its sections, so the headings no fact fills give way to facts, and the
+    checkpoint stays within its share; the recall handle and the open handles are the frame's,
+    kept either way."""
+    if not strict:
+        return False
+    if fits is not None:
+        return fits.count(_render({})) > fits.allowed * _LEAN_SHARE
+    return share_tokens * _LEAN_SHARE < _SKELETON_TOKENS
+
+
+#: The share of a room checkpoint's allowance its empty sections may take before it goes lean.
+_LEAN_SHARE = 0.5
 
 
 def minimum_span_tokens(min_reduction_ratio: float | None) -> int:
@@ -360,38 +385,44 @@ def counted_allowance(span_tokens: int, *, strict: bool = False) -> int:
 
 
 def _fit_share(
-    candidates: Sequence[_Candidate], share: int, allowed: float | None, fits: _Fits | None = None
+    candidates: Sequence[_Candidate],
+    share: int,
+    allowed: float | None,
+    fits: _Fits | None = None,
+    lean: bool = False,
 ) -> str:
     """``_fit`` within ``share`` code units, refitted smaller while the framed checkpoint's
     ``estimated_tokens`` exceed ``allowed`` (None: the code units alone bound it); with the
     route's count (``fits``), the largest fit it counts within its allowance instead."""
     if fits is not None:
-        return _fit_counted(candidates, share, fits)
-    text = _fit(candidates, share)
+        return _fit_counted(candidates, share, fits, lean)
+    text = _fit(candidates, share, lean)
     if allowed is None:
         return text
-    floor = utf16_length(_render({}))
+    floor = utf16_length(_render({}, lean))
     for _ in range(_REFITS):
         estimate = _framed_tokens(text)
         if estimate <= allowed or share <= floor:
             return text
         share = max(floor, int(share * allowed / estimate) - _UNITS_PER_TOKEN)
-        text = _fit(candidates, share)
+        text = _fit(candidates, share, lean)
     return text
 
 
-def _fit_counted(candidates: Sequence[_Candidate], share: int, fits: _Fits) -> str:
+def _fit_counted(
+    candidates: Sequence[_Candidate], share: int, fits: _Fits, lean: bool = False
+) -> str:
     """The fit of the most code units whose checkpoint the route counts within
     ``fits.allowed``, searched from ``share`` (the estimate's guess): the estimate errs high, so
     the route's count leaves room the estimate would waste (a checkpoint at 11% of its span where
     15% is allowed). Each try scales the code units by what the count says is left; the smallest
-    fit (the eight sections) stands when nothing fits."""
-    floor = utf16_length(_render({}))
+    fit (the eight sections, or none when ``lean``) stands when nothing fits."""
+    floor = utf16_length(_render({}, lean))
     low, high = floor, fits.budget + 1  # the largest share known to fit, the least known not to
     best = ""
     share = max(floor, min(share, fits.budget))
     for _ in range(_COUNTED_TRIES):
-        text = _fit(candidates, share)
+        text = _fit(candidates, share, lean)
         counted = fits.count(text)
         if counted <= fits.allowed:
             if share > low or not best:
@@ -401,10 +432,12 @@ def _fit_counted(candidates: Sequence[_Candidate], share: int, fits: _Fits) -> s
         if high - low <= _COUNTED_PRECISION:
             break
         guess = int(share * fits.allowed / max(counted, 1))
+        if lean:  # the frame is most of a lean checkpoint: scale what is left, not the whole
+            guess = share + (fits.allowed - counted) * _UNITS_PER_TOKEN
         share = min(max(guess, low + 1), high - 1)
         if share <= low:  # pragma: no cover - the bracket closes before this
             break
-    return best or _fit(candidates, floor)
+    return best or _fit(candidates, floor, lean)
 
 
 #: Fits tried against the route's count, and how close (code units) the search stops.
@@ -873,17 +906,20 @@ def _is_quoted(bullet: str, requests: Sequence[str]) -> bool:
     return any(request.startswith(head) or head.startswith(request) for request in requests)
 
 
-def _fit(candidates: Sequence[_Candidate], budget: int) -> str:
+def _fit(candidates: Sequence[_Candidate], budget: int, lean: bool = False) -> str:
     """Render the highest-ranked candidates that fit in ``budget`` (code units of estimated
     tokens, ``_units``); one that does not fit is clipped, or skipped for a later, smaller one."""
     chosen: dict[int, list[_Candidate]] = {}
     paths = [c.text for c in candidates if c.section == _FILES and _FileGroups.is_path(c.text)]
     files = _FileGroups(paths)
     taken: list[_Candidate] = []  # the paths, in the order the budget took them
-    used = _units(_render({}))
+    used = _units(_render({}, lean))
     for candidate in sorted(candidates, key=lambda c: (c.rank, c.order)):
-        # Each bullet adds its line and a newline (an empty section is its heading alone).
+        # Each bullet adds its line and a newline (an empty section is its heading alone); in a
+        # lean summary the first bullet of a section also writes its heading.
         credit = -1
+        if lean and candidate.section not in chosen:
+            credit -= _units(f"## {prompts.SUMMARY_SECTIONS[candidate.section]}\n\n")
         room = budget - used + credit
         if candidate.section == _FILES and _FileGroups.is_path(candidate.text):
             cost = files.cost(candidate.text)
@@ -910,7 +946,7 @@ def _fit(candidates: Sequence[_Candidate], budget: int) -> str:
         for candidate in sorted(taken, key=lambda c: c.order):
             ordered.add(candidate.text)
         by_section[_FILES] = [*ordered.lines(), *by_section[_FILES]]
-    return _render(by_section)
+    return _render(by_section, lean)
 
 
 class _FileGroups:
@@ -1086,12 +1122,14 @@ def _identifies(error: str) -> bool:
     return len(error[:ERROR_CHARS].split()) >= 2
 
 
-def _render(sections: dict[int, list[str]]) -> str:
+def _render(sections: dict[int, list[str]], lean: bool = False) -> str:
     """The eight sections in order; an empty one is its heading alone (every token a "(none)"
-    line took is one a fact cannot)."""
+    line took is one a fact cannot), or left out when ``lean`` (``_lean``)."""
     blocks = []
     for index, title in enumerate(prompts.SUMMARY_SECTIONS):
-        blocks.append("\n".join([f"## {title}", *map(_bullet, sections.get(index, []))]))
+        bullets = sections.get(index, [])
+        if bullets or not lean:
+            blocks.append("\n".join([f"## {title}", *map(_bullet, bullets)]))
     return "\n\n".join(blocks)
 
 

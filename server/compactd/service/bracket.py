@@ -102,9 +102,10 @@ class Bracket:
     guarded: bool = False  # failure memory may hold the span back (PrepareStep)
     extractive: bool = False  # the extractive checkpoint, without a model call (the ladder)
     prepared: PreparedSummary | None = None  # a summary prepared ahead (``service.ahead``)
-    #: Whether the quality gate's probe check judges the extractive rung's checkpoint: not when
-    #: the request is over the window and the summary is cut to fit it (a checkpoint that fits
-    #: beats a request a provider refuses; its size, sections and echo are still judged).
+    #: Whether the quality gate's probe and section checks judge the extractive rung's
+    #: checkpoint: not when the request is over the window and the summary is cut to fit it (a
+    #: checkpoint that fits beats a request a provider refuses, and one whose share cannot hold
+    #: the eight headings leaves the empty ones out); its size and echo are still judged.
     gate_extractive: bool = True
     #: The most a summary may take for the request to fit the window (0: unbounded but for the
     #: policy's ``maxTokens``); ``policy.max_tokens`` is no larger.
@@ -551,7 +552,8 @@ class Brackets:
     ) -> Screened:
         """The summary the quality gate lets commit (``Screener.screen``)."""
         policy = job.policy
-        if isinstance(writer.summarizer, ExtractiveSummarizer) and not job.gate_extractive:
+        ungated = isinstance(writer.summarizer, ExtractiveSummarizer) and not job.gate_extractive
+        if ungated:  # its probes and sections are not judged: a lean checkpoint has no room
             policy = replace(policy, min_probe_retention=0.0)
         return await self._screener.screen(
             policy=policy, compaction_id=opened.compaction_id, start_seq=opened.start_seq,
@@ -560,6 +562,7 @@ class Brackets:
             summarizer=writer.summarizer.name, target=writer.target,
             span_tokens=span_tokens(job.handle, written.selection, job.shrink_route),
             shrink_route=job.shrink_route, progress=progress, facts=written.facts,
+            sections=not ungated,
         )  # fmt: skip
 
     async def _screened(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from opentelemetry import trace
 
@@ -149,6 +149,7 @@ class Screener:
         progress: Progress,
         serialized: Sequence[bytes] | None = None,
         facts: asyncio.Future[SpanFacts] | None = None,
+        sections: bool = True,
     ) -> Screened:
         """The summary to commit, after the quality gate (not judged when the policy turns the
         gate off, or when ``span_tokens`` is None: a span node is gone and the commit's
@@ -158,6 +159,7 @@ class Screener:
         ``gate.echoed_message`` takes them (None: the gate serializes the messages).
         ``facts``: the span's facts, being extracted (``facts_beside``), for a summary that
         brings none of its own (None: the gate extracts them).
+        ``sections``: whether all eight sections must be there (``GateSettings.require_sections``).
 
         Raises:
             SummaryRejected: The summary failed the gate (reason ``SUMMARY_NOT_SMALLER`` when its
@@ -166,6 +168,8 @@ class Screener:
         settings = policy.gate
         if settings is None or span_tokens is None:
             return Screened(summary, summarizer, target)
+        if not sections:
+            settings = replace(settings, require_sections=False)
         span = _without_head(request.messages)
         span_bytes = serialized[len(serialized) - len(span) :] if serialized is not None else None
         with self._tracer.start_as_current_span("compaction.gate") as trace_span:
