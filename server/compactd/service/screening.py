@@ -157,19 +157,16 @@ class Screener:
 
         ``serialized``: one per message of ``request``, bytes that hold its text blocks as
         ``gate.echoed_message`` takes them (None: the gate serializes the messages).
-        ``facts``: the span's facts, being extracted (``facts_beside``), for a summary that
-        brings none of its own (None: the gate extracts them).
-        ``sections``: whether all eight sections must be there (``GateSettings.require_sections``).
+        ``facts``: the span's facts, being extracted (``facts_beside``), for a summary that brings
+        none of its own (None: the gate extracts them). ``sections``: see ``_gate_settings``.
 
         Raises:
             SummaryRejected: The summary failed the gate (reason ``SUMMARY_NOT_SMALLER`` when its
                 checkpoint is not smaller at all) and no fallback passed it.
         """
-        settings = policy.gate
+        settings = _gate_settings(policy, sections)
         if settings is None or span_tokens is None:
             return Screened(summary, summarizer, target)
-        if not sections:
-            settings = replace(settings, require_sections=False)
         span = _without_head(request.messages)
         span_bytes = serialized[len(serialized) - len(span) :] if serialized is not None else None
         with self._tracer.start_as_current_span("compaction.gate") as trace_span:
@@ -185,9 +182,8 @@ class Screener:
             if verdict.passed:
                 self._metrics.gate(summarizer, "passed", verdict.retention.ratio)
                 await progress(_gate_step(compaction_id, f"passed: {_figures(verdict)}"))
-                return Screened(
-                    summary, summarizer, target, report, checkpoint_tokens=verdict.checkpoint_tokens
-                )
+                tokens = verdict.checkpoint_tokens
+                return Screened(summary, summarizer, target, report, checkpoint_tokens=tokens)
             if policy.extractive_fallback:
                 rejected = _fallback_record(summarizer, target, report)
                 screened = await self._fallback(judging, request, verdict, rejected, progress)
@@ -314,6 +310,15 @@ def _rejection(verdict: gate.Verdict, report: events_pb2.SummaryGateReport) -> S
         gate_report=report,
         metadata=metadata,
     )
+
+
+def _gate_settings(policy: TargetPolicy, sections: bool) -> gate.GateSettings | None:
+    """The policy's gate (None: off), without the eight-section check when ``sections`` is
+    False (a lean checkpoint cut to fit the window)."""
+    settings = policy.gate
+    if settings is None or sections:
+        return settings
+    return replace(settings, require_sections=False)
 
 
 def _report(verdict: gate.Verdict, settings: gate.GateSettings) -> events_pb2.SummaryGateReport:
